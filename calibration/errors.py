@@ -1,0 +1,17 @@
+"""Exceptions raised by the calibration package.
+
+Every error subclasses :class:`CalibrationError`; input problems are also ``ValueError`` so
+callers that already catch ``ValueError`` keep working.
+"""
+
+
+class CalibrationError(Exception):
+    """Base class of every error raised by :mod:`calibration`."""
+
+
+class InvalidInputError(CalibrationError, ValueError):
+    """Probabilities, logits or labels that cannot be scored (shape, NaN, range, sum, ...)."""
+
+
+class FileFormatError(CalibrationError, ValueError):
+    """A prediction file that cannot be read safely or lacks the expected keys/columns."""
