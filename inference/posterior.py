@@ -19,7 +19,9 @@ federation layer and users can swap methods by one string:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -45,3 +47,143 @@ class Posterior(Protocol):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> Posterior: ...
+
+
+# -- registry and serialisation -----------------------------------------------------------------
+
+#: Posterior classes by ``kind``; filled by :func:`register_posterior`.
+POSTERIOR_CLASSES: dict[str, type] = {}
+
+#: Modules imported on demand by :func:`posterior_class` so that their classes register.
+_MODULES_WITH_POSTERIORS = (
+    "inference.gaussian",
+    "inference.ensemble",
+    "inference.conjugate",
+    "inference.subnet",
+)
+
+SCHEMA_VERSION = "1"
+
+
+def register_posterior(cls: type) -> type:
+    """Class decorator: make ``cls`` loadable by :func:`load_posterior` under ``cls.kind``."""
+    kind = getattr(cls, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise TypeError(f"{cls.__name__} needs a non-empty class attribute `kind: str`.")
+    existing = POSTERIOR_CLASSES.get(kind)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise TypeError(f"posterior kind {kind!r} is already registered by {existing.__name__}.")
+    POSTERIOR_CLASSES[kind] = cls
+    return cls
+
+
+def posterior_class(kind: str) -> type:
+    """The class registered for ``kind`` (importing the inference modules that define them)."""
+    if kind not in POSTERIOR_CLASSES:
+        import importlib
+
+        for name in _MODULES_WITH_POSTERIORS:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as error:
+                if error.name != name:  # a real missing dependency, not an absent module
+                    raise
+    if kind not in POSTERIOR_CLASSES:
+        from inference.errors import InvalidInputError
+
+        known = ", ".join(sorted(POSTERIOR_CLASSES)) or "none"
+        raise InvalidInputError(f"unknown posterior kind {kind!r}; registered kinds: {known}.")
+    return POSTERIOR_CLASSES[kind]
+
+
+def save_posterior(posterior: Posterior, path: str | Path) -> None:
+    """Write ``posterior.state_dict()`` to ``path`` with safetensors (no pickle).
+
+    The file's metadata records ``kind`` and ``schema_version``; tensors are saved from CPU.
+    The write is atomic (a temporary file renamed over ``path``).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in posterior.state_dict().items()}
+    metadata = {"kind": posterior.kind, "schema_version": SCHEMA_VERSION}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:
+    """Read a posterior written by :func:`save_posterior`, onto ``device``."""
+    from safetensors import safe_open
+
+    from inference.errors import InvalidInputError
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        metadata = handle.metadata() or {}
+        state = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+    if "kind" not in metadata:
+        raise InvalidInputError(f"{path} has no `kind` in its metadata; not a saved posterior.")
+    if metadata.get("schema_version") != SCHEMA_VERSION:
+        raise InvalidInputError(
+            f"{path} has schema version {metadata.get('schema_version')!r}; this library reads "
+            f"{SCHEMA_VERSION!r}."
+        )
+    return posterior_class(metadata["kind"]).from_state_dict(state).to(device)
+
+
+# -- self-check ---------------------------------------------------------------------------------
+
+
+def check(
+    posterior: Posterior,
+    inputs: Tensor | None = None,
+    num_samples: int = 4000,
+    generator: torch.Generator | None = None,
+    rtol: float = 0.15,
+) -> dict[str, float]:
+    """Sanity-check a posterior; raise :class:`NumericalError` on the first failure.
+
+    Checks that the mean is finite; that ``sample`` returns ``(n, *mean.shape)`` finite draws;
+    where the posterior has ``marginal_variance()``, that the draws' variance matches it within
+    ``rtol`` (relative, averaged over coordinates; loose because it is a Monte-Carlo check);
+    and, given ``inputs``, that ``predict_proba`` rows are finite, in [0, 1] and sum to one.
+
+    Returns:
+        The measured figures: ``mean_abs``, ``sample_variance_rel_error`` (if checked),
+        ``max_row_sum_error`` (if checked).
+    """
+    from inference.errors import NumericalError
+
+    report: dict[str, float] = {}
+    mean = posterior.mean
+    if not torch.isfinite(mean).all():
+        raise NumericalError("the posterior mean contains NaN or inf.")
+    report["mean_abs"] = float(mean.abs().mean())
+    draws = posterior.sample(num_samples, generator=generator)
+    if tuple(draws.shape) != (num_samples, *mean.shape):
+        raise NumericalError(
+            f"sample({num_samples}) returned shape {tuple(draws.shape)}; expected "
+            f"{(num_samples, *mean.shape)}."
+        )
+    if not torch.isfinite(draws).all():
+        raise NumericalError("posterior draws contain NaN or inf.")
+    marginal_variance = getattr(posterior, "marginal_variance", None)
+    if callable(marginal_variance):
+        expected = marginal_variance().to(torch.float64)
+        measured = draws.to(torch.float64).var(0)
+        error = float(((measured - expected).abs() / expected.clamp_min(1e-300)).mean())
+        report["sample_variance_rel_error"] = error
+        if error > rtol:
+            raise NumericalError(
+                f"draws' variance differs from marginal_variance() by {error:.1%} on average "
+                f"(tolerance {rtol:.0%}): the sampler and the covariance disagree."
+            )
+    if inputs is not None:
+        probs = posterior.predict_proba(inputs)
+        if not torch.isfinite(probs).all() or (probs < 0).any() or (probs > 1).any():
+            raise NumericalError("predict_proba returned values outside [0, 1] or non-finite.")
+        row_error = float((probs.to(torch.float64).sum(-1) - 1).abs().max())
+        report["max_row_sum_error"] = row_error
+        if row_error > 1e-4:
+            raise NumericalError(f"predict_proba rows sum to one only within {row_error:.2e}.")
+    return report

@@ -1,0 +1,124 @@
+"""Per-client train/test data: partition the pooled set, then split each client stratified by label.
+
+Each client's test set follows its own training label distribution (as FedLog and FedSI do):
+for every class the client holds, about ``test_fraction`` of its samples go to test. The split
+is by largest remainder, so a client with n samples gets ``max(1, round(n * test_fraction))``
+test samples (at most n - 1), and a class keeps at least one training sample whenever possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bayesfl.data.datasets import Dataset
+from bayesfl.data.partition import PartitionScheme, partition
+from bayesfl.errors import ConfigError
+
+
+@dataclass
+class ClientData:
+    """One client's local data.
+
+    Attributes:
+        client_id: 0-based client index.
+        train_x: (n_train, *input_shape) float32; train_y: (n_train,) int64.
+        test_x: (n_test, *input_shape) float32; test_y: (n_test,) int64.
+        train_indices, test_indices: the rows of the pooled data set they came from (sorted).
+    """
+
+    client_id: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    train_indices: np.ndarray | None = None
+    test_indices: np.ndarray | None = None
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)
+
+
+def make_clients(
+    dataset: Dataset,
+    num_clients: int,
+    partition: str | PartitionScheme,
+    *,
+    seed: int,
+    test_fraction: float = 0.25,
+) -> list[ClientData]:
+    """Partition ``dataset`` over ``num_clients`` clients and split each into train/test.
+
+    Args:
+        dataset: the pooled data set.
+        num_clients: number of clients.
+        partition: a partition scheme string, e.g. ``"shards:2"`` (see
+            :mod:`bayesfl.data.partition`).
+        seed: seeds both the partition and the train/test split.
+        test_fraction: share of each client's samples (per class) held out for testing, in (0, 1).
+
+    Raises:
+        ConfigError: a bad scheme or ``test_fraction``.
+        DataError: more clients than samples, an empty client, or a client too small to hold
+            both a training and a test sample.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"test_fraction must lie in (0, 1), got {test_fraction}")
+    labels = dataset.y.numpy()
+    # every client needs one sample to train and one to test
+    parts = _partition(labels, num_clients, partition, seed=seed, min_samples=2)
+    rng = np.random.default_rng([seed, 1])  # independent of the partition's stream
+    clients = []
+    for client_id, indices in enumerate(parts):
+        train, test = stratified_split(labels[indices], test_fraction, rng)
+        train_idx, test_idx = np.sort(indices[train]), np.sort(indices[test])
+        clients.append(ClientData(
+            client_id=client_id,
+            train_x=dataset.x[train_idx], train_y=dataset.y[train_idx],
+            test_x=dataset.x[test_idx], test_y=dataset.y[test_idx],
+            train_indices=train_idx, test_indices=test_idx,
+        ))
+    return clients
+
+
+_partition = partition  # the argument of make_clients shadows the function's name
+
+
+def stratified_split(
+    labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split positions ``0..n-1`` into train/test with per-class test shares near ``test_fraction``.
+
+    Requires n >= 2. The test size is ``T = clip(round(n * test_fraction), 1, n - 1)``; class c
+    with n_c samples gets ``floor(n_c * T / n)`` test samples plus one more for the classes with
+    the largest remainders (ties at random), never taking a class's last training sample unless
+    no other class can give one.
+
+    Returns:
+        (train positions, test positions), disjoint int64 arrays covering ``0..n-1``.
+    """
+    n = len(labels)
+    total_test = min(max(1, round(n * test_fraction)), n - 1)
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * total_test / n
+    test_counts = np.minimum(np.floor(quota).astype(np.int64), np.maximum(counts - 1, 0))
+    order = np.lexsort((rng.permutation(len(classes)), -(quota - np.floor(quota))))
+    for cap in (counts - 1, counts):  # first keep a training sample per class, then relax
+        for c in order:
+            if test_counts.sum() == total_test:
+                break
+            if test_counts[c] < cap[c]:
+                test_counts[c] += 1
+    train, test = [], []
+    for c, k in zip(classes, test_counts, strict=True):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        test.append(members[:k])
+        train.append(members[k:])
+    return np.concatenate(train).astype(np.int64), np.concatenate(test).astype(np.int64)

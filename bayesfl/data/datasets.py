@@ -1,0 +1,225 @@
+"""Pooled classification data sets, loaded into memory as float32 inputs and int64 labels.
+
+``load_dataset(name, seed=..., root=..., **options)``; the names are the keys of
+:data:`DATASETS`:
+
+- ``digits``: scikit-learn's bundled 8x8 digits (1,797 samples, 10 classes), pixel values scaled
+  from 0..16 to [0, 1], input_shape (64,) so an MLP takes it directly; a CNN body reshapes it
+  to (1, 8, 8). No options. Needs no download.
+- ``gaussian_mixture``: a synthetic mixture, options ``num_classes`` (10), ``dim`` (20),
+  ``n`` (2000), ``separation`` (3.0). Class means are ``separation * z_c / sqrt(2 * dim)`` with
+  ``z_c ~ N(0, I)``, so two means lie about ``separation`` noise standard deviations apart; each
+  sample is its class mean plus N(0, I) noise; classes are balanced. Deterministic by ``seed``.
+- ``mnist1d``: MNIST-1D (Greydanus 2020) generated locally with ``mnist1d.data.make_dataset``
+  from the package's bundled templates (that function never touches the network; the package's
+  ``get_dataset`` would download, and is not used). Options ``num_samples`` (5000); the
+  generator's other arguments are the package defaults. The generator's seed is ``seed`` (the
+  package's canonical data set uses 42). The train/test split of the package is pooled. Input
+  shape (40,). The package seeds numpy's and ``random``'s global generators; their states are
+  restored afterwards.
+- ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``: torchvision files under ``root``
+  (default ``$BAYESFL_DATA_ROOT`` or ``~/.cache/bayesfl/data``), downloaded only with
+  ``download=True``; otherwise a missing file is a :class:`DataError` saying where to put it.
+  Options ``download`` (False), ``split`` ("all": train and test pooled, as FedSI does;
+  "train" or "test"), ``max_samples`` (None: the first N samples in data set order, as FedLog's
+  code takes the first 3,000 MNIST images). Pixels are scaled to [0, 1] (no normalisation);
+  shapes (1, 28, 28) and (3, 32, 32).
+
+Every data set is pooled; clients and their train/test splits come from
+:func:`bayesfl.data.clients.make_clients`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bayesfl.errors import ConfigError, DataError
+
+DATASETS: dict[str, str] = {
+    "digits": "scikit-learn 8x8 digits, 1,797 samples, 10 classes, bundled (no download)",
+    "gaussian_mixture": "synthetic Gaussian mixture (num_classes, dim, n, separation)",
+    "mnist1d": "MNIST-1D generated locally from the mnist1d package's templates",
+    "mnist": "torchvision MNIST (files under root, or download=True)",
+    "fashion_mnist": "torchvision Fashion-MNIST (files under root, or download=True)",
+    "cifar10": "torchvision CIFAR-10 (files under root, or download=True)",
+    "cifar100": "torchvision CIFAR-100 (files under root, or download=True)",
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A pooled labelled data set.
+
+    Attributes:
+        name: the :data:`DATASETS` key it was loaded as.
+        x: (N, *input_shape) float32 inputs.
+        y: (N,) int64 labels in ``[0, num_classes)``.
+        num_classes: number of classes C.
+        input_shape: shape of one input, e.g. (64,) or (1, 28, 28).
+    """
+
+    name: str
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.x.dtype != torch.float32 or self.y.dtype != torch.int64:
+            raise DataError(f"{self.name}: x must be float32 and y int64, got {self.x.dtype} "
+                            f"and {self.y.dtype}")
+        if self.y.ndim != 1 or self.x.shape != (len(self.y), *self.input_shape):
+            raise DataError(f"{self.name}: x has shape {tuple(self.x.shape)}, expected "
+                            f"({len(self.y)}, *{self.input_shape}) for {len(self.y)} labels")
+        if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
+            raise DataError(f"{self.name}: labels must lie in [0, {self.num_classes})")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options: Any) -> Dataset:
+    """Load (or generate) the pooled data set ``name``; options as in the module docstring.
+
+    Raises:
+        ConfigError: an unknown name or option (the message lists the valid ones).
+        DataError: files that are absent and may not be downloaded, or a failed download.
+    """
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
+    if key not in _LOADERS:
+        raise ConfigError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    loader, valid_options = _LOADERS[key]
+    unknown = sorted(set(options) - set(valid_options))
+    if unknown:
+        allowed = ", ".join(valid_options) if valid_options else "none"
+        raise ConfigError(f"unknown option(s) {unknown} for dataset {key!r}; valid: {allowed}")
+    return loader(seed=seed, root=root, **options)
+
+
+def _load_digits(*, seed: int, root: str | None) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.data.astype(np.float32) / 16.0)
+    y = torch.from_numpy(bunch.target.astype(np.int64))
+    return Dataset("digits", x, y, num_classes=10, input_shape=(64,))
+
+
+def _load_gaussian_mixture(
+    *,
+    seed: int,
+    root: str | None,
+    num_classes: int = 10,
+    dim: int = 20,
+    n: int = 2000,
+    separation: float = 3.0,
+) -> Dataset:
+    if num_classes < 2 or dim < 1 or n < num_classes or not separation >= 0:
+        raise ConfigError(f"gaussian_mixture needs num_classes >= 2, dim >= 1, n >= num_classes "
+                          f"and separation >= 0; got {num_classes}, {dim}, {n}, {separation}")
+    rng = np.random.default_rng(seed)
+    means = separation * rng.standard_normal((num_classes, dim)) / np.sqrt(2.0 * dim)
+    labels = rng.permutation(np.arange(n) % num_classes)
+    inputs = means[labels] + rng.standard_normal((n, dim))
+    return Dataset("gaussian_mixture", torch.from_numpy(inputs.astype(np.float32)),
+                   torch.from_numpy(labels.astype(np.int64)), num_classes, (dim,))
+
+
+def _load_mnist1d(*, seed: int, root: str | None, num_samples: int = 5000) -> Dataset:
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as err:
+        raise DataError("mnist1d needs the 'mnist1d' package: pip install mnist1d") from err
+    if num_samples < 10:
+        raise ConfigError(f"mnist1d num_samples must be >= 10, got {num_samples}")
+    args = get_dataset_args()
+    args.num_samples = int(num_samples)
+    args.seed = int(seed)
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        generated = make_dataset(args)  # local generation from templates; no network
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+    x = np.concatenate([generated["x"], generated["x_test"]]).astype(np.float32)
+    y = np.concatenate([generated["y"], generated["y_test"]]).astype(np.int64)
+    return Dataset("mnist1d", torch.from_numpy(x), torch.from_numpy(y), 10, (x.shape[1],))
+
+
+def default_data_root() -> Path:
+    """``$BAYESFL_DATA_ROOT`` if set, else ``~/.cache/bayesfl/data``."""
+    return Path(os.environ.get("BAYESFL_DATA_ROOT", Path.home() / ".cache" / "bayesfl" / "data"))
+
+
+# name -> (torchvision class name, number of classes, folder torchvision expects under root)
+_TORCHVISION = {
+    "mnist": ("MNIST", 10, "MNIST/raw"),
+    "fashion_mnist": ("FashionMNIST", 10, "FashionMNIST/raw"),
+    "cifar10": ("CIFAR10", 10, "cifar-10-batches-py"),
+    "cifar100": ("CIFAR100", 100, "cifar-100-python"),
+}
+
+
+def _torchvision_loader(key: str) -> Callable[..., Dataset]:
+    def load(
+        *,
+        seed: int,
+        root: str | None,
+        download: bool = False,
+        split: str = "all",
+        max_samples: int | None = None,
+    ) -> Dataset:
+        if split not in ("all", "train", "test"):
+            raise ConfigError(f"split must be 'all', 'train' or 'test', got {split!r}")
+        base = Path(root) if root is not None else default_data_root()
+        trains = {"all": (True, False), "train": (True,), "test": (False,)}[split]
+        parts = [_torchvision_split(key, base, train, download) for train in trains]
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
+        if max_samples is not None:
+            x, y = x[:max_samples], y[:max_samples]
+        return Dataset(key, x, y, _TORCHVISION[key][1], tuple(x.shape[1:]))
+
+    return load
+
+
+def _torchvision_split(
+    key: str, base: Path, train: bool, download: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import torchvision
+
+    class_name, _, folder = _TORCHVISION[key]
+    try:
+        data = getattr(torchvision.datasets, class_name)(str(base), train=train,
+                                                         download=download)
+    except RuntimeError as err:
+        action = "the download failed (no network?)" if download else "download is off"
+        raise DataError(f"{key} files not found under {base / folder} and {action}; put the "
+                        f"torchvision {class_name} files there (root={base}) or pass "
+                        f"download=True on a machine with network access ({err})") from err
+    except OSError as err:  # network errors from urllib during download=True
+        raise DataError(f"{key}: download to {base} failed ({err}); put the torchvision "
+                        f"{class_name} files under {base / folder}") from err
+    images = torch.as_tensor(np.asarray(data.data))
+    # MNIST-like (N, 28, 28) uint8 gains a channel; CIFAR (N, 32, 32, 3) becomes (N, 3, 32, 32)
+    images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+    x = images.to(torch.float32).div_(255.0).contiguous()
+    y = torch.as_tensor(np.asarray(data.targets), dtype=torch.int64)
+    return x, y
+
+
+_LOADERS: dict[str, tuple[Callable[..., Dataset], tuple[str, ...]]] = {
+    "digits": (_load_digits, ()),
+    "gaussian_mixture": (_load_gaussian_mixture, ("num_classes", "dim", "n", "separation")),
+    "mnist1d": (_load_mnist1d, ("num_samples",)),
+    **{key: (_torchvision_loader(key), ("download", "split", "max_samples"))
+       for key in _TORCHVISION},
+}

@@ -1,0 +1,53 @@
+"""Plots of federated runs: accuracy against rounds and against communicated bytes, and the
+reliability diagram of the final predictions (drawn by :mod:`calibration`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+import seaborn as sns  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+
+def plot_accuracy(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path
+) -> Path:
+    """Mean client test accuracy vs round (left) and vs cumulative bytes up + down (right,
+    log scale), one line per run. ``runs`` maps a label to its metrics records."""
+    sns.set_theme(style="whitegrid")
+    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, metrics in runs.items():
+        rounds = [m["round"] for m in metrics]
+        accuracy = [m["accuracy"] for m in metrics]
+        total, cumulative = 0, []
+        for m in metrics:
+            total += m["bytes_up"] + m["bytes_down"]
+            cumulative.append(max(total, 1))
+        by_round.plot(rounds, accuracy, marker=".", label=label)
+        by_bytes.plot(cumulative, accuracy, marker=".", label=label)
+    by_round.set(xlabel="round", ylabel="mean client test accuracy", title="accuracy vs round")
+    by_bytes.set(xlabel="cumulative bytes (up + down)", ylabel="mean client test accuracy",
+                 title="accuracy vs communication", xscale="log")
+    by_round.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_reliability(
+    probs: Tensor, labels: Tensor, path: str | Path, *, n_bins: int = 15, title: str = ""
+) -> Path:
+    """The reliability diagram of probabilities (N, C) against labels (N,), saved to path."""
+    from calibration.diagram import reliability_diagram
+
+    fig = reliability_diagram(probs, labels, n_bins=n_bins, title=title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,81 @@
+"""Federated algorithms, one module each, behind the :class:`~bayesfl.strategies.base.Strategy`
+protocol, and the registry :data:`STRATEGIES` that maps names to them."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from bayesfl.errors import ConfigError
+from bayesfl.strategies.base import BaseStrategy, Client, ServerState, Strategy, StrategyContext
+from bayesfl.strategies.fedavg import FedAvg
+from bayesfl.strategies.fedbabu import FedBABU
+from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
+from bayesfl.strategies.fedper import FedPer
+from bayesfl.strategies.fedproto import FedProto
+from bayesfl.strategies.fedrep import FedRep
+from bayesfl.strategies.lg_fedavg import LGFedAvg
+
+STRATEGIES: dict[str, type[BaseStrategy]] = {
+    cls.name: cls
+    for cls in (FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
+                LGFedAvg, FedBABU, FedProto)
+}
+"""Registry: strategy name -> class."""
+
+
+def strategy_options(name: str) -> dict[str, Any]:
+    """The keyword options (with defaults) that strategy ``name`` accepts."""
+    cls = _lookup(name)
+    options: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                options[p.name] = p.default
+    return options
+
+
+def make_strategy(name: str, context: StrategyContext, **options: Any) -> BaseStrategy:
+    """Build strategy ``name`` with its ``options``.
+
+    Raises:
+        ConfigError: an unknown name or option (the message lists the valid ones).
+    """
+    cls = _lookup(name)
+    valid = strategy_options(name)
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown} for strategy {name!r}; valid: "
+                          f"{', '.join(sorted(valid)) or 'none'}")
+    return cls(context, **options)
+
+
+def _lookup(name: str) -> type[BaseStrategy]:
+    key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
+    if key not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r}; valid names: {', '.join(STRATEGIES)}")
+    return STRATEGIES[key]
+
+
+__all__ = [
+    "STRATEGIES",
+    "BaseStrategy",
+    "Client",
+    "FedAvg",
+    "FedBABU",
+    "FedLog",
+    "FedLogC",
+    "FedLogCentralDP",
+    "FedLogLocalDP",
+    "FedPer",
+    "FedProto",
+    "FedRep",
+    "LGFedAvg",
+    "ServerState",
+    "Strategy",
+    "StrategyContext",
+    "make_strategy",
+    "strategy_options",
+]

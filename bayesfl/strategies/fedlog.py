@@ -1,0 +1,335 @@
+"""FedLog (Yu, Zhang & Poupart): a federated Bayesian logistic-regression head.
+
+Spec: /work/shared/spec/fedlog.md. Every client keeps its body private and trains it with
+cross-entropy through the broadcast head ``W`` (C, m), m = d + 1, bias column first, which it
+does not update (§3.1). It then uploads the sufficient statistic of its training features,
+``S_c[y] = sum_{i: y_i = y} [1, phi(x_i)]`` (C, m), whose column 0 holds the class counts,
+and its sample count ``n_c`` (§1.4, §3.2). The server sums the statistics of this round only
+(no carry-over, §2.1), adds the conjugate prior (chi = 0, nu) and sets ``W`` to the posterior
+MAP (exact solver of :mod:`inference.conjugate`). Prediction is ``softmax(W [1, phi(x)])``.
+
+Round 0 (``init_round``) is the reference code's "pretrain" round: clients send statistics of
+their untrained bodies, so the first head is already a MAP (§3.4, §9.5).
+
+Variants (each its own registry name, so message headers say which one is running):
+
+* ``fedlog-c`` (§4.1): the server broadcasts the aggregated statistic and N instead of W; each
+  client solves the same deterministic MAP locally and adds the compactness loss
+  ``alpha * ||phi(x) - mean_y||^2`` (global class means from the broadcast statistic,
+  constant coordinate excluded; alpha = 0.01 by default).
+* ``fedlog-dp-local`` / ``fedlog-dp-central`` (§4.2): features are clamped to [0, b] (after
+  the body's ReLU) so one record changes the statistic by at most ``sqrt(1 + (m-1) b^2)`` in
+  L2; Gaussian noise with the v2 composition sigma over all releases of the run
+  (rounds + the init round) is added by each client to its own statistic (local) or once by
+  the server to the sum (central). Local-DP uploads carry no ``num_samples`` (it would leak
+  n_c); the server uses the noisy counts, clamped at >= 1. Their bias column is not an exact
+  count any more, so the count invariant is not checked; central-DP uploads are clean and
+  checked, plus the clamp bound on the feature columns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    NUM_SAMPLES_SPEC,
+    BaseStrategy,
+    Client,
+    ServerState,
+    StrategyContext,
+    check_num_samples,
+    num_samples_tensor,
+)
+from bayesfl.strategies.networks import batched_apply
+from bayesfl.training import architecture_key, train_batched, train_plain
+from inference.conjugate.prior import ConjugatePrior
+from inference.conjugate.solver import solve_map
+from inference.conjugate.statistics import SufficientStatistics
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class HeadObjective:
+    """Per-sample cross-entropy of ``softmax(W [1, phi])`` with ``W`` frozen, plus FedLog-C's
+    compactness term ``alpha * ||phi - mean_y||^2`` when class means are given.
+
+    Args:
+        head: W (C, m) with the bias in column 0.
+        class_means: (C, m - 1) global class-mean features, or None.
+        alpha: weight of the compactness term.
+    """
+
+    def __init__(self, head: Tensor, class_means: Tensor | None = None, alpha: float = 0.0):
+        self.bias = head[:, 0].contiguous()
+        self.weight = head[:, 1:].contiguous()
+        self.class_means = class_means
+        self.alpha = alpha
+
+    def __call__(self, features: Tensor, labels: Tensor) -> Tensor:
+        logits = features @ self.weight.T + self.bias
+        loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+        if self.class_means is not None and self.alpha > 0:
+            loss = loss + self.alpha * (features - self.class_means[labels]).pow(2).sum(dim=-1)
+        return loss
+
+
+class FeatureClamp(nn.Module):
+    """``clamp(body(x), -bound, bound)``: bounded features for differential privacy."""
+
+    def __init__(self, body: nn.Module, bound: float) -> None:
+        super().__init__()
+        self.body = body
+        self.bound = bound
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x).clamp(-self.bound, self.bound)
+
+
+def head_logits(head: Tensor, features: Tensor) -> Tensor:
+    """Logits (B, C) = ``[1, features] @ head.T`` in float64; head (C, m), features (B, m-1)."""
+    head = head.to(device=features.device, dtype=torch.float64)
+    return head[:, 0] + features.to(torch.float64) @ head[:, 1:].T
+
+
+class FedLog(BaseStrategy):
+    """FedLog and its variants (module docstring).
+
+    Args:
+        context: classes, feature dimension, local training, rounds, device, seed.
+        prior_nu: the conjugate prior's nu (chi = 0); the paper's default is 1.
+        upload_dtype: "float32" (the paper's accounting) or "float64" for the statistic.
+    """
+
+    name: ClassVar[str] = "fedlog"
+    init_round: ClassVar[bool] = True
+    supports_batched_training: ClassVar[bool] = True
+    broadcasts_statistics: ClassVar[bool] = False
+    dp_placement: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        prior_nu: float = 1.0,
+        upload_dtype: str = "float32",
+        alpha: float = 0.0,
+        epsilon: float = 1.0,
+        delta: float = 0.01,
+        clip: float = 2.0,
+    ) -> None:
+        super().__init__(context)
+        if upload_dtype not in _DTYPES:
+            raise ConfigError(f"upload_dtype must be one of {sorted(_DTYPES)}, got "
+                              f"{upload_dtype!r}")
+        if prior_nu < 0:
+            raise ConfigError(f"prior_nu must be >= 0, got {prior_nu}")
+        self.prior_nu = float(prior_nu)
+        self.upload_dtype = _DTYPES[upload_dtype]
+        self.alpha = float(alpha)
+        self.m = context.feature_dim + 1
+        self.epsilon, self.delta, self.clip = float(epsilon), float(delta), float(clip)
+        self.sigma = 0.0
+        if self.dp_placement is not None:
+            if not (self.epsilon > 0 and 0 < self.delta < 1 and self.clip > 0):
+                raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
+                                  f"epsilon={epsilon}, delta={delta}, clip={clip}")
+            releases = context.rounds + (1 if self.init_round else 0)
+            self.sigma = dp_sigma(self.epsilon, self.delta, m=self.m, bound=self.clip,
+                                  releases=releases)
+
+    # ---- setup ----------------------------------------------------------------------------
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return FeatureClamp(body, self.clip) if self.dp_placement is not None else body
+
+    def init(self, clients: Sequence[Client]) -> ServerState:
+        C, m = self.num_classes, self.m
+        return {
+            "head": torch.zeros(C, m, dtype=torch.float32),
+            "statistics": torch.zeros(C, m, dtype=torch.float64),
+            "num_samples": torch.zeros(1, dtype=torch.float64),
+        }
+
+    # ---- server -> client -----------------------------------------------------------------
+    def broadcast(self, state: ServerState, round: int) -> Message:
+        if self.broadcasts_statistics:
+            return self.down_message(round, {
+                "statistics": state["statistics"].to(self.upload_dtype),
+                "num_samples": state["num_samples"].to(torch.float64),
+            })
+        return self.down_message(round, {"head": state["head"].to(torch.float32)})
+
+    def _head_and_means(self, message: Message) -> tuple[Tensor, Tensor | None]:
+        """The head W (C, m) float32 a client trains against, and class means for FedLog-C."""
+        if not self.broadcasts_statistics:
+            return message.tensors["head"], None
+        table = message.tensors["statistics"].to(torch.float64)
+        n = float(message.tensors["num_samples"].item())
+        head = self.solve_head(table, n).to(torch.float32)
+        counts = table[:, :1].clamp_min(1.0)  # noisy or absent classes: avoid dividing by ~0
+        means = (table[:, 1:] / counts).to(torch.float32)
+        return head, means if self.alpha > 0 and n > 0 else None
+
+    # ---- client ---------------------------------------------------------------------------
+    def client_update(
+        self, client: Client, message: Message, generator: torch.Generator
+    ) -> Message:
+        round = message.header.round
+        if round > 0:
+            head, means = self._head_and_means(message)
+            objective = HeadObjective(head.to(self.context.device),
+                                      _to(means, self.context.device), self.alpha)
+            train_plain(client.model, client.data.train_x, client.data.train_y, objective,
+                        self.context.training, generator=generator)
+        return self._upload(client, round, generator)
+
+    def client_update_batch(
+        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
+    ) -> list[Message]:
+        if len({architecture_key(c.model) for c in clients}) != 1:
+            return super().client_update_batch(clients, message, generators)
+        round = message.header.round
+        if round > 0:
+            head, means = self._head_and_means(message)
+            objective = HeadObjective(head.to(self.context.device),
+                                      _to(means, self.context.device), self.alpha)
+            train_batched([c.model for c in clients], [c.data.train_x for c in clients],
+                          [c.data.train_y for c in clients], objective, self.context.training,
+                          generators=generators)
+        return [self._upload(c, round, g) for c, g in zip(clients, generators, strict=True)]
+
+    def client_statistics(self, client: Client) -> Tensor:
+        """S_c (C, m) float64 of the client's training features (eval mode, no grad)."""
+        features = batched_apply(client.model, client.data.train_x).to(torch.float64)
+        stats = SufficientStatistics.from_features(features, client.data.train_y,
+                                                   self.num_classes)
+        return stats.table.to(torch.float64)
+
+    def _upload(self, client: Client, round: int, generator: torch.Generator) -> Message:
+        table = self.client_statistics(client).cpu()
+        if self.dp_placement == "local":
+            noise = torch.randn(table.shape, generator=generator, dtype=torch.float64)
+            table = table + self.sigma * noise
+            return self.up_message(round, client.client_id,
+                                   {"statistics": table.to(self.upload_dtype)})
+        return self.up_message(round, client.client_id, {
+            "statistics": table.to(self.upload_dtype),
+            "num_samples": num_samples_tensor(client.data.num_train),
+        })
+
+    # ---- validation -----------------------------------------------------------------------
+    def upload_schema(self) -> Schema:
+        schema = {"statistics": TensorSpec((self.num_classes, self.m), self.upload_dtype)}
+        if self.dp_placement != "local":
+            schema["num_samples"] = NUM_SAMPLES_SPEC
+        return schema
+
+    def check_invariants(self, message: Message) -> None:
+        """Non-negative integral class counts in column 0 that sum to ``num_samples``;
+        with central DP also feature sums within the clamp bound. Local-DP uploads are
+        noisy by design and only schema-checked."""
+        if self.dp_placement == "local":
+            return
+        cid = message.header.client_id
+        n = check_num_samples(message)
+        table = message.tensors["statistics"].to(torch.float64)
+        counts = table[:, 0]
+        if (counts < 0).any():
+            raise MessageRejected("bias column (class counts) has negative entries",
+                                  client_id=cid)
+        if not torch.equal(counts, counts.round()):
+            raise MessageRejected("bias column (class counts) is not integral", client_id=cid)
+        if int(counts.sum().item()) != n:
+            raise MessageRejected(f"class counts sum to {int(counts.sum().item())} but "
+                                  f"num_samples is {n}", client_id=cid)
+        if self.dp_placement == "central":
+            limit = self.clip * counts[:, None] * (1 + 1e-6) + 1e-6
+            if (table[:, 1:].abs() > limit).any():
+                raise MessageRejected(f"feature sums exceed the clamp bound {self.clip} times "
+                                      "the class counts", client_id=cid)
+
+    # ---- server ---------------------------------------------------------------------------
+    def solve_head(self, table: Tensor, n: float) -> Tensor:
+        """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
+        ``n``: the exact solver on ``S = chi + table``, ``N = nu + n`` (chi = 0)."""
+        prior = ConjugatePrior(nu=self.prior_nu)
+        S = prior.chi_table(table.shape, table.device) + table.to(torch.float64)
+        return solve_map(S, prior.nu + n)
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """Sum this round's statistics (plus central noise) and solve the MAP head."""
+        if not uploads:
+            return state
+        private = self.dp_placement == "local"
+        total = SufficientStatistics.sum(  # exact (double-double) sum: order-independent
+            SufficientStatistics(u.tensors["statistics"].to(torch.float64),
+                                 0 if private else int(u.tensors["num_samples"].item()),
+                                 privatized=private)
+            for u in uploads)
+        table = total.table
+        if private:  # n_c is not sent: use the noisy counts, at least 1
+            n = float(table[:, 0].sum().clamp_min(1.0).item())
+        else:
+            n = float(total.n)
+        if self.dp_placement == "central":
+            noise = torch.randn(table.shape, generator=generator, dtype=torch.float64)
+            table = table + self.sigma * noise
+        if self.broadcasts_statistics:  # clients solve from the wire-dtype table: match it
+            table = table.to(self.upload_dtype).to(torch.float64)
+        head = self.solve_head(table, n).to(torch.float32)
+        return {"head": head, "statistics": table,
+                "num_samples": torch.tensor([n], dtype=torch.float64)}
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
+        features = batched_apply(client.model, x)
+        return torch.softmax(head_logits(state["head"], features), dim=-1)
+
+
+def dp_sigma(epsilon: float, delta: float, *, m: int, bound: float, releases: int) -> float:
+    """Gaussian-mechanism noise scale for ``releases`` releases of a FedLog statistic (v2 Thm 7,
+    spec §4.2): ``sqrt(8 k (1 + (m-1) b^2) ln(e + epsilon / delta)) / epsilon``."""
+    sensitivity_sq = 1.0 + (m - 1) * bound**2
+    return math.sqrt(8.0 * releases * sensitivity_sq * math.log(math.e + epsilon / delta)) / epsilon
+
+
+def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
+class FedLogC(FedLog):
+    """FedLog-C: broadcast the statistic, local MAP solve, compactness loss (alpha=0.01)."""
+
+    name = "fedlog-c"
+    broadcasts_statistics = True
+
+    def __init__(self, context: StrategyContext, *, alpha: float = 0.01, **options) -> None:
+        if not alpha >= 0 or math.isinf(alpha):
+            raise ConfigError(f"fedlog-c alpha must be a finite value >= 0, got {alpha}")
+        super().__init__(context, alpha=alpha, **options)
+
+
+class FedLogLocalDP(FedLog):
+    """FedLog with local differential privacy (each client perturbs its own statistic)."""
+
+    name = "fedlog-dp-local"
+    dp_placement = "local"
+
+
+class FedLogCentralDP(FedLog):
+    """FedLog with central differential privacy (the server perturbs the sum once)."""
+
+    name = "fedlog-dp-central"
+    dp_placement = "central"

@@ -1,0 +1,145 @@
+"""FedProto (Tan et al. 2022): clients exchange class prototypes, not parameters.
+
+Each client keeps its whole network (body and head) personal. Local training minimises
+cross-entropy plus ``lambda * mean_j (phi_j(x) - P_y,j)^2`` (MSE to the global prototype of
+the sample's class; classes without a global prototype contribute no such term). After
+training, a client uploads its per-class mean features (C, d) and class counts (C,); the
+server's global prototype of class y is the count-weighted mean of the clients' prototypes
+of y. Prediction uses each client's own network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    NUM_SAMPLES_SPEC,
+    BaseStrategy,
+    Client,
+    ServerState,
+    StrategyContext,
+    check_num_samples,
+    num_samples_tensor,
+)
+from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.training import architecture_key, train_batched, train_plain
+
+
+class PrototypeObjective:
+    """Per-sample CE of the logits plus ``lam`` times the MSE of the features to the global
+    prototype of the label (only where that prototype exists)."""
+
+    def __init__(self, prototypes: Tensor, present: Tensor, lam: float) -> None:
+        self.prototypes, self.present, self.lam = prototypes, present, lam
+
+    def __call__(self, output: tuple[Tensor, Tensor], labels: Tensor) -> Tensor:
+        logits, features = output
+        loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+        gap = (features - self.prototypes[labels]).pow(2).mean(dim=-1)
+        return loss + self.lam * self.present[labels] * gap
+
+
+class FedProto(BaseStrategy):
+    """Prototype exchange with personal networks (module docstring).
+
+    Args:
+        context: classes, feature dimension, local training, rounds, device, seed.
+        lam: weight of the prototype regulariser (FedProto's default 1).
+    """
+
+    name: ClassVar[str] = "fedproto"
+    supports_batched_training: ClassVar[bool] = True
+
+    def __init__(self, context: StrategyContext, *, lam: float = 1.0) -> None:
+        super().__init__(context)
+        if not lam >= 0:
+            raise ConfigError(f"fedproto lam must be >= 0, got {lam}")
+        self.lam = float(lam)
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return PrototypeNet(body, self.feature_dim, self.num_classes)
+
+    def init(self, clients: Sequence[Client]) -> ServerState:
+        return {"prototypes": torch.zeros(self.num_classes, self.feature_dim),
+                "counts": torch.zeros(self.num_classes, dtype=torch.float64)}
+
+    def broadcast(self, state: ServerState, round: int) -> Message:
+        present = (state["counts"] > 0).to(torch.float32)
+        return self.down_message(round, {"prototypes": state["prototypes"], "present": present})
+
+    def _objective(self, message: Message) -> PrototypeObjective:
+        device = self.context.device
+        return PrototypeObjective(message.tensors["prototypes"].to(device),
+                                  message.tensors["present"].to(device), self.lam)
+
+    def client_update(
+        self, client: Client, message: Message, generator: torch.Generator
+    ) -> Message:
+        train_plain(client.model, client.data.train_x, client.data.train_y,
+                    self._objective(message), self.context.training, generator=generator)
+        return self._upload(client, message.header.round)
+
+    def client_update_batch(
+        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
+    ) -> list[Message]:
+        if len({architecture_key(c.model) for c in clients}) != 1:
+            return super().client_update_batch(clients, message, generators)
+        train_batched([c.model for c in clients], [c.data.train_x for c in clients],
+                      [c.data.train_y for c in clients], self._objective(message),
+                      self.context.training, generators=generators)
+        return [self._upload(c, message.header.round) for c in clients]
+
+    def _upload(self, client: Client, round: int) -> Message:
+        _, features = batched_apply(client.model, client.data.train_x)
+        y = client.data.train_y
+        counts = torch.bincount(y, minlength=self.num_classes)
+        sums = torch.zeros(self.num_classes, self.feature_dim, dtype=torch.float64,
+                           device=features.device)
+        sums.index_add_(0, y, features.to(torch.float64))
+        protos = sums / counts.clamp_min(1).to(sums)[:, None]
+        return self.up_message(round, client.client_id, {
+            "prototypes": protos.to(torch.float32), "counts": counts.to(torch.int64),
+            "num_samples": num_samples_tensor(client.data.num_train)})
+
+    def upload_schema(self) -> Schema:
+        return {"prototypes": TensorSpec((self.num_classes, self.feature_dim), torch.float32),
+                "counts": TensorSpec((self.num_classes,), torch.int64),
+                "num_samples": NUM_SAMPLES_SPEC}
+
+    def check_invariants(self, message: Message) -> None:
+        """Non-negative counts summing to ``num_samples``; zero prototypes of absent classes."""
+        cid = message.header.client_id
+        n = check_num_samples(message)
+        counts = message.tensors["counts"]
+        if (counts < 0).any():
+            raise MessageRejected("negative class counts", client_id=cid)
+        if int(counts.sum()) != n:
+            raise MessageRejected(f"class counts sum to {int(counts.sum())} but num_samples is "
+                                  f"{n}", client_id=cid)
+        if (message.tensors["prototypes"][counts == 0] != 0).any():
+            raise MessageRejected("non-zero prototype for a class with count 0", client_id=cid)
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        if not uploads:
+            return state
+        counts = torch.stack([u.tensors["counts"].to(torch.float64) for u in uploads])
+        protos = torch.stack([u.tensors["prototypes"].to(torch.float64) for u in uploads])
+        total = counts.sum(0)
+        mean = (counts[:, :, None] * protos).sum(0) / total.clamp_min(1.0)[:, None]
+        return {"prototypes": mean.to(torch.float32), "counts": total}
+
+    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
+        logits, _ = batched_apply(client.model, x)
+        return torch.softmax(logits.to(torch.float64), dim=-1)

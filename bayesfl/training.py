@@ -1,0 +1,264 @@
+"""Local training loops of federated clients.
+
+Two interchangeable paths train one or many client models on their own data with mini-batch
+Adam and a per-sample objective:
+
+* :func:`train_plain` — one client at a time, ``torch.optim.Adam``; works for any module, so it
+  is the path for heterogeneous bodies.
+* :func:`train_batched` — many clients that share one architecture at once: their parameters
+  are stacked on a leading client axis and ``torch.func.vmap(grad(functional_call))`` computes
+  every client's gradient in one call. Clients with fewer samples get padded mini-batches
+  whose padding is masked out of the loss, and a client with no batch left in an epoch takes
+  no optimiser step. Adam is applied functionally with the same formula as ``torch.optim.Adam``
+  (default, non-amsgrad), so both paths give the same parameters up to float rounding.
+
+Both consume each client's ``torch.Generator`` identically (one ``randperm`` per epoch), so a
+client's mini-batch order does not depend on which path trained it.
+
+An *objective* maps a module's output and the labels of a mini-batch to per-sample losses of
+shape ``(B,)``; it may close over tensors that are constant during local training (a frozen
+global head, global class means, prototypes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from bayesfl.errors import ConfigError
+
+Objective = Callable[[object, Tensor], Tensor]
+"""``objective(model_output, labels) -> per-sample losses (B,)``."""
+
+ParameterFilter = Callable[[str], bool]
+"""``trainable(parameter_name) -> bool``: which parameters local training updates."""
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """Hyperparameters of one client's local training in one round.
+
+    ``epochs`` full passes over the local training set in shuffled mini-batches of
+    ``batch_size``; Adam with learning rate ``lr``. ``reset_optimizer_each_epoch`` rebuilds
+    Adam at every epoch, as the FedLog reference code does (spec fedlog.md §3.1); otherwise
+    the optimiser state lives for the whole round (it never survives across rounds).
+    """
+
+    epochs: int = 5
+    lr: float = 1e-3
+    batch_size: int = 10
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    reset_optimizer_each_epoch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 0:
+            raise ConfigError(f"local epochs must be >= 0, got {self.epochs}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+
+
+def _all_parameters(_: str) -> bool:
+    return True
+
+
+def train_plain(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    objective: Objective,
+    config: LocalTraining,
+    *,
+    generator: torch.Generator,
+    trainable: ParameterFilter | None = None,
+) -> None:
+    """Train ``model`` in place on ``(x (N, ...), y (N,))`` with mini-batch Adam.
+
+    Only parameters selected by ``trainable`` (default: all) are updated; the others are
+    frozen for the duration of the call. The mini-batch loss is the mean of the objective's
+    per-sample losses.
+    """
+    trainable = trainable or _all_parameters
+    named = list(model.named_parameters())
+    params = [p for name, p in named if trainable(name)]
+    if not params or config.epochs == 0:
+        return
+    flags = {name: p.requires_grad for name, p in named}
+    for name, p in named:
+        p.requires_grad_(trainable(name))
+    model.train()
+    n = x.shape[0]
+    optimizer = None
+    try:
+        for epoch in range(config.epochs):
+            if optimizer is None or (config.reset_optimizer_each_epoch and epoch > 0):
+                optimizer = torch.optim.Adam(
+                    params, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False
+                )
+            order = torch.randperm(n, generator=generator).to(x.device)
+            for start in range(0, n, config.batch_size):
+                idx = order[start : start + config.batch_size]
+                loss = objective(model(x[idx]), y[idx]).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+    finally:
+        for name, p in named:
+            p.requires_grad_(flags[name])
+
+
+def architecture_key(model: nn.Module) -> tuple:
+    """A hashable signature of a module's parameter and buffer names, shapes and dtypes.
+
+    Models with equal keys can be trained together by :func:`train_batched`.
+    """
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers())
+    return (type(model).__name__, params, buffers)
+
+
+def pad_stack(tensors: Sequence[Tensor]) -> Tensor:
+    """Stack tensors with different first dimensions, zero-padding them to the longest.
+
+    Returns shape ``(K, N_max, *rest)``.
+    """
+    longest = max(t.shape[0] for t in tensors)
+    first = tensors[0]
+    out = first.new_zeros((len(tensors), longest, *first.shape[1:]))
+    for k, t in enumerate(tensors):
+        out[k, : t.shape[0]] = t
+    return out
+
+
+def _batch_schedule(
+    sizes: Sequence[int], batch_size: int, generators: Sequence[torch.Generator]
+) -> tuple[Tensor, Tensor, int]:
+    """Per-client shuffled indices padded to a common number of steps.
+
+    Returns ``index (K, steps * batch_size)`` int64, ``mask (K, steps * batch_size)`` float
+    (1 for a real sample) and ``steps``.
+    """
+    steps = max(math.ceil(n / batch_size) for n in sizes)
+    width = steps * batch_size
+    index = torch.zeros(len(sizes), width, dtype=torch.int64)
+    mask = torch.zeros(len(sizes), width)
+    for k, (n, g) in enumerate(zip(sizes, generators, strict=True)):
+        index[k, :n] = torch.randperm(n, generator=g)
+        mask[k, :n] = 1.0
+    return index, mask, steps
+
+
+def train_batched(
+    models: Sequence[nn.Module],
+    xs: Sequence[Tensor],
+    ys: Sequence[Tensor],
+    objective: Objective,
+    config: LocalTraining,
+    *,
+    generators: Sequence[torch.Generator],
+    trainable: ParameterFilter | None = None,
+) -> None:
+    """Train K models of one architecture in place, each on its own ``(xs[k], ys[k])``.
+
+    Equivalent to calling :func:`train_plain` on every model with its own generator (up to
+    float rounding), but computes all K gradients per step with one vmapped call. The
+    objective must be the same function for every client (constants it closes over are
+    shared). Buffers are carried along read-only (no batch-norm statistics updates).
+    """
+    if not models:
+        return
+    keys = {architecture_key(m) for m in models}
+    if len(keys) != 1:
+        raise ConfigError("train_batched needs models of one architecture; use train_plain")
+    trainable = trainable or _all_parameters
+    template = models[0]
+    template.train()
+    names = [n for n, _ in template.named_parameters()]
+    train_names = [n for n in names if trainable(n)]
+    if not train_names or config.epochs == 0:
+        return
+    frozen_names = [n for n in names if n not in train_names]
+    per_model = [dict(m.named_parameters()) for m in models]
+    with torch.no_grad():
+        train_p = {n: torch.stack([p[n].detach() for p in per_model]) for n in train_names}
+        frozen_p = {n: torch.stack([p[n].detach() for p in per_model]) for n in frozen_names}
+        buffers = {
+            n: torch.stack([dict(m.named_buffers())[n] for m in models])
+            for n, _ in template.named_buffers()
+        }
+    device = train_p[train_names[0]].device
+    X = pad_stack(list(xs))
+    Y = pad_stack(list(ys))
+    sizes = [int(x.shape[0]) for x in xs]
+    rows = torch.arange(len(models), device=device)[:, None]
+
+    def client_loss(tp, fp, bufs, xb, yb, mb):
+        out = functional_call(template, ({**tp, **fp}, bufs), (xb,))
+        return (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
+
+    grads_of = vmap(grad(client_loss))
+    b1, b2 = config.betas
+    state = None
+    for epoch in range(config.epochs):
+        if state is None or (config.reset_optimizer_each_epoch and epoch > 0):
+            state = _AdamState.zeros(train_p, len(models), device)
+        index, mask, steps = _batch_schedule(sizes, config.batch_size, generators)
+        index, mask = index.to(device), mask.to(device=device, dtype=X.dtype)
+        for s in range(steps):
+            cols = slice(s * config.batch_size, (s + 1) * config.batch_size)
+            ib, mb = index[:, cols], mask[:, cols]
+            g = grads_of(train_p, frozen_p, buffers, X[rows, ib], Y[rows, ib], mb)
+            active = mb.sum(dim=1) > 0
+            with torch.no_grad():
+                state.step(train_p, g, active, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
+    with torch.no_grad():
+        for k, p in enumerate(per_model):
+            for n in train_names:
+                p[n].copy_(train_p[n][k])
+
+
+class _AdamState:
+    """Adam moments for stacked parameters, one step counter per client."""
+
+    def __init__(self, m: dict[str, Tensor], v: dict[str, Tensor], t: Tensor) -> None:
+        self.m, self.v, self.t = m, v, t
+
+    @classmethod
+    def zeros(cls, params: dict[str, Tensor], k: int, device: torch.device) -> _AdamState:
+        m = {n: torch.zeros_like(p) for n, p in params.items()}
+        v = {n: torch.zeros_like(p) for n, p in params.items()}
+        return cls(m, v, torch.zeros(k, device=device, dtype=torch.float64))
+
+    def step(
+        self,
+        params: dict[str, Tensor],
+        grads: dict[str, Tensor],
+        active: Tensor,
+        *,
+        lr: float,
+        b1: float,
+        b2: float,
+        eps: float,
+    ) -> None:
+        """One Adam step (torch.optim.Adam's formula) for the clients where ``active``."""
+        self.t = self.t + active.to(self.t.dtype)
+        t = self.t.clamp_min(1.0)  # inactive clients at t = 0 are masked out below
+        bias1 = 1.0 - b1**t
+        bias2_sqrt = (1.0 - b2**t).sqrt()
+        for n, p in params.items():
+            shape = (-1,) + (1,) * (p.dim() - 1)
+            a = active.view(shape)
+            g = grads[n]
+            m = torch.where(a, b1 * self.m[n] + (1.0 - b1) * g, self.m[n])
+            v = torch.where(a, b2 * self.v[n] + (1.0 - b2) * g * g, self.v[n])
+            step_size = (lr / bias1).to(p.dtype).view(shape)
+            denom = v.sqrt() / bias2_sqrt.to(p.dtype).view(shape) + eps
+            params[n] = torch.where(a, p - step_size * m / denom, p)
+            self.m[n], self.v[n] = m, v

@@ -1,0 +1,94 @@
+"""Confidence bins: the edges ECE, MCE and the reliability diagram share.
+
+Conventions (the same as netcal's equal-width binning):
+
+* ``"uniform"`` (default): ``n_bins`` equal-width bins on [0, 1]; edge ``k`` is ``k * (1 / n_bins)``
+  in float64 and the last edge is exactly 1.0 (what ``numpy.linspace(0, 1, n_bins + 1)`` gives).
+* ``"quantile"`` (adaptive, equal-mass): inner edges are the linear-interpolation quantiles
+  (``numpy.quantile``'s default) of the confidences at ``k / n_bins``; the first edge is forced to
+  0 and the last to 1. Repeated confidences can make edges coincide, leaving empty bins.
+* Every bin is half-open ``[a, b)`` except the last, which is closed ``[a, 1]``: a confidence of
+  exactly 1.0 falls in the last bin and 0.0 in the first.
+* Empty bins contribute nothing to ECE and are skipped by MCE.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor
+
+from calibration.errors import InvalidInputError
+
+
+class Binning(str, enum.Enum):
+    """How bin edges are placed. Accepts the strings ``"uniform"`` and ``"quantile"``."""
+
+    UNIFORM = "uniform"
+    QUANTILE = "quantile"
+
+    @classmethod
+    def parse(cls, value: Binning | str) -> Binning:
+        """Return the member for ``value`` (a member or its string name, case-insensitive)."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise InvalidInputError(f"binning must be one of {choices}; got {value!r}") from None
+
+
+def check_n_bins(n_bins: int) -> int:
+    """Validate and return ``n_bins`` (a positive integer)."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise InvalidInputError(f"n_bins must be a positive integer; got {n_bins!r}")
+    return n_bins
+
+
+def uniform_edges(n_bins: int, device: torch.device | str | None = None) -> Tensor:
+    """Equal-width edges on [0, 1]: float64 tensor of shape (n_bins + 1,)."""
+    check_n_bins(n_bins)
+    edges = torch.arange(n_bins + 1, dtype=torch.float64, device=device) * (1.0 / n_bins)
+    edges[-1] = 1.0
+    return edges
+
+
+def quantile_edges(confidences: Tensor, n_bins: int) -> Tensor:
+    """Equal-mass edges from ``confidences`` (N,): float64 tensor of shape (n_bins + 1,).
+
+    Linear interpolation between order statistics (numpy's default ``method="linear"``),
+    computed with a sort so that it works for any N (``torch.quantile`` caps the input size).
+    """
+    check_n_bins(n_bins)
+    values = confidences.to(torch.float64).sort().values
+    n = values.numel()
+    positions = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=values.device)
+    positions = positions * (n - 1)
+    lower = positions.floor().long()
+    upper = positions.ceil().long()
+    fraction = positions - lower
+    edges = values[lower] + (values[upper] - values[lower]) * fraction
+    edges[0] = 0.0
+    edges[-1] = 1.0
+    # Interpolation rounding must not make edges decrease (bucketize needs them sorted).
+    return torch.cummax(edges, dim=0).values
+
+
+def bin_edges(confidences: Tensor, n_bins: int, binning: Binning | str) -> Tensor:
+    """Edges for ``binning`` ("uniform" ignores the confidences), float64 (n_bins + 1,)."""
+    if Binning.parse(binning) is Binning.QUANTILE:
+        return quantile_edges(confidences, n_bins)
+    return uniform_edges(n_bins, device=confidences.device)
+
+
+def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
+    """Bin index in ``[0, n_bins)`` of each confidence (N,), as int64 (N,).
+
+    Bins are ``[edges[i], edges[i+1])``; the last is closed so 1.0 lands in bin ``n_bins - 1``.
+    Comparisons are done in float64 (a float32 confidence is widened exactly first).
+    """
+    n_bins = edges.numel() - 1
+    index = torch.bucketize(confidences.to(torch.float64), edges, right=True) - 1
+    return index.clamp_(0, n_bins - 1)

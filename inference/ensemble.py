@@ -1,0 +1,105 @@
+"""A posterior represented by a stack of parameter draws (SGLD samples, deep ensembles)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from inference.errors import InvalidInputError
+from inference.linear_model import augment_with_bias, check_features
+from inference.options import PredictiveMethod
+from inference.posterior import register_posterior
+
+
+def mean_softmax(weights: Tensor, features: Tensor, chunk_size: int = 64) -> Tensor:
+    """Average over heads of ``softmax(W_s [x, 1])``.
+
+    Args:
+        weights: ``(S, C, m + 1)`` head weights.
+        features: ``(B, m)`` features.
+        chunk_size: heads processed at once (bounds memory at ``chunk_size · B · C``).
+
+    Returns:
+        ``(B, C)`` probabilities, in the dtype of ``weights``.
+    """
+    x = augment_with_bias(features.to(weights.dtype))
+    total = torch.zeros(x.shape[0], weights.shape[1], dtype=weights.dtype, device=weights.device)
+    for start in range(0, weights.shape[0], chunk_size):
+        logits = torch.einsum("bp,scp->sbc", x, weights[start : start + chunk_size])
+        total += torch.softmax(logits, dim=-1).sum(0)
+    return total / weights.shape[0]
+
+
+@register_posterior
+class EnsemblePosterior:
+    """An equally weighted set of parameter draws, ``samples`` of shape ``(S, *shape)``.
+
+    For a softmax head (``shape == (C, m + 1)``), :meth:`predict_proba` averages the class
+    probabilities of the members (Bayesian model averaging), not their logits.
+    """
+
+    kind = "ensemble"
+
+    def __init__(self, samples: Tensor, n_data: int = 0) -> None:
+        if samples.ndim < 2 or samples.shape[0] == 0:
+            raise InvalidInputError(
+                f"samples must have shape (S, *shape) with S ≥ 1; got {tuple(samples.shape)}."
+            )
+        if not torch.isfinite(samples).all():
+            raise InvalidInputError("ensemble samples contain NaN or inf.")
+        self.samples = samples
+        self.n_data = int(n_data)
+
+    @property
+    def mean(self) -> Tensor:
+        """Sample mean, shape ``samples.shape[1:]``."""
+        return self.samples.mean(0)
+
+    def marginal_variance(self) -> Tensor:
+        """Sample variance (unbiased), shape ``samples.shape[1:]``."""
+        return self.samples.var(0)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """``n`` members drawn uniformly with replacement, shape ``(n, *shape)``."""
+        index = torch.randint(self.samples.shape[0], (int(n),), generator=generator,
+                              device=self.samples.device if generator is None else generator.device)
+        return self.samples[index.to(self.samples.device)]
+
+    def predict_proba(
+        self, inputs: Tensor, method: PredictiveMethod | str = PredictiveMethod.MC
+    ) -> Tensor:
+        """``(B, C)`` probabilities for features ``(B, m)``.
+
+        ``method``: ``"mc"`` (average over all members, the default) or ``"map"`` (softmax at
+        the sample mean). ``"probit"`` is not defined for an ensemble and is rejected.
+        """
+        method = PredictiveMethod.parse(method, "method")
+        if self.samples.ndim != 3:
+            raise InvalidInputError(
+                "predict_proba needs samples of a (C, m + 1) head; got "
+                f"{tuple(self.samples.shape)}."
+            )
+        check_features(inputs, self.samples.shape[2] - 1)
+        x = inputs.to(device=self.samples.device)
+        if method is PredictiveMethod.MC:
+            return mean_softmax(self.samples, x).to(inputs.dtype)
+        if method is PredictiveMethod.MAP:
+            return mean_softmax(self.mean[None], x).to(inputs.dtype)
+        raise InvalidInputError("an ensemble posterior predicts with method 'mc' or 'map'.")
+
+    def to(self, device: torch.device | str) -> EnsemblePosterior:
+        return EnsemblePosterior(self.samples.to(device), self.n_data)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"samples": self.samples,
+                "n_data": torch.tensor(self.n_data, dtype=torch.int64)}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor]) -> EnsemblePosterior:
+        return cls(state["samples"], int(state.get("n_data", torch.tensor(0))))
+
+    def __repr__(self) -> str:
+        return (f"EnsemblePosterior(num_samples={self.samples.shape[0]}, "
+                f"shape={tuple(self.samples.shape[1:])}, device={self.samples.device})")

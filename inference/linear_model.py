@@ -1,0 +1,93 @@
+"""The linear head every feature-based posterior in :mod:`inference` is over.
+
+A head maps features ``x`` of shape ``(B, m)`` to outputs ``f = W [x, 1]`` of shape ``(B, C)``,
+with ``W`` of shape ``(C, m + 1)``: the last column is the bias. A flat parameter vector is
+``W.reshape(-1)`` (row-major, class by class). The observation model is a
+:class:`~inference.options.Likelihood`: softmax classification or Gaussian regression.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from inference.errors import InvalidInputError
+from inference.options import Likelihood
+
+
+def augment_with_bias(features: Tensor) -> Tensor:
+    """Append a column of ones: ``(B, m) -> (B, m + 1)``."""
+    ones = torch.ones(features.shape[0], 1, dtype=features.dtype, device=features.device)
+    return torch.cat([features, ones], dim=1)
+
+
+def check_features(features: Tensor, num_features: int | None = None) -> None:
+    """Raise :class:`InvalidInputError` unless ``features`` is a finite float ``(B, m)`` tensor."""
+    if not isinstance(features, Tensor) or features.ndim != 2:
+        shape = getattr(features, "shape", None)
+        raise InvalidInputError(f"features must be a 2-D tensor (B, m); got shape {shape}.")
+    if not features.is_floating_point():
+        raise InvalidInputError(f"features must be floating point; got {features.dtype}.")
+    if num_features is not None and features.shape[1] != num_features:
+        raise InvalidInputError(
+            f"features have {features.shape[1]} columns but the head expects {num_features}."
+        )
+    if not torch.isfinite(features).all():
+        raise InvalidInputError("features contain NaN or inf.")
+
+
+def check_training_data(
+    features: Tensor, targets: Tensor, num_classes: int, likelihood: Likelihood
+) -> None:
+    """Validate a training set: ``features (N, m)``, ``targets (N,)``; labels in ``[0, C)``."""
+    check_features(features)
+    if features.shape[0] == 0:
+        raise InvalidInputError("the training set is empty (0 rows of features).")
+    if targets.shape != (features.shape[0],):
+        raise InvalidInputError(
+            f"targets must have shape ({features.shape[0]},) to match the features; "
+            f"got {tuple(targets.shape)}."
+        )
+    if likelihood is Likelihood.SOFTMAX:
+        if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise InvalidInputError(f"labels must be integers; got {targets.dtype}.")
+        if num_classes < 2:
+            raise InvalidInputError(f"num_classes must be at least 2; got {num_classes}.")
+        if targets.min() < 0 or targets.max() >= num_classes:
+            raise InvalidInputError(
+                f"labels must lie in [0, {num_classes}); got range "
+                f"[{int(targets.min())}, {int(targets.max())}]."
+            )
+    elif not torch.isfinite(targets).all():
+        raise InvalidInputError("regression targets contain NaN or inf.")
+
+
+def log_likelihood(
+    weight: Tensor,
+    inputs: Tensor,
+    targets: Tensor,
+    likelihood: Likelihood = Likelihood.SOFTMAX,
+    noise_std: float = 1.0,
+) -> Tensor:
+    """Sum over rows of ``log p(y | W, x)``.
+
+    Args:
+        weight: ``(C, m + 1)`` head weights (or ``(S, C, m + 1)`` for a batch of heads).
+        inputs: ``(B, m + 1)`` bias-augmented features.
+        targets: ``(B,)`` integer labels (softmax) or real targets with ``C == 1`` (gaussian).
+        noise_std: observation noise standard deviation of the Gaussian likelihood.
+
+    Returns:
+        A scalar (or ``(S,)``) log-likelihood, in nats.
+    """
+    logits = inputs @ weight.transpose(-1, -2)  # (..., B, C)
+    if likelihood is Likelihood.SOFTMAX:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        index = targets.long().expand(*logits.shape[:-1]).unsqueeze(-1)
+        return log_probs.gather(-1, index).squeeze(-1).sum(-1)
+    residual = (targets - logits[..., 0]) / noise_std
+    return -0.5 * (residual**2).sum(-1) - targets.shape[0] * (
+        math.log(noise_std) + 0.5 * math.log(2 * math.pi)
+    )

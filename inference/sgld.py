@@ -1,0 +1,219 @@
+"""Stochastic-gradient Langevin dynamics (Welling & Teh, 2011) over a linear head ("sgld").
+
+Step convention (Welling-Teh), for a step size ``ε``::
+
+    θ ← θ + (ε / 2) · ĝ(θ) + ξ,   ξ ~ N(0, ε I)
+    ĝ(θ) = ∇ log p(θ) + (N / n) Σ_{i ∈ batch} ∇ log p(y_i | θ)        (unbiased for ∇ log p(θ|D))
+
+(``posteriors`` writes the same chain as ``θ + ε' ∇ + N(0, 2ε')`` with ``ε' = ε/2``.) For a
+Gaussian target of precision Λ the chain is stable for ``ε < 4 / λ_max(Λ)``; its stationary
+variance is inflated by about ``1 / (1 − ε λ / 4)`` per eigen-direction, so ``ε`` is chosen small
+relative to ``1 / λ_max`` (the default is ``0.1 / L`` with ``L`` an upper bound of λ_max).
+
+Preconditioning (``"rmsprop"``, pSGLD of Li et al. 2016): ``V ← α V + (1 − α) ḡ²`` with ``ḡ``
+the per-datum mean likelihood gradient, ``G = 1 / (δ + √V)``, and
+``θ ← θ + (ε / 2) G ĝ + N(0, ε G)``. The Γ correction term is omitted, as in the paper; by
+default ``G`` is frozen at the end of burn-in, which makes the sampling phase an exact
+(constant-preconditioner) Langevin discretisation.
+
+A run keeps ``num_samples`` states after ``burn_in`` steps, one every ``thinning`` steps.
+A state that becomes non-finite or leaves ``|θ| ≤ divergence_threshold`` raises
+:class:`~inference.errors.NumericalError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from inference.ensemble import EnsemblePosterior
+from inference.errors import InvalidInputError, NumericalError
+from inference.laplace_head import find_mode
+from inference.linear_model import augment_with_bias, check_training_data, log_likelihood
+from inference.options import Likelihood, Preconditioner
+
+#: ``grad_fn(params, minibatch_index) -> (ĝ, ḡ)``: the stochastic gradient of the log posterior
+#: and the per-datum mean likelihood gradient (for the RMSprop preconditioner), both ``(d,)``.
+GradientFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class SGLDState:
+    """One state of the chain: parameters, the RMSprop average (or None) and the step count."""
+
+    params: Tensor
+    square_avg: Tensor | None
+    step: int
+
+
+@dataclass(frozen=True)
+class SGLDConfig:
+    """Sampler settings (see the module docstring for the update they define)."""
+
+    step_size: float
+    num_samples: int = 200
+    burn_in: int = 1000
+    thinning: int = 10
+    preconditioner: Preconditioner = Preconditioner.NONE
+    rmsprop_alpha: float = 0.99
+    rmsprop_delta: float = 1e-5
+    freeze_preconditioner: bool = True
+    divergence_threshold: float = 1e4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preconditioner",
+                           Preconditioner.parse(self.preconditioner, "preconditioner"))
+        if not self.step_size > 0:
+            raise InvalidInputError(f"step_size must be positive; got {self.step_size}.")
+        if self.num_samples < 1 or self.burn_in < 0 or self.thinning < 1:
+            raise InvalidInputError("need num_samples ≥ 1, burn_in ≥ 0 and thinning ≥ 1.")
+
+
+def sgld_update(
+    state: SGLDState, grad: Tensor, mean_grad: Tensor, config: SGLDConfig,
+    generator: torch.Generator | None, adapt: bool = True,
+) -> SGLDState:
+    """One Welling-Teh (optionally RMSprop-preconditioned) step; returns the new state."""
+    params = state.params
+    noise = torch.randn(params.shape, dtype=params.dtype, device=params.device,
+                        generator=generator)
+    eps = config.step_size
+    if config.preconditioner is Preconditioner.NONE:
+        new = params + 0.5 * eps * grad + eps**0.5 * noise
+        return SGLDState(new, None, state.step + 1)
+    square_avg = state.square_avg
+    if square_avg is None:
+        square_avg = mean_grad**2
+    elif adapt:
+        square_avg = config.rmsprop_alpha * square_avg + (1 - config.rmsprop_alpha) * mean_grad**2
+    precond = 1.0 / (config.rmsprop_delta + square_avg.sqrt())
+    new = params + 0.5 * eps * precond * grad + (eps * precond).sqrt() * noise
+    return SGLDState(new, square_avg, state.step + 1)
+
+
+def run_sgld(
+    grad_fn: GradientFn,
+    init: Tensor,
+    config: SGLDConfig,
+    num_data: int,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Run one chain from ``init (d,)``; returns the kept states, ``(num_samples, d)``.
+
+    Minibatches are drawn without replacement within a step (uniformly at random each step).
+    """
+    state = SGLDState(init.clone(), None, 0)
+    total = config.burn_in + config.num_samples * config.thinning
+    kept = []
+    for t in range(total):
+        if batch_size >= num_data:
+            index = torch.arange(num_data, device=init.device)
+        else:
+            index = torch.randperm(num_data, generator=generator,
+                                   device=generator.device if generator else init.device)
+            index = index[:batch_size].to(init.device)
+        grad, mean_grad = grad_fn(state.params, index)
+        adapt = not (config.freeze_preconditioner and t >= config.burn_in)
+        state = sgld_update(state, grad, mean_grad, config, generator, adapt)
+        if not torch.isfinite(state.params).all() or (
+            state.params.abs().max() > config.divergence_threshold
+        ):
+            raise NumericalError(
+                f"SGLD diverged at step {t} (step_size {config.step_size:.3g}): |θ| exceeded "
+                f"{config.divergence_threshold:g} or became non-finite. Lower the step size."
+            )
+        if t >= config.burn_in and (t - config.burn_in + 1) % config.thinning == 0:
+            kept.append(state.params)
+    return torch.stack(kept)
+
+
+def curvature_bound(inputs: Tensor, prior_precision: float, likelihood: Likelihood,
+                    noise_std: float) -> float:
+    """An upper bound ``L`` of λ_max of the negative log posterior's Hessian.
+
+    Softmax: ``diag(p) − p pᵀ ⪯ I / 2``, so ``L = λ + λ_max(XᵀX) / 2``; Gaussian:
+    ``L = λ + λ_max(XᵀX) / σ²``. ``inputs`` are bias-augmented ``(N, m + 1)``.
+    """
+    top = float(torch.linalg.eigvalsh(inputs.T @ inputs)[-1])
+    scale = 0.5 if likelihood is Likelihood.SOFTMAX else 1.0 / noise_std**2
+    return prior_precision + scale * top
+
+
+def fit_sgld_head(
+    features: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    *,
+    prior_precision: float = 1.0,
+    prior_mean: float = 0.0,
+    step_size: float | None = None,
+    num_samples: int = 200,
+    burn_in: int = 1000,
+    thinning: int = 10,
+    batch_size: int | None = 256,
+    preconditioner: Preconditioner | str = Preconditioner.NONE,
+    init: str = "map",
+    likelihood: Likelihood | str = Likelihood.SOFTMAX,
+    noise_std: float = 1.0,
+    divergence_threshold: float = 1e4,
+    seed: int = 0,
+) -> EnsemblePosterior:
+    """Sample a linear head's posterior with SGLD; returns the kept draws as an ensemble.
+
+    Args:
+        features: ``(N, m)`` features from a fixed body.
+        labels: ``(N,)`` labels in ``[0, num_classes)`` (real targets if gaussian).
+        prior_precision: ``λ`` of the prior ``N(prior_mean, I/λ)``.
+        step_size: ``ε`` of the Welling-Teh update; default ``0.1 / L``
+            (:func:`curvature_bound`) without preconditioning, ``1e-3`` with RMSprop.
+        num_samples, burn_in, thinning: states kept, steps discarded first, keep-one-in.
+        batch_size: minibatch size ``n`` (``None``: full batch); gradients are scaled by N/n.
+        preconditioner: ``"none"`` or ``"rmsprop"`` (pSGLD).
+        init: ``"map"`` (start at the mode, found in float64) or ``"prior_mean"``.
+        seed: seeds the chain's generator (global RNG untouched).
+
+    Returns:
+        A float64 :class:`EnsemblePosterior` of ``(num_samples, C, m + 1)`` draws, ``n_data = N``.
+    """
+    likelihood = Likelihood.parse(likelihood, "likelihood")
+    preconditioner = Preconditioner.parse(preconditioner, "preconditioner")
+    check_training_data(features, labels, num_classes, likelihood)
+    if likelihood is Likelihood.GAUSSIAN and num_classes != 1:
+        raise InvalidInputError("a Gaussian-likelihood head has one output: pass num_classes=1.")
+    if init not in ("map", "prior_mean"):
+        raise InvalidInputError(f"init must be 'map' or 'prior_mean'; got {init!r}.")
+    inputs = augment_with_bias(features.to(torch.float64))
+    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float64)
+    num_data, width = inputs.shape
+    shape = (num_classes, width)
+    if step_size is None:
+        if preconditioner is Preconditioner.NONE:
+            step_size = 0.1 / curvature_bound(inputs, prior_precision, likelihood, noise_std)
+        else:
+            step_size = 1e-3
+    config = SGLDConfig(step_size, num_samples, burn_in, thinning, preconditioner,
+                        divergence_threshold=divergence_threshold)
+    batch = num_data if batch_size is None else min(int(batch_size), num_data)
+
+    def grad_fn(params: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+        theta = params.detach().requires_grad_(True)
+        weight = theta.reshape(shape)
+        batch_loglik = log_likelihood(weight, inputs[index], targets[index], likelihood, noise_std)
+        (lik_grad,) = torch.autograd.grad(batch_loglik, theta)
+        prior_grad = -prior_precision * (params - prior_mean)
+        scale = num_data / index.shape[0]
+        return prior_grad + scale * lik_grad, lik_grad / index.shape[0]
+
+    generator = torch.Generator(device=features.device).manual_seed(seed)
+    if init == "map":
+        start = find_mode(inputs, targets, num_classes, prior_precision, prior_mean,
+                          likelihood, noise_std)
+    else:
+        start = torch.full((num_classes * width,), float(prior_mean), dtype=torch.float64,
+                           device=features.device)
+    draws = run_sgld(grad_fn, start, config, num_data, batch, generator)
+    return EnsemblePosterior(draws.reshape(-1, *shape), n_data=num_data)

@@ -1,0 +1,113 @@
+"""Exact diagonal of the classification GGN over all trainable parameters.
+
+``diag GGN_r = sum_x [ sum_o p_o J_or^2 - (sum_o p_o J_or)^2 ]``, with ``p = softmax(f(x))``.
+Written with the square root of the softmax Hessian, ``Lambda = diag(p) - p p^T = M M^T`` where
+``M[:, k] = sqrt(p_k) (e_k - p)``, it is ``sum_x sum_k (J^T M[:, k])_r^2``: C backward passes of
+the vectors ``M[:, k]`` per batch (the BackPACK "DiagGGN exact" scheme). For an ``nn.Linear``
+layer with 2-D input the per-sample squares reduce to one matrix product
+``(sum_k g_k^2)^T (a^2)``; no per-sample Jacobian of all parameters is formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from inference.subnet.batches import BatchChecks, check_logits, iterate_batches
+from inference.subnet.capture import (
+    ActivationCapture,
+    conv2d_unfold,
+    functional_parameters,
+    generic_jacobians,
+    output_vjps,
+)
+from inference.subnet.parameters import ParameterSlot, flat_trainable_parameters, trainable_slots
+from inference.subnet.training_mode import eval_mode
+
+__all__ = ["diagonal_ggn", "softmax_hessian_sqrt"]
+
+
+def softmax_hessian_sqrt(probs: Tensor) -> Tensor:
+    """Vectors ``V`` (C, B, C) with ``sum_k V[k, b] V[k, b]^T = diag(p_b) - p_b p_b^T``.
+
+    Args:
+        probs: (B, C) softmax probabilities.
+    """
+    C = probs.shape[1]
+    eye = torch.eye(C, dtype=probs.dtype, device=probs.device)
+    return probs.sqrt().T.unsqueeze(-1) * (eye.unsqueeze(1) - probs.unsqueeze(0))
+
+
+@torch.no_grad()
+def diagonal_ggn(model: nn.Module, loader: Iterable) -> Tensor:
+    """Diagonal of the GGN ``sum_x J(x)^T Lambda(x) J(x)`` summed over the loader's data.
+
+    Args:
+        model: returns (B, C) logits; evaluated in eval mode (restored afterwards).
+        loader: yields ``(X, y)`` with integer labels ``y`` (only used for validation: the
+            classification GGN does not depend on the labels).
+
+    Returns:
+        (P,) float64 on the model's device, in the trainable-parameter index space
+        (:mod:`inference.subnet.parameters`); entries are >= 0 (up to rounding).
+    """
+    slots = trainable_slots(model)
+    flat = flat_trainable_parameters(model)
+    diag = torch.zeros(flat.numel(), dtype=torch.float64, device=flat.device)
+    fast = [s for s in slots if s.module is not None]
+    generic = [s.name for s in slots if s.module is None]
+    checks = BatchChecks()
+    with eval_mode(model):
+        for X, y in iterate_batches(loader, flat.device):
+            params = functional_parameters(slots, flat, {s.name for s in fast})
+            with torch.enable_grad(), ActivationCapture([s.module for s in fast]) as capture:
+                logits = functional_call(model, params, (X,))
+            logits = check_logits(logits, X.shape[0])
+            checks.update(logits, y)
+            probs = torch.softmax(logits.detach(), dim=-1)
+            if fast:
+                with torch.enable_grad():
+                    grads = output_vjps(logits, capture.outputs(), softmax_hessian_sqrt(probs))
+                by_output = dict(zip([id(o) for o in capture.outputs()], grads, strict=True))
+                for slot in fast:
+                    for inputs, out in capture.records[id(slot.module)]:
+                        part = _fast_diag(slot, inputs.detach(), by_output[id(out)])
+                        diag[slot.offset : slot.offset + slot.numel] += part.reshape(-1)
+            if generic:
+                jac = generic_jacobians(model, params, generic, X)
+                for slot in slots:
+                    if slot.module is None:
+                        J = jac[slot.name].reshape(X.shape[0], probs.shape[1], -1)
+                        pJ = probs.unsqueeze(-1) * J
+                        part = (pJ * J).sum((0, 1)) - pJ.sum(1).square().sum(0)
+                        diag[slot.offset : slot.offset + slot.numel] += part
+    checks.finish()
+    return diag
+
+
+def _fast_diag(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tensor:
+    """Sum over samples and vectors k of squared per-sample gradients of one layer parameter."""
+    module = slot.module
+    K, B = grad.shape[0], grad.shape[1]
+    if isinstance(module, nn.Linear):
+        g = grad.reshape(K, B, -1, module.out_features)
+        if slot.role == "bias":
+            return g.sum(2).square().sum((0, 1))
+        a = inputs.reshape(B, -1, module.in_features)
+        if a.shape[1] == 1:  # per-sample outer products: the squares factorise
+            return g[:, :, 0].square().sum(0).T @ a[:, 0].square()
+        out = torch.zeros_like(module.weight, dtype=grad.dtype)
+        for gk in g:  # (B, T, out): per-sample gradients, one vector at a time
+            out += torch.einsum("bto,bti->boi", gk, a).square().sum(0)
+        return out
+    g = grad.reshape(K, B, module.out_channels, -1)  # Conv2d: (K, B, C_out, L)
+    if slot.role == "bias":
+        return g.sum(-1).square().sum((0, 1))
+    U = conv2d_unfold(module, inputs)
+    out = torch.zeros(module.out_channels, U.shape[1], dtype=grad.dtype, device=grad.device)
+    for gk in g:
+        out += torch.einsum("bcl,bjl->bcj", gk, U).square().sum(0)
+    return out

@@ -1,0 +1,230 @@
+"""Fit a subnetwork GGN-Laplace posterior: ``fit_subnet_laplace``.
+
+Two curvature backends compute the same (S, S) GGN block ``H_S = sum_x J_S^T Lambda J_S``:
+
+``"subnet_jacobian"`` (default)
+    :class:`inference.subnet.jacobian.SubnetJacobian`: Jacobian columns of the subnet only,
+    ``H_S`` accumulated per chunk as ``(sqrt(p) * J)^T (sqrt(p) * J) - (J^T p)^T (J^T p)``
+    (two matrix products; ``Lambda = diag(p) - p p^T``).
+``"laplace_torch"``
+    laplace-torch's ``FullSubnetLaplace`` (the reference implementation), on a deep copy of the
+    model (laplace-torch hooks and mutates the model it is given), with the curvature class
+    ``laplace_backend`` (default ``AsdlGGN``). It builds the full (B, C, P) Jacobian per batch;
+    the preflight accounts for it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from inference.errors import InvalidInputError
+from inference.subnet.batches import BatchChecks, iterate_batches
+from inference.subnet.jacobian import SubnetJacobian
+from inference.subnet.memory import check_memory, tensor_bytes
+from inference.subnet.parameters import (
+    check_prior_mean,
+    check_prior_precision,
+    check_subnet_indices,
+    flat_trainable_parameters,
+    trainable_slots,
+)
+from inference.subnet.posterior import SubnetLaplacePosterior
+from inference.subnet.selection import select_subnet
+from inference.subnet.training_mode import eval_mode
+
+__all__ = ["fit_subnet_laplace", "subnet_ggn"]
+
+CurvatureBackend = Literal["subnet_jacobian", "laplace_torch"]
+
+
+def fit_subnet_laplace(
+    model: nn.Module,
+    loader: Iterable,
+    subnet: Tensor | Sequence[int] | int | float,
+    prior_precision: float | Tensor = 1.0,
+    prior_mean: float | Tensor | None = None,
+    *,
+    backend: CurvatureBackend = "subnet_jacobian",
+    laplace_backend: type | None = None,
+    chunk_size: int | None = None,
+    max_memory_bytes: int | None = None,
+    filter_zero_curvature: bool = True,
+) -> SubnetLaplacePosterior:
+    """Full-covariance GGN Laplace over a subnet, at the model's current parameters (the MAP).
+
+    Args:
+        model: returns (B, C) logits; evaluated in eval mode (flags restored afterwards).
+        loader: yields ``(X, y)`` with integer labels; the GGN is **summed** over all of it.
+        subnet: (S,) indices into the trainable-parameter vector (tensor or sequence; kept in
+            the given order), or a size (int count / float fraction) handed to
+            :func:`inference.subnet.select_subnet` with the same prior.
+        prior_precision: scalar or (P,) per-parameter prior precision; the subnet's entries are
+            added to the diagonal of the GGN block.
+        prior_mean: ``None`` (0), scalar or (P,); recorded on the posterior, as in laplace-torch
+            it does not change the precision (the mean is the model's MAP).
+        backend: ``"subnet_jacobian"`` (fast, default) or ``"laplace_torch"`` (reference).
+        laplace_backend: laplace-torch curvature class for ``backend="laplace_torch"``.
+        chunk_size: rows per Jacobian chunk (default: the loader's batch).
+        max_memory_bytes: memory budget override for the preflight.
+        filter_zero_curvature: passed to the selection when ``subnet`` is a size.
+
+    Returns:
+        :class:`SubnetLaplacePosterior` holding a reference to ``model``.
+    """
+    n_params = sum(s.numel for s in trainable_slots(model))
+    prior = check_prior_precision(prior_precision, n_params)
+    prior_mu = check_prior_mean(prior_mean, n_params)
+    if isinstance(subnet, int | float) and not isinstance(subnet, bool):
+        indices = select_subnet(
+            model, loader, subnet, prior, filter_zero_curvature=filter_zero_curvature
+        )
+    else:
+        indices = check_subnet_indices(subnet, n_params)
+    if backend == "subnet_jacobian":
+        ggn, n_data = subnet_ggn(
+            model, loader, indices, chunk_size=chunk_size, max_memory_bytes=max_memory_bytes
+        )
+    elif backend == "laplace_torch":
+        ggn, n_data = _laplace_torch_ggn(
+            model, loader, indices, laplace_backend, max_memory_bytes=max_memory_bytes
+        )
+    else:
+        raise InvalidInputError(
+            f"backend must be 'subnet_jacobian' or 'laplace_torch', got {backend!r}"
+        )
+    mean = flat_trainable_parameters(model)
+    on = mean.device
+    return SubnetLaplacePosterior(
+        mean,
+        indices,
+        ggn,
+        prior.to(on)[indices.to(on)],
+        prior_mu.to(on)[indices.to(on)],
+        model=model,
+        n_data=n_data,
+    )
+
+
+@torch.no_grad()
+def subnet_ggn(
+    model: nn.Module,
+    loader: Iterable,
+    subnet_indices: Tensor,
+    *,
+    chunk_size: int | None = None,
+    max_memory_bytes: int | None = None,
+) -> tuple[Tensor, int]:
+    """The subnet GGN block ``sum_x J_S(x)^T (diag(p) - p p^T) J_S(x)``, summed over ``loader``.
+
+    Args:
+        subnet_indices: (S,) CPU int64 indices (validated by the caller).
+
+    Returns:
+        ``(H_S, n_data)``: (S, S) float64 on the model's device, and the number of data points.
+    """
+    mean = flat_trainable_parameters(model)
+    S = subnet_indices.numel()
+    ggn = torch.zeros(S, S, dtype=torch.float64, device=mean.device)
+    checks = BatchChecks()
+    with eval_mode(model):
+        engine = SubnetJacobian(model, subnet_indices, mean)
+        for X, y in iterate_batches(loader, mean.device):
+            if checks.n_classes is None:
+                C = engine.logits(X[:1]).shape[1]
+                _preflight_fit(S, C, chunk_size or X.shape[0], mean, max_memory_bytes)
+            rows = chunk_size or X.shape[0]
+            for start in range(0, X.shape[0], rows):
+                J, logits = engine(X[start : start + rows])
+                checks.update(logits, y[start : start + rows])
+                ggn += _ggn_block(J, torch.softmax(logits, dim=-1))
+    checks.finish()
+    return 0.5 * (ggn + ggn.T), checks.n_data
+
+
+def _ggn_block(J: Tensor, probs: Tensor) -> Tensor:
+    """``sum_b J_b^T (diag(p_b) - p_b p_b^T) J_b`` for J (C, B, S), probs (B, C); float64."""
+    C, B, S = J.shape
+    weighted = (J * probs.T.sqrt().unsqueeze(-1)).reshape(C * B, S)
+    mixed = torch.einsum("cb,cbs->bs", probs.T, J)  # (B, S): J_b^T p_b
+    block = weighted.T @ weighted - mixed.T @ mixed
+    return block.to(torch.float64)
+
+
+def _preflight_fit(
+    S: int, C: int, rows: int, mean: Tensor, max_memory_bytes: int | None
+) -> None:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise InvalidInputError(f"chunk_size must be a positive int, got {rows!r}")
+    dtype = mean.dtype
+    check_memory(
+        {
+            "GGN, precision and Cholesky (S x S float64, x3)": 3 * tensor_bytes((S, S), torch.float64),
+            "subnet Jacobian chunk and weighted copy (x2)": 2 * tensor_bytes((C, rows, S), dtype),
+            "GGN chunk": tensor_bytes((S, S), dtype),
+        },
+        device=mean.device,
+        max_memory_bytes=max_memory_bytes,
+        advice=f"With |S| = {S}, C = {C} and {rows} rows per chunk: use a smaller subnet, a "
+        "smaller chunk_size or a smaller loader batch size.",
+    )
+
+
+def _laplace_torch_ggn(
+    model: nn.Module,
+    loader: Iterable,
+    subnet_indices: Tensor,
+    laplace_backend: type | None,
+    *,
+    max_memory_bytes: int | None,
+) -> tuple[Tensor, int]:
+    """``H_S`` from laplace-torch's ``FullSubnetLaplace`` (reference path)."""
+    from laplace import Laplace
+    from laplace.curvature import AsdlGGN
+
+    mean = flat_trainable_parameters(model)
+    first = next(iter(iterate_batches(loader, mean.device)))
+    with torch.no_grad(), eval_mode(model):
+        C = model(first[0][:1]).shape[-1]
+    S, B = subnet_indices.numel(), first[0].shape[0]
+    check_memory(
+        {
+            "full per-batch Jacobian (B x C x P, laplace-torch)": tensor_bytes(
+                (B, C, mean.numel()), mean.dtype
+            ),
+            "GGN, precision and scale (S x S, x3)": 3 * tensor_bytes((S, S), mean.dtype),
+        },
+        device=mean.device,
+        max_memory_bytes=max_memory_bytes,
+        advice="laplace-torch builds the Jacobian of all parameters: use the default "
+        "backend='subnet_jacobian', or a smaller loader batch size.",
+    )
+    reference = copy.deepcopy(model)  # laplace-torch mutates and hooks its model
+    la = Laplace(
+        reference,
+        "classification",
+        subset_of_weights="subnetwork",
+        hessian_structure="full",
+        subnetwork_indices=subnet_indices.cpu(),
+        backend=laplace_backend or AsdlGGN,
+    )
+    la.fit(loader if hasattr(loader, "dataset") else _BatchList(loader, mean.device))
+    return la.H.detach().to(torch.float64), int(la.n_data)
+
+
+class _BatchList:
+    """A list of validated ``(X, y)`` batches with the ``dataset`` length laplace-torch reads."""
+
+    def __init__(self, loader: Iterable, device: torch.device) -> None:
+        self.batches = list(iterate_batches(loader, device))
+        self.dataset = range(sum(y.shape[0] for _, y in self.batches))
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)

@@ -1,0 +1,377 @@
+"""The subnetwork linearised-Laplace posterior (FedSI's client posterior).
+
+``q(theta) = N(theta_S | mean_S, Sigma_S) * prod_{r not in S} delta(theta_r - mean_r)`` with
+``Sigma_S^{-1} = H_S + diag(prior_precision_S)``, ``H_S = sum_x J_S^T Lambda J_S`` the GGN block
+of the subnet (the likelihood term, kept apart from the prior as laplace-torch keeps ``H``).
+
+**How the model is held.** The posterior keeps a *reference* to the model for the forward
+passes of the predictive; it never writes into it. Predictions are linearised at ``mean``, not
+at whatever the model's parameters are now: the forward pass is a ``torch.func.functional_call``
+with the trainable parameters taken from ``mean`` (frozen parameters and buffers come from the
+model). ``state_dict()`` holds tensors only; ``from_state_dict(state, model=...)`` or
+:meth:`SubnetLaplacePosterior.bind` attaches a model with the same trainable-parameter count.
+
+Numerics: the precision is factorised in float64, ``precision = L L^T``; the covariance is
+``L^{-T} L^{-1}``. The predictive logit variance of output o is ``||L^{-1} J_S[o]^T||^2``
+(a triangular solve on the subnet Jacobian), never the full covariance product.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from inference.errors import InvalidInputError, NumericalError
+from inference.subnet.jacobian import SubnetJacobian
+from inference.subnet.memory import check_memory, tensor_bytes
+from inference.subnet.parameters import check_subnet_indices, trainable_slots
+from inference.subnet.training_mode import eval_mode
+
+__all__ = ["PredictiveMethod", "SubnetLaplacePosterior"]
+
+PredictiveMethod = Literal["glm_probit", "glm_mc", "map"]
+_METHODS = ("glm_probit", "glm_mc", "map")
+_STATE_KEYS = ("mean", "subnet_indices", "ggn", "prior_precision", "prior_mean", "n_data")
+# Working memory one predictive chunk may take by default (Jacobian + its float64 solve).
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+
+
+class SubnetLaplacePosterior:
+    """Full-covariance Gaussian over a parameter subnet, point mass at the MAP elsewhere.
+
+    Args:
+        mean: (P,) MAP of all trainable parameters (model dtype, model device).
+        subnet_indices: (S,) int64 indices into the trainable-parameter vector (any device;
+            stored on CPU, a device copy is made once).
+        ggn: (S, S) likelihood GGN block ``sum_x J_S^T Lambda J_S`` (no prior).
+        prior_precision: (S,) prior precision of the subnet entries, > 0.
+        prior_mean: (S,) prior mean of the subnet entries (recorded, as laplace-torch does; it
+            does not enter the Laplace precision). ``None`` = zeros.
+        model: the network the mean belongs to; needed by :meth:`predict_proba` only.
+        n_data: number of data points the GGN was summed over.
+    """
+
+    kind: ClassVar[str] = "subnet_laplace"
+
+    def __init__(
+        self,
+        mean: Tensor,
+        subnet_indices: Tensor,
+        ggn: Tensor,
+        prior_precision: Tensor,
+        prior_mean: Tensor | None = None,
+        model: nn.Module | None = None,
+        n_data: int = 0,
+    ) -> None:
+        if mean.dim() != 1 or not mean.dtype.is_floating_point:
+            raise InvalidInputError(f"mean must be a flat float vector, got {tuple(mean.shape)}")
+        idx = check_subnet_indices(subnet_indices, mean.numel())
+        S, device = idx.numel(), mean.device
+        ggn = ggn.detach().to(device, torch.float64)
+        prior_precision = prior_precision.detach().to(device, torch.float64).reshape(-1)
+        prior_mean = (
+            torch.zeros(S, dtype=torch.float64, device=device)
+            if prior_mean is None
+            else prior_mean.detach().to(device, torch.float64).reshape(-1)
+        )
+        if ggn.shape != (S, S) or prior_precision.numel() != S or prior_mean.numel() != S:
+            raise InvalidInputError(
+                f"shapes disagree with {S} subnet indices: ggn {tuple(ggn.shape)}, prior_precision "
+                f"{tuple(prior_precision.shape)}, prior_mean {tuple(prior_mean.shape)}"
+            )
+        self._mean = mean.detach()
+        self._indices = idx
+        self._indices_device = idx.to(device)
+        self._ggn = 0.5 * (ggn + ggn.T)
+        self._prior_precision = prior_precision
+        self._prior_mean = prior_mean
+        self.n_data = int(n_data)
+        finite = torch.stack(
+            [torch.isfinite(t).all() for t in (self._mean, self._ggn, prior_precision, prior_mean)]
+        )
+        if not bool(finite.all()):
+            raise NumericalError("mean, GGN or prior contains non-finite values")
+        if not bool((prior_precision > 0).all()):
+            raise InvalidInputError("prior_precision must be > 0 on every subnet entry")
+        precision = self._ggn + torch.diag(prior_precision)
+        chol, info = torch.linalg.cholesky_ex(precision)
+        if int(info) != 0:
+            raise NumericalError(
+                f"the subnet posterior precision is not positive definite (Cholesky failed at "
+                f"column {int(info)}); increase prior_precision"
+            )
+        self._precision = precision
+        self._chol = chol
+        self._model: nn.Module | None = None
+        self._jacobian: SubnetJacobian | None = None
+        self._n_classes: int | None = None
+        if model is not None:
+            self._attach(model)
+
+    # ---------------------------------------------------------------- the Gaussian
+    @property
+    def mean(self) -> Tensor:
+        """(P,) MAP of all trainable parameters (the posterior mean)."""
+        return self._mean
+
+    @property
+    def subnet_indices(self) -> Tensor:
+        """(S,) CPU int64 indices of the subnet in the trainable-parameter vector."""
+        return self._indices
+
+    @property
+    def n_params(self) -> int:
+        return self._mean.numel()
+
+    @property
+    def n_subnet(self) -> int:
+        return self._indices.numel()
+
+    @property
+    def mean_subnet(self) -> Tensor:
+        """(S,) the mean restricted to the subnet."""
+        return self._mean[self._indices_device]
+
+    @property
+    def ggn(self) -> Tensor:
+        """(S, S) float64 likelihood term ``sum_x J_S^T Lambda J_S`` (no prior)."""
+        return self._ggn
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """(S,) float64 prior precision of the subnet entries."""
+        return self._prior_precision
+
+    @property
+    def prior_mean(self) -> Tensor:
+        """(S,) float64 prior mean of the subnet entries."""
+        return self._prior_mean
+
+    @property
+    def precision(self) -> Tensor:
+        """(S, S) float64 posterior precision ``ggn + diag(prior_precision)``."""
+        return self._precision
+
+    @property
+    def cholesky(self) -> Tensor:
+        """(S, S) float64 lower-triangular ``L`` with ``precision = L L^T``."""
+        return self._chol
+
+    @property
+    def covariance(self) -> Tensor:
+        """(S, S) float64 posterior covariance ``precision^{-1}``."""
+        return torch.cholesky_inverse(self._chol)
+
+    def marginal_variance_subnet(self) -> Tensor:
+        """(S,) float64 ``diag(covariance)``, as column sums of squares of ``L^{-1}``."""
+        eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._chol.device)
+        inv_chol = torch.linalg.solve_triangular(self._chol, eye, upper=False)
+        return inv_chol.square().sum(0)
+
+    def marginal_std_full(self) -> Tensor:
+        """(P,) marginal standard deviations, zero outside the subnet (FedSI's upload).
+
+        Same dtype and device as :attr:`mean`.
+        """
+        std = torch.zeros_like(self._mean)
+        std[self._indices_device] = self.marginal_variance_subnet().sqrt().to(std.dtype)
+        return std
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """``n`` full parameter vectors, shape (n, P): subnet ~ N(mean_S, Sigma_S), rest = mean.
+
+        ``theta_S = mean_S + L^{-T} z`` with ``z ~ N(0, I)``, so ``Cov = L^{-T} L^{-1} =
+        precision^{-1}`` (laplace-torch 0.2.3 multiplied by the wrong transpose here).
+        ``generator`` must live on the posterior's device.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"n must be a positive int, got {n!r}")
+        z = torch.randn(
+            self.n_subnet, n, dtype=torch.float64, device=self._chol.device, generator=generator
+        )
+        delta = torch.linalg.solve_triangular(self._chol.T, z, upper=True)  # (S, n)
+        draws = self._mean.unsqueeze(0).repeat(n, 1)
+        draws[:, self._indices_device] += delta.T.to(draws.dtype)
+        return draws
+
+    # ---------------------------------------------------------------- the model
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model
+
+    def _attach(self, model: nn.Module) -> None:
+        n = sum(s.numel for s in trainable_slots(model))
+        if n != self.n_params:
+            raise InvalidInputError(
+                f"the model has {n} trainable parameters but the posterior was fitted on "
+                f"{self.n_params}; bind the same architecture with the same frozen parameters"
+            )
+        self._model = model
+        self._jacobian = None
+        self._n_classes = None
+
+    def bind(self, model: nn.Module) -> SubnetLaplacePosterior:
+        """A copy of this posterior (sharing tensors) that predicts with ``model``."""
+        other = copy.copy(self)
+        other._attach(model)
+        return other
+
+    def _subnet_jacobian(self) -> SubnetJacobian:
+        if self._model is None:
+            raise InvalidInputError(
+                "this posterior holds no model: use from_state_dict(state, model=...) or "
+                "posterior.bind(model) before predict_proba"
+            )
+        if self._jacobian is None:
+            self._jacobian = SubnetJacobian(self._model, self._indices, self._mean)
+        return self._jacobian
+
+    # ---------------------------------------------------------------- the predictive
+    @torch.no_grad()
+    def predict_proba(
+        self,
+        inputs: Tensor,
+        method: PredictiveMethod | None = None,
+        *,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        max_memory_bytes: int | None = None,
+    ) -> Tensor:
+        """Predictive class probabilities, (B, C), rows summing to one.
+
+        Args:
+            inputs: (B, ...) model inputs (moved to the posterior's device).
+            method: ``"glm_probit"`` (default; FedSI Eq. 19): ``softmax(kappa * f)`` with
+                ``kappa_o = (1 + pi/8 * var_o)^{-1/2}`` and ``var_o`` the linearised logit
+                variance, as laplace-torch's ``link_approx="probit"``; ``"glm_mc"``: average
+                softmax of ``f + J_S (theta_S - mean_S)`` over ``n_samples`` weight-space draws
+                (exact Gaussian logits, no Cholesky of the C x C logit covariance); ``"map"``:
+                ``softmax(f)``.
+            n_samples, generator: for ``"glm_mc"``.
+            chunk_size: rows per Jacobian chunk; ``None`` picks the largest chunk within
+                ``DEFAULT_CHUNK_BYTES`` of working memory.
+            max_memory_bytes: memory budget override for the preflight.
+        """
+        method = "glm_probit" if method is None else method
+        if method not in _METHODS:
+            raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
+        if not isinstance(inputs, Tensor) or inputs.dim() == 0:
+            raise InvalidInputError("inputs must be a tensor with a leading batch axis")
+        engine = self._subnet_jacobian()
+        x = inputs.to(self._mean.device)
+        deltas = None
+        if method == "glm_mc":
+            if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+                raise InvalidInputError(f"n_samples must be a positive int, got {n_samples!r}")
+            z = torch.randn(
+                self.n_subnet,
+                n_samples,
+                dtype=torch.float64,
+                device=self._chol.device,
+                generator=generator,
+            )
+            deltas = torch.linalg.solve_triangular(self._chol.T, z, upper=True)  # (S, n)
+        rows = self._predict_chunk_rows(x, chunk_size, n_samples, max_memory_bytes)
+        out = []
+        with eval_mode(self._model):
+            for start in range(0, x.shape[0], rows):
+                out.append(self._predict_chunk(engine, x[start : start + rows], method, deltas))
+        return torch.cat(out)
+
+    def _predict_chunk(
+        self, engine: SubnetJacobian, x: Tensor, method: str, deltas: Tensor | None
+    ) -> Tensor:
+        if method == "map":
+            return torch.softmax(engine.logits(x), dim=-1)
+        J, logits = engine(x)  # (C, B, S)
+        C, B, S = J.shape
+        Jt = J.reshape(C * B, S).to(torch.float64)
+        if method == "glm_probit":
+            A = torch.linalg.solve_triangular(self._chol, Jt.T, upper=False)  # (S, C*B)
+            f_var = A.square().sum(0).reshape(C, B).T
+            kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
+            return torch.softmax(kappa.to(logits.dtype) * logits, dim=-1)
+        f_samples = (Jt @ deltas).reshape(C, B, -1).permute(2, 1, 0)  # (n, B, C)
+        probs = torch.softmax(logits.to(torch.float64).unsqueeze(0) + f_samples, dim=-1)
+        return probs.mean(0).to(logits.dtype)
+
+    def _predict_chunk_rows(
+        self, x: Tensor, chunk_size: int | None, n_samples: int, max_memory_bytes: int | None
+    ) -> int:
+        if self._n_classes is None:  # one single-row forward pass, once
+            with eval_mode(self._model):
+                self._n_classes = self._subnet_jacobian().logits(x[:1]).shape[1]
+        C = self._n_classes
+        S, itemsize = self.n_subnet, self._mean.element_size()
+        # J (model dtype) + its float64 copy + the float64 solve / sample logits, per row.
+        per_row = C * S * (itemsize + 16) + C * n_samples * 8
+        if chunk_size is None:
+            chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_memory(
+            {"subnet Jacobian chunk and its solve": per_row * chunk_size},
+            device=self._mean.device,
+            max_memory_bytes=max_memory_bytes,
+            advice="Pass a smaller chunk_size, predict on fewer inputs at once, or use a "
+            "smaller subnet.",
+        )
+        return chunk_size
+
+    # ---------------------------------------------------------------- moving and saving
+    def to(self, device: torch.device | str, model: nn.Module | None = None) -> SubnetLaplacePosterior:
+        """A copy on ``device``. The model: ``model`` if given, else the held model when it is
+        already on ``device``, else a deep copy of it moved there (the original is untouched)."""
+        device = torch.device(device)
+        if model is None and self._model is not None:
+            held = next(iter(self._model.parameters()), None)
+            same = held is None or held.device.type == device.type and (
+                device.index is None or held.device == device
+            )
+            model = self._model if same else copy.deepcopy(self._model).to(device)
+        return SubnetLaplacePosterior(
+            self._mean.to(device),
+            self._indices,
+            self._ggn.to(device),
+            self._prior_precision.to(device),
+            self._prior_mean.to(device),
+            model=model,
+            n_data=self.n_data,
+        )
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensors only: ``mean, subnet_indices, ggn, prior_precision, prior_mean, n_data``."""
+        return {
+            "mean": self._mean,
+            "subnet_indices": self._indices,
+            "ggn": self._ggn,
+            "prior_precision": self._prior_precision,
+            "prior_mean": self._prior_mean,
+            "n_data": torch.tensor(self.n_data, dtype=torch.int64),
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls, state: Mapping[str, Tensor], model: nn.Module | None = None
+    ) -> SubnetLaplacePosterior:
+        """Rebuild from :meth:`state_dict` (e.g. read back with safetensors), binding ``model``."""
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise InvalidInputError(f"state is missing {missing} (expected {list(_STATE_KEYS)})")
+        if not all(isinstance(state[k], Tensor) for k in _STATE_KEYS):
+            raise InvalidInputError("every entry of a subnet Laplace state must be a tensor")
+        return cls(
+            state["mean"],
+            state["subnet_indices"],
+            state["ggn"],
+            state["prior_precision"],
+            state["prior_mean"],
+            model=model,
+            n_data=int(state["n_data"]),
+        )

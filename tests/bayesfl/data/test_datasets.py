@@ -1,0 +1,165 @@
+"""Data sets load offline, are deterministic by seed, and fail clearly when files are absent."""
+
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfl.data.datasets import DATASETS, Dataset, load_dataset
+from bayesfl.errors import ConfigError, DataError
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test loudly."""
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network access is disabled in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    return attempts
+
+
+def test_digits_load_without_network_as_flat_unit_scaled_inputs(no_network):
+    data = load_dataset("digits")
+    assert (data.name, data.num_classes, data.input_shape) == ("digits", 10, (64,))
+    assert data.x.shape == (1797, 64) and data.x.dtype == torch.float32
+    assert data.y.dtype == torch.int64 and set(data.y.tolist()) == set(range(10))
+    assert float(data.x.min()) == 0.0 and float(data.x.max()) == 1.0
+    assert no_network == []
+
+
+def test_digits_match_scikit_learn_divided_by_16():
+    from sklearn.datasets import load_digits
+
+    reference = load_digits()
+    data = load_dataset("digits")
+    np.testing.assert_array_equal(data.x.numpy(), (reference.data / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(data.y.numpy(), reference.target)
+
+
+def test_gaussian_mixture_is_deterministic_by_seed():
+    a = load_dataset("gaussian_mixture", seed=3, n=300, dim=4, num_classes=3)
+    b = load_dataset("gaussian_mixture", seed=3, n=300, dim=4, num_classes=3)
+    c = load_dataset("gaussian_mixture", seed=4, n=300, dim=4, num_classes=3)
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    assert not torch.equal(a.x, c.x)
+    assert a.x.shape == (300, 4) and a.input_shape == (4,) and a.num_classes == 3
+    assert torch.bincount(a.y).tolist() == [100, 100, 100]
+
+
+def test_gaussian_mixture_has_unit_noise_and_means_about_separation_apart():
+    # reference: the generative definition; within-class covariance is I (tolerance 0.05 with
+    # 20k samples), and the mean pairwise distance of 40 class means is `separation` (10%)
+    data = load_dataset("gaussian_mixture", seed=0, n=20_000, dim=8, num_classes=40,
+                        separation=5.0)
+    x, y = data.x.double(), data.y
+    means = torch.stack([x[y == c].mean(0) for c in range(40)])
+    residual = x - means[y]
+    np.testing.assert_allclose(torch.cov(residual.T).numpy(), np.eye(8), atol=0.05)
+    distances = torch.pdist(means)
+    assert abs(float(distances.mean()) - 5.0) < 0.5
+
+
+def test_mnist1d_is_generated_locally_without_network(no_network):
+    data = load_dataset("mnist1d", seed=0, num_samples=200)
+    assert data.x.shape == (200, 40) and data.input_shape == (40,)
+    assert data.x.dtype == torch.float32 and torch.isfinite(data.x).all()
+    assert torch.bincount(data.y).tolist() == [20] * 10
+    assert no_network == []
+
+
+def test_mnist1d_equals_the_package_generator_with_the_same_arguments():
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples, args.seed = 100, 42
+    reference = make_dataset(args)
+    data = load_dataset("mnist1d", seed=42, num_samples=100)
+    np.testing.assert_array_equal(
+        data.x.numpy(), np.concatenate([reference["x"], reference["x_test"]]).astype(np.float32))
+    np.testing.assert_array_equal(data.y.numpy(), np.concatenate([reference["y"],
+                                                                  reference["y_test"]]))
+
+
+def test_mnist1d_is_deterministic_by_seed_and_leaves_global_rngs_untouched():
+    np.random.seed(123)
+    random.seed(123)
+    numpy_before, python_before = np.random.get_state()[1].copy(), random.getstate()
+    a = load_dataset("mnist1d", seed=1, num_samples=50)
+    b = load_dataset("mnist1d", seed=1, num_samples=50)
+    c = load_dataset("mnist1d", seed=2, num_samples=50)
+    assert torch.equal(a.x, b.x) and not torch.equal(a.x, c.x)
+    np.testing.assert_array_equal(np.random.get_state()[1], numpy_before)
+    assert random.getstate() == python_before
+
+
+@pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10", "cifar100"])
+def test_torchvision_sets_without_files_give_a_data_error_saying_where_to_put_them(
+        tmp_path, no_network, name):
+    with pytest.raises(DataError) as info:
+        load_dataset(name, root=str(tmp_path))
+    message = str(info.value)
+    assert str(tmp_path) in message and "download=True" in message
+    assert no_network == []
+
+
+def test_a_failed_download_is_a_data_error(tmp_path, no_network):
+    with pytest.raises(DataError, match="download"):
+        load_dataset("mnist", root=str(tmp_path), download=True)
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    """Write a uint8 array in the big-endian IDX format of the MNIST files."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(
+        int(s).to_bytes(4, "big") for s in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_loads_from_local_files_pooling_train_then_test(tmp_path, no_network):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    train_images = rng.integers(0, 256, size=(6, 28, 28))
+    test_images = rng.integers(0, 256, size=(4, 28, 28))
+    _write_idx(raw / "train-images-idx3-ubyte", train_images)
+    _write_idx(raw / "train-labels-idx1-ubyte", np.arange(6) % 10)
+    _write_idx(raw / "t10k-images-idx3-ubyte", test_images)
+    _write_idx(raw / "t10k-labels-idx1-ubyte", np.arange(4) + 5)
+    data = load_dataset("mnist", root=str(tmp_path))
+    assert data.x.shape == (10, 1, 28, 28) and data.input_shape == (1, 28, 28)
+    expected = np.concatenate([train_images, test_images])[:, None] / 255.0
+    np.testing.assert_allclose(data.x.numpy(), expected, rtol=1e-6)
+    assert data.y.tolist() == [0, 1, 2, 3, 4, 5, 5, 6, 7, 8]
+    test_only = load_dataset("mnist", root=str(tmp_path), split="test", max_samples=3)
+    assert test_only.y.tolist() == [5, 6, 7]
+
+
+def test_unknown_dataset_is_a_config_error_listing_the_valid_names():
+    with pytest.raises(ConfigError) as info:
+        load_dataset("imagenet")
+    for name in DATASETS:
+        assert name in str(info.value)
+
+
+def test_unknown_option_is_a_config_error_listing_the_valid_options():
+    with pytest.raises(ConfigError, match="num_classes, dim, n, separation"):
+        load_dataset("gaussian_mixture", classes=3)
+    with pytest.raises(ConfigError, match="none"):
+        load_dataset("digits", download=True)
+
+
+def test_dataset_rejects_inconsistent_arrays():
+    with pytest.raises(DataError, match="float32"):
+        Dataset("bad", torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.int64),
+                2, (2,))
+    with pytest.raises(DataError, match="shape"):
+        Dataset("bad", torch.zeros(3, 2), torch.zeros(4, dtype=torch.int64), 2, (2,))
+    with pytest.raises(DataError, match="labels"):
+        Dataset("bad", torch.zeros(3, 2), torch.tensor([0, 1, 2]), 2, (2,))

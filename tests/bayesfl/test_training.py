@@ -1,0 +1,84 @@
+"""Local training: the batched (vmap) path equals the plain per-client loop."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from bayesfl.errors import ConfigError
+from bayesfl.training import LocalTraining, architecture_key, train_batched, train_plain
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _ce(out, y):
+    return nn.functional.cross_entropy(out, y, reduction="none")
+
+
+def _client_data(sizes):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, 5, generator=g) for n in sizes]
+    ys = [torch.randint(0, 3, (n,), generator=g) for n in sizes]
+    return xs, ys
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_batched_training_equals_plain_loop_with_unequal_client_sizes(reset):
+    sizes = [7, 23, 1, 12]  # different numbers of steps and a partial last batch
+    xs, ys = _client_data(sizes)
+    config = LocalTraining(epochs=3, lr=1e-2, batch_size=5, reset_optimizer_each_epoch=reset)
+    plain = [_mlp(k) for k in range(len(sizes))]
+    batched = copy.deepcopy(plain)
+    for k, model in enumerate(plain):
+        g = torch.Generator().manual_seed(100 + k)
+        train_plain(model, xs[k], ys[k], _ce, config, generator=g)
+    gens = [torch.Generator().manual_seed(100 + k) for k in range(len(sizes))]
+    train_batched(batched, xs, ys, _ce, config, generators=gens)
+    for a, b in zip(plain, batched, strict=True):
+        for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            # float32 rounding over 15 Adam steps; parameters are O(1)
+            torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_frozen_parameters_are_untouched_in_both_paths():
+    xs, ys = _client_data([9, 4])
+    config = LocalTraining(epochs=2, lr=1e-2, batch_size=4)
+    models = [_mlp(1), _mlp(2)]
+    before = [copy.deepcopy(m) for m in models]
+    only_first = lambda name: name.startswith("0.")  # noqa: E731
+    gens = [torch.Generator().manual_seed(k) for k in range(2)]
+    train_batched(models, xs, ys, _ce, config, generators=gens, trainable=only_first)
+    train_plain(models[0], xs[0], ys[0], _ce, config, generator=gens[0], trainable=only_first)
+    for m, b in zip(models, before, strict=True):
+        assert torch.equal(m[2].weight, b[2].weight)
+        assert not torch.equal(m[0].weight, b[0].weight)
+        assert all(p.requires_grad for p in m.parameters())
+
+
+def test_training_reduces_the_loss():
+    xs, ys = _client_data([40])
+    model = _mlp(0)
+    loss0 = _ce(model(xs[0]), ys[0]).mean().item()
+    config = LocalTraining(epochs=30, lr=1e-2, batch_size=8)
+    train_plain(model, xs[0], ys[0], _ce, config, generator=torch.Generator().manual_seed(0))
+    assert _ce(model(xs[0]), ys[0]).mean().item() < 0.7 * loss0
+
+
+def test_batched_training_refuses_mixed_architectures():
+    other = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    assert architecture_key(_mlp(0)) != architecture_key(other)
+    xs, ys = _client_data([3, 3])
+    gens = [torch.Generator() for _ in range(2)]
+    with pytest.raises(ConfigError, match="one architecture"):
+        train_batched([_mlp(0), other], xs, ys, _ce, LocalTraining(), generators=gens)
+
+
+def test_bad_hyperparameters_are_config_errors():
+    with pytest.raises(ConfigError):
+        LocalTraining(batch_size=0)
+    with pytest.raises(ConfigError):
+        LocalTraining(lr=0.0)
