@@ -31,7 +31,7 @@ from safetensors.torch import load as _safetensors_load
 from safetensors.torch import save as _safetensors_save
 
 from bayesfl.errors import CheckpointError, ConfigError
-from bayesfl.messages import read_safetensors_metadata, tensor_digest
+from bayesfl.messages import contiguous_cpu_tensors, read_safetensors_metadata, tensor_digest
 
 _FORMAT = "bayesfl-checkpoint"
 _KEY = "bayesfl."
@@ -90,7 +90,7 @@ def save_checkpoint(
         meta_json = json.dumps(dict(meta), sort_keys=True, allow_nan=True, default=_json_default)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint meta is not JSON serialisable: {err}") from err
-    cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    cpu = contiguous_cpu_tensors(tensors)
     metadata = {
         _KEY + "format": _FORMAT,
         _KEY + "fingerprint": fingerprint,

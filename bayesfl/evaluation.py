@@ -70,18 +70,18 @@ def evaluate_clients(
     n_bins: int = 15,
 ) -> RoundEvaluation:
     """Evaluate every client on its test set (module docstring)."""
-    pooled = Accumulator(n_bins=n_bins)
-    per_client, probs, labels, ids = [], [], [], []
+    accumulators, per_client, probs, labels, ids = [], [], [], [], []
     for c in clients:
         p = strategy.predict_proba(c, state, c.data.test_x).to("cpu", torch.float64)
         y = c.data.test_y.to("cpu")
         acc = Accumulator(n_bins=n_bins)
         acc.update(p, y)
-        pooled.merge(acc)
+        accumulators.append(acc)
         per_client.append({"client_id": c.client_id, "count": int(y.numel()),
                            **_as_floats(acc.compute())})
         probs.append(p)
         labels.append(y)
         ids.append(torch.full_like(y, c.client_id))
+    pooled = Accumulator.merged(accumulators)
     return RoundEvaluation(per_client, _as_floats(pooled.compute()), torch.cat(probs),
                            torch.cat(labels), torch.cat(ids))

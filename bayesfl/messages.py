@@ -15,7 +15,6 @@ Algorithm invariants (e.g. FedLog's bias column) are the strategy's to check on 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -88,9 +87,13 @@ class Message:
                 raise ConfigError(f"message entry {name!r} is a {type(tensor).__name__}, "
                                   "not a torch.Tensor")
 
-    @functools.cached_property
+    @property
     def nbytes(self) -> int:
-        """Size in bytes of the encoded message, ``len(encode(self))``."""
+        """Size in bytes of the encoded message, ``len(encode(self))``.
+
+        Encodes on each call (the tensor mapping may change); a sender that needs the bytes
+        anyway should call :func:`encode` once and take ``len``.
+        """
         return len(encode(self))
 
     @property
@@ -110,18 +113,32 @@ def tensor_digest(tensors: Mapping[str, torch.Tensor], preamble: str = "") -> st
     for name in sorted(tensors):
         tensor = tensors[name].detach().to("cpu").contiguous().reshape(-1)
         digest.update(json.dumps([name, str(tensor.dtype), list(tensors[name].shape)]).encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.view(torch.uint8).numpy())  # hashes the buffer without a copy
     return digest.hexdigest()
 
 
-def _cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # clone: safetensors refuses tensors that share storage (views of one parameter buffer)
-    return {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+def contiguous_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors that safetensors can save.
+
+    Copies only where needed: a tensor on another device or not contiguous, and every tensor
+    but the first of a group that shares one storage (safetensors refuses shared storage, e.g.
+    views of one flat parameter buffer). Fresh allocations are costly, so nothing else is copied.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for name, tensor in tensors.items():
+        cpu = tensor.detach().to("cpu").contiguous()
+        storage = cpu.untyped_storage().data_ptr()
+        if storage in seen_storages and cpu.numel() > 0:
+            cpu = cpu.clone()
+        seen_storages.add(cpu.untyped_storage().data_ptr())
+        out[name] = cpu
+    return out
 
 
 def encode(msg: Message) -> bytes:
     """Serialize ``msg`` to safetensors bytes with the header and a digest in the metadata."""
-    tensors = _cpu_copies(msg.tensors)
+    tensors = contiguous_cpu_tensors(msg.tensors)
     h = msg.header
     metadata = {
         _PREFIX + "format": _FORMAT,

@@ -46,7 +46,7 @@ from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, evaluate_clients
 from bayesfl.messages import Message, decode, encode
-from bayesfl.strategies import Client, make_strategy
+from bayesfl.strategies import Client, make_strategy, strategy_options
 from bayesfl.strategies.base import BaseStrategy, ServerState, StrategyContext
 from bayesfl.training import LocalTraining, architecture_key
 
@@ -99,6 +99,7 @@ class SimulationConfig:
             raise ConfigError(f"n_bins must be >= 1, got {self.n_bins}")
         if not self.body_specs:
             raise ConfigError(f"body must name at least one body spec, got {self.body!r}")
+        strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
 
     @property
     def body_specs(self) -> list[str]:
@@ -239,8 +240,8 @@ class _Run:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derived_seed(self.config.seed, 11, specs.index(spec)))
             body = build_body(spec, shape, self.config.feature_dim)
-        check_feature_dim(body, shape, self.config.feature_dim)
-        model = self.strategy.build_model(body).to(self.device)
+            check_feature_dim(body, shape, self.config.feature_dim)
+            model = self.strategy.build_model(body).to(self.device)  # a head, if any, too
         data = ClientData(
             client_id=data.client_id,
             train_x=data.train_x.to(self.device), train_y=data.train_y.to(self.device),

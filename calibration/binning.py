@@ -22,7 +22,7 @@ from torch import Tensor
 from calibration.errors import InvalidInputError
 
 
-class Binning(str, enum.Enum):
+class Binning(enum.StrEnum):
     """How bin edges are placed. Accepts the strings ``"uniform"`` and ``"quantile"``."""
 
     UNIFORM = "uniform"
@@ -90,5 +90,5 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
     Comparisons are done in float64 (a float32 confidence is widened exactly first).
     """
     n_bins = edges.numel() - 1
-    index = torch.bucketize(confidences.to(torch.float64), edges, right=True) - 1
+    index = torch.bucketize(confidences.to(torch.float64).contiguous(), edges, right=True) - 1
     return index.clamp_(0, n_bins - 1)

@@ -20,7 +20,7 @@ ArrayLike = Tensor | np.ndarray
 
 
 def as_tensor(array: Any, name: str) -> Tensor:
-    """Wrap ``array`` (torch tensor, numpy array or nested sequence) as a tensor, no copy if possible."""
+    """Wrap ``array`` (tensor, numpy array or sequence) as a tensor, without copying if possible."""
     if isinstance(array, Tensor):
         return array.detach()
     if isinstance(array, np.ndarray):
@@ -70,7 +70,8 @@ def class_labels(labels: Any, n_samples: int, n_classes: int, device: torch.devi
     if tensor.ndim != 1:
         hint = " (for one-hot labels pass labels.argmax(1))" if tensor.ndim == 2 else ""
         raise InvalidInputError(
-            f"labels must be a 1-D array of class indices (N,); got shape {tuple(tensor.shape)}{hint}"
+            "labels must be a 1-D array of class indices (N,); "
+            f"got shape {tuple(tensor.shape)}{hint}"
         )
     if tensor.shape[0] != n_samples:
         raise InvalidInputError(

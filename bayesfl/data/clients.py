@@ -18,9 +18,9 @@ from bayesfl.data.partition import PartitionScheme, partition
 from bayesfl.errors import ConfigError
 
 
-@dataclass
+@dataclass(eq=False)
 class ClientData:
-    """One client's local data.
+    """One client's local data (compared by identity: its fields are tensors).
 
     Attributes:
         client_id: 0-based client index.
@@ -98,8 +98,8 @@ def stratified_split(
 
     Requires n >= 2. The test size is ``T = clip(round(n * test_fraction), 1, n - 1)``; class c
     with n_c samples gets ``floor(n_c * T / n)`` test samples plus one more for the classes with
-    the largest remainders (ties at random), never taking a class's last training sample unless
-    no other class can give one.
+    the largest remainders (ties at random), so it gets the floor or the ceiling of its share,
+    never taking a class's last training sample unless no other class can give one.
 
     Returns:
         (train positions, test positions), disjoint int64 arrays covering ``0..n-1``.
@@ -110,7 +110,9 @@ def stratified_split(
     quota = counts * total_test / n
     test_counts = np.minimum(np.floor(quota).astype(np.int64), np.maximum(counts - 1, 0))
     order = np.lexsort((rng.permutation(len(classes)), -(quota - np.floor(quota))))
-    for cap in (counts - 1, counts):  # first keep a training sample per class, then relax
+    ceiling = np.ceil(quota).astype(np.int64)
+    # first keep a training sample per class, then relax; never beyond the ceiling of the quota
+    for cap in (np.minimum(counts - 1, ceiling), ceiling):
         for c in order:
             if test_counts.sum() == total_test:
                 break

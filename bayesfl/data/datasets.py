@@ -54,9 +54,9 @@ DATASETS: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Dataset:
-    """A pooled labelled data set.
+    """A pooled labelled data set (compared by identity: its fields are tensors).
 
     Attributes:
         name: the :data:`DATASETS` key it was loaded as.
@@ -93,7 +93,7 @@ def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options
         ConfigError: an unknown name or option (the message lists the valid ones).
         DataError: files that are absent and may not be downloaded, or a failed download.
     """
-    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else name
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
     if key not in _LOADERS:
         raise ConfigError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     loader, valid_options = _LOADERS[key]
@@ -179,6 +179,8 @@ def _torchvision_loader(key: str) -> Callable[..., Dataset]:
     ) -> Dataset:
         if split not in ("all", "train", "test"):
             raise ConfigError(f"split must be 'all', 'train' or 'test', got {split!r}")
+        if max_samples is not None and max_samples < 1:
+            raise ConfigError(f"max_samples must be a positive integer or None, got {max_samples}")
         base = Path(root) if root is not None else default_data_root()
         trains = {"all": (True, False), "train": (True,), "test": (False,)}[split]
         parts = [_torchvision_split(key, base, train, download) for train in trains]

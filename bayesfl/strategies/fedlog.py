@@ -49,9 +49,15 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import batched_apply
 from bayesfl.training import architecture_key, train_batched, train_plain
-from inference.conjugate.prior import ConjugatePrior
-from inference.conjugate.solver import solve_map
-from inference.conjugate.statistics import SufficientStatistics
+from inference.conjugate import (
+    ClassMeans,
+    ConjugatePosterior,
+    ConjugatePrior,
+    SufficientStatistics,
+    clip_features,
+    gaussian_sigma,
+    privatize,
+)
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -89,7 +95,7 @@ class FeatureClamp(nn.Module):
         self.bound = bound
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.body(x).clamp(-self.bound, self.bound)
+        return clip_features(self.body(x), self.bound)
 
 
 def head_logits(head: Tensor, features: Tensor) -> Tensor:
@@ -141,8 +147,8 @@ class FedLog(BaseStrategy):
                 raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
                                   f"epsilon={epsilon}, delta={delta}, clip={clip}")
             releases = context.rounds + (1 if self.init_round else 0)
-            self.sigma = dp_sigma(self.epsilon, self.delta, m=self.m, bound=self.clip,
-                                  releases=releases)
+            self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
+                                        feature_dim=context.feature_dim, bound=self.clip)
 
     # ---- setup ----------------------------------------------------------------------------
     def build_model(self, body: nn.Module) -> nn.Module:
@@ -172,9 +178,11 @@ class FedLog(BaseStrategy):
         table = message.tensors["statistics"].to(torch.float64)
         n = float(message.tensors["num_samples"].item())
         head = self.solve_head(table, n).to(torch.float32)
-        counts = table[:, :1].clamp_min(1.0)  # noisy or absent classes: avoid dividing by ~0
-        means = (table[:, 1:] / counts).to(torch.float32)
-        return head, means if self.alpha > 0 and n > 0 else None
+        if not (self.alpha > 0 and n > 0):
+            return head, None
+        # counts clamped at 1 inside: noisy or absent classes never divide by ~0
+        stats = SufficientStatistics(table, 0, privatized=True)
+        return head, ClassMeans.from_statistics(stats, dtype=torch.float32).means
 
     # ---- client ---------------------------------------------------------------------------
     def client_update(
@@ -214,10 +222,10 @@ class FedLog(BaseStrategy):
     def _upload(self, client: Client, round: int, generator: torch.Generator) -> Message:
         table = self.client_statistics(client).cpu()
         if self.dp_placement == "local":
-            noise = torch.randn(table.shape, generator=generator, dtype=torch.float64)
-            table = table + self.sigma * noise
+            noisy = privatize(SufficientStatistics(table, client.data.num_train), self.sigma,
+                              generator)
             return self.up_message(round, client.client_id,
-                                   {"statistics": table.to(self.upload_dtype)})
+                                   {"statistics": noisy.table.to(self.upload_dtype)})
         return self.up_message(round, client.client_id, {
             "statistics": table.to(self.upload_dtype),
             "num_samples": num_samples_tensor(client.data.num_train),
@@ -255,12 +263,13 @@ class FedLog(BaseStrategy):
                                       "the class counts", client_id=cid)
 
     # ---- server ---------------------------------------------------------------------------
-    def solve_head(self, table: Tensor, n: float) -> Tensor:
+    def solve_head(self, table: Tensor, n: float, *, privatized: bool | None = None) -> Tensor:
         """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
-        ``n``: the exact solver on ``S = chi + table``, ``N = nu + n`` (chi = 0)."""
-        prior = ConjugatePrior(nu=self.prior_nu)
-        S = prior.chi_table(table.shape, table.device) + table.to(torch.float64)
-        return solve_map(S, prior.nu + n)
+        ``n`` under the prior chi = 0, ``nu`` (exact solver)."""
+        if privatized is None:
+            privatized = self.dp_placement is not None or self.broadcasts_statistics
+        stats = SufficientStatistics(table.to(torch.float64), round(n), privatized=privatized)
+        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats).map()
 
     def aggregate(
         self,
@@ -278,17 +287,16 @@ class FedLog(BaseStrategy):
                                  0 if private else int(u.tensors["num_samples"].item()),
                                  privatized=private)
             for u in uploads)
-        table = total.table
-        if private:  # n_c is not sent: use the noisy counts, at least 1
-            n = float(table[:, 0].sum().clamp_min(1.0).item())
-        else:
-            n = float(total.n)
+        if private:  # n_c is not sent: the noisy counts, rounded, at least 1
+            noisy_n = int(total.table[:, 0].sum().round().item())
+            total = SufficientStatistics(total.table, max(1, noisy_n), privatized=True)
         if self.dp_placement == "central":
-            noise = torch.randn(table.shape, generator=generator, dtype=torch.float64)
-            table = table + self.sigma * noise
+            total = privatize(total, self.sigma, generator)
+        table, n = total.table, float(total.n)
         if self.broadcasts_statistics:  # clients solve from the wire-dtype table: match it
             table = table.to(self.upload_dtype).to(torch.float64)
-        head = self.solve_head(table, n).to(torch.float32)
+        head = self.solve_head(table, n, privatized=total.privatized
+                               or self.broadcasts_statistics).to(torch.float32)
         return {"head": head, "statistics": table,
                 "num_samples": torch.tensor([n], dtype=torch.float64)}
 
@@ -296,13 +304,6 @@ class FedLog(BaseStrategy):
     def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
         features = batched_apply(client.model, x)
         return torch.softmax(head_logits(state["head"], features), dim=-1)
-
-
-def dp_sigma(epsilon: float, delta: float, *, m: int, bound: float, releases: int) -> float:
-    """Gaussian-mechanism noise scale for ``releases`` releases of a FedLog statistic (v2 Thm 7,
-    spec §4.2): ``sqrt(8 k (1 + (m-1) b^2) ln(e + epsilon / delta)) / epsilon``."""
-    sensitivity_sq = 1.0 + (m - 1) * bound**2
-    return math.sqrt(8.0 * releases * sensitivity_sq * math.log(math.e + epsilon / delta)) / epsilon
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -167,7 +167,7 @@ def _checked_statistic(S: Tensor) -> Tensor:
     if not isinstance(S, Tensor) or S.dim() != 2 or not S.is_floating_point():
         raise InvalidInputError("S must be a floating-point tensor of shape (C, k)")
     if S.shape[0] < 1 or S.shape[1] < 1:
-        raise InvalidInputError(f"S must have at least one class and one column, got {tuple(S.shape)}")
+        raise InvalidInputError(f"S needs at least one row and column, got {tuple(S.shape)}")
     if not bool(torch.isfinite(S).all()):
         raise InvalidInputError("S contains NaN or Inf entries")
     return S

@@ -73,9 +73,17 @@ def diagonal_ggn(model: nn.Module, loader: Iterable) -> Tensor:
                     grads = output_vjps(logits, capture.outputs(), softmax_hessian_sqrt(probs))
                 by_output = dict(zip([id(o) for o in capture.outputs()], grads, strict=True))
                 for slot in fast:
-                    for inputs, out in capture.records[id(slot.module)]:
+                    records = capture.records[id(slot.module)]
+                    if len(records) == 1:
+                        inputs, out = records[0]
                         part = _fast_diag(slot, inputs.detach(), by_output[id(out)])
-                        diag[slot.offset : slot.offset + slot.numel] += part.reshape(-1)
+                    else:  # module called several times: square the *summed* gradient
+                        per_sample = sum(
+                            _fast_per_sample(slot, inputs.detach(), by_output[id(out)])
+                            for inputs, out in records
+                        )
+                        part = per_sample.square().sum((0, 1))
+                    diag[slot.offset : slot.offset + slot.numel] += part.reshape(-1)
             if generic:
                 jac = generic_jacobians(model, params, generic, X)
                 for slot in slots:
@@ -111,3 +119,19 @@ def _fast_diag(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tensor:
     for gk in g:
         out += torch.einsum("bcl,bjl->bcj", gk, U).square().sum(0)
     return out
+
+
+def _fast_per_sample(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tensor:
+    """Per-sample gradients (K, B, numel) of one layer parameter for one call of the layer."""
+    module = slot.module
+    K, B = grad.shape[0], grad.shape[1]
+    if isinstance(module, nn.Linear):
+        g = grad.reshape(K, B, -1, module.out_features)
+        if slot.role == "bias":
+            return g.sum(2)
+        a = inputs.reshape(B, -1, module.in_features)
+        return torch.einsum("kbto,bti->kboi", g, a).reshape(K, B, -1)
+    g = grad.reshape(K, B, module.out_channels, -1)
+    if slot.role == "bias":
+        return g.sum(-1)
+    return torch.einsum("kbcl,bjl->kbcj", g, conv2d_unfold(module, inputs)).reshape(K, B, -1)

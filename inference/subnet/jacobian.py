@@ -103,6 +103,13 @@ class SubnetJacobian:
                     positions.to(device),
                 )
             )
+        # Blocks are concatenated group by group (fast groups first); when that is not already
+        # the order of ``subnet_indices`` (e.g. unsorted indices), one column gather restores it.
+        concat_positions = torch.cat([g.positions for g in self.fast + self.generic]).cpu()
+        if torch.equal(concat_positions, torch.arange(self.n_subnet)):
+            self._column_order = None
+        else:
+            self._column_order = torch.argsort(concat_positions).to(device)
         self._fast_names = {g.slot.name for g in self.fast}
         self._generic_names = [g.slot.name for g in self.generic]
         self._modules = [g.slot.module for g in self.fast]
@@ -129,7 +136,7 @@ class SubnetJacobian:
             logits = functional_call(self.model, params, (x,))
         logits = check_logits(logits, x.shape[0])
         C, B = logits.shape[1], logits.shape[0]
-        J = logits.new_zeros((C, B, self.n_subnet))
+        blocks: list[Tensor] = []
         if self.fast:
             basis = torch.eye(C, dtype=logits.dtype, device=logits.device)
             grad_outputs = basis.unsqueeze(1).expand(C, B, C)
@@ -140,12 +147,15 @@ class SubnetJacobian:
                 for inputs, out in capture.records[id(group.slot.module)]:
                     part = _fast_block(group, inputs.detach(), by_output[id(out)])
                     block = part if block is None else block + part
-                J.index_copy_(2, group.positions, block.to(J.dtype))
+                blocks.append(block.to(logits.dtype))
         if self.generic:
             jac = generic_jacobians(self.model, params, self._generic_names, x)
             for group in self.generic:
-                cols = jac[group.slot.name].reshape(B, C, -1)[:, :, group.local]
-                J.index_copy_(2, group.positions, cols.transpose(0, 1).to(J.dtype))
+                cols = jac[group.slot.name].reshape(B, C, -1).index_select(2, group.local)
+                blocks.append(cols.transpose(0, 1).to(logits.dtype))
+        J = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+        if self._column_order is not None:  # groups concatenated -> the caller's index order
+            J = J.index_select(2, self._column_order)
         return J, logits.detach()
 
 
@@ -156,18 +166,18 @@ def _fast_block(group: _FastGroup, inputs: Tensor, grad: Tensor) -> Tensor:
     if isinstance(module, nn.Linear):
         g = grad.reshape(K, B, -1, module.out_features)  # (K, B, T, out); T = 1 for 2-D input
         if group.slot.role == "bias":
-            return g[..., group.rows].sum(2)
+            return g.index_select(3, group.rows).sum(2)
         a = inputs.reshape(B, -1, module.in_features)
         if a.shape[1] == 1:
-            return g[:, :, 0, group.rows] * a[:, 0, group.cols]
-        return (g[..., group.rows] * a[..., group.cols]).sum(2)
+            return g[:, :, 0].index_select(2, group.rows) * a[:, 0].index_select(1, group.cols)
+        return (g.index_select(3, group.rows) * a.index_select(2, group.cols)).sum(2)
     # nn.Conv2d, groups == 1
     g = grad.reshape(K, B, module.out_channels, -1)  # (K, B, C_out, L)
     if group.slot.role == "bias":
-        return g.sum(-1)[..., group.rows]
+        return g.sum(-1).index_select(2, group.rows)
     U = conv2d_unfold(module, inputs)  # (B, C_in * kh * kw, L)
     n, L = group.rows.numel(), U.shape[-1]
-    if n * L <= module.weight.numel():
-        return (g[:, :, group.rows, :] * U[:, group.cols, :]).sum(-1)
-    per_sample = torch.einsum("kbcl,bjl->kbcj", g, U).reshape(K, B, -1)
-    return per_sample[..., group.local]
+    if n * L <= module.weight.numel():  # gather then dot over positions
+        return (g.index_select(2, group.rows) * U.index_select(1, group.cols)).sum(-1)
+    per_sample = torch.einsum("kbcl,bjl->kbcj", g, U).reshape(K, B, -1)  # this layer only
+    return per_sample.index_select(2, group.local)

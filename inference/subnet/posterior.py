@@ -11,9 +11,12 @@ with the trainable parameters taken from ``mean`` (frozen parameters and buffers
 model). ``state_dict()`` holds tensors only; ``from_state_dict(state, model=...)`` or
 :meth:`SubnetLaplacePosterior.bind` attaches a model with the same trainable-parameter count.
 
-Numerics: the precision is factorised in float64, ``precision = L L^T``; the covariance is
-``L^{-T} L^{-1}``. The predictive logit variance of output o is ``||L^{-1} J_S[o]^T||^2``
-(a triangular solve on the subnet Jacobian), never the full covariance product.
+Numerics: the precision is factorised in float64, ``precision = L L^T`` with ``L = D L_eq``,
+``D = sqrt(diag(precision))`` and ``L_eq`` the Cholesky factor of the unit-diagonal
+``D^{-1} precision D^{-1}``; the covariance is ``L^{-T} L^{-1}``. The predictive logit variance
+of output o is ``||L^{-1} J_S[o]^T||^2 = ||L_eq^{-1} D^{-1} J_S[o]^T||^2``: one triangular solve
+on the subnet Jacobian, in the model's dtype (equilibration keeps ``L_eq`` well conditioned),
+never the full covariance product.
 """
 
 from __future__ import annotations
@@ -99,14 +102,20 @@ class SubnetLaplacePosterior:
         if not bool((prior_precision > 0).all()):
             raise InvalidInputError("prior_precision must be > 0 on every subnet entry")
         precision = self._ggn + torch.diag(prior_precision)
-        chol, info = torch.linalg.cholesky_ex(precision)
+        # Factorise the Jacobi-equilibrated precision D^{-1} P D^{-1} (unit diagonal), whose
+        # condition number is far smaller when prior precisions span many orders of magnitude
+        # (FedSI's 1/g); then L = D L_eq. The predictive solves with L_eq in the model dtype.
+        scale = precision.diagonal().sqrt()
+        chol_eq, info = torch.linalg.cholesky_ex(precision / torch.outer(scale, scale))
         if int(info) != 0:
             raise NumericalError(
                 f"the subnet posterior precision is not positive definite (Cholesky failed at "
                 f"column {int(info)}); increase prior_precision"
             )
         self._precision = precision
-        self._chol = chol
+        self._chol = scale.unsqueeze(1) * chol_eq
+        self._solve_factor = chol_eq.to(mean.dtype)  # L_eq, (S, S), model dtype
+        self._solve_scale = scale.reciprocal().to(mean.dtype)  # D^{-1}, (S,)
         self._model: nn.Module | None = None
         self._jacobian: SubnetJacobian | None = None
         self._n_classes: int | None = None
@@ -276,7 +285,8 @@ class SubnetLaplacePosterior:
                 device=self._chol.device,
                 generator=generator,
             )
-            deltas = torch.linalg.solve_triangular(self._chol.T, z, upper=True)  # (S, n)
+            eq = self._solve_factor.to(torch.float64)
+            deltas = torch.linalg.solve_triangular(eq.T, z, upper=True).to(self._mean.dtype)
         rows = self._predict_chunk_rows(x, chunk_size, n_samples, max_memory_bytes)
         out = []
         with eval_mode(self._model):
@@ -291,15 +301,18 @@ class SubnetLaplacePosterior:
             return torch.softmax(engine.logits(x), dim=-1)
         J, logits = engine(x)  # (C, B, S)
         C, B, S = J.shape
-        Jt = J.reshape(C * B, S).to(torch.float64)
+        J_eq = J.reshape(C * B, S) * self._solve_scale  # J D^{-1}
         if method == "glm_probit":
-            A = torch.linalg.solve_triangular(self._chol, Jt.T, upper=False)  # (S, C*B)
+            # var[b, o] = J_bo P^{-1} J_bo^T = ||L_eq^{-1} D^{-1} J_bo^T||^2
+            A = torch.linalg.solve_triangular(self._solve_factor, J_eq.T, upper=False)
             f_var = A.square().sum(0).reshape(C, B).T
             kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
-            return torch.softmax(kappa.to(logits.dtype) * logits, dim=-1)
-        f_samples = (Jt @ deltas).reshape(C, B, -1).permute(2, 1, 0)  # (n, B, C)
-        probs = torch.softmax(logits.to(torch.float64).unsqueeze(0) + f_samples, dim=-1)
-        return probs.mean(0).to(logits.dtype)
+            return torch.softmax(kappa * logits, dim=-1)
+        # weight-space draws: theta_S - mean_S = L^{-T} z = D^{-1} L_eq^{-T} z, so J(theta - mean)
+        # = (J D^{-1}) (L_eq^{-T} z)
+        f_samples = (J_eq @ deltas).reshape(C, B, -1).permute(2, 1, 0)  # (n, B, C)
+        probs = torch.softmax(logits.unsqueeze(0) + f_samples, dim=-1)
+        return probs.mean(0)
 
     def _predict_chunk_rows(
         self, x: Tensor, chunk_size: int | None, n_samples: int, max_memory_bytes: int | None
@@ -309,8 +322,8 @@ class SubnetLaplacePosterior:
                 self._n_classes = self._subnet_jacobian().logits(x[:1]).shape[1]
         C = self._n_classes
         S, itemsize = self.n_subnet, self._mean.element_size()
-        # J (model dtype) + its float64 copy + the float64 solve / sample logits, per row.
-        per_row = C * S * (itemsize + 16) + C * n_samples * 8
+        # J, J D^{-1} and the solve (model dtype), plus the sampled logits, per row.
+        per_row = 3 * C * S * itemsize + 2 * C * n_samples * itemsize
         if chunk_size is None:
             chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
         elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

@@ -63,29 +63,28 @@ def batch_means_std_error(samples: Tensor, num_batches: int = 20) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_regression_nuts(num_data: int = 50, seed: int = 0) -> SampledTruth:
+def softmax_regression_nuts(num_data: int = 50, seed: int = 0, num_samples: int = 4000) -> SampledTruth:
     """NUTS reference for a 2-class, 1-feature softmax regression with prior N(0, I)."""
     import pyro
-    import pyro.distributions as dist
     from pyro.infer import MCMC, NUTS
 
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(num_data, 1, generator=gen, dtype=torch.float64)
     inputs = torch.cat([features, torch.ones(num_data, 1, dtype=torch.float64)], 1)
     true_w = torch.tensor([[1.2, 0.3], [-0.8, -0.2]], dtype=torch.float64)
-    labels = torch.distributions.Categorical(logits=inputs @ true_w.T).sample(
-        generator=gen) if False else torch.multinomial(
-        torch.softmax(inputs @ true_w.T, -1), 1, generator=gen)[:, 0]
+    labels = torch.multinomial(torch.softmax(inputs @ true_w.T, -1), 1, generator=gen)[:, 0]
 
-    def model() -> None:
-        weight = pyro.sample("weight", dist.Normal(torch.zeros(2, 2, dtype=torch.float64),
-                                                   1.0).to_event(2))
-        with pyro.plate("data", num_data):
-            pyro.sample("obs", dist.Categorical(logits=inputs @ weight.T), obs=labels)
+    def potential(params: dict[str, Tensor]) -> Tensor:  # −log joint, up to a constant
+        weight = params["weight"]
+        log_lik = torch.log_softmax(inputs @ weight.T, -1).gather(1, labels[:, None]).sum()
+        return 0.5 * (weight**2).sum() - log_lik
 
+    init = {"weight": torch.zeros(2, 2, dtype=torch.float64)}
     with pyro.get_param_store().scope(), torch.random.fork_rng():
         pyro.set_rng_seed(seed)
-        mcmc = MCMC(NUTS(model), num_samples=3000, warmup_steps=400, disable_progbar=True)
+        kernel = NUTS(potential_fn=potential, adapt_mass_matrix=True)
+        mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=500, initial_params=init,
+                    disable_progbar=True)
         mcmc.run()
     samples = mcmc.get_samples()["weight"]
     return SampledTruth(features, labels, 1.0, samples.mean(0), samples.var(0),

@@ -148,11 +148,10 @@ def test_dirichlet_skew_grows_as_alpha_shrinks(digits_labels):
     assert mean_classes(1000.0) == 10.0
 
 
-@pytest.mark.parametrize("alpha", [0.3, 2.0])
-def test_log_space_dirichlet_matches_numpy_dirichlet_moments(alpha):
+def test_log_space_dirichlet_matches_numpy_dirichlet_moments():
     # reference: numpy's own Dirichlet sampler; 20k draws, tolerance 0.01 on means and
     # 10% relative on variances (Monte Carlo error is about 2% here)
-    size, draws = 5, 20_000
+    alpha, size, draws = 0.3, 5, 20_000
     rng = np.random.default_rng(0)
     ours = np.stack([_log_dirichlet(alpha, size, rng) for _ in range(draws)])
     reference = np.random.default_rng(1).dirichlet(np.full(size, alpha), size=draws)

@@ -1,0 +1,120 @@
+"""Reliability diagrams drawn with seaborn on matplotlib's Agg backend.
+
+The upper panel shows, for every non-empty confidence bin, the accuracy as a bar spanning the
+bin, the identity line (perfect calibration), and the gap between accuracy and mean confidence
+shaded; empty bins get no bar. A strip beneath shows how many samples fall in each bin. The ECE
+and MCE of the drawn table are annotated. Figures are created without pyplot (a bare
+``matplotlib.figure.Figure`` renders with the Agg canvas), so the global backend is left alone,
+nothing is registered in pyplot and nothing needs closing; an ``ax`` passed in is drawn into.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import seaborn as sns
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+from calibration.bin_stats import BinStats
+from calibration.binning import Binning
+from calibration.errors import InvalidInputError
+from calibration.metrics import reliability_stats
+
+SAVE_FORMATS = (".png", ".svg", ".pdf")
+ACCURACY_BARS_LABEL = "Accuracy"
+GAP_LABEL = "Gap to confidence"
+
+
+def reliability_diagram(
+    stats_or_probs: BinStats | Any,
+    labels: Any = None,
+    *,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Draw a reliability diagram and return its Figure.
+
+    ``stats_or_probs`` is a :class:`BinStats` (then ``labels`` must be None) or probabilities
+    (N, K) with ``labels`` (N,), binned with ``n_bins``/``binning``/``from_logits``.
+    """
+    if isinstance(stats_or_probs, BinStats):
+        if labels is not None:
+            raise InvalidInputError("pass labels only with probabilities, not with BinStats")
+        stats = stats_or_probs
+    else:
+        if labels is None:
+            raise InvalidInputError("labels are required when passing probabilities")
+        stats = reliability_stats(stats_or_probs, labels, n_bins, binning, from_logits)
+    if stats.total == 0:
+        raise InvalidInputError("cannot draw a reliability diagram without samples")
+
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
+        if ax is None:
+            figure = Figure(figsize=(5.2, 6.2), layout="constrained")
+            ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
+        else:
+            figure = ax.get_figure()
+            strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
+        _draw_reliability(ax, stats, title)
+        _draw_count_strip(strip, stats)
+    return figure
+
+
+def _draw_reliability(ax: Axes, stats: BinStats, title: str | None) -> None:
+    palette = sns.color_palette("deep")
+    mask = stats.nonempty
+    left = stats.edges[:-1][mask]
+    width = np.diff(stats.edges)[mask]
+    accuracy = stats.accuracy[mask]
+    confidence = stats.mean_confidence[mask]
+
+    ax.plot([0, 1], [0, 1], linestyle="--", color="0.35", linewidth=1.2,
+            label="Perfect calibration")
+    ax.bar(left, accuracy, width=width, align="edge", color=palette[0], edgecolor="white",
+           linewidth=0.8, alpha=0.9, label=ACCURACY_BARS_LABEL)
+    # Gap shading: from the bar top to the bin's mean confidence.
+    ax.bar(left, confidence - accuracy, bottom=accuracy, width=width, align="edge",
+           color=palette[3], alpha=0.28, edgecolor=palette[3], linewidth=0.8, hatch="//",
+           label=GAP_LABEL)
+    ax.scatter(left + width / 2, confidence, marker="_", s=120, color=palette[3], zorder=3,
+               label="Mean confidence")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_aspect("auto")
+    ax.set_ylabel("Accuracy")
+    ax.tick_params(labelbottom=False)
+    ax.legend(loc="upper left", frameon=True, fontsize="small")
+    ax.text(0.97, 0.04, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%\n"
+            f"N = {stats.total:,}", transform=ax.transAxes, ha="right", va="bottom",
+            fontsize="small", bbox=dict(boxstyle="round", facecolor="white", alpha=0.85))
+    ax.set_title(title if title is not None else f"Reliability diagram ({stats.n_bins} bins)")
+
+
+def _draw_count_strip(ax: Axes, stats: BinStats) -> None:
+    centers = (stats.edges[:-1] + stats.edges[1:]) / 2
+    table = {"confidence": centers, "count": stats.counts}
+    sns.histplot(data=table, x="confidence", weights="count", bins=stats.edges.tolist(), ax=ax,
+                 color=sns.color_palette("deep")[7], edgecolor="white", linewidth=0.5)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("Confidence")
+    ax.set_ylabel("Count")
+
+
+def save_figure(figure: Figure, path: str | Path) -> Path:
+    """Save ``figure`` to ``path``; the format comes from the extension (.png, .svg or .pdf)."""
+    path = Path(path)
+    if path.suffix.lower() not in SAVE_FORMATS:
+        raise InvalidInputError(
+            f"cannot save a figure as {path.suffix or 'a file without extension'!r}; "
+            f"use one of {', '.join(SAVE_FORMATS)}"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=150)
+    return path

@@ -1,0 +1,165 @@
+"""Calibration and scoring metrics for multi-class predictions.
+
+All functions take ``probs`` (N, K) and integer ``labels`` (N,) as torch tensors (any device; the
+work stays on that device) or numpy arrays, and return Python floats.
+
+* ``probs`` are probabilities: every entry >= 0 and every row summing to 1 within
+  ``calibration.row_scores.SUM_TOLERANCE`` (1e-3 absolute). Pass ``from_logits=True`` for logits;
+  the kind of input is never guessed.
+* ECE/MCE use the top-label confidence ``max_k p_k`` and count a sample correct when the first
+  class attaining the maximum (``argmax``) is its label. 2-class input is scored top-label like
+  any other (no switch to a positive-class metric based on how many labels occur).
+* Bins: see :mod:`calibration.binning` (equal-width on [0, 1], ``[a, b)`` with the last bin
+  closed; ``binning="quantile"`` for equal-mass bins). Empty bins contribute nothing to ECE; MCE
+  is the maximum over non-empty bins.
+* Brier = mean over samples of sum over classes (p_k - 1[y=k])^2, in [0, 2].
+* NLL = mean over samples of -log max(p_y, 1e-12) (see ``PROBABILITY_FLOOR``), in nats.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from calibration.bin_stats import BinStats, bin_stats_from_confidence
+from calibration.binning import Binning, bin_edges, check_n_bins
+from calibration.inputs import class_labels, score_matrix
+from calibration.row_scores import RowScores, row_scores
+
+METRIC_KEYS = ("accuracy", "ece", "mce", "brier", "nll", "count")
+
+
+def _bin_stats(scores: RowScores, n_bins: int, binning: Binning | str) -> BinStats:
+    check_n_bins(n_bins)
+    edges = bin_edges(scores.confidence, n_bins, binning)
+    return bin_stats_from_confidence(scores.confidence, scores.correct, edges)
+
+
+def reliability_stats(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> BinStats:
+    """Per-bin counts, mean confidence and accuracy of the top-label prediction."""
+    binning = Binning.parse(binning)
+    check_n_bins(n_bins)
+    return _bin_stats(row_scores(probs, labels, from_logits=from_logits), n_bins, binning)
+
+
+def ece(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> float:
+    """Expected calibration error of the top-label confidence, in [0, 1]."""
+    return reliability_stats(probs, labels, n_bins, binning, from_logits).ece
+
+
+def mce(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> float:
+    """Maximum calibration error: largest |accuracy - confidence| over non-empty bins, in [0, 1]."""
+    return reliability_stats(probs, labels, n_bins, binning, from_logits).mce
+
+
+def brier(probs: Any, labels: Any, from_logits: bool = False) -> float:
+    """Multi-class Brier score: mean_i sum_k (p_ik - 1[y_i = k])^2, in [0, 2]."""
+    scores = row_scores(probs, labels, from_logits=from_logits, confidence=False, brier=True)
+    return float(scores.brier.mean())
+
+
+def nll(probs: Any, labels: Any, from_logits: bool = False) -> float:
+    """Mean negative log-likelihood -log max(p_y, 1e-12) in nats (log-softmax for logits)."""
+    scores = row_scores(probs, labels, from_logits=from_logits, confidence=False, log_prob=True)
+    return float(-scores.log_prob.mean())
+
+
+def accuracy(probs: Any, labels: Any, from_logits: bool = False) -> float:
+    """Fraction of samples whose argmax class equals the label."""
+    scores = row_scores(probs, labels, from_logits=from_logits)
+    return float(scores.correct.double().mean())
+
+
+def classwise_ece(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> float:
+    """Class-wise ECE (Kull et al., 2019): mean over all K classes of the ECE of p_k vs 1[y=k].
+
+    For class k every sample contributes its probability p_k (not only the top label) and the
+    outcome 1[y = k]; bins as for :func:`ece` (quantile edges are computed per class). Every class
+    column is scored, including classes absent from ``labels`` (their outcome is always 0).
+    """
+    binning = Binning.parse(binning)
+    check_n_bins(n_bins)
+    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    # Validates the rows exactly as the other metrics do.
+    row_scores(scores, labels, from_logits=from_logits, confidence=False)
+    if from_logits:
+        scores = torch.softmax(scores, dim=1)
+    label_index = class_labels(labels, scores.shape[0], scores.shape[1], scores.device)
+    total = 0.0
+    for k in range(scores.shape[1]):
+        outcome = label_index == k
+        edges = bin_edges(scores[:, k], n_bins, binning)
+        total += bin_stats_from_confidence(scores[:, k], outcome, edges).ece
+    return total / scores.shape[1]
+
+
+def evaluate(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> dict[str, float]:
+    """All headline metrics from one pass over ``probs``.
+
+    Returns a dict with keys "accuracy", "ece", "mce", "brier", "nll" (floats) and "count" (int).
+    """
+    binning = Binning.parse(binning)
+    check_n_bins(n_bins)
+    scores = row_scores(probs, labels, from_logits=from_logits, brier=True, log_prob=True)
+    stats = _bin_stats(scores, n_bins, binning)
+    return metrics_from_totals(
+        stats, float(scores.brier.sum()), float(-scores.log_prob.sum())
+    )
+
+
+def metrics_from_totals(stats: BinStats, brier_sum: float, nll_sum: float) -> dict[str, float]:
+    """Headline metrics from a reliability table plus summed per-sample Brier and NLL."""
+    total = stats.total
+    return {
+        "accuracy": stats.correct_total / total,
+        "ece": stats.ece,
+        "mce": stats.mce,
+        "brier": brier_sum / total,
+        "nll": nll_sum / total,
+        "count": total,
+    }
+
+
+__all__ = [
+    "METRIC_KEYS",
+    "accuracy",
+    "brier",
+    "classwise_ece",
+    "ece",
+    "evaluate",
+    "mce",
+    "metrics_from_totals",
+    "nll",
+    "reliability_stats",
+]

@@ -1,0 +1,250 @@
+"""Per-client calibration report with pooled (micro) and macro rows.
+
+* a row per client, scored on that client's samples only;
+* ``pooled (micro)``: all samples scored together, i.e. the merge of the client accumulators;
+* ``macro (mean over clients)``: the unweighted mean of the client rows' metrics.
+
+Without client ids there is a single ``all`` row (the pooled row) and no macro row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+
+from calibration.accumulator import Accumulator
+from calibration.bin_stats import BinStats
+from calibration.binning import Binning, check_n_bins
+from calibration.diagram import reliability_diagram, save_figure
+from calibration.errors import InvalidInputError
+from calibration.inputs import as_tensor, score_matrix
+from calibration.metrics import evaluate, reliability_stats
+
+POOLED = "pooled (micro)"
+MACRO = "macro (mean over clients)"
+ALL = "all"
+_COLUMNS = ("count", "accuracy", "ece", "mce", "brier", "nll")
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """Metrics of one group of samples. ``kind`` is "client", "pooled" or "macro"."""
+
+    name: str
+    kind: str
+    count: int
+    accuracy: float
+    ece: float
+    mce: float
+    brier: float
+    nll: float
+
+    @classmethod
+    def from_metrics(cls, name: str, kind: str, metrics: Mapping[str, float]) -> ReportRow:
+        return cls(name, kind, int(metrics["count"]),
+                   *(float(metrics[key]) for key in _COLUMNS[1:]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind,
+                **{key: getattr(self, key) for key in _COLUMNS}}
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationReport:
+    """Client rows, the pooled row, the macro row (None without clients) and the pooled table."""
+
+    clients: tuple[ReportRow, ...]
+    pooled: ReportRow
+    macro: ReportRow | None
+    pooled_bins: BinStats = field(repr=False)
+    n_bins: int = 15
+    binning: str = "uniform"
+
+    @property
+    def rows(self) -> tuple[ReportRow, ...]:
+        """Client rows, then pooled, then macro (when there are clients)."""
+        return (*self.clients, self.pooled, *((self.macro,) if self.macro else ()))
+
+    @classmethod
+    def from_accumulators(cls, accumulators: Mapping[Any, Accumulator]) -> CalibrationReport:
+        """Report from per-client accumulators (client id -> Accumulator); pooled = their merge."""
+        if not accumulators:
+            raise InvalidInputError("no client accumulators to report on")
+        names = _client_names(list(accumulators))
+        clients = []
+        for client_id in _sorted_ids(accumulators):
+            accumulator = accumulators[client_id]
+            if accumulator.count == 0:
+                raise InvalidInputError(f"client {names[client_id]!r} has no samples")
+            clients.append(ReportRow.from_metrics(names[client_id], "client",
+                                                  accumulator.compute()))
+        merged = Accumulator.merged(accumulators.values())
+        pooled = ReportRow.from_metrics(POOLED, "pooled", merged.compute())
+        return cls(tuple(clients), pooled, _macro(clients), merged.bin_stats(), merged.n_bins)
+
+    # -- renderings ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n_bins": self.n_bins,
+            "binning": self.binning,
+            "clients": [row.to_dict() for row in self.clients],
+            "pooled": self.pooled.to_dict(),
+            "macro": self.macro.to_dict() if self.macro else None,
+            "pooled_bins": {
+                "edges": self.pooled_bins.edges.tolist(),
+                "counts": self.pooled_bins.counts.tolist(),
+                "mean_confidence": _nan_to_none(self.pooled_bins.mean_confidence),
+                "accuracy": _nan_to_none(self.pooled_bins.accuracy),
+            },
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        header = "| group | N | accuracy | ECE | MCE | Brier | NLL |"
+        lines = [header, "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in self.rows:
+            cells = _formatted(row)
+            name = f"**{row.name}**" if row.kind != "client" else row.name
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        headers = ("group", "N", "accuracy", "ECE", "MCE", "Brier", "NLL")
+        body = [(row.name, *_formatted(row)) for row in self.rows]
+        widths = [max(len(str(r[i])) for r in (headers, *body)) for i in range(len(headers))]
+
+        def line(cells: tuple[str, ...]) -> str:
+            first = cells[0].ljust(widths[0])
+            rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+            return "  ".join([first, *rest])
+
+        rule = "-" * len(line(headers))
+        out = [f"Calibration report ({self.n_bins} {self.binning} bins; ECE/MCE top-label)",
+               line(headers), rule]
+        for row, cells in zip(self.rows, body, strict=True):
+            if row.kind == "pooled" and self.clients:
+                out.append(rule)
+            out.append(line(cells))
+        return "\n".join(out)
+
+    def plot(self, path: str | Path | None = None, title: str | None = None) -> Figure:
+        """Reliability diagram of the pooled samples; saved to ``path`` (.png/.svg/.pdf) if set."""
+        figure = reliability_diagram(self.pooled_bins, title=title or "Reliability diagram "
+                                     f"({self.pooled.name}, {self.n_bins} {self.binning} bins)")
+        if path is not None:
+            save_figure(figure, path)
+        return figure
+
+
+def report(
+    probs: Any,
+    labels: Any,
+    client_ids: Any = None,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> CalibrationReport:
+    """Calibration report of ``probs`` (N, K) against ``labels`` (N,), per client if given.
+
+    ``client_ids`` (N,) holds any hashable ids (ints or strings), one per sample. With uniform
+    bins the pooled row is the merge of per-client accumulators; with quantile bins every group
+    gets its own equal-mass edges (computed from its samples).
+    """
+    binning = Binning.parse(binning)
+    check_n_bins(n_bins)
+    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    if client_ids is None:
+        metrics = evaluate(scores, labels, n_bins, binning, from_logits)
+        stats = reliability_stats(scores, labels, n_bins, binning, from_logits)
+        pooled = ReportRow.from_metrics(ALL, "pooled", metrics)
+        return CalibrationReport((), pooled, None, stats, n_bins, binning.value)
+
+    groups = _group_rows(client_ids, scores.shape[0])
+    label_tensor = as_tensor(labels, "labels")
+    if label_tensor.ndim != 1 or label_tensor.shape[0] != scores.shape[0]:
+        raise InvalidInputError(
+            f"shape mismatch: {scores.shape[0]} rows of scores but labels of shape "
+            f"{tuple(label_tensor.shape)}"
+        )
+    if binning is Binning.UNIFORM:
+        accumulators = {}
+        for client_id, rows in groups.items():
+            index = torch.as_tensor(rows, device=scores.device)
+            accumulators[client_id] = Accumulator(n_bins).update(
+                scores[index], label_tensor.to(scores.device)[index], from_logits=from_logits
+            )
+        return CalibrationReport.from_accumulators(accumulators)
+
+    names = _client_names(list(groups))
+    clients = []
+    for client_id in _sorted_ids(groups):
+        index = torch.as_tensor(groups[client_id], device=scores.device)
+        metrics = evaluate(scores[index], label_tensor.to(scores.device)[index], n_bins, binning,
+                           from_logits)
+        clients.append(ReportRow.from_metrics(names[client_id], "client", metrics))
+    pooled = ReportRow.from_metrics(POOLED, "pooled",
+                                    evaluate(scores, labels, n_bins, binning, from_logits))
+    stats = reliability_stats(scores, labels, n_bins, binning, from_logits)
+    return CalibrationReport(tuple(clients), pooled, _macro(clients), stats, n_bins, binning.value)
+
+
+def _group_rows(client_ids: Any, n_samples: int) -> dict[Any, np.ndarray]:
+    """Map each distinct client id to the row indices (int64) holding it."""
+    if isinstance(client_ids, torch.Tensor):
+        client_ids = client_ids.detach().cpu().numpy()
+    ids = np.asarray(client_ids)
+    if ids.ndim != 1 or ids.shape[0] != n_samples:
+        raise InvalidInputError(
+            f"client_ids must have shape ({n_samples},) (one id per sample); "
+            f"got {tuple(ids.shape)}"
+        )
+    distinct, inverse = np.unique(ids, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    splits = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+    return {_plain(value): rows for value, rows in zip(distinct, splits, strict=True)}
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _sorted_ids(client_ids: Any) -> list[Any]:
+    """Ids in natural order (numeric ids numerically), falling back to their text."""
+    try:
+        return sorted(client_ids)
+    except TypeError:
+        return sorted(client_ids, key=str)
+
+
+def _client_names(client_ids: list[Any]) -> dict[Any, str]:
+    names = {client_id: str(client_id) for client_id in client_ids}
+    if len(set(names.values())) != len(names):
+        raise InvalidInputError("client ids must stay distinct when written as text")
+    reserved = {POOLED, MACRO, ALL} & set(names.values())
+    if reserved:
+        raise InvalidInputError(f"client id {reserved.pop()!r} is reserved for a summary row")
+    return names
+
+
+def _macro(clients: list[ReportRow]) -> ReportRow:
+    means = {key: float(np.mean([getattr(row, key) for row in clients])) for key in _COLUMNS[1:]}
+    means["count"] = sum(row.count for row in clients)
+    return ReportRow.from_metrics(MACRO, "macro", means)
+
+
+def _formatted(row: ReportRow) -> tuple[str, ...]:
+    return (f"{row.count:,}", f"{row.accuracy:.4f}", f"{row.ece:.4f}", f"{row.mce:.4f}",
+            f"{row.brier:.4f}", f"{row.nll:.4f}")
+
+
+def _nan_to_none(values: np.ndarray) -> list[float | None]:
+    return [None if np.isnan(v) else float(v) for v in values]

@@ -1,0 +1,198 @@
+"""One pass over a prediction matrix: per-sample confidence, correctness, Brier and log-likelihood.
+
+Every metric in :mod:`calibration` is built from these per-row quantities, computed in a single
+chunked sweep over the (N, K) array with validation folded into reductions that are needed anyway
+(a full ``isfinite`` over the array would cost more than the metrics):
+
+* NaN and +-Inf propagate into the row sum, so a non-finite row sum flags them;
+* a negative entry (or a NaN/-Inf with the sign bit set) makes the row minimum of the IEEE bit
+  pattern, read as a signed integer, negative; the row maximum of the same bit pattern is the
+  largest probability for a valid (non-negative) row, so no separate float ``max`` is needed;
+* rows whose sum is not 1 within :data:`SUM_TOLERANCE` are rejected.
+
+Flagged rows are then re-examined exactly to say what is wrong (and to accept ``-0.0``).
+
+Prediction convention: the predicted class is the first class attaining the row maximum (as
+``torch.argmax``/``numpy.argmax``). It is found without an ``argmax`` (several times slower than
+``amax`` on CPU): a sample is correct when its label's probability equals the row maximum and no
+lower-index class ties with it. Ties at the maximum need ``max <= sum / 2``, so only rows with
+confidence <= 0.5 (+ tolerance) are checked for ties.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from calibration.errors import InvalidInputError
+from calibration.inputs import class_labels, score_matrix
+
+SUM_TOLERANCE = 1e-3
+"""Absolute tolerance on ``|sum_k p_k - 1|`` per row (float32 softmax rows are well within it)."""
+
+PROBABILITY_FLOOR = 1e-12
+"""Smallest probability used in the NLL: ``-log(max(p_y, 1e-12))`` <= 27.6 nats.
+
+A model that puts probability exactly 0 on the true class would otherwise make the NLL infinite,
+which poisons every mean, merge and bootstrap it enters; the floor keeps it finite while still
+charging such a sample far more than any honestly uncertain one. Logit inputs use the same floor.
+"""
+
+_CHUNK_BYTES = 8 * 1024 * 1024  # rows per sweep step: a few MB stays in cache across reductions
+_BITS_DTYPE = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+@dataclass(frozen=True, eq=False)
+class RowScores:
+    """Per-sample quantities, all shape (N,) on the input's device.
+
+    ``confidence``: top-label probability (input dtype); ``correct``: bool, predicted == label;
+    ``brier``: float64 sum_k (p_k - 1[y=k])^2, or None if not requested;
+    ``log_prob``: float64 log p_y floored at log(:data:`PROBABILITY_FLOOR`), or None.
+    """
+
+    confidence: Tensor | None
+    correct: Tensor | None
+    brier: Tensor | None
+    log_prob: Tensor | None
+
+    @property
+    def count(self) -> int:
+        for tensor in (self.confidence, self.brier, self.log_prob):
+            if tensor is not None:
+                return tensor.shape[0]
+        raise ValueError("RowScores holds no per-row tensor")
+
+
+def row_scores(
+    probs: Any,
+    labels: Any,
+    *,
+    from_logits: bool = False,
+    confidence: bool = True,
+    brier: bool = False,
+    log_prob: bool = False,
+) -> RowScores:
+    """Validate ``probs`` (N, K) and ``labels`` (N,) and compute the requested per-row quantities.
+
+    ``probs`` are probabilities (rows >= 0 summing to 1 within :data:`SUM_TOLERANCE`) unless
+    ``from_logits=True``, in which case they are finite logits turned into probabilities with a
+    softmax. Nothing is ever guessed from the values.
+    """
+    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    n_samples, n_classes = scores.shape
+    label_index = class_labels(labels, n_samples, n_classes, scores.device)
+    if from_logits:
+        return _from_logits(scores, label_index, confidence, brier, log_prob)
+    return _from_probabilities(scores, label_index, confidence, brier, log_prob)
+
+
+def _from_logits(
+    logits: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool
+) -> RowScores:
+    if not bool(torch.isfinite(logits).all()):
+        row = int((~torch.isfinite(logits)).any(1).nonzero()[0, 0])
+        raise InvalidInputError(f"logits contain NaN or Inf (first in row {row})")
+    log_probs = torch.log_softmax(logits, dim=1)
+    scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, log_prob=False)
+    label_log_prob = None
+    if log_prob:
+        label_log_prob = log_probs.gather(1, labels[:, None]).squeeze(1).to(torch.float64)
+        label_log_prob = label_log_prob.clamp_(min=math.log(PROBABILITY_FLOOR))
+    return RowScores(scores.confidence, scores.correct, scores.brier, label_log_prob)
+
+
+def _from_probabilities(
+    probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool
+) -> RowScores:
+    n_samples, n_classes = probs.shape
+    bits_dtype = _BITS_DTYPE[probs.dtype]
+    bits = probs.view(bits_dtype)
+    empty = dict(device=probs.device)
+    max_bits = torch.empty(n_samples, dtype=bits_dtype, **empty) if confidence else None
+    min_bits = torch.empty(n_samples, dtype=bits_dtype, **empty)
+    row_sum = torch.empty(n_samples, dtype=probs.dtype, **empty)
+    label_prob = torch.empty(n_samples, 1, dtype=probs.dtype, **empty)
+    row_norm = torch.empty(n_samples, dtype=probs.dtype, **empty) if brier else None
+    ones = torch.ones(n_classes, dtype=probs.dtype, **empty)
+    column = labels[:, None]
+
+    step = n_samples
+    if probs.device.type == "cpu":  # on accelerators one launch per reduction is best
+        step = max(1, _CHUNK_BYTES // (n_classes * probs.element_size()))
+    for start in range(0, n_samples, step):
+        rows = slice(start, min(start + step, n_samples))
+        chunk, chunk_bits = probs[rows], bits[rows]
+        torch.amin(chunk_bits, dim=1, out=min_bits[rows])
+        torch.mv(chunk, ones, out=row_sum[rows])
+        torch.gather(chunk, 1, column[rows], out=label_prob[rows])
+        if max_bits is not None:
+            torch.amax(chunk_bits, dim=1, out=max_bits[rows])
+        if row_norm is not None:
+            torch.linalg.vector_norm(chunk, dim=1, out=row_norm[rows])
+
+    _check_rows(probs, min_bits, row_sum)
+    label_prob = label_prob.squeeze(1)
+
+    top, correct = None, None
+    if max_bits is not None:
+        top = max_bits.view(probs.dtype)
+        correct = _first_maximum_is_label(probs, labels, top, label_prob)
+    per_row_brier = None
+    if row_norm is not None:
+        # sum_k (p_k - 1[y=k])^2 = sum_k p_k^2 - 2 p_y + 1
+        per_row_brier = row_norm.to(torch.float64).square_() - 2.0 * label_prob.double() + 1.0
+    label_log_prob = None
+    if log_prob:
+        label_log_prob = label_prob.to(torch.float64).clamp(min=PROBABILITY_FLOOR).log_()
+    return RowScores(top, correct, per_row_brier, label_log_prob)
+
+
+def _check_rows(probs: Tensor, min_bits: Tensor, row_sum: Tensor) -> None:
+    """Raise InvalidInputError for non-finite, negative or badly normalised rows."""
+    suspicious = (min_bits < 0) | ~torch.isfinite(row_sum)
+    if bool(suspicious.any()):
+        rows = suspicious.nonzero().squeeze(1)
+        flagged = probs[rows]
+        non_finite = ~torch.isfinite(flagged).all(1)
+        if bool(non_finite.any()):
+            row = int(rows[non_finite.nonzero()[0, 0]])
+            raise InvalidInputError(
+                f"probs contain NaN or Inf ({int(non_finite.sum())} bad rows, first: row {row})"
+            )
+        negative = (flagged < 0).any(1)
+        if bool(negative.any()):
+            row = int(rows[negative.nonzero()[0, 0]])
+            raise InvalidInputError(
+                f"probs contain negative values ({int(negative.sum())} bad rows, "
+                f"first: row {row}); if these are logits pass from_logits=True"
+            )
+        # Only -0.0 entries (sign bit set, value zero) or an overflowing sum remain: the sum
+        # check below decides.
+    off = ~((row_sum - 1.0).abs() <= SUM_TOLERANCE)
+    if bool(off.any()):
+        row = int(off.nonzero()[0, 0])
+        raise InvalidInputError(
+            f"probability rows must sum to 1 (tolerance {SUM_TOLERANCE}); row {row} sums to "
+            f"{row_sum[row].item():.6g} ({int(off.sum())} bad rows); "
+            "if these are logits pass from_logits=True"
+        )
+
+
+def _first_maximum_is_label(
+    probs: Tensor, labels: Tensor, top: Tensor, label_prob: Tensor
+) -> Tensor:
+    """Bool (N,): the first class attaining the row maximum is the label (argmax semantics)."""
+    correct = label_prob == top
+    maybe_tied = correct & (top <= 0.5 + SUM_TOLERANCE)
+    if bool(maybe_tied.any()):
+        rows = maybe_tied.nonzero().squeeze(1)
+        at_max = probs[rows] == top[rows, None]
+        classes = torch.arange(probs.shape[1], device=probs.device)
+        earlier_max = (at_max & (classes < labels[rows, None])).any(1)
+        correct[rows] = ~earlier_max
+    return correct

@@ -1,0 +1,236 @@
+"""The conjugate posterior over a FedLog head (spec §1.3, §2, §2.5).
+
+``p(W | data) ∝ exp(<W, S> - N logsumexp_y(||W_y||^2 / 4))`` with ``S = chi + T`` and
+``N = nu + n`` (prior :class:`ConjugatePrior`, statistics :class:`SufficientStatistics`). The
+prior and the likelihood statistics are kept apart, so a server sums client statistics and adds
+the prior exactly once. ``W`` is ``(C, m + 1)`` with column 0 the bias: logits are
+``[1, phi] @ W.T`` for body features ``phi (B, m)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from inference.conjugate.laplace import ConjugateLaplace
+from inference.conjugate.nuts import sample_nuts
+from inference.conjugate.prior import ConjugatePrior
+from inference.conjugate.solver import map_objective, solve_map, solve_map_adam
+from inference.conjugate.statistics import SufficientStatistics
+from inference.errors import InvalidInputError
+
+SampleMethod = Literal["laplace", "nuts"]
+PredictMethod = Literal["map", "probit", "mc"]
+Solver = Literal["exact", "adam"]
+_SOLVER_CODES: dict[str, int] = {"exact": 0, "adam": 1}
+
+
+class ConjugatePosterior:
+    """Posterior over the head; satisfies :class:`inference.posterior.Posterior`.
+
+    Args:
+        prior: hyperparameters (``None`` means ``ConjugatePrior()``: chi = 0, nu = 1).
+        statistics: summed statistics (possibly privatised).
+        solver: ``"exact"`` (spec §2.3, default) or ``"adam"`` (the paper's loop, spec §2.2).
+
+    Raises:
+        InvalidInputError: ``N = nu + n <= 0``, a prior chi of the wrong shape, an unknown
+            solver, or statistics that fail :meth:`SufficientStatistics.validate`.
+    """
+
+    kind: ClassVar[str] = "conjugate"
+
+    def __init__(
+        self,
+        prior: ConjugatePrior | None,
+        statistics: SufficientStatistics,
+        solver: Solver = "exact",
+    ) -> None:
+        if not isinstance(statistics, SufficientStatistics):
+            raise InvalidInputError("statistics must be a SufficientStatistics")
+        if solver not in _SOLVER_CODES:
+            raise InvalidInputError(f"solver must be 'exact' or 'adam', got {solver!r}")
+        self.prior = ConjugatePrior() if prior is None else prior
+        self.statistics = statistics.validate()
+        self.solver = solver
+        self.natural_statistic = statistics.table + self.prior.chi_table(
+            statistics.table.shape, statistics.device
+        )
+        self.natural_count = self.prior.nu + statistics.n
+        if not self.natural_count > 0:
+            raise InvalidInputError(
+                "N = nu + n must be > 0: with nu = 0 the statistics need at least one sample"
+            )
+        self._map: Tensor | None = None
+        self._laplace: ConjugateLaplace | None = None
+
+    # ------------------------------------------------------------------ shape
+
+    @property
+    def num_classes(self) -> int:
+        return self.statistics.num_classes
+
+    @property
+    def feature_dim(self) -> int:
+        """``m``: body features (heads have ``m + 1`` columns)."""
+        return self.statistics.feature_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.statistics.device
+
+    # ------------------------------------------------------------------ point estimate
+
+    def map(self) -> Tensor:
+        """The MAP head ``W (C, m + 1)``, float64, column 0 the bias (cached)."""
+        if self._map is None:
+            if self.solver == "exact":
+                self._map = solve_map(self.natural_statistic, self.natural_count)
+            else:
+                self._map, _ = solve_map_adam(self.natural_statistic, self.natural_count)
+        return self._map
+
+    @property
+    def mean(self) -> Tensor:
+        """The MAP (the posterior's mode; the protocol's point estimate)."""
+        return self.map()
+
+    def log_posterior(self, W: Tensor) -> Tensor:
+        """Exact unnormalised log density ``<W, S> - N logsumexp(||W_y||^2/4)`` of heads ``W``
+        of shape ``(C, m + 1)`` or ``(..., C, m + 1)``."""
+        if W.shape[-2:] != self.natural_statistic.shape:
+            raise InvalidInputError(
+                f"W must end in shape {tuple(self.natural_statistic.shape)}, got {tuple(W.shape)}"
+            )
+        return map_objective(W.to(torch.float64), self.natural_statistic, self.natural_count)
+
+    # ------------------------------------------------------------------ uncertainty
+
+    def laplace(self) -> ConjugateLaplace:
+        """Laplace approximation ``N(W*, H^-1)`` with structured covariance (cached)."""
+        if self._laplace is None:
+            self._laplace = ConjugateLaplace(self.map(), self.natural_count)
+        return self._laplace
+
+    def covariance(self) -> Tensor:
+        """Dense Laplace covariance ``(C (m+1), C (m+1))``, row-major over (class, column);
+        refused with MemoryBudgetError above 1 GiB. Prefer :meth:`laplace` for large heads."""
+        return self.laplace().dense_covariance()
+
+    def sample(
+        self,
+        n: int,
+        generator: torch.Generator | None = None,
+        method: SampleMethod = "laplace",
+        warmup_steps: int | None = None,
+    ) -> Tensor:
+        """``n`` head draws, shape ``(n, C, m + 1)``, float64, on the posterior's device.
+
+        ``"laplace"`` draws from ``N(W*, H^-1)`` through the structured factor; ``"nuts"`` runs
+        pyro's NUTS on the exact log posterior (whitened by the Laplace factor), with
+        ``warmup_steps`` adaptation steps.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"n must be a positive integer, got {n!r}")
+        if method == "laplace":
+            return self.laplace().sample(n, generator=generator)
+        if method == "nuts":
+            return sample_nuts(
+                self.laplace(), self.natural_statistic, self.natural_count, n,
+                warmup_steps=warmup_steps, generator=generator,
+            )
+        raise InvalidInputError(f"method must be 'laplace' or 'nuts', got {method!r}")
+
+    # ------------------------------------------------------------------ predictive
+
+    def predict_proba(
+        self,
+        inputs: Tensor,
+        method: PredictMethod = "map",
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        samples: Tensor | None = None,
+    ) -> Tensor:
+        """Class probabilities ``(B, C)`` for body features ``inputs (B, m)`` (no constant 1).
+
+        Methods: ``"map"`` plug-in softmax of the MAP logits (the paper); ``"probit"``
+        ``softmax(mu / sqrt(1 + pi/8 var))`` with the Laplace logit variances; ``"mc"`` the mean
+        softmax over ``n_samples`` Laplace draws, or over given ``samples (S, C, m + 1)`` (e.g.
+        from ``sample(..., method="nuts")``). Computed in float64, returned in the inputs'
+        floating dtype on the posterior's device.
+        """
+        x = self._augmented(inputs)
+        if method == "map":
+            probs = torch.softmax(x @ self.map().T, dim=1)
+        elif method == "probit":
+            mean, variance = self.laplace().logit_moments(x)
+            probs = torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * variance), dim=1)
+        elif method == "mc":
+            if samples is None:
+                samples = self.sample(n_samples, generator=generator)
+            elif samples.dim() != 3 or samples.shape[1:] != self.natural_statistic.shape:
+                raise InvalidInputError("samples must have shape (S, C, m + 1)")
+            logits = torch.einsum("bk,sck->sbc", x, samples.to(x.device, torch.float64))
+            probs = torch.softmax(logits, dim=2).mean(dim=0)
+        else:
+            raise InvalidInputError(f"method must be 'map', 'probit' or 'mc', got {method!r}")
+        return probs.to(inputs.dtype)
+
+    def _augmented(self, inputs: Tensor) -> Tensor:
+        if not isinstance(inputs, Tensor) or inputs.dim() != 2 or not inputs.is_floating_point():
+            raise InvalidInputError("inputs must be floating-point body features (B, m)")
+        if inputs.shape[1] != self.feature_dim:
+            raise InvalidInputError(
+                f"inputs have {inputs.shape[1]} features, the head expects {self.feature_dim} "
+                "(pass body features without the constant 1)"
+            )
+        if not bool(torch.isfinite(inputs).all()):
+            raise InvalidInputError("inputs contain NaN or Inf")
+        x = inputs.to(device=self.device, dtype=torch.float64)
+        return torch.cat([torch.ones_like(x[:, :1]), x], dim=1)
+
+    # ------------------------------------------------------------------ transport
+
+    def to(self, device: torch.device | str) -> ConjugatePosterior:
+        """A copy on ``device`` (the cached MAP moves along; nothing is recomputed)."""
+        chi = self.prior.chi
+        prior = ConjugatePrior(chi=chi.to(device) if isinstance(chi, Tensor) else chi,
+                               nu=self.prior.nu)
+        moved = ConjugatePosterior(prior, self.statistics.to(device), solver=self.solver)
+        if self._map is not None:
+            moved._map = self._map.to(device)
+        return moved
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensors only: the statistics' state, ``prior_chi`` (float64 ``(C, m+1)``),
+        ``prior_nu`` (float64 scalar) and ``solver`` (int64 code). The MAP is recomputed."""
+        state = dict(self.statistics.state_dict())
+        state["prior_chi"] = self.prior.chi_table(self.statistics.table.shape, self.device)
+        state["prior_nu"] = torch.tensor(self.prior.nu, dtype=torch.float64)
+        state["solver"] = torch.tensor(_SOLVER_CODES[self.solver], dtype=torch.int64)
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Tensor]) -> ConjugatePosterior:
+        """Inverse of :meth:`state_dict` (validates the statistics and the prior)."""
+        for key in ("prior_chi", "prior_nu", "solver"):
+            if key not in state:
+                raise InvalidInputError(f"conjugate posterior state lacks {key!r}")
+        statistics = SufficientStatistics.from_state_dict(state)
+        prior = ConjugatePrior(chi=state["prior_chi"].to(torch.float64),
+                               nu=float(state["prior_nu"]))
+        codes = {code: name for name, code in _SOLVER_CODES.items()}
+        solver = codes.get(int(state["solver"]))
+        if solver is None:
+            raise InvalidInputError(f"unknown solver code {int(state['solver'])}")
+        return cls(prior, statistics, solver=solver)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (
+            f"ConjugatePosterior(C={self.num_classes}, m={self.feature_dim}, "
+            f"N={self.natural_count:g}, solver={self.solver!r}, device={self.device})"
+        )

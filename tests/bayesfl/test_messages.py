@@ -1,0 +1,291 @@
+"""Messages: exact round trip, byte accounting, and every rejection path of decode/validate."""
+
+import io
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save as safetensors_save
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import (
+    Header,
+    Message,
+    TensorSpec,
+    decode,
+    encode,
+    tensor_digest,
+    validate,
+)
+from tests.conftest import DEVICES
+
+HEADER = Header(strategy="fedlog", round=3, client_id=7, direction="up")
+
+
+def fedlog_upload(**overrides) -> Message:
+    tensors = {"stats": torch.arange(20, dtype=torch.float64).reshape(4, 5),
+               "counts": torch.tensor([3, 1, 0, 2]),
+               "num_samples": torch.tensor(6)}
+    tensors.update(overrides)
+    return Message(HEADER, tensors)
+
+
+SCHEMA = {"stats": TensorSpec((4, None), torch.float64),
+          "counts": TensorSpec((4,), torch.int64),
+          "num_samples": TensorSpec((), torch.int64)}
+
+
+def assert_same_message(a: Message, b: Message) -> None:
+    assert a.header == b.header
+    assert set(a.tensors) == set(b.tensors)
+    for name, tensor in a.tensors.items():
+        other = b.tensors[name]
+        assert other.dtype == tensor.dtype and other.shape == tensor.shape
+        assert torch.equal(other, tensor.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_keeps_header_names_dtypes_shapes_and_values(device):
+    tensors = {
+        "f32": torch.randn(3, 4, device=device),
+        "f64": torch.randn(5, dtype=torch.float64, device=device),
+        "f16": torch.randn(2, 2, device=device).half(),
+        "bf16": torch.randn(7, device=device).bfloat16(),
+        "i64": torch.tensor([-1, 0, 2**40], device=device),
+        "i32": torch.tensor([[1, 2]], dtype=torch.int32, device=device),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8, device=device),
+        "mask": torch.tensor([True, False, True], device=device),
+        "scalar": torch.tensor(1.5, device=device),
+        "empty": torch.zeros(0, 3, device=device),
+        "nan_ok": torch.tensor([float("nan"), float("inf")], device=device),
+    }
+    msg = Message(Header("fedavg", 0, -1, "down"), tensors)
+    decoded = decode(encode(msg))
+    assert decoded.header == msg.header
+    for name, tensor in tensors.items():
+        got = decoded.tensors[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(tensor.cpu())), name
+
+
+def test_nbytes_is_the_length_of_the_encoded_bytes():
+    msg = fedlog_upload()
+    assert msg.nbytes == len(encode(msg))
+    payload = 20 * 8 + 4 * 8 + 8
+    assert payload < msg.nbytes < payload + 1024  # the header is small next to real payloads
+    assert msg.num_elements == 20 + 4 + 1
+
+
+def test_encode_accepts_views_sharing_storage_and_non_contiguous_tensors():
+    base = torch.arange(12.0)
+    msg = Message(HEADER, {"a": base[:6], "b": base[6:], "t": base.reshape(3, 4).T})
+    assert_same_message(msg, decode(encode(msg)))
+
+
+def test_encoded_size_is_stable_across_encodings():
+    # safetensors may order metadata keys differently from call to call; sizes never differ
+    sizes = {len(encode(fedlog_upload())) for _ in range(5)}
+    assert sizes == {fedlog_upload().nbytes}
+
+
+# --- rejections by decode -------------------------------------------------------------------
+
+def test_oversized_bytes_are_rejected_before_parsing():
+    data = encode(fedlog_upload())
+    assert decode(data, max_bytes=len(data)).header == HEADER
+    with pytest.raises(MessageRejected, match=f"oversized message: {len(data)} bytes"):
+        decode(data, max_bytes=len(data) - 1)
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 50, -1, -8])
+def test_truncated_bytes_are_rejected(keep):
+    data = encode(fedlog_upload())
+    with pytest.raises(MessageRejected):
+        decode(data[:keep])
+
+
+def test_a_flipped_byte_in_the_tensor_data_is_rejected():
+    data = bytearray(encode(fedlog_upload()))
+    data[-3] ^= 0x01
+    with pytest.raises(MessageRejected, match="digest mismatch"):
+        decode(bytes(data))
+
+
+def test_a_tampered_header_value_is_rejected():
+    data = encode(fedlog_upload())
+    tampered = data.replace(b'"bayesfl.round":"3"', b'"bayesfl.round":"4"')
+    assert tampered != data
+    with pytest.raises(MessageRejected, match="digest mismatch"):
+        decode(tampered)
+
+
+@settings(max_examples=150, deadline=None)
+@given(position=st.integers(0, 10_000), flip=st.integers(1, 255))
+def test_property_any_single_byte_corruption_is_rejected_or_harmless(position, flip):
+    original = fedlog_upload()
+    data = bytearray(encode(original))
+    data[position % len(data)] ^= flip
+    try:
+        decoded = decode(bytes(data))
+    except MessageRejected:
+        return
+    # only JSON-insignificant bytes (e.g. header padding spaces turned into tabs) may pass
+    assert_same_message(original, decoded)
+
+
+def _malicious_pickle(marker: str) -> bytes:
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    return pickle.dumps({"stats": Exploit()})
+
+
+def test_a_pickle_is_rejected_and_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(MessageRejected, match="not a bayesfl message"):
+        decode(_malicious_pickle(str(marker)))
+    assert not marker.exists()
+
+
+def test_foreign_formats_are_rejected():
+    npz = io.BytesIO()
+    np.savez(npz, stats=np.zeros((4, 5)))
+    torch_file = io.BytesIO()
+    torch.save({"stats": torch.zeros(4, 5)}, torch_file)
+    foreign = [npz.getvalue(), torch_file.getvalue(), pickle.dumps([1, 2, 3]),
+               b"\xff" * 64, json.dumps({"stats": [1, 2]}).encode(), b"", os.urandom(256)]
+    for data in foreign:
+        with pytest.raises(MessageRejected, match="not a bayesfl message"):
+            decode(data)
+
+
+def test_a_plain_safetensors_file_without_a_bayesfl_header_is_rejected():
+    data = safetensors_save({"stats": torch.zeros(4, 5)}, metadata={"format": "pt"})
+    with pytest.raises(MessageRejected, match=r"lacks bayesfl\.format"):
+        decode(data)
+
+
+def _reencode_with_metadata(msg: Message, **changes: str) -> bytes:
+    """Encode, then rewrite metadata fields and re-save (a well-formed but unexpected file)."""
+    from bayesfl.messages import read_safetensors_metadata
+
+    metadata = dict(read_safetensors_metadata(encode(msg)))
+    metadata.update({f"bayesfl.{k}": v for k, v in changes.items()})
+    return safetensors_save(dict(msg.tensors), metadata=metadata)
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"schema_version": "2"}, "unsupported message schema_version 2"),
+    ({"round": "three"}, "malformed message header"),
+    ({"direction": "sideways"}, "direction must be one of"),
+    ({"client_id": "-5"}, "client_id must be an integer >= -1"),
+])
+def test_a_malformed_or_unsupported_header_is_rejected(changes, reason):
+    with pytest.raises(MessageRejected, match=reason):
+        decode(_reencode_with_metadata(fedlog_upload(), **changes))
+
+
+def test_non_bytes_input_is_rejected():
+    with pytest.raises(MessageRejected, match="expected bytes"):
+        decode("not bytes")  # type: ignore[arg-type]
+
+
+# --- rejections by validate -----------------------------------------------------------------
+
+def test_a_valid_message_passes_validation_after_a_round_trip():
+    validate(decode(encode(fedlog_upload())), SCHEMA, strategy="fedlog", round=3,
+             direction="up", client_id=7)
+
+
+@pytest.mark.parametrize(("expect", "reason"), [
+    ({"strategy": "fedavg"}, "strategy is 'fedlog', expected 'fedavg'"),
+    ({"round": 4}, "round is 3, expected 4"),
+    ({"direction": "down"}, "direction is 'up', expected 'down'"),
+    ({"client_id": 8}, "client_id is 7, expected 8"),
+])
+def test_a_wrong_header_is_rejected(expect, reason):
+    with pytest.raises(MessageRejected, match=f"wrong header: {reason}") as info:
+        validate(fedlog_upload(), SCHEMA, **expect)
+    assert info.value.client_id == 7
+
+
+def test_missing_tensors_are_rejected_by_name():
+    msg = Message(HEADER, {"stats": torch.zeros(4, 5, dtype=torch.float64)})
+    with pytest.raises(MessageRejected, match=r"missing tensors \['counts', 'num_samples'\]"):
+        validate(msg, SCHEMA)
+
+
+def test_extra_tensors_are_rejected_by_name():
+    with pytest.raises(MessageRejected, match=r"unexpected tensors \['smuggled'\]"):
+        validate(fedlog_upload(smuggled=torch.zeros(1)), SCHEMA)
+
+
+@pytest.mark.parametrize(("stats", "reason"), [
+    (torch.zeros(5, 5, dtype=torch.float64), r"shape \(5, 5\), expected \(4, \*\)"),
+    (torch.zeros(4, dtype=torch.float64), r"shape \(4,\), expected \(4, \*\)"),
+    (torch.zeros(4, 5, 1, dtype=torch.float64), r"shape \(4, 5, 1\)"),
+])
+def test_a_wrong_shape_is_rejected(stats, reason):
+    with pytest.raises(MessageRejected, match=reason):
+        validate(fedlog_upload(stats=stats), SCHEMA)
+
+
+def test_a_wildcard_dimension_accepts_any_size():
+    validate(fedlog_upload(stats=torch.zeros(4, 51, dtype=torch.float64)), SCHEMA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.float16])
+def test_a_wrong_dtype_is_rejected(dtype):
+    with pytest.raises(MessageRejected, match=f"dtype {dtype}, expected torch.float64"):
+        validate(fedlog_upload(stats=torch.zeros(4, 5, dtype=dtype)), SCHEMA)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_rejected(bad):
+    stats = torch.zeros(4, 5, dtype=torch.float64)
+    stats[2, 3] = bad
+    with pytest.raises(MessageRejected, match="1 non-finite value"):
+        validate(fedlog_upload(stats=stats), SCHEMA)
+    # and they survive the wire, so the receiver's validate sees them
+    with pytest.raises(MessageRejected, match="non-finite"):
+        validate(decode(encode(fedlog_upload(stats=stats))), SCHEMA)
+
+
+def test_a_spec_may_allow_non_finite_values():
+    stats = torch.full((4, 5), float("inf"), dtype=torch.float64)
+    schema = {**SCHEMA, "stats": TensorSpec((4, None), torch.float64, finite=False)}
+    validate(fedlog_upload(stats=stats), schema)
+
+
+# --- construction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields", [
+    {"strategy": "", "round": 0, "client_id": 0, "direction": "up"},
+    {"strategy": "x", "round": -1, "client_id": 0, "direction": "up"},
+    {"strategy": "x", "round": 0, "client_id": -2, "direction": "up"},
+    {"strategy": "x", "round": 0, "client_id": 0, "direction": "sideways"},
+    {"strategy": "x", "round": 1.5, "client_id": 0, "direction": "up"},
+])
+def test_an_invalid_header_cannot_be_built(fields):
+    with pytest.raises(ConfigError, match="invalid message header"):
+        Header(**fields)
+
+
+def test_a_message_holds_only_named_tensors():
+    with pytest.raises(ConfigError, match=r"not a torch\.Tensor"):
+        Message(HEADER, {"stats": np.zeros(3)})  # type: ignore[dict-item]
+
+
+def test_digest_depends_on_names_dtypes_shapes_and_values():
+    base = {"a": torch.zeros(2, 2)}
+    variants = [{"b": torch.zeros(2, 2)}, {"a": torch.zeros(2, 2, dtype=torch.float64)},
+                {"a": torch.zeros(4)}, {"a": torch.eye(2)}]
+    digests = {tensor_digest(v) for v in variants} | {tensor_digest(base)}
+    assert len(digests) == 5
+    assert tensor_digest(base) != tensor_digest(base, preamble="header")

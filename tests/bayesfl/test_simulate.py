@@ -1,0 +1,165 @@
+"""The embedded simulator: outputs, rejection of poisoned uploads, resume, batching."""
+
+import json
+
+import pytest
+import torch
+
+from bayesfl.errors import CheckpointError, ConfigError
+from bayesfl.messages import Message, decode, encode
+from bayesfl.simulate import CHECKPOINT_NAME, sample_clients, simulate
+
+# a small, fast experiment: 6 clients with 2 classes each of a 4-class Gaussian mixture
+SMALL = dict(
+    dataset="gaussian_mixture", clients=6, partition="shards:2", rounds=2, seed=3,
+    body="mlp:16", feature_dim=8, local_epochs=1, batch_size=16, lr=1e-2, progress=False,
+    dataset_options={"num_classes": 4, "dim": 10, "n": 480, "separation": 4.0},
+)
+
+
+def numbers(metrics):
+    """Metric records without wall-clock times."""
+    return [{k: v for k, v in m.items() if k != "seconds"} for m in metrics]
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_directory_holds_metrics_summary_manifest_partition_and_plots(tmp_path):
+    result = simulate("fedlog", out=tmp_path, **SMALL)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"metrics.jsonl", "summary.json", "manifest.json", "partition.txt", "partition.json",
+            "predictions.npz", "accuracy.png", "reliability.png", CHECKPOINT_NAME} <= names
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("strategy", "rounds", "accuracy", "accuracy_pooled", "ece", "mce", "brier",
+                "nll", "per_client", "bytes_up", "bytes_down", "seconds"):
+        assert key in summary
+    assert summary["strategy"] == "fedlog" and summary["rounds"] == 2
+    assert len(summary["per_client"]) == 6
+    mean = sum(c["accuracy"] for c in summary["per_client"]) / 6
+    assert summary["accuracy"] == pytest.approx(mean)
+    metrics = read_metrics(tmp_path)
+    assert [m["round"] for m in metrics] == [0, 1, 2]  # FedLog's init round, then training
+    assert summary["bytes_up"] == sum(m["bytes_up"] for m in metrics)
+    # bytes are measured on the encoded messages: statistics (4 x 9 float32) + count + header
+    assert all(b > 4 * 9 * 4 for m in metrics for b in m["bytes_up_per_client"])
+    assert metrics[1]["floats_up"] == 6 * (4 * 9 + 1)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["config"]["seed"] == 3 and "torch" in manifest["packages"]
+    assert result.summary == summary
+
+
+def _poison(round_, client_id, data):
+    """Client 1 sends a different malicious upload every round; client 2 garbage once."""
+    if client_id == 2 and round_ == 2:
+        return b"\x00garbage" * 10
+    if client_id != 1:
+        return data
+    msg = decode(data)
+    t = dict(msg.tensors)
+    if round_ == 0:
+        t["statistics"] = t["statistics"][:2]  # wrong shape
+    elif round_ == 1:
+        t["statistics"] = torch.full_like(t["statistics"], float("nan"))
+    elif round_ == 2:
+        t["num_samples"] = t["num_samples"] + 5  # counts that do not add up
+    else:
+        t["padding"] = torch.zeros(4_000_000)  # 16 MB: oversized
+    return encode(Message(msg.header, t))
+
+
+def test_poisoned_uploads_are_rejected_logged_and_the_run_finishes(tmp_path):
+    result = simulate("fedlog", out=tmp_path, upload_hook=_poison, **{**SMALL, "rounds": 3})
+    metrics = read_metrics(tmp_path)
+    reasons = {m["round"]: [r["reason"] for r in m["rejections"]] for m in metrics}
+    assert "shape" in reasons[0][0]
+    assert "non-finite" in reasons[1][0]
+    assert "sum to" in reasons[2][0] and any("not a bayesfl message" in r for r in reasons[2])
+    assert "oversized" in reasons[3][0]
+    assert [m["accepted"] for m in metrics] == [5, 5, 4, 5]
+    assert result.summary["rejected_uploads"] == 5
+    assert {r["client_id"] for r in result.summary["rejections"]} == {1, 2}
+    assert torch.isfinite(result.state["head"]).all()
+    assert result.summary["accuracy"] > 0.5
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path):
+    config = {**SMALL, "rounds": 3, "fraction": 0.5}
+    full = simulate("fedlog", out=tmp_path / "full", **config)
+
+    def crash(round_, record):
+        if round_ == 1:
+            raise KeyboardInterrupt("killed after round 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate("fedlog", out=tmp_path / "cut", round_callback=crash, **config)
+    assert [m["round"] for m in read_metrics(tmp_path / "cut")] == [0, 1]
+    resumed = simulate("fedlog", out=tmp_path / "cut", resume=True, **config)
+    assert numbers(read_metrics(tmp_path / "cut")) == numbers(read_metrics(tmp_path / "full"))
+    assert numbers(resumed.metrics) == numbers(full.metrics)
+    assert torch.equal(resumed.state["head"], full.state["head"])
+
+
+def test_resume_restores_personal_heads(tmp_path):
+    config = {**SMALL, "rounds": 2, "strategy_options": {"head_epochs": 1}}
+    simulate("fedrep", out=tmp_path / "full", **config)
+
+    def crash(round_, record):
+        if round_ == 1:
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        simulate("fedrep", out=tmp_path / "cut", round_callback=crash, **config)
+    simulate("fedrep", out=tmp_path / "cut", resume=True, **config)
+    assert numbers(read_metrics(tmp_path / "cut")) == numbers(read_metrics(tmp_path / "full"))
+
+
+def test_corrupt_or_foreign_checkpoints_give_clear_errors(tmp_path):
+    config = {**SMALL, "rounds": 1}
+    simulate("fedlog", out=tmp_path, **config)
+    with pytest.raises(CheckpointError, match="another run configuration"):
+        simulate("fedlog", out=tmp_path, resume=True, **{**config, "lr": 0.5})
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        simulate("fedlog", out=tmp_path, resume=True, **config)
+
+
+def test_batched_and_plain_training_give_the_same_run(tmp_path):
+    batched = simulate("fedlog", batched=True, **SMALL)
+    plain = simulate("fedlog", batched=False, **SMALL)
+    torch.testing.assert_close(batched.state["head"], plain.state["head"], atol=1e-4, rtol=1e-4)
+    assert batched.summary["accuracy"] == pytest.approx(plain.summary["accuracy"], abs=0.02)
+
+
+def test_heterogeneous_bodies_run_and_learn():
+    result = simulate("fedlog", **{**SMALL, "body": "mlp:16,mlp:8-8", "rounds": 3})
+    assert [c.body_spec for c in result.clients[:2]] == ["mlp:16", "mlp:8-8"]
+    assert result.summary["accuracy"] > 0.7
+
+
+def test_fedavg_uploads_the_whole_network_and_fedlog_only_statistics():
+    fedlog = simulate("fedlog", **SMALL)
+    fedavg = simulate("fedavg", **SMALL)
+    assert fedlog.summary["bytes_up"] * 10 <= fedavg.summary["bytes_up"]
+    assert fedavg.metrics[0]["round"] == 1  # no init round
+
+
+def test_client_sampling_is_seeded_and_respects_the_fraction():
+    a = sample_clients(10, 0.3, seed=1, round=4)
+    assert a == sample_clients(10, 0.3, seed=1, round=4) and len(a) == 3
+    assert sample_clients(10, 0.3, seed=1, round=0) == list(range(10))
+    assert sample_clients(10, 1.0, seed=1, round=5) == list(range(10))
+
+
+def test_bad_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="valid names"):
+        simulate("fedsgd", **SMALL)
+    with pytest.raises(ConfigError, match="unknown option"):
+        simulate("fedlog", **SMALL, learning_rate=0.1)
+    with pytest.raises(ConfigError, match="fraction"):
+        simulate("fedlog", **{**SMALL, "fraction": 0.0})
+    with pytest.raises(ConfigError, match="resume"):
+        simulate("fedlog", resume=True, **SMALL)
+    with pytest.raises(ConfigError, match="different shared parameter shapes"):
+        simulate("fedavg", **{**SMALL, "body": "mlp:16,mlp:8"})

@@ -1,0 +1,74 @@
+"""Tiny models and loaders shared by the subnet Laplace tests (float64 unless a test says so)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class SmallCNN(nn.Module):
+    """conv(1->3, 3x3, pad 1) - ReLU - conv(3->4, 3x3, stride 2) - ReLU - flatten - Linear(36, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, 3, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 3, stride=2)
+        self.fc = nn.Linear(36, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x))
+        h = torch.relu(self.conv2(h))
+        return self.fc(h.flatten(1))
+
+
+def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3)).to(
+        dtype
+    )
+
+
+def make_cnn(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallCNN().to(dtype)
+
+
+def make_loader(
+    x: torch.Tensor, n_classes: int, seed: int = 0, batch_size: int = 8
+) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, n_classes, (x.shape[0],), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_laplace_warnings():
+    with warnings.catch_warnings():
+        # laplace-torch warns that AsdlGGN falls back to torch.func Jacobians in the predictive.
+        warnings.filterwarnings("ignore", message=".*ASDL backend.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+@pytest.fixture
+def mlp_case():
+    """(model, loader, test inputs): 5 -> 7 -> 6 -> 3 MLP, 30 training points, float64."""
+    model = make_mlp()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(30, 5, generator=g, dtype=torch.float64)
+    return model, make_loader(x, 3), torch.randn(11, 5, generator=g, dtype=torch.float64)
+
+
+@pytest.fixture
+def cnn_case():
+    """(model, loader, test inputs): small CNN on 1x8x8 images, 20 training points, float64."""
+    model = make_cnn()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 1, 8, 8, generator=g, dtype=torch.float64)
+    return model, make_loader(x, 4), torch.randn(7, 1, 8, 8, generator=g, dtype=torch.float64)
