@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="run directory; default runs/STRATEGY_DATASET_seedSEED")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                      help="strategy option, repeatable (e.g. --option alpha=0.01)")
+    run.add_argument("--dataset-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="data set option, repeatable (e.g. --dataset-option n=500)")
     run.add_argument("--no-batched", action="store_true", default=None,
                      help="train clients one by one instead of batching same-architecture ones")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
@@ -106,6 +108,9 @@ def _run(args: argparse.Namespace) -> int:
     options = dict(settings.pop("strategy_options", {}))
     options.update(parse_options(args.option))
     settings["strategy_options"] = options
+    dataset_options = dict(settings.pop("dataset_options", {}))
+    dataset_options.update(parse_options(args.dataset_option))
+    settings["dataset_options"] = dataset_options
     unknown = sorted(set(settings) - set(CONFIG_FIELDS) - {"out"})
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; valid: {', '.join(CONFIG_FIELDS)}")
@@ -140,7 +145,7 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--option expects KEY=VALUE, got {pair!r}")
+            raise ConfigError(f"options are given as KEY=VALUE, got {pair!r}")
         try:
             value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:

@@ -10,9 +10,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-import seaborn as sns  # noqa: E402
-from torch import Tensor  # noqa: E402
+import matplotlib.pyplot as plt
+import seaborn as sns
+from torch import Tensor
 
 
 def plot_accuracy(
@@ -44,27 +44,11 @@ def plot_accuracy(
 def plot_reliability(
     probs: Tensor, labels: Tensor, path: str | Path, *, n_bins: int = 15, title: str = ""
 ) -> Path:
-    """Reliability diagram of probabilities (N, C) against labels (N,), saved to ``path``:
-    per-bin accuracy against mean confidence (empty bins left out), the diagonal, and a strip
-    with the number of samples per bin; the title carries the ECE."""
-    from calibration.metrics import reliability_stats
+    """Reliability diagram (drawn by :func:`calibration.diagram.reliability_diagram`) of
+    probabilities (N, C) against labels (N,), saved to ``path``."""
+    from calibration.diagram import reliability_diagram
 
-    stats = reliability_stats(probs, labels, n_bins=n_bins)
-    sns.set_theme(style="whitegrid")
-    fig, (top, strip) = plt.subplots(2, 1, figsize=(5, 6), sharex=True,
-                                     gridspec_kw={"height_ratios": [4, 1]})
-    left, width = stats.edges[:-1], stats.edges[1:] - stats.edges[:-1]
-    seen = stats.nonempty
-    top.bar(left[seen], stats.accuracy[seen], width=width[seen], align="edge",
-            edgecolor="black", alpha=0.8, label="accuracy")
-    top.plot([0, 1], [0, 1], "k--", label="perfect calibration")
-    top.set(ylabel="accuracy", xlim=(0, 1), ylim=(0, 1),
-            title=f"{title} ECE={stats.ece:.3f}".strip())
-    top.legend(loc="upper left")
-    strip.bar(left, stats.counts, width=width, align="edge", color="grey")
-    strip.set(xlabel="confidence", ylabel="count", yscale="log" if stats.counts.max() > 0
-              else "linear")
-    fig.tight_layout()
+    fig = reliability_diagram(probs, labels, n_bins=n_bins, title=title or None)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)

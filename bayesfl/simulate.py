@@ -304,7 +304,9 @@ class _Run:
         down = strategy.broadcast(self.state, r)
         down_bytes = encode(down)
         received = decode(down_bytes)  # what the clients see is what crossed the wire
+        t_local = time.perf_counter()
         uploads = self._local_updates([self.clients[i] for i in participants], received, r)
+        t_local = time.perf_counter() - t_local
         accepted: list[Message] = []
         rejections: list[dict[str, Any]] = []
         bytes_up: list[int] = []
@@ -315,7 +317,7 @@ class _Run:
             floats_up += upload.num_elements
             if upload_hook is not None:
                 data = upload_hook(r, cid, data)
-            bytes_up.append(len(data))
+            bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
             try:
                 message = decode(data, max_bytes=limit)
                 strategy.validate_upload(message, round=r, client_id=cid)
@@ -329,7 +331,9 @@ class _Run:
             self.state = strategy.aggregate(self.state, accepted, r, server_gen)
         except BayesFLError as err:  # keep the previous state; the run goes on
             aggregate_error = str(err)
+        t_eval = time.perf_counter()
         evaluation = evaluate_clients(strategy, self.clients, self.state, n_bins=config.n_bins)
+        t_eval = time.perf_counter() - t_eval
         record = {
             "round": r,
             "participants": participants,
@@ -343,6 +347,8 @@ class _Run:
             "floats_up": int(floats_up),
             "floats_down": down.num_elements * len(participants),
             "per_client": evaluation.per_client,
+            "seconds_local_updates": t_local,
+            "seconds_evaluation": t_eval,
         }
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error

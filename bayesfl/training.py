@@ -247,18 +247,22 @@ class _AdamState:
         b2: float,
         eps: float,
     ) -> None:
-        """One Adam step (torch.optim.Adam's formula) for the clients where ``active``."""
-        self.t = self.t + active.to(self.t.dtype)
+        """One Adam step (torch.optim.Adam's formula) for the clients where ``active``.
+
+        Updates ``params`` and the moments in place. Written as ``m += a (1 - b1) (g - m)``
+        with ``a`` the 0/1 activity mask, so inactive clients keep their values exactly and
+        active ones get ``b1 m + (1 - b1) g`` (equal up to rounding).
+        """
+        self.t += active.to(self.t.dtype)
         t = self.t.clamp_min(1.0)  # inactive clients at t = 0 are masked out below
-        bias1 = 1.0 - b1**t
+        step_sizes = (lr / (1.0 - b1**t)) * active.to(t.dtype)
         bias2_sqrt = (1.0 - b2**t).sqrt()
+        a = active.to(next(iter(params.values())).dtype)
         for n, p in params.items():
             shape = (-1,) + (1,) * (p.dim() - 1)
-            a = active.view(shape)
-            g = grads[n]
-            m = torch.where(a, b1 * self.m[n] + (1.0 - b1) * g, self.m[n])
-            v = torch.where(a, b2 * self.v[n] + (1.0 - b2) * g * g, self.v[n])
-            step_size = (lr / bias1).to(p.dtype).view(shape)
-            denom = v.sqrt() / bias2_sqrt.to(p.dtype).view(shape) + eps
-            params[n] = torch.where(a, p - step_size * m / denom, p)
-            self.m[n], self.v[n] = m, v
+            g, m, v = grads[n], self.m[n], self.v[n]
+            mask = a.view(shape)
+            m.add_((g - m).mul_(mask * (1.0 - b1)))
+            v.add_((g * g).sub_(v).mul_(mask * (1.0 - b2)))
+            denom = (v.sqrt() / bias2_sqrt.to(p.dtype).view(shape)).add_(eps)
+            p.sub_((m / denom).mul_(step_sizes.to(p.dtype).view(shape)))

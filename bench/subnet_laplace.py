@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.subnet import fit_subnet_laplace, select_subnet  # noqa: E402
+from inference.subnet import fit_subnet_laplace, select_subnet
 
 
 def digits_mlp(seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,7 +76,16 @@ def main() -> None:
     parser.add_argument("--peer-predict-repeats", type=int, default=1)
     parser.add_argument("--skip-curvlinops", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both sides (default: torch's choice); 1 is steadier "
+        "on a loaded machine",
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
     from laplace import Laplace
@@ -142,7 +151,9 @@ def main() -> None:
     print(f"{'implementation':52s} {'fit s':>9s} {'predict s':>10s} {'max|dp|':>10s}")
     print(f"{'bayesfl inference.subnet (subnet_jacobian)':52s} {fit_ours:9.4f} {pred_ours:10.4f}")
     for r in rows:
-        print(f"{r['peer']:52s} {r['fit_s']:9.4f} {r['predict_s']:10.4f} {r['max_prob_diff']:10.2e}")
+        print(
+            f"{r['peer']:52s} {r['fit_s']:9.4f} {r['predict_s']:10.4f} {r['max_prob_diff']:10.2e}"
+        )
     result = {
         "benchmark": "subnet_laplace",
         "n_params": n_params,

@@ -13,16 +13,14 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 
 from calibration.accumulator import Accumulator
 from calibration.bin_stats import BinStats
 from calibration.binning import Binning, check_n_bins
-from calibration.diagram import reliability_diagram, save_figure
 from calibration.errors import InvalidInputError
 from calibration.inputs import as_tensor, score_matrix
 from calibration.metrics import evaluate, reliability_stats
@@ -30,6 +28,9 @@ from calibration.metrics import evaluate, reliability_stats
 POOLED = "pooled (micro)"
 MACRO = "macro (mean over clients)"
 ALL = "all"
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 _COLUMNS = ("count", "accuracy", "ece", "mce", "brier", "nll")
 
 
@@ -138,6 +139,9 @@ class CalibrationReport:
 
     def plot(self, path: str | Path | None = None, title: str | None = None) -> Figure:
         """Reliability diagram of the pooled samples; saved to ``path`` (.png/.svg/.pdf) if set."""
+        # Plotting (matplotlib, seaborn) is imported only when a diagram is asked for.
+        from calibration.diagram import reliability_diagram, save_figure
+
         figure = reliability_diagram(self.pooled_bins, title=title or "Reliability diagram "
                                      f"({self.pooled.name}, {self.n_bins} {self.binning} bins)")
         if path is not None:

@@ -15,8 +15,10 @@ Flagged rows are then re-examined exactly to say what is wrong (and to accept ``
 Prediction convention: the predicted class is the first class attaining the row maximum (as
 ``torch.argmax``/``numpy.argmax``). It is found without an ``argmax`` (several times slower than
 ``amax`` on CPU): a sample is correct when its label's probability equals the row maximum and no
-lower-index class ties with it. Ties at the maximum need ``max <= sum / 2``, so only rows with
-confidence <= 0.5 (+ tolerance) are checked for ties.
+lower-index class ties with it. A tie at the maximum m needs two entries equal to m, hence
+``sum_k p_k^2 >= 2 m^2`` (and m <= 1/2): the row norm, computed in the same sweep (the Brier score
+needs it anyway), rules out ties in all but the few rows whose two largest entries nearly tie, and
+only those rows are re-examined.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ which poisons every mean, merge and bootstrap it enters; the floor keeps it fini
 charging such a sample far more than any honestly uncertain one. Logit inputs use the same floor.
 """
 
-_CHUNK_BYTES = 8 * 1024 * 1024  # rows per sweep step: a few MB stays in cache across reductions
+# Rows per sweep step: the chunk stays in cache across its reductions, and few enough steps keep
+# the thread-pool synchronisation cheap when the CPU is shared.
+_CHUNK_BYTES = 16 * 1024 * 1024
 _BITS_DTYPE = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
@@ -117,7 +121,8 @@ def _from_probabilities(
     min_bits = torch.empty(n_samples, dtype=bits_dtype, **empty)
     row_sum = torch.empty(n_samples, dtype=probs.dtype, **empty)
     label_prob = torch.empty(n_samples, 1, dtype=probs.dtype, **empty)
-    row_norm = torch.empty(n_samples, dtype=probs.dtype, **empty) if brier else None
+    need_norm = brier or confidence
+    row_norm = torch.empty(n_samples, dtype=probs.dtype, **empty) if need_norm else None
     ones = torch.ones(n_classes, dtype=probs.dtype, **empty)
     column = labels[:, None]
 
@@ -141,9 +146,9 @@ def _from_probabilities(
     top, correct = None, None
     if max_bits is not None:
         top = max_bits.view(probs.dtype)
-        correct = _first_maximum_is_label(probs, labels, top, label_prob)
+        correct = _first_maximum_is_label(probs, labels, top, label_prob, row_norm)
     per_row_brier = None
-    if row_norm is not None:
+    if brier:
         # sum_k (p_k - 1[y=k])^2 = sum_k p_k^2 - 2 p_y + 1
         per_row_brier = row_norm.to(torch.float64).square_() - 2.0 * label_prob.double() + 1.0
     label_log_prob = None
@@ -184,15 +189,19 @@ def _check_rows(probs: Tensor, min_bits: Tensor, row_sum: Tensor) -> None:
 
 
 def _first_maximum_is_label(
-    probs: Tensor, labels: Tensor, top: Tensor, label_prob: Tensor
+    probs: Tensor, labels: Tensor, top: Tensor, label_prob: Tensor, row_norm: Tensor
 ) -> Tensor:
     """Bool (N,): the first class attaining the row maximum is the label (argmax semantics)."""
     correct = label_prob == top
+    top64 = top.to(torch.float64)
+    # Two entries equal to the maximum m imply sum p^2 >= 2 m^2; the margin covers the float32
+    # rounding of the norm (relative error ~K * 6e-8).
     maybe_tied = correct & (top <= 0.5 + SUM_TOLERANCE)
+    maybe_tied &= row_norm.to(torch.float64).square() >= 2.0 * top64.square() * (1.0 - 1e-3)
     if bool(maybe_tied.any()):
         rows = maybe_tied.nonzero().squeeze(1)
-        at_max = probs[rows] == top[rows, None]
-        classes = torch.arange(probs.shape[1], device=probs.device)
-        earlier_max = (at_max & (classes < labels[rows, None])).any(1)
-        correct[rows] = ~earlier_max
+        at_max = (probs.index_select(0, rows) == top[rows, None]).sum(1)
+        tied = rows[at_max > 1]
+        if tied.numel():
+            correct[tied] = probs.index_select(0, tied).argmax(1) == labels[tied]
     return correct

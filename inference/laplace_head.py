@@ -80,8 +80,8 @@ def _newton(objective, hessian_fn, start: Tensor, prior_precision: float, max_it
             theta.shape[0], dtype=theta.dtype, device=theta.device)
         step = torch.cholesky_solve(-grad[:, None], cholesky_with_jitter(precision))[:, 0]
         decrement = float(-(grad @ step))  # Newton decrement², ≥ 0
-        if decrement / 2 <= tol:
-            return theta
+        if decrement / 2 <= tol:  # in the quadratic regime: one last full step
+            return theta + step
         t = 1.0
         with torch.no_grad():
             while objective(theta + t * step) > value - 0.25 * t * decrement and t > 1e-10:

@@ -57,12 +57,15 @@ class BayesianLinearHead(PyroModule):
 
     def forward(self, inputs: Tensor, targets: Tensor, num_data: int, subsample: Tensor) -> Tensor:
         """Log-likelihood of a minibatch ``inputs[i], targets[i]`` whose rows are ``subsample``."""
-        logits = inputs @ self.weight.T
-        with pyro.plate("data", size=num_data, subsample=subsample):
+        weight = self.weight
+        if weight.ndim == 4:  # vectorised ELBO particles: (P, 1, C, m + 1), particle dim at -2
+            weight = weight.squeeze(-3)
+        logits = inputs @ weight.transpose(-1, -2)  # (B, C), or (P, B, C) with particles
+        with pyro.plate("data", size=num_data, subsample=subsample, dim=-1):
             if self.likelihood is Likelihood.SOFTMAX:
                 pyro.sample("obs", dist.Categorical(logits=logits), obs=targets)
             else:
-                pyro.sample("obs", dist.Normal(logits[:, 0], self.noise_std), obs=targets)
+                pyro.sample("obs", dist.Normal(logits[..., 0], self.noise_std), obs=targets)
         return logits
 
 
@@ -115,7 +118,7 @@ def fit_mfvi_head(
         num_steps: SVI steps; ``lr`` is Adam's initial learning rate, decayed exponentially to
             ``lr · final_lr_fraction`` at the last step.
         batch_size: minibatch size (``None``: full batch); the plate rescales by ``N / batch``.
-        num_particles: ELBO Monte-Carlo particles per step.
+        num_particles: ELBO Monte-Carlo particles per step (vectorised when > 1).
         init_scale: initial guide standard deviation.
         seed: seeds the fit (the caller's RNG state is untouched).
 
@@ -145,7 +148,9 @@ def fit_mfvi_head(
                                    likelihood, noise_std).to(device)
         guide_cls = AutoNormal if guide_kind is GuideKind.AUTO_NORMAL else AutoDiagonalNormal
         auto_guide = guide_cls(model, init_loc_fn=init_to_mean, init_scale=init_scale)
-        loss_fn = Trace_ELBO(num_particles=num_particles)(model, auto_guide)
+        elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1,
+                          max_plate_nesting=1)
+        loss_fn = elbo(model, auto_guide)
 
         def minibatch() -> tuple[Tensor, Tensor, int, Tensor]:
             if batch == num_data:

@@ -4,8 +4,9 @@ Two curvature backends compute the same (S, S) GGN block ``H_S = sum_x J_S^T Lam
 
 ``"subnet_jacobian"`` (default)
     :class:`inference.subnet.jacobian.SubnetJacobian`: Jacobian columns of the subnet only,
-    ``H_S`` accumulated per chunk as ``(sqrt(p) * J)^T (sqrt(p) * J) - (J^T p)^T (J^T p)``
-    (two matrix products; ``Lambda = diag(p) - p p^T``).
+    contracted on the output side with a square root ``M`` of the softmax Hessian
+    (``Lambda = diag(p) - p p^T = M M^T``, ``M[:, k] = sqrt(p_k) (e_k - p)``) by C
+    vector-Jacobian products, so that ``H_S`` is one Gram matrix ``(J^T M)(J^T M)^T`` per chunk.
 ``"laplace_torch"``
     laplace-torch's ``FullSubnetLaplace`` (the reference implementation), on a deep copy of the
     model (laplace-torch hooks and mutates the model it is given), with the curvature class
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from inference.errors import InvalidInputError
 from inference.subnet.batches import BatchChecks, iterate_batches
+from inference.subnet.diagonal import softmax_hessian_sqrt
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory, tensor_bytes
 from inference.subnet.parameters import (
@@ -139,32 +141,29 @@ def subnet_ggn(
                 _preflight_fit(S, C, chunk_size or X.shape[0], mean, max_memory_bytes)
             rows = chunk_size or X.shape[0]
             for start in range(0, X.shape[0], rows):
-                J, logits = engine(X[start : start + rows])
+                # J^T M with Lambda = M M^T: the chunk's GGN is one Gram matrix.
+                JtM, logits = engine(X[start : start + rows], output_vectors=_hessian_sqrt)
                 checks.update(logits, y[start : start + rows])
-                ggn += _ggn_block(J, torch.softmax(logits, dim=-1))
+                JtM = JtM.reshape(S, -1)
+                ggn += (JtM @ JtM.T).to(torch.float64)
     checks.finish()
     return 0.5 * (ggn + ggn.T), checks.n_data
 
 
-def _ggn_block(J: Tensor, probs: Tensor) -> Tensor:
-    """``sum_b J_b^T (diag(p_b) - p_b p_b^T) J_b`` for J (C, B, S), probs (B, C); float64."""
-    C, B, S = J.shape
-    weighted = (J * probs.T.sqrt().unsqueeze(-1)).reshape(C * B, S)
-    mixed = torch.einsum("cb,cbs->bs", probs.T, J)  # (B, S): J_b^T p_b
-    block = weighted.T @ weighted - mixed.T @ mixed
-    return block.to(torch.float64)
+def _hessian_sqrt(logits: Tensor) -> Tensor:
+    """(C, B, C) vectors M[:, k] with sum_k M M^T = diag(p) - p p^T, p = softmax(logits)."""
+    return softmax_hessian_sqrt(torch.softmax(logits, dim=-1))
 
 
-def _preflight_fit(
-    S: int, C: int, rows: int, mean: Tensor, max_memory_bytes: int | None
-) -> None:
+def _preflight_fit(S: int, C: int, rows: int, mean: Tensor, max_memory_bytes: int | None) -> None:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise InvalidInputError(f"chunk_size must be a positive int, got {rows!r}")
     dtype = mean.dtype
     check_memory(
         {
-            "GGN, precision and Cholesky (S x S float64, x3)": 3 * tensor_bytes((S, S), torch.float64),
-            "subnet Jacobian chunk and weighted copy (x2)": 2 * tensor_bytes((C, rows, S), dtype),
+            "GGN, precision and Cholesky (S x S float64, x3)": 3
+            * tensor_bytes((S, S), torch.float64),
+            "subnet Jacobian chunk and weighted copy (x2)": 2 * tensor_bytes((S, C, rows), dtype),
             "GGN chunk": tensor_bytes((S, S), dtype),
         },
         device=mean.device,

@@ -16,6 +16,7 @@ column-block from what each layer needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,64 +121,96 @@ class SubnetJacobian:
         with torch.no_grad():
             return check_logits(functional_call(self.model, params, (x,)), x.shape[0])
 
-    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Jacobian of the logits w.r.t. the subnet at ``mean``.
+    def __call__(
+        self, x: Tensor, column_scale: Tensor | None = None, output_vectors: Callable | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Transposed Jacobian of the logits w.r.t. the subnet at ``mean``.
 
         Args:
             x: (B, ...) inputs on the model's device.
+            column_scale: optional (S,) factors multiplied into the subnet columns (cheaper
+                here, on the small per-layer factors, than on the result).
+            output_vectors: optional map from the detached (B, C) logits to K output-space
+                vectors per sample, (K, B, C); the result is then ``J^T v`` for each of them
+                instead of ``J^T e_o`` (e.g. the columns of a square root of the softmax
+                Hessian, which turns the GGN into one Gram matrix).
 
         Returns:
-            ``J``: (C, B, S), ``J[o, b, s] = d logits[b, o] / d theta[subnet_indices[s]]``
-            (output-major so that ``J.reshape(C * B, S)`` is a plain matrix);
-            ``logits``: (B, C) at ``mean``, detached.
+            ``Jt``: (S, K, B) with K = C by default, ``Jt[s, o, b] = d logits[b, o] /
+            d theta[subnet_indices[s]]``, subnet-major so that ``Jt.reshape(S, K * B)`` is a
+            contiguous matrix and every gather runs along the leading axis; ``logits``:
+            (B, C) at ``mean``, detached.
         """
         params = functional_parameters(self.slots, self.mean, self._fast_names)
         with torch.enable_grad(), ActivationCapture(self._modules) as capture:
             logits = functional_call(self.model, params, (x,))
         logits = check_logits(logits, x.shape[0])
-        C, B = logits.shape[1], logits.shape[0]
+        B, C = logits.shape
         blocks: list[Tensor] = []
-        if self.fast:
+        if output_vectors is None:
             basis = torch.eye(C, dtype=logits.dtype, device=logits.device)
-            grad_outputs = basis.unsqueeze(1).expand(C, B, C)
-            grads = output_vjps(logits, capture.outputs(), grad_outputs)
+            vectors = basis.unsqueeze(1).expand(C, B, C)
+        else:
+            vectors = output_vectors(logits.detach())
+        if self.fast:
+            grads = output_vjps(logits, capture.outputs(), vectors)
             by_output = dict(zip([id(o) for o in capture.outputs()], grads, strict=True))
             for group in self.fast:
+                scale = None if column_scale is None else column_scale[group.positions]
                 block = None
                 for inputs, out in capture.records[id(group.slot.module)]:
-                    part = _fast_block(group, inputs.detach(), by_output[id(out)])
+                    part = _fast_block(group, inputs.detach(), by_output[id(out)], scale)
                     block = part if block is None else block + part
                 blocks.append(block.to(logits.dtype))
         if self.generic:
             jac = generic_jacobians(self.model, params, self._generic_names, x)
             for group in self.generic:
-                cols = jac[group.slot.name].reshape(B, C, -1).index_select(2, group.local)
-                blocks.append(cols.transpose(0, 1).to(logits.dtype))
-        J = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+                per_param = jac[group.slot.name].reshape(B, C, -1).index_select(2, group.local)
+                block = torch.einsum("kbc,bcs->skb", vectors, per_param)
+                if column_scale is not None:
+                    block = block * column_scale[group.positions].view(-1, 1, 1)
+                blocks.append(block.to(logits.dtype))
+        Jt = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
         if self._column_order is not None:  # groups concatenated -> the caller's index order
-            J = J.index_select(2, self._column_order)
-        return J, logits.detach()
+            Jt = Jt.index_select(0, self._column_order)
+        return Jt, logits.detach()
 
 
-def _fast_block(group: _FastGroup, inputs: Tensor, grad: Tensor) -> Tensor:
-    """Subnet columns of one layer call: (K, B, n) from its input and output-gradients (K, B, ...)."""
+def _fast_block(group: _FastGroup, inputs: Tensor, grad: Tensor, scale: Tensor | None) -> Tensor:
+    """Subnet rows of ``Jt`` for one layer call, (n, K, B), from its input and output-gradients.
+
+    ``grad`` (K, B, ...) holds the K output-space VJPs w.r.t. the layer output. The gathers
+    run along the leading axis of contiguous tensors (fast), never along a strided last axis.
+    """
     module = group.slot.module
     K, B = grad.shape[0], grad.shape[1]
     if isinstance(module, nn.Linear):
-        g = grad.reshape(K, B, -1, module.out_features)  # (K, B, T, out); T = 1 for 2-D input
+        # (out, K, B, T); T = 1 for a 2-D input
+        gT = grad.reshape(K, B, -1, module.out_features).permute(3, 0, 1, 2).contiguous()
         if group.slot.role == "bias":
-            return g.index_select(3, group.rows).sum(2)
-        a = inputs.reshape(B, -1, module.in_features)
-        if a.shape[1] == 1:
-            return g[:, :, 0].index_select(2, group.rows) * a[:, 0].index_select(1, group.cols)
-        return (g.index_select(3, group.rows) * a.index_select(2, group.cols)).sum(2)
+            block = gT.index_select(0, group.rows).sum(-1)
+            return block if scale is None else block * scale.view(-1, 1, 1)
+        aT = inputs.reshape(B, -1, module.in_features).permute(2, 0, 1).contiguous()  # (in,B,T)
+        a_sel = aT.index_select(0, group.cols)  # (n, B, T)
+        if scale is not None:
+            a_sel = a_sel * scale.view(-1, 1, 1)
+        if a_sel.shape[-1] == 1:
+            return gT[..., 0].index_select(0, group.rows) * a_sel[:, None, :, 0]
+        return (gT.index_select(0, group.rows) * a_sel[:, None]).sum(-1)
     # nn.Conv2d, groups == 1
     g = grad.reshape(K, B, module.out_channels, -1)  # (K, B, C_out, L)
     if group.slot.role == "bias":
-        return g.sum(-1).index_select(2, group.rows)
-    U = conv2d_unfold(module, inputs)  # (B, C_in * kh * kw, L)
-    n, L = group.rows.numel(), U.shape[-1]
-    if n * L <= module.weight.numel():  # gather then dot over positions
-        return (g.index_select(2, group.rows) * U.index_select(1, group.cols)).sum(-1)
-    per_sample = torch.einsum("kbcl,bjl->kbcj", g, U).reshape(K, B, -1)  # this layer only
-    return per_sample.index_select(2, group.local)
+        block = g.sum(-1).permute(2, 0, 1).contiguous().index_select(0, group.rows)
+    else:
+        U = conv2d_unfold(module, inputs)  # (B, C_in * kh * kw, L)
+        n, L = group.rows.numel(), U.shape[-1]
+        if n * L <= module.weight.numel():  # gather, then dot over output positions
+            gT = g.permute(2, 0, 1, 3).contiguous()  # (C_out, K, B, L)
+            UT = U.transpose(0, 1).contiguous()  # (C_in kh kw, B, L)
+            block = (gT.index_select(0, group.rows) * UT.index_select(0, group.cols)[:, None]).sum(
+                -1
+            )
+        else:  # per-sample gradients of this layer only, then gather
+            per_sample = torch.einsum("kbcl,bjl->cjkb", g, U).reshape(-1, K, B)
+            block = per_sample.index_select(0, group.local)
+    return block if scale is None else block * scale.view(-1, 1, 1)

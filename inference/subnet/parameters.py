@@ -122,6 +122,8 @@ def check_subnet_indices(indices: Tensor | Sequence[int], n_params: int) -> Tens
         InvalidInputError: not 1-D integers, empty, out of ``[0, n_params)`` or duplicated.
     """
     idx = torch.as_tensor(indices)
+    if idx.numel() == 0:
+        raise InvalidInputError("subnet indices must be non-empty (a subnet of size 0)")
     if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
         raise InvalidInputError(f"subnet indices must be integers, got dtype {idx.dtype}")
     idx = idx.detach().to("cpu", torch.int64)

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.subnet.jacobian import SubnetJacobian
-from inference.subnet.memory import check_memory, tensor_bytes
+from inference.subnet.memory import check_memory
 from inference.subnet.parameters import check_subnet_indices, trainable_slots
 from inference.subnet.training_mode import eval_mode
 
@@ -114,7 +114,8 @@ class SubnetLaplacePosterior:
             )
         self._precision = precision
         self._chol = scale.unsqueeze(1) * chol_eq
-        self._solve_factor = chol_eq.to(mean.dtype)  # L_eq, (S, S), model dtype
+        self._chol_eq = chol_eq  # float64
+        self._solve_factor_T = chol_eq.T.contiguous().to(mean.dtype)  # L_eq^T, model dtype
         self._solve_scale = scale.reciprocal().to(mean.dtype)  # D^{-1}, (S,)
         self._model: nn.Module | None = None
         self._jacobian: SubnetJacobian | None = None
@@ -285,8 +286,8 @@ class SubnetLaplacePosterior:
                 device=self._chol.device,
                 generator=generator,
             )
-            eq = self._solve_factor.to(torch.float64)
-            deltas = torch.linalg.solve_triangular(eq.T, z, upper=True).to(self._mean.dtype)
+            eq_T = self._chol_eq.T
+            deltas = torch.linalg.solve_triangular(eq_T, z, upper=True).to(self._mean.dtype)
         rows = self._predict_chunk_rows(x, chunk_size, n_samples, max_memory_bytes)
         out = []
         with eval_mode(self._model):
@@ -299,18 +300,23 @@ class SubnetLaplacePosterior:
     ) -> Tensor:
         if method == "map":
             return torch.softmax(engine.logits(x), dim=-1)
-        J, logits = engine(x)  # (C, B, S)
-        C, B, S = J.shape
-        J_eq = J.reshape(C * B, S) * self._solve_scale  # J D^{-1}
+        # D^{-1} J^T, (S, C, B): the equilibration scale is folded into the Jacobian engine.
+        Jt_eq, logits = engine(x, column_scale=self._solve_scale)
+        S, C, B = Jt_eq.shape
+        Jt_eq = Jt_eq.reshape(S, C * B)
         if method == "glm_probit":
             # var[b, o] = J_bo P^{-1} J_bo^T = ||L_eq^{-1} D^{-1} J_bo^T||^2
-            A = torch.linalg.solve_triangular(self._solve_factor, J_eq.T, upper=False)
-            f_var = A.square().sum(0).reshape(C, B).T
+            # Solved from the right on the (C*B, S) view, which BLAS reads without a copy:
+            # A^T = (D^{-1} J^T)^T L_eq^{-T}.
+            At = torch.linalg.solve_triangular(
+                self._solve_factor_T, Jt_eq.T, upper=True, left=False
+            )
+            f_var = At.square().sum(1).reshape(C, B).T
             kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
             return torch.softmax(kappa * logits, dim=-1)
-        # weight-space draws: theta_S - mean_S = L^{-T} z = D^{-1} L_eq^{-T} z, so J(theta - mean)
-        # = (J D^{-1}) (L_eq^{-T} z)
-        f_samples = (J_eq @ deltas).reshape(C, B, -1).permute(2, 1, 0)  # (n, B, C)
+        # weight-space draws: theta_S - mean_S = L^{-T} z = D^{-1} L_eq^{-T} z, so
+        # J (theta_S - mean_S) = (J D^{-1}) (L_eq^{-T} z)
+        f_samples = (deltas.T @ Jt_eq).reshape(-1, C, B).transpose(1, 2)  # (n, B, C)
         probs = torch.softmax(logits.unsqueeze(0) + f_samples, dim=-1)
         return probs.mean(0)
 
@@ -338,14 +344,16 @@ class SubnetLaplacePosterior:
         return chunk_size
 
     # ---------------------------------------------------------------- moving and saving
-    def to(self, device: torch.device | str, model: nn.Module | None = None) -> SubnetLaplacePosterior:
+    def to(
+        self, device: torch.device | str, model: nn.Module | None = None
+    ) -> SubnetLaplacePosterior:
         """A copy on ``device``. The model: ``model`` if given, else the held model when it is
         already on ``device``, else a deep copy of it moved there (the original is untouched)."""
         device = torch.device(device)
         if model is None and self._model is not None:
             held = next(iter(self._model.parameters()), None)
-            same = held is None or held.device.type == device.type and (
-                device.index is None or held.device == device
+            same = held is None or (
+                held.device.type == device.type and (device.index is None or held.device == device)
             )
             model = self._model if same else copy.deepcopy(self._model).to(device)
         return SubnetLaplacePosterior(

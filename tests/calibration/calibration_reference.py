@@ -1,4 +1,4 @@
-"""Independent numpy references for the calibration tests (loops, no shared code with the package)."""
+"""Independent numpy references for the calibration tests (plain loops, no package code)."""
 
 import numpy as np
 

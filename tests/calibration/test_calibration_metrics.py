@@ -12,6 +12,7 @@ from calibration_reference import (
 )
 from netcal.metrics import ECE, MCE
 
+import calibration.row_scores as row_scores_module
 from calibration.bin_stats import bin_stats_from_confidence
 from calibration.binning import uniform_edges
 from calibration.metrics import (
@@ -143,6 +144,22 @@ def test_ties_at_the_maximum_follow_argmax_first_index():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_many_tied_rows_across_sweep_chunks_follow_argmax(dtype, monkeypatch):
+    monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 4096)  # many small sweep steps
+    rng = np.random.default_rng(12)
+    probs = random_probs(rng, 30_000, 3, dtype=dtype)
+    probs[::3] = np.array([1 / 3, 1 / 3, 1 / 3], dtype=dtype)
+    probs[1::7] = np.array([0.45, 0.45, 0.1], dtype=dtype)
+    probs[2::11] = np.array([0.1, 0.45, 0.45], dtype=dtype)
+    labels = rng.integers(0, 3, 30_000)
+    expected_ece, expected_mce = reference_ece_mce(probs, labels)
+    result = evaluate(probs, labels)
+    assert result["accuracy"] == (probs.argmax(1) == labels).mean()
+    assert result["ece"] == pytest.approx(expected_ece, abs=1e-9)
+    assert result["mce"] == pytest.approx(expected_mce, abs=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_brier_and_nll_equal_direct_numpy_formulas(dtype):
     rng = np.random.default_rng(5)
     probs = random_probs(rng, 2000, 9, scale=4.0, dtype=dtype)
@@ -185,9 +202,10 @@ def test_evaluate_equals_the_separate_functions():
     assert all(isinstance(result[key], float) for key in ("accuracy", "ece", "mce", "brier"))
 
 
-def test_large_array_crossing_chunk_boundaries_equals_reference():
+def test_sweep_in_uneven_chunks_equals_reference(monkeypatch):
+    monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 50 * 4 * 777)  # 777-row steps
     rng = np.random.default_rng(8)
-    probs = random_probs(rng, 60_000, 50, dtype=np.float32)  # 12 MB: several sweep chunks
+    probs = random_probs(rng, 20_000, 50, dtype=np.float32)
     labels = calibrated_labels(rng, probs ** 0.8)
     expected_ece, expected_mce = reference_ece_mce(probs, labels)
     result = evaluate(probs, labels)

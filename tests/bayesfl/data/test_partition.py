@@ -263,3 +263,9 @@ def test_property_partitions_cover_every_sample_once_or_refuse_clearly(labels, n
     if scheme.startswith("shards"):
         k = int(scheme.split(":")[1])
         assert all(len(classes_of(y, p)) <= k for p in parts)
+
+
+@pytest.mark.parametrize("num_clients", [0, -3, 2.5])
+def test_a_non_positive_or_fractional_client_count_is_a_config_error(num_clients):
+    with pytest.raises(ConfigError, match="num_clients"):
+        partition(np.arange(10) % 2, num_clients, "iid", seed=0)

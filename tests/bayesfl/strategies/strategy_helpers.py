@@ -5,7 +5,7 @@ import torch
 from bayesfl.bodies import build_body
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import decode, encode
-from bayesfl.strategies import Client, StrategyContext, make_strategy
+from bayesfl.strategies import Client, StrategyContext
 from bayesfl.training import LocalTraining
 
 NUM_CLASSES = 3

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from strategy_helpers import NUM_CLASSES, run_round, wire
 from scipy.optimize import minimize
+from strategy_helpers import NUM_CLASSES, run_round, wire
 
 from bayesfl.errors import MessageRejected
 from bayesfl.messages import Message
@@ -31,8 +31,8 @@ def lbfgs_map(S, N):
     def f(w):
         W = torch.tensor(w.reshape(C, m), requires_grad=True)
         J = (W * S).sum() - N * torch.logsumexp(W.pow(2).sum(1) / 4, 0)
-        (-J).backward()
-        return -J.item(), -W.grad.numpy().ravel() if False else W.grad.numpy().ravel()
+        (-J).backward()  # minimise -J: W.grad is its gradient
+        return -J.item(), W.grad.numpy().ravel()
 
     res = minimize(f, (s / N / 2).ravel(), jac=True, method="L-BFGS-B",
                    options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10_000})

@@ -13,7 +13,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class SmallCNN(nn.Module):
-    """conv(1->3, 3x3, pad 1) - ReLU - conv(3->4, 3x3, stride 2) - ReLU - flatten - Linear(36, 4)."""
+    """conv(1->3, 3x3, pad 1), ReLU, conv(3->4, 3x3, stride 2), ReLU, flatten, Linear(36, 4)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,9 +29,9 @@ class SmallCNN(nn.Module):
 
 def make_mlp(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3)).to(
-        dtype
-    )
+    return nn.Sequential(
+        nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 3)
+    ).to(dtype)
 
 
 def make_cnn(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -39,9 +39,7 @@ def make_cnn(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
     return SmallCNN().to(dtype)
 
 
-def make_loader(
-    x: torch.Tensor, n_classes: int, seed: int = 0, batch_size: int = 8
-) -> DataLoader:
+def make_loader(x: torch.Tensor, n_classes: int, seed: int = 0, batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, n_classes, (x.shape[0],), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)

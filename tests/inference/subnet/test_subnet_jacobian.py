@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_cnn, make_loader, make_mlp
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
+from conftest import make_cnn, make_loader, make_mlp
 from inference.subnet import SubnetJacobian, diagonal_ggn, flat_trainable_parameters
 
 
@@ -67,12 +67,17 @@ def test_subnet_jacobian_equals_the_sliced_full_jacobian(name, subnet):
     mean = flat_trainable_parameters(model)
     n = mean.numel()
     g = torch.Generator().manual_seed(1)
-    idx = torch.randperm(n, generator=g)[: max(1, n // 3)] if subnet == "random" else torch.arange(n)
-    J, logits = SubnetJacobian(model, idx, mean)(x)
+    idx = (
+        torch.randperm(n, generator=g)[: max(1, n // 3)] if subnet == "random" else torch.arange(n)
+    )
+    Jt, logits = SubnetJacobian(model, idx, mean)(x)
     expected = reference_jacobian(model, x)[:, :, idx]
-    assert J.shape == (expected.shape[1], x.shape[0], idx.numel())
-    assert not J.requires_grad
-    assert torch.allclose(J.transpose(0, 1), expected, atol=1e-12, rtol=0)
+    assert Jt.shape == (idx.numel(), expected.shape[1], x.shape[0])
+    assert not Jt.requires_grad
+    assert torch.allclose(Jt.permute(2, 1, 0), expected, atol=1e-12, rtol=0)
+    scale = torch.linspace(0.5, 2.0, idx.numel(), dtype=torch.float64)
+    Jt_scaled, _ = SubnetJacobian(model, idx, mean)(x, column_scale=scale)
+    assert torch.allclose(Jt_scaled, Jt * scale.view(-1, 1, 1), atol=1e-12, rtol=0)
     assert torch.allclose(logits, model(x), atol=1e-14)
 
 

@@ -1,4 +1,4 @@
-"""Subnet selection: largest diagonal-GGN-Laplace marginal variance, in the trainable index space."""
+"""Subnet selection: largest diagonal-GGN-Laplace marginal variance, trainable index space."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from conftest import make_loader, make_mlp
 from laplace import Laplace
 from laplace.curvature import AsdlGGN
 from torch import nn
 
+from conftest import make_loader, make_mlp
 from inference.subnet import (
     diagonal_ggn,
     fit_subnet_laplace,
@@ -95,9 +95,7 @@ def test_frozen_head_is_outside_the_index_space_and_agrees_with_laplace_torch(ml
     )
     la.fit(loader)
     assert torch.allclose(post.precision, la.posterior_precision, atol=1e-10)
-    assert torch.allclose(
-        post.predict_proba(x_test), la(x_test, link_approx="probit"), atol=1e-10
-    )
+    assert torch.allclose(post.predict_proba(x_test), la(x_test, link_approx="probit"), atol=1e-10)
 
 
 def dead_unit_case():
