@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from bayesfl.strategies.base import BaseStrategy, Client, ServerState
+from bayesfl.training import architecture_key
 from calibration.accumulator import Accumulator
 
 METRICS = ("accuracy", "ece", "mce", "brier", "nll")
@@ -68,11 +69,21 @@ def evaluate_clients(
     state: ServerState,
     *,
     n_bins: int = 15,
+    batched: bool = True,
 ) -> RoundEvaluation:
-    """Evaluate every client on its test set (module docstring)."""
+    """Evaluate every client on its test set (module docstring); with ``batched``, clients
+    of one architecture predict together (:meth:`predict_proba_batch`)."""
+    predictions: dict[int, Tensor] = {}
+    groups: dict[tuple, list[Client]] = {}
+    for c in clients:
+        key = architecture_key(c.model) if batched else (c.client_id,)
+        groups.setdefault(key, []).append(c)
+    for group in groups.values():
+        outs = strategy.predict_proba_batch(group, state, [c.data.test_x for c in group])
+        predictions.update({c.client_id: p for c, p in zip(group, outs, strict=True)})
     accumulators, per_client, probs, labels, ids = [], [], [], [], []
     for c in clients:
-        p = strategy.predict_proba(c, state, c.data.test_x).to("cpu", torch.float64)
+        p = predictions[c.client_id].to("cpu", torch.float64)
         y = c.data.test_y.to("cpu")
         acc = Accumulator(n_bins=n_bins)
         acc.update(p, y)

@@ -289,7 +289,7 @@ class _Run:
         bar.close()
         if last_eval is None:  # nothing left to run (resumed a finished run): evaluate once
             last_eval = evaluate_clients(self.strategy, self.clients, self.state,
-                                         n_bins=config.n_bins)
+                                         n_bins=config.n_bins, batched=config.batched)
         seconds = self.seconds_before + time.perf_counter() - start
         summary = build_summary(config, metrics, last_eval, seconds)
         if self.run_dir is not None:
@@ -332,7 +332,8 @@ class _Run:
         except BayesFLError as err:  # keep the previous state; the run goes on
             aggregate_error = str(err)
         t_eval = time.perf_counter()
-        evaluation = evaluate_clients(strategy, self.clients, self.state, n_bins=config.n_bins)
+        evaluation = evaluate_clients(strategy, self.clients, self.state, n_bins=config.n_bins,
+                                      batched=config.batched)
         t_eval = time.perf_counter() - t_eval
         record = {
             "round": r,

@@ -204,20 +204,33 @@ def train_batched(
         return (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
 
     grads_of = vmap(grad(client_loss))
+    # Every client takes a step at every step iff all have the same number of batches; then
+    # one fused torch Adam over the stacked tensors is exactly per-client Adam (it is
+    # elementwise, with one shared step count). Otherwise a masked Adam skips idle clients.
+    uniform = len({math.ceil(n / config.batch_size) for n in sizes}) == 1
     b1, b2 = config.betas
-    state = None
+    state: _AdamState | torch.optim.Adam | None = None
     for epoch in range(config.epochs):
         if state is None or (config.reset_optimizer_each_epoch and epoch > 0):
-            state = _AdamState.zeros(train_p, len(models), device)
+            state = (
+                torch.optim.Adam(list(train_p.values()), lr=config.lr, betas=config.betas,
+                                 eps=config.eps, fused=device.type in ("cpu", "cuda"))
+                if uniform else _AdamState.zeros(train_p, len(models), device)
+            )
         index, mask, steps = _batch_schedule(sizes, config.batch_size, generators)
         index, mask = index.to(device), mask.to(device=device, dtype=X.dtype)
         for s in range(steps):
             cols = slice(s * config.batch_size, (s + 1) * config.batch_size)
             ib, mb = index[:, cols], mask[:, cols]
             g = grads_of(train_p, frozen_p, buffers, X[rows, ib], Y[rows, ib], mb)
-            active = mb.sum(dim=1) > 0
             with torch.no_grad():
-                state.step(train_p, g, active, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
+                if isinstance(state, torch.optim.Adam):
+                    for n, p in train_p.items():
+                        p.grad = g[n]
+                    state.step()
+                else:
+                    state.step(train_p, g, mb.sum(dim=1) > 0, lr=config.lr, b1=b1, b2=b2,
+                               eps=config.eps)
     with torch.no_grad():
         for k, p in enumerate(per_model):
             for n in train_names:
@@ -249,20 +262,49 @@ class _AdamState:
     ) -> None:
         """One Adam step (torch.optim.Adam's formula) for the clients where ``active``.
 
-        Updates ``params`` and the moments in place. Written as ``m += a (1 - b1) (g - m)``
-        with ``a`` the 0/1 activity mask, so inactive clients keep their values exactly and
-        active ones get ``b1 m + (1 - b1) g`` (equal up to rounding).
+        Updates ``params`` and the moments in place with few passes over memory:
+        ``m.lerp_(g, a (1 - b1))`` is ``b1 m + (1 - b1) g`` for an active client (``a = 1``)
+        and leaves an inactive one (``a = 0``) unchanged; the per-client step size is folded
+        into the denominator, which is infinite for inactive clients (a zero update).
         """
         self.t += active.to(self.t.dtype)
         t = self.t.clamp_min(1.0)  # inactive clients at t = 0 are masked out below
-        step_sizes = (lr / (1.0 - b1**t)) * active.to(t.dtype)
+        neg_inv_step = torch.where(active, -(1.0 - b1**t) / lr, torch.inf)
         bias2_sqrt = (1.0 - b2**t).sqrt()
         a = active.to(next(iter(params.values())).dtype)
         for n, p in params.items():
             shape = (-1,) + (1,) * (p.dim() - 1)
             g, m, v = grads[n], self.m[n], self.v[n]
-            mask = a.view(shape)
-            m.add_((g - m).mul_(mask * (1.0 - b1)))
-            v.add_((g * g).sub_(v).mul_(mask * (1.0 - b2)))
-            denom = (v.sqrt() / bias2_sqrt.to(p.dtype).view(shape)).add_(eps)
-            p.sub_((m / denom).mul_(step_sizes.to(p.dtype).view(shape)))
+            m.lerp_(g, (a * (1.0 - b1)).view(shape))
+            v.lerp_(g * g, (a * (1.0 - b2)).view(shape))
+            denom = v.sqrt().div_(bias2_sqrt.to(p.dtype).view(shape)).add_(eps)
+            p.addcdiv_(m, denom.mul_(neg_inv_step.to(p.dtype).view(shape)))
+
+
+@torch.no_grad()
+def forward_stacked(
+    models: Sequence[nn.Module], xs: Sequence[Tensor], *, chunk: int = 256
+) -> list[Tensor]:
+    """``[models[k](xs[k]) for k]`` in eval mode for models of one architecture, computed with
+    one vmapped ``functional_call`` per ``chunk`` clients (inputs zero-padded to the longest,
+    outputs cut back to each client's length). Modules must return a single tensor."""
+    keys = {architecture_key(m) for m in models}
+    if len(keys) != 1:
+        raise ConfigError("forward_stacked needs models of one architecture")
+    template = models[0]
+    was_training = template.training
+    template.eval()
+    outs: list[Tensor] = []
+    try:
+        for start in range(0, len(models), chunk):
+            group, inputs = models[start : start + chunk], xs[start : start + chunk]
+            params = {n: torch.stack([dict(m.named_parameters())[n] for m in group])
+                      for n, _ in template.named_parameters()}
+            buffers = {n: torch.stack([dict(m.named_buffers())[n] for m in group])
+                       for n, _ in template.named_buffers()}
+            out = vmap(lambda p, b, x: functional_call(template, (p, b), (x,)))(
+                params, buffers, pad_stack(list(inputs)))
+            outs.extend(o[: x.shape[0]] for o, x in zip(out, inputs, strict=True))
+    finally:
+        template.train(was_training)
+    return outs

@@ -8,7 +8,7 @@ Peer: netcal's ``ECE(bins=15).measure`` + ``MCE(bins=15).measure`` on the same n
 The three contenders run interleaved, round after round, and each keeps its best time, so a
 burst of load on the shared machine hits all of them alike. Prints a table, then one JSON line.
 
-Usage: python bench/calibration.py [--rows N] [--classes K] [--rounds R]
+Usage: python bench/calibration.py [--rows N] [--classes K] [--rounds R] [--threads T]
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bins", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice, one per core)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     from netcal.metrics import ECE, MCE
 

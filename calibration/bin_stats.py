@@ -90,11 +90,12 @@ def binned_sums(
     """
     n_bins = edges.numel() - 1
     index = bin_indices(confidence, edges)
-    counts = torch.bincount(index, minlength=n_bins)
     confidence_sums = torch.zeros(n_bins, dtype=torch.float64, device=confidence.device)
     confidence_sums.index_add_(0, index, confidence.to(torch.float64))
-    correct_counts = torch.bincount(index[correct], minlength=n_bins)
-    return counts, confidence_sums, correct_counts
+    # One histogram over (bin, correct) pairs gives both the counts and the correct counts.
+    pairs = torch.bincount(index * 2 + correct.to(torch.int64), minlength=2 * n_bins)
+    pairs = pairs.view(n_bins, 2)
+    return pairs.sum(1), confidence_sums, pairs[:, 1].contiguous()
 
 
 def bin_stats_from_confidence(confidence: Tensor, correct: Tensor, edges: Tensor) -> BinStats:

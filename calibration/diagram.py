@@ -104,7 +104,12 @@ def _draw_count_strip(ax: Axes, stats: BinStats) -> None:
                  color=sns.color_palette("deep")[7], edgecolor="white", linewidth=0.5)
     ax.set_xlim(0, 1)
     ax.set_xlabel("Confidence")
-    ax.set_ylabel("Count")
+    nonzero = stats.counts[stats.counts > 0]
+    if nonzero.max() > 100 * nonzero.min():  # keep sparse bins visible beside a dominant one
+        ax.set_yscale("log")
+        ax.set_ylabel("Count (log)")
+    else:
+        ax.set_ylabel("Count")
 
 
 def save_figure(figure: Figure, path: str | Path) -> Path:

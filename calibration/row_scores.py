@@ -4,13 +4,14 @@ Every metric in :mod:`calibration` is built from these per-row quantities, compu
 chunked sweep over the (N, K) array with validation folded into reductions that are needed anyway
 (a full ``isfinite`` over the array would cost more than the metrics):
 
-* NaN and +-Inf propagate into the row sum, so a non-finite row sum flags them;
-* a negative entry (or a NaN/-Inf with the sign bit set) makes the row minimum of the IEEE bit
-  pattern, read as a signed integer, negative; the row maximum of the same bit pattern is the
-  largest probability for a valid (non-negative) row, so no separate float ``max`` is needed;
-* rows whose sum is not 1 within :data:`SUM_TOLERANCE` are rejected.
+* NaN and +-Inf propagate into the row sum, so a row sum outside ``1 +- SUM_TOLERANCE`` (a
+  non-finite sum always is) flags them along with badly normalised rows;
+* a negative entry has its IEEE sign bit set, so the minimum of the bit pattern read as a signed
+  integer (one scalar per sweep step) is negative; the per-row maximum of the same bit pattern is
+  the largest probability of a valid (non-negative) row, so no separate float ``max`` is needed.
 
-Flagged rows are then re-examined exactly to say what is wrong (and to accept ``-0.0``).
+Only when something is flagged is the array re-examined exactly, to say what is wrong (and to
+accept ``-0.0``, which has its sign bit set but is an ordinary zero).
 
 Prediction convention: the predicted class is the first class attaining the row maximum (as
 ``torch.argmax``/``numpy.argmax``). It is found without an ``argmax`` (several times slower than
@@ -116,23 +117,25 @@ def _from_probabilities(
     n_samples, n_classes = probs.shape
     bits_dtype = _BITS_DTYPE[probs.dtype]
     bits = probs.view(bits_dtype)
-    empty = dict(device=probs.device)
-    max_bits = torch.empty(n_samples, dtype=bits_dtype, **empty) if confidence else None
-    min_bits = torch.empty(n_samples, dtype=bits_dtype, **empty)
-    row_sum = torch.empty(n_samples, dtype=probs.dtype, **empty)
-    label_prob = torch.empty(n_samples, 1, dtype=probs.dtype, **empty)
+    device = probs.device
+    step = n_samples
+    if device.type == "cpu":  # on accelerators one launch per reduction is best
+        step = max(1, _CHUNK_BYTES // (n_classes * probs.element_size()))
+    n_steps = -(-n_samples // step)
+    max_bits = torch.empty(n_samples, dtype=bits_dtype, device=device) if confidence else None
+    step_min_bits = torch.empty(n_steps, dtype=bits_dtype, device=device)
+    row_sum = torch.empty(n_samples, dtype=probs.dtype, device=device)
+    label_prob = torch.empty(n_samples, 1, dtype=probs.dtype, device=device)
     need_norm = brier or confidence
-    row_norm = torch.empty(n_samples, dtype=probs.dtype, **empty) if need_norm else None
-    ones = torch.ones(n_classes, dtype=probs.dtype, **empty)
+    row_norm = torch.empty(n_samples, dtype=probs.dtype, device=device) if need_norm else None
+    ones = torch.ones(n_classes, dtype=probs.dtype, device=device)
     column = labels[:, None]
 
-    step = n_samples
-    if probs.device.type == "cpu":  # on accelerators one launch per reduction is best
-        step = max(1, _CHUNK_BYTES // (n_classes * probs.element_size()))
-    for start in range(0, n_samples, step):
+    for index, start in enumerate(range(0, n_samples, step)):
         rows = slice(start, min(start + step, n_samples))
         chunk, chunk_bits = probs[rows], bits[rows]
-        torch.amin(chunk_bits, dim=1, out=min_bits[rows])
+        # One minimum per step: its sign bit says whether any entry has its sign bit set.
+        torch.amin(chunk_bits, dim=(0, 1), out=step_min_bits[index])
         torch.mv(chunk, ones, out=row_sum[rows])
         torch.gather(chunk, 1, column[rows], out=label_prob[rows])
         if max_bits is not None:
@@ -140,7 +143,7 @@ def _from_probabilities(
         if row_norm is not None:
             torch.linalg.vector_norm(chunk, dim=1, out=row_norm[rows])
 
-    _check_rows(probs, min_bits, row_sum)
+    _check_rows(probs, bits, bool((step_min_bits < 0).any()), row_sum)
     label_prob = label_prob.squeeze(1)
 
     top, correct = None, None
@@ -157,35 +160,40 @@ def _from_probabilities(
     return RowScores(top, correct, per_row_brier, label_log_prob)
 
 
-def _check_rows(probs: Tensor, min_bits: Tensor, row_sum: Tensor) -> None:
-    """Raise InvalidInputError for non-finite, negative or badly normalised rows."""
-    suspicious = (min_bits < 0) | ~torch.isfinite(row_sum)
-    if bool(suspicious.any()):
-        rows = suspicious.nonzero().squeeze(1)
-        flagged = probs[rows]
-        non_finite = ~torch.isfinite(flagged).all(1)
-        if bool(non_finite.any()):
-            row = int(rows[non_finite.nonzero()[0, 0]])
-            raise InvalidInputError(
-                f"probs contain NaN or Inf ({int(non_finite.sum())} bad rows, first: row {row})"
-            )
-        negative = (flagged < 0).any(1)
+def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tensor) -> None:
+    """Raise InvalidInputError for non-finite, negative or badly normalised rows.
+
+    NaN/Inf anywhere in a row make its sum non-finite, which fails the ``<= tolerance`` test;
+    ``sign_bit_seen`` (some entry is negative, -0.0, -NaN or -Inf) triggers an exact scan.
+    """
+    if sign_bit_seen:
+        signed_rows = (bits < 0).any(1).nonzero().squeeze(1)
+        flagged = probs.index_select(0, signed_rows)
+        negative = (flagged < 0).any(1)  # -0.0 compares equal to 0: an ordinary zero
         if bool(negative.any()):
-            row = int(rows[negative.nonzero()[0, 0]])
-            raise InvalidInputError(
-                f"probs contain negative values ({int(negative.sum())} bad rows, "
-                f"first: row {row}); if these are logits pass from_logits=True"
-            )
-        # Only -0.0 entries (sign bit set, value zero) or an overflowing sum remain: the sum
-        # check below decides.
-    off = ~((row_sum - 1.0).abs() <= SUM_TOLERANCE)
-    if bool(off.any()):
-        row = int(off.nonzero()[0, 0])
+            row = int(signed_rows[negative.nonzero()[0, 0]])
+            non_finite = ~torch.isfinite(flagged[negative.nonzero()[0, 0]]).all()
+            if not bool(non_finite):
+                raise InvalidInputError(
+                    f"probs contain negative values ({int(negative.sum())} bad rows, "
+                    f"first: row {row}); if these are logits pass from_logits=True"
+                )
+    deviation = (row_sum - 1.0).abs_()
+    if bool((deviation <= SUM_TOLERANCE).all()):
+        return
+    non_finite = ~torch.isfinite(row_sum)
+    if bool(non_finite.any()):
+        row = int(non_finite.nonzero()[0, 0])
         raise InvalidInputError(
-            f"probability rows must sum to 1 (tolerance {SUM_TOLERANCE}); row {row} sums to "
-            f"{row_sum[row].item():.6g} ({int(off.sum())} bad rows); "
-            "if these are logits pass from_logits=True"
+            f"probs contain NaN or Inf ({int(non_finite.sum())} bad rows, first: row {row})"
         )
+    off = ~(deviation <= SUM_TOLERANCE)
+    row = int(off.nonzero()[0, 0])
+    raise InvalidInputError(
+        f"probability rows must sum to 1 (tolerance {SUM_TOLERANCE}); row {row} sums to "
+        f"{row_sum[row].item():.6g} ({int(off.sum())} bad rows); "
+        "if these are logits pass from_logits=True"
+    )
 
 
 def _first_maximum_is_label(
@@ -200,8 +208,9 @@ def _first_maximum_is_label(
     maybe_tied &= row_norm.to(torch.float64).square() >= 2.0 * top64.square() * (1.0 - 1e-3)
     if bool(maybe_tied.any()):
         rows = maybe_tied.nonzero().squeeze(1)
-        at_max = (probs.index_select(0, rows) == top[rows, None]).sum(1)
-        tied = rows[at_max > 1]
+        # Largest entry other than the label's own: a tie iff it equals the maximum.
+        others = probs.index_select(0, rows).scatter_(1, labels[rows, None], -1.0)
+        tied = rows[others.amax(1) == top[rows]]
         if tied.numel():
             correct[tied] = probs.index_select(0, tied).argmax(1) == labels[tied]
     return correct

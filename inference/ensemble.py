@@ -14,7 +14,7 @@ from inference.posterior import register_posterior
 
 
 def mean_softmax(weights: Tensor, features: Tensor, chunk_size: int = 64) -> Tensor:
-    """Average over heads of ``softmax(W_s [x, 1])``.
+    """Average over heads of ``softmax(W_s [1, x])``.
 
     Args:
         weights: ``(S, C, m + 1)`` head weights.

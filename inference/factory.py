@@ -17,7 +17,8 @@ kind               fitting function                                    returns
 =================  ==================================================  ======================
 conjugate          ``inference.conjugate``: ``ConjugatePosterior(       ConjugatePosterior
                    prior, SufficientStatistics.from_features(...))``;
-                   options: ``prior=ConjugatePrior(...)`` or its fields
+                   options: ``prior=ConjugatePrior(...)`` or its
+                   fields (``chi``, ``nu``), and ``solver``
 laplace            :func:`inference.laplace_head.fit_laplace_head`     GaussianPosterior
 mfvi               :func:`inference.mfvi.fit_mfvi_head`                GaussianPosterior (diag)
 sgld               :func:`inference.sgld.fit_sgld_head`                EnsemblePosterior
@@ -43,13 +44,14 @@ FEATURE_HEAD_KINDS = (HeadKind.CONJUGATE, HeadKind.LAPLACE, HeadKind.MFVI, HeadK
 def _fit_conjugate(features, labels, num_classes, **options) -> Posterior:
     from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
 
+    solver = options.pop("solver", "exact")
     prior = options.pop("prior", None)
     if prior is None:
         prior = ConjugatePrior(**options)
     elif options:
         raise InvalidInputError(f"pass either prior= or its fields, not both: {sorted(options)}.")
     stats = SufficientStatistics.from_features(features, labels, num_classes)
-    return ConjugatePosterior(prior, stats)
+    return ConjugatePosterior(prior, stats, solver=solver)
 
 
 def _fit_laplace(features, labels, num_classes, **options) -> Posterior:

@@ -341,7 +341,7 @@ class _Factorisation:
 class GaussianPosterior:
     """A Gaussian posterior ``prior + likelihood`` over parameters of shape ``shape``.
 
-    When ``shape == (C, m + 1)`` the Gaussian is over a linear softmax head (bias last column,
+    When ``shape == (C, m + 1)`` the Gaussian is over a linear softmax head (bias in column 0,
     see :mod:`inference.linear_model`) and :meth:`predict_proba` maps features ``(B, m)`` to
     class probabilities. Instances are immutable; the float64 factorisation is cached.
 
@@ -481,7 +481,7 @@ class GaussianPosterior:
         return num_classes, width
 
     def logit_moments(self, features: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and per-class variance of the logits ``f = W [x, 1]``, each ``(B, C)``, float64."""
+        """Mean and per-class variance of the logits ``f = W [1, x]``, each ``(B, C)``, float64."""
         num_classes, width = self._head_shape(features)
         x = augment_with_bias(features.to(device=self.device, dtype=torch.float64))
         mean_w = self.mean.to(torch.float64)

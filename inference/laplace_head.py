@@ -1,7 +1,7 @@
 """Laplace approximation of a linear head on fixed features ("laplace" in the factory).
 
-Model: ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias last column) and
-``y ~ Categorical(softmax(W [x, 1]))`` (or ``Normal(W [x, 1], σ²)`` with ``likelihood="gaussian"``,
+Model: ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias in column 0) and
+``y ~ Categorical(softmax(W [1, x]))`` (or ``Normal(W [1, x], σ²)`` with ``likelihood="gaussian"``,
 ``C = 1``). The mode ``W*`` of the log posterior is found in float64 by damped Newton (exact
 Hessian) or L-BFGS; the posterior is ``N(W*, (λI + H)⁻¹)`` with ``H`` the exact Hessian of the
 negative log likelihood at ``W*``:

@@ -1,8 +1,9 @@
 """The linear head every feature-based posterior in :mod:`inference` is over.
 
-A head maps features ``x`` of shape ``(B, m)`` to outputs ``f = W [x, 1]`` of shape ``(B, C)``,
-with ``W`` of shape ``(C, m + 1)``: the last column is the bias. A flat parameter vector is
-``W.reshape(-1)`` (row-major, class by class). The observation model is a
+A head maps features ``x`` of shape ``(B, m)`` to outputs ``f = W [1, x]`` of shape ``(B, C)``,
+with ``W`` of shape ``(C, m + 1)``: column 0 is the bias (the layout of
+:mod:`inference.conjugate`). A flat parameter vector is ``W.reshape(-1)`` (row-major, class by
+class). The observation model is a
 :class:`~inference.options.Likelihood`: softmax classification or Gaussian regression.
 """
 
@@ -18,9 +19,9 @@ from inference.options import Likelihood
 
 
 def augment_with_bias(features: Tensor) -> Tensor:
-    """Append a column of ones: ``(B, m) -> (B, m + 1)``."""
+    """Prepend a column of ones (the bias input): ``(B, m) -> (B, m + 1)``, ``[1, x]``."""
     ones = torch.ones(features.shape[0], 1, dtype=features.dtype, device=features.device)
-    return torch.cat([features, ones], dim=1)
+    return torch.cat([ones, features], dim=1)
 
 
 def check_features(features: Tensor, num_features: int | None = None) -> None:

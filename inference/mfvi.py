@@ -1,7 +1,7 @@
 """Mean-field variational inference of a linear head with pyro-ppl ("mfvi" in the factory).
 
-Model (a :class:`pyro.nn.PyroModule`): ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias last
-column) and ``y_n ~ Categorical(softmax(W [x_n, 1]))`` (or ``Normal(W [x_n, 1], σ²)`` with
+Model (a :class:`pyro.nn.PyroModule`): ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias in
+column 0) and ``y_n ~ Categorical(softmax(W [1, x_n]))`` (or ``Normal(W [1, x_n], σ²)`` with
 ``likelihood="gaussian"``, ``C = 1``) inside ``pyro.plate("data", size=N, subsample=idx)``, so a
 minibatch's log likelihood is scaled by ``N / len(idx)`` and the ELBO is unbiased.
 
@@ -167,7 +167,7 @@ def fit_mfvi_head(
             loss = loss_fn(*minibatch())
             if not torch.isfinite(loss):
                 raise NumericalError(
-                    f"the ELBO became {float(loss)} at SVI step {step} (lr "
+                    f"the ELBO became {float(loss.detach())} at SVI step {step} (lr "
                     f"{scheduler.get_last_lr()[0]:.3g}); lower lr or init_scale, scale the "
                     "features, or raise the prior precision."
                 )

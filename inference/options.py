@@ -79,7 +79,7 @@ class PredictiveMethod(Option):
 
 
 class Likelihood(Option):
-    """Observation model of a linear head ``f = W [x, 1]``.
+    """Observation model of a linear head ``f = W [1, x]``.
 
     ``softmax``: ``y ~ Categorical(softmax(f))`` (classification, the default).
     ``gaussian``: ``y ~ Normal(f, noise_std²)`` (regression; used by ground-truth tests).

@@ -32,17 +32,18 @@ from torch import Tensor
 from inference.ensemble import EnsemblePosterior
 from inference.errors import InvalidInputError, NumericalError
 from inference.laplace_head import find_mode
-from inference.linear_model import augment_with_bias, check_training_data, log_likelihood
+from inference.linear_model import augment_with_bias, check_training_data
 from inference.options import Likelihood, Preconditioner
 
 #: ``grad_fn(params, minibatch_index) -> (ĝ, ḡ)``: the stochastic gradient of the log posterior
-#: and the per-datum mean likelihood gradient (for the RMSprop preconditioner), both ``(d,)``.
+#: and the per-datum mean likelihood gradient (for the RMSprop preconditioner), for ``params``
+#: of shape ``(K, d)`` (K chains), both ``(K, d)``.
 GradientFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class SGLDState:
-    """One state of the chain: parameters, the RMSprop average (or None) and the step count."""
+    """State of K chains: parameters ``(K, d)``, the RMSprop average (or None), the step count."""
 
     params: Tensor
     square_avg: Tensor | None
@@ -102,9 +103,10 @@ def run_sgld(
     batch_size: int,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Run one chain from ``init (d,)``; returns the kept states, ``(num_samples, d)``.
+    """Run K chains in lockstep from ``init (K, d)``; returns kept states ``(K, num_samples, d)``.
 
-    Minibatches are drawn without replacement within a step (uniformly at random each step).
+    Each step draws one minibatch (uniformly, without replacement) shared by the K chains; the
+    Langevin noise is independent per chain.
     """
     state = SGLDState(init.clone(), None, 0)
     total = config.burn_in + config.num_samples * config.thinning
@@ -128,7 +130,25 @@ def run_sgld(
             )
         if t >= config.burn_in and (t - config.burn_in + 1) % config.thinning == 0:
             kept.append(state.params)
-    return torch.stack(kept)
+    return torch.stack(kept, dim=1)
+
+
+def linear_head_gradients(
+    params: Tensor, inputs: Tensor, targets: Tensor, num_outputs: int, likelihood: Likelihood,
+    noise_std: float,
+) -> Tensor:
+    """``∇_W Σ_i log p(y_i | W, x_i)`` in closed form for K heads ``params (K, C (m + 1))``.
+
+    Softmax: ``(onehot(y) − p)ᵀ X``; Gaussian: ``((y − f) / σ²)ᵀ X``. Returns ``(K, C (m + 1))``.
+    """
+    weight = params.reshape(params.shape[0], num_outputs, inputs.shape[1])
+    logits = torch.einsum("bp,kcp->kbc", inputs, weight)
+    if likelihood is Likelihood.SOFTMAX:
+        onehot = torch.nn.functional.one_hot(targets, num_outputs).to(params.dtype)
+        residual = onehot - torch.softmax(logits, dim=-1)
+    else:
+        residual = (targets[:, None] - logits) / noise_std**2
+    return torch.einsum("kbc,bp->kcp", residual, inputs).reshape(params.shape)
 
 
 def curvature_bound(inputs: Tensor, prior_precision: float, likelihood: Likelihood,
@@ -154,6 +174,7 @@ def fit_sgld_head(
     num_samples: int = 200,
     burn_in: int = 1000,
     thinning: int = 10,
+    num_chains: int = 1,
     batch_size: int | None = 256,
     preconditioner: Preconditioner | str = Preconditioner.NONE,
     init: str = "map",
@@ -170,14 +191,18 @@ def fit_sgld_head(
         prior_precision: ``λ`` of the prior ``N(prior_mean, I/λ)``.
         step_size: ``ε`` of the Welling-Teh update; default ``0.1 / L``
             (:func:`curvature_bound`) without preconditioning, ``1e-3`` with RMSprop.
-        num_samples, burn_in, thinning: states kept, steps discarded first, keep-one-in.
+        num_samples, burn_in, thinning: states kept per chain, steps discarded first,
+            keep-one-in.
+        num_chains: chains run in lockstep (vectorised); the ensemble holds
+            ``num_chains · num_samples`` draws, chain by chain.
         batch_size: minibatch size ``n`` (``None``: full batch); gradients are scaled by N/n.
         preconditioner: ``"none"`` or ``"rmsprop"`` (pSGLD).
         init: ``"map"`` (start at the mode, found in float64) or ``"prior_mean"``.
         seed: seeds the chain's generator (global RNG untouched).
 
     Returns:
-        A float64 :class:`EnsemblePosterior` of ``(num_samples, C, m + 1)`` draws, ``n_data = N``.
+        A float64 :class:`EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws,
+        ``n_data = N``.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
     preconditioner = Preconditioner.parse(preconditioner, "preconditioner")
@@ -200,14 +225,13 @@ def fit_sgld_head(
     batch = num_data if batch_size is None else min(int(batch_size), num_data)
 
     def grad_fn(params: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-        theta = params.detach().requires_grad_(True)
-        weight = theta.reshape(shape)
-        batch_loglik = log_likelihood(weight, inputs[index], targets[index], likelihood, noise_std)
-        (lik_grad,) = torch.autograd.grad(batch_loglik, theta)
+        lik_grad = linear_head_gradients(params, inputs[index], targets[index], num_classes,
+                                         likelihood, noise_std)
         prior_grad = -prior_precision * (params - prior_mean)
-        scale = num_data / index.shape[0]
-        return prior_grad + scale * lik_grad, lik_grad / index.shape[0]
+        return prior_grad + (num_data / index.shape[0]) * lik_grad, lik_grad / index.shape[0]
 
+    if num_chains < 1:
+        raise InvalidInputError(f"num_chains must be at least 1; got {num_chains}.")
     generator = torch.Generator(device=features.device).manual_seed(seed)
     if init == "map":
         start = find_mode(inputs, targets, num_classes, prior_precision, prior_mean,
@@ -215,5 +239,6 @@ def fit_sgld_head(
     else:
         start = torch.full((num_classes * width,), float(prior_mean), dtype=torch.float64,
                            device=features.device)
+    start = start.expand(num_chains, -1)
     draws = run_sgld(grad_fn, start, config, num_data, batch, generator)
     return EnsemblePosterior(draws.reshape(-1, *shape), n_data=num_data)

@@ -124,6 +124,10 @@ class Strategy(Protocol):
 
     def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor: ...
 
+    def predict_proba_batch(
+        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
+    ) -> list[Tensor]: ...
+
 
 class BaseStrategy:
     """Shared plumbing: headers, schema validation, size limits, the per-client batch loop.
@@ -198,6 +202,12 @@ class BaseStrategy:
         return [
             self.client_update(c, message, g) for c, g in zip(clients, generators, strict=True)
         ]
+
+    def predict_proba_batch(
+        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
+    ) -> list[Tensor]:
+        """``[predict_proba(clients[k], state, xs[k]) for k]`` (strategies may batch)."""
+        return [self.predict_proba(c, state, x) for c, x in zip(clients, xs, strict=True)]
 
     def client_update(
         self, client: Client, message: Message, generator: torch.Generator

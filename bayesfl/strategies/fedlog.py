@@ -48,7 +48,7 @@ from bayesfl.strategies.base import (
     num_samples_tensor,
 )
 from bayesfl.strategies.networks import batched_apply
-from bayesfl.training import architecture_key, train_batched, train_plain
+from bayesfl.training import architecture_key, forward_stacked, train_batched, train_plain
 from inference.conjugate import (
     ClassMeans,
     ConjugatePosterior,
@@ -210,17 +210,27 @@ class FedLog(BaseStrategy):
             train_batched([c.model for c in clients], [c.data.train_x for c in clients],
                           [c.data.train_y for c in clients], objective, self.context.training,
                           generators=generators)
-        return [self._upload(c, round, g) for c, g in zip(clients, generators, strict=True)]
+        features = forward_stacked([c.model for c in clients], [c.data.train_x for c in clients])
+        return [self._upload(c, round, g, f)
+                for c, g, f in zip(clients, generators, features, strict=True)]
 
-    def client_statistics(self, client: Client) -> Tensor:
-        """S_c (C, m) float64 of the client's training features (eval mode, no grad)."""
-        features = batched_apply(client.model, client.data.train_x).to(torch.float64)
-        stats = SufficientStatistics.from_features(features, client.data.train_y,
-                                                   self.num_classes)
-        return stats.table.to(torch.float64)
+    def client_statistics(self, client: Client, features: Tensor | None = None) -> Tensor:
+        """S_c (C, m) float64 of the client's training features (eval mode, no grad);
+        ``features`` if already computed."""
+        if features is None:
+            features = batched_apply(client.model, client.data.train_x)
+        stats = SufficientStatistics.from_features(features.to(torch.float64),
+                                                   client.data.train_y, self.num_classes)
+        return stats.table
 
-    def _upload(self, client: Client, round: int, generator: torch.Generator) -> Message:
-        table = self.client_statistics(client).cpu()
+    def _upload(
+        self,
+        client: Client,
+        round: int,
+        generator: torch.Generator,
+        features: Tensor | None = None,
+    ) -> Message:
+        table = self.client_statistics(client, features).cpu()
         if self.dp_placement == "local":
             noisy = privatize(SufficientStatistics(table, client.data.num_train), self.sigma,
                               generator)
@@ -304,6 +314,14 @@ class FedLog(BaseStrategy):
     def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
         features = batched_apply(client.model, x)
         return torch.softmax(head_logits(state["head"], features), dim=-1)
+
+    def predict_proba_batch(
+        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
+    ) -> list[Tensor]:
+        if len({architecture_key(c.model) for c in clients}) != 1:
+            return super().predict_proba_batch(clients, state, xs)
+        features = forward_stacked([c.model for c in clients], list(xs))
+        return [torch.softmax(head_logits(state["head"], f), dim=-1) for f in features]
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

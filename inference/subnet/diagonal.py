@@ -24,6 +24,7 @@ from inference.subnet.capture import (
     generic_jacobians,
     output_vjps,
 )
+from inference.subnet.memory import check_memory
 from inference.subnet.parameters import ParameterSlot, flat_trainable_parameters, trainable_slots
 from inference.subnet.training_mode import eval_mode
 
@@ -42,13 +43,17 @@ def softmax_hessian_sqrt(probs: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def diagonal_ggn(model: nn.Module, loader: Iterable) -> Tensor:
+def diagonal_ggn(
+    model: nn.Module, loader: Iterable, *, max_memory_bytes: int | None = None
+) -> Tensor:
     """Diagonal of the GGN ``sum_x J(x)^T Lambda(x) J(x)`` summed over the loader's data.
 
     Args:
         model: returns (B, C) logits; evaluated in eval mode (restored afterwards).
         loader: yields ``(X, y)`` with integer labels ``y`` (only used for validation: the
             classification GGN does not depend on the labels).
+        max_memory_bytes: memory budget override for the preflight of the per-sample
+            temporaries (checked on the first batch).
 
     Returns:
         (P,) float64 on the model's device, in the trainable-parameter index space
@@ -62,6 +67,9 @@ def diagonal_ggn(model: nn.Module, loader: Iterable) -> Tensor:
     checks = BatchChecks()
     with eval_mode(model):
         for X, y in iterate_batches(loader, flat.device):
+            if checks.n_classes is None:
+                C = check_logits(model(X[:1]), 1).shape[1]
+                _preflight(slots, X.shape[0], C, flat, max_memory_bytes)
             params = functional_parameters(slots, flat, {s.name for s in fast})
             with torch.enable_grad(), ActivationCapture([s.module for s in fast]) as capture:
                 logits = functional_call(model, params, (X,))
@@ -135,3 +143,27 @@ def _fast_per_sample(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tenso
     if slot.role == "bias":
         return g.sum(-1)
     return torch.einsum("kbcl,bjl->kbcj", g, conv2d_unfold(module, inputs)).reshape(K, B, -1)
+
+
+def _preflight(
+    slots: list[ParameterSlot], rows: int, C: int, flat: Tensor, max_memory_bytes: int | None
+) -> None:
+    """Largest per-batch temporaries: per-sample gradients outside the Linear closed form."""
+    itemsize = flat.element_size()
+    n_generic = sum(s.numel for s in slots if s.module is None)
+    n_per_sample = max(
+        [s.numel for s in slots if s.module is not None and not isinstance(s.module, nn.Linear)]
+        + [0]
+    )
+    check_memory(
+        {
+            "per-sample Jacobian outside Linear/Conv2d (B x C x n)": rows
+            * C
+            * n_generic
+            * itemsize,
+            "per-sample Conv2d weight gradients (B x n)": 2 * rows * n_per_sample * itemsize,
+        },
+        device=flat.device,
+        max_memory_bytes=max_memory_bytes,
+        advice="Use a smaller loader batch size.",
+    )

@@ -42,6 +42,7 @@ from inference.subnet.training_mode import eval_mode
 __all__ = ["fit_subnet_laplace", "subnet_ggn"]
 
 CurvatureBackend = Literal["subnet_jacobian", "laplace_torch"]
+HessianStructure = Literal["full", "diag"]
 
 
 def fit_subnet_laplace(
@@ -52,6 +53,7 @@ def fit_subnet_laplace(
     prior_mean: float | Tensor | None = None,
     *,
     backend: CurvatureBackend = "subnet_jacobian",
+    hessian_structure: HessianStructure = "full",
     laplace_backend: type | None = None,
     chunk_size: int | None = None,
     max_memory_bytes: int | None = None,
@@ -70,6 +72,8 @@ def fit_subnet_laplace(
         prior_mean: ``None`` (0), scalar or (P,); recorded on the posterior, as in laplace-torch
             it does not change the precision (the mean is the model's MAP).
         backend: ``"subnet_jacobian"`` (fast, default) or ``"laplace_torch"`` (reference).
+        hessian_structure: ``"full"`` (FedSI: dense |S| x |S| GGN block) or ``"diag"`` (keep
+            only its diagonal, laplace-torch's ``DiagSubnetLaplace``).
         laplace_backend: laplace-torch curvature class for ``backend="laplace_torch"``.
         chunk_size: rows per Jacobian chunk (default: the loader's batch).
         max_memory_bytes: memory budget override for the preflight.
@@ -78,26 +82,45 @@ def fit_subnet_laplace(
     Returns:
         :class:`SubnetLaplacePosterior` holding a reference to ``model``.
     """
+    if backend not in ("subnet_jacobian", "laplace_torch"):
+        raise InvalidInputError(
+            f"backend must be 'subnet_jacobian' or 'laplace_torch', got {backend!r}"
+        )
+    if hessian_structure not in ("full", "diag"):
+        raise InvalidInputError(
+            f"hessian_structure must be 'full' or 'diag', got {hessian_structure!r}"
+        )
     n_params = sum(s.numel for s in trainable_slots(model))
     prior = check_prior_precision(prior_precision, n_params)
     prior_mu = check_prior_mean(prior_mean, n_params)
     if isinstance(subnet, int | float) and not isinstance(subnet, bool):
         indices = select_subnet(
-            model, loader, subnet, prior, filter_zero_curvature=filter_zero_curvature
+            model,
+            loader,
+            subnet,
+            prior,
+            filter_zero_curvature=filter_zero_curvature,
+            max_memory_bytes=max_memory_bytes,
         )
     else:
         indices = check_subnet_indices(subnet, n_params)
     if backend == "subnet_jacobian":
         ggn, n_data = subnet_ggn(
-            model, loader, indices, chunk_size=chunk_size, max_memory_bytes=max_memory_bytes
-        )
-    elif backend == "laplace_torch":
-        ggn, n_data = _laplace_torch_ggn(
-            model, loader, indices, laplace_backend, max_memory_bytes=max_memory_bytes
+            model,
+            loader,
+            indices,
+            diagonal_only=hessian_structure == "diag",
+            chunk_size=chunk_size,
+            max_memory_bytes=max_memory_bytes,
         )
     else:
-        raise InvalidInputError(
-            f"backend must be 'subnet_jacobian' or 'laplace_torch', got {backend!r}"
+        ggn, n_data = _laplace_torch_ggn(
+            model,
+            loader,
+            indices,
+            laplace_backend,
+            hessian_structure=hessian_structure,
+            max_memory_bytes=max_memory_bytes,
         )
     mean = flat_trainable_parameters(model)
     on = mean.device
@@ -118,6 +141,7 @@ def subnet_ggn(
     loader: Iterable,
     subnet_indices: Tensor,
     *,
+    diagonal_only: bool = False,
     chunk_size: int | None = None,
     max_memory_bytes: int | None = None,
 ) -> tuple[Tensor, int]:
@@ -125,27 +149,32 @@ def subnet_ggn(
 
     Args:
         subnet_indices: (S,) CPU int64 indices (validated by the caller).
+        diagonal_only: keep only the diagonal (returned as a diagonal (S, S) matrix).
 
     Returns:
         ``(H_S, n_data)``: (S, S) float64 on the model's device, and the number of data points.
     """
     mean = flat_trainable_parameters(model)
     S = subnet_indices.numel()
-    ggn = torch.zeros(S, S, dtype=torch.float64, device=mean.device)
+    ggn: Tensor | None = None
     checks = BatchChecks()
     with eval_mode(model):
         engine = SubnetJacobian(model, subnet_indices, mean)
         for X, y in iterate_batches(loader, mean.device):
-            if checks.n_classes is None:
-                C = engine.logits(X[:1]).shape[1]
-                _preflight_fit(S, C, chunk_size or X.shape[0], mean, max_memory_bytes)
             rows = chunk_size or X.shape[0]
+            if ggn is None:  # preflight before the first allocation
+                C = engine.logits(X[:1]).shape[1]
+                _preflight_fit(engine, C, rows, max_memory_bytes)
+                ggn = torch.zeros(S, S, dtype=torch.float64, device=mean.device)
             for start in range(0, X.shape[0], rows):
                 # J^T M with Lambda = M M^T: the chunk's GGN is one Gram matrix.
                 JtM, logits = engine(X[start : start + rows], output_vectors=_hessian_sqrt)
                 checks.update(logits, y[start : start + rows])
                 JtM = JtM.reshape(S, -1)
-                ggn += (JtM @ JtM.T).to(torch.float64)
+                if diagonal_only:
+                    ggn.diagonal().add_(JtM.square().sum(1).to(torch.float64))
+                else:
+                    ggn += (JtM @ JtM.T).to(torch.float64)
     checks.finish()
     return 0.5 * (ggn + ggn.T), checks.n_data
 
@@ -155,16 +184,16 @@ def _hessian_sqrt(logits: Tensor) -> Tensor:
     return softmax_hessian_sqrt(torch.softmax(logits, dim=-1))
 
 
-def _preflight_fit(S: int, C: int, rows: int, mean: Tensor, max_memory_bytes: int | None) -> None:
+def _preflight_fit(engine: SubnetJacobian, C: int, rows: int, max_memory_bytes: int | None) -> None:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise InvalidInputError(f"chunk_size must be a positive int, got {rows!r}")
-    dtype = mean.dtype
+    S, mean = engine.n_subnet, engine.mean
     check_memory(
         {
             "GGN, precision and Cholesky (S x S float64, x3)": 3
             * tensor_bytes((S, S), torch.float64),
-            "subnet Jacobian chunk and weighted copy (x2)": 2 * tensor_bytes((S, C, rows), dtype),
-            "GGN chunk": tensor_bytes((S, S), dtype),
+            **engine.workspace_bytes(rows, C),
+            "GGN chunk": tensor_bytes((S, S), mean.dtype),
         },
         device=mean.device,
         max_memory_bytes=max_memory_bytes,
@@ -179,9 +208,10 @@ def _laplace_torch_ggn(
     subnet_indices: Tensor,
     laplace_backend: type | None,
     *,
+    hessian_structure: str,
     max_memory_bytes: int | None,
 ) -> tuple[Tensor, int]:
-    """``H_S`` from laplace-torch's ``FullSubnetLaplace`` (reference path)."""
+    """``H_S`` from laplace-torch's ``FullSubnetLaplace`` / ``DiagSubnetLaplace`` (reference)."""
     from laplace import Laplace
     from laplace.curvature import AsdlGGN
 
@@ -207,12 +237,13 @@ def _laplace_torch_ggn(
         reference,
         "classification",
         subset_of_weights="subnetwork",
-        hessian_structure="full",
+        hessian_structure=hessian_structure,
         subnetwork_indices=subnet_indices.cpu(),
         backend=laplace_backend or AsdlGGN,
     )
     la.fit(loader if hasattr(loader, "dataset") else _BatchList(loader, mean.device))
-    return la.H.detach().to(torch.float64), int(la.n_data)
+    H = la.H.detach().to(torch.float64)
+    return (torch.diag(H) if H.dim() == 1 else H), int(la.n_data)
 
 
 class _BatchList:

@@ -115,6 +115,31 @@ class SubnetJacobian:
         self._generic_names = [g.slot.name for g in self.generic]
         self._modules = [g.slot.module for g in self.fast]
 
+    def workspace_bytes(self, rows: int, n_vectors: int) -> dict[str, int]:
+        """Upper bounds of the largest temporaries of one call on ``rows`` inputs, by name.
+
+        ``n_vectors`` is K, the number of output-space vectors (C for the plain Jacobian).
+        """
+        itemsize = self.mean.element_size()
+        plan = {
+            "subnet Jacobian chunk (S x K x rows) and a gathered copy": 2
+            * self.n_subnet
+            * n_vectors
+            * rows
+            * itemsize
+        }
+        n_generic = sum(g.slot.numel for g in self.generic)
+        if n_generic:
+            plan["per-sample Jacobian of parameters outside Linear/Conv2d (rows x C x n)"] = (
+                rows * n_vectors * n_generic * itemsize
+            )
+        n_conv = sum(g.slot.numel for g in self.fast if isinstance(g.slot.module, nn.Conv2d))
+        if n_conv:
+            plan["per-sample Conv2d weight gradients (K x rows x n)"] = (
+                n_vectors * rows * n_conv * itemsize
+            )
+        return plan
+
     def logits(self, x: Tensor) -> Tensor:
         """(B, C) logits at ``mean``, without any Jacobian."""
         params = functional_parameters(self.slots, self.mean, set())

@@ -271,8 +271,8 @@ class SubnetLaplacePosterior:
         method = "glm_probit" if method is None else method
         if method not in _METHODS:
             raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
-        if not isinstance(inputs, Tensor) or inputs.dim() == 0:
-            raise InvalidInputError("inputs must be a tensor with a leading batch axis")
+        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] == 0:
+            raise InvalidInputError("inputs must be a non-empty tensor with a leading batch axis")
         engine = self._subnet_jacobian()
         x = inputs.to(self._mean.device)
         deltas = None
@@ -328,8 +328,9 @@ class SubnetLaplacePosterior:
                 self._n_classes = self._subnet_jacobian().logits(x[:1]).shape[1]
         C = self._n_classes
         S, itemsize = self.n_subnet, self._mean.element_size()
-        # J, J D^{-1} and the solve (model dtype), plus the sampled logits, per row.
-        per_row = 3 * C * S * itemsize + 2 * C * n_samples * itemsize
+        # Jacobian temporaries, the solve (C x S) and the sampled logits, per input row.
+        per_row = sum(self._subnet_jacobian().workspace_bytes(1, C).values())
+        per_row += C * S * itemsize + 2 * C * n_samples * itemsize
         if chunk_size is None:
             chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
         elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -349,13 +350,11 @@ class SubnetLaplacePosterior:
     ) -> SubnetLaplacePosterior:
         """A copy on ``device``. The model: ``model`` if given, else the held model when it is
         already on ``device``, else a deep copy of it moved there (the original is untouched)."""
-        device = torch.device(device)
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
         if model is None and self._model is not None:
-            held = next(iter(self._model.parameters()), None)
-            same = held is None or (
-                held.device.type == device.type and (device.index is None or held.device == device)
-            )
-            model = self._model if same else copy.deepcopy(self._model).to(device)
+            held = next(iter(self._model.parameters()))
+            on_device = held.device == device
+            model = self._model if on_device else copy.deepcopy(self._model).to(device)
         return SubnetLaplacePosterior(
             self._mean.to(device),
             self._indices,

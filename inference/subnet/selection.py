@@ -85,6 +85,7 @@ def select_subnet(
     *,
     filter_zero_curvature: bool = True,
     min_curvature: float = 1e-12,
+    max_memory_bytes: int | None = None,
 ) -> Tensor:
     """Choose the subnet: the ``size`` trainable parameters of largest diagonal-Laplace variance.
 
@@ -95,6 +96,7 @@ def select_subnet(
             parameters (``floor(size * P)``, at least 1).
         prior_precision: scalar or (P,) per-parameter prior precision (FedSI: ``1 / g``).
         filter_zero_curvature, min_curvature: see the module docstring.
+        max_memory_bytes: memory budget override for the preflight.
 
     Returns:
         (S,) CPU int64 indices into the trainable-parameter vector, sorted ascending, ready for
@@ -103,7 +105,7 @@ def select_subnet(
     n_params = sum(s.numel for s in trainable_slots(model))
     count = resolve_subnet_size(size, n_params)
     prior = check_prior_precision(prior_precision, n_params)
-    diag = diagonal_ggn(model, loader)
+    diag = diagonal_ggn(model, loader, max_memory_bytes=max_memory_bytes)
     return rank_by_variance(
         diag,
         prior,

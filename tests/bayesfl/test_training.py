@@ -27,8 +27,12 @@ def _client_data(sizes):
 
 
 @pytest.mark.parametrize("reset", [True, False])
-def test_batched_training_equals_plain_loop_with_unequal_client_sizes(reset):
-    sizes = [7, 23, 1, 12]  # different numbers of steps and a partial last batch
+@pytest.mark.parametrize(
+    "sizes",
+    [[7, 23, 1, 12],  # different numbers of steps per epoch: masked Adam, idle clients
+     [10, 9, 6]],  # the same number of steps, partial batches: fused Adam over the stack
+)
+def test_batched_training_equals_plain_loop_with_unequal_client_sizes(reset, sizes):
     xs, ys = _client_data(sizes)
     config = LocalTraining(epochs=3, lr=1e-2, batch_size=5, reset_optimizer_each_epoch=reset)
     plain = [_mlp(k) for k in range(len(sizes))]

@@ -37,3 +37,39 @@ def test_quantile_edges_with_repeated_confidences_stay_sorted():
     edges = quantile_edges(values, 8)
     assert torch.all(edges[1:] >= edges[:-1])
     assert bin_indices(values, edges).max().item() <= 7
+
+
+def _float32_values_around(edges: np.ndarray) -> np.ndarray:
+    """Every float32 within 3 ulps of each edge, plus random values."""
+    near = [np.float32(e) for e in edges]
+    values = []
+    for centre in near:
+        value = centre
+        for _ in range(3):
+            value = np.nextafter(value, np.float32(-1))
+        for _ in range(7):
+            values.append(value)
+            value = np.nextafter(value, np.float32(2))
+    values = np.clip(np.array(values, dtype=np.float32), 0, 1)
+    random = np.random.default_rng(0).random(1000).astype(np.float32)
+    return np.concatenate([values, random])
+
+
+def numpy_bins(values: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    index = np.searchsorted(edges, values.astype(np.float64), side="right") - 1
+    return np.clip(index, 0, len(edges) - 2)
+
+
+def test_float32_confidences_near_uniform_edges_are_binned_as_in_float64():
+    for n_bins in (3, 10, 15, 17):
+        edges = np.linspace(0, 1, n_bins + 1)
+        values = _float32_values_around(edges)
+        got = bin_indices(torch.from_numpy(values), uniform_edges(n_bins)).numpy()
+        np.testing.assert_array_equal(got, numpy_bins(values, edges))
+
+
+def test_float32_confidences_near_quantile_edges_are_binned_as_in_float64():
+    edges = np.array([0.0, 0.1234567891234, 0.3, 1 / 3, 0.7777777777777, 1.0])
+    values = _float32_values_around(edges)
+    got = bin_indices(torch.from_numpy(values), torch.from_numpy(edges)).numpy()
+    np.testing.assert_array_equal(got, numpy_bins(values, edges))

@@ -36,7 +36,7 @@ def test_one_accuracy_bar_per_non_empty_bin_and_labelled_axes():
     np.testing.assert_allclose(heights, np.sort(stats.accuracy[stats.nonempty]), atol=1e-12)
     top, strip = figure.axes[:2]
     assert top.get_ylabel() == "Accuracy"
-    assert strip.get_xlabel() == "Confidence" and strip.get_ylabel() == "Count"
+    assert strip.get_xlabel() == "Confidence" and strip.get_ylabel().startswith("Count")
     assert any("ECE" in text.get_text() for text in top.texts)
     assert plt.get_fignums() == []  # nothing registered in pyplot, nothing left open
 

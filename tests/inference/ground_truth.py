@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -27,17 +28,18 @@ class GaussianTruth:
     precision: Tensor  # (m + 1, m + 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def linear_regression(num_data: int = 40, seed: int = 0) -> GaussianTruth:
-    """Closed-form posterior of ``y = W [x, 1] + N(0, σ²)``, ``W ~ N(0, I/λ)``, m = 2."""
+    """Closed-form posterior of ``y = W [1, x] + N(0, σ²)``, ``W ~ N(0, I/λ)``, m = 2."""
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(num_data, 2, generator=gen, dtype=torch.float64)
     true_w = torch.tensor([1.5, -0.7, 0.3], dtype=torch.float64)
-    inputs = torch.cat([features, torch.ones(num_data, 1, dtype=torch.float64)], 1)
+    inputs = torch.cat([torch.ones(num_data, 1, dtype=torch.float64), features], 1)
     noise_std, prior_precision = 0.5, 1.0
     targets = inputs @ true_w + noise_std * torch.randn(num_data, generator=gen,
                                                        dtype=torch.float64)
-    precision = prior_precision * torch.eye(3, dtype=torch.float64) + inputs.T @ inputs / noise_std**2
+    precision = (prior_precision * torch.eye(3, dtype=torch.float64)
+                 + inputs.T @ inputs / noise_std**2)
     covariance = torch.linalg.inv(precision)
     mean = covariance @ (inputs.T @ targets) / noise_std**2
     return GaussianTruth(features, targets, noise_std, prior_precision, mean[None], covariance,
@@ -64,7 +66,7 @@ def batch_means_std_error(samples: Tensor, num_batches: int = 20) -> Tensor:
     return batches.std(0) / num_batches**0.5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def softmax_regression(num_data: int = 50, seed: int = 0, grid_size: int = 401) -> SoftmaxTruth:
     """Exact posterior moments of a 2-class, 1-feature softmax regression, prior N(0, I).
 
@@ -77,7 +79,7 @@ def softmax_regression(num_data: int = 50, seed: int = 0, grid_size: int = 401) 
     """
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(num_data, 1, generator=gen, dtype=torch.float64)
-    inputs = torch.cat([features, torch.ones(num_data, 1, dtype=torch.float64)], 1)
+    inputs = torch.cat([torch.ones(num_data, 1, dtype=torch.float64), features], 1)
     true_w = torch.tensor([[1.2, 0.3], [-0.8, -0.2]], dtype=torch.float64)
     labels = torch.multinomial(torch.softmax(inputs @ true_w.T, -1), 1, generator=gen)[:, 0]
 
@@ -96,3 +98,17 @@ def softmax_regression(num_data: int = 50, seed: int = 0, grid_size: int = 401) 
     s_part = torch.cat([torch.eye(2), torch.eye(2)], 0).to(torch.float64) / 2**0.5
     covariance = lift @ cov_u @ lift.T + s_part @ s_part.T
     return SoftmaxTruth(features, labels, 1.0, mean, covariance)
+
+
+@pytest.fixture
+def single_intra_op_thread():
+    """Run a test with one intra-op torch thread (restored after).
+
+    On the shared 2-core CI machine, under load, torch's parallel kernels (exp, softmax) on
+    tiny tensors wait milliseconds for descheduled worker threads; the many-small-step samplers
+    tested here then run 50x slower. Results do not depend on the thread count.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

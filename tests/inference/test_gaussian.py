@@ -81,7 +81,7 @@ def test_logit_variances_equal_jacobian_quadratic_form(structure):
     post = random_posterior(structure)
     x = torch.randn(7, 2, dtype=F64, generator=torch.Generator().manual_seed(2))
     mean, var = post.logit_moments(x)
-    inputs = torch.cat([x, torch.ones(7, 1, dtype=F64)], 1)
+    inputs = torch.cat([torch.ones(7, 1, dtype=F64), x], 1)
     jac = torch.zeros(7, 2, 6, dtype=F64)  # d f_c / d vec(W)
     for c in range(2):
         jac[:, c, 3 * c : 3 * c + 3] = inputs
@@ -99,10 +99,11 @@ def test_probit_predictive_is_softmax_of_scaled_logits_and_mc_averages_draws():
     torch.testing.assert_close(post.predict_proba(x, "probit"), expected, atol=1e-14, rtol=0)
     mc = post.predict_proba(x, "mc", num_samples=50, generator=torch.Generator().manual_seed(0))
     draws = post.sample(50, generator=torch.Generator().manual_seed(0))
-    inputs = torch.cat([x, torch.ones(4, 1, dtype=F64)], 1)
+    inputs = torch.cat([torch.ones(4, 1, dtype=F64), x], 1)
     manual = torch.softmax(torch.einsum("bp,scp->sbc", inputs, draws), -1).mean(0)
     torch.testing.assert_close(mc, manual, atol=1e-12, rtol=0)
-    torch.testing.assert_close(post.predict_proba(x, "map"), torch.softmax(inputs @ post.mean.T, -1))
+    map_probs = torch.softmax(inputs @ post.mean.T, -1)
+    torch.testing.assert_close(post.predict_proba(x, "map"), map_probs)
     with pytest.raises(InvalidInputError, match="method must be one of"):
         post.predict_proba(x, "bogus")
 
@@ -110,7 +111,7 @@ def test_probit_predictive_is_softmax_of_scaled_logits_and_mc_averages_draws():
 def split_linear_gaussian_terms(num_clients: int, structure: str):
     """Exact likelihood terms of the linear-Gaussian model for K disjoint client splits."""
     truth = linear_regression()
-    inputs = torch.cat([truth.features, torch.ones(len(truth.targets), 1, dtype=F64)], 1)
+    inputs = torch.cat([torch.ones(len(truth.targets), 1, dtype=F64), truth.features], 1)
     prior = gaussian_prior((1, 3), truth.prior_precision)
     chunks = zip(inputs.chunk(num_clients), truth.targets.chunk(num_clients), strict=True)
     posts = []

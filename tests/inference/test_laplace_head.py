@@ -20,13 +20,13 @@ def three_class_data(n: int = 120, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, generator=gen, dtype=F64)
     w = torch.randn(3, 4, generator=gen, dtype=F64)
-    logits = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1) @ w.T
+    logits = torch.cat([torch.ones(n, 1, dtype=F64), x], 1) @ w.T
     y = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
     return x, y
 
 
 def objective(x, y, prior_precision=0.7):
-    inputs = torch.cat([x, torch.ones(len(y), 1, dtype=F64)], 1)
+    inputs = torch.cat([torch.ones(len(y), 1, dtype=F64), x], 1)
 
     def f(theta):
         return negative_log_posterior(theta, inputs, y, 3, prior_precision, 0.0,
@@ -72,7 +72,7 @@ def test_posterior_precision_is_the_autograd_hessian_at_the_mode():
 
 def test_likelihood_hessian_formula_matches_autograd_away_from_the_mode():
     x, y = three_class_data()
-    inputs = torch.cat([x, torch.ones(len(y), 1, dtype=F64)], 1)
+    inputs = torch.cat([torch.ones(len(y), 1, dtype=F64), x], 1)
     theta = torch.randn(12, dtype=F64, generator=torch.Generator().manual_seed(5))
     reference = torch.autograd.functional.hessian(objective(x, y, 0.0), theta)
     torch.testing.assert_close(likelihood_hessian(theta, inputs, 3, Likelihood.SOFTMAX, 1.0),

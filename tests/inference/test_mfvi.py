@@ -10,7 +10,13 @@ from inference.errors import NumericalError
 from inference.gaussian import GaussianPosterior
 from inference.mfvi import fit_mfvi_head
 from tests.conftest import DEVICES
-from tests.inference.ground_truth import linear_regression, softmax_regression
+from tests.inference.ground_truth import (  # noqa: F401  (fixture)
+    linear_regression,
+    single_intra_op_thread,
+    softmax_regression,
+)
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
 FAST = dict(num_steps=600, lr=0.05, num_particles=4, final_lr_fraction=0.01)
 
@@ -92,7 +98,7 @@ def test_fit_leaves_the_global_rng_and_param_store_untouched():
 
 def test_non_finite_elbo_stops_training_with_a_diagnostic():
     truth = linear_regression()  # a noise scale of 1e-30 overflows the float32 log density
-    with pytest.raises(NumericalError, match="ELBO became (nan|inf)"):
+    with pytest.raises(NumericalError, match=r"ELBO became (nan|inf)"):
         fit_mfvi_head(truth.features, truth.targets, 1, likelihood="gaussian", noise_std=1e-30,
                       num_steps=5)
 

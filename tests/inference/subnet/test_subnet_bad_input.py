@@ -118,10 +118,12 @@ def test_non_finite_prior_mean_is_rejected(mlp_case):
         fit_subnet_laplace(model, loader, [0, 1], prior_mean=math.inf)
 
 
-def test_unknown_backend_is_rejected(mlp_case):
+def test_unknown_backend_or_structure_is_rejected(mlp_case):
     model, loader, _ = mlp_case
     with pytest.raises(InvalidInputError, match="backend"):
         fit_subnet_laplace(model, loader, [0, 1], backend="backpack")
+    with pytest.raises(InvalidInputError, match="hessian_structure"):
+        fit_subnet_laplace(model, loader, [0, 1], hessian_structure="kron")
 
 
 def test_model_without_trainable_parameters_is_rejected():

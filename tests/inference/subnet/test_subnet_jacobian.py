@@ -81,8 +81,8 @@ def test_subnet_jacobian_equals_the_sliced_full_jacobian(name, subnet):
     assert torch.allclose(logits, model(x), atol=1e-14)
 
 
-@pytest.mark.parametrize("name", ["sequence", "tied"])
-def test_diagonal_ggn_equals_the_reference_on_generic_and_sequence_layers(name):
+@pytest.mark.parametrize("name", ["cnn", "sequence", "tied"])
+def test_diagonal_ggn_equals_the_reference_on_conv_generic_and_sequence_layers(name):
     model, x = cases()[name]
     model.eval()
     J = reference_jacobian(model, x)  # (B, C, P)

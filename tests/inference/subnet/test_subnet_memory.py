@@ -51,3 +51,14 @@ def test_predict_preflight_raises_and_advises_a_smaller_chunk(mlp_case):
         post.predict_proba(x, chunk_size=11, max_memory_bytes=10_000)
     probs = post.predict_proba(x, chunk_size=1, max_memory_bytes=10_000)
     assert torch.allclose(probs, post.predict_proba(x), atol=1e-14)
+
+
+def test_selection_preflight_counts_per_sample_conv_gradients(cnn_case):
+    model, loader, _ = cnn_case
+    from inference.subnet import select_subnet
+
+    conv2 = 4 * 3 * 3 * 3  # the largest Conv2d weight
+    needed = 2 * 8 * conv2 * 8  # (B x n) float64, twice, for a batch of 8
+    with pytest.raises(MemoryBudgetError, match="Conv2d"):
+        select_subnet(model, loader, 5, max_memory_bytes=needed - 1)
+    assert select_subnet(model, loader, 5, max_memory_bytes=needed).numel() == 5

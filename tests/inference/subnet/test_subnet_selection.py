@@ -56,9 +56,8 @@ def test_selection_returns_the_true_top_k_variances_of_softmax_regression():
         assert torch.equal(idx, expected)
 
 
-@pytest.mark.parametrize("maker", ["mlp_case", "cnn_case"])
-def test_diagonal_ggn_matches_laplace_torch_diag_laplace(maker, request):
-    model, loader, _ = request.getfixturevalue(maker)
+def test_diagonal_ggn_matches_laplace_torch_diag_laplace(mlp_case):
+    model, loader, _ = mlp_case
     la = Laplace(
         copy.deepcopy(model),
         "classification",

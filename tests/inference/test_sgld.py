@@ -1,0 +1,131 @@
+"""SGLD: the Welling-Teh update, gradient scaling, ground-truth moments, divergence detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.ensemble import EnsemblePosterior
+from inference.errors import NumericalError
+from inference.linear_model import log_likelihood
+from inference.options import Likelihood
+from inference.sgld import SGLDConfig, SGLDState, fit_sgld_head, linear_head_gradients, sgld_update
+from tests.conftest import DEVICES
+from tests.inference.ground_truth import (  # noqa: F401  (fixture)
+    linear_regression,
+    single_intra_op_thread,
+    softmax_regression,
+)
+
+pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
+
+F64 = torch.float64
+
+
+def chain_standard_errors(post: EnsemblePosterior, num_chains: int):
+    """Monte-Carlo standard errors of the pooled mean and variance from independent chains."""
+    per_chain = post.samples.reshape(num_chains, -1, *post.samples.shape[1:])
+    mean_se = per_chain.mean(1).std(0) / num_chains**0.5
+    var_se = per_chain.var(1).std(0) / num_chains**0.5
+    return mean_se, var_se
+
+
+def test_update_follows_the_welling_teh_convention():
+    config = SGLDConfig(step_size=0.04)
+    params = torch.tensor([[1.0, -2.0]], dtype=F64)
+    grad = torch.tensor([[3.0, 5.0]], dtype=F64)
+    new = sgld_update(SGLDState(params, None, 0), grad, grad, config,
+                      torch.Generator().manual_seed(7))
+    noise = torch.randn(1, 2, dtype=F64, generator=torch.Generator().manual_seed(7))
+    # θ + ε/2 · ∇ + N(0, ε): the same noise draw, scaled by √ε = 0.2
+    torch.testing.assert_close(new.params, params + 0.02 * grad + 0.2 * noise, atol=1e-15, rtol=0)
+    assert new.step == 1
+
+
+def test_rmsprop_update_scales_drift_and_noise_by_the_preconditioner():
+    config = SGLDConfig(step_size=0.04, preconditioner="rmsprop", rmsprop_alpha=0.5,
+                        rmsprop_delta=0.0)
+    params, grad = torch.zeros(1, 2, dtype=F64), torch.tensor([[1.0, 4.0]], dtype=F64)
+    state = SGLDState(params, torch.tensor([[4.0, 16.0]], dtype=F64), 0)
+    mean_grad = torch.tensor([[2.0, 2.0]], dtype=F64)
+    new = sgld_update(state, grad, mean_grad, config, torch.Generator().manual_seed(1))
+    v = 0.5 * torch.tensor([[4.0, 16.0]], dtype=F64) + 0.5 * mean_grad**2  # [4, 10]
+    g = 1 / v.sqrt()
+    noise = torch.randn(1, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+    expected = 0.02 * g * grad + (0.04 * g).sqrt() * noise
+    torch.testing.assert_close(new.params, expected, atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("likelihood", ["softmax", "gaussian"])
+def test_closed_form_head_gradient_matches_autograd(likelihood):
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(9, 4, generator=gen, dtype=F64)
+    outputs = 3 if likelihood == "softmax" else 1
+    targets = (torch.randint(0, 3, (9,), generator=gen) if likelihood == "softmax"
+               else torch.randn(9, generator=gen, dtype=F64))
+    params = torch.randn(2, outputs * 4, generator=gen, dtype=F64, requires_grad=True)
+    lik = Likelihood.parse(likelihood)
+    total = log_likelihood(params.reshape(2, outputs, 4), inputs, targets, lik, 0.7).sum()
+    (reference,) = torch.autograd.grad(total, params)
+    closed = linear_head_gradients(params.detach(), inputs, targets, outputs, lik, 0.7)
+    torch.testing.assert_close(closed, reference, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "preconditioner", "step_size"),
+    [(None, "none", None), (10, "none", None), (10, "rmsprop", 2e-4)],
+)
+def test_linear_regression_sample_moments_match_the_closed_form(batch_size, preconditioner,
+                                                                 step_size):
+    truth = linear_regression()
+    chains = 16
+    post = fit_sgld_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                         noise_std=truth.noise_std, prior_precision=truth.prior_precision,
+                         num_samples=400, thinning=5, burn_in=500, num_chains=chains,
+                         batch_size=batch_size, preconditioner=preconditioner,
+                         step_size=step_size, seed=1)
+    assert post.samples.shape == (chains * 400, 1, 3)
+    mean_se, var_se = chain_standard_errors(post, chains)
+    # within 4 Monte-Carlo standard errors, plus the step-size bias of the variance
+    # (≈ ε λ_max / 4 ≤ 2.5 % with the default ε = 0.1 / L; 10 % allowed with RMSprop)
+    assert ((post.mean - truth.mean).abs() <= 4 * mean_se).all()
+    bias = (0.025 if preconditioner == "none" else 0.10) * truth.covariance.diagonal()
+    var_error = (post.marginal_variance()[0] - truth.covariance.diagonal()).abs()
+    assert (var_error <= 4 * var_se[0] + bias).all(), (var_error, var_se)
+
+
+def test_softmax_regression_sample_moments_match_the_exact_posterior():
+    truth = softmax_regression()
+    chains = 32
+    post = fit_sgld_head(truth.features, truth.labels, 2, num_samples=400, thinning=5,
+                         burn_in=1500, num_chains=chains, batch_size=None, seed=0)
+    mean_se, var_se = chain_standard_errors(post, chains)
+    assert ((post.mean - truth.mean).abs() <= 4 * mean_se).all(), (post.mean, truth.mean)
+    var_error = (post.marginal_variance() - truth.variance).abs()
+    assert (var_error <= 4 * var_se + 0.025 * truth.variance).all(), (var_error, var_se)
+
+
+def test_a_step_size_that_diverges_is_detected():
+    truth = linear_regression()
+    with pytest.raises(NumericalError, match="diverged at step"):
+        fit_sgld_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                      step_size=1.0, num_samples=10, burn_in=0, thinning=1)
+
+
+def test_burn_in_and_thinning_keep_the_documented_states():
+    truth = linear_regression()
+    post = fit_sgld_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                         num_samples=7, burn_in=3, thinning=4, num_chains=2)
+    assert post.samples.shape == (14, 1, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ensemble_predictive_averages_member_probabilities(device):
+    truth = softmax_regression()
+    post = fit_sgld_head(truth.features.to(device), truth.labels.to(device), 2, num_samples=20,
+                         burn_in=10, thinning=1)
+    x = truth.features[:5].to(device)
+    inputs = torch.cat([torch.ones(5, 1, dtype=F64, device=device), x], 1)
+    manual = torch.softmax(torch.einsum("bp,scp->sbc", inputs, post.samples), -1).mean(0)
+    torch.testing.assert_close(post.predict_proba(x), manual, atol=1e-12, rtol=0)
+    assert post.samples.device.type == device
