@@ -26,6 +26,7 @@ same numbers as an uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -227,7 +228,9 @@ class _Run:
                                   feature_dim=config.feature_dim, training=training,
                                   rounds=config.rounds, device=self.device, seed=config.seed)
         self.strategy = make_strategy(config.strategy, context, **config.strategy_options)
+        self._initial_models: dict[str, torch.nn.Module] = {}
         self.clients = [self._build_client(d) for d in client_data]
+        del self._initial_models
         self.state = self.strategy.init(self.clients)
         self.fingerprint = config_fingerprint(config.to_dict())
 
@@ -235,13 +238,16 @@ class _Run:
         specs = self.config.body_specs
         spec = specs[data.client_id % len(specs)]
         shape = self.dataset.input_shape
-        # one seed per spec: clients with the same body start from the same weights (as the
-        # papers' deepcopy of one model); different architectures initialise independently
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derived_seed(self.config.seed, 11, specs.index(spec)))
-            body = build_body(spec, shape, self.config.feature_dim)
-            check_feature_dim(body, shape, self.config.feature_dim)
-            model = self.strategy.build_model(body).to(self.device)  # a head, if any, too
+        # one seed per spec: clients with the same body start from the same weights (a
+        # deepcopy of one model, as the papers do); different architectures initialise
+        # independently
+        if spec not in self._initial_models:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derived_seed(self.config.seed, 11, specs.index(spec)))
+                body = build_body(spec, shape, self.config.feature_dim)
+                check_feature_dim(body, shape, self.config.feature_dim)
+                self._initial_models[spec] = self.strategy.build_model(body).to(self.device)
+        model = copy.deepcopy(self._initial_models[spec])
         data = ClientData(
             client_id=data.client_id,
             train_x=data.train_x.to(self.device), train_y=data.train_y.to(self.device),

@@ -23,6 +23,7 @@ global head, global class means, prototypes).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -115,13 +116,23 @@ def train_plain(
 
 
 def architecture_key(model: nn.Module) -> tuple:
-    """A hashable signature of a module's parameter and buffer names, shapes and dtypes.
+    """A hashable signature of a module's structure: its module types, parameter and buffer
+    names, shapes, dtypes and devices.
 
-    Models with equal keys can be trained together by :func:`train_batched`.
+    Models with equal keys can be trained together by :func:`train_batched`. Cached per module
+    object (a model's structure does not change while it trains).
     """
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
-    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers())
-    return (type(model).__name__, params, buffers)
+    key = _ARCHITECTURE_KEYS.get(model)
+    if key is None:
+        modules = tuple((n, type(m).__name__) for n, m in model.named_modules())
+        params = tuple((n, tuple(p.shape), p.dtype, p.device)
+                       for n, p in model.named_parameters())
+        buffers = tuple((n, tuple(b.shape), b.dtype, b.device) for n, b in model.named_buffers())
+        key = _ARCHITECTURE_KEYS[model] = (modules, params, buffers)
+    return key
+
+
+_ARCHITECTURE_KEYS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def pad_stack(tensors: Sequence[Tensor]) -> Tensor:
@@ -187,12 +198,10 @@ def train_batched(
     frozen_names = [n for n in names if n not in train_names]
     per_model = [dict(m.named_parameters()) for m in models]
     with torch.no_grad():
-        train_p = {n: torch.stack([p[n].detach() for p in per_model]) for n in train_names}
-        frozen_p = {n: torch.stack([p[n].detach() for p in per_model]) for n in frozen_names}
-        buffers = {
-            n: torch.stack([dict(m.named_buffers())[n] for m in models])
-            for n, _ in template.named_buffers()
-        }
+        stacked = _stack_named(per_model)
+        train_p = {n: stacked[n] for n in train_names}
+        frozen_p = {n: stacked[n] for n in frozen_names}
+        buffers = _stack_named([dict(m.named_buffers()) for m in models])
     device = train_p[train_names[0]].device
     X = pad_stack(list(xs))
     Y = pad_stack(list(ys))
@@ -298,13 +307,18 @@ def forward_stacked(
     try:
         for start in range(0, len(models), chunk):
             group, inputs = models[start : start + chunk], xs[start : start + chunk]
-            params = {n: torch.stack([dict(m.named_parameters())[n] for m in group])
-                      for n, _ in template.named_parameters()}
-            buffers = {n: torch.stack([dict(m.named_buffers())[n] for m in group])
-                       for n, _ in template.named_buffers()}
+            params = _stack_named([dict(m.named_parameters()) for m in group])
+            buffers = _stack_named([dict(m.named_buffers()) for m in group])
             out = vmap(lambda p, b, x: functional_call(template, (p, b), (x,)))(
                 params, buffers, pad_stack(list(inputs)))
             outs.extend(o[: x.shape[0]] for o, x in zip(out, inputs, strict=True))
     finally:
         template.train(was_training)
     return outs
+
+
+def _stack_named(named: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """``{name: stack of that tensor over the dicts}`` (detached copies)."""
+    if not named:
+        return {}
+    return {n: torch.stack([d[n].detach() for d in named]) for n in named[0]}

@@ -175,11 +175,11 @@ def main() -> None:
         f"fit on {len(Xf)} digits, predictive on {len(Xt)} inputs; torch {torch.__version__}, "
         f"{platform.processor() or platform.machine()}, threads {torch.get_num_threads()}"
     )
-    print(f"{'implementation':52s} {'fit s':>9s} {'predict s':>10s} {'max|dp|':>10s}")
-    print(f"{'bayesfl inference.subnet (subnet_jacobian)':52s} {fit_ours:9.4f} {pred_ours:10.4f}")
+    print(f"{'implementation':56s} {'fit s':>9s} {'predict s':>10s} {'max|dp|':>10s}")
+    print(f"{'bayesfl inference.subnet (subnet_jacobian)':56s} {fit_ours:9.4f} {pred_ours:10.4f}")
     for r in rows:
         print(
-            f"{r['peer']:52s} {r['fit_s']:9.4f} {r['predict_s']:10.4f} {r['max_prob_diff']:10.2e}"
+            f"{r['peer']:56s} {r['fit_s']:9.4f} {r['predict_s']:10.4f} {r['max_prob_diff']:10.2e}"
         )
     print(
         f"subnet selection (diag GGN Laplace, top {args.subnet}): ours {select_ours:.4f} s, "

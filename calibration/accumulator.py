@@ -78,8 +78,8 @@ class Accumulator:
         state["bin_counts"] += counts.to(device)
         state["bin_confidence_sums"] += confidence_sums.to(device)
         state["bin_correct_counts"] += correct_counts.to(device)
-        state["brier_sum"] += scores.brier.sum().to(device)
-        state["nll_sum"] -= scores.log_prob.sum().to(device)
+        state["brier_sum"] += scores.brier_sum
+        state["nll_sum"] += scores.nll_sum
         return self
 
     # -- merging -------------------------------------------------------------------------

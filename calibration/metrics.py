@@ -74,13 +74,13 @@ def mce(
 def brier(probs: Any, labels: Any, from_logits: bool = False) -> float:
     """Multi-class Brier score: mean_i sum_k (p_ik - 1[y_i = k])^2, in [0, 2]."""
     scores = row_scores(probs, labels, from_logits=from_logits, confidence=False, brier=True)
-    return float(scores.brier.mean())
+    return scores.brier_sum / scores.count
 
 
 def nll(probs: Any, labels: Any, from_logits: bool = False) -> float:
     """Mean negative log-likelihood -log max(p_y, 1e-12) in nats (log-softmax for logits)."""
     scores = row_scores(probs, labels, from_logits=from_logits, confidence=False, log_prob=True)
-    return float(-scores.log_prob.mean())
+    return scores.nll_sum / scores.count
 
 
 def accuracy(probs: Any, labels: Any, from_logits: bool = False) -> float:
@@ -129,13 +129,23 @@ def evaluate(
 
     Returns a dict with keys "accuracy", "ece", "mce", "brier", "nll" (floats) and "count" (int).
     """
+    return evaluate_with_bins(probs, labels, n_bins, binning, from_logits)[0]
+
+
+def evaluate_with_bins(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> tuple[dict[str, float], BinStats]:
+    """:func:`evaluate` plus the reliability table it was computed from (one pass)."""
     binning = Binning.parse(binning)
     check_n_bins(n_bins)
     scores = row_scores(probs, labels, from_logits=from_logits, brier=True, log_prob=True)
     stats = _bin_stats(scores, n_bins, binning)
-    return metrics_from_totals(
-        stats, float(scores.brier.sum()), float(-scores.log_prob.sum())
-    )
+    totals = metrics_from_totals(stats, scores.brier_sum, scores.nll_sum)
+    return totals, stats
 
 
 def metrics_from_totals(stats: BinStats, brier_sum: float, nll_sum: float) -> dict[str, float]:
@@ -158,6 +168,7 @@ __all__ = [
     "classwise_ece",
     "ece",
     "evaluate",
+    "evaluate_with_bins",
     "mce",
     "metrics_from_totals",
     "nll",

@@ -23,7 +23,7 @@ from calibration.bin_stats import BinStats
 from calibration.binning import Binning, check_n_bins
 from calibration.errors import InvalidInputError
 from calibration.inputs import as_tensor, score_matrix
-from calibration.metrics import evaluate, reliability_stats
+from calibration.metrics import evaluate, evaluate_with_bins
 
 POOLED = "pooled (micro)"
 MACRO = "macro (mean over clients)"
@@ -167,8 +167,7 @@ def report(
     check_n_bins(n_bins)
     scores = score_matrix(probs, "logits" if from_logits else "probs")
     if client_ids is None:
-        metrics = evaluate(scores, labels, n_bins, binning, from_logits)
-        stats = reliability_stats(scores, labels, n_bins, binning, from_logits)
+        metrics, stats = evaluate_with_bins(scores, labels, n_bins, binning, from_logits)
         pooled = ReportRow.from_metrics(ALL, "pooled", metrics)
         return CalibrationReport((), pooled, None, stats, n_bins, binning.value)
 
@@ -195,9 +194,8 @@ def report(
         metrics = evaluate(scores[index], label_tensor.to(scores.device)[index], n_bins, binning,
                            from_logits)
         clients.append(ReportRow.from_metrics(names[client_id], "client", metrics))
-    pooled = ReportRow.from_metrics(POOLED, "pooled",
-                                    evaluate(scores, labels, n_bins, binning, from_logits))
-    stats = reliability_stats(scores, labels, n_bins, binning, from_logits)
+    metrics, stats = evaluate_with_bins(scores, labels, n_bins, binning, from_logits)
+    pooled = ReportRow.from_metrics(POOLED, "pooled", metrics)
     return CalibrationReport(tuple(clients), pooled, _macro(clients), stats, n_bins, binning.value)
 
 

@@ -45,32 +45,27 @@ which poisons every mean, merge and bootstrap it enters; the floor keeps it fini
 charging such a sample far more than any honestly uncertain one. Logit inputs use the same floor.
 """
 
-# Rows per sweep step: the chunk stays in cache across its reductions, and few enough steps keep
-# the thread-pool synchronisation cheap when the CPU is shared.
-_CHUNK_BYTES = 16 * 1024 * 1024
+# Rows per sweep step: about the size of a core's L2 cache, so that the reductions after the first
+# read the chunk from cache rather than from memory.
+_CHUNK_BYTES = 2 * 1024 * 1024
 _BITS_DTYPE = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 @dataclass(frozen=True, eq=False)
 class RowScores:
-    """Per-sample quantities, all shape (N,) on the input's device.
+    """What one sweep found, for N samples.
 
-    ``confidence``: top-label probability (input dtype); ``correct``: bool, predicted == label;
-    ``brier``: float64 sum_k (p_k - 1[y=k])^2, or None if not requested;
-    ``log_prob``: float64 log p_y floored at log(:data:`PROBABILITY_FLOOR`), or None.
+    ``confidence``: (N,) top-label probability (input dtype, input device), or None;
+    ``correct``: (N,) bool, argmax class == label, or None;
+    ``brier_sum``: sum over samples of sum_k (p_k - 1[y=k])^2, or None if not requested;
+    ``nll_sum``: sum over samples of -log max(p_y, :data:`PROBABILITY_FLOOR`), or None.
     """
 
+    count: int
     confidence: Tensor | None
     correct: Tensor | None
-    brier: Tensor | None
-    log_prob: Tensor | None
-
-    @property
-    def count(self) -> int:
-        for tensor in (self.confidence, self.brier, self.log_prob):
-            if tensor is not None:
-                return tensor.shape[0]
-        raise ValueError("RowScores holds no per-row tensor")
+    brier_sum: float | None
+    nll_sum: float | None
 
 
 def row_scores(
@@ -104,11 +99,12 @@ def _from_logits(
         raise InvalidInputError(f"logits contain NaN or Inf (first in row {row})")
     log_probs = torch.log_softmax(logits, dim=1)
     scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, log_prob=False)
-    label_log_prob = None
+    nll_sum = None
     if log_prob:
-        label_log_prob = log_probs.gather(1, labels[:, None]).squeeze(1).to(torch.float64)
+        label_log_prob = log_probs.gather(1, labels[:, None])
         label_log_prob = label_log_prob.clamp_(min=math.log(PROBABILITY_FLOOR))
-    return RowScores(scores.confidence, scores.correct, scores.brier, label_log_prob)
+        nll_sum = -float(label_log_prob.sum(dtype=torch.float64))
+    return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum, nll_sum)
 
 
 def _from_probabilities(
@@ -128,6 +124,7 @@ def _from_probabilities(
     label_prob = torch.empty(n_samples, 1, dtype=probs.dtype, device=device)
     need_norm = brier or confidence
     row_norm = torch.empty(n_samples, dtype=probs.dtype, device=device) if need_norm else None
+    correct = torch.empty(n_samples, dtype=torch.bool, device=device) if confidence else None
     ones = torch.ones(n_classes, dtype=probs.dtype, device=device)
     column = labels[:, None]
 
@@ -142,22 +139,24 @@ def _from_probabilities(
             torch.amax(chunk_bits, dim=1, out=max_bits[rows])
         if row_norm is not None:
             torch.linalg.vector_norm(chunk, dim=1, out=row_norm[rows])
+        if correct is not None:  # while the chunk is still in cache
+            correct[rows] = _first_maximum_is_label(
+                chunk, column[rows], max_bits[rows].view(probs.dtype), label_prob[rows, 0],
+                row_norm[rows],
+            )
 
     _check_rows(probs, bits, bool((step_min_bits < 0).any()), row_sum)
     label_prob = label_prob.squeeze(1)
-
-    top, correct = None, None
-    if max_bits is not None:
-        top = max_bits.view(probs.dtype)
-        correct = _first_maximum_is_label(probs, labels, top, label_prob, row_norm)
-    per_row_brier = None
+    top = max_bits.view(probs.dtype) if max_bits is not None else None
+    brier_sum = None
     if brier:
-        # sum_k (p_k - 1[y=k])^2 = sum_k p_k^2 - 2 p_y + 1
-        per_row_brier = row_norm.to(torch.float64).square_() - 2.0 * label_prob.double() + 1.0
-    label_log_prob = None
+        # sum_i sum_k (p_ik - 1[y_i=k])^2 = sum_i ||p_i||^2 - 2 sum_i p_iy_i + N, summed in float64
+        squares = float(row_norm.square().sum(dtype=torch.float64))
+        brier_sum = squares - 2.0 * float(label_prob.sum(dtype=torch.float64)) + n_samples
+    nll_sum = None
     if log_prob:
-        label_log_prob = label_prob.to(torch.float64).clamp(min=PROBABILITY_FLOOR).log_()
-    return RowScores(top, correct, per_row_brier, label_log_prob)
+        nll_sum = -float(label_prob.clamp(min=PROBABILITY_FLOOR).log_().sum(dtype=torch.float64))
+    return RowScores(n_samples, top, correct, brier_sum, nll_sum)
 
 
 def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tensor) -> None:
@@ -197,20 +196,22 @@ def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tenso
 
 
 def _first_maximum_is_label(
-    probs: Tensor, labels: Tensor, top: Tensor, label_prob: Tensor, row_norm: Tensor
+    probs: Tensor, label_column: Tensor, top: Tensor, label_prob: Tensor, row_norm: Tensor
 ) -> Tensor:
-    """Bool (N,): the first class attaining the row maximum is the label (argmax semantics)."""
+    """Bool (n,): the first class attaining the row maximum is the label (argmax semantics).
+
+    ``probs`` (n, K), ``label_column`` (n, 1) int64, ``top`` / ``label_prob`` / ``row_norm`` (n,).
+    """
     correct = label_prob == top
-    top64 = top.to(torch.float64)
-    # Two entries equal to the maximum m imply sum p^2 >= 2 m^2; the margin covers the float32
-    # rounding of the norm (relative error ~K * 6e-8).
-    maybe_tied = correct & (top <= 0.5 + SUM_TOLERANCE)
-    maybe_tied &= row_norm.to(torch.float64).square() >= 2.0 * top64.square() * (1.0 - 1e-3)
-    if bool(maybe_tied.any()):
-        rows = maybe_tied.nonzero().squeeze(1)
+    # Two entries equal to the maximum m imply sum p^2 >= 2 m^2 (so also m <= 1/2); the 1e-3
+    # margin covers the rounding of the norm and of these products (~K * 6e-8 in float32).
+    maybe_tied = correct & (row_norm * row_norm >= (2.0 * (1.0 - 1e-3)) * (top * top))
+    rows = maybe_tied.nonzero().squeeze(1)
+    if rows.numel():
         # Largest entry other than the label's own: a tie iff it equals the maximum.
-        others = probs.index_select(0, rows).scatter_(1, labels[rows, None], -1.0)
+        others = probs.index_select(0, rows).scatter_(1, label_column[rows], -1.0)
         tied = rows[others.amax(1) == top[rows]]
         if tied.numel():
-            correct[tied] = probs.index_select(0, tied).argmax(1) == labels[tied]
+            first = probs.index_select(0, tied).argmax(1)
+            correct[tied] = first == label_column[tied, 0]
     return correct

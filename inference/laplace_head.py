@@ -16,12 +16,14 @@ posterior, and K clients combine by adding their terms.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
-from inference.linear_model import augment_with_bias, check_training_data
+from inference.linear_model import augment_with_bias, check_training_data, log_likelihood
 from inference.options import CovarianceStructure, Likelihood, MapSolver
 
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
@@ -206,3 +208,52 @@ def fit_laplace_head(
     lik = GaussianTerm(structure, lr_hessian.matvec(mode) + prior_precision * (mode - prior_mean),
                        diag=remainder, factor=factor)
     return GaussianPosterior(prior, lik, shape, n_data=features.shape[0])
+
+
+def log_marginal_likelihood(
+    posterior: GaussianPosterior,
+    features: Tensor,
+    labels: Tensor,
+    likelihood: Likelihood | str = Likelihood.SOFTMAX,
+    noise_std: float = 1.0,
+) -> float:
+    """Laplace approximation of the log evidence ``log p(y | X, λ)``, in nats.
+
+    ``log p(y|W*) + log p(W*) + (d/2) log 2π − ½ log|Λ|`` for a posterior from
+    :func:`fit_laplace_head` on the same data (its mean is the mode ``W*``, its precision
+    ``Λ``; a diag or low-rank posterior uses its own ``Λ``). Exact for the Gaussian likelihood.
+    Use it to choose ``prior_precision`` on a grid (larger is better).
+    """
+    likelihood = Likelihood.parse(likelihood, "likelihood")
+    inputs = augment_with_bias(features.to(device=posterior.device, dtype=torch.float64))
+    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float64)
+    targets = targets.to(posterior.device)
+    mode = posterior.mean.to(torch.float64)
+    log_lik = log_likelihood(mode, inputs, targets, likelihood, noise_std)
+    prior = posterior.prior
+    if prior.structure is not CovarianceStructure.DIAG:
+        raise InvalidInputError("log_marginal_likelihood needs a diagonal prior.")
+    prior_diag = prior.diag.to(torch.float64)
+    prior_mean = prior.shift.to(torch.float64) / prior_diag
+    flat = mode.reshape(-1)
+    d = flat.shape[0]
+    log_prior = 0.5 * (torch.log(prior_diag).sum() - d * math.log(2 * math.pi)
+                       - (prior_diag * (flat - prior_mean) ** 2).sum())
+    log_det = _log_det_precision(posterior)
+    return float(log_lik + log_prior + 0.5 * d * math.log(2 * math.pi) - 0.5 * log_det)
+
+
+def _log_det_precision(posterior: GaussianPosterior) -> Tensor:
+    """``log|Λ|`` of a posterior's total precision (float64)."""
+    total = posterior.natural
+    if total.structure is CovarianceStructure.DIAG:
+        return torch.log(total.diag.to(torch.float64)).sum()
+    if total.structure is CovarianceStructure.FULL:
+        chol = cholesky_with_jitter(total.dense)
+        return 2 * torch.log(chol.diagonal()).sum()
+    diag = total.diag.to(torch.float64)  # matrix determinant lemma
+    factor = total.factor.to(torch.float64)
+    capacitance = torch.eye(factor.shape[1], dtype=torch.float64, device=factor.device)
+    capacitance = capacitance + factor.T @ (factor / diag[:, None])
+    chol = cholesky_with_jitter(capacitance, "capacitance")
+    return torch.log(diag).sum() + 2 * torch.log(chol.diagonal()).sum()

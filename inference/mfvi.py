@@ -72,7 +72,9 @@ class BayesianLinearHead(PyroModule):
 @contextlib.contextmanager
 def isolated_pyro_state(seed: int, device: torch.device):
     """Module-local pyro parameters, a private param store and a forked, seeded torch RNG."""
-    devices = [device] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":  # fork_rng takes device indices
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with (
         pyro.settings.context(module_local_params=True),
         pyro.get_param_store().scope(),

@@ -78,16 +78,27 @@ def register_posterior(cls: type) -> type:
 
 
 def posterior_class(kind: str) -> type:
-    """The class registered for ``kind`` (importing the inference modules that define them)."""
+    """The class registered for ``kind``.
+
+    If ``kind`` is not registered yet, the inference modules that define posteriors are
+    imported, and the classes they export with a ``kind`` and ``from_state_dict`` are registered.
+    """
     if kind not in POSTERIOR_CLASSES:
         import importlib
 
         for name in _MODULES_WITH_POSTERIORS:
             try:
-                importlib.import_module(name)
+                module = importlib.import_module(name)
             except ModuleNotFoundError as error:
                 if error.name != name:  # a real missing dependency, not an absent module
                     raise
+                continue
+            # classes exported by the module that declare a kind but were not decorated
+            for value in vars(module).values():
+                declared = getattr(value, "kind", None)
+                if (isinstance(value, type) and isinstance(declared, str)
+                        and hasattr(value, "from_state_dict")):
+                    POSTERIOR_CLASSES.setdefault(declared, value)
     if kind not in POSTERIOR_CLASSES:
         from inference.errors import InvalidInputError
 

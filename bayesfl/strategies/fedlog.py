@@ -105,7 +105,7 @@ def head_logits(head: Tensor, features: Tensor) -> Tensor:
 
 
 class FedLog(BaseStrategy):
-    """FedLog and its variants (module docstring).
+    """FedLog: body trained through the broadcast head, statistics up, MAP head down.
 
     Args:
         context: classes, feature dimension, local training, rounds, device, seed.
@@ -125,34 +125,23 @@ class FedLog(BaseStrategy):
         *,
         prior_nu: float = 1.0,
         upload_dtype: str = "float32",
-        alpha: float = 0.0,
-        epsilon: float = 1.0,
-        delta: float = 0.01,
-        clip: float = 2.0,
     ) -> None:
         super().__init__(context)
         if upload_dtype not in _DTYPES:
             raise ConfigError(f"upload_dtype must be one of {sorted(_DTYPES)}, got "
                               f"{upload_dtype!r}")
-        if prior_nu < 0:
+        if not prior_nu >= 0:
             raise ConfigError(f"prior_nu must be >= 0, got {prior_nu}")
         self.prior_nu = float(prior_nu)
         self.upload_dtype = _DTYPES[upload_dtype]
-        self.alpha = float(alpha)
         self.m = context.feature_dim + 1
-        self.epsilon, self.delta, self.clip = float(epsilon), float(delta), float(clip)
-        self.sigma = 0.0
-        if self.dp_placement is not None:
-            if not (self.epsilon > 0 and 0 < self.delta < 1 and self.clip > 0):
-                raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
-                                  f"epsilon={epsilon}, delta={delta}, clip={clip}")
-            releases = context.rounds + (1 if self.init_round else 0)
-            self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
-                                        feature_dim=context.feature_dim, bound=self.clip)
+        self.alpha = 0.0  # FedLog-C's compactness weight
+        self.clip = 0.0  # DP feature bound
+        self.sigma = 0.0  # DP noise scale
 
     # ---- setup ----------------------------------------------------------------------------
     def build_model(self, body: nn.Module) -> nn.Module:
-        return FeatureClamp(body, self.clip) if self.dp_placement is not None else body
+        return body
 
     def init(self, clients: Sequence[Client]) -> ServerState:
         C, m = self.num_classes, self.m
@@ -329,25 +318,60 @@ def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 class FedLogC(FedLog):
-    """FedLog-C: broadcast the statistic, local MAP solve, compactness loss (alpha=0.01)."""
+    """FedLog-C: broadcast the statistic, local MAP solve, compactness loss.
+
+    Args:
+        alpha: weight of the compactness term (not reported in the paper; default 0.01).
+    """
 
     name = "fedlog-c"
     broadcasts_statistics = True
 
     def __init__(self, context: StrategyContext, *, alpha: float = 0.01, **options) -> None:
-        if not alpha >= 0 or math.isinf(alpha):
+        super().__init__(context, **options)
+        if not (alpha >= 0 and math.isfinite(alpha)):
             raise ConfigError(f"fedlog-c alpha must be a finite value >= 0, got {alpha}")
-        super().__init__(context, alpha=alpha, **options)
+        self.alpha = float(alpha)
 
 
-class FedLogLocalDP(FedLog):
+class _FedLogDP(FedLog):
+    """FedLog with clamped features and Gaussian noise on the statistics.
+
+    Args:
+        epsilon, delta: the privacy budget of the whole run (all rounds + the init round).
+        clip: the feature bound b; features are clamped to [-b, b] (after the body's ReLU).
+    """
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        epsilon: float = 1.0,
+        delta: float = 0.01,
+        clip: float = 2.0,
+        **options,
+    ) -> None:
+        super().__init__(context, **options)
+        if not (epsilon > 0 and 0 < delta < 1 and clip > 0):
+            raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
+                              f"epsilon={epsilon}, delta={delta}, clip={clip}")
+        self.epsilon, self.delta, self.clip = float(epsilon), float(delta), float(clip)
+        releases = context.rounds + (1 if self.init_round else 0)
+        self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
+                                    feature_dim=context.feature_dim, bound=self.clip)
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return FeatureClamp(body, self.clip)
+
+
+class FedLogLocalDP(_FedLogDP):
     """FedLog with local differential privacy (each client perturbs its own statistic)."""
 
     name = "fedlog-dp-local"
     dp_placement = "local"
 
 
-class FedLogCentralDP(FedLog):
+class FedLogCentralDP(_FedLogDP):
     """FedLog with central differential privacy (the server perturbs the sum once)."""
 
     name = "fedlog-dp-central"

@@ -46,7 +46,7 @@ class PrototypeObjective:
 
 
 class FedProto(BaseStrategy):
-    """Prototype exchange with personal networks (module docstring).
+    """FedProto: personal networks; class prototypes exchanged and count-weighted averaged.
 
     Args:
         context: classes, feature dimension, local training, rounds, device, seed.

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.errors import ConfigError
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
     NUM_SAMPLES_SPEC,
@@ -178,7 +178,3 @@ def _softmax_of(model: nn.Module, params: dict[str, Tensor], x: Tensor) -> Tenso
 
 def with_epochs(config: LocalTraining, epochs: int) -> LocalTraining:
     return replace(config, epochs=epochs)
-
-
-def reject(message: Message, reason: str) -> MessageRejected:
-    return MessageRejected(reason, client_id=message.header.client_id)

@@ -14,7 +14,9 @@ rounding error of every addition, error-free TwoSum), so ``table`` of a sum is t
 rounding of the sum to about 2^-104 relative: in practice bitwise the same whatever the order or
 grouping of the additions (``a + b``, ``sum([...])``, ``0 + a``). A table straight from
 :meth:`SufficientStatistics.from_features` has a zero low part, which :meth:`state_dict` omits,
-so a client's message is exactly ``C (m + 1)`` float64 numbers plus the count.
+so a client's message is exactly ``C (m + 1)`` float64 numbers plus the count. (On CUDA the
+scatter uses atomic adds, so a single client's table may differ in the last bit between runs;
+sums of tables are unaffected.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError
 
-# Privatised tables and non-privatised ones are told apart by this flag in state dicts.
+# float64 entries per block of augmented rows in from_features (512 KiB).
+_BLOCK_ELEMENTS = 65_536
+# Keys every statistics state dict carries ("table_low" only when non-zero).
 _STATE_KEYS = ("table", "count", "privatized")
 
 
@@ -90,10 +94,22 @@ class SufficientStatistics:
         """
         features, labels = _checked_batch(features, labels, num_classes)
         B, m = features.shape
-        rows = torch.cat([features.new_ones(B, 1, dtype=torch.float64),
-                          features.to(torch.float64)], dim=1)
         table = torch.zeros(num_classes, m + 1, dtype=torch.float64, device=features.device)
-        table.index_add_(0, labels, rows)
+        # On the CPU, [1, phi] rows are formed in float64 a block at a time: a cache-sized
+        # buffer instead of a full float64 copy of the batch (more memory traffic than the sums
+        # themselves). On accelerators one block avoids a kernel launch per block.
+        block = B if features.device.type != "cpu" else max(1, min(B, _BLOCK_ELEMENTS // (m + 1)))
+        rows = torch.empty(block, m + 1, dtype=torch.float64, device=features.device)
+        rows[:, 0] = 1.0
+        for start in range(0, B, block):
+            stop = min(B, start + block)
+            chunk = rows[: stop - start]
+            chunk[:, 1:] = features[start:stop]
+            table.index_add_(0, labels[start:stop], chunk)
+        # A NaN or Inf feature always makes its class row non-finite (as does a sum that
+        # overflows float64), so the small table is checked instead of the whole batch.
+        if not bool(torch.isfinite(table).all()):
+            raise InvalidInputError("features contain NaN or Inf; check the body's outputs")
         return cls(table=table, n=B)
 
     @classmethod
@@ -285,8 +301,6 @@ def _checked_batch(features: Tensor, labels: Tensor, num_classes: int) -> tuple[
         raise InvalidInputError("empty batch: statistics need at least one sample")
     if labels.device != features.device:
         raise InvalidInputError("labels and features must be on the same device")
-    if not bool(torch.isfinite(features).all()):
-        raise InvalidInputError("features contain NaN or Inf; check the body's outputs")
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= num_classes:
         raise InvalidInputError(

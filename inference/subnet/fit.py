@@ -59,7 +59,10 @@ def fit_subnet_laplace(
     max_memory_bytes: int | None = None,
     filter_zero_curvature: bool = True,
 ) -> SubnetLaplacePosterior:
-    """Full-covariance GGN Laplace over a subnet, at the model's current parameters (the MAP).
+    """GGN Laplace over a subnet (dense |S| x |S| precision), at the model's current parameters.
+
+    The model's current trainable parameters are taken as the MAP (``mean``); parameters
+    outside the subnet are point masses there.
 
     Args:
         model: returns (B, C) logits; evaluated in eval mode (flags restored afterwards).

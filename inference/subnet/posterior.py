@@ -112,11 +112,13 @@ class SubnetLaplacePosterior:
                 f"the subnet posterior precision is not positive definite (Cholesky failed at "
                 f"column {int(info)}); increase prior_precision"
             )
-        self._precision = precision
-        self._chol = scale.unsqueeze(1) * chol_eq
-        self._chol_eq = chol_eq  # float64
-        self._solve_factor_T = chol_eq.T.contiguous().to(mean.dtype)  # L_eq^T, model dtype
-        self._solve_scale = scale.reciprocal().to(mean.dtype)  # D^{-1}, (S,)
+        del precision
+        # Stored: L_eq (float64), D (float64), and L_eq^T, D^{-1} in the model dtype for the
+        # predictive; precision, L and the covariance are rebuilt from them on demand.
+        self._chol_eq = chol_eq
+        self._scale = scale
+        self._solve_factor_T = chol_eq.T.contiguous().to(mean.dtype)
+        self._solve_scale = scale.reciprocal().to(mean.dtype)
         self._model: nn.Module | None = None
         self._jacobian: SubnetJacobian | None = None
         self._n_classes: int | None = None
@@ -165,23 +167,23 @@ class SubnetLaplacePosterior:
     @property
     def precision(self) -> Tensor:
         """(S, S) float64 posterior precision ``ggn + diag(prior_precision)``."""
-        return self._precision
+        return self._ggn + torch.diag(self._prior_precision)
 
     @property
     def cholesky(self) -> Tensor:
         """(S, S) float64 lower-triangular ``L`` with ``precision = L L^T``."""
-        return self._chol
+        return self._scale.unsqueeze(1) * self._chol_eq
 
     @property
     def covariance(self) -> Tensor:
         """(S, S) float64 posterior covariance ``precision^{-1}``."""
-        return torch.cholesky_inverse(self._chol)
+        return torch.cholesky_inverse(self._chol_eq) / torch.outer(self._scale, self._scale)
 
     def marginal_variance_subnet(self) -> Tensor:
-        """(S,) float64 ``diag(covariance)``, as column sums of squares of ``L^{-1}``."""
-        eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._chol.device)
-        inv_chol = torch.linalg.solve_triangular(self._chol, eye, upper=False)
-        return inv_chol.square().sum(0)
+        """(S,) float64 ``diag(covariance)``: column sums of squares of ``L_eq^{-1}``, / ``D^2``."""
+        eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._scale.device)
+        inv_chol = torch.linalg.solve_triangular(self._chol_eq, eye, upper=False)
+        return inv_chol.square().sum(0) / self._scale.square()
 
     def marginal_std_full(self) -> Tensor:
         """(P,) marginal standard deviations, zero outside the subnet (FedSI's upload).
@@ -202,9 +204,10 @@ class SubnetLaplacePosterior:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive int, got {n!r}")
         z = torch.randn(
-            self.n_subnet, n, dtype=torch.float64, device=self._chol.device, generator=generator
+            self.n_subnet, n, dtype=torch.float64, device=self._scale.device, generator=generator
         )
-        delta = torch.linalg.solve_triangular(self._chol.T, z, upper=True)  # (S, n)
+        # L^{-T} z = D^{-1} L_eq^{-T} z
+        delta = torch.linalg.solve_triangular(self._chol_eq.T, z, upper=True) / self._scale[:, None]
         draws = self._mean.unsqueeze(0).repeat(n, 1)
         draws[:, self._indices_device] += delta.T.to(draws.dtype)
         return draws
@@ -283,7 +286,7 @@ class SubnetLaplacePosterior:
                 self.n_subnet,
                 n_samples,
                 dtype=torch.float64,
-                device=self._chol.device,
+                device=self._scale.device,
                 generator=generator,
             )
             eq_T = self._chol_eq.T

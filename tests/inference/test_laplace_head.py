@@ -8,7 +8,12 @@ import scipy.optimize
 import torch
 
 from inference.errors import InvalidInputError
-from inference.laplace_head import fit_laplace_head, likelihood_hessian, negative_log_posterior
+from inference.laplace_head import (
+    fit_laplace_head,
+    likelihood_hessian,
+    log_marginal_likelihood,
+    negative_log_posterior,
+)
 from inference.options import Likelihood
 from tests.conftest import DEVICES
 from tests.inference.ground_truth import linear_regression
@@ -118,3 +123,50 @@ def test_fits_and_predicts_on_the_features_device(device):
     probs = post.predict_proba(x.float().to(device))
     assert probs.device.type == device and probs.dtype == torch.float32
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(y), device=device))
+
+
+def test_log_marginal_likelihood_is_exact_for_the_gaussian_likelihood():
+    truth = linear_regression()
+    for precision in (0.1, 1.0, 10.0):
+        post = fit_laplace_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                                noise_std=truth.noise_std, prior_precision=precision)
+        value = log_marginal_likelihood(post, truth.features, truth.targets, "gaussian",
+                                        truth.noise_std)
+        inputs = torch.cat([torch.ones(len(truth.targets), 1, dtype=F64), truth.features], 1)
+        cov = truth.noise_std**2 * torch.eye(len(truth.targets), dtype=F64)
+        cov = cov + inputs @ inputs.T / precision
+        exact = torch.distributions.MultivariateNormal(torch.zeros(len(truth.targets),
+                                                                   dtype=F64), cov)
+        # tolerance 1e-8 nats: both exact in float64
+        assert abs(value - float(exact.log_prob(truth.targets))) < 1e-8
+
+
+def test_log_marginal_likelihood_of_diag_and_lowrank_use_their_own_precision():
+    x, y = three_class_data()
+    full = fit_laplace_head(x, y, 3, structure="full")
+    exact_lowrank = fit_laplace_head(x, y, 3, structure="lowrank", rank=12)
+    diag = fit_laplace_head(x, y, 3, structure="diag")
+    a = log_marginal_likelihood(full, x, y)
+    assert abs(log_marginal_likelihood(exact_lowrank, x, y) - a) < 1e-8
+    # Hadamard: log|Λ| ≤ Σ log Λ_ii, so the diagonal evidence is lower
+    assert log_marginal_likelihood(diag, x, y) < a
+
+
+@pytest.mark.parametrize("structure", ["full", "diag"])
+def test_probit_predictive_matches_laplace_torch_on_the_same_head(structure):
+    from laplace import Laplace
+    from torch import nn
+
+    x, y = three_class_data()
+    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure=structure)
+    linear = nn.Linear(3, 3).double()
+    with torch.no_grad():  # the same MAP head; laplace-torch orders weight before bias
+        linear.bias.copy_(post.mean[:, 0])
+        linear.weight.copy_(post.mean[:, 1:])
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=40)
+    reference = Laplace(linear, "classification", subset_of_weights="all",
+                        hessian_structure=structure, prior_precision=0.7)
+    reference.fit(loader)
+    expected = reference(x, pred_type="glm", link_approx="probit")
+    # tolerance 1e-8: same Gaussian, laplace-torch's GGN equals the exact softmax Hessian
+    torch.testing.assert_close(post.predict_proba(x, "probit"), expected, atol=1e-8, rtol=0)

@@ -57,9 +57,10 @@ def test_softmax_regression_means_near_truth_and_variances_under_dispersed():
     truth = softmax_regression()
     post = fit_mfvi_head(truth.features, truth.labels, 2, batch_size=None, **FAST)
     sd = truth.variance.sqrt()
-    # tolerance 0.45 posterior sd: the mean-field mean of a non-Gaussian, strongly correlated
-    # posterior is biased, and SVI adds noise.
-    assert ((post.mean - truth.mean) / sd).abs().max() < 0.45
+    # tolerance 0.6 posterior sd: the mean-field mean of this skewed, strongly correlated
+    # posterior is biased (≈ 0.44 sd on w₀₀ in long runs) and SVI adds ≈ 0.1 sd of noise.
+    # A head that ignored the data would be off by 1.2 sd.
+    assert ((post.mean - truth.mean) / sd).abs().max() < 0.6
     assert (post.marginal_variance() < truth.variance).all()
 
 

@@ -99,3 +99,15 @@ def test_ensemble_rejects_probit_and_non_finite_samples():
         post.predict_proba(torch.randn(2, 3, dtype=F64), method="probit")
     with pytest.raises(InvalidInputError, match="NaN"):
         EnsemblePosterior(torch.full((2, 2, 4), float("nan")))
+
+
+def test_a_conjugate_posterior_saves_and_loads_by_its_kind(tmp_path):
+    from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
+
+    x = torch.randn(40, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(40) % 2
+    post = ConjugatePosterior(ConjugatePrior(), SufficientStatistics.from_features(x, y, 2))
+    save_posterior(post, tmp_path / "c.safetensors")
+    loaded = load_posterior(tmp_path / "c.safetensors")
+    assert type(loaded) is ConjugatePosterior
+    torch.testing.assert_close(loaded.predict_proba(x), post.predict_proba(x))

@@ -24,7 +24,7 @@ def test_loss_is_alpha_times_the_batch_mean_squared_distance_to_global_class_mea
     loss = compactness_loss(x, y, stats, alpha=0.05)
     means = torch.stack([features[labels == c].mean(0) for c in range(3)])
     expected = 0.05 * sum(float(((x[i].detach() - means[y[i]]) ** 2).sum()) for i in range(16)) / 16
-    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
 
 
 def test_gradient_flows_to_features_only():

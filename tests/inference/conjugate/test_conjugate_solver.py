@@ -12,16 +12,16 @@ from inference.errors import InvalidInputError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-# Agreement asked for by the issue; the solver is far tighter (see the gradient checks).
-RELATIVE_TOLERANCE = 1e-6
+# The issue asks for 1e-6; measured agreement with the reference is <= 5e-13, so 1e-9 is used.
+RELATIVE_TOLERANCE = 1e-9
 GRADIENT_TOLERANCE = 1e-8
 
 
 def reference_map(S: torch.Tensor, N: float) -> torch.Tensor:
     """Independent MAP of the full C*k problem: torch L-BFGS (strong Wolfe line search,
     float64, analytic gradient by autograd) on -J from the paper's start S/(2N), run until the
-    line search can no longer decrease the objective. It uses neither the row-parallel structure
-    nor the scalar reduction."""
+    line search can no longer decrease the objective, then one Newton-CG step. It uses neither
+    the row-parallel structure, nor the scalar reduction, nor the Laplace formulas."""
     S = S.double().cpu()
     x = (S / N / 2.0).clone().requires_grad_(True)
     scale = float(S.abs().max()) or 1.0
@@ -36,7 +36,29 @@ def reference_map(S: torch.Tensor, N: float) -> torch.Tensor:
         return loss
 
     optimizer.step(closure)
-    return x.detach()
+    return newton_polish(x.detach(), S, N)
+
+
+def newton_polish(W: torch.Tensor, S: torch.Tensor, N: float, cg_steps: int = 60
+                  ) -> torch.Tensor:
+    """One Newton step from the L-BFGS point: H d = -g by conjugate gradients, with H v from
+    autograd double backward. L-BFGS stops where the objective's rounding hides progress
+    (~1e-7 relative); the gradient is still informative there, and Newton squares the error."""
+    W = W.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(-map_objective(W, S, N), W, create_graph=True)
+    r = -g.detach()
+    d, p = torch.zeros_like(r), r.clone()
+    rr = (r * r).sum()
+    threshold = 1e-14 * float(rr.sqrt())
+    for _ in range(cg_steps):
+        if float(rr.sqrt()) <= threshold:
+            break
+        Hp = torch.autograd.grad(g, W, grad_outputs=p, retain_graph=True)[0]
+        step = rr / (p * Hp).sum()
+        d, r = d + step * p, r - step * Hp
+        rr_new = (r * r).sum()
+        p, rr = r + (rr_new / rr) * p, rr_new
+    return (W + d).detach()
 
 
 def stable_objective(W: torch.Tensor, S: torch.Tensor, N: float) -> torch.Tensor:
@@ -187,7 +209,7 @@ def test_random_restarts_of_lbfgs_reach_the_same_head():
             return loss
 
         optimizer.step(closure)
-        assert relative_error(x.detach(), W) <= RELATIVE_TOLERANCE
+        assert relative_error(x.detach(), W) <= 1e-6  # plain L-BFGS precision (no polishing)
 
 
 def test_paper_adam_loop_stops_short_but_agrees_to_two_percent():

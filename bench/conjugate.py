@@ -1,0 +1,141 @@
+"""Benchmark of the FedLog conjugate head (inference.conjugate).
+
+1. Server solve at C = 100 classes, k = 513 columns (512 body features + bias): the exact
+   solver ``solve_map`` against the paper's Adam loop (lr 0.01, stop when one Adam step moves
+   no entry by more than 1e-3; spec §2.2), timed in the same run, with each one's objective gap
+   to the best objective found (absolute, and relative to |J_best|).
+2. Client statistics pass: ``SufficientStatistics.from_features`` on a batch against one
+   forward pass (eval, no grad) of a small body on the same batch — an MLP
+   784 -> 256 -> 256 -> 512 with ReLUs, float32, batch 2048 — i.e. m = 512 features.
+
+Runs single-threaded by default (``--threads``): on a shared machine torch's spinning
+intra-op threads make timings erratic. Prints a table, then one JSON line with
+``ratio_vs_adam`` (Adam time / exact time), ``objective_gap_adam``, ``objective_gap_ours``
+(absolute gaps J_best - J) and ``stats_vs_forward`` (statistics time / forward time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics as stats_lib
+import time
+
+import torch
+
+from inference.conjugate import SufficientStatistics, map_objective, solve_map, solve_map_adam
+
+
+def median_time(function, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return stats_lib.median(times)
+
+
+def mixture_batch(n: int, num_classes: int, feature_dim: int, seed: int):
+    """Gaussian-mixture body features (the model FedLog assumes), float32."""
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, num_classes, (n,), generator=generator)
+    centres = torch.randn(num_classes, feature_dim, generator=generator)
+    features = centres[labels] + torch.randn(n, feature_dim, generator=generator) / 2**0.5
+    return features, labels
+
+
+def bench_solver(num_classes: int, feature_dim: int, n: int, repeats: int) -> dict[str, float]:
+    features, labels = mixture_batch(n, num_classes, feature_dim, seed=0)
+    table = SufficientStatistics.from_features(features, labels, num_classes).table
+    S, N = table, float(n) + 1.0  # paper prior: chi = 0, nu = 1
+    W_exact = solve_map(S, N)
+    time_exact = median_time(lambda: solve_map(S, N), repeats)  # median: the conservative one
+    start = time.perf_counter()
+    W_adam, steps = solve_map_adam(S, N)
+    time_adam = time.perf_counter() - start
+    objective_exact = float(map_objective(W_exact, S, N))
+    objective_adam = float(map_objective(W_adam, S, N))
+    best = max(objective_exact, objective_adam)
+    return {
+        "time_exact_s": time_exact,
+        "time_adam_s": time_adam,
+        "adam_steps": steps,
+        "objective_exact": objective_exact,
+        "objective_adam": objective_adam,
+        "gap_exact": best - objective_exact,
+        "gap_adam": best - objective_adam,
+        "relative_gap_adam": (best - objective_adam) / abs(best),
+        "relative_head_error_adam": float((W_adam - W_exact).abs().max() / W_exact.abs().max()),
+    }
+
+
+def bench_statistics(batch: int, num_classes: int, repeats: int) -> dict[str, float]:
+    """Forward pass and statistics pass timed alternately (same load for both); the best of
+    ``repeats`` is each one's cost (noise on a shared machine only ever adds time)."""
+    body = torch.nn.Sequential(
+        torch.nn.Linear(784, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 256), torch.nn.ReLU(),
+        torch.nn.Linear(256, 512), torch.nn.ReLU(),
+    ).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(batch, 784, generator=generator)
+    labels = torch.randint(0, num_classes, (batch,), generator=generator)
+    forward, statistics = [], []
+    with torch.no_grad():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            features = body(inputs)
+            forward.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            SufficientStatistics.from_features(features, labels, num_classes)
+            statistics.append(time.perf_counter() - start)
+    return {
+        "time_forward_s": min(forward),
+        "time_statistics_s": min(statistics),
+        "median_ratio": stats_lib.median(statistics) / stats_lib.median(forward),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    solver = bench_solver(num_classes=100, feature_dim=512, n=20_000, repeats=args.repeats)
+    pass_ = bench_statistics(batch=2048, num_classes=100, repeats=args.repeats)
+    ratio = solver["time_adam_s"] / solver["time_exact_s"]
+    stats_ratio = pass_["time_statistics_s"] / pass_["time_forward_s"]
+
+    print(f"FedLog conjugate head benchmark (torch {torch.__version__}, {args.threads} thread(s))")
+    print("server MAP, C = 100, k = 513 (512 features + bias), n = 20000")
+    print(f"  {'solver':<28}{'time [ms]':>12}{'objective J':>20}{'gap to best':>14}")
+    print(f"  {'exact (solve_map)':<28}{solver['time_exact_s'] * 1e3:>12.3f}"
+          f"{solver['objective_exact']:>20.6f}{solver['gap_exact']:>14.3e}")
+    print(f"  {'paper Adam (' + str(solver['adam_steps']) + ' steps)':<28}"
+          f"{solver['time_adam_s'] * 1e3:>12.1f}{solver['objective_adam']:>20.6f}"
+          f"{solver['gap_adam']:>14.3e}")
+    print(f"  speed-up exact vs Adam: {ratio:.0f}x; Adam relative objective gap "
+          f"{solver['relative_gap_adam']:.2e}, max-entry head error "
+          f"{solver['relative_head_error_adam']:.2%}")
+    print("client statistics pass, batch 2048, body MLP 784-256-256-512 (float32, eval)")
+    print(f"  forward pass        {pass_['time_forward_s'] * 1e3:8.3f} ms (best of {args.repeats})")
+    print(f"  from_features       {pass_['time_statistics_s'] * 1e3:8.3f} ms"
+          f"   ({stats_ratio:.1%} of the forward pass; ratio of medians "
+          f"{pass_['median_ratio']:.1%})")
+    print(json.dumps({
+        "ratio_vs_adam": ratio,
+        "objective_gap_adam": solver["gap_adam"],
+        "objective_gap_ours": solver["gap_exact"],
+        "relative_objective_gap_adam": solver["relative_gap_adam"],
+        "stats_vs_forward": stats_ratio,
+        "stats_vs_forward_median": pass_["median_ratio"],
+        "time_exact_ms": solver["time_exact_s"] * 1e3,
+        "time_adam_ms": solver["time_adam_s"] * 1e3,
+        "adam_steps": solver["adam_steps"],
+    }))
+
+
+if __name__ == "__main__":
+    main()
