@@ -33,7 +33,9 @@ from inference.conjugate.lambert import lambert_w0_from_log
 from inference.errors import InvalidInputError, NumericalError
 
 _MAX_ROOT_STEPS = 500
-# Beyond this ratio ||S_y|| / N the squared row norms of W would exceed ~1e300.
+# Bound on C * max_y ||S_y|| / N. The root l = log Z is at most log C + (C a_max / N)^2 (equal
+# when every row has the same norm), so beyond this bound l, and the squared row norms of W,
+# could exceed ~1e300.
 _MAX_NORM_RATIO = 1e150
 
 
@@ -72,7 +74,7 @@ def solve_map(S: Tensor, N: float | Tensor) -> Tensor:
 
     Raises:
         InvalidInputError: ``S`` not a finite 2-D matrix, ``N`` not a finite positive number,
-            or ``||S_y|| / N`` above 1e150 (the head would overflow float64).
+            or ``C max_y ||S_y|| / N`` above 1e150 (the head could overflow float64).
     """
     S = _checked_statistic(S)
     N = _checked_count(N)
@@ -117,9 +119,9 @@ def _row_norm_ratios(row_norms: Tensor, N: float) -> Tensor:
     if not bool(present.any()):
         return torch.zeros_like(row_norms)
     a_max = float(row_norms.max())
-    if a_max / N > _MAX_NORM_RATIO:
+    if C * (a_max / N) > _MAX_NORM_RATIO:
         raise InvalidInputError(
-            f"statistics too large for the count: max_y ||S_y|| / N = {a_max / N:.3g} > "
+            f"statistics too large for the count: C max_y ||S_y|| / N = {C * (a_max / N):.3g} > "
             f"{_MAX_NORM_RATIO:.0e}; rescale the features or check N"
         )
     log_a = torch.where(present, torch.log(row_norms), torch.zeros_like(row_norms))
@@ -140,9 +142,7 @@ def _log_class_probabilities(b: Tensor, present: Tensor, l: float) -> tuple[Tens
 def _solve_log_partition(b: Tensor, present: Tensor, C: int, norm_ratio: float) -> float:
     """Root of ``F(l) = logsumexp(log p(l))`` by Newton safeguarded with bisection."""
     lo = max(math.log(C), norm_ratio**2)
-    hi = math.log(C) + (C * norm_ratio) ** 2
-    if not math.isfinite(hi):
-        hi = math.log(C) + 4.0 * lo * C * C
+    hi = math.log(C) + (C * norm_ratio) ** 2  # finite: C * norm_ratio <= _MAX_NORM_RATIO
     l = lo
     for _ in range(_MAX_ROOT_STEPS):
         log_p, w = _log_class_probabilities(b, present, l)

@@ -168,5 +168,6 @@ def test_probit_predictive_matches_laplace_torch_on_the_same_head(structure):
                         hessian_structure=structure, prior_precision=0.7)
     reference.fit(loader)
     expected = reference(x, pred_type="glm", link_approx="probit")
-    # tolerance 1e-8: same Gaussian, laplace-torch's GGN equals the exact softmax Hessian
-    torch.testing.assert_close(post.predict_proba(x, "probit"), expected, atol=1e-8, rtol=0)
+    # Same Gaussian (laplace-torch's GGN is the exact softmax Hessian); measured differences
+    # are ~2e-8 (float64 round-off through its Jacobian path), tolerance 1e-7.
+    torch.testing.assert_close(post.predict_proba(x, "probit"), expected, atol=1e-7, rtol=0)
