@@ -158,11 +158,16 @@ def _batch_schedule(
     """
     steps = max(math.ceil(n / batch_size) for n in sizes)
     width = steps * batch_size
+    counts = torch.tensor(list(sizes))
+    flat = torch.cat([torch.randperm(n, generator=g)
+                      for n, g in zip(sizes, generators, strict=True)])
+    rows = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    cols = torch.arange(len(flat)) - starts
     index = torch.zeros(len(sizes), width, dtype=torch.int64)
     mask = torch.zeros(len(sizes), width)
-    for k, (n, g) in enumerate(zip(sizes, generators, strict=True)):
-        index[k, :n] = torch.randperm(n, generator=g)
-        mask[k, :n] = 1.0
+    index[rows, cols] = flat
+    mask[rows, cols] = 1.0
     return index, mask, steps
 
 
@@ -219,13 +224,15 @@ def train_batched(
     uniform = len({math.ceil(n / config.batch_size) for n in sizes}) == 1
     b1, b2 = config.betas
     state: _AdamState | torch.optim.Adam | None = None
-    for epoch in range(config.epochs):
-        if state is None or (config.reset_optimizer_each_epoch and epoch > 0):
+    for _ in range(config.epochs):
+        if state is None:
             state = (
                 torch.optim.Adam(list(train_p.values()), lr=config.lr, betas=config.betas,
                                  eps=config.eps, fused=device.type in ("cpu", "cuda"))
                 if uniform else _AdamState.zeros(train_p, len(models), device)
             )
+        elif config.reset_optimizer_each_epoch:
+            _reset(state)  # in place: cheaper than allocating fresh moments every epoch
         index, mask, steps = _batch_schedule(sizes, config.batch_size, generators)
         index, mask = index.to(device), mask.to(device=device, dtype=X.dtype)
         for s in range(steps):
@@ -244,6 +251,17 @@ def train_batched(
         for k, p in enumerate(per_model):
             for n in train_names:
                 p[n].copy_(train_p[n][k])
+
+
+def _reset(state: _AdamState | torch.optim.Adam) -> None:
+    """Zero Adam's moments and step counts in place (same as a freshly built optimiser)."""
+    if isinstance(state, _AdamState):
+        tensors = [*state.m.values(), *state.v.values(), state.t]
+    else:
+        tensors = [t for st in state.state.values() for t in st.values()
+                   if isinstance(t, Tensor)]
+    for t in tensors:
+        t.zero_()
 
 
 class _AdamState:

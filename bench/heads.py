@@ -14,6 +14,13 @@ weights are the Laplace head's mode (a network at its MAP), with a 300-parameter
 The prior precision shared by the laplace, mfvi, sgld and subnet_laplace heads is chosen on a
 grid by the full Laplace log evidence (the conjugate head keeps its own default prior).
 
+Reading the table: with that prior, the posterior is prior-dominated in many directions (marginal
+sd up to the prior's 1), so the full Laplace predictive is under-confident (high ECE; its MAP
+plug-in is not). SGLD's default step ``0.1 / L`` (``L ≈ 9e3`` here) over 1,500 steps explores only
+the data-dominated directions (a prior-dominated one needs ~``2 / (ε λ) ≈ 2e5`` steps), so its
+figures stay close to the MAP's; MFVI is mean-field (under-dispersed). Compare them as run here,
+not as exact posteriors.
+
 Run: ``python bench/heads.py [--threads N]`` (default 1 intra-op thread: on the shared 2-core
 machine, parallel kernels on small tensors stall under load). Prints a table, then one JSON
 line.

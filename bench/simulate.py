@@ -49,6 +49,9 @@ def main() -> None:
     for label, batched in (("batched (vmap)", True), ("plain loop", False)):
         r = simulate("fedlog", batched=batched, **settings)
         training = [m for m in r.metrics if m["round"] >= 1]
+        print(f"{label}: seconds per round {[round(m['seconds'], 2) for m in r.metrics]}, "
+              f"local updates {[round(m['seconds_local_updates'], 2) for m in r.metrics]}",
+              flush=True)
         results[label] = {
             "round": statistics.fmean(m["seconds"] for m in training),
             "local": statistics.fmean(m["seconds_local_updates"] for m in training),

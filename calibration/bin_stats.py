@@ -93,7 +93,7 @@ def binned_sums(
     confidence_sums = torch.zeros(n_bins, dtype=torch.float64, device=confidence.device)
     confidence_sums.index_add_(0, index, confidence.to(torch.float64))
     # One histogram over (bin, correct) pairs gives both the counts and the correct counts.
-    pairs = torch.bincount(index * 2 + correct.to(torch.int64), minlength=2 * n_bins)
+    pairs = torch.bincount(index * 2 + correct, minlength=2 * n_bins)
     pairs = pairs.view(n_bins, 2)
     return pairs.sum(1), confidence_sums, pairs[:, 1].contiguous()
 

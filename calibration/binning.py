@@ -84,7 +84,7 @@ def bin_edges(confidences: Tensor, n_bins: int, binning: Binning | str) -> Tenso
 
 
 def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
-    """Bin index in ``[0, n_bins)`` of each confidence (N,), as int64 (N,).
+    """Bin index in ``[0, n_bins)`` of each confidence (N,), as int32 (N,).
 
     Bins are ``[edges[i], edges[i+1])``; the last is closed so 1.0 lands in bin ``n_bins - 1``.
     Membership is decided exactly as a float64 comparison with the float64 edges would decide it,
@@ -96,12 +96,12 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
     confidences = confidences.contiguous()
     exact_edges = _edges_like(confidences, edges)
     if torch.equal(edges.cpu(), uniform_edges(n_bins)):
-        index = (confidences * n_bins).to(torch.int64).clamp_(0, n_bins - 1)
+        index = (confidences * n_bins).to(torch.int32).clamp_(0, n_bins - 1)
         # The product can round across an edge by one ulp; compare with the edges to settle it.
-        index -= (confidences < exact_edges[index]).to(torch.int64)
-        index += (confidences >= exact_edges[index + 1]).to(torch.int64)
+        index -= (confidences < exact_edges[index]).to(torch.int32)
+        index += (confidences >= exact_edges[index + 1]).to(torch.int32)
     else:
-        index = torch.bucketize(confidences, exact_edges, right=True) - 1
+        index = torch.bucketize(confidences, exact_edges, right=True, out_int32=True) - 1
     return index.clamp_(0, n_bins - 1)
 
 

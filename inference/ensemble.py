@@ -10,7 +10,7 @@ from torch import Tensor
 from inference.errors import InvalidInputError
 from inference.linear_model import augment_with_bias, check_features
 from inference.options import PredictiveMethod
-from inference.posterior import register_posterior
+from inference.posterior import check_num_draws, draw_device, register_posterior
 
 
 def mean_softmax(weights: Tensor, features: Tensor, chunk_size: int = 64) -> Tensor:
@@ -18,13 +18,13 @@ def mean_softmax(weights: Tensor, features: Tensor, chunk_size: int = 64) -> Ten
 
     Args:
         weights: ``(S, C, m + 1)`` head weights.
-        features: ``(B, m)`` features.
+        features: ``(B, m)`` features (moved to the weights' device and dtype).
         chunk_size: heads processed at once (bounds memory at ``chunk_size · B · C``).
 
     Returns:
-        ``(B, C)`` probabilities, in the dtype of ``weights``.
+        ``(B, C)`` probabilities, in the dtype and on the device of ``weights``.
     """
-    x = augment_with_bias(features.to(weights.dtype))
+    x = augment_with_bias(features.to(device=weights.device, dtype=weights.dtype))
     total = torch.zeros(x.shape[0], weights.shape[1], dtype=weights.dtype, device=weights.device)
     for start in range(0, weights.shape[0], chunk_size):
         logits = torch.einsum("bp,scp->sbc", x, weights[start : start + chunk_size])
@@ -62,10 +62,12 @@ class EnsemblePosterior:
         return self.samples.var(0)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """``n`` members drawn uniformly with replacement, shape ``(n, *shape)``."""
-        index = torch.randint(self.samples.shape[0], (int(n),), generator=generator,
-                              device=self.samples.device if generator is None else generator.device)
-        return self.samples[index.to(self.samples.device)]
+        """``n ≥ 1`` members drawn uniformly with replacement, shape ``(n, *shape)``, on the
+        samples' device (``generator`` may live on any device)."""
+        device = self.samples.device
+        index = torch.randint(self.samples.shape[0], (check_num_draws(n),), generator=generator,
+                              device=draw_device(generator, device))
+        return self.samples[index.to(device)]
 
     def predict_proba(
         self, inputs: Tensor, method: PredictiveMethod | str = PredictiveMethod.MC
@@ -74,8 +76,11 @@ class EnsemblePosterior:
 
         ``method``: ``"mc"`` (average over all members, the default) or ``"map"`` (softmax at
         the sample mean). ``"probit"`` is not defined for an ensemble and is rejected.
+        Computed in the samples' dtype on their device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
+        if method is PredictiveMethod.PROBIT:
+            raise InvalidInputError("an ensemble posterior predicts with method 'mc' or 'map'.")
         if self.samples.ndim != 3:
             raise InvalidInputError(
                 "predict_proba needs samples of a (C, m + 1) head; got "
@@ -83,21 +88,23 @@ class EnsemblePosterior:
             )
         check_features(inputs, self.samples.shape[2] - 1)
         x = inputs.to(device=self.samples.device)
-        if method is PredictiveMethod.MC:
-            return mean_softmax(self.samples, x).to(inputs.dtype)
-        if method is PredictiveMethod.MAP:
-            return mean_softmax(self.mean[None], x).to(inputs.dtype)
-        raise InvalidInputError("an ensemble posterior predicts with method 'mc' or 'map'.")
+        weights = self.samples if method is PredictiveMethod.MC else self.mean[None]
+        return mean_softmax(weights, x).to(inputs.dtype)
 
     def to(self, device: torch.device | str) -> EnsemblePosterior:
+        """A copy on ``device``."""
         return EnsemblePosterior(self.samples.to(device), self.n_data)
 
     def state_dict(self) -> dict[str, Tensor]:
+        """Tensors only: ``samples (S, *shape)`` and ``n_data`` (int64 scalar)."""
         return {"samples": self.samples,
                 "n_data": torch.tensor(self.n_data, dtype=torch.int64)}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> EnsemblePosterior:
+        """Inverse of :meth:`state_dict` (``n_data`` defaults to 0)."""
+        if "samples" not in state:
+            raise InvalidInputError("state lacks `samples`; not an ensemble posterior.")
         return cls(state["samples"], int(state.get("n_data", torch.tensor(0))))
 
     def __repr__(self) -> str:

@@ -32,6 +32,7 @@ import pyro.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from inference.errors import InvalidInputError
@@ -42,6 +43,7 @@ FEATURE_HEAD_KINDS = (HeadKind.CONJUGATE, HeadKind.LAPLACE, HeadKind.MFVI, HeadK
 
 
 def _fit_conjugate(features, labels, num_classes, **options) -> Posterior:
+    """FedLog's conjugate head: ``prior=`` or the prior's fields, and ``solver=``."""
     from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
 
     solver = options.pop("solver", "exact")
@@ -54,25 +56,19 @@ def _fit_conjugate(features, labels, num_classes, **options) -> Posterior:
     return ConjugatePosterior(prior, stats, solver=solver)
 
 
-def _fit_laplace(features, labels, num_classes, **options) -> Posterior:
-    from inference.laplace_head import fit_laplace_head
+def _feature_head_fitter(module: str, function: str):
+    """A fitter that imports ``module`` only when called and forwards to ``function``."""
 
-    return fit_laplace_head(features, labels, num_classes, **options)
+    def fit(features, labels, num_classes, **options) -> Posterior:
+        return getattr(importlib.import_module(module), function)(
+            features, labels, num_classes, **options
+        )
 
-
-def _fit_mfvi(features, labels, num_classes, **options) -> Posterior:
-    from inference.mfvi import fit_mfvi_head
-
-    return fit_mfvi_head(features, labels, num_classes, **options)
-
-
-def _fit_sgld(features, labels, num_classes, **options) -> Posterior:
-    from inference.sgld import fit_sgld_head
-
-    return fit_sgld_head(features, labels, num_classes, **options)
+    return fit
 
 
 def _fit_subnet_laplace(model, loader, **options) -> Posterior:
+    """FedSI's subnet Laplace; ``subnet_size=`` is accepted as an alias of ``subnet=``."""
     from inference.subnet import fit_subnet_laplace
 
     if "subnet_size" in options:
@@ -86,9 +82,9 @@ def _fit_subnet_laplace(model, loader, **options) -> Posterior:
 
 _FITTERS = {
     HeadKind.CONJUGATE: _fit_conjugate,
-    HeadKind.LAPLACE: _fit_laplace,
-    HeadKind.MFVI: _fit_mfvi,
-    HeadKind.SGLD: _fit_sgld,
+    HeadKind.LAPLACE: _feature_head_fitter("inference.laplace_head", "fit_laplace_head"),
+    HeadKind.MFVI: _feature_head_fitter("inference.mfvi", "fit_mfvi_head"),
+    HeadKind.SGLD: _feature_head_fitter("inference.sgld", "fit_sgld_head"),
     HeadKind.SUBNET_LAPLACE: _fit_subnet_laplace,
 }
 
@@ -104,7 +100,8 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
         probs = post.predict_proba(phi_test)        # (B, C) for every kind
 
     Raises:
-        InvalidInputError: unknown ``kind``, wrong positional arguments, or bad options.
+        InvalidInputError: unknown ``kind``, wrong positional arguments, or bad option values.
+        TypeError: an option the kind's fitting function does not take.
     """
     kind = HeadKind.parse(kind, "kind")
     expected = 3 if kind in FEATURE_HEAD_KINDS else 2

@@ -33,7 +33,7 @@ from torch import Tensor
 from inference.errors import InvalidInputError, NumericalError
 from inference.linear_model import augment_with_bias, check_features
 from inference.options import CovarianceStructure, PredictiveMethod
-from inference.posterior import register_posterior
+from inference.posterior import check_num_draws, draw_device, register_posterior
 
 #: Relative jitter tried, in order, when a Cholesky factorisation fails (times mean |diag|).
 JITTER_SCHEDULE = (0.0, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6)
@@ -118,6 +118,12 @@ class GaussianTerm:
             raise InvalidInputError(
                 f"`factor` must have shape ({d}, r); got {tuple(self.factor.shape)}."
             )
+        kinds = {(t.dtype, t.device) for t in self.tensors().values()}
+        if len(kinds) != 1 or not self.shift.is_floating_point():
+            raise InvalidInputError(
+                "a term's tensors must share one floating dtype and one device; got "
+                + ", ".join(f"{n}: {t.dtype} on {t.device}" for n, t in self.tensors().items())
+            )
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -138,19 +144,23 @@ class GaussianTerm:
         cls, dim: int, structure: CovarianceStructure | str = "diag", *,
         dtype: torch.dtype = torch.float64, device: torch.device | str | None = None,
     ) -> GaussianTerm:
-        """The neutral term (no information), of the given structure."""
+        """The neutral term (no information), of the given structure.
+
+        Every tensor is its own allocation (safetensors refuses tensors that share memory).
+        """
         structure = CovarianceStructure.parse(structure)
-        zeros = torch.zeros(dim, dtype=dtype, device=device)
+        shift = torch.zeros(dim, dtype=dtype, device=device)
         if structure is CovarianceStructure.FULL:
-            return cls(structure, zeros, dense=torch.zeros(dim, dim, dtype=dtype, device=device))
+            return cls(structure, shift, dense=shift.new_zeros(dim, dim))
         if structure is CovarianceStructure.LOWRANK:
-            return cls(structure, zeros, diag=zeros, factor=zeros.new_zeros(dim, 0))
-        return cls(structure, zeros, diag=zeros)
+            return cls(structure, shift, diag=shift.new_zeros(dim), factor=shift.new_zeros(dim, 0))
+        return cls(structure, shift, diag=shift.new_zeros(dim))
 
     # -- basic properties ---------------------------------------------------------------------
 
     @property
     def dim(self) -> int:
+        """``d``, the size of the flat parameter vector."""
         return self.shift.shape[0]
 
     @property
@@ -166,7 +176,10 @@ class GaussianTerm:
         names = ("shift", "diag", "dense", "factor")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> GaussianTerm:
+        """A copy on ``device`` and/or in ``dtype`` (``None`` keeps the current one)."""
         moved = {n: t.to(device=device, dtype=dtype) for n, t in self.tensors().items()}
         return GaussianTerm(self.structure, **moved)
 
@@ -202,6 +215,12 @@ class GaussianTerm:
 
     def __sub__(self, other: GaussianTerm) -> GaussianTerm:
         """Division of Gaussian factors (natural parameters subtract). Low rank is densified."""
+        if not isinstance(other, GaussianTerm):
+            return NotImplemented
+        if other.dim != self.dim:
+            raise InvalidInputError(
+                f"cannot subtract terms of dimension {self.dim} and {other.dim}."
+            )
         shift = self.shift - other.shift
         if self.structure is other.structure is CovarianceStructure.DIAG:
             return GaussianTerm(self.structure, shift, diag=self.diag - other.diag)
@@ -301,18 +320,23 @@ class _Factorisation:
                 x = x - (self.factor @ inner) / self.diag[:, None]
         return x[:, 0] if column else x
 
+    def _randn(self, *size: int, generator: torch.Generator | None) -> Tensor:
+        """Standard normals of ``size`` (float64) on the factors' device, drawn on the
+        generator's device (so a CPU generator also seeds draws of a CUDA posterior)."""
+        device = (self.diag if self.diag is not None else self.chol).device
+        return torch.randn(*size, dtype=torch.float64, generator=generator,
+                           device=draw_device(generator, device)).to(device)
+
     def standard_draws(self, n: int, generator: torch.Generator | None) -> Tensor:
         """``(n, d)`` draws of ``N(0, Λ⁻¹)`` (float64)."""
-        device = (self.diag if self.diag is not None else self.chol).device
         d = (self.diag if self.diag is not None else self.chol).shape[0]
-        eps = torch.randn(d, n, dtype=torch.float64, device=device, generator=generator)
+        eps = self._randn(d, n, generator=generator)
         if self.structure is CovarianceStructure.DIAG:
             return (eps / self.diag.sqrt()[:, None]).T
         if self.structure is CovarianceStructure.FULL:  # z = L⁻ᵀ ε has covariance (L Lᵀ)⁻¹
             return torch.linalg.solve_triangular(self.chol.T, eps, upper=True).T
         # perturb-and-solve: x = D^½ ε + L ε' has covariance Λ, so Λ⁻¹ x has covariance Λ⁻¹.
-        eps_low = torch.randn(self.factor.shape[1], n, dtype=torch.float64, device=device,
-                              generator=generator)
+        eps_low = self._randn(self.factor.shape[1], n, generator=generator)
         return self.solve(self.diag.sqrt()[:, None] * eps + self.factor @ eps_low).T
 
     def covariance(self) -> Tensor:
@@ -335,6 +359,15 @@ class _Factorisation:
             self.capacitance_chol, (self.factor / self.diag[:, None]).T, upper=False
         )
         return 1.0 / self.diag - (scaled**2).sum(0)
+
+    def log_det(self) -> Tensor:
+        """``log|Λ|`` (float64 scalar); low rank by the matrix determinant lemma."""
+        if self.structure is CovarianceStructure.FULL:
+            return 2 * torch.log(self.chol.diagonal()).sum()
+        log_det = torch.log(self.diag).sum()
+        if self.structure is CovarianceStructure.LOWRANK:
+            log_det = log_det + 2 * torch.log(self.capacitance_chol.diagonal()).sum()
+        return log_det
 
 
 @register_posterior
@@ -454,6 +487,10 @@ class GaussianPosterior:
         """Posterior mean, shape ``shape``."""
         return self.flat_mean.reshape(self.shape)
 
+    def log_det_precision(self) -> Tensor:
+        """``log|Λ|`` of the total precision, a float64 scalar tensor."""
+        return self._factorisation().log_det()
+
     def marginal_variance(self) -> Tensor:
         """Diagonal of the covariance, shape ``shape`` (no dense inverse for diag / low rank)."""
         return self._factorisation().variance().to(self.dtype).reshape(self.shape)
@@ -463,10 +500,12 @@ class GaussianPosterior:
         return self._factorisation().covariance().to(self.dtype)
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """``n`` draws, shape ``(n, *shape)``, via the precision's factorisation."""
-        draws = self._factorisation().standard_draws(int(n), generator)
+        """``n ≥ 1`` draws, shape ``(n, *shape)``, in the storage dtype on the posterior's
+        device, via the precision's factorisation (``generator`` may live on any device)."""
+        n = check_num_draws(n)
+        draws = self._factorisation().standard_draws(n, generator)
         flat = self.flat_mean.to(torch.float64) + draws
-        return flat.to(self.dtype).reshape(int(n), *self.shape)
+        return flat.to(self.dtype).reshape(n, *self.shape)
 
     # -- softmax-head predictive --------------------------------------------------------------
 
@@ -497,13 +536,14 @@ class GaussianPosterior:
             blocks = self._cache["class_blocks"]
             var = torch.einsum("bp,cpq,bq->bc", x, blocks, x)
             return logit_mean, var.clamp_min(0.0)
+        rank, batch = fac.factor.shape[1], x.shape[0]  # explicit sizes: rank may be 0
         inv_diag = (1.0 / fac.diag).reshape(num_classes, width)
-        scaled = (fac.factor / fac.diag[:, None]).reshape(num_classes, width, -1)
+        scaled = (fac.factor / fac.diag[:, None]).reshape(num_classes, width, rank)
         u = torch.einsum("bp,cpr->bcr", x, scaled)  # Lᵀ D⁻¹ J for every (b, c)
         w = torch.linalg.solve_triangular(
-            fac.capacitance_chol, u.reshape(-1, u.shape[-1]).T, upper=False
+            fac.capacitance_chol, u.reshape(batch * num_classes, rank).T, upper=False
         )
-        correction = (w**2).sum(0).reshape(x.shape[0], num_classes)
+        correction = (w**2).sum(0).reshape(batch, num_classes)
         return logit_mean, ((x**2) @ inv_diag.T - correction).clamp_min(0.0)
 
     def predict_proba(
@@ -517,6 +557,7 @@ class GaussianPosterior:
 
         ``method``: ``"probit"`` (default; ``softmax(f / sqrt(1 + π v / 8))``), ``"mc"``
         (average of ``num_samples`` softmax draws) or ``"map"`` (softmax at the mean).
+        Computed in float64 on the posterior's device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
         self._head_shape(inputs)
@@ -551,7 +592,7 @@ class GaussianPosterior:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only: ``prior.*``, ``likelihood.*`` (which keys exist says the structure),
-        ``shape`` and ``n_data`` (int64)."""
+        ``shape`` (int64 ``(len(shape),)``) and ``n_data`` (int64 scalar)."""
         state = {f"prior.{k}": v for k, v in self.prior.tensors().items()}
         state.update({f"likelihood.{k}": v for k, v in self.likelihood.tensors().items()})
         state["shape"] = torch.tensor(self.shape, dtype=torch.int64)
@@ -560,6 +601,10 @@ class GaussianPosterior:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> GaussianPosterior:
+        """Inverse of :meth:`state_dict`; raises :class:`InvalidInputError` on missing keys."""
+        missing = [k for k in ("shape", "n_data") if k not in state]
+        if missing:
+            raise InvalidInputError(f"state lacks {missing}; not a Gaussian posterior.")
         terms = {}
         for prefix in ("prior", "likelihood"):
             parts = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(prefix + ".")}

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
-from inference.linear_model import augment_with_bias, check_training_data, log_likelihood
+from inference.linear_model import log_likelihood, training_tensors
 from inference.options import CovarianceStructure, Likelihood, MapSolver
 
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
@@ -72,8 +72,13 @@ def likelihood_hessian_diagonal(
 
 def _newton(objective, hessian_fn, start: Tensor, prior_precision: float, max_iter: int,
             tol: float) -> Tensor:
-    """Damped Newton with Armijo backtracking on a strictly convex objective."""
+    """Damped Newton with Armijo backtracking on a strictly convex objective.
+
+    Stops when half the squared Newton decrement, ``gᵀ (λI + H)⁻¹ g / 2``, is at most ``tol``
+    (nats: the predicted distance to the minimum's value).
+    """
     theta = start.clone()
+    decrement = float("nan")
     for _ in range(max_iter):
         theta_req = theta.detach().requires_grad_(True)
         value = objective(theta_req)
@@ -96,6 +101,7 @@ def _newton(objective, hessian_fn, start: Tensor, prior_precision: float, max_it
 
 
 def _lbfgs(objective, start: Tensor, max_iter: int, tol: float) -> Tensor:
+    """L-BFGS (strong Wolfe) from ``start``; raises unless the gradient max-norm ends ≤ 1e-6."""
     theta = start.clone().requires_grad_(True)
     optimiser = torch.optim.LBFGS([theta], lr=1.0, max_iter=max_iter, history_size=50,
                                   tolerance_grad=tol, tolerance_change=1e-15,
@@ -125,10 +131,18 @@ def find_mode(
 ) -> Tensor:
     """Mode of the log posterior as a flat float64 ``(C (m + 1),)`` vector.
 
-    ``inputs`` are bias-augmented features ``(N, m + 1)`` (float64). ``solver`` defaults to
-    Newton up to :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above.
+    ``inputs`` are bias-augmented features ``(N, m + 1)`` (float64), ``targets`` int64 labels
+    ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton up to
+    :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above. ``max_iter`` bounds Newton's
+    iterations (L-BFGS gets at least 500 function evaluations); ``tol`` is Newton's stopping
+    threshold on half the squared Newton decrement, in nats.
+
+    Raises:
+        NumericalError: the solver did not converge.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
+    if max_iter < 1:
+        raise InvalidInputError(f"max_iter must be at least 1; got {max_iter}.")
     d = num_outputs * inputs.shape[1]
     solver = MapSolver.parse(solver or ("newton" if d <= NEWTON_MAX_PARAMETERS else "lbfgs"),
                              "solver")
@@ -168,22 +182,29 @@ def fit_laplace_head(
         num_classes: ``C`` (use 1 for ``likelihood="gaussian"``).
         prior_precision: ``λ`` of the isotropic prior ``N(prior_mean, I/λ)``, ``> 0``.
         structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal).
+        prior_mean: ``μ₀``, the prior mean of every weight.
+        structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal).
+        rank: ``r ≥ 1`` of the low-rank structure (capped at ``d = C (m + 1)``).
         solver: ``"newton"`` or ``"lbfgs"`` for the mode (default by size).
-        noise_std: observation noise of the Gaussian likelihood.
+        likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
+        noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
+        max_iter: Newton iterations at most (see :func:`find_mode`).
 
     Returns:
         A float64 :class:`GaussianPosterior` over the ``(C, m + 1)`` head, on the features'
         device, with ``n_data = N``.
+
+    Raises:
+        InvalidInputError: bad features, labels or options. NumericalError: no convergence.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
     structure = CovarianceStructure.parse(structure, "structure")
-    check_training_data(features, labels, num_classes, likelihood)
-    if likelihood is Likelihood.GAUSSIAN and num_classes != 1:
-        raise InvalidInputError("a Gaussian-likelihood head has one output: pass num_classes=1.")
+    if structure is CovarianceStructure.LOWRANK and rank < 1:
+        raise InvalidInputError(f"rank must be at least 1 for a low-rank structure; got {rank}.")
     if not prior_precision > 0:
         raise InvalidInputError(f"prior_precision must be positive; got {prior_precision}.")
-    inputs = augment_with_bias(features.to(torch.float64))
-    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float64)
+    inputs, targets = training_tensors(features, labels, num_classes, likelihood, noise_std,
+                                       torch.float64)
     mode = find_mode(inputs, targets, num_classes, prior_precision, prior_mean, likelihood,
                      noise_std, solver, max_iter)
     shape = (num_classes, inputs.shape[1])
@@ -223,37 +244,29 @@ def log_marginal_likelihood(
     :func:`fit_laplace_head` on the same data (its mean is the mode ``W*``, its precision
     ``Λ``; a diag or low-rank posterior uses its own ``Λ``). Exact for the Gaussian likelihood.
     Use it to choose ``prior_precision`` on a grid (larger is better).
+
+    Args:
+        posterior: a Laplace posterior over a ``(C, m + 1)`` head with a diagonal prior.
+        features: ``(N, m)`` training features; ``labels``: ``(N,)`` (same device as features).
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
-    inputs = augment_with_bias(features.to(device=posterior.device, dtype=torch.float64))
-    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float64)
-    targets = targets.to(posterior.device)
+    prior = posterior.prior
+    if prior.structure is not CovarianceStructure.DIAG or len(posterior.shape) != 2:
+        raise InvalidInputError(
+            "log_marginal_likelihood needs a posterior over a (C, m + 1) head with a diagonal "
+            f"prior; got shape {posterior.shape} and a {prior.structure} prior."
+        )
+    inputs, targets = training_tensors(features, labels, posterior.shape[0], likelihood,
+                                       noise_std, torch.float64)
+    inputs, targets = inputs.to(posterior.device), targets.to(posterior.device)
     mode = posterior.mean.to(torch.float64)
     log_lik = log_likelihood(mode, inputs, targets, likelihood, noise_std)
-    prior = posterior.prior
-    if prior.structure is not CovarianceStructure.DIAG:
-        raise InvalidInputError("log_marginal_likelihood needs a diagonal prior.")
     prior_diag = prior.diag.to(torch.float64)
     prior_mean = prior.shift.to(torch.float64) / prior_diag
     flat = mode.reshape(-1)
     d = flat.shape[0]
     log_prior = 0.5 * (torch.log(prior_diag).sum() - d * math.log(2 * math.pi)
                        - (prior_diag * (flat - prior_mean) ** 2).sum())
-    log_det = _log_det_precision(posterior)
+    log_det = posterior.log_det_precision()
     return float(log_lik + log_prior + 0.5 * d * math.log(2 * math.pi) - 0.5 * log_det)
 
-
-def _log_det_precision(posterior: GaussianPosterior) -> Tensor:
-    """``log|Λ|`` of a posterior's total precision (float64)."""
-    total = posterior.natural
-    if total.structure is CovarianceStructure.DIAG:
-        return torch.log(total.diag.to(torch.float64)).sum()
-    if total.structure is CovarianceStructure.FULL:
-        chol = cholesky_with_jitter(total.dense)
-        return 2 * torch.log(chol.diagonal()).sum()
-    diag = total.diag.to(torch.float64)  # matrix determinant lemma
-    factor = total.factor.to(torch.float64)
-    capacitance = torch.eye(factor.shape[1], dtype=torch.float64, device=factor.device)
-    capacitance = capacitance + factor.T @ (factor / diag[:, None])
-    chol = cholesky_with_jitter(capacitance, "capacitance")
-    return torch.log(diag).sum() + 2 * torch.log(chol.diagonal()).sum()

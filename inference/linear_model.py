@@ -42,14 +42,21 @@ def check_features(features: Tensor, num_features: int | None = None) -> None:
 def check_training_data(
     features: Tensor, targets: Tensor, num_classes: int, likelihood: Likelihood
 ) -> None:
-    """Validate a training set: ``features (N, m)``, ``targets (N,)``; labels in ``[0, C)``."""
+    """Validate a training set: finite float ``features (N, m)``, ``targets (N,)`` on the same
+    device; integer labels in ``[0, C)`` with ``C ≥ 2`` (softmax) or finite real targets with
+    ``C == 1`` (gaussian). Raises :class:`InvalidInputError` naming what is wrong."""
     check_features(features)
     if features.shape[0] == 0:
         raise InvalidInputError("the training set is empty (0 rows of features).")
-    if targets.shape != (features.shape[0],):
+    if not isinstance(targets, Tensor) or targets.shape != (features.shape[0],):
         raise InvalidInputError(
-            f"targets must have shape ({features.shape[0]},) to match the features; "
-            f"got {tuple(targets.shape)}."
+            f"targets must be a tensor of shape ({features.shape[0]},) to match the features; "
+            f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets)}."
+        )
+    if targets.device != features.device:
+        raise InvalidInputError(
+            f"targets are on {targets.device} but features on {features.device}; move both to "
+            "one device."
         )
     if likelihood is Likelihood.SOFTMAX:
         if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
@@ -61,8 +68,41 @@ def check_training_data(
                 f"labels must lie in [0, {num_classes}); got range "
                 f"[{int(targets.min())}, {int(targets.max())}]."
             )
-    elif not torch.isfinite(targets).all():
+        return
+    if num_classes != 1:
+        raise InvalidInputError("a Gaussian-likelihood head has one output: pass num_classes=1.")
+    if not torch.isfinite(targets).all():
         raise InvalidInputError("regression targets contain NaN or inf.")
+
+
+def training_tensors(
+    features: Tensor,
+    targets: Tensor,
+    num_classes: int,
+    likelihood: Likelihood,
+    noise_std: float,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Validate a head's training set (:func:`check_training_data`) and noise scale; return
+    what the fitters compute with.
+
+    Args:
+        features: ``(N, m)`` float features (any device).
+        targets: ``(N,)`` integer labels (softmax) or real targets (gaussian), same device.
+        noise_std: ``σ > 0`` of the Gaussian likelihood (ignored, but still checked, for softmax).
+        dtype: the floating dtype to compute in.
+
+    Returns:
+        ``inputs (N, m + 1)`` bias-augmented features in ``dtype`` and ``targets (N,)``: int64
+        labels (softmax) or ``dtype`` reals (gaussian), both on the features' device.
+    """
+    check_training_data(features, targets, num_classes, likelihood)
+    if not noise_std > 0:
+        raise InvalidInputError(f"noise_std must be positive; got {noise_std}.")
+    inputs = augment_with_bias(features.to(dtype))
+    if likelihood is Likelihood.SOFTMAX:
+        return inputs, targets.long()
+    return inputs, targets.to(dtype)
 
 
 def log_likelihood(

@@ -33,30 +33,36 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm
-from inference.linear_model import augment_with_bias, check_training_data
+from inference.linear_model import training_tensors
 from inference.options import GuideKind, Likelihood
 
 
 class BayesianLinearHead(PyroModule):
     """pyro model of a linear head with an isotropic Gaussian prior on ``W (C, m + 1)``.
 
-    The prior's location and scale are buffers, so ``.to(device)`` moves them (pyro's
-    "zero buffer" idiom); ``forward`` takes bias-augmented inputs ``(B, m + 1)``.
+    The prior's location and scale are buffers (of ``dtype``, float32 by default), so
+    ``.to(device)`` moves them (pyro's "zero buffer" idiom); ``forward`` takes bias-augmented
+    inputs ``(B, m + 1)`` of the same dtype.
     """
 
     def __init__(self, num_inputs: int, num_outputs: int, prior_precision: float,
-                 prior_mean: float, likelihood: Likelihood, noise_std: float) -> None:
+                 prior_mean: float, likelihood: Likelihood, noise_std: float,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         shape = (num_outputs, num_inputs)
-        self.register_buffer("prior_loc", torch.full(shape, float(prior_mean)))
-        self.register_buffer("prior_scale", torch.full(shape, 1.0 / math.sqrt(prior_precision)))
+        self.register_buffer("prior_loc", torch.full(shape, float(prior_mean), dtype=dtype))
+        self.register_buffer("prior_scale",
+                             torch.full(shape, 1.0 / math.sqrt(prior_precision), dtype=dtype))
         self.likelihood = likelihood
         self.noise_std = float(noise_std)
         self.weight = PyroSample(lambda self: dist.Normal(self.prior_loc, self.prior_scale)
                                  .to_event(2))
 
     def forward(self, inputs: Tensor, targets: Tensor, num_data: int, subsample: Tensor) -> Tensor:
-        """Log-likelihood of a minibatch ``inputs[i], targets[i]`` whose rows are ``subsample``."""
+        """Observe a minibatch: ``inputs (B, m + 1)`` and ``targets (B,)`` are rows ``subsample
+        (B,)`` of a data set of ``num_data`` rows (the plate scales their log likelihood by
+        ``num_data / B``). Returns the logits ``(B, C)`` (``(P, B, C)`` with vectorised
+        particles)."""
         weight = self.weight
         if weight.ndim == 4:  # vectorised ELBO particles: (P, 1, C, m + 1), particle dim at -2
             weight = weight.squeeze(-3)
@@ -71,7 +77,8 @@ class BayesianLinearHead(PyroModule):
 
 @contextlib.contextmanager
 def isolated_pyro_state(seed: int, device: torch.device):
-    """Module-local pyro parameters, a private param store and a forked, seeded torch RNG."""
+    """Module-local pyro parameters, a private param store and a forked torch RNG (CPU and, for a
+    CUDA ``device``, that device) seeded with ``seed``; everything is restored on exit."""
     devices = []
     if device.type == "cuda":  # fork_rng takes device indices
         devices = [device.index if device.index is not None else torch.cuda.current_device()]
@@ -119,28 +126,37 @@ def fit_mfvi_head(
         guide: ``"auto_normal"`` or ``"auto_diagonal_normal"``.
         num_steps: SVI steps; ``lr`` is Adam's initial learning rate, decayed exponentially to
             ``lr · final_lr_fraction`` at the last step.
-        batch_size: minibatch size (``None``: full batch); the plate rescales by ``N / batch``.
-        num_particles: ELBO Monte-Carlo particles per step (vectorised when > 1).
-        init_scale: initial guide standard deviation.
+        batch_size: minibatch size ``≥ 1`` (``None``: full batch); the plate rescales by
+            ``N / batch``.
+        num_particles: ELBO Monte-Carlo particles per step, ``≥ 1`` (vectorised when > 1).
+        init_scale: initial guide standard deviation, ``> 0``.
+        likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
+        noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
         seed: seeds the fit (the caller's RNG state is untouched).
 
     Returns:
         A float64 diagonal :class:`GaussianPosterior` on the features' device (``n_data = N``).
 
     Raises:
+        InvalidInputError: bad features, labels or options.
         NumericalError: the ELBO became NaN or infinite.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
     guide_kind = GuideKind.parse(guide, "guide")
-    check_training_data(features, labels, num_classes, likelihood)
-    if likelihood is Likelihood.GAUSSIAN and num_classes != 1:
-        raise InvalidInputError("a Gaussian-likelihood head has one output: pass num_classes=1.")
-    if not prior_precision > 0 or num_steps < 1 or not lr > 0 or not 0 < final_lr_fraction <= 1:
-        raise InvalidInputError("need prior_precision > 0, num_steps ≥ 1, lr > 0 and "
-                                "0 < final_lr_fraction ≤ 1.")
+    valid = (prior_precision > 0 and num_steps >= 1 and lr > 0 and 0 < final_lr_fraction <= 1
+             and (batch_size is None or batch_size >= 1) and num_particles >= 1
+             and init_scale > 0)
+    if not valid:
+        raise InvalidInputError(
+            "need prior_precision > 0, num_steps ≥ 1, lr > 0, 0 < final_lr_fraction ≤ 1, "
+            "batch_size ≥ 1 (or None), num_particles ≥ 1 and init_scale > 0; got "
+            f"prior_precision={prior_precision}, num_steps={num_steps}, lr={lr}, "
+            f"final_lr_fraction={final_lr_fraction}, batch_size={batch_size}, "
+            f"num_particles={num_particles}, init_scale={init_scale}."
+        )
     device = features.device
-    inputs = augment_with_bias(features.to(torch.float32))
-    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float32)
+    inputs, targets = training_tensors(features, labels, num_classes, likelihood, noise_std,
+                                       torch.float32)
     num_data = inputs.shape[0]
     batch = num_data if batch_size is None else min(int(batch_size), num_data)
     shape = (num_classes, inputs.shape[1])

@@ -27,6 +27,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from inference.errors import InvalidInputError, NumericalError
+
 
 @runtime_checkable
 class Posterior(Protocol):
@@ -47,6 +49,22 @@ class Posterior(Protocol):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> Posterior: ...
+
+
+# -- helpers shared by the implementations ------------------------------------------------------
+
+
+def check_num_draws(n: int) -> int:
+    """``n`` as an int if it is a positive integer (not a bool); else :class:`InvalidInputError`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidInputError(f"the number of draws must be a positive integer; got {n!r}.")
+    return int(n)
+
+
+def draw_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
+    """Where to draw random numbers: on ``generator``'s device if one is given (a generator
+    only feeds its own device), else on ``device``; callers move the draws to ``device``."""
+    return device if generator is None else generator.device
 
 
 # -- registry and serialisation -----------------------------------------------------------------
@@ -100,8 +118,6 @@ def posterior_class(kind: str) -> type:
                         and hasattr(value, "from_state_dict")):
                     POSTERIOR_CLASSES.setdefault(declared, value)
     if kind not in POSTERIOR_CLASSES:
-        from inference.errors import InvalidInputError
-
         known = ", ".join(sorted(POSTERIOR_CLASSES)) or "none"
         raise InvalidInputError(f"unknown posterior kind {kind!r}; registered kinds: {known}.")
     return POSTERIOR_CLASSES[kind]
@@ -110,24 +126,31 @@ def posterior_class(kind: str) -> type:
 def save_posterior(posterior: Posterior, path: str | Path) -> None:
     """Write ``posterior.state_dict()`` to ``path`` with safetensors (no pickle).
 
-    The file's metadata records ``kind`` and ``schema_version``; tensors are saved from CPU.
-    The write is atomic (a temporary file renamed over ``path``).
+    The file's metadata records ``kind`` and ``schema_version``; tensors are saved from CPU
+    copies (so entries that share memory, which safetensors refuses, are written apart).
+    The write is atomic (a temporary file renamed over ``path``; removed if the write fails).
     """
     from safetensors.torch import save_file
 
     path = Path(path)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in posterior.state_dict().items()}
+    state = {k: v.detach().to("cpu", copy=True).contiguous()
+             for k, v in posterior.state_dict().items()}
     metadata = {"kind": posterior.kind, "schema_version": SCHEMA_VERSION}
     tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    try:
+        save_file(state, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:
-    """Read a posterior written by :func:`save_posterior`, onto ``device``."""
-    from safetensors import safe_open
+    """Read a posterior written by :func:`save_posterior`, onto ``device``.
 
-    from inference.errors import InvalidInputError
+    Raises:
+        InvalidInputError: the file has no ``kind``, another schema version, or an unknown kind.
+    """
+    from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as handle:
         metadata = handle.metadata() or {}
@@ -163,8 +186,6 @@ def check(
         The measured figures: ``mean_abs``, ``sample_variance_rel_error`` (if checked),
         ``max_row_sum_error`` (if checked).
     """
-    from inference.errors import NumericalError
-
     report: dict[str, float] = {}
     mean = posterior.mean
     if not torch.isfinite(mean).all():

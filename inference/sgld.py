@@ -10,11 +10,16 @@ Gaussian target of precision Λ the chain is stable for ``ε < 4 / λ_max(Λ)``;
 variance is inflated by about ``1 / (1 − ε λ / 4)`` per eigen-direction, so ``ε`` is chosen small
 relative to ``1 / λ_max`` (the default is ``0.1 / L`` with ``L`` an upper bound of λ_max).
 
+Minibatch gradient noise inflates it further: ``ĝ`` has variance ``≈ λ_lik (N / n − 1)`` per
+eigen-direction near the posterior (sampling without replacement, ``λ_lik`` the likelihood's
+curvature), which adds about ``ε λ_lik (N / n − 1) / 4`` relative variance (7.5 % for
+``ε λ = 0.1`` and ``N / n = 4``), so small batches want a smaller ``ε``.
+
 Preconditioning (``"rmsprop"``, pSGLD of Li et al. 2016): ``V ← α V + (1 − α) ḡ²`` with ``ḡ``
-the per-datum mean likelihood gradient, ``G = 1 / (δ + √V)``, and
-``θ ← θ + (ε / 2) G ĝ + N(0, ε G)``. The Γ correction term is omitted, as in the paper; by
-default ``G`` is frozen at the end of burn-in, which makes the sampling phase an exact
-(constant-preconditioner) Langevin discretisation.
+the per-datum mean likelihood gradient (``V`` starts at the first ``ḡ²``), ``G = 1 / (δ + √V)``,
+and ``θ ← θ + (ε / 2) G ĝ + N(0, ε G)``. The Γ correction term is omitted, as in the paper; by
+default ``G`` is frozen at the end of burn-in, so the sampling phase is a constant-preconditioner
+Langevin discretisation, for which Γ is exactly zero.
 
 A run keeps ``num_samples`` states after ``burn_in`` steps, one every ``thinning`` steps.
 A state that becomes non-finite or leaves ``|θ| ≤ divergence_threshold`` raises
@@ -32,7 +37,7 @@ from torch import Tensor
 from inference.ensemble import EnsemblePosterior
 from inference.errors import InvalidInputError, NumericalError
 from inference.laplace_head import find_mode
-from inference.linear_model import augment_with_bias, check_training_data
+from inference.linear_model import training_tensors
 from inference.options import Likelihood, Preconditioner
 
 #: ``grad_fn(params, minibatch_index) -> (ĝ, ḡ)``: the stochastic gradient of the log posterior
@@ -70,14 +75,28 @@ class SGLDConfig:
         if not self.step_size > 0:
             raise InvalidInputError(f"step_size must be positive; got {self.step_size}.")
         if self.num_samples < 1 or self.burn_in < 0 or self.thinning < 1:
-            raise InvalidInputError("need num_samples ≥ 1, burn_in ≥ 0 and thinning ≥ 1.")
+            raise InvalidInputError(
+                "need num_samples ≥ 1, burn_in ≥ 0 and thinning ≥ 1; got "
+                f"{self.num_samples}, {self.burn_in} and {self.thinning}."
+            )
+        valid = (0 <= self.rmsprop_alpha < 1 and self.rmsprop_delta >= 0
+                 and self.divergence_threshold > 0)
+        if not valid:
+            raise InvalidInputError(
+                "need 0 ≤ rmsprop_alpha < 1, rmsprop_delta ≥ 0 and divergence_threshold > 0; "
+                f"got {self.rmsprop_alpha}, {self.rmsprop_delta} and {self.divergence_threshold}."
+            )
 
 
 def sgld_update(
     state: SGLDState, grad: Tensor, mean_grad: Tensor, config: SGLDConfig,
     generator: torch.Generator | None, adapt: bool = True,
 ) -> SGLDState:
-    """One Welling-Teh (optionally RMSprop-preconditioned) step; returns the new state."""
+    """One Welling-Teh (optionally RMSprop-preconditioned) step; returns the new state.
+
+    ``grad`` is ``ĝ`` and ``mean_grad`` the per-datum mean likelihood gradient ``ḡ``, both
+    ``(K, d)`` like ``state.params``; ``adapt=False`` keeps the RMSprop average ``V`` fixed.
+    """
     params = state.params
     noise = torch.randn(params.shape, dtype=params.dtype, device=params.device,
                         generator=generator)
@@ -105,8 +124,12 @@ def run_sgld(
 ) -> Tensor:
     """Run K chains in lockstep from ``init (K, d)``; returns kept states ``(K, num_samples, d)``.
 
-    Each step draws one minibatch (uniformly, without replacement) shared by the K chains; the
-    Langevin noise is independent per chain.
+    Each step draws one minibatch of ``batch_size`` of the ``num_data`` rows (uniformly, without
+    replacement) shared by the K chains; the Langevin noise is independent per chain.
+    ``generator`` drives both (it must live on ``init``'s device).
+
+    Raises:
+        NumericalError: a state became non-finite or exceeded ``config.divergence_threshold``.
     """
     state = SGLDState(init.clone(), None, 0)
     total = config.burn_in + config.num_samples * config.thinning
@@ -188,31 +211,42 @@ def fit_sgld_head(
     Args:
         features: ``(N, m)`` features from a fixed body.
         labels: ``(N,)`` labels in ``[0, num_classes)`` (real targets if gaussian).
-        prior_precision: ``λ`` of the prior ``N(prior_mean, I/λ)``.
+        num_classes: ``C`` (1 for ``likelihood="gaussian"``).
+        prior_precision: ``λ > 0`` of the prior ``N(prior_mean, I/λ)``.
         step_size: ``ε`` of the Welling-Teh update; default ``0.1 / L``
             (:func:`curvature_bound`) without preconditioning, ``1e-3`` with RMSprop.
         num_samples, burn_in, thinning: states kept per chain, steps discarded first,
             keep-one-in.
         num_chains: chains run in lockstep (vectorised); the ensemble holds
             ``num_chains · num_samples`` draws, chain by chain.
-        batch_size: minibatch size ``n`` (``None``: full batch); gradients are scaled by N/n.
+        batch_size: minibatch size ``n ≥ 1`` (``None``: full batch); gradients are scaled by
+            N/n.
         preconditioner: ``"none"`` or ``"rmsprop"`` (pSGLD).
         init: ``"map"`` (start at the mode, found in float64) or ``"prior_mean"``.
+        likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
+        noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
+        divergence_threshold: ``|θ|`` beyond which the run is declared diverged.
         seed: seeds the chain's generator (global RNG untouched).
 
     Returns:
-        A float64 :class:`EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws,
-        ``n_data = N``.
+        A float64 :class:`EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws
+        on the features' device, ``n_data = N``.
+
+    Raises:
+        InvalidInputError: bad features, labels or options. NumericalError: divergence.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
     preconditioner = Preconditioner.parse(preconditioner, "preconditioner")
-    check_training_data(features, labels, num_classes, likelihood)
-    if likelihood is Likelihood.GAUSSIAN and num_classes != 1:
-        raise InvalidInputError("a Gaussian-likelihood head has one output: pass num_classes=1.")
     if init not in ("map", "prior_mean"):
         raise InvalidInputError(f"init must be 'map' or 'prior_mean'; got {init!r}.")
-    inputs = augment_with_bias(features.to(torch.float64))
-    targets = labels.long() if likelihood is Likelihood.SOFTMAX else labels.to(torch.float64)
+    if not prior_precision > 0:
+        raise InvalidInputError(f"prior_precision must be positive; got {prior_precision}.")
+    if num_chains < 1 or (batch_size is not None and batch_size < 1):
+        raise InvalidInputError(
+            f"need num_chains ≥ 1 and batch_size ≥ 1 (or None); got {num_chains} and {batch_size}."
+        )
+    inputs, targets = training_tensors(features, labels, num_classes, likelihood, noise_std,
+                                       torch.float64)
     num_data, width = inputs.shape
     shape = (num_classes, width)
     if step_size is None:
@@ -230,8 +264,6 @@ def fit_sgld_head(
         prior_grad = -prior_precision * (params - prior_mean)
         return prior_grad + (num_data / index.shape[0]) * lik_grad, lik_grad / index.shape[0]
 
-    if num_chains < 1:
-        raise InvalidInputError(f"num_chains must be at least 1; got {num_chains}.")
     generator = torch.Generator(device=features.device).manual_seed(seed)
     if init == "map":
         start = find_mode(inputs, targets, num_classes, prior_precision, prior_mean,

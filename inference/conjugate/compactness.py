@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from inference.conjugate.statistics import SufficientStatistics
+from inference.conjugate.statistics import SufficientStatistics, checked_batch
 from inference.errors import InvalidInputError
 
 
@@ -60,29 +60,28 @@ def compactness_loss(
 
     Args:
         features: body outputs ``(B, m)`` (without the constant 1), requiring grad as usual.
-        labels: ``(B,)`` integer labels in ``[0, C)``.
+        labels: ``(B,)`` integer labels in ``[0, C)``, on the features' device.
         class_means: :class:`ClassMeans` (precomputed on the features' device) or the global
             statistics (converted on each call).
         alpha: weight >= 0 (paper ablation range 0.001 .. 0.1; default 0.01).
 
     Returns:
-        A scalar tensor in the features' dtype on their device.
+        A scalar tensor in the features' dtype on their device (squared feature units).
+
+    Raises:
+        InvalidInputError: ``alpha < 0``, features not ``(B, m)`` floating point, labels not
+            ``(B,)`` integers in ``[0, C)``, an empty batch.
     """
     if not alpha >= 0:
         raise InvalidInputError(f"alpha must be >= 0, got {alpha!r}")
     if isinstance(class_means, SufficientStatistics):
         class_means = ClassMeans.from_statistics(class_means, features.device, features.dtype)
-    if features.dim() != 2 or features.shape[1] != class_means.means.shape[1]:
+    num_classes, feature_dim = class_means.means.shape
+    features, labels = checked_batch(features, labels, num_classes)
+    if features.shape[1] != feature_dim:
         raise InvalidInputError(
-            f"features must be (B, {class_means.means.shape[1]}), got {tuple(features.shape)}"
+            f"features must be (B, {feature_dim}), got {tuple(features.shape)}"
         )
-    if labels.dim() != 1 or labels.shape[0] != features.shape[0] or labels.shape[0] == 0:
-        raise InvalidInputError("labels must be a non-empty (B,) tensor matching the features")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise InvalidInputError(f"labels must be integers, got {labels.dtype}")
-    num_classes = class_means.means.shape[0]
-    if int(labels.min()) < 0 or int(labels.max()) >= num_classes:
-        raise InvalidInputError(f"labels must lie in [0, {num_classes})")
     targets = class_means.means.to(features.device, features.dtype)[labels].detach()
     mask = class_means.present.to(features.device)[labels].to(features.dtype)
     squared = (features - targets).pow(2).sum(dim=1) * mask

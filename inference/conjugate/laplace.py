@@ -59,9 +59,11 @@ class ConjugateLaplace:
 
     @property
     def shape(self) -> torch.Size:
+        """``(C, k)``, the shape of one head."""
         return self.mean.shape
 
     def to(self, device: torch.device | str) -> ConjugateLaplace:
+        """The same approximation on ``device`` (its factors are recomputed there)."""
         return ConjugateLaplace(self.mean.to(device), self.N)
 
     # ------------------------------------------------------------------ linear algebra

@@ -72,6 +72,7 @@ class ConjugatePosterior:
 
     @property
     def num_classes(self) -> int:
+        """``C``."""
         return self.statistics.num_classes
 
     @property
@@ -81,6 +82,7 @@ class ConjugatePosterior:
 
     @property
     def device(self) -> torch.device:
+        """The device of the statistics, the MAP and every draw."""
         return self.statistics.device
 
     # ------------------------------------------------------------------ point estimate
@@ -130,9 +132,10 @@ class ConjugatePosterior:
     ) -> Tensor:
         """``n`` head draws, shape ``(n, C, m + 1)``, float64, on the posterior's device.
 
-        ``"laplace"`` draws from ``N(W*, H^-1)`` through the structured factor; ``"nuts"`` runs
-        pyro's NUTS on the exact log posterior (whitened by the Laplace factor), with
-        ``warmup_steps`` adaptation steps.
+        ``"laplace"`` draws from ``N(W*, H^-1)`` through the structured factor (``generator``
+        must live on the posterior's device); ``"nuts"`` runs pyro's NUTS on the CPU on the
+        exact log posterior (whitened by the Laplace factor), with ``warmup_steps`` adaptation
+        steps (default ``max(100, n // 2)``), seeded from ``generator``.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive integer, got {n!r}")

@@ -41,17 +41,30 @@ def clip_features(features: Tensor, bound: float) -> Tensor:
 
     Args:
         features: ``(B, m)`` body outputs (any float dtype/device).
-        bound: ``b > 0``.
+        bound: ``b > 0``, finite, in feature units.
+
+    Returns:
+        The clipped features, same shape, dtype and device.
     """
-    if not bound > 0 or not math.isfinite(bound):
-        raise InvalidInputError(f"bound must be a finite number > 0, got {bound!r}")
+    _check_bound(bound)
     return torch.clamp(features, min=-bound, max=bound)
 
 
+def _check_bound(bound: float) -> None:
+    if not bound > 0 or not math.isfinite(bound):
+        raise InvalidInputError(f"bound must be a finite number > 0, got {bound!r}")
+
+
 def l2_sensitivity(feature_dim: int, bound: float) -> float:
-    """``sqrt(1 + m b^2)``: the most one record can move the table in L2 norm."""
-    if feature_dim < 0 or not bound > 0:
-        raise InvalidInputError("need feature_dim >= 0 and bound > 0")
+    """``sqrt(1 + m b^2)``: the most one record can move the table in L2 norm.
+
+    Args:
+        feature_dim: ``m >= 0`` body features (the table has ``m + 1`` columns).
+        bound: the clipping bound ``b > 0`` (finite).
+    """
+    if isinstance(feature_dim, bool) or int(feature_dim) != feature_dim or feature_dim < 0:
+        raise InvalidInputError(f"feature_dim must be an integer >= 0, got {feature_dim!r}")
+    _check_bound(bound)
     return math.sqrt(1.0 + feature_dim * bound * bound)
 
 
@@ -66,14 +79,19 @@ def gaussian_sigma(
     """Noise standard deviation for ``(epsilon, delta)``-DP statistics (module docstring).
 
     Args:
-        epsilon: > 0. delta: in (0, 1). rounds: releases ``k >= 1`` (unused by ``"single"``).
+        epsilon: privacy budget, finite and > 0.
+        delta: in (0, 1).
+        rounds: releases ``k >= 1`` (unused by ``"single"``).
         feature_dim: ``m`` body features (the table has ``m + 1`` columns).
-        bound: the clipping bound ``b``.
+        bound: the clipping bound ``b``, in feature units.
         composition: ``"k_round"`` (v2, whole-run guarantee) or ``"single"`` (v1, per release).
+
+    Returns:
+        ``sigma`` in the units of the table's entries (features, and counts in column 0).
 
     Example (spec §4.2 table): ``gaussian_sigma(1, 0.01, 1, 100, 2, "single") ≈ 62.2``.
     """
-    if not epsilon > 0 or not 0 < delta < 1:
+    if not 0 < epsilon < math.inf or not 0 < delta < 1:
         raise InvalidInputError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon}, {delta}")
     if isinstance(rounds, bool) or int(rounds) != rounds or rounds < 1:
         raise InvalidInputError(f"rounds must be an integer >= 1, got {rounds!r}")
@@ -103,8 +121,14 @@ def privatize(
         sigma: noise standard deviation >= 0 (see :func:`gaussian_sigma`).
         generator: source of the noise.
         release_count: keep ``n`` as is (treated as public, as in the paper); if False, ``n``
-            becomes ``max(1, round(sum of the noisy count column)))``.
+            becomes ``max(1, round(sum of the noisy count column))``.
+
+    Returns:
+        New statistics (float64 ``(C, m + 1)`` table on the same device) with
+        ``privatized=True``.
     """
+    if not isinstance(statistics, SufficientStatistics):
+        raise InvalidInputError("statistics must be a SufficientStatistics")
     if not sigma >= 0 or not math.isfinite(sigma):
         raise InvalidInputError(f"sigma must be a finite number >= 0, got {sigma!r}")
     noise = torch.randn(

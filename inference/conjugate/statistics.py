@@ -67,6 +67,8 @@ class SufficientStatistics:
             object.__setattr__(self, "low", torch.zeros_like(self.table))
         elif self.low.shape != self.table.shape or self.low.device != self.table.device:
             raise InvalidInputError("low part must match the table's shape and device")
+        elif self.low.dtype != torch.float64:
+            object.__setattr__(self, "low", self.low.to(torch.float64))
         if isinstance(self.n, bool) or int(self.n) != self.n or self.n < 0:
             raise InvalidInputError(f"n must be a non-negative integer, got {self.n!r}")
         object.__setattr__(self, "n", int(self.n))
@@ -92,7 +94,7 @@ class SufficientStatistics:
             InvalidInputError: empty batch, wrong shapes, non-integer or out-of-range labels,
                 NaN/Inf features, ``num_classes < 1``.
         """
-        features, labels = _checked_batch(features, labels, num_classes)
+        features, labels = checked_batch(features, labels, num_classes)
         B, m = features.shape
         table = torch.zeros(num_classes, m + 1, dtype=torch.float64, device=features.device)
         # On the CPU, [1, phi] rows are formed in float64 a block at a time: a cache-sized
@@ -136,6 +138,7 @@ class SufficientStatistics:
 
     @property
     def device(self) -> torch.device:
+        """The device holding the table."""
         return self.table.device
 
     @property
@@ -282,7 +285,13 @@ def _fast_two_sum(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return s, b - (s - a)
 
 
-def _checked_batch(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+def checked_batch(features: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Validate a ``(B, m)`` floating feature batch and its ``(B,)`` integer labels in
+    ``[0, num_classes)`` (same device, ``B >= 1``); return them with int64 labels.
+
+    Raises:
+        InvalidInputError: saying which of these fails (finiteness is not checked here).
+    """
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise InvalidInputError(f"num_classes must be an integer >= 1, got {num_classes!r}")
     if not isinstance(features, Tensor) or features.dim() != 2:

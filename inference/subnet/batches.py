@@ -79,6 +79,7 @@ class BatchChecks:
         self.n_data = 0
 
     def update(self, logits: Tensor, y: Tensor) -> None:
+        """Record one batch: (B, C) logits and (B,) integer labels, on the same device."""
         if self.n_classes is None:
             self.n_classes = logits.shape[1]
         elif logits.shape[1] != self.n_classes:

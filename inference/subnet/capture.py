@@ -69,6 +69,7 @@ class ActivationCapture:
         self._handles = []
 
     def outputs(self) -> list[Tensor]:
+        """Every recorded layer output, module by module, call by call."""
         return [out for m in self.modules for _, out in self.records[id(m)]]
 
 

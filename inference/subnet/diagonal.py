@@ -10,7 +10,9 @@ layer with 2-D input the per-sample squares reduce to one matrix product
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
+from functools import reduce
 
 import torch
 from torch import Tensor, nn
@@ -63,7 +65,7 @@ def diagonal_ggn(
     flat = flat_trainable_parameters(model)
     diag = torch.zeros(flat.numel(), dtype=torch.float64, device=flat.device)
     fast = [s for s in slots if s.module is not None]
-    generic = [s.name for s in slots if s.module is None]
+    generic = [s for s in slots if s.module is None]
     checks = BatchChecks()
     with eval_mode(model):
         for X, y in iterate_batches(loader, flat.device):
@@ -81,68 +83,84 @@ def diagonal_ggn(
                     grads = output_vjps(logits, capture.outputs(), softmax_hessian_sqrt(probs))
                 by_output = dict(zip([id(o) for o in capture.outputs()], grads, strict=True))
                 for slot in fast:
-                    records = capture.records[id(slot.module)]
-                    if len(records) == 1:
-                        inputs, out = records[0]
-                        part = _fast_diag(slot, inputs.detach(), by_output[id(out)])
-                    else:  # module called several times: square the *summed* gradient
-                        per_sample = sum(
-                            _fast_per_sample(slot, inputs.detach(), by_output[id(out)])
-                            for inputs, out in records
-                        )
-                        part = per_sample.square().sum((0, 1))
-                    diag[slot.offset : slot.offset + slot.numel] += part.reshape(-1)
+                    calls = [
+                        (inputs.detach(), by_output[id(out)])
+                        for inputs, out in capture.records[id(slot.module)]
+                    ]
+                    if calls:  # a layer the forward pass never calls has zero curvature
+                        diag[slot.offset : slot.offset + slot.numel] += _fast_diag(slot, calls)
             if generic:
-                jac = generic_jacobians(model, params, generic, X)
-                for slot in slots:
-                    if slot.module is None:
-                        J = jac[slot.name].reshape(X.shape[0], probs.shape[1], -1)
-                        pJ = probs.unsqueeze(-1) * J
-                        part = (pJ * J).sum((0, 1)) - pJ.sum(1).square().sum(0)
-                        diag[slot.offset : slot.offset + slot.numel] += part
+                jac = generic_jacobians(model, params, [s.name for s in generic], X)
+                for slot in generic:
+                    J = jac[slot.name].reshape(X.shape[0], probs.shape[1], -1)
+                    pJ = probs.unsqueeze(-1) * J
+                    part = (pJ * J).sum((0, 1)) - pJ.sum(1).square().sum(0)
+                    diag[slot.offset : slot.offset + slot.numel] += part
     checks.finish()
     return diag
 
 
-def _fast_diag(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tensor:
-    """Sum over samples and vectors k of squared per-sample gradients of one layer parameter."""
+def _fast_diag(slot: ParameterSlot, calls: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Sum over samples and vectors k of squared per-sample gradients of one layer parameter.
+
+    Args:
+        slot: a Linear / Conv2d weight or bias.
+        calls: ``(input, output-gradients (K, B, ...))`` of each call of the layer in the
+            forward pass; a layer called several times squares the *summed* gradient.
+
+    Returns:
+        (numel,) in the gradients' dtype.
+    """
+    module = slot.module
+    if slot.role == "bias":  # per-sample gradients (K, B, out) are small: all vectors at once
+        per_sample = reduce(operator.add, (_per_sample_gradients(slot, None, g) for _, g in calls))
+        return per_sample.square().sum((0, 1))
+    layer_inputs = [_layer_input(module, inputs) for inputs, _ in calls]
+    K, B = calls[0][1].shape[0], calls[0][1].shape[1]
+    if len(calls) == 1 and isinstance(module, nn.Linear) and layer_inputs[0].shape[1] == 1:
+        # per-sample outer products: the squares factorise
+        g = calls[0][1].reshape(K, B, module.out_features)
+        return (g.square().sum(0).T @ layer_inputs[0][:, 0].square()).reshape(-1)
+    # One output-space vector k at a time: per-sample gradients (B, numel), never (K, B, numel).
+    total = None
+    for k in range(K):
+        per_sample = reduce(
+            operator.add,
+            (
+                _per_sample_gradients(slot, a, grad[k : k + 1])
+                for a, (_, grad) in zip(layer_inputs, calls, strict=True)
+            ),
+        )
+        part = per_sample.square().sum((0, 1))
+        total = part if total is None else total + part
+    return total
+
+
+def _layer_input(module: nn.Module, inputs: Tensor) -> Tensor:
+    """A Linear layer's input as (B, T, in_features), a Conv2d layer's unfolded, (B, J, L)."""
+    if isinstance(module, nn.Linear):
+        return inputs.reshape(inputs.shape[0], -1, module.in_features)
+    return conv2d_unfold(module, inputs)
+
+
+def _per_sample_gradients(slot: ParameterSlot, a: Tensor | None, grad: Tensor) -> Tensor:
+    """Per-sample gradients (K, B, numel) of one layer parameter for one call of the layer.
+
+    Args:
+        a: the call's input from :func:`_layer_input` (unused, may be None, for a bias).
+        grad: (K, B, ...) output-space VJPs w.r.t. the call's output.
+    """
     module = slot.module
     K, B = grad.shape[0], grad.shape[1]
     if isinstance(module, nn.Linear):
-        g = grad.reshape(K, B, -1, module.out_features)
-        if slot.role == "bias":
-            return g.sum(2).square().sum((0, 1))
-        a = inputs.reshape(B, -1, module.in_features)
-        if a.shape[1] == 1:  # per-sample outer products: the squares factorise
-            return g[:, :, 0].square().sum(0).T @ a[:, 0].square()
-        out = torch.zeros_like(module.weight, dtype=grad.dtype)
-        for gk in g:  # (B, T, out): per-sample gradients, one vector at a time
-            out += torch.einsum("bto,bti->boi", gk, a).square().sum(0)
-        return out
-    g = grad.reshape(K, B, module.out_channels, -1)  # Conv2d: (K, B, C_out, L)
-    if slot.role == "bias":
-        return g.sum(-1).square().sum((0, 1))
-    U = conv2d_unfold(module, inputs)
-    out = torch.zeros(module.out_channels, U.shape[1], dtype=grad.dtype, device=grad.device)
-    for gk in g:
-        out += torch.einsum("bcl,bjl->bcj", gk, U).square().sum(0)
-    return out
-
-
-def _fast_per_sample(slot: ParameterSlot, inputs: Tensor, grad: Tensor) -> Tensor:
-    """Per-sample gradients (K, B, numel) of one layer parameter for one call of the layer."""
-    module = slot.module
-    K, B = grad.shape[0], grad.shape[1]
-    if isinstance(module, nn.Linear):
-        g = grad.reshape(K, B, -1, module.out_features)
+        g = grad.reshape(K, B, -1, module.out_features)  # (K, B, T, out)
         if slot.role == "bias":
             return g.sum(2)
-        a = inputs.reshape(B, -1, module.in_features)
         return torch.einsum("kbto,bti->kboi", g, a).reshape(K, B, -1)
-    g = grad.reshape(K, B, module.out_channels, -1)
+    g = grad.reshape(K, B, module.out_channels, -1)  # Conv2d: (K, B, C_out, L)
     if slot.role == "bias":
         return g.sum(-1)
-    return torch.einsum("kbcl,bjl->kbcj", g, conv2d_unfold(module, inputs)).reshape(K, B, -1)
+    return torch.einsum("kbcl,bjl->kbcj", g, a).reshape(K, B, -1)
 
 
 def _preflight(

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from inference.errors import InvalidInputError
-from inference.subnet.batches import BatchChecks, iterate_batches
+from inference.subnet.batches import BatchChecks, check_logits, iterate_batches
 from inference.subnet.diagonal import softmax_hessian_sqrt
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory, tensor_bytes
@@ -151,12 +151,20 @@ def subnet_ggn(
     """The subnet GGN block ``sum_x J_S(x)^T (diag(p) - p p^T) J_S(x)``, summed over ``loader``.
 
     Args:
+        model: returns (B, C) logits; evaluated in eval mode at its current parameters.
+        loader: yields ``(X, y)`` with integer labels.
         subnet_indices: (S,) CPU int64 indices (validated by the caller).
         diagonal_only: keep only the diagonal (returned as a diagonal (S, S) matrix).
+        chunk_size: rows per Jacobian chunk, a positive int (default: the loader's batch).
+        max_memory_bytes: memory budget override for the preflight.
 
     Returns:
         ``(H_S, n_data)``: (S, S) float64 on the model's device, and the number of data points.
     """
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
     mean = flat_trainable_parameters(model)
     S = subnet_indices.numel()
     ggn: Tensor | None = None
@@ -188,8 +196,7 @@ def _hessian_sqrt(logits: Tensor) -> Tensor:
 
 
 def _preflight_fit(engine: SubnetJacobian, C: int, rows: int, max_memory_bytes: int | None) -> None:
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise InvalidInputError(f"chunk_size must be a positive int, got {rows!r}")
+    """Raise MemoryBudgetError if the S x S matrices and one Jacobian chunk would not fit."""
     S, mean = engine.n_subnet, engine.mean
     check_memory(
         {
@@ -221,7 +228,7 @@ def _laplace_torch_ggn(
     mean = flat_trainable_parameters(model)
     first = next(iter(iterate_batches(loader, mean.device)))
     with torch.no_grad(), eval_mode(model):
-        C = model(first[0][:1]).shape[-1]
+        C = check_logits(model(first[0][:1]), 1).shape[1]
     S, B = subnet_indices.numel(), first[0].shape[0]
     check_memory(
         {

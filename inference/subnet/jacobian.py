@@ -182,10 +182,12 @@ class SubnetJacobian:
             by_output = dict(zip([id(o) for o in capture.outputs()], grads, strict=True))
             for group in self.fast:
                 scale = None if column_scale is None else column_scale[group.positions]
-                block = None
+                block = None  # summed over the calls of the layer
                 for inputs, out in capture.records[id(group.slot.module)]:
                     part = _fast_block(group, inputs.detach(), by_output[id(out)], scale)
                     block = part if block is None else block + part
+                if block is None:  # the forward pass never calls this layer: zero columns
+                    block = logits.new_zeros(group.positions.numel(), vectors.shape[0], B)
                 blocks.append(block.to(logits.dtype))
         if self.generic:
             jac = generic_jacobians(self.model, params, self._generic_names, x)

@@ -127,7 +127,7 @@ def check_subnet_indices(indices: Tensor | Sequence[int], n_params: int) -> Tens
     if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
         raise InvalidInputError(f"subnet indices must be integers, got dtype {idx.dtype}")
     idx = idx.detach().to("cpu", torch.int64)
-    if idx.dim() != 1 or idx.numel() == 0:
+    if idx.dim() != 1:
         raise InvalidInputError(
             f"subnet indices must be a non-empty 1-D tensor, got shape {tuple(idx.shape)}"
         )
@@ -137,10 +137,9 @@ def check_subnet_indices(indices: Tensor | Sequence[int], n_params: int) -> Tens
             f"subnet indices must lie in [0, {n_params}) (trainable parameters); "
             f"got min {lo}, max {hi}"
         )
-    if idx.unique().numel() != idx.numel():
-        raise InvalidInputError(
-            f"subnet indices contain {idx.numel() - idx.unique().numel()} duplicate entries"
-        )
+    n_duplicates = idx.numel() - idx.unique().numel()
+    if n_duplicates:
+        raise InvalidInputError(f"subnet indices contain {n_duplicates} duplicate entries")
     return idx
 
 

@@ -94,13 +94,17 @@ class SubnetLaplacePosterior:
         self._prior_precision = prior_precision
         self._prior_mean = prior_mean
         self.n_data = int(n_data)
-        finite = torch.stack(
-            [torch.isfinite(t).all() for t in (self._mean, self._ggn, prior_precision, prior_mean)]
+        prior_ok = torch.stack(
+            [torch.isfinite(prior_mean).all(), (prior_precision > 0).all(),
+             torch.isfinite(prior_precision).all()]
         )
-        if not bool(finite.all()):
-            raise NumericalError("mean, GGN or prior contains non-finite values")
-        if not bool((prior_precision > 0).all()):
-            raise InvalidInputError("prior_precision must be > 0 on every subnet entry")
+        if not bool(prior_ok.all()):
+            raise InvalidInputError(
+                "prior_precision must be finite and > 0, and prior_mean finite, on every subnet "
+                "entry"
+            )
+        if not bool(torch.isfinite(self._mean).all() & torch.isfinite(self._ggn).all()):
+            raise NumericalError("mean or GGN contains non-finite values")
         precision = self._ggn + torch.diag(prior_precision)
         # Factorise the Jacobi-equilibrated precision D^{-1} P D^{-1} (unit diagonal), whose
         # condition number is far smaller when prior precisions span many orders of magnitude
@@ -138,10 +142,12 @@ class SubnetLaplacePosterior:
 
     @property
     def n_params(self) -> int:
+        """P, the number of trainable parameters."""
         return self._mean.numel()
 
     @property
     def n_subnet(self) -> int:
+        """S, the number of subnet entries."""
         return self._indices.numel()
 
     @property
@@ -215,6 +221,7 @@ class SubnetLaplacePosterior:
     # ---------------------------------------------------------------- the model
     @property
     def model(self) -> nn.Module | None:
+        """The network used by :meth:`predict_proba` (``None`` until bound)."""
         return self._model
 
     def _attach(self, model: nn.Module) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from inference.errors import InvalidInputError
 from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.parameters import (
     check_prior_precision,
@@ -56,7 +57,18 @@ def rank_by_variance(
 
     Returns:
         (size,) CPU int64, sorted ascending.
+
+    Raises:
+        InvalidInputError: shapes that differ, or ``size`` not an int in ``[1, P]``.
     """
+    if diag_ggn.dim() != 1 or diag_ggn.shape != prior_precision.shape:
+        raise InvalidInputError(
+            f"diag_ggn and prior_precision must both be (P,), got {tuple(diag_ggn.shape)} and "
+            f"{tuple(prior_precision.shape)}"
+        )
+    if isinstance(size, float):
+        raise InvalidInputError("size must be an int count here (select_subnet takes fractions)")
+    size = resolve_subnet_size(size, diag_ggn.numel())
     d = diag_ggn.detach().to("cpu", torch.float64).clamp_min(0.0).numpy()
     prec = prior_precision.detach().to("cpu", torch.float64).numpy()
     variance = 1.0 / (d + prec)

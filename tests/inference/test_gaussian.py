@@ -248,6 +248,11 @@ def test_to_device_moves_everything(device):
     post = random_posterior("lowrank").to(device)
     assert post.mean.device.type == device
     assert post.sample(2).device.type == device
+    # a CPU generator seeds the draws of a posterior on any device, reproducibly
+    cpu_draws = random_posterior("lowrank").sample(2, generator=torch.Generator().manual_seed(4))
+    draws = post.sample(2, generator=torch.Generator().manual_seed(4))
+    assert draws.device.type == device
+    torch.testing.assert_close(draws.cpu(), cpu_draws, atol=1e-12, rtol=0)
     x = torch.randn(3, 2, device=device)
     assert post.predict_proba(x).device.type == device
 
@@ -258,3 +263,16 @@ def test_float32_storage_computes_in_float64_and_returns_float32():
                                post.likelihood.to(dtype=torch.float32), post.shape)
     assert post32.mean.dtype == torch.float32
     torch.testing.assert_close(post32.mean.double(), post.mean, atol=1e-5, rtol=0)
+
+
+def test_malformed_terms_and_states_are_rejected():
+    with pytest.raises(InvalidInputError, match="one floating dtype and one device"):
+        GaussianTerm("diag", torch.zeros(3), diag=torch.ones(3, dtype=F64))
+    with pytest.raises(InvalidInputError, match="cannot subtract terms of dimension 3 and 2"):
+        _ = GaussianTerm.zeros(3) - GaussianTerm.zeros(2)
+    state = random_posterior("diag").state_dict()
+    del state["shape"]
+    with pytest.raises(InvalidInputError, match="lacks"):
+        GaussianPosterior.from_state_dict(state)
+    with pytest.raises(InvalidInputError, match="positive int"):
+        random_posterior("full").sample(-1)

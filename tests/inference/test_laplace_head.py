@@ -114,6 +114,16 @@ def test_bad_labels_and_options_are_rejected():
         fit_laplace_head(x, y, 3, structure="kron")
     with pytest.raises(InvalidInputError, match="NaN"):
         fit_laplace_head(x * float("nan"), y, 3)
+    with pytest.raises(InvalidInputError, match="rank must be at least 1"):
+        fit_laplace_head(x, y, 3, structure="lowrank", rank=0)
+    with pytest.raises(InvalidInputError, match="max_iter must be at least 1"):
+        fit_laplace_head(x, y, 3, max_iter=0)
+    with pytest.raises(InvalidInputError, match="noise_std must be positive"):
+        fit_laplace_head(x, y.double(), 1, likelihood="gaussian", noise_std=0.0)
+    with pytest.raises(InvalidInputError, match="one output"):
+        fit_laplace_head(x, y.double(), 3, likelihood="gaussian")
+    with pytest.raises(InvalidInputError, match="targets must be a tensor"):
+        fit_laplace_head(x, y.tolist(), 3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,7 +6,7 @@ import pyro
 import pytest
 import torch
 
-from inference.errors import NumericalError
+from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior
 from inference.mfvi import fit_mfvi_head
 from tests.conftest import DEVICES
@@ -102,6 +102,14 @@ def test_non_finite_elbo_stops_training_with_a_diagnostic():
     with pytest.raises(NumericalError, match=r"ELBO became (nan|inf)"):
         fit_mfvi_head(truth.features, truth.targets, 1, likelihood="gaussian", noise_std=1e-30,
                       num_steps=5)
+
+
+@pytest.mark.parametrize(("name", "value"), [("batch_size", 0), ("num_particles", 0),
+                                             ("init_scale", 0.0), ("prior_precision", -1.0)])
+def test_bad_options_are_rejected_before_fitting(name, value):
+    truth = softmax_regression()
+    with pytest.raises(InvalidInputError, match=f"{name}={value}"):
+        fit_mfvi_head(truth.features, truth.labels, 2, num_steps=5, **{name: value})
 
 
 @pytest.mark.parametrize("device", DEVICES)

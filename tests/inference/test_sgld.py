@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inference.ensemble import EnsemblePosterior
-from inference.errors import NumericalError
+from inference.errors import InvalidInputError, NumericalError
 from inference.linear_model import log_likelihood
 from inference.options import Likelihood
 from inference.sgld import SGLDConfig, SGLDState, fit_sgld_head, linear_head_gradients, sgld_update
@@ -86,10 +86,12 @@ def test_linear_regression_sample_moments_match_the_closed_form(batch_size, prec
                          step_size=step_size, seed=1)
     assert post.samples.shape == (chains * 400, 1, 3)
     mean_se, var_se = chain_standard_errors(post, chains)
-    # within 4 Monte-Carlo standard errors, plus the step-size bias of the variance
-    # (≈ ε λ_max / 4 ≤ 2.5 % with the default ε = 0.1 / L; 10 % allowed with RMSprop)
+    # within 4 Monte-Carlo standard errors (≈ 4 % of the variance each), plus the discretisation
+    # bias of the variance: ≈ ε λ / 4 ≤ 2.5 % with the default ε = 0.1 / L, and with batches of
+    # n = 10 of N = 40 another ≈ ε λ (N/n − 1) / 4 ≤ 7.5 % of minibatch gradient noise (see
+    # inference.sgld; measured 2-7 % with 64 chains). 10 % is allowed with RMSprop.
     assert ((post.mean - truth.mean).abs() <= 4 * mean_se).all()
-    bias = (0.025 if preconditioner == "none" else 0.10) * truth.covariance.diagonal()
+    bias = (0.10 if batch_size is not None else 0.025) * truth.covariance.diagonal()
     var_error = (post.marginal_variance()[0] - truth.covariance.diagonal()).abs()
     assert (var_error <= 4 * var_se[0] + bias).all(), (var_error, var_se)
 
@@ -129,3 +131,14 @@ def test_ensemble_predictive_averages_member_probabilities(device):
     manual = torch.softmax(torch.einsum("bp,scp->sbc", inputs, post.samples), -1).mean(0)
     torch.testing.assert_close(post.predict_proba(x), manual, atol=1e-12, rtol=0)
     assert post.samples.device.type == device
+
+
+@pytest.mark.parametrize("option", [{"prior_precision": 0.0}, {"batch_size": 0},
+                                    {"num_chains": 0}, {"thinning": 0}, {"noise_std": -1.0}])
+def test_bad_options_are_rejected(option):
+    truth = linear_regression()
+    with pytest.raises(InvalidInputError):
+        fit_sgld_head(truth.features, truth.targets, 1, likelihood="gaussian", num_samples=2,
+                      burn_in=0, **option)
+    with pytest.raises(InvalidInputError, match="rmsprop_alpha"):
+        SGLDConfig(step_size=0.1, rmsprop_alpha=1.0)

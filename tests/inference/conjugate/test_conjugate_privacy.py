@@ -39,8 +39,9 @@ def test_single_release_sigma_is_the_classical_formula_and_ignores_rounds():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(epsilon=0.0), dict(delta=0.0), dict(delta=1.0), dict(rounds=0),
-     dict(composition="rdp"), dict(bound=0.0)],
+    [dict(epsilon=0.0), dict(epsilon=math.inf), dict(delta=0.0), dict(delta=1.0),
+     dict(rounds=0), dict(composition="rdp"), dict(bound=0.0), dict(bound=math.inf),
+     dict(feature_dim=-1)],
 )
 def test_invalid_privacy_parameters_are_rejected(kwargs):
     arguments = dict(epsilon=1.0, delta=1e-5, rounds=3, feature_dim=4, bound=1.0) | kwargs

@@ -254,3 +254,8 @@ def test_malformed_statistic_is_rejected(S):
 def test_statistics_that_would_overflow_the_head_are_rejected():
     with pytest.raises(InvalidInputError, match="too large"):
         solve_map(torch.tensor([[1e200, 0.0]], dtype=torch.float64), 1.0)
+    # Each row alone is in range, but with C = 1e5 equal rows log Z = C^2 a^2 / N^2 ~ 1e310.
+    many = torch.zeros(100_000, 2, dtype=torch.float64)
+    many[:, 0] = 1e150
+    with pytest.raises(InvalidInputError, match="too large"):
+        solve_map(many, 1.0)

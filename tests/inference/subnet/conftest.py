@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -43,6 +44,29 @@ def make_loader(x: torch.Tensor, n_classes: int, seed: int = 0, batch_size: int 
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, n_classes, (x.shape[0],), generator=g)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def laplace_subnet_reference(model, loader, idx, prior=1.0, structure="full"):
+    """laplace-torch's ``FullSubnetLaplace`` / ``DiagSubnetLaplace`` (AsdlGGN) fitted on a copy
+    of ``model``. A float ``prior`` goes to the constructor; a tensor (one precision per subnet
+    entry) is set through ``la._prior_precision`` before ``fit`` (spec fedsi.md §7.2.3)."""
+    from laplace import Laplace
+    from laplace.curvature import AsdlGGN
+
+    per_entry = isinstance(prior, torch.Tensor)
+    la = Laplace(
+        copy.deepcopy(model),
+        "classification",
+        subset_of_weights="subnetwork",
+        hessian_structure=structure,
+        subnetwork_indices=idx,
+        backend=AsdlGGN,
+        **({} if per_entry else {"prior_precision": prior}),
+    )
+    if per_entry:
+        la._prior_precision = prior.to(next(model.parameters()).dtype)
+    la.fit(loader)
+    return la
 
 
 @pytest.fixture(autouse=True)

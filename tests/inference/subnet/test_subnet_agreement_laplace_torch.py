@@ -13,26 +13,11 @@ import copy
 
 import pytest
 import torch
-from laplace import Laplace
-from laplace.curvature import AsdlGGN
 
+from conftest import laplace_subnet_reference
 from inference.subnet import fit_subnet_laplace, flat_trainable_parameters, select_subnet
 
 TOL = 1e-5
-
-
-def laplace_reference(model, loader, idx, prior_subnet):
-    la = Laplace(
-        copy.deepcopy(model),
-        "classification",
-        subset_of_weights="subnetwork",
-        hessian_structure="full",
-        subnetwork_indices=idx,
-        backend=AsdlGGN,
-    )
-    la._prior_precision = prior_subnet.to(flat_trainable_parameters(model).dtype)
-    la.fit(loader)
-    return la
 
 
 def per_parameter_prior(model, seed=3):
@@ -47,7 +32,7 @@ def test_precision_marginal_std_and_probit_match_laplace_torch(case, request):
     prior = per_parameter_prior(model)
     idx = select_subnet(model, loader, 0.4, prior)
     post = fit_subnet_laplace(model, loader, idx, prior)
-    la = laplace_reference(model, loader, idx, prior[idx])
+    la = laplace_subnet_reference(model, loader, idx, prior[idx])
 
     assert torch.allclose(post.precision, la.posterior_precision, atol=TOL, rtol=0)
     std_ref = la.posterior_covariance.diagonal().sqrt()
@@ -66,7 +51,7 @@ def test_unsorted_indices_keep_their_order_like_laplace_torch(mlp_case):
     n = flat_trainable_parameters(model).numel()
     idx = torch.randperm(n, generator=torch.Generator().manual_seed(5))[:25]
     post = fit_subnet_laplace(model, loader, idx, prior)
-    la = laplace_reference(model, loader, idx, prior[idx])
+    la = laplace_subnet_reference(model, loader, idx, prior[idx])
     assert torch.equal(post.subnet_indices, idx)
     assert torch.allclose(post.precision, la.posterior_precision, atol=TOL, rtol=0)
     probs_ref = la(x_test, pred_type="glm", link_approx="probit")
@@ -84,7 +69,7 @@ def test_float32_model_probabilities_match_laplace_torch(mlp_case):
     )
     idx = select_subnet(model, loader, 30, 1.0)
     post = fit_subnet_laplace(model, loader, idx, 1.0)
-    la = laplace_reference(model, loader, idx, torch.ones(idx.numel()))
+    la = laplace_subnet_reference(model, loader, idx, torch.ones(idx.numel()))
     probs_ref = la(x_test.float(), pred_type="glm", link_approx="probit")
     assert torch.allclose(post.predict_proba(x_test.float()), probs_ref, atol=TOL, rtol=0)
     assert torch.allclose(
@@ -112,16 +97,7 @@ def test_diagonal_structure_matches_laplace_torch_diag_subnet_laplace(mlp_case):
     model, loader, x_test = mlp_case
     idx = select_subnet(model, loader, 40, 2.0)
     post = fit_subnet_laplace(model, loader, idx, 2.0, hessian_structure="diag")
-    la = Laplace(
-        copy.deepcopy(model),
-        "classification",
-        subset_of_weights="subnetwork",
-        hessian_structure="diag",
-        subnetwork_indices=idx,
-        prior_precision=2.0,
-        backend=AsdlGGN,
-    )
-    la.fit(loader)
+    la = laplace_subnet_reference(model, loader, idx, 2.0, structure="diag")
     assert torch.count_nonzero(post.precision - torch.diag(post.precision.diagonal())) == 0
     assert torch.allclose(post.precision.diagonal(), la.posterior_precision, atol=TOL, rtol=0)
     probs_ref = la(x_test, pred_type="glm", link_approx="probit")

@@ -11,7 +11,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import make_loader
 from inference.errors import InvalidInputError
-from inference.subnet import fit_subnet_laplace, flat_trainable_parameters, select_subnet
+from inference.subnet import (
+    SubnetLaplacePosterior,
+    fit_subnet_laplace,
+    flat_trainable_parameters,
+    select_subnet,
+)
 
 
 class ScalarOutput(nn.Module):
@@ -131,3 +136,18 @@ def test_model_without_trainable_parameters_is_rejected():
     loader = make_loader(torch.randn(6, 5, dtype=torch.float64), 3)
     with pytest.raises(InvalidInputError, match="no trainable parameters"):
         select_subnet(model, loader, 1)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 2.5, True])
+def test_non_positive_or_non_integer_chunk_size_is_rejected(chunk_size, mlp_case):
+    model, loader, _ = mlp_case
+    with pytest.raises(InvalidInputError, match="chunk_size"):
+        fit_subnet_laplace(model, loader, [0, 1], chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("prior", [math.nan, math.inf, 0.0])
+def test_posterior_built_directly_rejects_a_bad_prior(prior):
+    mean = torch.zeros(4, dtype=torch.float64)
+    ggn = torch.eye(2, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="prior_precision"):
+        SubnetLaplacePosterior(mean, torch.tensor([0, 1]), ggn, torch.full((2,), prior))

@@ -38,6 +38,19 @@ class TiedWeights(nn.Module):
         return self.head(self.scale * torch.tanh(self.shared(torch.tanh(self.shared(x)))))
 
 
+class UnusedLayer(nn.Module):
+    """A Linear the forward pass never calls (e.g. a training-only projection): zero columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.unused = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
 def cases():
     torch.manual_seed(0)
     return {
@@ -45,6 +58,7 @@ def cases():
         "cnn": (make_cnn(), torch.randn(6, 1, 8, 8, dtype=torch.float64)),
         "sequence": (SequencePooling().double(), torch.randn(7, 6, 3, dtype=torch.float64)),
         "tied": (TiedWeights().double(), torch.randn(8, 4, dtype=torch.float64)),
+        "unused": (UnusedLayer().double(), torch.randn(8, 4, dtype=torch.float64)),
     }
 
 
@@ -59,7 +73,7 @@ def reference_jacobian(model, x):
     return torch.cat([jac[k].reshape(x.shape[0], -1, v.numel()) for k, v in params.items()], 2)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "sequence", "tied"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "sequence", "tied", "unused"])
 @pytest.mark.parametrize("subnet", ["random", "all"])
 def test_subnet_jacobian_equals_the_sliced_full_jacobian(name, subnet):
     model, x = cases()[name]
@@ -81,7 +95,7 @@ def test_subnet_jacobian_equals_the_sliced_full_jacobian(name, subnet):
     assert torch.allclose(logits, model(x), atol=1e-14)
 
 
-@pytest.mark.parametrize("name", ["cnn", "sequence", "tied"])
+@pytest.mark.parametrize("name", ["cnn", "sequence", "tied", "unused"])
 def test_diagonal_ggn_equals_the_reference_on_conv_generic_and_sequence_layers(name):
     model, x = cases()[name]
     model.eval()

@@ -10,7 +10,8 @@ from laplace import Laplace
 from laplace.curvature import AsdlGGN
 from torch import nn
 
-from conftest import make_loader, make_mlp
+from conftest import laplace_subnet_reference, make_loader, make_mlp
+from inference.errors import InvalidInputError
 from inference.subnet import (
     diagonal_ggn,
     fit_subnet_laplace,
@@ -84,15 +85,7 @@ def test_frozen_head_is_outside_the_index_space_and_agrees_with_laplace_torch(ml
     idx = select_subnet(model, loader, 20, 1.0)
     assert int(idx.max()) < n_body
     post = fit_subnet_laplace(model, loader, idx, 1.0)
-    la = Laplace(
-        copy.deepcopy(model),
-        "classification",
-        subset_of_weights="subnetwork",
-        hessian_structure="full",
-        subnetwork_indices=idx,
-        backend=AsdlGGN,
-    )
-    la.fit(loader)
+    la = laplace_subnet_reference(model, loader, idx)
     assert torch.allclose(post.precision, la.posterior_precision, atol=1e-10)
     assert torch.allclose(post.predict_proba(x_test), la(x_test, link_approx="probit"), atol=1e-10)
 
@@ -132,5 +125,14 @@ def test_ties_break_by_larger_curvature_then_lower_index():
     assert rank_by_variance(diag, prior, 1).tolist() == [1]
     assert rank_by_variance(diag, prior, 2).tolist() == [0, 1]
     assert rank_by_variance(diag, prior, 3).tolist() == [0, 1, 3]
-    assert rank_by_variance(diag, prior, 2) is not rank_by_variance(diag, prior, 2)
+    assert rank_by_variance(diag, prior, 4).tolist() == [0, 1, 2, 3]  # zero curvature last
     assert torch.equal(rank_by_variance(diag, prior, 4), rank_by_variance(diag, prior, 4))
+
+
+@pytest.mark.parametrize("size", [0, 6, 2.0])
+def test_rank_by_variance_rejects_a_size_outside_one_to_p(size):
+    diag = torch.ones(5, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="size"):
+        rank_by_variance(diag, diag, size)
+    with pytest.raises(InvalidInputError, match=r"\(P,\)"):
+        rank_by_variance(diag, torch.ones(4, dtype=torch.float64), 2)
