@@ -50,6 +50,7 @@ from bayesfl.messages import Message, decode, encode
 from bayesfl.strategies import Client, make_strategy, strategy_options
 from bayesfl.strategies.base import BaseStrategy, ServerState, StrategyContext
 from bayesfl.training import LocalTraining, architecture_key
+from inference.errors import InferenceError
 
 UploadHook = Callable[[int, int, bytes], bytes]
 """``hook(round, client_id, encoded_upload) -> bytes actually delivered`` (tests, attacks)."""
@@ -335,7 +336,7 @@ class _Run:
         try:
             server_gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))
             self.state = strategy.aggregate(self.state, accepted, r, server_gen)
-        except BayesFLError as err:  # keep the previous state; the run goes on
+        except (BayesFLError, InferenceError) as err:  # keep the previous state; go on
             aggregate_error = str(err)
         t_eval = time.perf_counter()
         evaluation = evaluate_clients(strategy, self.clients, self.state, n_bins=config.n_bins,

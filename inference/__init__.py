@@ -1,16 +1,86 @@
 """Posteriors over probabilistic heads: conjugate (FedLog), Laplace / subnet Laplace (FedSI),
 MFVI (pyro-ppl) and SGLD, behind one protocol (:class:`inference.posterior.Posterior`).
 
-This package knows nothing about clients, rounds or messages.
+Switch methods with one string: ``inference.fit_head(kind, ...)``. This package knows nothing
+about clients, rounds or messages. ``inference.mfvi`` (pyro) is imported only when used.
 """
 
+from inference.conjugate import (
+    ClassMeans,
+    ConjugateLaplace,
+    ConjugatePosterior,
+    ConjugatePrior,
+    SufficientStatistics,
+    clip_features,
+    compactness_loss,
+    gaussian_sigma,
+    l2_sensitivity,
+    privatize,
+    solve_map,
+)
+from inference.ensemble import EnsemblePosterior
 from inference.errors import InferenceError, InvalidInputError, MemoryBudgetError, NumericalError
-from inference.posterior import Posterior
+from inference.factory import fit_head
+from inference.gaussian import GaussianPosterior, GaussianTerm, average, combine, gaussian_prior
+from inference.laplace_head import fit_laplace_head, log_marginal_likelihood
+from inference.options import (
+    CovarianceStructure,
+    GuideKind,
+    HeadKind,
+    Likelihood,
+    MapSolver,
+    Preconditioner,
+    PredictiveMethod,
+)
+from inference.posterior import Posterior, check, load_posterior, register_posterior, save_posterior
+from inference.sgld import fit_sgld_head
+from inference.subnet import (
+    SubnetLaplacePosterior,
+    diagonal_ggn,
+    fit_subnet_laplace,
+    select_subnet,
+)
 
 __all__ = [
+    "ClassMeans",
+    "ConjugateLaplace",
+    "ConjugatePosterior",
+    "ConjugatePrior",
+    "CovarianceStructure",
+    "EnsemblePosterior",
+    "GaussianPosterior",
+    "GaussianTerm",
+    "GuideKind",
+    "HeadKind",
     "InferenceError",
     "InvalidInputError",
+    "Likelihood",
+    "MapSolver",
     "MemoryBudgetError",
     "NumericalError",
     "Posterior",
+    "Preconditioner",
+    "PredictiveMethod",
+    "SubnetLaplacePosterior",
+    "SufficientStatistics",
+    "average",
+    "check",
+    "clip_features",
+    "combine",
+    "compactness_loss",
+    "diagonal_ggn",
+    "fit_head",
+    "fit_laplace_head",
+    "fit_sgld_head",
+    "fit_subnet_laplace",
+    "gaussian_prior",
+    "gaussian_sigma",
+    "l2_sensitivity",
+    "load_posterior",
+    "log_marginal_likelihood",
+    "privatize",
+    "register_posterior",
+    "save_posterior",
+    "select_subnet",
+    "solve_map",
 ]

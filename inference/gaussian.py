@@ -550,13 +550,13 @@ class GaussianPosterior:
         self,
         inputs: Tensor,
         method: PredictiveMethod | str = PredictiveMethod.PROBIT,
-        num_samples: int = 100,
+        n_samples: int = 100,
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """Class probabilities ``(B, C)`` for features ``inputs (B, m)``.
 
         ``method``: ``"probit"`` (default; ``softmax(f / sqrt(1 + π v / 8))``), ``"mc"``
-        (average of ``num_samples`` softmax draws) or ``"map"`` (softmax at the mean).
+        (average of ``n_samples`` softmax draws) or ``"map"`` (softmax at the mean).
         Computed in float64 on the posterior's device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
@@ -571,7 +571,7 @@ class GaussianPosterior:
             return torch.softmax(kappa * mean, dim=-1).to(out_dtype)
         from inference.ensemble import mean_softmax  # avoid a cycle at import time
 
-        weights = self.sample(num_samples, generator).to(torch.float64)
+        weights = self.sample(n_samples, generator).to(torch.float64)
         features = inputs.to(device=self.device, dtype=torch.float64)
         return mean_softmax(weights, features).to(out_dtype)
 

@@ -97,7 +97,7 @@ def test_probit_predictive_is_softmax_of_scaled_logits_and_mc_averages_draws():
     mean, var = post.logit_moments(x)
     expected = torch.softmax(mean / torch.sqrt(1 + math.pi / 8 * var), -1)
     torch.testing.assert_close(post.predict_proba(x, "probit"), expected, atol=1e-14, rtol=0)
-    mc = post.predict_proba(x, "mc", num_samples=50, generator=torch.Generator().manual_seed(0))
+    mc = post.predict_proba(x, "mc", n_samples=50, generator=torch.Generator().manual_seed(0))
     draws = post.sample(50, generator=torch.Generator().manual_seed(0))
     inputs = torch.cat([torch.ones(4, 1, dtype=F64), x], 1)
     manual = torch.softmax(torch.einsum("bp,scp->sbc", inputs, draws), -1).mean(0)
