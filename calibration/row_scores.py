@@ -45,11 +45,13 @@ which poisons every mean, merge and bootstrap it enters; the floor keeps it fini
 charging such a sample far more than any honestly uncertain one. Logit inputs use the same floor.
 """
 
-# Rows per sweep step: about the size of a core's L2 cache, so that the reductions after the first
-# read the chunk from cache rather than from memory. The tie check runs once per block of steps
-# (still in the last-level cache), which keeps the number of small operations down.
-_CHUNK_BYTES = 2 * 1024 * 1024
-_CHUNKS_PER_BLOCK = 8
+# Sweep step sizes. Single-threaded, a step of about a core's L2 cache lets the reductions after
+# the first read the chunk from cache. With a thread pool every operation ends in a barrier whose
+# cost grows sharply when the CPU is shared, so steps are larger (still in the last-level cache)
+# and fewer. The tie check runs once per block (a few steps), on data still in cache.
+_CHUNK_BYTES_ONE_THREAD = 2 * 1024 * 1024
+_CHUNK_BYTES_THREADED = 16 * 1024 * 1024
+_BLOCK_BYTES = 16 * 1024 * 1024
 # sqrt(2) less a 1e-3 margin for the rounding of the norm (relative error ~K * 6e-8 in float32).
 _TIE_NORM_RATIO = math.sqrt(2.0) * (1.0 - 1e-3)
 _BITS_DTYPE = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -118,9 +120,12 @@ def _from_probabilities(
     bits_dtype = _BITS_DTYPE[probs.dtype]
     bits = probs.view(bits_dtype)
     device = probs.device
-    step = n_samples
+    step, steps_per_block = n_samples, 1
     if device.type == "cpu":  # on accelerators one launch per reduction is best
-        step = max(1, _CHUNK_BYTES // (n_classes * probs.element_size()))
+        threaded = torch.get_num_threads() > 1
+        chunk_bytes = _CHUNK_BYTES_THREADED if threaded else _CHUNK_BYTES_ONE_THREAD
+        step = max(1, chunk_bytes // (n_classes * probs.element_size()))
+        steps_per_block = max(1, _BLOCK_BYTES // chunk_bytes)
     n_steps = -(-n_samples // step)
     max_bits = torch.empty(n_samples, dtype=bits_dtype, device=device) if confidence else None
     step_min_bits = torch.empty(n_steps, dtype=bits_dtype, device=device)
@@ -143,9 +148,9 @@ def _from_probabilities(
             torch.amax(chunk_bits, dim=1, out=max_bits[rows])
         if row_norm is not None:
             torch.linalg.vector_norm(chunk, dim=1, out=row_norm[rows])
-        block_done = (index + 1) % _CHUNKS_PER_BLOCK == 0 or rows.stop == n_samples
+        block_done = (index + 1) % steps_per_block == 0 or rows.stop == n_samples
         if correct is not None and block_done:  # while the block is still in cache
-            block = slice(index // _CHUNKS_PER_BLOCK * _CHUNKS_PER_BLOCK * step, rows.stop)
+            block = slice(index // steps_per_block * steps_per_block * step, rows.stop)
             correct[block] = _first_maximum_is_label(
                 probs[block], column[block], max_bits[block].view(probs.dtype),
                 label_prob[block, 0], row_norm[block],

@@ -48,7 +48,8 @@ class FedBABU(ParameterAveraging):
                 params[name].copy_(value)
         # deterministic per client, so evaluation does not consume any run RNG
         generator = torch.Generator().manual_seed(1_000_003 + client.client_id)
-        train_plain(model, client.data.train_x, client.data.train_y, self.objective,
-                    with_epochs(self.context.training, self.finetune_epochs),
-                    generator=generator, trainable=is_head)
+        with torch.enable_grad():  # evaluation may run under no_grad
+            train_plain(model, client.data.train_x, client.data.train_y, self.objective,
+                        with_epochs(self.context.training, self.finetune_epochs),
+                        generator=generator, trainable=is_head)
         return _softmax_of(model, dict(model.named_parameters()), x)

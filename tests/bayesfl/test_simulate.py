@@ -174,7 +174,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("strategy", ["fedlog-c", "fedper", "fedproto"])
+@pytest.mark.parametrize("strategy", ["fedlog-c", "fedlog-dp-local", "fedper", "fedbabu",
+                                      "fedproto"])
 def test_strategies_run_on_every_available_device(device, strategy):
     result = simulate(strategy, device=device, **{**SMALL, "rounds": 1})
     assert result.clients[0].data.train_x.device.type == device

@@ -145,7 +145,9 @@ def test_ties_at_the_maximum_follow_argmax_first_index():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_many_tied_rows_across_sweep_chunks_follow_argmax(dtype, monkeypatch):
-    monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 4096)  # many small sweep steps
+    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):  # many small sweep steps
+        monkeypatch.setattr(row_scores_module, name, 4096)
+    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 3 * 4096)
     rng = np.random.default_rng(12)
     probs = random_probs(rng, 30_000, 3, dtype=dtype)
     probs[::3] = np.array([1 / 3, 1 / 3, 1 / 3], dtype=dtype)
@@ -203,7 +205,9 @@ def test_evaluate_equals_the_separate_functions():
 
 
 def test_sweep_in_uneven_chunks_equals_reference(monkeypatch):
-    monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 50 * 4 * 777)  # 777-row steps
+    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):  # 777-row steps
+        monkeypatch.setattr(row_scores_module, name, 50 * 4 * 777)
+    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 50 * 4 * 777 * 5)
     rng = np.random.default_rng(8)
     probs = random_probs(rng, 20_000, 50, dtype=np.float32)
     labels = calibrated_labels(rng, probs ** 0.8)
