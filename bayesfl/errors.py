@@ -16,7 +16,7 @@ class DataError(BayesFLError, ValueError):
     """A data set that cannot be loaded or a partition that leaves a client without data."""
 
 
-class MessageRejected(BayesFLError):
+class MessageRejected(BayesFLError):  # noqa: N818 - a rejection the run survives, not a crash
     """An upload or broadcast that failed validation; ``reason`` says why."""
 
     def __init__(self, reason: str, *, client_id: int | None = None) -> None:
