@@ -1,8 +1,5 @@
-"""Shared test configuration: headless plotting and the device list for device-parametrized tests."""
+"""Shared test configuration: headless plotting (no display on CI machines)."""
 
 import matplotlib
-import torch
 
 matplotlib.use("Agg")
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

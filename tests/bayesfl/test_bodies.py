@@ -6,7 +6,7 @@ from torch import nn
 
 from bayesfl.bodies import BODY_KINDS, build_body, check_feature_dim, parse_body_spec
 from bayesfl.errors import ConfigError
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -14,7 +14,7 @@ import bayesfl.checkpoint as checkpoint_module
 from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
 from bayesfl.errors import CheckpointError, ConfigError
 from bayesfl.messages import Header, Message, encode
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 
 CONFIG = {"strategy": "fedlog", "dataset": "digits", "clients": 20, "partition": "shards:2",
           "rounds": 30, "seed": 0}

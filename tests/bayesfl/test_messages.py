@@ -22,7 +22,7 @@ from bayesfl.messages import (
     tensor_digest,
     validate,
 )
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 
 HEADER = Header(strategy="fedlog", round=3, client_id=7, direction="up")
 

@@ -8,6 +8,7 @@ import torch
 from bayesfl.errors import CheckpointError, ConfigError
 from bayesfl.messages import Message, decode, encode
 from bayesfl.simulate import CHECKPOINT_NAME, sample_clients, simulate
+from tests.devices import DEVICES
 
 # a small, fast experiment: 6 clients with 2 classes each of a 4-class Gaussian mixture
 SMALL = dict(
@@ -170,7 +171,6 @@ def test_bad_settings_are_config_errors():
         simulate("fedavg", **{**SMALL, "body": "mlp:16,mlp:8"})
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

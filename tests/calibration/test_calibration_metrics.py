@@ -143,11 +143,20 @@ def test_ties_at_the_maximum_follow_argmax_first_index():
     assert ece(probs, labels) == pytest.approx(expected_ece, abs=EXACT_TOL)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_many_tied_rows_across_sweep_chunks_follow_argmax(dtype, monkeypatch):
-    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):  # many small sweep steps
+@pytest.fixture(params=[1, 2], ids=["one-thread-sweep", "threaded-sweep"])
+def small_sweep_steps(request, monkeypatch):
+    """Tiny sweep steps (many chunks and tie-check blocks) under both sweep plans."""
+    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):
         monkeypatch.setattr(row_scores_module, name, 4096)
-    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 3 * 4096)
+    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES_ONE_THREAD", 3 * 4096)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_many_tied_rows_across_sweep_chunks_follow_argmax(dtype, small_sweep_steps):
     rng = np.random.default_rng(12)
     probs = random_probs(rng, 30_000, 3, dtype=dtype)
     probs[::3] = np.array([1 / 3, 1 / 3, 1 / 3], dtype=dtype)
@@ -204,12 +213,9 @@ def test_evaluate_equals_the_separate_functions():
     assert all(isinstance(result[key], float) for key in ("accuracy", "ece", "mce", "brier"))
 
 
-def test_sweep_in_uneven_chunks_equals_reference(monkeypatch):
-    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):  # 777-row steps
-        monkeypatch.setattr(row_scores_module, name, 50 * 4 * 777)
-    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 50 * 4 * 777 * 5)
+def test_sweep_in_uneven_chunks_equals_reference(small_sweep_steps):
     rng = np.random.default_rng(8)
-    probs = random_probs(rng, 20_000, 50, dtype=np.float32)
+    probs = random_probs(rng, 20_003, 50, dtype=np.float32)  # 4096-byte steps: 20 rows each
     labels = calibrated_labels(rng, probs ** 0.8)
     expected_ece, expected_mce = reference_ece_mce(probs, labels)
     result = evaluate(probs, labels)

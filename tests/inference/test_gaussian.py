@@ -20,7 +20,7 @@ from inference.gaussian import (
     gaussian_prior,
 )
 from inference.laplace_head import fit_laplace_head
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 from tests.inference.ground_truth import linear_regression
 
 F64 = torch.float64

@@ -15,7 +15,7 @@ from inference.laplace_head import (
     negative_log_posterior,
 )
 from inference.options import Likelihood
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 from tests.inference.ground_truth import linear_regression
 
 F64 = torch.float64

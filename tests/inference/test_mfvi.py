@@ -9,7 +9,7 @@ import torch
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior
 from inference.mfvi import fit_mfvi_head
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 from tests.inference.ground_truth import (  # noqa: F401  (fixture)
     linear_regression,
     single_intra_op_thread,

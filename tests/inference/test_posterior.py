@@ -10,7 +10,7 @@ from inference.ensemble import EnsemblePosterior
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, gaussian_prior
 from inference.posterior import Posterior, check, load_posterior, posterior_class, save_posterior
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 
 F64 = torch.float64
 

@@ -10,7 +10,7 @@ from inference.errors import InvalidInputError, NumericalError
 from inference.linear_model import log_likelihood
 from inference.options import Likelihood
 from inference.sgld import SGLDConfig, SGLDState, fit_sgld_head, linear_head_gradients, sgld_update
-from tests.conftest import DEVICES
+from tests.devices import DEVICES
 from tests.inference.ground_truth import (  # noqa: F401  (fixture)
     linear_regression,
     single_intra_op_thread,

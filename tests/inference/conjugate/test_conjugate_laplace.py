@@ -9,8 +9,7 @@ from inference.conjugate.prior import ConjugatePrior
 from inference.conjugate.solver import map_objective, solve_map
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import MemoryBudgetError
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.devices import DEVICES
 
 
 def small_problem(C=4, k=3, seed=0):

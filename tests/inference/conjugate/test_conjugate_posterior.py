@@ -12,8 +12,7 @@ from inference.conjugate.solver import solve_map
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
 from inference.posterior import Posterior
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.devices import DEVICES
 
 
 def statistics(n=600, m=3, C=4, seed=0):

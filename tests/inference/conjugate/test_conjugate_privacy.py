@@ -8,8 +8,7 @@ import torch
 from inference.conjugate.privacy import clip_features, gaussian_sigma, l2_sensitivity, privatize
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.devices import DEVICES
 
 # spec §4.2, m = 101 augmented (100 body features), b = 2, delta = 0.01; one decimal printed.
 SPEC_TABLE = [

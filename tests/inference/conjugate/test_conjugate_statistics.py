@@ -9,8 +9,7 @@ import torch
 
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.devices import DEVICES
 
 
 def batch(B=50, m=4, C=3, seed=0, dtype=torch.float32):

@@ -13,8 +13,8 @@ import copy
 
 import pytest
 import torch
+from subnet_cases import laplace_subnet_reference
 
-from conftest import laplace_subnet_reference
 from inference.subnet import fit_subnet_laplace, flat_trainable_parameters, select_subnet
 
 TOL = 1e-5

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from subnet_cases import make_loader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import make_loader
 from inference.errors import InvalidInputError
 from inference.subnet import (
     SubnetLaplacePosterior,

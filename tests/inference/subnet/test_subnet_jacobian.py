@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from subnet_cases import make_cnn, make_loader, make_mlp
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
-from conftest import make_cnn, make_loader, make_mlp
 from inference.subnet import SubnetJacobian, diagonal_ggn, flat_trainable_parameters
 
 

@@ -6,12 +6,13 @@ import math
 
 import pytest
 import torch
+from subnet_cases import make_mlp
 from torch.func import functional_call, jacrev, vmap
 
-from conftest import DEVICES, make_mlp
 from inference.errors import InvalidInputError, NumericalError
 from inference.posterior import Posterior
 from inference.subnet import SubnetLaplacePosterior, fit_subnet_laplace, flat_trainable_parameters
+from tests.devices import DEVICES
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import pytest
 import torch
 from laplace import Laplace
 from laplace.curvature import AsdlGGN
+from subnet_cases import laplace_subnet_reference, make_loader, make_mlp
 from torch import nn
 
-from conftest import laplace_subnet_reference, make_loader, make_mlp
 from inference.errors import InvalidInputError
 from inference.subnet import (
     diagonal_ggn,
