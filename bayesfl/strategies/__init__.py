@@ -13,15 +13,17 @@ from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
 from bayesfl.strategies.fedper import FedPer
 from bayesfl.strategies.fedproto import FedProto
-from bayesfl.strategies.fedrep import FedRep
-from bayesfl.strategies.lg_fedavg import LGFedAvg
+from bayesfl.strategies.fedrep import FedRep, FedRep1
+from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
 
 STRATEGIES: dict[str, type[BaseStrategy]] = {
     cls.name: cls
     for cls in (FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
-                LGFedAvg, FedBABU, FedProto)
+                FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto)
 }
-"""Registry: strategy name -> class."""
+"""Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
+their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
+``lg-fedavg`` ("LG-FedAvg 1", one global layer) and ``lg-fedavg-2`` ("LG-FedAvg 2")."""
 
 
 def strategy_options(name: str) -> dict[str, Any]:
@@ -72,7 +74,9 @@ __all__ = [
     "FedPer",
     "FedProto",
     "FedRep",
+    "FedRep1",
     "LGFedAvg",
+    "LGFedAvg2",
     "ServerState",
     "Strategy",
     "StrategyContext",

@@ -1,5 +1,10 @@
-"""FedAvg (McMahan et al. 2017): every client trains the whole network; the server averages
-all parameters weighted by client sample counts. Evaluation uses the global network."""
+"""FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks from
+Decentralized Data"): every client trains the whole network; the server averages all
+parameters. Evaluation uses the global network.
+
+Aggregation: weighted by the clients' sample counts, w <- sum_c (n_c / n) w_c, as FedAvg's
+Algorithm 1 does (n = the participating clients' total).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,3 @@ class FedAvg(ParameterAveraging):
 
     name = "fedavg"
     weighted = True
-
-    def shared(self, name: str) -> bool:
-        return True

@@ -310,7 +310,9 @@ class FedLog(BaseStrategy):
         if len({architecture_key(c.model) for c in clients}) != 1:
             return super().predict_proba_batch(clients, state, xs)
         features = forward_stacked([c.model for c in clients], list(xs))
-        return [torch.softmax(head_logits(state["head"], f), dim=-1) for f in features]
+        # one head for all clients' rows (the head is shared), split back per client
+        probs = torch.softmax(head_logits(state["head"], torch.cat(features)), dim=-1)
+        return list(probs.split([f.shape[0] for f in features]))
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -1,17 +1,44 @@
-"""FedPer (Arivazhagan et al. 2019): base layers are federated, personalisation layers stay
-on the client. Here the body is shared and the linear head is personal; local training
-updates both jointly; the server averages the bodies weighted by sample counts (as FedAvg)."""
+"""FedPer (Arivazhagan et al. 2019, "Federated Learning with Personalization Layers"): the base
+layers are federated, the last ``local_layers`` layers ("personalization layers") stay on the
+client. Local training updates all layers jointly, as in FedAvg.
+
+Layers: the FedLog paper runs FedPer with the **last two layers local** (spec fedlog.md §8,
+§5.1: it uploads "everything except the last two FC layers"; 5280 of the MNIST CNN's 21840
+floats), so ``local_layers`` defaults to 2. ``local_layers=1`` keeps only the head personal.
+
+Aggregation: weighted by the clients' sample counts. FedPer trains its base layers with
+FedAvg's server step (Arivazhagan et al. 2019), and FedAvg weights by n_c / n. (The FedRep code
+base, which also runs FedPer, uses equal weights on MNIST/CIFAR; with the FedLog paper's
+equal-size shards both give the same mean.)
+"""
 
 from __future__ import annotations
 
-from bayesfl.strategies.parameter_averaging import ParameterAveraging, is_body
+from torch import nn
+
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.parameter_averaging import (
+    ParameterAveraging,
+    all_but_last_layers,
+    check_layer_count,
+)
 
 
 class FedPer(ParameterAveraging):
-    """Shared body, personal head, joint local training, weighted averaging."""
+    """Shared base layers, personal last layers, joint local training, weighted averaging.
+
+    Args:
+        context: classes, feature dimension, local training, rounds, device, seed.
+        local_layers: how many of the network's last layers stay on the client (the FedLog
+            paper's FedPer: 2).
+    """
 
     name = "fedper"
     weighted = True
 
-    def shared(self, name: str) -> bool:
-        return is_body(name)
+    def __init__(self, context: StrategyContext, *, local_layers: int = 2) -> None:
+        super().__init__(context)
+        self.local_layers = check_layer_count(self.name, "local_layers", local_layers)
+
+    def shared_parameters(self, model: nn.Module) -> frozenset[str]:
+        return all_but_last_layers(model, self.local_layers, self.name)

@@ -1,11 +1,23 @@
-"""FedProto (Tan et al. 2022): clients exchange class prototypes, not parameters.
+"""FedProto (Tan et al. 2022, "FedProto: Federated Prototype Learning across Heterogeneous
+Clients"): clients exchange class prototypes, not parameters.
 
 Each client keeps its whole network (body and head) personal. Local training minimises
-cross-entropy plus ``lambda * mean_j (phi_j(x) - P_y,j)^2`` (MSE to the global prototype of
+cross-entropy plus ``lam * mean_j (phi_j(x) - P_y,j)^2`` (MSE to the global prototype of
 the sample's class; classes without a global prototype contribute no such term). After
-training, a client uploads its per-class mean features (C, d) and class counts (C,); the
-server's global prototype of class y is the count-weighted mean of the clients' prototypes
-of y. Prediction uses each client's own network.
+training, a client uploads its per-class mean features (C, d) and class counts (C,).
+Prediction uses each client's own network (its head's softmax).
+
+Aggregation: the global prototype of class y averages the prototypes of the clients that hold
+y. By default weighted by their counts of y, ``sum_i |D_iy| / N_y * C_iy``: the weights of
+FedProto's aggregation equation (its extra 1/|N_y| factor would shrink the prototype towards 0
+and is not applied) and of its convergence analysis. ``weighted=False`` gives the plain mean
+over those clients, which is what FedProto's published code computes.
+
+Defaults (the FedLog paper gives no FedProto hyperparameters, spec fedlog.md §7.1):
+``lam = 1``, FedProto's tuned value for MNIST and FEMNIST (0.1 for CIFAR-10) and the optimum
+of its lambda sweep; the distance is the MSE (mean over feature dimensions), as the
+``nn.MSELoss`` of FedProto's code. Local training (optimiser, epochs, batch size) is the
+run's, as for the other baselines (the FedLog paper: "mostly follow LG-FedAvg").
 """
 
 from __future__ import annotations
@@ -50,17 +62,23 @@ class FedProto(BaseStrategy):
 
     Args:
         context: classes, feature dimension, local training, rounds, device, seed.
-        lam: weight of the prototype regulariser (FedProto's default 1).
+        lam: weight of the prototype regulariser (FedProto's MNIST/FEMNIST value 1).
+        weighted: weight client prototypes by their class counts (default) or not.
     """
 
     name: ClassVar[str] = "fedproto"
     supports_batched_training: ClassVar[bool] = True
 
-    def __init__(self, context: StrategyContext, *, lam: float = 1.0) -> None:
+    def __init__(
+        self, context: StrategyContext, *, lam: float = 1.0, weighted: bool = True
+    ) -> None:
         super().__init__(context)
         if not lam >= 0:
             raise ConfigError(f"fedproto lam must be >= 0, got {lam}")
+        if not isinstance(weighted, bool):
+            raise ConfigError(f"fedproto weighted must be true or false, got {weighted!r}")
         self.lam = float(lam)
+        self.weighted = weighted
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return PrototypeNet(body, self.feature_dim, self.num_classes)
@@ -137,7 +155,8 @@ class FedProto(BaseStrategy):
         counts = torch.stack([u.tensors["counts"].to(torch.float64) for u in uploads])
         protos = torch.stack([u.tensors["prototypes"].to(torch.float64) for u in uploads])
         total = counts.sum(0)
-        mean = (counts[:, :, None] * protos).sum(0) / total.clamp_min(1.0)[:, None]
+        weights = counts if self.weighted else (counts > 0).to(counts)
+        mean = (weights[:, :, None] * protos).sum(0) / weights.sum(0).clamp_min(1.0)[:, None]
         return {"prototypes": mean.to(torch.float32), "counts": total}
 
     def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:

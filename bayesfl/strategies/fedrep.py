@@ -1,31 +1,73 @@
-"""FedRep (Collins et al. 2021): a shared representation (the body) and a personal head.
-Each round a client first trains its head for ``head_epochs`` with the body frozen (10 in the
-FedLog paper's MNIST/CIFAR-10 runs, spec fedlog.md §7.1), then the body for the local epochs
-with the head frozen; only the body is uploaded and averaged (unweighted, as FedRep's code)."""
+"""FedRep (Collins et al. 2021, "Exploiting Shared Representations for Personalized Federated
+Learning"): a shared representation and a personal head.
+
+Each round a client first trains its personal layers for ``head_epochs`` with the shared ones
+frozen, then the shared layers for the local epochs with the personal ones frozen; only the
+shared layers are uploaded and averaged. FedLog paper settings (spec fedlog.md §7.1): body
+epochs = local epochs, head epochs 10 (MNIST, CIFAR-10; 3 for CIFAR-100) -- the default here.
+
+Layers (spec §4.5, §8): the FedLog paper's v1 "FedRep" (v2 "FedRep 2") keeps the **last two
+layers** local, as FedPer does -- registry name ``fedrep``, ``local_layers=2``; v2 adds
+"FedRep 1" with one local layer (the head, as in the original FedRep paper) -- registry name
+``fedrep-1``, ``local_layers=1``.
+
+Aggregation: unweighted mean over the participating clients. FedRep's Algorithm 1 sets the new
+representation to (1/|I^t|) sum_i phi_i, and its code weights every client by 1 on MNIST and
+CIFAR (``lens = np.ones(num_users)``; sample counts only for the LEAF data sets).
+"""
 
 from __future__ import annotations
 
+from torch import nn
+
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.parameter_averaging import ParameterAveraging, is_body, is_head, with_epochs
+from bayesfl.strategies.parameter_averaging import (
+    ParameterAveraging,
+    all_but_last_layers,
+    check_layer_count,
+    with_epochs,
+)
 from bayesfl.training import LocalTraining, ParameterFilter
 
 
 class FedRep(ParameterAveraging):
-    """Shared body, personal head; head phase then body phase; unweighted averaging."""
+    """Shared representation, personal last layers; head phase then body phase; unweighted.
+
+    Args:
+        context: classes, feature dimension, local training, rounds, device, seed.
+        head_epochs: epochs of the personal-layer phase each round (paper: 10).
+        local_layers: how many of the network's last layers are personal (``fedrep``: 2, the
+            FedLog paper's "FedRep 2"; ``fedrep-1``: 1).
+    """
 
     name = "fedrep"
     weighted = False
 
-    def __init__(self, context: StrategyContext, *, head_epochs: int = 10) -> None:
+    def __init__(
+        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 2
+    ) -> None:
         super().__init__(context)
         if head_epochs < 0:
-            raise ConfigError(f"fedrep head_epochs must be >= 0, got {head_epochs}")
+            raise ConfigError(f"{self.name} head_epochs must be >= 0, got {head_epochs}")
         self.head_epochs = head_epochs
+        self.local_layers = check_layer_count(self.name, "local_layers", local_layers)
 
-    def shared(self, name: str) -> bool:
-        return is_body(name)
+    def shared_parameters(self, model: nn.Module) -> frozenset[str]:
+        return all_but_last_layers(model, self.local_layers, self.name)
 
     def phases(self) -> list[tuple[ParameterFilter, LocalTraining]]:
         training = self.context.training
-        return [(is_head, with_epochs(training, self.head_epochs)), (is_body, training)]
+        return [(self.personal, with_epochs(training, self.head_epochs)),
+                (self.shared, training)]
+
+
+class FedRep1(FedRep):
+    """FedRep with one personal layer (the head): the FedLog paper's v2 "FedRep 1"."""
+
+    name = "fedrep-1"
+
+    def __init__(
+        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 1
+    ) -> None:
+        super().__init__(context, head_epochs=head_epochs, local_layers=local_layers)

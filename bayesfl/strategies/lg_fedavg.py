@@ -1,18 +1,52 @@
-"""LG-FedAvg (Liang et al. 2020): local representations, global head. The body stays on the
-client (so bodies may differ between clients), the linear head is averaged. Local training
-updates both; averaging is unweighted over the participating clients (LG-FedAvg's code).
-The FedLog paper's "LG-FedAvg 1" (one global layer) is this configuration."""
+"""LG-FedAvg (Liang et al. 2020, "Think Locally, Act Globally"): local representations, global
+top layers. The last ``global_layers`` layers are averaged; the layers below stay on the client
+(so clients may use different bodies when only the head is global). Local training updates
+every layer jointly.
+
+Layers (spec fedlog.md §8): the FedLog paper compares "LG-FedAvg 1" (one global layer, the
+head; 510 floats of the MNIST CNN) -- registry name ``lg-fedavg``, ``global_layers=1`` -- and
+"LG-FedAvg 2" (two global layers; 16560 floats) -- ``lg-fedavg-2``, ``global_layers=2``.
+
+Aggregation: unweighted mean over the participating clients, as LG-FedAvg's code does
+(``main_lg.py`` sums the global layers of the m sampled clients and divides by m).
+"""
 
 from __future__ import annotations
 
-from bayesfl.strategies.parameter_averaging import ParameterAveraging, is_head
+from torch import nn
+
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.parameter_averaging import (
+    ParameterAveraging,
+    check_layer_count,
+    only_last_layers,
+)
 
 
 class LGFedAvg(ParameterAveraging):
-    """Personal body, shared head, joint local training, unweighted averaging."""
+    """Personal lower layers, shared last layers, joint local training, unweighted averaging.
+
+    Args:
+        context: classes, feature dimension, local training, rounds, device, seed.
+        global_layers: how many of the network's last layers are averaged (``lg-fedavg``: 1,
+            the FedLog paper's "LG-FedAvg 1"; ``lg-fedavg-2``: 2).
+    """
 
     name = "lg-fedavg"
     weighted = False
 
-    def shared(self, name: str) -> bool:
-        return is_head(name)
+    def __init__(self, context: StrategyContext, *, global_layers: int = 1) -> None:
+        super().__init__(context)
+        self.global_layers = check_layer_count(self.name, "global_layers", global_layers)
+
+    def shared_parameters(self, model: nn.Module) -> frozenset[str]:
+        return only_last_layers(model, self.global_layers, self.name)
+
+
+class LGFedAvg2(LGFedAvg):
+    """LG-FedAvg with two global layers: the FedLog paper's "LG-FedAvg 2"."""
+
+    name = "lg-fedavg-2"
+
+    def __init__(self, context: StrategyContext, *, global_layers: int = 2) -> None:
+        super().__init__(context, global_layers=global_layers)

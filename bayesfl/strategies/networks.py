@@ -1,13 +1,46 @@
 """Client networks of the parameter-sharing strategies: a body followed by a linear head.
 
-Parameter names are ``body.*`` and ``head.weight`` / ``head.bias``, which is how the
-strategies say which part is shared with the server and which part stays personal.
+Parameter names are ``body.*`` and ``head.weight`` / ``head.bias``.
+
+**Layers.** The FedLog paper counts what a baseline shares in *layers* (spec fedlog.md §5.1,
+§8: "LG-FedAvg 2" = two global layers, "FedPer" = last two layers local, ...). Here a layer
+is a module that owns parameters itself (a ``Linear`` or ``Conv2d``: its weight and bias), and
+:func:`layer_parameter_names` lists them from input to output, in module registration order.
+For :class:`ClassifierNet` over the ``nn.Sequential`` bodies of :mod:`bayesfl.bodies` that is
+the forward order; e.g. body ``mlp:200`` gives three layers ``body.1`` (input -> 200),
+``body.3`` (200 -> d) and ``head`` (d -> C), and the FedLog paper's MNIST CNN gives
+conv1, conv2, fc1, head (spec §5.2). :func:`last_layers` names the parameters of the last k.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+
+def layer_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
+    """Parameter names of ``model`` grouped by layer, input to output (module docstring).
+
+    Every module with parameters of its own is one layer (a normalisation layer with an
+    affine weight would count too); modules without parameters (ReLU, pooling, dropout,
+    flatten) are not layers.
+    """
+    groups = []
+    for prefix, module in model.named_modules():
+        own = tuple(f"{prefix}.{name}" if prefix else name
+                    for name, _ in module.named_parameters(recurse=False))
+        if own:
+            groups.append(own)
+    return groups
+
+
+def last_layers(model: nn.Module, count: int) -> frozenset[str]:
+    """Names of the parameters of the last ``count`` layers of ``model`` (0 <= count <= the
+    number of layers; see :func:`layer_parameter_names`)."""
+    groups = layer_parameter_names(model)
+    if not 0 <= count <= len(groups):
+        raise ValueError(f"model has {len(groups)} layers, cannot take the last {count}")
+    return frozenset(name for group in groups[len(groups) - count:] for name in group)
 
 
 class ClassifierNet(nn.Module):

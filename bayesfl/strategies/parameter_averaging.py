@@ -6,6 +6,29 @@ broadcast every round) and which stay *personal* on the client, and how local tr
 proceeds (which parameters are trained, in which phases). The upload is the shared parameters
 plus the sample count; aggregation is their mean, weighted by sample counts or not, as each
 paper does.
+
+What is shared is counted in layers (:func:`~bayesfl.strategies.networks.layer_parameter_names`),
+as the FedLog paper describes its baselines (spec fedlog.md §5.1, §8):
+
+=================  ===========================================  =======================
+registry name      shared with the server                       aggregation
+=================  ===========================================  =======================
+``fedavg``         every layer                                  weighted by n_c
+``fedper``         all but the last ``local_layers`` (2)        weighted by n_c
+``fedrep``         all but the last ``local_layers`` (2)        unweighted
+``fedrep-1``       all but the last ``local_layers`` (1)        unweighted
+``lg-fedavg``      the last ``global_layers`` (1)               unweighted
+``lg-fedavg-2``    the last ``global_layers`` (2)               unweighted
+``fedbabu``        all but the last layer (the head)            weighted by n_c
+=================  ===========================================  =======================
+
+Each module's docstring gives the source of its weighting. With the FedLog paper's shard
+partitions every client holds the same number of samples, so weighted and unweighted means
+coincide there; they differ under Dirichlet or unequal partitions.
+
+The split is computed per client model at :meth:`ParameterAveraging.init`; every client must
+then have the same shared parameter names and shapes (clients with different bodies work only
+where the body is personal, e.g. ``lg-fedavg`` with its one global layer, the head).
 """
 
 from __future__ import annotations
@@ -28,7 +51,12 @@ from bayesfl.strategies.base import (
     check_num_samples,
     num_samples_tensor,
 )
-from bayesfl.strategies.networks import ClassifierNet, cross_entropy_per_sample
+from bayesfl.strategies.networks import (
+    ClassifierNet,
+    cross_entropy_per_sample,
+    last_layers,
+    layer_parameter_names,
+)
 from bayesfl.training import (
     LocalTraining,
     ParameterFilter,
@@ -57,9 +85,20 @@ class ParameterAveraging(BaseStrategy):
     weighted: ClassVar[bool] = True
     """Weight client parameters by their sample counts when averaging."""
 
+    def shared_parameters(self, model: nn.Module) -> frozenset[str]:
+        """Names of the parameters of ``model`` that the server averages (default: all)."""
+        return frozenset(name for name, _ in model.named_parameters())
+
     def shared(self, name: str) -> bool:
-        """Whether parameter ``name`` is averaged by the server."""
-        return True
+        """Whether parameter ``name`` is averaged by the server (known after :meth:`init`)."""
+        names = getattr(self, "_shared_names", None)
+        if names is None:
+            raise RuntimeError(f"{self.name}: call init(clients) before asking what is shared")
+        return name in names
+
+    def personal(self, name: str) -> bool:
+        """Whether parameter ``name`` stays on the client (the complement of :meth:`shared`)."""
+        return not self.shared(name)
 
     def phases(self) -> list[tuple[ParameterFilter, LocalTraining]]:
         """Local training as (which parameters, hyperparameters) phases run in order."""
@@ -73,10 +112,19 @@ class ParameterAveraging(BaseStrategy):
         return ClassifierNet(body, self.feature_dim, self.num_classes)
 
     def init(self, clients: Sequence[Client]) -> ServerState:
-        """The shared parameters of client 0's initial network (all clients start equal)."""
-        first = self._shared_of(clients[0].model)
+        """The shared parameters of client 0's initial network (all clients start equal).
+
+        Raises:
+            ConfigError: a layer count that does not fit the networks, or clients whose shared
+                parameters differ in names or shapes.
+        """
+        def shared_of(model: nn.Module) -> dict[str, Tensor]:
+            names = self.shared_parameters(model)
+            return {k: v for k, v in model.named_parameters() if k in names}
+
+        first = shared_of(clients[0].model)
         for c in clients[1:]:
-            other = self._shared_of(c.model)
+            other = shared_of(c.model)
             if {k: v.shape for k, v in other.items()} != {k: v.shape for k, v in first.items()}:
                 raise ConfigError(
                     f"{self.name} averages {sorted(first)[:3]}...; client {c.client_id}'s body "
@@ -84,6 +132,7 @@ class ParameterAveraging(BaseStrategy):
                     f"{clients[0].body_spec!r}: use one body for all clients with {self.name}"
                 )
         state = {k: v.detach().clone() for k, v in first.items()}
+        self._shared_names = frozenset(state)
         self._shared_shapes = {k: tuple(v.shape) for k, v in state.items()}
         return state
 
@@ -178,3 +227,32 @@ def _softmax_of(model: nn.Module, params: dict[str, Tensor], x: Tensor) -> Tenso
 
 def with_epochs(config: LocalTraining, epochs: int) -> LocalTraining:
     return replace(config, epochs=epochs)
+
+
+def check_layer_count(strategy: str, option: str, value: object) -> int:
+    """``value`` as a layer count >= 1, or ConfigError naming ``strategy`` and ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{strategy} {option} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def all_but_last_layers(model: nn.Module, count: int, strategy: str) -> frozenset[str]:
+    """Parameter names of every layer of ``model`` except the last ``count`` (which stay on
+    the client); ConfigError if that leaves nothing to share."""
+    layers = len(layer_parameter_names(model))
+    if count >= layers:
+        raise ConfigError(f"{strategy} keeps the last {count} layer(s) local, but the client "
+                          f"network has only {layers} (body layers + head): nothing would be "
+                          f"shared; use fewer local layers or a deeper body")
+    every = frozenset(name for name, _ in model.named_parameters())
+    return every - last_layers(model, count)
+
+
+def only_last_layers(model: nn.Module, count: int, strategy: str) -> frozenset[str]:
+    """Parameter names of the last ``count`` layers of ``model`` (the shared ones);
+    ConfigError if the network has fewer layers."""
+    layers = len(layer_parameter_names(model))
+    if count > layers:
+        raise ConfigError(f"{strategy} shares the last {count} layer(s), but the client "
+                          f"network has only {layers} (body layers + head)")
+    return last_layers(model, count)

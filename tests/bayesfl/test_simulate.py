@@ -181,3 +181,67 @@ def test_strategies_run_on_every_available_device(device, strategy):
     assert result.clients[0].data.train_x.device.type == device
     assert 0.0 <= result.summary["accuracy"] <= 1.0
     assert result.summary["rejected_uploads"] == 0
+
+
+def _per_client_accumulators(probs, labels, sizes, n_bins=15):
+    from calibration.accumulator import Accumulator
+
+    accs, start = [], 0
+    for n in sizes:
+        accs.append(Accumulator(n_bins).update(probs[start:start + n], labels[start:start + n]))
+        start += n
+    return [a.compute() for a in accs], Accumulator.merged(accs).compute()
+
+
+@pytest.mark.parametrize("n_bins", [1, 10, 15])
+def test_vectorised_client_metrics_equal_one_accumulator_per_client(n_bins):
+    from bayesfl.evaluation import METRICS, multi_client_metrics
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [int(s) for s in torch.randint(1, 25, (40,), generator=g)]
+    n = sum(sizes)
+    probs = torch.softmax(3 * torch.randn(n, 7, generator=g, dtype=torch.float64), dim=1)
+    probs[:6] = 1 / 7  # ties: the first maximal class is the prediction
+    probs[6, :] = 0.0
+    probs[6, 2] = 1.0  # confidence exactly 1 lands in the last bin
+    labels = torch.randint(0, 7, (n,), generator=g)
+    index = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    per_client, pooled = multi_client_metrics(probs, labels, index, len(sizes), n_bins=n_bins)
+    want_clients, want_pooled = _per_client_accumulators(probs, labels, sizes, n_bins)
+    for got, want in zip(per_client, want_clients, strict=True):
+        assert got["count"] == want["count"]
+        for key in METRICS:
+            assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-14)
+    for key in METRICS:
+        assert pooled[key] == pytest.approx(want_pooled[key], rel=1e-12, abs=1e-14)
+
+
+def test_vectorised_client_metrics_reject_bad_input():
+    from bayesfl.evaluation import multi_client_metrics
+    from calibration.errors import InvalidInputError
+
+    probs = torch.full((4, 2), 0.5, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 1])
+    with pytest.raises(InvalidInputError, match="no samples"):
+        multi_client_metrics(probs, labels, torch.tensor([0, 0, 2, 2]), 3)
+    probs[1] = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="negative"):
+        multi_client_metrics(probs, labels, torch.tensor([0, 0, 1, 1]), 2)
+
+
+@pytest.mark.parametrize("body", ["mlp:16", "mlp:16,mlp:8-8"])
+def test_batched_evaluation_equals_the_per_client_evaluation(body):
+    from bayesfl.evaluation import evaluate_clients
+
+    result = simulate("fedlog", **{**SMALL, "body": body, "rounds": 1})
+    together = evaluate_clients(result.strategy, result.clients, result.state, batched=True)
+    one_by_one = evaluate_clients(result.strategy, result.clients, result.state, batched=False)
+    assert [c["client_id"] for c in together.per_client] == list(range(6))
+    for got, want in zip(together.per_client, one_by_one.per_client, strict=True):
+        assert got.keys() == want.keys() and got["count"] == want["count"]
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert together.pooled == pytest.approx(one_by_one.pooled, rel=1e-9, abs=1e-12)
+    assert together.headline() == pytest.approx(one_by_one.headline(), rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(together.probs, one_by_one.probs, rtol=1e-6, atol=1e-9)
+    assert torch.equal(together.labels, one_by_one.labels)
+    assert torch.equal(together.client_ids, one_by_one.client_ids)

@@ -143,16 +143,11 @@ def test_ties_at_the_maximum_follow_argmax_first_index():
     assert ece(probs, labels) == pytest.approx(expected_ece, abs=EXACT_TOL)
 
 
-@pytest.fixture(params=[1, 2], ids=["one-thread-sweep", "threaded-sweep"])
-def small_sweep_steps(request, monkeypatch):
-    """Tiny sweep steps (many chunks and tie-check blocks) under both sweep plans."""
-    for name in ("_CHUNK_BYTES_ONE_THREAD", "_CHUNK_BYTES_THREADED"):
-        monkeypatch.setattr(row_scores_module, name, 4096)
-    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES_ONE_THREAD", 3 * 4096)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture
+def small_sweep_steps(monkeypatch):
+    """Tiny sweep steps: many chunks and tie-check blocks, the last of each partial."""
+    monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 3 * 4096)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -42,3 +42,22 @@ def test_fedproto_batched_equals_loop(build):
     plain, _ = run_round(strategy, clients, state, 2)
     batched, _ = run_round(strategy, twins, state, 2, batched=True)
     torch.testing.assert_close(plain["prototypes"], batched["prototypes"], atol=1e-5, rtol=1e-5)
+
+
+def test_unweighted_prototypes_are_the_plain_mean_over_clients_holding_the_class(build):
+    strategy, clients, state = build("fedproto", weighted=False)
+    new_state, ups = run_round(strategy, clients, state, 1)
+    for y in range(NUM_CLASSES):
+        holders = [u.tensors["prototypes"][y].double() for u in ups if u.tensors["counts"][y] > 0]
+        torch.testing.assert_close(new_state["prototypes"][y].double(),
+                                   sum(holders) / len(holders), atol=1e-6, rtol=1e-6)
+    assert new_state["counts"].sum() == sum(len(c.data.train_y) for c in clients)
+
+
+def test_fedproto_defaults_and_bad_options():
+    from bayesfl.errors import ConfigError
+    from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
+
+    assert strategy_options("fedproto") == {"lam": 1.0, "weighted": True}
+    with pytest.raises(ConfigError, match="weighted"):
+        make_strategy("fedproto", StrategyContext(3, 4), weighted="yes")

@@ -19,7 +19,8 @@ def shared_names(strategy, clients):
 @pytest.mark.parametrize(
     ("name", "shared"),
     [("fedavg", {"body", "head"}), ("fedper", {"body"}), ("fedrep", {"body"}),
-     ("lg-fedavg", {"head"}), ("fedbabu", {"body"})],
+     ("fedrep-1", {"body"}), ("lg-fedavg", {"head"}), ("lg-fedavg-2", {"body", "head"}),
+     ("fedbabu", {"body"})],
 )
 def test_each_strategy_shares_the_part_its_paper_shares(build, name, shared):
     strategy, clients, _ = build(name)
@@ -77,7 +78,8 @@ def test_fedbabu_never_trains_the_head_during_federated_rounds(build):
     torch.testing.assert_close(probs.sum(1), torch.ones(len(probs), dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedper", "fedrep", "lg-fedavg", "fedbabu"])
+@pytest.mark.parametrize("name", ["fedavg", "fedper", "fedrep", "fedrep-1", "lg-fedavg",
+                                  "lg-fedavg-2", "fedbabu"])
 def test_batched_local_training_matches_the_loop(build, name):
     strategy, clients, state = build(name)
     twins = copy.deepcopy(clients)
@@ -112,3 +114,19 @@ def test_unknown_names_and_options_list_the_valid_ones():
         make_strategy("fedsgd", context)
     with pytest.raises(ConfigError, match="valid: head_epochs"):
         make_strategy("fedrep", context, head_epoch=3)
+
+
+def test_fedbabu_can_fine_tune_the_whole_copy_for_evaluation(build):
+    strategy, clients, state = build("fedbabu", finetune="all", finetune_epochs=2)
+    state, _ = run_round(strategy, clients, state, 1)
+    before = copy.deepcopy(clients[0].model.state_dict())
+    head_only = make_strategy("fedbabu", strategy.context, finetune_epochs=2)
+    head_only.init(clients)
+    x = clients[0].data.test_x
+    probs_all = strategy.predict_proba(clients[0], state, x)
+    probs_head = head_only.predict_proba(clients[0], state, x)
+    assert not torch.allclose(probs_all, probs_head)  # the body moved too
+    for k, v in clients[0].model.state_dict().items():  # the client's own model is untouched
+        assert torch.equal(v, before[k])
+    with pytest.raises(ConfigError, match="finetune"):
+        make_strategy("fedbabu", strategy.context, finetune="body")

@@ -1,0 +1,189 @@
+"""Which layers each parameter-averaging baseline shares, counted as the FedLog paper does.
+
+The parameter counts of the paper's MNIST and CIFAR CNNs (spec fedlog.md §5.2) pin every split
+to the right layer: a split off by one layer changes the float count.
+"""
+
+import copy
+
+import pytest
+import torch
+from strategy_helpers import (
+    INPUT_DIM,
+    NUM_CLASSES,
+    context,
+    make_client_data,
+    make_clients,
+    run_round,
+)
+from torch import nn
+
+from bayesfl.errors import ConfigError
+from bayesfl.strategies import Client, StrategyContext, make_strategy, strategy_options
+from bayesfl.strategies.networks import layer_parameter_names
+from bayesfl.training import LocalTraining
+
+# registry name -> layers of a 4-layer network (body.1, body.3, body.5, head) it averages
+SHARED_LAYERS = {
+    "fedavg": ("body.1", "body.3", "body.5", "head"),
+    "fedper": ("body.1", "body.3"),
+    "fedrep": ("body.1", "body.3"),
+    "fedrep-1": ("body.1", "body.3", "body.5"),
+    "lg-fedavg": ("head",),
+    "lg-fedavg-2": ("body.5", "head"),
+    "fedbabu": ("body.1", "body.3", "body.5"),
+}
+
+
+def mlp_body(widths=(8, 8), feature_dim=4):
+    """Flatten, then Linear+ReLU layers: the shape of bayesfl.bodies' ``mlp:8-8``."""
+    layers, width = [nn.Flatten()], INPUT_DIM
+    for out in (*widths, feature_dim):
+        layers += [nn.Linear(width, out), nn.ReLU()]
+        width = out
+    return nn.Sequential(*layers)
+
+
+def build_net(name, body_factory, sizes=(12, 20, 7), feature_dim=4, num_classes=NUM_CLASSES,
+          **options):
+    ctx = StrategyContext(num_classes, feature_dim,
+                          LocalTraining(epochs=1, lr=1e-2, batch_size=5), rounds=2)
+    strategy = make_strategy(name, ctx, **options)
+    torch.manual_seed(0)
+    model = strategy.build_model(body_factory())
+    clients = [Client(k, make_client_data(k, n, 6, seed=k), copy.deepcopy(model), "test")
+               for k, n in enumerate(sizes)]
+    return strategy, clients, strategy.init(clients)
+
+
+def expected_names(model, layers):
+    return {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[0] in layers}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_LAYERS))
+def test_exactly_the_named_layers_are_averaged_and_the_rest_stay_local(name):
+    strategy, clients, state = build_net(name, mlp_body)
+    model = clients[0].model
+    shared = expected_names(model, SHARED_LAYERS[name])
+    assert set(state) == shared
+    state, ups = run_round(strategy, clients, state, 1)
+    assert set(state) == shared
+    assert all(set(u.tensors) == shared | {"num_samples"} for u in ups)
+    # next round: shared layers arrive identical on every client, personal ones differ
+    down = strategy.broadcast(state, 2)
+    for c in clients:
+        strategy._receive(c, down)
+    for param, _ in model.named_parameters():
+        values = [dict(c.model.named_parameters())[param] for c in clients]
+        same = all(torch.equal(values[0], v) for v in values[1:])
+        if param in shared:
+            assert same, param
+        elif name != "fedbabu":  # FedBABU's personal head is frozen at its (common) init
+            assert not same, param
+
+
+def test_fedbabu_head_stays_at_its_common_initialisation():
+    strategy, clients, state = build_net("fedbabu", mlp_body)
+    init = clients[0].model.head.weight.detach().clone()
+    run_round(strategy, clients, state, 1)
+    assert all(torch.equal(c.model.head.weight, init) for c in clients)
+
+
+def test_fedrep_phases_train_the_personal_layers_then_the_shared_ones():
+    strategy, clients, _ = build_net("fedrep", mlp_body, head_epochs=3)
+    (first, first_cfg), (second, second_cfg) = strategy.phases()
+    names = [n for n, _ in clients[0].model.named_parameters()]
+    assert [n for n in names if first(n)] == ["body.5.weight", "body.5.bias", "head.weight",
+                                              "head.bias"]
+    assert [n for n in names if second(n)] == ["body.1.weight", "body.1.bias", "body.3.weight",
+                                               "body.3.bias"]
+    assert first_cfg.epochs == 3 and second_cfg.epochs == strategy.context.training.epochs
+
+
+def test_paper_defaults_of_the_layer_options():
+    assert strategy_options("fedper")["local_layers"] == 2
+    assert strategy_options("fedrep") == {"head_epochs": 10, "local_layers": 2}
+    assert strategy_options("fedrep-1") == {"head_epochs": 10, "local_layers": 1}
+    assert strategy_options("lg-fedavg") == {"global_layers": 1}
+    assert strategy_options("lg-fedavg-2") == {"global_layers": 2}
+
+
+def test_layer_options_override_the_defaults():
+    _, _, state = build_net("fedper", mlp_body, local_layers=1)
+    assert {n.rsplit(".", 1)[0] for n in state} == {"body.1", "body.3", "body.5"}
+    _, _, state = build_net("lg-fedavg", mlp_body, global_layers=3)
+    assert {n.rsplit(".", 1)[0] for n in state} == {"body.3", "body.5", "head"}
+
+
+@pytest.mark.parametrize(("name", "option", "value"), [
+    ("fedper", "local_layers", 0), ("fedrep", "local_layers", -1),
+    ("lg-fedavg", "global_layers", 0), ("lg-fedavg", "global_layers", 1.5),
+    ("fedper", "local_layers", True),
+])
+def test_bad_layer_counts_are_config_errors(name, option, value):
+    with pytest.raises(ConfigError, match=option):
+        make_strategy(name, StrategyContext(3, 4), **{option: value})
+
+
+def test_layer_counts_that_do_not_fit_the_network_are_config_errors():
+    with pytest.raises(ConfigError, match="nothing would be shared"):
+        build_net("fedper", mlp_body, local_layers=4)
+    with pytest.raises(ConfigError, match="only 4"):
+        build_net("lg-fedavg", mlp_body, global_layers=5)
+
+
+def test_lg_fedavg_2_rejects_bodies_whose_second_global_layer_differs():
+    strategy = make_strategy("lg-fedavg-2", context())
+    with pytest.raises(ConfigError, match="different shared parameter"):
+        strategy.init(make_clients(strategy, bodies=("mlp:8", "mlp:5")))
+    one = make_strategy("lg-fedavg", context())  # one global layer: any bodies
+    one.init(make_clients(one, bodies=("mlp:8", "mlp:5")))
+
+
+# ---- the FedLog paper's CNNs (spec fedlog.md §7.1) and its per-round float counts (§5.2) ---
+def mnist_cnn_body():
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 28, 28)),
+        nn.Conv2d(1, 10, 5), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Conv2d(10, 20, 5), nn.Dropout2d(), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(320, 50), nn.ReLU(), nn.Dropout())
+
+
+def cifar_cnn_body():
+    return nn.Sequential(
+        nn.Unflatten(1, (3, 32, 32)),
+        nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(400, 120), nn.ReLU(), nn.Linear(120, 100), nn.ReLU(),
+        nn.Dropout())
+
+
+PAPER_FLOATS = {  # spec §5.2: floats uploaded per client per round
+    "mnist": {"fedavg": 21840, "lg-fedavg": 510, "lg-fedavg-2": 16560, "fedper": 5280,
+              "fedrep": 5280, "fedbabu": 21330, "fedrep-1": 21330},
+    "cifar10": {"fedavg": 64102, "lg-fedavg": 1010, "lg-fedavg-2": 13110, "fedper": 50992,
+                "fedrep": 50992, "fedbabu": 63092, "fedrep-1": 63092},
+    "cifar100": {"fedavg": 73192, "lg-fedavg": 10100, "lg-fedavg-2": 22200, "fedper": 50992,
+                 "fedrep": 50992, "fedbabu": 63092, "fedrep-1": 63092},
+}
+NETWORKS = {"mnist": (mnist_cnn_body, 50, 10), "cifar10": (cifar_cnn_body, 100, 10),
+            "cifar100": (cifar_cnn_body, 100, 100)}
+
+
+@pytest.mark.parametrize("dataset", sorted(PAPER_FLOATS))
+def test_shared_floats_reproduce_the_papers_per_round_counts(dataset):
+    body, d, num_classes = NETWORKS[dataset]
+    ctx = StrategyContext(num_classes, d)
+    for name, floats in PAPER_FLOATS[dataset].items():
+        strategy = make_strategy(name, ctx)
+        model = strategy.build_model(body())
+        client = Client(0, make_client_data(0, 4, 2, seed=0), model, "paper-cnn")
+        state = strategy.init([client])
+        assert sum(v.numel() for v in state.values()) == floats, name
+        assert strategy.upload_schema().keys() == set(state) | {"num_samples"}
+
+
+def test_the_papers_mnist_cnn_has_four_layers_in_forward_order():
+    model = make_strategy("fedavg", StrategyContext(10, 50)).build_model(mnist_cnn_body())
+    assert [g[0].rsplit(".", 1)[0] for g in layer_parameter_names(model)] == [
+        "body.1", "body.4", "body.9", "head"]
