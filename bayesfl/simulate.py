@@ -5,10 +5,11 @@ seed=0, out="runs/demo")`` loads the data, partitions it, builds every client's 
 round: samples clients (all, or a seeded ``fraction``), encodes the broadcast with
 :func:`bayesfl.messages.encode` and decodes it on the client side, runs local training
 (batched over clients that share one architecture, a plain loop otherwise), encodes every
-upload, decodes and validates it on receipt — an invalid upload is *rejected*, its reason
-logged, and the round goes on with the others — aggregates, evaluates every client with
-:mod:`calibration` (per client and pooled by merging accumulators), appends a line to
-``metrics.jsonl`` and checkpoints atomically.
+upload, decodes and validates it on receipt (the strategy's ``validate_uploads``, one verdict
+per upload) — an invalid upload is *rejected*, its reason logged, and the round goes on with
+the others — aggregates, evaluates every client with :mod:`calibration` (per client and pooled
+by merging accumulators; batched runs score all clients of a round in one vectorised pass),
+appends a line to ``metrics.jsonl`` and checkpoints atomically.
 
 Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
 ``manifest.json`` (config, seed, versions, git hash), ``partition.txt`` / ``partition.json``
@@ -314,11 +315,11 @@ class _Run:
         t_local = time.perf_counter()
         uploads = self._local_updates([self.clients[i] for i in participants], received, r)
         t_local = time.perf_counter() - t_local
-        accepted: list[Message] = []
-        rejections: list[dict[str, Any]] = []
         bytes_up: list[int] = []
         floats_up = 0
         limit = strategy.max_upload_bytes()
+        reasons: dict[int, str] = {}  # client id -> why its upload was rejected
+        received_up: list[tuple[int, Message]] = []
         for cid, upload in zip(participants, uploads, strict=True):
             data = encode(upload)
             floats_up += upload.num_elements
@@ -326,12 +327,19 @@ class _Run:
                 data = upload_hook(r, cid, data)
             bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
             try:
-                message = decode(data, max_bytes=limit)
-                strategy.validate_upload(message, round=r, client_id=cid)
+                received_up.append((cid, decode(data, max_bytes=limit)))
             except MessageRejected as err:
-                rejections.append({"client_id": cid, "reason": err.reason})
-                continue
-            accepted.append(message)
+                reasons[cid] = err.reason
+        verdicts = strategy.validate_uploads([m for _, m in received_up], round=r,
+                                             client_ids=[cid for cid, _ in received_up])
+        accepted: list[Message] = []
+        for (cid, message), reason in zip(received_up, verdicts, strict=True):
+            if reason is None:
+                accepted.append(message)
+            else:
+                reasons[cid] = reason
+        rejections = [{"client_id": cid, "reason": reasons[cid]}
+                      for cid in participants if cid in reasons]
         aggregate_error = None
         try:
             server_gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))

@@ -6,6 +6,7 @@ simulator (and any other transport) drives it like this, once per round ``r``::
     down = strategy.broadcast(state, r)                       # server -> every sampled client
     up_k = strategy.client_update(client_k, down, generator)  # local training, then the upload
     strategy.validate_upload(up_k, round=r, client_id=k)      # raises MessageRejected
+                                                              # (validate_uploads: many)
     state = strategy.aggregate(state, accepted_uploads, r, generator)
     probs = strategy.predict_proba(client_k, state, x)        # (B, C) for evaluation
 
@@ -114,6 +115,10 @@ class Strategy(Protocol):
 
     def validate_upload(self, message: Message, *, round: int, client_id: int) -> None: ...
 
+    def validate_uploads(
+        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
+    ) -> list[str | None]: ...
+
     def aggregate(
         self,
         state: ServerState,
@@ -193,6 +198,22 @@ class BaseStrategy:
 
     def check_invariants(self, message: Message) -> None:
         """Algorithm-specific checks of a schema-valid upload; raise MessageRejected."""
+
+    def validate_uploads(
+        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
+    ) -> list[str | None]:
+        """:meth:`validate_upload` of many uploads: per upload None (accepted) or the reason
+        it is rejected. Strategies may check many uploads together, but the verdicts and
+        reasons must be those of :meth:`validate_upload` one upload at a time."""
+        reasons: list[str | None] = []
+        for message, cid in zip(messages, client_ids, strict=True):
+            try:
+                self.validate_upload(message, round=round, client_id=cid)
+            except MessageRejected as err:
+                reasons.append(err.reason)
+            else:
+                reasons.append(None)
+        return reasons
 
     # ---- client side ----------------------------------------------------------------------
     def client_update_batch(

@@ -29,6 +29,7 @@ Variants (each its own registry name, so message headers say which one is runnin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.messages import Message, Schema, TensorSpec, validate
 from bayesfl.strategies.base import (
     NUM_SAMPLES_SPEC,
     BaseStrategy,
@@ -48,7 +49,13 @@ from bayesfl.strategies.base import (
     num_samples_tensor,
 )
 from bayesfl.strategies.networks import batched_apply
-from bayesfl.training import architecture_key, forward_stacked, train_batched, train_plain
+from bayesfl.training import (
+    architecture_key,
+    forward_stacked,
+    forward_stacked_concat,
+    train_batched,
+    train_plain,
+)
 from inference.conjugate import (
     ClassMeans,
     ConjugatePosterior,
@@ -58,6 +65,7 @@ from inference.conjugate import (
     gaussian_sigma,
     privatize,
 )
+from inference.conjugate.statistics import _double_double_add, checked_batch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -199,9 +207,35 @@ class FedLog(BaseStrategy):
             train_batched([c.model for c in clients], [c.data.train_x for c in clients],
                           [c.data.train_y for c in clients], objective, self.context.training,
                           generators=generators)
-        features = forward_stacked([c.model for c in clients], [c.data.train_x for c in clients])
-        return [self._upload(c, round, g, f)
-                for c, g, f in zip(clients, generators, features, strict=True)]
+        features = forward_stacked_concat([c.model for c in clients],
+                                          [c.data.train_x for c in clients])
+        tables = self.batch_statistics(clients, features).cpu()
+        return [self._upload(c, round, g, table=t)
+                for c, g, t in zip(clients, generators, tables, strict=True)]
+
+    def batch_statistics(self, clients: Sequence[Client], features: Tensor) -> Tensor:
+        """S_c (K, C, m) float64 of K clients at once, from ``features`` (sum_k n_k, m - 1):
+        their training features concatenated client after client.
+
+        One scatter over (client, class) rows adds the samples to each table in the order
+        :meth:`SufficientStatistics.from_features` adds them, so every table is the one
+        :meth:`client_statistics` gives (non-finite features fall back to it, which raises).
+        """
+        C = self.num_classes
+        labels = torch.cat([c.data.train_y for c in clients])
+        features, labels = checked_batch(features, labels.to(features.device), C)
+        sizes = torch.tensor([c.data.num_train for c in clients], device=features.device)
+        owner = torch.repeat_interleave(torch.arange(len(clients), device=features.device), sizes)
+        rows = torch.empty(features.shape[0], self.m, dtype=torch.float64, device=features.device)
+        rows[:, 0] = 1.0
+        rows[:, 1:] = features
+        tables = torch.zeros(len(clients) * C, self.m, dtype=torch.float64,
+                             device=features.device)
+        tables.index_add_(0, owner * C + labels, rows)
+        if not bool(torch.isfinite(tables).all()):
+            for c, f in zip(clients, features.split(sizes.tolist()), strict=True):
+                self.client_statistics(c, f)  # raises for the first client with a bad feature
+        return tables.view(len(clients), C, self.m)
 
     def client_statistics(self, client: Client, features: Tensor | None = None) -> Tensor:
         """S_c (C, m) float64 of the client's training features (eval mode, no grad);
@@ -218,8 +252,11 @@ class FedLog(BaseStrategy):
         round: int,
         generator: torch.Generator,
         features: Tensor | None = None,
+        *,
+        table: Tensor | None = None,
     ) -> Message:
-        table = self.client_statistics(client, features).cpu()
+        if table is None:
+            table = self.client_statistics(client, features).cpu()
         if self.dp_placement == "local":
             noisy = privatize(SufficientStatistics(table, client.data.num_train), self.sigma,
                               generator)
@@ -261,6 +298,57 @@ class FedLog(BaseStrategy):
                 raise MessageRejected(f"feature sums exceed the clamp bound {self.clip} times "
                                       "the class counts", client_id=cid)
 
+    def validate_uploads(
+        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
+    ) -> list[str | None]:
+        """:meth:`validate_upload` of many uploads, with the tensor checks done together.
+
+        Header, names, dtypes and shapes are checked per message (cheap); finiteness and the
+        count invariants of all schema-valid uploads at once on their stacked statistics.
+        Any upload that fails (or that the stacked checks cannot judge exactly) is checked
+        again on its own, so verdicts and reasons are those of :meth:`validate_upload`.
+        """
+        if (type(self).validate_upload is not BaseStrategy.validate_upload
+                or type(self).check_invariants is not FedLog.check_invariants):
+            return super().validate_uploads(messages, round=round, client_ids=client_ids)
+        loose = {name: dataclasses.replace(spec, finite=False)
+                 for name, spec in self.upload_schema().items()}
+        reasons: list[str | None] = [None] * len(messages)
+        shaped: list[int] = []
+        for i, (message, cid) in enumerate(zip(messages, client_ids, strict=True)):
+            try:
+                validate(message, loose, strategy=self.name, round=round, client_id=cid,
+                         direction="up")
+            except MessageRejected:
+                reasons[i] = self._reason(message, round, cid)
+            else:
+                shaped.append(i)
+        if not shaped:
+            return reasons
+        tables = torch.stack([messages[i].tensors["statistics"] for i in shaped])
+        tables = tables.to(torch.float64)
+        ok = torch.isfinite(tables).flatten(1).all(1)
+        if self.dp_placement != "local":
+            n = torch.cat([messages[i].tensors["num_samples"] for i in shaped])
+            counts = tables[:, :, 0]
+            ok &= (n >= 1) & (n <= 2**52)  # exact in float64 below
+            ok &= (counts >= 0).all(1) & (counts == counts.round()).all(1)
+            ok &= counts.sum(1) == n.to(torch.float64)
+            if self.dp_placement == "central":
+                limit = self.clip * counts[:, :, None] * (1 + 1e-6) + 1e-6
+                ok &= (tables[:, :, 1:].abs() <= limit).flatten(1).all(1)
+        for j in (~ok).nonzero().flatten().tolist():
+            i = shaped[j]
+            reasons[i] = self._reason(messages[i], round, client_ids[i])
+        return reasons
+
+    def _reason(self, message: Message, round: int, client_id: int) -> str | None:
+        try:
+            self.validate_upload(message, round=round, client_id=client_id)
+        except MessageRejected as err:
+            return err.reason
+        return None
+
     # ---- server ---------------------------------------------------------------------------
     def solve_head(self, table: Tensor, n: float, *, privatized: bool | None = None) -> Tensor:
         """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
@@ -281,11 +369,10 @@ class FedLog(BaseStrategy):
         if not uploads:
             return state
         private = self.dp_placement == "local"
-        total = SufficientStatistics.sum(  # exact (double-double) sum: order-independent
-            SufficientStatistics(u.tensors["statistics"].to(torch.float64),
-                                 0 if private else int(u.tensors["num_samples"].item()),
-                                 privatized=private)
-            for u in uploads)
+        total = exact_sum(  # exact (double-double) sum: order-independent
+            torch.stack([u.tensors["statistics"] for u in uploads]).to(torch.float64),
+            0 if private else int(torch.cat([u.tensors["num_samples"] for u in uploads]).sum()),
+            privatized=private)
         if private:  # n_c is not sent: the noisy counts, rounded, at least 1
             noisy_n = int(total.table[:, 0].sum().round().item())
             total = SufficientStatistics(total.table, max(1, noisy_n), privatized=True)
@@ -313,6 +400,23 @@ class FedLog(BaseStrategy):
         # one head for all clients' rows (the head is shared), split back per client
         probs = torch.softmax(head_logits(state["head"], torch.cat(features)), dim=-1)
         return list(probs.split([f.shape[0] for f in features]))
+
+
+def exact_sum(tables: Tensor, n: int, *, privatized: bool = False) -> SufficientStatistics:
+    """``SufficientStatistics.sum`` of the K tables ``(K, C, m)`` (their count ``n``), computed
+    as a pairwise tree of vectorised double-double additions (log2 K tensor steps instead of
+    K - 1 object additions). Double-double sums carry the rounding error of every addition,
+    so the table is the float64 rounding of the exact sum whatever the order (to ~2^-104)."""
+    high, low = tables, torch.zeros_like(tables)
+    while high.shape[0] > 1:
+        half = high.shape[0] // 2
+        pair_high, pair_low = _double_double_add(high[:half], low[:half],
+                                                 high[half : 2 * half], low[half : 2 * half])
+        if high.shape[0] % 2:
+            pair_high = torch.cat([pair_high, high[-1:]])
+            pair_low = torch.cat([pair_low, low[-1:]])
+        high, low = pair_high, pair_low
+    return SufficientStatistics(table=high[0], n=n, privatized=privatized, low=low[0])
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -245,3 +245,90 @@ def test_batched_evaluation_equals_the_per_client_evaluation(body):
     torch.testing.assert_close(together.probs, one_by_one.probs, rtol=1e-6, atol=1e-9)
     assert torch.equal(together.labels, one_by_one.labels)
     assert torch.equal(together.client_ids, one_by_one.client_ids)
+
+
+def _tampered_uploads(strategy, ups):
+    """Valid uploads and one of each kind of bad upload, as received (wire round trip)."""
+
+    def tamper(up, **tensors):
+        return decode(encode(Message(up.header, {**up.tensors, **tensors})))
+
+    stats = ups[0].tensors["statistics"]
+    bad = [
+        tamper(ups[1], statistics=stats[:, :-1]),
+        tamper(ups[2], statistics=stats.double()),
+        tamper(ups[3], statistics=torch.full_like(stats, float("nan"))),
+        tamper(ups[4], statistics=torch.cat([stats[:, :1] + 0.5, stats[:, 1:]], 1)),
+        tamper(ups[5], statistics=torch.cat([-stats[:, :1], stats[:, 1:]], 1)),
+        tamper(ups[0], statistics=torch.cat([stats[:, :1], stats[:, 1:] + 100.0], 1)),
+    ]
+    if "num_samples" in ups[0].tensors:
+        n = ups[0].tensors["num_samples"]
+        bad += [tamper(ups[1], num_samples=n + 1), tamper(ups[2], num_samples=n * 0),
+                tamper(ups[3], num_samples=n.to(torch.int32))]
+    else:
+        bad.append(tamper(ups[1], num_samples=torch.tensor([3])))
+    return ups + bad
+
+
+@pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-central", "fedlog-dp-local",
+                                      "fedlog-c"])
+def test_validating_uploads_together_gives_the_one_by_one_verdicts(strategy):
+    from bayesfl.errors import MessageRejected
+
+    result = simulate(strategy, **{**SMALL, "rounds": 0})
+    s, clients = result.strategy, result.clients
+    down = decode(encode(s.broadcast(result.state, 0)))
+    gens = [torch.Generator().manual_seed(c.client_id) for c in clients]
+    ups = [decode(encode(u)) for u in s.client_update_batch(clients, down, gens)]
+    received = _tampered_uploads(s, ups)
+    ids = [m.header.client_id for m in received]
+    ids[0] = 5  # a header naming another client
+    for r in (0, 1):  # round 1: every header names the wrong round
+        want = []
+        for m, cid in zip(received, ids, strict=True):
+            try:
+                s.validate_upload(m, round=r, client_id=cid)
+            except MessageRejected as err:
+                want.append(err.reason)
+            else:
+                want.append(None)
+        assert s.validate_uploads(received, round=r, client_ids=ids) == want
+        assert sum(v is None for v in want) >= (5 if r == 0 else 0)
+
+
+@pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-local"])
+def test_batched_uploads_equal_the_per_client_uploads(strategy):
+    result = simulate(strategy, **{**SMALL, "rounds": 1})
+    s, clients = result.strategy, result.clients
+    down = decode(encode(s.broadcast(result.state, 0)))
+    together = s.client_update_batch(
+        clients, down, [torch.Generator().manual_seed(c.client_id) for c in clients])
+    for c, up in zip(clients, together, strict=True):
+        alone = s.client_update(c, down, torch.Generator().manual_seed(c.client_id))
+        assert up.header == alone.header and up.tensors.keys() == alone.tensors.keys()
+        for name, tensor in alone.tensors.items():
+            torch.testing.assert_close(up.tensors[name], tensor, rtol=1e-6, atol=1e-5)
+    from bayesfl.training import forward_stacked_concat
+
+    features = forward_stacked_concat([c.model for c in clients],
+                                      [c.data.train_x for c in clients])
+    tables = s.batch_statistics(clients, features)
+    for c, table, f in zip(clients, tables, features.split([c.data.num_train for c in clients]),
+                           strict=True):
+        assert torch.equal(table, s.client_statistics(c, f))
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 64, 333])
+def test_exact_sum_equals_the_sequential_double_double_sum(k):
+    from bayesfl.strategies.fedlog import exact_sum
+    from inference.conjugate import SufficientStatistics
+
+    g = torch.Generator().manual_seed(k)
+    tables = (torch.randn(k, 3, 5, generator=g, dtype=torch.float64)
+              * torch.logspace(-8, 8, 5, dtype=torch.float64))
+    want = SufficientStatistics.sum(SufficientStatistics(t, 2) for t in tables)
+    got = exact_sum(tables, 2 * k)
+    assert got.n == want.n == 2 * k
+    assert torch.equal(got.table, want.table)
+    torch.testing.assert_close(got.low, want.low, rtol=0, atol=1e-30)
