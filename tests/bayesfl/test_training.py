@@ -86,3 +86,45 @@ def test_bad_hyperparameters_are_config_errors():
         LocalTraining(batch_size=0)
     with pytest.raises(ConfigError):
         LocalTraining(lr=0.0)
+
+
+def _bn_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model[1].running_mean.uniform_(-1, 1)  # buffers that matter in eval mode
+    return model
+
+
+@pytest.mark.parametrize("chunk", [2, 256])
+def test_stacked_forward_equals_each_model_on_its_own_inputs(chunk):
+    from bayesfl.training import forward_stacked, forward_stacked_concat
+
+    sizes = [7, 1, 12, 4, 3]
+    xs, _ = _client_data(sizes)
+    models = [_bn_mlp(k) for k in range(len(sizes))]
+    with torch.no_grad():
+        want = [m.eval()(x) for m, x in zip(models, xs, strict=True)]
+    for m in models:
+        m.train()
+    together = forward_stacked_concat(models, xs, chunk=chunk)
+    torch.testing.assert_close(together, torch.cat(want), rtol=1e-6, atol=1e-6)
+    for got, expected in zip(forward_stacked(models, xs, chunk=chunk), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert all(m.training for m in models)  # modes are restored
+
+
+def test_named_tensors_follow_the_module_even_after_reassignment():
+    from bayesfl.training import named_tensors
+
+    model = _bn_mlp(0)
+    for kind, named in (("parameters", model.named_parameters()),
+                        ("buffers", model.named_buffers())):
+        cached = named_tensors(model, kind)
+        assert [(n, id(t)) for n, t in cached.items()] == [(n, id(t)) for n, t in named]
+    model[0].weight = nn.Parameter(torch.zeros(8, 5))  # cached slots still see the new one
+    model[1].running_var = torch.full((8,), 2.0)
+    assert named_tensors(model)["0.weight"] is model[0].weight
+    assert named_tensors(model, "buffers")["1.running_var"] is model[1].running_var
+    with torch.no_grad():
+        model[3].bias.add_(1.0)  # in-place updates are visible too (same tensor)
+    assert torch.equal(named_tensors(model)["3.bias"], model[3].bias)
