@@ -65,7 +65,7 @@ from inference.conjugate import (
     gaussian_sigma,
     privatize,
 )
-from inference.conjugate.statistics import _double_double_add, checked_batch
+from inference.conjugate.statistics import checked_batch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -369,7 +369,7 @@ class FedLog(BaseStrategy):
         if not uploads:
             return state
         private = self.dp_placement == "local"
-        total = exact_sum(  # exact (double-double) sum: order-independent
+        total = SufficientStatistics.sum_tables(  # exact (double-double): order-independent
             torch.stack([u.tensors["statistics"] for u in uploads]).to(torch.float64),
             0 if private else int(torch.cat([u.tensors["num_samples"] for u in uploads]).sum()),
             privatized=private)
@@ -400,23 +400,6 @@ class FedLog(BaseStrategy):
         # one head for all clients' rows (the head is shared), split back per client
         probs = torch.softmax(head_logits(state["head"], torch.cat(features)), dim=-1)
         return list(probs.split([f.shape[0] for f in features]))
-
-
-def exact_sum(tables: Tensor, n: int, *, privatized: bool = False) -> SufficientStatistics:
-    """``SufficientStatistics.sum`` of the K tables ``(K, C, m)`` (their count ``n``), computed
-    as a pairwise tree of vectorised double-double additions (log2 K tensor steps instead of
-    K - 1 object additions). Double-double sums carry the rounding error of every addition,
-    so the table is the float64 rounding of the exact sum whatever the order (to ~2^-104)."""
-    high, low = tables, torch.zeros_like(tables)
-    while high.shape[0] > 1:
-        half = high.shape[0] // 2
-        pair_high, pair_low = _double_double_add(high[:half], low[:half],
-                                                 high[half : 2 * half], low[half : 2 * half])
-        if high.shape[0] % 2:
-            pair_high = torch.cat([pair_high, high[-1:]])
-            pair_low = torch.cat([pair_low, low[-1:]])
-        high, low = pair_high, pair_low
-    return SufficientStatistics(table=high[0], n=n, privatized=privatized, low=low[0])
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -153,16 +153,7 @@ class SufficientStatistics:
             return self
         if not isinstance(other, SufficientStatistics):
             return NotImplemented
-        if other.table.shape != self.table.shape:
-            raise InvalidInputError(
-                f"cannot add statistics of shapes {tuple(self.table.shape)} and "
-                f"{tuple(other.table.shape)} (classes x (features + 1) must match)"
-            )
-        if other.table.device != self.table.device:
-            raise InvalidInputError(
-                f"cannot add statistics on {self.table.device} and {other.table.device}; "
-                "move one with .to(device) first"
-            )
+        _check_addable(self, other)
         high, low = _double_double_add(self.table, self.low, other.table, other.low)
         return SufficientStatistics(
             table=high, n=self.n + other.n, privatized=self.privatized or other.privatized, low=low
@@ -173,14 +164,36 @@ class SufficientStatistics:
 
     @classmethod
     def sum(cls, statistics: Iterable[SufficientStatistics]) -> SufficientStatistics:
-        """The exact sum of a non-empty collection (same as Python's ``sum``)."""
+        """The exact sum of a non-empty collection (same as Python's ``sum``), computed as a
+        pairwise tree of vectorised double-double additions."""
         items = list(statistics)
         if not items:
             raise InvalidInputError("cannot sum an empty collection of statistics")
-        total = items[0]
         for item in items[1:]:
-            total = total + item
-        return total
+            _check_addable(items[0], item)
+        high, low = exact_table_sum(
+            torch.stack([s.table for s in items]), torch.stack([s.low for s in items])
+        )
+        return cls(
+            table=high,
+            n=sum(s.n for s in items),
+            privatized=any(s.privatized for s in items),
+            low=low,
+        )
+
+    @classmethod
+    def sum_tables(
+        cls, tables: Tensor, n: int, *, privatized: bool = False
+    ) -> SufficientStatistics:
+        """The exact sum of K stacked float64 tables ``(K, C, m + 1)`` whose counts add to
+        ``n``: what :meth:`sum` gives for the same statistics, without building K objects."""
+        if tables.ndim != 3 or tables.shape[0] == 0:
+            raise InvalidInputError(
+                f"expected a non-empty stack (K, C, m + 1) of tables, got {tuple(tables.shape)}"
+            )
+        high, low = exact_table_sum(tables.to(torch.float64), torch.zeros_like(tables,
+                                                                             dtype=torch.float64))
+        return cls(table=high, n=n, privatized=privatized, low=low)
 
     # ------------------------------------------------------------------ checks
 
@@ -258,6 +271,35 @@ class SufficientStatistics:
             f"SufficientStatistics(C={self.num_classes}, m={self.feature_dim}, n={self.n}"
             f"{flag}, device={self.device})"
         )
+
+
+def _check_addable(a: SufficientStatistics, b: SufficientStatistics) -> None:
+    if b.table.shape != a.table.shape:
+        raise InvalidInputError(
+            f"cannot add statistics of shapes {tuple(a.table.shape)} and "
+            f"{tuple(b.table.shape)} (classes x (features + 1) must match)"
+        )
+    if b.table.device != a.table.device:
+        raise InvalidInputError(
+            f"cannot add statistics on {a.table.device} and {b.table.device}; "
+            "move one with .to(device) first"
+        )
+
+
+def exact_table_sum(high: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
+    """Double-double sum over the leading axis of ``high + low`` (both ``(K, ...)``, float64):
+    a pairwise tree of vectorised additions (log2 K tensor steps). Every addition carries its
+    rounding error, so the result is the exact sum to ~2^-104 relative, whatever the order."""
+    while high.shape[0] > 1:
+        half = high.shape[0] // 2
+        pair_high, pair_low = _double_double_add(
+            high[:half], low[:half], high[half : 2 * half], low[half : 2 * half]
+        )
+        if high.shape[0] % 2:
+            pair_high = torch.cat([pair_high, high[-1:]])
+            pair_low = torch.cat([pair_low, low[-1:]])
+        high, low = pair_high, pair_low
+    return high[0], low[0]
 
 
 def _double_double_add(a_high: Tensor, a_low: Tensor, b_high: Tensor, b_low: Tensor

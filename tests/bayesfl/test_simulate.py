@@ -317,18 +317,3 @@ def test_batched_uploads_equal_the_per_client_uploads(strategy):
     for c, table, f in zip(clients, tables, features.split([c.data.num_train for c in clients]),
                            strict=True):
         assert torch.equal(table, s.client_statistics(c, f))
-
-
-@pytest.mark.parametrize("k", [1, 2, 5, 64, 333])
-def test_exact_sum_equals_the_sequential_double_double_sum(k):
-    from bayesfl.strategies.fedlog import exact_sum
-    from inference.conjugate import SufficientStatistics
-
-    g = torch.Generator().manual_seed(k)
-    tables = (torch.randn(k, 3, 5, generator=g, dtype=torch.float64)
-              * torch.logspace(-8, 8, 5, dtype=torch.float64))
-    want = SufficientStatistics.sum(SufficientStatistics(t, 2) for t in tables)
-    got = exact_sum(tables, 2 * k)
-    assert got.n == want.n == 2 * k
-    assert torch.equal(got.table, want.table)
-    torch.testing.assert_close(got.low, want.low, rtol=0, atol=1e-30)

@@ -1,8 +1,10 @@
 """SufficientStatistics: the fused statistics pass, exact addition, validation, transport."""
 
+import functools
 import io
 import itertools
 import math
+import operator
 
 import pytest
 import torch
@@ -165,3 +167,21 @@ def test_to_moves_a_copy(device):
     moved = stats.to(device)
     assert moved.table.device.type == device and stats.table.device.type == "cpu"
     assert torch.equal(moved.table.cpu(), stats.table)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 64, 333])
+def test_sum_of_stacked_tables_is_the_correctly_rounded_exact_sum(k):
+    g = torch.Generator().manual_seed(k)
+    tables = torch.randn(k, 3, 5, generator=g, dtype=torch.float64) * torch.logspace(
+        -8, 8, 5, dtype=torch.float64
+    )
+    stacked = SufficientStatistics.sum_tables(tables, 2 * k)
+    one_by_one = functools.reduce(operator.add, (SufficientStatistics(t, 2) for t in tables))
+    pairwise = SufficientStatistics.sum(SufficientStatistics(t, 2) for t in tables)
+    exact = torch.tensor(
+        [[math.fsum(tables[:, i, j].tolist()) for j in range(5)] for i in range(3)],
+        dtype=torch.float64,
+    )  # math.fsum: the correctly rounded sum, an independent reference
+    assert stacked.n == one_by_one.n == pairwise.n == 2 * k
+    for total in (stacked, one_by_one, pairwise):
+        assert torch.equal(total.table, exact)
