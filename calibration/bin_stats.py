@@ -90,10 +90,11 @@ def binned_sums(
     """
     n_bins = edges.numel() - 1
     index = bin_indices(confidence, edges)
-    confidence_sums = torch.zeros(n_bins, dtype=torch.float64, device=confidence.device)
-    confidence_sums.index_add_(0, index, confidence.to(torch.float64))
-    # One histogram over (bin, correct) pairs gives both the counts and the correct counts.
-    pairs = torch.bincount(index * 2 + correct, minlength=2 * n_bins)
+    confidence_sums = torch.bincount(index, weights=confidence.to(torch.float64),
+                                     minlength=n_bins)
+    # One histogram over (bin, correct) pairs gives both the counts and the correct counts
+    # (int32 indices: bincount is several times faster on them than on int64).
+    pairs = torch.bincount(index * 2 + correct.to(torch.int32), minlength=2 * n_bins)
     pairs = pairs.view(n_bins, 2)
     return pairs.sum(1), confidence_sums, pairs[:, 1].contiguous()
 

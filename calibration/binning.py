@@ -97,9 +97,10 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
     exact_edges = _edges_like(confidences, edges)
     if torch.equal(edges.cpu(), uniform_edges(n_bins)):
         index = (confidences * n_bins).to(torch.int32).clamp_(0, n_bins - 1)
-        # The product can round across an edge by one ulp; compare with the edges to settle it.
-        index -= (confidences < exact_edges[index]).to(torch.int32)
-        index += (confidences >= exact_edges[index + 1]).to(torch.int32)
+        # The product can round across an edge by one ulp; compare with the edges to settle it
+        # (index_select: much faster than advanced indexing on CPU).
+        index -= torch.lt(confidences, exact_edges.index_select(0, index)).to(torch.int32)
+        index += torch.ge(confidences, exact_edges.index_select(0, index + 1)).to(torch.int32)
     else:
         index = torch.bucketize(confidences, exact_edges, right=True, out_int32=True) - 1
     return index.clamp_(0, n_bins - 1)
