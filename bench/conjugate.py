@@ -5,8 +5,9 @@
    no entry by more than 1e-3; spec §2.2), timed in the same run, with each one's objective gap
    to the best objective found (absolute, and relative to |J_best|).
 2. Client statistics pass: ``SufficientStatistics.from_features`` on a batch against one
-   forward pass (eval, no grad) of a small body on the same batch — an MLP
-   784 -> 256 -> 256 -> 512 with ReLUs, float32, batch 2048 — i.e. m = 512 features.
+   forward pass (eval, no grad) of a small body on the same batch (float32, batch 2048): an
+   MLP 784 -> 256 -> 256 -> 512 (m = 512, C = 100: the solver's size; ``stats_vs_forward``)
+   and the paper's MNIST CNN body (m = 50, C = 10; ``stats_vs_forward_paper_cnn``).
 
 Runs single-threaded by default (``--threads``): on a shared machine torch's spinning
 intra-op threads make timings erratic. Prints a table, then one JSON line with
@@ -69,16 +70,35 @@ def bench_solver(num_classes: int, feature_dim: int, n: int, repeats: int) -> di
     }
 
 
-def bench_statistics(batch: int, num_classes: int, repeats: int) -> dict[str, float]:
-    """Forward pass and statistics pass timed alternately (same load for both); the best of
-    ``repeats`` is each one's cost (noise on a shared machine only ever adds time)."""
+def mlp_body() -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """MLP 784 -> 256 -> 256 -> 512 (ReLUs): m = 512 features, the solver benchmark's size."""
     body = torch.nn.Sequential(
         torch.nn.Linear(784, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 256), torch.nn.ReLU(),
         torch.nn.Linear(256, 512), torch.nn.ReLU(),
-    ).eval()
+    )
+    return body, (784,)
+
+
+def paper_mnist_body() -> tuple[torch.nn.Module, tuple[int, ...]]:
+    """The FedLog paper's MNIST body (LG-FedAvg CNN, spec §7.1): m = 50 features."""
+    body = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 10, 5), torch.nn.MaxPool2d(2), torch.nn.ReLU(),
+        torch.nn.Conv2d(10, 20, 5), torch.nn.Dropout2d(0.5), torch.nn.MaxPool2d(2),
+        torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(320, 50), torch.nn.ReLU(),
+    )
+    return body, (1, 28, 28)
+
+
+def bench_statistics(
+    body: torch.nn.Module, input_shape: tuple[int, ...], batch: int, num_classes: int,
+    repeats: int,
+) -> dict[str, float]:
+    """Forward pass and statistics pass timed alternately (same load for both); the best of
+    ``repeats`` is each one's cost (noise on a shared machine only ever adds time)."""
+    body = body.eval()
     generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(batch, 784, generator=generator)
+    inputs = torch.randn(batch, *input_shape, generator=generator)
     labels = torch.randint(0, num_classes, (batch,), generator=generator)
     forward, statistics = [], []
     with torch.no_grad():
@@ -104,7 +124,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     solver = bench_solver(num_classes=100, feature_dim=512, n=20_000, repeats=args.repeats)
-    pass_ = bench_statistics(batch=2048, num_classes=100, repeats=args.repeats)
+    pass_ = bench_statistics(*mlp_body(), batch=2048, num_classes=100, repeats=args.repeats)
+    cnn = bench_statistics(*paper_mnist_body(), batch=2048, num_classes=10, repeats=args.repeats)
+    cnn_ratio = cnn["time_statistics_s"] / cnn["time_forward_s"]
     ratio = solver["time_adam_s"] / solver["time_exact_s"]
     stats_ratio = pass_["time_statistics_s"] / pass_["time_forward_s"]
 
@@ -124,6 +146,11 @@ def main() -> None:
     print(f"  from_features       {pass_['time_statistics_s'] * 1e3:8.3f} ms"
           f"   ({stats_ratio:.1%} of the forward pass; ratio of medians "
           f"{pass_['median_ratio']:.1%})")
+    print("client statistics pass, batch 2048, the paper's MNIST CNN body (m = 50, C = 10)")
+    print(f"  forward pass        {cnn['time_forward_s'] * 1e3:8.3f} ms (best of {args.repeats})")
+    print(f"  from_features       {cnn['time_statistics_s'] * 1e3:8.3f} ms"
+          f"   ({cnn_ratio:.1%} of the forward pass; ratio of medians "
+          f"{cnn['median_ratio']:.1%})")
     print(json.dumps({
         "ratio_vs_adam": ratio,
         "objective_gap_adam": solver["gap_adam"],
@@ -131,6 +158,7 @@ def main() -> None:
         "relative_objective_gap_adam": solver["relative_gap_adam"],
         "stats_vs_forward": stats_ratio,
         "stats_vs_forward_median": pass_["median_ratio"],
+        "stats_vs_forward_paper_cnn": cnn_ratio,
         "time_exact_ms": solver["time_exact_s"] * 1e3,
         "time_adam_ms": solver["time_adam_s"] * 1e3,
         "adam_steps": solver["adam_steps"],
