@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from calibration.bin_stats import BinStats, binned_sums
+from calibration.bin_stats import BinStats
 from calibration.binning import check_n_bins, uniform_edges
 from calibration.errors import InvalidInputError
 from calibration.metrics import metrics_from_totals
@@ -68,13 +68,11 @@ class Accumulator:
 
     def update(self, probs: Any, labels: Any, from_logits: bool = False) -> Accumulator:
         """Add a batch of ``probs`` (N, K) (or logits) and ``labels`` (N,); returns self."""
-        scores = row_scores(probs, labels, from_logits=from_logits, brier=True, log_prob=True)
-        state = self._state_on(scores.confidence.device)
+        scores = row_scores(probs, labels, from_logits=from_logits, confidence=False,
+                            brier=True, log_prob=True, edges=uniform_edges(self.n_bins))
+        counts, confidence_sums, correct_counts = scores.bin_sums
+        state = self._state_on(counts.device)
         device = state["bin_counts"].device
-        edges = uniform_edges(self.n_bins, device=scores.confidence.device)
-        counts, confidence_sums, correct_counts = binned_sums(
-            scores.confidence, scores.correct, edges
-        )
         state["bin_counts"] += counts.to(device)
         state["bin_confidence_sums"] += confidence_sums.to(device)
         state["bin_correct_counts"] += correct_counts.to(device)

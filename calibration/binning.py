@@ -88,13 +88,13 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
 
     Bins are ``[edges[i], edges[i+1])``; the last is closed so 1.0 lands in bin ``n_bins - 1``.
     Membership is decided exactly as a float64 comparison with the float64 edges would decide it,
-    without widening the confidences (see :func:`_edges_like`). Equal-width edges take an
+    without widening the confidences (see :func:`edges_in_dtype`). Equal-width edges take an
     arithmetic path (``floor(c * n_bins)`` corrected by one comparison each way), others a
     binary search.
     """
     n_bins = edges.numel() - 1
     confidences = confidences.contiguous()
-    exact_edges = _edges_like(confidences, edges)
+    exact_edges = edges_in_dtype(edges, confidences.dtype, confidences.device)
     if torch.equal(edges.cpu(), uniform_edges(n_bins)):
         index = (confidences * n_bins).to(torch.int32).clamp_(0, n_bins - 1)
         # The product can round across an edge by one ulp; compare with the edges to settle it
@@ -106,17 +106,19 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
     return index.clamp_(0, n_bins - 1)
 
 
-def _edges_like(confidences: Tensor, edges: Tensor) -> Tensor:
-    """float64 ``edges`` in the dtype of ``confidences``, each rounded up to that dtype.
+def edges_in_dtype(
+    edges: Tensor, dtype: torch.dtype, device: torch.device | str | None = None
+) -> Tensor:
+    """float64 ``edges`` in ``dtype`` (float32 or float64), each rounded up to that dtype.
 
     For a float32 confidence c and a float64 edge e, ``c >= e`` holds exactly when ``c >= e32``
     where e32 is the smallest float32 not below e, so comparing in float32 against e32 gives the
     same bins as widening every confidence to float64.
     """
-    edges = edges.to(device=confidences.device, dtype=torch.float64)
-    if confidences.dtype == torch.float64:
+    edges = edges.to(device=device if device is not None else edges.device, dtype=torch.float64)
+    if dtype == torch.float64:
         return edges
-    narrow = edges.to(confidences.dtype)
+    narrow = edges.to(dtype)
     below = narrow.to(torch.float64) < edges
     upward = torch.nextafter(narrow, torch.full_like(narrow, float("inf")))
     return torch.where(below, upward, narrow)

@@ -23,17 +23,31 @@ from typing import Any
 import torch
 
 from calibration.bin_stats import BinStats, bin_stats_from_confidence
-from calibration.binning import Binning, bin_edges, check_n_bins
+from calibration.binning import Binning, bin_edges, check_n_bins, uniform_edges
 from calibration.inputs import class_labels, score_matrix
 from calibration.row_scores import RowScores, row_scores
 
 METRIC_KEYS = ("accuracy", "ece", "mce", "brier", "nll", "count")
 
 
-def _bin_stats(scores: RowScores, n_bins: int, binning: Binning | str) -> BinStats:
+def _scores_and_bins(
+    probs: Any, labels: Any, n_bins: int, binning: Binning | str, from_logits: bool,
+    **wanted: bool,
+) -> tuple[RowScores, BinStats]:
+    """One sweep, and the reliability table of its top-label confidences.
+
+    Equal-width edges are known before the sweep, which then also fills the histogram;
+    quantile edges need the confidences first.
+    """
+    binning = Binning.parse(binning)
     check_n_bins(n_bins)
+    if binning is Binning.UNIFORM:
+        edges = uniform_edges(n_bins)
+        scores = row_scores(probs, labels, from_logits=from_logits, edges=edges, **wanted)
+        return scores, BinStats.from_sums(edges, *scores.bin_sums)
+    scores = row_scores(probs, labels, from_logits=from_logits, **wanted)
     edges = bin_edges(scores.confidence, n_bins, binning)
-    return bin_stats_from_confidence(scores.confidence, scores.correct, edges)
+    return scores, bin_stats_from_confidence(scores.confidence, scores.correct, edges)
 
 
 def reliability_stats(
@@ -44,9 +58,7 @@ def reliability_stats(
     from_logits: bool = False,
 ) -> BinStats:
     """Per-bin counts, mean confidence and accuracy of the top-label prediction."""
-    binning = Binning.parse(binning)
-    check_n_bins(n_bins)
-    return _bin_stats(row_scores(probs, labels, from_logits=from_logits), n_bins, binning)
+    return _scores_and_bins(probs, labels, n_bins, binning, from_logits)[1]
 
 
 def ece(
@@ -140,10 +152,8 @@ def evaluate_with_bins(
     from_logits: bool = False,
 ) -> tuple[dict[str, float], BinStats]:
     """:func:`evaluate` plus the reliability table it was computed from (one pass)."""
-    binning = Binning.parse(binning)
-    check_n_bins(n_bins)
-    scores = row_scores(probs, labels, from_logits=from_logits, brier=True, log_prob=True)
-    stats = _bin_stats(scores, n_bins, binning)
+    scores, stats = _scores_and_bins(probs, labels, n_bins, binning, from_logits,
+                                     brier=True, log_prob=True)
     totals = metrics_from_totals(stats, scores.brier_sum, scores.nll_sum)
     return totals, stats
 

@@ -13,6 +13,11 @@ chunked sweep over the (N, K) array with validation folded into reductions that 
 Only when something is flagged is the array re-examined exactly, to say what is wrong (and to
 accept ``-0.0``, which has its sign bit set but is an ordinary zero).
 
+On the CPU the same quantities come from :mod:`calibration.native_sweep`, a compiled kernel that
+reads every row once (the torch sweep takes about seven reads); the torch sweep remains the path
+for other devices, for arrays the kernel flags, and where no C compiler is available. The
+kernel also histograms the confidences when bin edges are known before the sweep (uniform bins).
+
 Prediction convention: the predicted class is the first class attaining the row maximum (as
 ``torch.argmax``/``numpy.argmax``). It is found without an ``argmax`` (several times slower than
 ``amax`` on CPU): a sample is correct when its label's probability equals the row maximum and no
@@ -31,6 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from calibration import native_sweep
+from calibration.bin_stats import binned_sums
+from calibration.binning import edges_in_dtype
 from calibration.errors import InvalidInputError
 from calibration.inputs import class_labels, score_matrix
 
@@ -64,7 +72,9 @@ class RowScores:
     ``confidence``: (N,) top-label probability (input dtype, input device), or None;
     ``correct``: (N,) bool, argmax class == label, or None;
     ``brier_sum``: sum over samples of sum_k (p_k - 1[y=k])^2, or None if not requested;
-    ``nll_sum``: sum over samples of -log max(p_y, :data:`PROBABILITY_FLOOR`), or None.
+    ``nll_sum``: sum over samples of -log max(p_y, :data:`PROBABILITY_FLOOR`), or None;
+    ``bin_sums``: for the ``edges`` passed to :func:`row_scores`, per-bin (count int64, sum of
+    confidence float64, number correct int64), each (n_bins,), or None.
     """
 
     count: int
@@ -72,6 +82,7 @@ class RowScores:
     correct: Tensor | None
     brier_sum: float | None
     nll_sum: float | None
+    bin_sums: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def row_scores(
@@ -82,38 +93,78 @@ def row_scores(
     confidence: bool = True,
     brier: bool = False,
     log_prob: bool = False,
+    edges: Tensor | None = None,
 ) -> RowScores:
     """Validate ``probs`` (N, K) and ``labels`` (N,) and compute the requested per-row quantities.
 
     ``probs`` are probabilities (rows >= 0 summing to 1 within :data:`SUM_TOLERANCE`) unless
     ``from_logits=True``, in which case they are finite logits turned into probabilities with a
-    softmax. Nothing is ever guessed from the values.
+    softmax. Nothing is ever guessed from the values. ``edges`` (n_bins + 1,) float64: also
+    histogram the top-label confidences over these bins (``RowScores.bin_sums``).
     """
     scores = score_matrix(probs, "logits" if from_logits else "probs")
     n_samples, n_classes = scores.shape
     label_index = class_labels(labels, n_samples, n_classes, scores.device)
     if from_logits:
-        return _from_logits(scores, label_index, confidence, brier, log_prob)
-    return _from_probabilities(scores, label_index, confidence, brier, log_prob)
+        return _from_logits(scores, label_index, confidence, brier, log_prob, edges)
+    return _from_probabilities(scores, label_index, confidence, brier, log_prob, edges)
 
 
 def _from_logits(
-    logits: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool
+    logits: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool,
+    edges: Tensor | None,
 ) -> RowScores:
     if not bool(torch.isfinite(logits).all()):
         row = int((~torch.isfinite(logits)).any(1).nonzero()[0, 0])
         raise InvalidInputError(f"logits contain NaN or Inf (first in row {row})")
     log_probs = torch.log_softmax(logits, dim=1)
-    scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, log_prob=False)
+    scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, False, edges)
     nll_sum = None
     if log_prob:
         label_log_prob = log_probs.gather(1, labels[:, None])
         label_log_prob = label_log_prob.clamp_(min=math.log(PROBABILITY_FLOOR))
         nll_sum = -float(label_log_prob.sum(dtype=torch.float64))
-    return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum, nll_sum)
+    return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum, nll_sum,
+                     scores.bin_sums)
 
 
 def _from_probabilities(
+    probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool,
+    edges: Tensor | None,
+) -> RowScores:
+    native = native_sweep.sweep(
+        probs, labels, tolerance=SUM_TOLERANCE, top=confidence, label_prob=brier or log_prob,
+        squares=brier, edges=None if edges is None else edges_in_dtype(edges, probs.dtype),
+    )
+    if native is not None and native.valid:
+        return _from_native(native, probs.shape[0], brier, log_prob, edges)
+    # The torch sweep: on other devices, without the kernel, or to examine a flagged array.
+    scores = _torch_sweep(probs, labels, confidence or edges is not None, brier, log_prob)
+    if edges is None:
+        return scores
+    bin_sums = binned_sums(scores.confidence, scores.correct, edges.to(probs.device))
+    if confidence:
+        return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum,
+                         scores.nll_sum, bin_sums)
+    return RowScores(scores.count, None, None, scores.brier_sum, scores.nll_sum, bin_sums)
+
+
+def _from_native(
+    native: native_sweep.NativeSweep, n_samples: int, brier: bool, log_prob: bool,
+    edges: Tensor | None,
+) -> RowScores:
+    brier_sum = nll_sum = None
+    if brier:
+        label_total = float(native.label_prob.sum(dtype=torch.float64))
+        brier_sum = native.squares - 2.0 * label_total + n_samples
+    if log_prob:
+        log_label = native.label_prob.clamp(min=PROBABILITY_FLOOR).log_()
+        nll_sum = -float(log_label.sum(dtype=torch.float64))
+    return RowScores(n_samples, native.top, native.correct, brier_sum, nll_sum,
+                     native.bin_sums if edges is not None else None)
+
+
+def _torch_sweep(
     probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool
 ) -> RowScores:
     n_samples, n_classes = probs.shape
