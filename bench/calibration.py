@@ -4,6 +4,8 @@ Ours (input validation included in every call):
   * separate: ``ece`` + ``mce`` + ``brier``, three calls, each validating the array;
   * combined: one ``evaluate`` call (accuracy, ECE, MCE, Brier, NLL in one sweep).
 Peer: netcal's ``ECE(bins=15).measure`` + ``MCE(bins=15).measure`` on the same numpy array.
+Also shown: ``evaluate`` with the native kernel turned off (``BAYESFL_NATIVE=0``, the torch
+sweep that CUDA tensors and machines without a C compiler use), and the floor of one read.
 
 The three contenders run interleaved, round after round, and each keeps its best time, so a
 burst of load on the shared machine hits all of them alike. Prints a table, then one JSON line.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from calibration import native_sweep
 from calibration.metrics import brier, ece, evaluate, mce
 
 
@@ -72,8 +76,16 @@ def main() -> None:
     def ours_combined():
         return evaluate(probs, labels, bins)
 
+    def ours_combined_torch_sweep():
+        os.environ["BAYESFL_NATIVE"] = "0"
+        try:
+            return evaluate(probs, labels, bins)
+        finally:
+            os.environ.pop("BAYESFL_NATIVE")
+
     contenders = {"netcal ECE+MCE": netcal_pair, "ours ece+mce+brier (3 calls)": ours_separate,
-                  "ours evaluate (1 call)": ours_combined}
+                  "ours evaluate (1 call)": ours_combined,
+                  "ours evaluate, torch sweep": ours_combined_torch_sweep}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     results: dict[str, object] = {}
     ours_combined()  # warm-up (thread pool, allocator)
@@ -92,8 +104,13 @@ def main() -> None:
     ratio_separate = best["netcal ECE+MCE"] / best["ours ece+mce+brier (3 calls)"]
     ratio_combined = best["netcal ECE+MCE"] / best["ours evaluate (1 call)"]
 
+    kind = native_sweep.variant()
+    lib = native_sweep.library(kind) if kind else None
+    kernel = "off" if lib is None else f"{kind}, " + (
+        "AVX-512 float32 path" if lib.bfl_sweep_variant() else "portable loops")
     print(f"calibration metrics on {args.rows:,} x {args.classes} float32 probabilities, "
-          f"{bins} bins, {torch.get_num_threads()} torch threads, best of {args.rounds} rounds")
+          f"{bins} bins, {torch.get_num_threads()} threads, best of {args.rounds} rounds; "
+          f"native sweep: {kernel}")
     print(f"{'contender':32s} {'best s':>9s} {'median s':>9s} {'speed-up':>9s}")
     for name, values in times.items():
         print(f"{name:32s} {best[name]:9.4f} {statistics.median(values):9.4f} "
@@ -107,6 +124,8 @@ def main() -> None:
         "netcal_s": round(best["netcal ECE+MCE"], 4),
         "separate_s": round(best["ours ece+mce+brier (3 calls)"], 4),
         "combined_s": round(best["ours evaluate (1 call)"], 4), "floor_s": round(floor_s, 4),
+        "combined_torch_sweep_s": round(best["ours evaluate, torch sweep"], 4),
+        "native_sweep": kernel,
         "ratio_separate": round(ratio_separate, 2), "ratio_combined": round(ratio_combined, 2),
         "ece_abs_diff_vs_netcal": abs(combined["ece"] - netcal_ece),
     }))

@@ -42,9 +42,10 @@ _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("native_sweep.c")
 _BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp-simd", "-fno-strict-aliasing", "-fPIC", "-shared")
 _VARIANT_FLAGS = {"native": ("-march=native",), "portable": ("-DBFL_PORTABLE",)}
-_BLOCK_ELEMENTS = 1 << 16  # rows per block: about 256 KiB of float32 (fixes the partial sums)
-_CALL_ELEMENTS = 1 << 19  # elements per ctypes call (a few blocks; amortises the call cost)
+_BLOCK_ELEMENTS = 1 << 17  # rows per block: about 512 KiB of float32 (fixes the partial sums)
+_CALL_ELEMENTS = 1 << 21  # elements per ctypes call (a few blocks; amortises the call cost)
 _THREADED_ELEMENTS = 1 << 20  # below this, one call in the calling thread beats a hand-off
+_MAX_BIN_ENTRIES = 1 << 20  # per-block histogram entries held at once (24 bytes each)
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
 _lock = threading.Lock()
@@ -113,20 +114,21 @@ def sweep(
     kind = variant()
     if kind is None or probs.device.type != "cpu" or probs.dtype not in _DTYPES:
         return None
-    lib = library(kind)
+    lib = library(kind) or (library("portable") if kind == "native" else None)
     if lib is None:
         return None
     probs = probs.contiguous()
     labels = labels.to(torch.int64).contiguous()
     n_rows, n_classes = probs.shape
-    block_rows = max(1, _BLOCK_ELEMENTS // n_classes)
-    n_blocks = -(-n_rows // block_rows)
     n_bins = 0 if edges is None else edges.numel() - 1
+    block_rows = max(1, _BLOCK_ELEMENTS // n_classes)
+    # Per-block histograms take n_blocks * n_bins entries: cap them (only huge n_bins hit this).
+    block_rows = max(block_rows, -(-n_rows * n_bins // _MAX_BIN_ENTRIES))
+    n_blocks = -(-n_rows // block_rows)
 
-    want_correct = top or edges is not None
     out_top = torch.empty(n_rows, dtype=probs.dtype) if top else None
     out_label = torch.empty(n_rows, dtype=probs.dtype) if label_prob else None
-    out_correct = torch.empty(n_rows, dtype=torch.uint8) if want_correct else None
+    out_correct = torch.empty(n_rows, dtype=torch.uint8) if top else None
     out_squares = torch.zeros(n_blocks, dtype=torch.float64) if squares else None
     bins = None
     if edges is not None:
@@ -207,12 +209,14 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library may live: the user's cache, then a per-user temporary directory."""
     configured = os.environ.get("BAYESFL_CACHE_DIR")
     if configured:
-        return Path(configured)
+        return [Path(configured)]
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "bayesfl"
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return [Path(base) / "bayesfl", Path(tempfile.gettempdir()) / f"bayesfl-{user}"]
 
 
 def _cpu_identity() -> str:
@@ -244,17 +248,28 @@ def _load(kind: str) -> ctypes.CDLL | None:
         b"\0".join([source, " ".join(flags).encode(), compiler.encode(), *(v.encode() for v in
                     version), _cpu_identity().encode()])
     ).hexdigest()[:20]
-    target = _cache_dir() / f"native_sweep-{kind}-{key}.so"
-    try:
-        if not target.exists():
-            _compile(compiler, flags, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as error:
-        _log.warning("could not build the native calibration sweep (%s): using the torch "
-                     "sweep", str(error).strip().splitlines()[-1] if str(error) else error)
-        return None
-    _declare(lib)
-    return lib
+    name = f"native_sweep-{kind}-{key}.so"
+    problem = "no writable cache directory"
+    for directory in _cache_dirs():
+        target = directory / name
+        try:
+            if not target.exists():
+                _compile(compiler, flags, target)
+            lib = ctypes.CDLL(str(target))
+        except _CompileError as error:
+            problem = str(error)
+            break  # the compiler refused: another directory will not help
+        except (OSError, subprocess.SubprocessError) as error:
+            problem = f"{target}: {error}"
+            continue
+        _declare(lib)
+        return lib
+    _log.warning("could not build the %s calibration sweep (%s)", kind, problem)
+    return None
+
+
+class _CompileError(OSError):
+    """The compiler ran and failed."""
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -266,7 +281,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
         result = subprocess.run([compiler, *flags, "-o", scratch, str(_SOURCE)],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
-            raise OSError(f"{Path(compiler).name} failed: {result.stderr.strip()[-400:]}")
+            raise _CompileError(f"{Path(compiler).name} failed: {result.stderr.strip()[-400:]}")
         os.replace(scratch, target)
     finally:
         if os.path.exists(scratch):

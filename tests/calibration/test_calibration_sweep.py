@@ -1,17 +1,22 @@
-"""The chunked sweep of calibration.row_scores: validation and argmax semantics in every chunk.
+"""The sweeps behind calibration.row_scores: validation and argmax semantics in every chunk.
 
-Without the Brier score the confidence comes from scratch keys (bits XOR sign bit) with the
-label's entry removed; otherwise from the bits' row maximum, with a per-step minimum of the bits
-for negative entries and a norm-based tie check per block of steps. Each test runs with tiny steps
-so that a problem can sit in the first, a middle or the last (partial) chunk, and at the label's
-position (which the keys path handles separately from the rest of the row).
+The torch sweep takes the confidence from the bits' row maximum, with a per-step minimum of the
+bits for negative entries and a norm-based tie check per block of steps; the native kernel reads
+each row once (see calibration/native_sweep.c). Each test runs with tiny steps so that a problem
+can sit in the first, a middle or the last (partial) chunk, and at the label's position.
+
+Every test runs on each backend (``BAYESFL_NATIVE``): the native kernel, its portable build and
+the torch sweep alone. The native blocks are as small as the torch steps, so rows 0, 500 and 1000
+sit in different native blocks, and the blocks are shared out between two threads.
 """
 
 import numpy as np
 import pytest
+import torch
 from calibration_reference import random_probs, reference_brier, reference_ece_mce
 
 import calibration.row_scores as row_scores_module
+from calibration import native_sweep
 from calibration.errors import InvalidInputError
 from calibration.metrics import accuracy, brier, ece, evaluate, mce, nll
 
@@ -24,6 +29,24 @@ ROWS = [0, 500, N_ROWS - 1]  # first, middle and last chunk
 def small_sweep_steps(monkeypatch):
     monkeypatch.setattr(row_scores_module, "_CHUNK_BYTES", 96 * N_CLASSES * 4)
     monkeypatch.setattr(row_scores_module, "_BLOCK_BYTES", 3 * 96 * N_CLASSES * 4)
+
+
+@pytest.fixture(autouse=True, params=["native", "portable", "torch"])
+def backend(request, monkeypatch):
+    """Each test on every backend; native blocks of 96 rows, two per call, on two threads."""
+    monkeypatch.setenv("BAYESFL_NATIVE", {"native": "1", "portable": "portable",
+                                          "torch": "0"}[request.param])
+    if request.param != "torch":
+        if native_sweep._compiler() is None:
+            pytest.skip("no C compiler: only the torch sweep is available")
+        assert native_sweep.library(request.param) is not None
+    monkeypatch.setattr(native_sweep, "_BLOCK_ELEMENTS", 96 * N_CLASSES)
+    monkeypatch.setattr(native_sweep, "_CALL_ELEMENTS", 2 * 96 * N_CLASSES)
+    monkeypatch.setattr(native_sweep, "_THREADED_ELEMENTS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield request.param
+    torch.set_num_threads(threads)
 
 
 def data(dtype=np.float32):
