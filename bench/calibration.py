@@ -77,11 +77,15 @@ def main() -> None:
         return evaluate(probs, labels, bins)
 
     def ours_combined_torch_sweep():
+        setting = os.environ.get("BAYESFL_NATIVE")
         os.environ["BAYESFL_NATIVE"] = "0"
         try:
             return evaluate(probs, labels, bins)
         finally:
-            os.environ.pop("BAYESFL_NATIVE")
+            if setting is None:
+                del os.environ["BAYESFL_NATIVE"]
+            else:
+                os.environ["BAYESFL_NATIVE"] = setting
 
     contenders = {"netcal ECE+MCE": netcal_pair, "ours ece+mce+brier (3 calls)": ours_separate,
                   "ours evaluate (1 call)": ours_combined,

@@ -31,7 +31,7 @@
  * the hardware prefetcher alone then leaves the core waiting on DRAM (measured: 1.6x slower on
  * one thread without the explicit prefetch). */
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#define PREFETCH_BYTES 4096
 #endif
 #define CACHE_LINE 64
 
