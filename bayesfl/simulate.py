@@ -284,7 +284,11 @@ class _Run:
         last_eval: RoundEvaluation | None = None
         for r in bar:
             t0 = time.perf_counter()
-            record, last_eval = self._round(r, upload_hook)
+            # Rounds seed the global RNG (layers built inside strategies draw from it); the
+            # caller's own RNG state is restored afterwards.
+            rng_devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=rng_devices):
+                record, last_eval = self._round(r, upload_hook)
             record["seconds"] = time.perf_counter() - t0
             metrics.append(record)
             bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")

@@ -317,3 +317,11 @@ def test_batched_uploads_equal_the_per_client_uploads(strategy):
     for c, table, f in zip(clients, tables, features.split([c.data.num_train for c in clients]),
                            strict=True):
         assert torch.equal(table, s.client_statistics(c, f))
+
+
+def test_a_run_leaves_the_callers_global_rng_where_it_was():
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    simulate("fedavg", **SMALL)
+    assert torch.equal(torch.rand(3), expected)
