@@ -54,6 +54,16 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
+def _forget_pool_after_fork() -> None:
+    """A forked child inherits the pool object but not its threads: start afresh there."""
+    global _lock, _pool, _pool_size
+    _lock, _pool, _pool_size = threading.Lock(), None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 @dataclass(frozen=True, eq=False)
 class NativeSweep:
     """What one native sweep over N rows found.

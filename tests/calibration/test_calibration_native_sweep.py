@@ -13,7 +13,10 @@ exact error; the thread count changes nothing; and without a compiler everything
 """
 
 import math
+import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -751,3 +754,40 @@ def test_many_bins_widen_the_blocks_instead_of_the_histogram_memory(backend, mon
     assert_same_stats(got, expected)
     histograms = [shape for shape in seen if len(shape) == 2 and shape[1] == 2000]
     assert histograms and all(shape[0] * shape[1] <= 20_000 for shape in histograms)
+
+
+FORKED_CHILD_SCRIPT = """
+import multiprocessing, sys
+import numpy as np, torch
+from calibration import native_sweep
+native_sweep._THREADED_ELEMENTS, native_sweep._BLOCK_ELEMENTS = 0, 200
+torch.get_num_threads = lambda: 3  # three workers, without touching torch's own thread pool
+rng = np.random.default_rng(5)
+probs = torch.from_numpy(rng.dirichlet(np.ones(9), 500).astype(np.float32))
+labels = torch.from_numpy(rng.integers(0, 9, 500))
+
+def top_sum(_=None):
+    found = native_sweep.sweep(probs, labels, tolerance=1e-3, top=True, label_prob=False,
+                               squares=False)
+    return float(found.top.sum())
+
+parent = top_sum()  # the parent's pool of workers now exists
+with multiprocessing.get_context("fork").Pool(1) as pool:
+    child = pool.apply_async(top_sum).get(timeout=60)
+print(parent == child, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_can_still_use_the_threaded_sweep(monkeypatch):
+    """A child inherits the worker pool object but not its threads; it must not wait on them.
+
+    Runs in a fresh interpreter: torch's own OpenMP pool cannot be used after a fork once the
+    parent has set its thread count, which pytest processes here have.
+    """
+    use_backend(monkeypatch, "native")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", FORKED_CHILD_SCRIPT], cwd=root,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
