@@ -11,9 +11,12 @@ the source, the flags, the compiler and the CPU; then called through ctypes, whi
 GIL, from ``torch.get_num_threads()`` threads that take blocks of rows in turn. Block partial sums
 are combined in block order, so results do not depend on the number of threads.
 
-Set ``BAYESFL_NATIVE=0`` to turn it off, or ``BAYESFL_NATIVE=portable`` to use the plain-C loops
-instead of the AVX-512 float32 path. Without a compiler, :func:`sweep` returns None and callers
-use the torch sweep; the two agree (``tests/calibration/test_calibration_native_sweep.py``).
+The "native" build (``-march=native``) takes an AVX-512 float32 path where the CPU has it, and
+otherwise the portable vector code (GCC/clang vector extensions: AVX2, SSE2 or NEON, whatever
+the target offers); float64 always takes the portable code. Set ``BAYESFL_NATIVE=0`` to turn the
+kernel off, or ``BAYESFL_NATIVE=portable`` for a build without ``-march=native``. Without a
+compiler, :func:`sweep` returns None and callers use the torch sweep; the two agree
+(``tests/calibration/test_calibration_native_sweep.py``).
 """
 
 from __future__ import annotations
