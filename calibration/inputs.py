@@ -90,7 +90,7 @@ def class_labels(labels: Any, n_samples: int, n_classes: int, device: torch.devi
                 f"labels must be integer class indices; labels[{bad}] = {tensor[bad].item()!r}"
             )
     tensor = tensor.to(device=device, dtype=torch.int64)
-    low, high = int(tensor.min()), int(tensor.max())
+    low, high = (int(bound) for bound in torch.aminmax(tensor))  # one pass
     if low < 0 or high >= n_classes:
         bad_value = low if low < 0 else high
         raise InvalidInputError(

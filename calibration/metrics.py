@@ -41,9 +41,10 @@ def _scores_and_bins(
     """
     binning = Binning.parse(binning)
     check_n_bins(n_bins)
-    if binning is Binning.UNIFORM:
+    if binning is Binning.UNIFORM:  # the histogram is all it needs of the confidences
         edges = uniform_edges(n_bins)
-        scores = row_scores(probs, labels, from_logits=from_logits, edges=edges, **wanted)
+        scores = row_scores(probs, labels, from_logits=from_logits, edges=edges,
+                            confidence=False, **wanted)
         return scores, BinStats.from_sums(edges, *scores.bin_sums)
     scores = row_scores(probs, labels, from_logits=from_logits, **wanted)
     edges = bin_edges(scores.confidence, n_bins, binning)
