@@ -19,12 +19,15 @@ Variants (each its own registry name, so message headers say which one is runnin
   constant coordinate excluded; alpha = 0.01 by default).
 * ``fedlog-dp-local`` / ``fedlog-dp-central`` (§4.2): features are clamped to [0, b] (after
   the body's ReLU) so one record changes the statistic by at most ``sqrt(1 + (m-1) b^2)`` in
-  L2; Gaussian noise with the v2 composition sigma over all releases of the run
-  (rounds + the init round) is added by each client to its own statistic (local) or once by
-  the server to the sum (central). Local-DP uploads carry no ``num_samples`` (it would leak
-  n_c); the server uses the noisy counts, clamped at >= 1. Their bias column is not an exact
-  count any more, so the count invariant is not checked; central-DP uploads are clean and
-  checked, plus the clamp bound on the feature columns.
+  L2; Gaussian noise is added by each client to its own statistic (local) or once by the server
+  to the sum (central). Its sigma comes from the v2 accountant by default
+  (``accountant="k_round"``: (epsilon, delta) for the whole run, composed over all releases,
+  rounds + the init round), or the v1 one (``accountant="single"``: (epsilon, delta) per
+  release, a weaker guarantee for a multi-round run, as in the paper's first version).
+  Local-DP uploads carry no ``num_samples`` (it would leak n_c); the server uses the noisy
+  counts, clamped at >= 1. Their bias column is not an exact count any more, so the count
+  invariant is not checked; central-DP uploads are clean and checked, plus the clamp bound on
+  the feature columns.
 """
 
 from __future__ import annotations
@@ -427,9 +430,13 @@ class _FedLogDP(FedLog):
     """FedLog with clamped features and Gaussian noise on the statistics.
 
     Args:
-        epsilon, delta: the privacy budget of the whole run (all rounds + the init round).
+        epsilon, delta: the privacy budget: of the whole run (all rounds + the init round) with
+            ``accountant="k_round"``, of each release with ``accountant="single"``.
         clip: the feature bound b; features are clamped to [-b, b] (after the body's ReLU).
+        accountant: ``"k_round"`` (v2 composition, default) or ``"single"`` (v1, per release).
     """
+
+    ACCOUNTANTS = ("k_round", "single")
 
     def __init__(
         self,
@@ -438,16 +445,22 @@ class _FedLogDP(FedLog):
         epsilon: float = 1.0,
         delta: float = 0.01,
         clip: float = 2.0,
+        accountant: str = "k_round",
         **options,
     ) -> None:
         super().__init__(context, **options)
         if not (epsilon > 0 and 0 < delta < 1 and clip > 0):
             raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
                               f"epsilon={epsilon}, delta={delta}, clip={clip}")
+        if accountant not in self.ACCOUNTANTS:
+            raise ConfigError(f"DP accountant must be one of {', '.join(self.ACCOUNTANTS)}; "
+                              f"got {accountant!r}")
         self.epsilon, self.delta, self.clip = float(epsilon), float(delta), float(clip)
+        self.accountant = accountant
         releases = context.rounds + (1 if self.init_round else 0)
         self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
-                                    feature_dim=context.feature_dim, bound=self.clip)
+                                    feature_dim=context.feature_dim, bound=self.clip,
+                                    composition=accountant)
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return FeatureClamp(body, self.clip)

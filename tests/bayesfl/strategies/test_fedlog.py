@@ -8,7 +8,7 @@ import torch
 from scipy.optimize import minimize
 from strategy_helpers import NUM_CLASSES, run_round, wire
 
-from bayesfl.errors import MessageRejected
+from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies.fedlog import head_logits
 from bayesfl.strategies.networks import batched_apply
@@ -186,6 +186,21 @@ def test_dp_noise_scale_composes_over_every_release_of_the_run(build):
     d, k = 4, 4
     expected = (8 * k * (1 + d * 4.0) * math.log(math.e + 100)) ** 0.5
     assert strategy.sigma == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_v1_accountant_spends_the_budget_on_each_release(build):
+    strategy, _, _ = build("fedlog-dp-central", epsilon=1.0, delta=0.01, clip=2.0,
+                           accountant="single")
+    # v1: sigma = sqrt(2 (1 + d b^2) ln(1.25 / delta)) / eps, whatever the number of rounds
+    expected = (2 * (1 + 4 * 4.0) * math.log(1.25 / 0.01)) ** 0.5
+    assert strategy.sigma == pytest.approx(expected, rel=1e-12)
+    v2, _, _ = build("fedlog-dp-central", epsilon=1.0, delta=0.01, clip=2.0)
+    assert v2.accountant == "k_round" and v2.sigma > strategy.sigma
+
+
+def test_an_unknown_accountant_is_a_config_error(build):
+    with pytest.raises(ConfigError, match="accountant"):
+        build("fedlog-dp-local", accountant="rdp")
 
 
 def test_local_dp_uploads_are_noisy_and_carry_no_sample_count(build):
