@@ -5,7 +5,13 @@ Each client keeps its whole network (body and head) personal. Local training min
 cross-entropy plus ``lam * mean_j (phi_j(x) - P_y,j)^2`` (MSE to the global prototype of
 the sample's class; classes without a global prototype contribute no such term). After
 training, a client uploads its per-class mean features (C, d) and class counts (C,).
-Prediction uses each client's own network (its head's softmax).
+
+Prediction (``inference``): FedProto's rule is the nearest global prototype,
+``argmin_j ||phi(x) - P_j||_2``; ``inference="prototype"`` (default) turns it into
+probabilities as prototypical networks do, ``softmax_j(-||phi(x) - P_j||^2)`` over the classes
+that have a global prototype (the others get 0), so its argmax is that rule. Before any
+prototype exists it falls back to the head. ``inference="head"`` uses each client's own
+network (its head's softmax), what FedProto's code reports as accuracy "w/o protos".
 
 Aggregation: the global prototype of class y averages the prototypes of the clients that hold
 y. By default weighted by their counts of y, ``sum_i |D_iy| / N_y * C_iy``: the weights of
@@ -64,21 +70,33 @@ class FedProto(BaseStrategy):
         context: classes, feature dimension, local training, rounds, device, seed.
         lam: weight of the prototype regulariser (FedProto's MNIST/FEMNIST value 1).
         weighted: weight client prototypes by their class counts (default) or not.
+        inference: ``"prototype"`` (nearest global prototype, default) or ``"head"``.
     """
+
+    INFERENCE: ClassVar[tuple[str, ...]] = ("prototype", "head")
 
     name: ClassVar[str] = "fedproto"
     supports_batched_training: ClassVar[bool] = True
 
     def __init__(
-        self, context: StrategyContext, *, lam: float = 1.0, weighted: bool = True
+        self,
+        context: StrategyContext,
+        *,
+        lam: float = 1.0,
+        weighted: bool = True,
+        inference: str = "prototype",
     ) -> None:
         super().__init__(context)
         if not lam >= 0:
             raise ConfigError(f"fedproto lam must be >= 0, got {lam}")
         if not isinstance(weighted, bool):
             raise ConfigError(f"fedproto weighted must be true or false, got {weighted!r}")
+        if inference not in self.INFERENCE:
+            raise ConfigError(f"fedproto inference must be one of {', '.join(self.INFERENCE)}; "
+                              f"got {inference!r}")
         self.lam = float(lam)
         self.weighted = weighted
+        self.inference = inference
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return PrototypeNet(body, self.feature_dim, self.num_classes)
@@ -160,5 +178,12 @@ class FedProto(BaseStrategy):
         return {"prototypes": mean.to(torch.float32), "counts": total}
 
     def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
-        logits, _ = batched_apply(client.model, x)
-        return torch.softmax(logits.to(torch.float64), dim=-1)
+        """(n, C) float64 class probabilities of ``x`` (n, ...) for ``client``."""
+        logits, features = batched_apply(client.model, x)
+        present = state["counts"].to(features.device) > 0
+        if self.inference == "head" or not bool(present.any()):
+            return torch.softmax(logits.to(torch.float64), dim=-1)
+        prototypes = state["prototypes"].to(device=features.device, dtype=torch.float64)
+        distances = torch.cdist(features.to(torch.float64), prototypes).square()
+        scores = (-distances).masked_fill(~present, float("-inf"))
+        return torch.softmax(scores, dim=-1)

@@ -58,6 +58,44 @@ def test_fedproto_defaults_and_bad_options():
     from bayesfl.errors import ConfigError
     from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
 
-    assert strategy_options("fedproto") == {"lam": 1.0, "weighted": True}
+    assert strategy_options("fedproto") == {"lam": 1.0, "weighted": True, "inference": "prototype"}
     with pytest.raises(ConfigError, match="weighted"):
         make_strategy("fedproto", StrategyContext(3, 4), weighted="yes")
+
+
+def test_prototype_inference_predicts_the_nearest_global_prototype(build):
+    strategy, clients, state = build("fedproto")
+    assert strategy.inference == "prototype"
+    state, _ = run_round(strategy, clients, state, 1)
+    client = clients[0]
+    x = client.data.test_x
+    probs = strategy.predict_proba(client, state, x)
+    _, features = batched_apply(client.model, x)
+    # reference: squared distances by explicit differences, over the classes with a prototype
+    gaps = features.double()[:, None, :] - state["prototypes"].double()[None, :, :]
+    distances = gaps.pow(2).sum(-1)
+    present = state["counts"] > 0
+    distances[:, ~present] = float("inf")
+    assert torch.equal(probs.argmax(1), distances.argmin(1))
+    expected = torch.softmax(-distances, dim=1)
+    torch.testing.assert_close(probs, expected, atol=1e-12, rtol=1e-9)
+    assert probs.dtype == torch.float64 and torch.all(probs[:, ~present] == 0)
+
+
+def test_head_inference_and_the_fallback_before_any_prototype_use_the_head(build):
+    strategy, clients, state = build("fedproto", inference="head")
+    client = clients[0]
+    logits, _ = batched_apply(client.model, client.data.test_x)
+    expected = torch.softmax(logits.double(), dim=1)
+    torch.testing.assert_close(strategy.predict_proba(client, state, client.data.test_x),
+                               expected)
+    prototype_strategy, _, _ = build("fedproto")  # no aggregation yet: no prototypes
+    torch.testing.assert_close(
+        prototype_strategy.predict_proba(client, state, client.data.test_x), expected)
+
+
+def test_an_unknown_inference_rule_is_a_config_error(build):
+    from bayesfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="inference"):
+        build("fedproto", inference="knn")
