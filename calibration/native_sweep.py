@@ -134,10 +134,7 @@ def sweep(
     labels = labels.to(torch.int64).contiguous()
     n_rows, n_classes = probs.shape
     n_bins = 0 if edges is None else edges.numel() - 1
-    block_rows = max(1, _BLOCK_ELEMENTS // n_classes)
-    # Per-block histograms take n_blocks * n_bins entries: cap them (only huge n_bins hit this).
-    block_rows = max(block_rows, -(-n_rows * n_bins // _MAX_BIN_ENTRIES))
-    n_blocks = -(-n_rows // block_rows)
+    block_rows, n_blocks = _blocks(n_rows, n_classes, n_bins)
 
     out_top = torch.empty(n_rows, dtype=probs.dtype) if top else None
     out_label = torch.empty(n_rows, dtype=probs.dtype) if label_prob else None
@@ -151,9 +148,7 @@ def sweep(
                 torch.zeros(n_blocks, n_bins, dtype=torch.int64))
 
     function = getattr(lib, f"bfl_sweep_{_DTYPES[probs.dtype]}")
-    fixed = (
-        _pointer(probs), _pointer(labels), n_rows, n_classes, block_rows,
-    )
+    fixed = (_pointer(probs), _pointer(labels), n_rows, n_classes, block_rows)
     outputs = (
         float(tolerance), _pointer(out_top), _pointer(out_label), _pointer(out_correct),
         _pointer(out_squares), _pointer(edges), n_bins,
@@ -180,6 +175,17 @@ def sweep(
         squares=float(np.sum(out_squares.numpy())) if squares else None,
         bin_sums=None if bins is None else tuple(b.sum(0) for b in bins),
     )
+
+
+def _blocks(n_rows: int, n_classes: int, n_bins: int) -> tuple[int, int]:
+    """Rows per block (about ``_BLOCK_ELEMENTS`` entries) and the number of blocks.
+
+    Depends on the input only, never on the thread count, so that the partial sums are too.
+    Per-block histograms take ``n_blocks * n_bins`` entries: blocks grow to cap them (only
+    very many bins on large inputs need it).
+    """
+    block_rows = max(1, _BLOCK_ELEMENTS // n_classes, -(-n_rows * n_bins // _MAX_BIN_ENTRIES))
+    return block_rows, -(-n_rows // block_rows)
 
 
 def _run_threaded(run, n_blocks: int, blocks_per_call: int, threads: int) -> int:
