@@ -366,8 +366,8 @@ static inline void lanes_absorb(Lanes *lanes, __m512 v, __m512i position, __mmas
 }
 
 /* The float32 block sweep with 512-bit vectors, two independent lane sets per row (a, b) to
- * halve the dependency chains. The minimum and the squares are carried across rows; per row
- * only the maximum, the sum and (if wanted) the argmax are reduced across lanes, without a
+ * halve the dependency chains. The negativity test and the squares are carried across rows; per
+ * row only the maximum, the sum and (if wanted) the argmax are reduced across lanes, without a
  * data-dependent branch. WANT_* are compile-time constants at each call site. */
 static inline __attribute__((always_inline)) int block_avx512_impl(
     const float *probs, const int64_t *labels, int64_t row0, int64_t row1, int64_t k,
@@ -379,7 +379,11 @@ static inline __attribute__((always_inline)) int block_avx512_impl(
     const int64_t ahead = PREFETCH_BYTES / (int64_t)sizeof(float);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step16 = _mm512_set1_epi32(16), step32 = _mm512_set1_epi32(32);
-    __m512 block_min = _mm512_setzero_ps();  /* min(0, entries): NaN operands are skipped */
+    /* An entry is negative when its bit pattern, unsigned, exceeds that of -0.0: the sign bit
+     * and something more. Bits, not a float compare, so a denormals-are-zero mode (which
+     * torch.set_flush_denormal turns on) cannot hide a negative subnormal. */
+    const __m512i negative_zero = _mm512_set1_epi32(INT32_MIN);
+    __mmask16 negative = 0;
     __m512d sq_low = _mm512_setzero_pd(), sq_high = _mm512_setzero_pd();
     int ok = 1;
     for (int64_t i = row0; i < row1; ++i) {
@@ -392,7 +396,8 @@ static inline __attribute__((always_inline)) int block_avx512_impl(
             __m512 v = _mm512_loadu_ps(r + j), w = _mm512_loadu_ps(r + j + 16);
             lanes_absorb(&a, v, position, 0xFFFF, want_argmax);
             lanes_absorb(&b, w, _mm512_add_epi32(position, step16), 0xFFFF, want_argmax);
-            block_min = _mm512_min_ps(_mm512_min_ps(v, w), block_min);
+            negative |= _mm512_cmpgt_epu32_mask(_mm512_castps_si512(v), negative_zero)
+                      | _mm512_cmpgt_epu32_mask(_mm512_castps_si512(w), negative_zero);
             if (want_squares) {
                 add_squares(v, &sq_low, &sq_high);
                 add_squares(w, &sq_low, &sq_high);
@@ -402,14 +407,14 @@ static inline __attribute__((always_inline)) int block_avx512_impl(
         for (; j < full; j += 16) {
             __m512 v = _mm512_loadu_ps(r + j);
             lanes_absorb(&a, v, position, 0xFFFF, want_argmax);
-            block_min = _mm512_min_ps(v, block_min);
+            negative |= _mm512_cmpgt_epu32_mask(_mm512_castps_si512(v), negative_zero);
             if (want_squares) add_squares(v, &sq_low, &sq_high);
             position = _mm512_add_epi32(position, step16);
         }
         if (tail) {  /* masked-off lanes load as 0.0 and are kept out of the maximum */
             __m512 v = _mm512_maskz_loadu_ps(tail, r + j);
             lanes_absorb(&b, v, position, tail, want_argmax);
-            block_min = _mm512_min_ps(v, block_min);
+            negative |= _mm512_cmpgt_epu32_mask(_mm512_castps_si512(v), negative_zero);
             if (want_squares) add_squares(v, &sq_low, &sq_high);
         }
         int32_t max_bits = _mm512_reduce_max_epi32(_mm512_max_epi32(a.max, b.max));
@@ -425,7 +430,7 @@ static inline __attribute__((always_inline)) int block_avx512_impl(
                              correct, edges, nb, bin_count, bin_confidence, bin_correct);
     }
     if (squares) *squares = _mm512_reduce_add_pd(_mm512_add_pd(sq_low, sq_high));
-    return ok && _mm512_reduce_min_ps(block_min) >= 0.0f;
+    return ok && !negative;
 }
 
 static int block_avx512(const float *probs, const int64_t *labels, int64_t row0, int64_t row1,

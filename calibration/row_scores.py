@@ -233,7 +233,10 @@ def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tenso
     if sign_bit_seen:
         signed_rows = (bits < 0).any(1).nonzero().squeeze(1)
         flagged = probs.index_select(0, signed_rows)
-        negative = (flagged < 0).any(1)  # -0.0 compares equal to 0: an ordinary zero
+        flagged_bits = bits.index_select(0, signed_rows)
+        # Sign bit and something more: below zero (-0.0 is an ordinary zero). Bits, not a float
+        # compare, which a denormals-are-zero mode would make blind to negative subnormals.
+        negative = ((flagged_bits < 0) & (flagged_bits != torch.iinfo(bits.dtype).min)).any(1)
         if bool(negative.any()):
             row = int(signed_rows[negative.nonzero()[0, 0]])
             non_finite = ~torch.isfinite(flagged[negative.nonzero()[0, 0]]).all()

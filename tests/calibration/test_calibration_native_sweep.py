@@ -791,3 +791,21 @@ def test_a_forked_child_can_still_use_the_threaded_sweep(monkeypatch):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_negative_subnormal_is_refused_even_when_denormals_are_flushed(backend, dtype,
+                                                                        monkeypatch):
+    """torch.set_flush_denormal(True) makes float compares see -1e-40 as -0.0; bits do not."""
+    use_backend(monkeypatch, backend)
+    rng = np.random.default_rng(2)
+    probs, labels = random_probs(rng, 50, 5, dtype=dtype), rng.integers(0, 5, 50)
+    probs[7, 3] = -np.finfo(dtype).smallest_subnormal
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        with pytest.raises(InvalidInputError, match="negative"):
+            evaluate(probs, labels)
+    finally:
+        torch.set_flush_denormal(False)
