@@ -2,6 +2,13 @@
 
 ECE = sum_b (n_b / N) |acc_b - conf_b| over non-empty bins (empty bins contribute nothing);
 MCE = max_b |acc_b - conf_b| over non-empty bins. Both lie in [0, 1].
+
+L2 calibration error = sqrt(sum_b (n_b / N) (acc_b - conf_b)^2). Its plug-in estimate is
+biased upwards: even a perfectly calibrated model has (acc_b - conf_b)^2 of order
+acc_b (1 - acc_b) / n_b from sampling alone. The debiased estimate of Kumar, Liang & Ma
+("Verified Uncertainty Calibration", NeurIPS 2019) subtracts acc_b (1 - acc_b) / (n_b - 1) from
+each bin's squared gap (bins with fewer than 2 samples contribute 0), clips the weighted sum at
+0 and takes the square root; the paper pairs it with equal-mass bins.
 """
 
 from __future__ import annotations
@@ -79,6 +86,23 @@ class BinStats:
         if self.total == 0:
             raise InvalidInputError("no samples: MCE is undefined")
         return float(np.max(self.gaps[self.nonempty]))
+
+    def squared_l2_error(self, debiased: bool = False) -> float:
+        """``sum_b (n_b / N) (acc_b - conf_b)^2``; ``debiased=True``: Kumar et al.'s unbiased
+        estimate of it, which can be negative (it is not clipped here)."""
+        if self.total == 0:
+            raise InvalidInputError("no samples: the calibration error is undefined")
+        mask = self.nonempty
+        counts, accuracy = self.counts[mask], self.accuracy[mask]
+        squares = self.gaps[mask] ** 2
+        if debiased:
+            spread = accuracy * (1.0 - accuracy) / np.maximum(counts - 1, 1)
+            squares = np.where(counts >= 2, squares - spread, 0.0)
+        return float(np.sum(counts * squares)) / self.total
+
+    def l2_error(self, debiased: bool = False) -> float:
+        """L2 calibration error in [0, 1]: the root of :meth:`squared_l2_error` (clipped at 0)."""
+        return float(np.sqrt(max(self.squared_l2_error(debiased), 0.0)))
 
 
 def binned_sums(

@@ -84,6 +84,23 @@ def mce(
     return reliability_stats(probs, labels, n_bins, binning, from_logits).mce
 
 
+def l2_calibration_error(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+    debiased: bool = False,
+) -> float:
+    """L2 calibration error of the top-label confidence, in [0, 1].
+
+    ``sqrt(sum_b (n_b / N) (acc_b - conf_b)^2)``; ``debiased=True`` removes the upward bias of
+    this plug-in estimate (Kumar et al. 2019, see :mod:`calibration.bin_stats`), best with
+    ``binning="quantile"`` as in the paper.
+    """
+    return reliability_stats(probs, labels, n_bins, binning, from_logits).l2_error(debiased)
+
+
 def brier(probs: Any, labels: Any, from_logits: bool = False) -> float:
     """Multi-class Brier score: mean_i sum_k (p_ik - 1[y_i = k])^2, in [0, 2]."""
     scores = row_scores(probs, labels, from_logits=from_logits, confidence=False, brier=True)
@@ -180,6 +197,7 @@ __all__ = [
     "ece",
     "evaluate",
     "evaluate_with_bins",
+    "l2_calibration_error",
     "mce",
     "metrics_from_totals",
     "nll",
