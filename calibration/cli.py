@@ -7,8 +7,9 @@ Examples::
     bayesfl-calibrate scores.npy --labels labels.npy --bins 20 --binning quantile
     bayesfl-calibrate preds.csv --client-column site  # columns label, site, one per class
 
-Prints a table (per client, pooled (micro), macro) and exits 0; on bad input prints one line
-``bayesfl-calibrate: error: <reason>`` to stderr and exits 1 (2 for bad command-line usage).
+Prints a table (per client, pooled (micro), macro, sd over clients) and exits 0; on bad input
+prints one line ``bayesfl-calibrate: error: <reason>`` to stderr and exits 1 (2 for bad
+command-line usage).
 """
 
 from __future__ import annotations

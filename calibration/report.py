@@ -2,9 +2,11 @@
 
 * a row per client, scored on that client's samples only;
 * ``pooled (micro)``: all samples scored together, i.e. the merge of the client accumulators;
-* ``macro (mean over clients)``: the unweighted mean of the client rows' metrics.
+* ``macro (mean over clients)``: the unweighted mean of the client rows' metrics;
+* ``sd over clients``: their standard deviation (ddof = 1; 0 for one client), how unevenly the
+  model serves its clients; the JSON also has each metric's range over clients.
 
-Without client ids there is a single ``all`` row (the pooled row) and no macro row.
+Without client ids there is a single ``all`` row (the pooled row) and no macro or sd row.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from calibration.metrics import evaluate, evaluate_with_bins
 
 POOLED = "pooled (micro)"
 MACRO = "macro (mean over clients)"
+SPREAD = "sd over clients"
 ALL = "all"
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -36,7 +39,7 @@ _COLUMNS = ("count", "accuracy", "ece", "mce", "brier", "nll")
 
 @dataclass(frozen=True)
 class ReportRow:
-    """Metrics of one group of samples. ``kind`` is "client", "pooled" or "macro"."""
+    """Metrics of one group of samples. ``kind`` is "client", "pooled", "macro" or "spread"."""
 
     name: str
     kind: str
@@ -59,7 +62,8 @@ class ReportRow:
 
 @dataclass(frozen=True, eq=False)
 class CalibrationReport:
-    """Client rows, the pooled row, the macro row (None without clients) and the pooled table."""
+    """Client rows, the pooled row, the macro and sd rows (None without clients), and the
+    pooled table."""
 
     clients: tuple[ReportRow, ...]
     pooled: ReportRow
@@ -69,9 +73,15 @@ class CalibrationReport:
     binning: str = "uniform"
 
     @property
+    def spread(self) -> ReportRow | None:
+        """Standard deviation of each metric over the client rows (None without clients)."""
+        return _spread(self.clients) if self.clients else None
+
+    @property
     def rows(self) -> tuple[ReportRow, ...]:
-        """Client rows, then pooled, then macro (when there are clients)."""
-        return (*self.clients, self.pooled, *((self.macro,) if self.macro else ()))
+        """Client rows, then pooled, then macro and sd (when there are clients)."""
+        summary = (self.macro, self.spread) if self.clients else ()
+        return (*self.clients, self.pooled, *summary)
 
     @classmethod
     def from_accumulators(cls, accumulators: Mapping[Any, Accumulator]) -> CalibrationReport:
@@ -98,6 +108,12 @@ class CalibrationReport:
             "clients": [row.to_dict() for row in self.clients],
             "pooled": self.pooled.to_dict(),
             "macro": self.macro.to_dict() if self.macro else None,
+            "spread": self.spread.to_dict() if self.clients else None,
+            "client_range": {
+                key: [min(getattr(row, key) for row in self.clients),
+                      max(getattr(row, key) for row in self.clients)]
+                for key in _COLUMNS
+            } if self.clients else None,
             "pooled_bins": {
                 "edges": self.pooled_bins.edges.tolist(),
                 "counts": self.pooled_bins.counts.tolist(),
@@ -231,7 +247,7 @@ def _client_names(client_ids: list[Any]) -> dict[Any, str]:
     names = {client_id: str(client_id) for client_id in client_ids}
     if len(set(names.values())) != len(names):
         raise InvalidInputError("client ids must stay distinct when written as text")
-    reserved = {POOLED, MACRO, ALL} & set(names.values())
+    reserved = {POOLED, MACRO, SPREAD, ALL} & set(names.values())
     if reserved:
         raise InvalidInputError(f"client id {reserved.pop()!r} is reserved for a summary row")
     return names
@@ -241,6 +257,14 @@ def _macro(clients: list[ReportRow]) -> ReportRow:
     means = {key: float(np.mean([getattr(row, key) for row in clients])) for key in _COLUMNS[1:]}
     means["count"] = sum(row.count for row in clients)
     return ReportRow.from_metrics(MACRO, "macro", means)
+
+
+def _spread(clients: tuple[ReportRow, ...]) -> ReportRow:
+    ddof = 1 if len(clients) > 1 else 0
+    spreads = {key: float(np.std([getattr(row, key) for row in clients], ddof=ddof))
+               for key in _COLUMNS[1:]}
+    spreads["count"] = sum(row.count for row in clients)
+    return ReportRow.from_metrics(SPREAD, "spread", spreads)
 
 
 def _formatted(row: ReportRow) -> tuple[str, ...]:

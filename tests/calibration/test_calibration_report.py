@@ -9,7 +9,7 @@ from calibration_reference import calibrated_labels, random_probs
 from calibration.accumulator import Accumulator
 from calibration.errors import InvalidInputError
 from calibration.metrics import evaluate
-from calibration.report import MACRO, POOLED, CalibrationReport, report
+from calibration.report import MACRO, POOLED, SPREAD, CalibrationReport, report
 
 KEYS = ("accuracy", "ece", "mce", "brier", "nll")
 
@@ -39,6 +39,10 @@ def test_rows_are_per_client_pooled_and_macro(binning):
         assert getattr(result.macro, key) == pytest.approx(
             np.mean([getattr(row, key) for row in result.clients]), abs=1e-12)
     assert result.macro.name == MACRO
+    assert result.spread.name == SPREAD and result.rows[-1] is not None
+    for key in KEYS:
+        assert getattr(result.spread, key) == pytest.approx(
+            np.std([getattr(row, key) for row in result.clients], ddof=1), abs=1e-12)
 
 
 def test_from_accumulators_equals_report_on_the_pooled_arrays():
@@ -65,7 +69,8 @@ def test_without_clients_there_is_one_row():
     probs, labels, _ = data()
     result = report(probs, labels)
     assert result.clients == () and result.macro is None and result.pooled.name == "all"
-    assert len(result.rows) == 1
+    assert result.spread is None and len(result.rows) == 1
+    assert json.loads(result.to_json())["client_range"] is None
 
 
 def test_json_markdown_and_text_renderings():
@@ -73,12 +78,14 @@ def test_json_markdown_and_text_renderings():
     result = report(probs, labels, clients)
     parsed = json.loads(result.to_json())
     assert parsed["pooled"]["name"] == POOLED and len(parsed["clients"]) == 3
-    assert parsed["macro"]["name"] == MACRO
+    assert parsed["macro"]["name"] == MACRO and parsed["spread"]["name"] == SPREAD
+    eces = [row["ece"] for row in parsed["clients"]]
+    assert parsed["client_range"]["ece"] == [min(eces), max(eces)]
     assert sum(parsed["pooled_bins"]["counts"]) == 900
     markdown = result.to_markdown().splitlines()
-    assert markdown[0].startswith("| group |") and len(markdown) == 2 + 5
+    assert markdown[0].startswith("| group |") and len(markdown) == 2 + 6
     text = str(result)
-    for name in ("east", "north", "south", POOLED, MACRO, "ECE", "Brier"):
+    for name in ("east", "north", "south", POOLED, MACRO, SPREAD, "ECE", "Brier"):
         assert name in text
 
 
@@ -98,3 +105,9 @@ def test_a_client_named_like_a_summary_row_is_refused():
     probs, labels, _ = data()
     with pytest.raises(InvalidInputError, match="reserved"):
         report(probs, labels, np.full(900, POOLED))
+
+
+def test_one_client_has_no_spread():
+    probs, labels, _ = data()
+    result = report(probs, labels, np.zeros(900, dtype=int))
+    assert all(getattr(result.spread, key) == 0.0 for key in KEYS)
