@@ -20,6 +20,8 @@ from calibration.metrics import (
     l2_calibration_error,
     mce,
     nll,
+    positive_class_ece,
+    positive_class_stats,
     reliability_stats,
 )
 from calibration.prediction_files import Predictions, load_predictions
@@ -58,6 +60,8 @@ __all__ = [
     "load_predictions",
     "mce",
     "nll",
+    "positive_class_ece",
+    "positive_class_stats",
     "reliability_diagram",
     "reliability_stats",
     "report",

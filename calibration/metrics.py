@@ -24,7 +24,8 @@ import torch
 
 from calibration.bin_stats import BinStats, bin_stats_from_confidence
 from calibration.binning import Binning, bin_edges, check_n_bins, uniform_edges
-from calibration.inputs import class_labels, score_matrix
+from calibration.errors import InvalidInputError
+from calibration.inputs import as_tensor, class_labels, score_matrix
 from calibration.row_scores import RowScores, row_scores
 
 METRIC_KEYS = ("accuracy", "ece", "mce", "brier", "nll", "count")
@@ -119,6 +120,70 @@ def accuracy(probs: Any, labels: Any, from_logits: bool = False) -> float:
     return float(scores.correct.double().mean())
 
 
+def positive_class_stats(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> BinStats:
+    """Reliability table of a binary classifier's positive-class probability.
+
+    ``probs``: (N,) probabilities of class 1, or (N, 2) rows [p_0, p_1] (logits of either shape
+    with ``from_logits=True``: a sigmoid or a softmax); ``labels``: (N,) in {0, 1}. Bins hold p_1
+    and the table's ``accuracy`` is the fraction of positives in each bin: the binary
+    "positive-class" convention (netcal's mode for two classes), unlike :func:`ece`'s top label.
+    """
+    binning = Binning.parse(binning)
+    check_n_bins(n_bins)
+    matrix = _two_columns(probs, from_logits)
+    row_scores(matrix, labels, from_logits=from_logits, confidence=False)  # validates
+    if from_logits:
+        matrix = torch.softmax(matrix, dim=1)
+    positive = matrix[:, 1]
+    outcome = class_labels(labels, matrix.shape[0], 2, matrix.device) == 1
+    edges = bin_edges(positive, n_bins, binning)
+    return bin_stats_from_confidence(positive, outcome, edges)
+
+
+def positive_class_ece(
+    probs: Any,
+    labels: Any,
+    n_bins: int = 15,
+    binning: Binning | str = "uniform",
+    from_logits: bool = False,
+) -> float:
+    """ECE of the positive-class probability of a binary classifier, in [0, 1].
+
+    See :func:`positive_class_stats`; for the top-label ECE of the same data use :func:`ece`.
+    """
+    return positive_class_stats(probs, labels, n_bins, binning, from_logits).ece
+
+
+def _two_columns(probs: Any, from_logits: bool) -> torch.Tensor:
+    """(N,) positive-class scores as (N, 2) rows; (N, 2) input checked and kept."""
+    tensor = as_tensor(probs, "probs")
+    if tensor.ndim == 1:
+        tensor = tensor.to(torch.float64) if tensor.dtype == torch.float64 else tensor.float()
+        if from_logits:  # softmax([0, x]) = [1 - sigmoid(x), sigmoid(x)]
+            return torch.stack([torch.zeros_like(tensor), tensor], dim=1)
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidInputError("probs contain NaN or Inf")
+        if not bool(((tensor >= 0) & (tensor <= 1)).all()):
+            raise InvalidInputError(
+                "positive-class probabilities must lie in [0, 1] (pass from_logits=True for "
+                "logits)"
+            )
+        return torch.stack([1.0 - tensor, tensor], dim=1)
+    matrix = score_matrix(tensor, "logits" if from_logits else "probs")
+    if matrix.shape[1] != 2:
+        raise InvalidInputError(
+            f"a binary classifier has 2 class columns; got {matrix.shape[1]} (use ece or "
+            "classwise_ece for multi-class input)"
+        )
+    return matrix
+
+
 def classwise_ece(
     probs: Any,
     labels: Any,
@@ -201,5 +266,7 @@ __all__ = [
     "mce",
     "metrics_from_totals",
     "nll",
+    "positive_class_ece",
+    "positive_class_stats",
     "reliability_stats",
 ]
