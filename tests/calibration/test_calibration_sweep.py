@@ -36,10 +36,8 @@ def backend(request, monkeypatch):
     """Each test on every backend; native blocks of 96 rows, two per call, on two threads."""
     monkeypatch.setenv("BAYESFL_NATIVE", {"native": "1", "portable": "portable",
                                           "torch": "0"}[request.param])
-    if request.param != "torch":
-        if native_sweep._compiler() is None:
-            pytest.skip("no C compiler: only the torch sweep is available")
-        assert native_sweep.library(request.param) is not None
+    if request.param != "torch":  # the tests need a C compiler
+        assert native_sweep.library(request.param) is not None, "the kernel did not build"
     monkeypatch.setattr(native_sweep, "_BLOCK_ELEMENTS", 96 * N_CLASSES)
     monkeypatch.setattr(native_sweep, "_CALL_ELEMENTS", 2 * 96 * N_CLASSES)
     monkeypatch.setattr(native_sweep, "_THREADED_ELEMENTS", 0)
