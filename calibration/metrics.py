@@ -18,6 +18,7 @@ work stays on that device) or numpy arrays, and return Python floats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -134,16 +135,8 @@ def positive_class_stats(
     and the table's ``accuracy`` is the fraction of positives in each bin: the binary
     "positive-class" convention (netcal's mode for two classes), unlike :func:`ece`'s top label.
     """
-    binning = Binning.parse(binning)
-    check_n_bins(n_bins)
-    matrix = _two_columns(probs, from_logits)
-    row_scores(matrix, labels, from_logits=from_logits, confidence=False)  # validates
-    if from_logits:
-        matrix = torch.softmax(matrix, dim=1)
-    positive = matrix[:, 1]
-    outcome = class_labels(labels, matrix.shape[0], 2, matrix.device) == 1
-    edges = bin_edges(positive, n_bins, binning)
-    return bin_stats_from_confidence(positive, outcome, edges)
+    return _one_vs_rest_stats(_two_columns(probs, from_logits), labels, [1], n_bins, binning,
+                              from_logits)[0]
 
 
 def positive_class_ece(
@@ -164,7 +157,8 @@ def _two_columns(probs: Any, from_logits: bool) -> torch.Tensor:
     """(N,) positive-class scores as (N, 2) rows; (N, 2) input checked and kept."""
     tensor = as_tensor(probs, "probs")
     if tensor.ndim == 1:
-        tensor = tensor.to(torch.float64) if tensor.dtype == torch.float64 else tensor.float()
+        if tensor.dtype != torch.float64:
+            tensor = tensor.float()
         if from_logits:  # softmax([0, x]) = [1 - sigmoid(x), sigmoid(x)]
             return torch.stack([torch.zeros_like(tensor), tensor], dim=1)
         if not bool(torch.isfinite(tensor).all()):
@@ -197,20 +191,36 @@ def classwise_ece(
     outcome 1[y = k]; bins as for :func:`ece` (quantile edges are computed per class). Every class
     column is scored, including classes absent from ``labels`` (their outcome is always 0).
     """
+    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    classes = range(scores.shape[1])
+    stats = _one_vs_rest_stats(scores, labels, classes, n_bins, binning, from_logits)
+    return sum(table.ece for table in stats) / len(stats)
+
+
+def _one_vs_rest_stats(
+    scores: torch.Tensor,
+    labels: Any,
+    classes: Sequence[int],
+    n_bins: int,
+    binning: Binning | str,
+    from_logits: bool,
+) -> list[BinStats]:
+    """Per class k in ``classes``: the reliability table of p_k against the outcome 1[y = k].
+
+    ``scores`` (N, K) probabilities or logits; the rows are validated exactly as the other
+    metrics validate them, and quantile edges are computed per class.
+    """
     binning = Binning.parse(binning)
     check_n_bins(n_bins)
-    scores = score_matrix(probs, "logits" if from_logits else "probs")
-    # Validates the rows exactly as the other metrics do.
-    row_scores(scores, labels, from_logits=from_logits, confidence=False)
+    row_scores(scores, labels, from_logits=from_logits, confidence=False)  # validates
     if from_logits:
         scores = torch.softmax(scores, dim=1)
     label_index = class_labels(labels, scores.shape[0], scores.shape[1], scores.device)
-    total = 0.0
-    for k in range(scores.shape[1]):
-        outcome = label_index == k
-        edges = bin_edges(scores[:, k], n_bins, binning)
-        total += bin_stats_from_confidence(scores[:, k], outcome, edges).ece
-    return total / scores.shape[1]
+    return [
+        bin_stats_from_confidence(scores[:, k], label_index == k,
+                                  bin_edges(scores[:, k], n_bins, binning))
+        for k in classes
+    ]
 
 
 def evaluate(

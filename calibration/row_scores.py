@@ -30,7 +30,7 @@ only those rows are re-examined.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -124,8 +124,7 @@ def _from_logits(
         label_log_prob = log_probs.gather(1, labels[:, None])
         label_log_prob = label_log_prob.clamp_(min=math.log(PROBABILITY_FLOOR))
         nll_sum = -float(label_log_prob.sum(dtype=torch.float64))
-    return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum, nll_sum,
-                     scores.bin_sums)
+    return replace(scores, nll_sum=nll_sum)
 
 
 def _from_probabilities(
@@ -144,9 +143,8 @@ def _from_probabilities(
         return scores
     bin_sums = binned_sums(scores.confidence, scores.correct, edges.to(probs.device))
     if confidence:
-        return RowScores(scores.count, scores.confidence, scores.correct, scores.brier_sum,
-                         scores.nll_sum, bin_sums)
-    return RowScores(scores.count, None, None, scores.brier_sum, scores.nll_sum, bin_sums)
+        return replace(scores, bin_sums=bin_sums)
+    return replace(scores, confidence=None, correct=None, bin_sums=bin_sums)
 
 
 def _from_native(
