@@ -1,15 +1,20 @@
 """The embedded federated simulator: a transport that drives a strategy round by round.
 
 ``simulate(strategy="fedlog", dataset="digits", clients=20, partition="shards:2", rounds=30,
-seed=0, out="runs/demo")`` loads the data, partitions it, builds every client's body, then per
-round: samples clients (all, or a seeded ``fraction``), encodes the broadcast with
-:func:`bayesfl.messages.encode` and decodes it on the client side, runs local training
-(batched over clients that share one architecture, a plain loop otherwise), encodes every
-upload, decodes and validates it on receipt (the strategy's ``validate_uploads``, one verdict
-per upload) — an invalid upload is *rejected*, its reason logged, and the round goes on with
-the others — aggregates, evaluates every client with :mod:`calibration` (per client and pooled
-by merging accumulators; batched runs score all clients of a round in one vectorised pass),
-appends a line to ``metrics.jsonl`` and checkpoints atomically.
+seed=0, out="runs/demo")`` loads the data, partitions it, and builds the strategy twice from
+the run configuration: a server half and a client half that share no object (as a Flower
+ServerApp and ClientApp would). Every client gets its own config and initial state
+(``init_client``). Then per round: samples clients (all, or a seeded ``fraction``), encodes the
+server's broadcast (``configure``) with :func:`bayesfl.messages.encode` and decodes it on the
+client side, runs the clients' ``fit`` through the :class:`~bayesfl.executor.ClientExecutor`
+(batched over clients that share a body spec, one by one otherwise), encodes every upload,
+decodes and validates it on receipt against the round's schema (``validate_uploads``, one
+verdict per upload) — an invalid upload is *rejected*, its reason logged, and the round goes
+on with the others — aggregates, sends the evaluation broadcast (``configure_evaluation``),
+lets every client evaluate itself into calibration accumulators and merges them (per client
+and pooled), appends a line to ``metrics.jsonl`` and checkpoints atomically. After the last
+round, strategies that personalise (FedBABU) do so once, and the final evaluation uses the
+personalised states.
 
 Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
 ``manifest.json`` (config, seed, versions, git hash), ``partition.txt`` / ``partition.json``
@@ -21,17 +26,16 @@ Randomness: every random draw of round ``r`` comes from generators derived from
 ``(seed, r, client)`` (client sampling, mini-batch order, noise), and the global torch RNG is
 reseeded from ``(seed, r)`` at the start of each round; the checkpoint also stores the global
 torch RNG state. Resuming (``resume=True``) restores the server state, every client's
-persistent tensors and the counters from the last complete round, so a resumed run writes the
+state and the counters from the last complete round, so a resumed run writes the
 same numbers as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,17 +44,24 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from bayesfl.bodies import build_body, check_feature_dim
 from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
 from bayesfl.data.clients import ClientData, make_clients
 from bayesfl.data.datasets import Dataset, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
-from bayesfl.evaluation import RoundEvaluation, evaluate_clients
+from bayesfl.evaluation import RoundEvaluation, merge_evaluations
+from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.messages import Message, decode, encode
-from bayesfl.strategies import Client, make_strategy, strategy_options
-from bayesfl.strategies.base import BaseStrategy, ServerState, StrategyContext
-from bayesfl.training import LocalTraining, architecture_key
+from bayesfl.strategies import make_strategy, strategy_options
+from bayesfl.strategies.base import (
+    PREDICTIVE,
+    ClientState,
+    ServerState,
+    Strategy,
+    StrategyContext,
+    derived_seed,
+)
+from bayesfl.training import LocalTraining
 from inference.errors import InferenceError
 
 UploadHook = Callable[[int, int, bytes], bytes]
@@ -125,8 +136,11 @@ class SimulationResult:
         metrics: one dict per round (the lines of ``metrics.jsonl``).
         run_dir: the run directory, or None when nothing was written.
         state: the final server state.
-        clients: the clients (data, trained models) at the end of the run.
-        strategy: the strategy object (for predictions after the run).
+        clients: the clients (config, data, trained state) at the end of the run.
+        strategy: the client half (for predictions and posteriors after the run).
+        evaluation_broadcast: what clients evaluate with after the last round.
+        personalized: client id -> personalized state (strategies that personalise), used
+            for predictions instead of the trained state.
     """
 
     config: SimulationConfig
@@ -134,12 +148,37 @@ class SimulationResult:
     metrics: list[dict[str, Any]]
     run_dir: Path | None
     state: ServerState
-    clients: list[Client]
-    strategy: BaseStrategy
+    clients: list[SimulatedClient]
+    strategy: Strategy
+    evaluation_broadcast: Message
+    personalized: dict[int, ClientState] = field(default_factory=dict)
+
+    def client_state(self, client_id: int) -> ClientState:
+        """Client ``client_id``'s final state (personalized where the strategy does that)."""
+        if isinstance(client_id, bool) or not isinstance(client_id, int) \
+                or not 0 <= client_id < len(self.clients):
+            raise ConfigError(f"client_id must be an integer in [0, {len(self.clients)}), got "
+                              f"{client_id!r}")
+        return self.personalized.get(client_id, self.clients[client_id].state)
 
     def predict_proba(self, client_id: int, x: torch.Tensor) -> torch.Tensor:
-        """Probabilities (B, C) of client ``client_id`` for inputs x with the final state."""
-        return self.strategy.predict_proba(self.clients[client_id], self.state, x)
+        """Probabilities (B, C) float64 of client ``client_id`` for inputs x (B, ...): the
+        strategy's headline predictive (posterior strategies: the posterior predictive)."""
+        state = self.client_state(client_id)
+        x = x.to(self.clients[client_id].data.train_x)
+        return self.strategy.predict(self.clients[client_id].config, state,
+                                     self.evaluation_broadcast, x)[PREDICTIVE]
+
+    def posterior(self, client_id: int) -> Any:
+        """The federated posterior as client ``client_id`` holds it (posterior strategies):
+        ``sample(n)`` draws head parameters, ``predict_proba(x)`` takes the client's inputs.
+
+        Raises:
+            ConfigError: the strategy is not a posterior strategy.
+        """
+        state = self.client_state(client_id)
+        return self.strategy.posterior(self.clients[client_id].config, state,
+                                       self.evaluation_broadcast)
 
 
 def simulate(
@@ -190,12 +229,6 @@ def simulate(
                        round_callback=round_callback)
 
 
-def derived_seed(seed: int, *keys: int) -> int:
-    """A 63-bit seed derived from ``seed`` and integer ``keys`` (numpy SeedSequence)."""
-    words = np.random.SeedSequence([seed, *[k % 2**32 for k in keys]]).generate_state(2)
-    return int((int(words[0]) << 31) ^ int(words[1])) & (2**63 - 1)
-
-
 def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
     """The sorted client ids taking part in ``round``: all when ``fraction == 1`` or in the
     init round 0, else ``max(1, round(fraction * num_clients))`` drawn without replacement."""
@@ -211,6 +244,7 @@ def round_half_up(x: float) -> int:
 
 
 _SERVER_KEY = 2**31 - 1
+_PERSONALIZE_KEY = 2**31 - 2
 
 
 class _Run:
@@ -226,37 +260,31 @@ class _Run:
                                    seed=config.seed, test_fraction=config.test_fraction)
         training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
                                  batch_size=config.batch_size)
-        context = StrategyContext(num_classes=self.dataset.num_classes,
-                                  feature_dim=config.feature_dim, training=training,
-                                  rounds=config.rounds, device=self.device, seed=config.seed)
-        self.strategy = make_strategy(config.strategy, context, **config.strategy_options)
-        self._initial_models: dict[str, torch.nn.Module] = {}
-        self.clients = [self._build_client(d) for d in client_data]
-        del self._initial_models
-        self.state = self.strategy.init(self.clients)
+        context = StrategyContext(
+            num_classes=self.dataset.num_classes, feature_dim=config.feature_dim,
+            training=training, rounds=config.rounds, device=self.device, seed=config.seed,
+            input_shape=tuple(self.dataset.input_shape), bodies=tuple(config.body_specs),
+            clients=config.clients)
+        # the two halves are built apart from the same run configuration, as a Flower
+        # ServerApp and ClientApp would be: nothing set on one is seen by the other
+        self.server = make_strategy(config.strategy, context, **config.strategy_options)
+        self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
+        self.clients = []
+        for d in client_data:
+            client_config = context.client_config(d.client_id)
+            self.clients.append(SimulatedClient(client_config, self._on_device(d),
+                                                self.client_half.init_client(client_config)))
+        self.executor = ClientExecutor(self.client_half, batched=config.batched)
+        self.state = self.server.init()
         self.fingerprint = config_fingerprint(config.to_dict())
 
-    def _build_client(self, data: ClientData) -> Client:
-        specs = self.config.body_specs
-        spec = specs[data.client_id % len(specs)]
-        shape = self.dataset.input_shape
-        # one seed per spec: clients with the same body start from the same weights (a
-        # deepcopy of one model, as the papers do); different architectures initialise
-        # independently
-        if spec not in self._initial_models:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derived_seed(self.config.seed, 11, specs.index(spec)))
-                body = build_body(spec, shape, self.config.feature_dim)
-                check_feature_dim(body, shape, self.config.feature_dim)
-                self._initial_models[spec] = self.strategy.build_model(body).to(self.device)
-        model = copy.deepcopy(self._initial_models[spec])
-        data = ClientData(
+    def _on_device(self, data: ClientData) -> ClientData:
+        return ClientData(
             client_id=data.client_id,
             train_x=data.train_x.to(self.device), train_y=data.train_y.to(self.device),
             test_x=data.test_x.to(self.device), test_y=data.test_y.to(self.device),
             train_indices=data.train_indices, test_indices=data.test_indices,
         )
-        return Client(client_id=data.client_id, data=data, model=model, body_spec=spec)
 
     # ---- the loop -------------------------------------------------------------------------
     def execute(
@@ -268,7 +296,7 @@ class _Run:
         round_callback: RoundCallback | None,
     ) -> SimulationResult:
         config = self.config
-        first = 0 if self.strategy.init_round else 1
+        first = 0 if self.server.init_round else 1
         metrics: list[dict[str, Any]] = []
         self.seconds_before = 0.0
         if self.run_dir is not None:
@@ -286,8 +314,7 @@ class _Run:
             t0 = time.perf_counter()
             # Rounds seed the global RNG (layers built inside strategies draw from it); the
             # caller's own RNG state is restored afterwards.
-            rng_devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=rng_devices):
+            with torch.random.fork_rng(devices=self._rng_devices()):
                 record, last_eval = self._round(r, upload_hook)
             record["seconds"] = time.perf_counter() - t0
             metrics.append(record)
@@ -299,29 +326,45 @@ class _Run:
             if round_callback is not None:
                 round_callback(r, record)
         bar.close()
-        if last_eval is None:  # nothing left to run (resumed a finished run): evaluate once
-            last_eval = evaluate_clients(self.strategy, self.clients, self.state,
-                                         n_bins=config.n_bins, batched=config.batched)
+        last_round = max(config.rounds, first - 1)
+        broadcast = decode(encode(self.server.configure_evaluation(self.state, last_round)))
+        personalized: dict[int, ClientState] = {}
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            if self.client_half.personalizes:
+                gens = {c.client_id: torch.Generator().manual_seed(
+                    derived_seed(config.seed, _PERSONALIZE_KEY, c.client_id))
+                    for c in self.clients}
+                personalized = self.executor.personalize(self.clients, broadcast, gens)
+                last_eval = None
+            if last_eval is None:  # personalised, or resumed a finished run: evaluate once
+                last_eval = merge_evaluations(self.executor.evaluate(
+                    self.clients, broadcast, n_bins=config.n_bins, keep_probs=True,
+                    states=personalized or None))
         seconds = self.seconds_before + time.perf_counter() - start
         summary = build_summary(config, metrics, last_eval, seconds)
+        summary["personalized"] = bool(personalized)
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
         return SimulationResult(config, summary, metrics, self.run_dir, self.state,
-                                self.clients, self.strategy)
+                                self.clients, self.client_half, broadcast, personalized)
+
+    def _rng_devices(self) -> list[torch.device]:
+        return [self.device] if self.device.type == "cuda" else []
 
     def _round(self, r: int, upload_hook: UploadHook | None) -> tuple[dict, RoundEvaluation]:
-        config, strategy = self.config, self.strategy
+        config, server = self.config, self.server
         torch.manual_seed(derived_seed(config.seed, r))
         participants = sample_clients(config.clients, config.fraction, config.seed, r)
-        down = strategy.broadcast(self.state, r)
-        down_bytes = encode(down)
+        plan = server.configure(self.state, r)
+        down_bytes = encode(plan.broadcast)
         received = decode(down_bytes)  # what the clients see is what crossed the wire
         t_local = time.perf_counter()
-        uploads = self._local_updates([self.clients[i] for i in participants], received, r)
+        gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))
+                for cid in participants}
+        uploads = self.executor.fit([self.clients[i] for i in participants], received, gens)
         t_local = time.perf_counter() - t_local
         bytes_up: list[int] = []
         floats_up = 0
-        limit = strategy.max_upload_bytes()
         reasons: dict[int, str] = {}  # client id -> why its upload was rejected
         received_up: list[tuple[int, Message]] = []
         for cid, upload in zip(participants, uploads, strict=True):
@@ -331,11 +374,11 @@ class _Run:
                 data = upload_hook(r, cid, data)
             bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
             try:
-                received_up.append((cid, decode(data, max_bytes=limit)))
+                received_up.append((cid, decode(data, max_bytes=plan.max_upload_bytes)))
             except MessageRejected as err:
                 reasons[cid] = err.reason
-        verdicts = strategy.validate_uploads([m for _, m in received_up], round=r,
-                                             client_ids=[cid for cid, _ in received_up])
+        verdicts = server.validate_uploads(plan, [m for _, m in received_up],
+                                           [cid for cid, _ in received_up])
         accepted: list[Message] = []
         for (cid, message), reason in zip(received_up, verdicts, strict=True):
             if reason is None:
@@ -347,12 +390,15 @@ class _Run:
         aggregate_error = None
         try:
             server_gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))
-            self.state = strategy.aggregate(self.state, accepted, r, server_gen)
+            self.state = server.aggregate(self.state, accepted, r, server_gen)
         except (BayesFLError, InferenceError) as err:  # keep the previous state; go on
             aggregate_error = str(err)
         t_eval = time.perf_counter()
-        evaluation = evaluate_clients(strategy, self.clients, self.state, n_bins=config.n_bins,
-                                      batched=config.batched)
+        eval_bytes = encode(server.configure_evaluation(self.state, r))
+        evaluations = self.executor.evaluate(self.clients, decode(eval_bytes),
+                                             n_bins=config.n_bins,
+                                             keep_probs=r == config.rounds)
+        evaluation = merge_evaluations(evaluations)
         t_eval = time.perf_counter() - t_eval
         record = {
             "round": r,
@@ -364,8 +410,9 @@ class _Run:
             "bytes_down": len(down_bytes) * len(participants),
             "bytes_up_per_client": bytes_up,
             "bytes_down_per_client": len(down_bytes),
+            "bytes_down_evaluation": len(eval_bytes) * len(self.clients),
             "floats_up": int(floats_up),
-            "floats_down": down.num_elements * len(participants),
+            "floats_down": plan.broadcast.num_elements * len(participants),
             "per_client": evaluation.per_client,
             "seconds_local_updates": t_local,
             "seconds_evaluation": t_eval,
@@ -374,30 +421,11 @@ class _Run:
             record["aggregate_error"] = aggregate_error
         return record, evaluation
 
-    def _local_updates(
-        self, clients: Sequence[Client], message: Message, r: int
-    ) -> list[Message]:
-        seed = self.config.seed
-        gens = {c.client_id: torch.Generator().manual_seed(derived_seed(seed, r, c.client_id))
-                for c in clients}
-        if not (self.config.batched and self.strategy.supports_batched_training):
-            return [self.strategy.client_update(c, message, gens[c.client_id]) for c in clients]
-        groups: dict[tuple, list[Client]] = {}
-        for c in clients:
-            groups.setdefault(architecture_key(c.model), []).append(c)
-        out: dict[int, Message] = {}
-        for group in groups.values():
-            messages = self.strategy.client_update_batch(
-                group, message, [gens[c.client_id] for c in group])
-            out.update({c.client_id: m for c, m in zip(group, messages, strict=True)})
-        return [out[c.client_id] for c in clients]
-
     # ---- checkpoints ----------------------------------------------------------------------
     def _checkpoint(self, r: int, seconds: float) -> None:
         tensors = {f"server/{k}": v for k, v in self.state.items()}
         for c in self.clients:
-            tensors.update({f"client/{c.client_id}/{k}": v
-                            for k, v in c.persistent_state().items()})
+            tensors.update({f"client/{c.client_id}/{k}": v for k, v in c.state.items()})
         tensors["rng/torch"] = torch.get_rng_state()
         meta = {"round": r, "seconds": seconds, "config": self.config.to_dict(),
                 "server_keys": sorted(self.state)}
@@ -411,8 +439,8 @@ class _Run:
         self.state = {k: tensors[f"server/{k}"].to(self.device) for k in meta["server_keys"]}
         for c in self.clients:
             prefix = f"client/{c.client_id}/"
-            c.load_persistent_state({k[len(prefix):]: v.to(self.device)
-                                     for k, v in tensors.items() if k.startswith(prefix)})
+            c.state = {k[len(prefix):]: v.to(self.device)
+                       for k, v in tensors.items() if k.startswith(prefix)}
         torch.set_rng_state(tensors["rng/torch"])
         self.seconds_before = float(meta["seconds"])
         # keep the metric lines of complete rounds only (a crash may have left one more)
@@ -477,6 +505,7 @@ def build_summary(
         "best_round": best["round"] if best else None,
         "bytes_up": int(sum(m["bytes_up"] for m in metrics)),
         "bytes_down": int(sum(m["bytes_down"] for m in metrics)),
+        "bytes_down_evaluation": int(sum(m.get("bytes_down_evaluation", 0) for m in metrics)),
         "floats_up": int(sum(m["floats_up"] for m in metrics)),
         "floats_down": int(sum(m["floats_down"] for m in metrics)),
         "rejected_uploads": len(rejections),

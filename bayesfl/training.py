@@ -214,34 +214,57 @@ def train_batched(
     """Train K models of one architecture in place, each on its own ``(xs[k], ys[k])``.
 
     Equivalent to calling :func:`train_plain` on every model with its own generator (up to
-    float rounding), but computes all K gradients per step with one vmapped call. The
-    objective must be the same function for every client (constants it closes over are
-    shared). Buffers are carried along read-only (no batch-norm statistics updates).
+    float rounding), but computes all K gradients per step with one vmapped call (see
+    :func:`train_stacked`, which this calls with the models' own tensors).
     """
     if not models:
         return
-    keys = {architecture_key(m) for m in models}
-    if len(keys) != 1:
+    if len({architecture_key(m) for m in models}) != 1:
         raise ConfigError("train_batched needs models of one architecture; use train_plain")
+    train_stacked(models[0], [named_tensors(m, "parameters") for m in models],
+                  [named_tensors(m, "buffers") for m in models], xs, ys, objective, config,
+                  generators=generators, trainable=trainable)
+
+
+def train_stacked(
+    template: nn.Module,
+    parameters: Sequence[dict[str, Tensor]],
+    buffers: Sequence[dict[str, Tensor]],
+    xs: Sequence[Tensor],
+    ys: Sequence[Tensor],
+    objective: Objective,
+    config: LocalTraining,
+    *,
+    generators: Sequence[torch.Generator],
+    trainable: ParameterFilter | None = None,
+) -> None:
+    """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
+    ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
+    used). The trained values are written into the ``parameters[k]`` tensors in place.
+
+    The objective must be the same function for every client (constants it closes over are
+    shared). Buffers are carried along read-only (no batch-norm statistics updates).
+    """
+    if not parameters:
+        return
     trainable = trainable or _all_parameters
-    template = models[0]
     template.train()
     names = [n for n, _ in template.named_parameters()]
     train_names = [n for n in names if trainable(n)]
     if not train_names or config.epochs == 0:
         return
     frozen_names = [n for n in names if n not in train_names]
-    per_model = [named_tensors(m, "parameters") for m in models]
+    per_model = list(parameters)
     with torch.no_grad():
         stacked = _stack_named(per_model)
         train_p = {n: stacked[n] for n in train_names}
         frozen_p = {n: stacked[n] for n in frozen_names}
-        buffers = _stack_named([named_tensors(m, "buffers") for m in models])
+        stacked_buffers = _stack_named(list(buffers))
     device = train_p[train_names[0]].device
     X = pad_stack(list(xs))
     Y = pad_stack(list(ys))
     sizes = [int(x.shape[0]) for x in xs]
-    rows = torch.arange(len(models), device=device)[:, None]
+    rows = torch.arange(len(per_model), device=device)[:, None]
 
     def client_loss(tp, fp, bufs, xb, yb, mb):
         out = functional_call(template, ({**tp, **fp}, bufs), (xb,))
@@ -259,7 +282,7 @@ def train_batched(
             state = (
                 torch.optim.Adam(list(train_p.values()), lr=config.lr, betas=config.betas,
                                  eps=config.eps, fused=device.type in ("cpu", "cuda"))
-                if uniform else _AdamState.zeros(train_p, len(models), device)
+                if uniform else _AdamState.zeros(train_p, len(per_model), device)
             )
         elif config.reset_optimizer_each_epoch:
             _reset(state)  # in place: cheaper than allocating fresh moments every epoch
@@ -268,7 +291,7 @@ def train_batched(
         for s in range(steps):
             cols = slice(s * config.batch_size, (s + 1) * config.batch_size)
             ib, mb = index[:, cols], mask[:, cols]
-            g = grads_of(train_p, frozen_p, buffers, X[rows, ib], Y[rows, ib], mb)
+            g = grads_of(train_p, frozen_p, stacked_buffers, X[rows, ib], Y[rows, ib], mb)
             with torch.no_grad():
                 if isinstance(state, torch.optim.Adam):
                     for n, p in train_p.items():
@@ -358,18 +381,36 @@ def forward_stacked_concat(
     keys = {architecture_key(m) for m in models}
     if len(keys) != 1:
         raise ConfigError("forward_stacked needs models of one architecture")
-    template = models[0]
+    return forward_stacked_tensors(models[0], [named_tensors(m, "parameters") for m in models],
+                                   [named_tensors(m, "buffers") for m in models], xs,
+                                   chunk=chunk)
+
+
+@torch.no_grad()
+def forward_stacked_tensors(
+    template: nn.Module,
+    parameters: Sequence[dict[str, Tensor]],
+    buffers: Sequence[dict[str, Tensor]],
+    xs: Sequence[Tensor],
+    *,
+    chunk: int = 256,
+) -> Tensor:
+    """The outputs of K clients of ``template``'s architecture, given as tensors
+    (``parameters[k]``, ``buffers[k]``), on their inputs ``xs[k]``, concatenated client after
+    client: one vmapped ``functional_call`` per ``chunk`` clients in eval mode (inputs
+    zero-padded to the longest, the padding rows dropped). The module must return one tensor.
+    """
     was_training = template.training
     template.eval()
     outs: list[Tensor] = []
     try:
-        for start in range(0, len(models), chunk):
-            group, inputs = models[start : start + chunk], xs[start : start + chunk]
-            params = _stack_named([named_tensors(m, "parameters") for m in group])
-            buffers = _stack_named([named_tensors(m, "buffers") for m in group])
+        for start in range(0, len(parameters), chunk):
+            inputs = xs[start : start + chunk]
+            params = _stack_named(list(parameters[start : start + chunk]))
+            bufs = _stack_named(list(buffers[start : start + chunk]))
             padded = pad_stack(list(inputs))
             out = vmap(lambda p, b, x: functional_call(template, (p, b), (x,)))(
-                params, buffers, padded)
+                params, bufs, padded)
             sizes = torch.tensor([int(x.shape[0]) for x in inputs], device=out.device)
             real = torch.arange(padded.shape[1], device=out.device) < sizes[:, None]
             outs.append(out[real])

@@ -1,5 +1,6 @@
-"""Federated algorithms, one module each, behind the :class:`~bayesfl.strategies.base.Strategy`
-protocol, and the registry :data:`STRATEGIES` that maps names to them."""
+"""Federated algorithms, one module each, on the two-halves contract of
+:class:`~bayesfl.strategies.base.Strategy`, and the registry :data:`STRATEGIES` that maps names
+to them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import inspect
 from typing import Any
 
 from bayesfl.errors import ConfigError
-from bayesfl.strategies.base import BaseStrategy, Client, ServerState, Strategy, StrategyContext
+from bayesfl.strategies.base import (
+    MAP_PLUGIN,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    Evaluation,
+    RoundPlan,
+    ServerState,
+    Strategy,
+    StrategyContext,
+)
 from bayesfl.strategies.fedavg import FedAvg
 from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
@@ -16,7 +27,7 @@ from bayesfl.strategies.fedproto import FedProto
 from bayesfl.strategies.fedrep import FedRep, FedRep1
 from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
 
-STRATEGIES: dict[str, type[BaseStrategy]] = {
+STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
                 FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto)
@@ -39,7 +50,7 @@ def strategy_options(name: str) -> dict[str, Any]:
     return options
 
 
-def make_strategy(name: str, context: StrategyContext, **options: Any) -> BaseStrategy:
+def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strategy:
     """Build strategy ``name`` with its ``options``.
 
     Raises:
@@ -54,7 +65,7 @@ def make_strategy(name: str, context: StrategyContext, **options: Any) -> BaseSt
     return cls(context, **options)
 
 
-def _lookup(name: str) -> type[BaseStrategy]:
+def _lookup(name: str) -> type[Strategy]:
     key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
     if key not in STRATEGIES:
         raise ConfigError(f"unknown strategy {name!r}; valid names: {', '.join(STRATEGIES)}")
@@ -62,9 +73,12 @@ def _lookup(name: str) -> type[BaseStrategy]:
 
 
 __all__ = [
+    "MAP_PLUGIN",
+    "PREDICTIVE",
     "STRATEGIES",
-    "BaseStrategy",
-    "Client",
+    "ClientConfig",
+    "ClientState",
+    "Evaluation",
     "FedAvg",
     "FedBABU",
     "FedLog",
@@ -77,6 +91,7 @@ __all__ = [
     "FedRep1",
     "LGFedAvg",
     "LGFedAvg2",
+    "RoundPlan",
     "ServerState",
     "Strategy",
     "StrategyContext",

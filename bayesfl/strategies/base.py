@@ -1,75 +1,100 @@
-"""The strategy protocol: one federated algorithm as pure-ish functions over messages.
+"""The strategy contract (v2): one federated algorithm in a server half and a client half.
 
-A strategy knows one algorithm (FedLog, FedAvg, ...) and nothing about transport. The
-simulator (and any other transport) drives it like this, once per round ``r``::
+The two halves share **no Python objects**, only messages. A transport (the embedded
+simulator, a Flower app) builds the strategy from the run configuration on each side and
+drives it like this in round ``r``::
 
-    down = strategy.broadcast(state, r)                       # server -> every sampled client
-    up_k = strategy.client_update(client_k, down, generator)  # local training, then the upload
-    strategy.validate_upload(up_k, round=r, client_id=k)      # raises MessageRejected
-                                                              # (validate_uploads: many)
-    state = strategy.aggregate(state, accepted_uploads, r, generator)
-    probs = strategy.predict_proba(client_k, state, x)        # (B, C) for evaluation
+    # server half
+    plan = strategy.configure(server_state, r)           # RoundPlan: broadcast + upload schema
+    # client half, on each sampled client k (its config, data and state are its own)
+    state_k, upload_k = strategy.fit(config_k, state_k, data_k, plan.broadcast, generator_k)
+    # server half
+    verdicts = strategy.validate_uploads(plan, uploads, client_ids)   # None or a reason each
+    server_state = strategy.aggregate(server_state, accepted_uploads, r, generator)
+    # client half, every client: a calibration accumulator state (+ probabilities on request)
+    evaluation_k = strategy.evaluate(config_k, state_k, data_k,
+                                     strategy.configure_evaluation(server_state, r))
+    # after training, and for a client that never trained
+    state_k = strategy.personalize(config_k, state_k, data_k, broadcast, generator_k)
 
-``state`` (the server state) is a flat ``dict[str, Tensor]`` so that it can be checkpointed
-as is. What a client keeps across rounds lives in :class:`Client` (its model's parameters and
-``extra`` tensors such as a personal head) and is checkpointed by the transport too.
+* **Server half**: :meth:`Strategy.init` (from the run config alone: the
+  :class:`StrategyContext`), :meth:`~Strategy.configure`, :meth:`~Strategy.validate_uploads`,
+  :meth:`~Strategy.aggregate`, :meth:`~Strategy.configure_evaluation`. The server state is a
+  flat ``dict[str, Tensor]`` (checkpointable as is).
+* **Client half**: :meth:`~Strategy.init_client` (from the client's own
+  :class:`ClientConfig`), :meth:`~Strategy.fit`, :meth:`~Strategy.personalize`,
+  :meth:`~Strategy.predict`, :meth:`~Strategy.evaluate`, :meth:`~Strategy.posterior`. The
+  client state is a flat ``dict[str, Tensor]`` too (what a Flower ClientApp keeps in
+  ``Context.state``): ``model.<name>`` for every parameter and buffer of its network, plus
+  whatever else the strategy keeps. A client half needs nothing but its config, its data, its
+  state and the bytes it receives.
+* **Groups**: a transport may hand a strategy several clients *with the same body* at once
+  (:meth:`~Strategy.fit_group`, :meth:`~Strategy.predict_group`); strategies that can train or
+  predict them together (vmap over stacked parameters) override these. Forming the groups is
+  the transport's job (:mod:`bayesfl.executor`), never a strategy's.
 
+A strategy object holds only its configuration (options and context), which both sides build
+from the same run configuration; it is never mutated after construction (templates of client
+networks are memoised per body spec on each side, see :meth:`Strategy.template`).
 A strategy with ``init_round = True`` needs a round 0 before training starts (FedLog's
-"pretrain" round: statistics of the untrained bodies give the first head); the transport runs
-it with every client and counts its bytes like any other round.
+"pretrain" round); the transport runs it with every client and counts its bytes like any other.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from bayesfl.bodies import build_body, check_feature_dim
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import MessageRejected
+from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Header, Message, Schema, TensorSpec, validate
 from bayesfl.training import LocalTraining
+from calibration.accumulator import Accumulator
 
 ServerState = dict[str, Tensor]
+ClientState = dict[str, Tensor]
+
+PREDICTIVE = "predictive"
+"""Key of a strategy's headline predictive in :meth:`Strategy.predict` (for posterior
+strategies: the posterior predictive)."""
+MAP_PLUGIN = "map_plugin"
+"""Key of a posterior strategy's MAP plug-in predictive, reported beside the headline."""
+
+MODEL_PREFIX = "model."
 
 
-@dataclass
-class Client:
-    """One simulated client.
+def derived_seed(seed: int, *keys: int) -> int:
+    """A 63-bit seed derived from ``seed`` and integer ``keys`` (numpy SeedSequence)."""
+    words = np.random.SeedSequence([seed, *[k % 2**32 for k in keys]]).generate_state(2)
+    return int((int(words[0]) << 31) ^ int(words[1])) & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What one client is configured with (its own, never the server's).
 
     Attributes:
-        client_id: 0-based index, equal to ``data.client_id``.
-        data: its local train/test data.
-        model: the module it trains (built by :meth:`Strategy.build_model` from its body).
-        body_spec: the body's spec string, e.g. ``"mlp:200"``.
-        extra: other tensors the client keeps across rounds (strategy-specific).
+        client_id: 0-based index.
+        body: its body spec, e.g. ``"mlp:200"`` (:func:`bayesfl.bodies.build_body`).
+        init_seed: the seed its network is initialised from (clients with the same body and
+            seed start from the same weights, as the papers do).
     """
 
     client_id: int
-    data: ClientData
-    model: nn.Module
-    body_spec: str
-    extra: dict[str, Tensor] = field(default_factory=dict)
-
-    def persistent_state(self) -> dict[str, Tensor]:
-        """Every tensor the client keeps across rounds, flat and name-prefixed."""
-        state = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
-        state.update({f"extra.{k}": v.detach().clone() for k, v in self.extra.items()})
-        return state
-
-    def load_persistent_state(self, state: Mapping[str, Tensor]) -> None:
-        """Restore what :meth:`persistent_state` returned."""
-        model_state = {k[6:]: v for k, v in state.items() if k.startswith("model.")}
-        self.model.load_state_dict(model_state, strict=True)
-        self.extra = {k[6:]: v.clone() for k, v in state.items() if k.startswith("extra.")}
+    body: str
+    init_seed: int
 
 
 @dataclass(frozen=True)
 class StrategyContext:
-    """What every strategy is built with.
+    """The run configuration both halves are built from.
 
     Attributes:
         num_classes: C.
@@ -78,6 +103,10 @@ class StrategyContext:
         rounds: number of training rounds of the run (DP accounting needs it).
         device: where client models and server tensors live.
         seed: the run's seed (strategies derive their own deterministic generators from it).
+        input_shape: the shape of one input, e.g. ``(64,)`` (builds bodies from specs).
+        bodies: the body specs, assigned to clients in turn (client k gets
+            ``bodies[k % len(bodies)]``).
+        clients: the number of clients of the run.
     """
 
     num_classes: int
@@ -86,67 +115,88 @@ class StrategyContext:
     rounds: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    input_shape: tuple[int, ...] = ()
+    bodies: tuple[str, ...] = ("mlp:200",)
+    clients: int = 1
+
+    def client_config(self, client_id: int) -> ClientConfig:
+        """Client ``client_id``'s config: its body spec in turn, one init seed per spec."""
+        if not 0 <= client_id < self.clients:
+            raise ConfigError(f"client id {client_id} out of range [0, {self.clients})")
+        spec = self.bodies[client_id % len(self.bodies)]
+        return ClientConfig(client_id, spec, self.init_seed(spec))
+
+    def init_seed(self, body: str) -> int:
+        """The initialisation seed of every network of body spec ``body`` (one per spec)."""
+        return derived_seed(self.seed, 11, self.bodies.index(body))
 
 
-@runtime_checkable
-class Strategy(Protocol):
-    """Structural type of a federated algorithm (see the module docstring)."""
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the server half sends in one round and what it accepts back.
 
-    name: str
-    init_round: bool
+    Attributes:
+        round: the round.
+        broadcast: the message every sampled client receives.
+        upload_schema: names, shapes and dtypes an upload of this round must have (a schedule
+            such as FedPart changes it from round to round).
+    """
 
-    def build_model(self, body: nn.Module) -> nn.Module: ...
+    round: int
+    broadcast: Message
+    upload_schema: Schema
 
-    def init(self, clients: Sequence[Client]) -> ServerState: ...
-
-    def broadcast(self, state: ServerState, round: int) -> Message: ...
-
-    def client_update(
-        self, client: Client, message: Message, generator: torch.Generator
-    ) -> Message: ...
-
-    def client_update_batch(
-        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
-    ) -> list[Message]: ...
-
-    def upload_schema(self) -> Schema: ...
-
-    def max_upload_bytes(self) -> int: ...
-
-    def validate_upload(self, message: Message, *, round: int, client_id: int) -> None: ...
-
-    def validate_uploads(
-        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
-    ) -> list[str | None]: ...
-
-    def aggregate(
-        self,
-        state: ServerState,
-        uploads: Sequence[Message],
-        round: int,
-        generator: torch.Generator,
-    ) -> ServerState: ...
-
-    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor: ...
-
-    def predict_proba_batch(
-        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
-    ) -> list[Tensor]: ...
+    @property
+    def max_upload_bytes(self) -> int:
+        """Encoded uploads above this size are rejected before parsing: twice the schema's
+        tensor bytes plus 64 KiB for the safetensors header."""
+        total = 0
+        for spec in self.upload_schema.values():
+            numel = 1
+            for dim in spec.shape:
+                numel *= dim if dim is not None else 1
+            total += numel * torch.empty((), dtype=spec.dtype).element_size()
+        return 2 * total + 64 * 1024
 
 
-class BaseStrategy:
-    """Shared plumbing: headers, schema validation, size limits, the per-client batch loop.
+@dataclass
+class Evaluation:
+    """One client's evaluation: calibration accumulator states per predictive.
 
-    Subclasses set ``name`` and implement the algorithm; they add algorithm invariants by
-    overriding :meth:`check_invariants` (called after the schema check).
+    Attributes:
+        client_id: whose evaluation.
+        accumulators: ``{PREDICTIVE: Accumulator, MAP_PLUGIN: Accumulator (posterior
+            strategies)}``; what a client sends to a real server (mergeable, exact).
+        probs: the same predictives' probabilities (n_test, C), float64 on the CPU, when the
+            transport asked for them (the simulator keeps them for plots); else empty.
+        labels: (n_test,) int64 labels when ``probs`` are kept.
+    """
+
+    client_id: int
+    accumulators: dict[str, Accumulator]
+    probs: dict[str, Tensor] = field(default_factory=dict)
+    labels: Tensor | None = None
+
+
+class Strategy:
+    """Base of every strategy: the contract (module docstring) and shared plumbing.
+
+    Subclasses set ``name`` and implement the server half (:meth:`init`,
+    :meth:`broadcast_tensors`, :meth:`upload_schema`, :meth:`aggregate`) and the client half
+    (:meth:`fit`, :meth:`predict`); they add algorithm invariants of uploads with
+    :meth:`upload_problems`.
     """
 
     name: ClassVar[str] = "base"
     init_round: ClassVar[bool] = False
-    supports_batched_training: ClassVar[bool] = False
+    personalizes: ClassVar[bool] = False
+    """Whether :meth:`personalize` does anything (the transport skips it otherwise)."""
+    is_posterior: ClassVar[bool] = False
+    """Whether :meth:`posterior` returns an :mod:`inference` posterior."""
 
     def __init__(self, context: StrategyContext) -> None:
         self.context = context
+        self._templates: dict[str, nn.Module] = {}
 
     @property
     def num_classes(self) -> int:
@@ -156,87 +206,270 @@ class BaseStrategy:
     def feature_dim(self) -> int:
         return self.context.feature_dim
 
-    # ---- messages -------------------------------------------------------------------------
-    def header(self, round: int, client_id: int, direction: str) -> Header:
-        return Header(strategy=self.name, round=round, client_id=client_id, direction=direction)
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:  # pragma: no cover - every strategy overrides it
+        """The initial server state, from the run config (:attr:`context`) alone."""
+        raise TypeError(f"{type(self).__name__} must define init()")
 
-    def down_message(self, round: int, tensors: dict[str, Tensor]) -> Message:
-        return Message(self.header(round, -1, "down"), _wire(tensors))
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        """What every sampled client receives in ``round``."""  # pragma: no cover
+        raise TypeError(f"{type(self).__name__} must define broadcast_tensors()")
 
-    def up_message(self, round: int, client_id: int, tensors: dict[str, Tensor]) -> Message:
-        return Message(self.header(round, client_id, "up"), _wire(tensors))
-
-    def upload_schema(self) -> Schema:  # pragma: no cover - every strategy overrides it
+    def upload_schema(self, state: ServerState, round: int) -> Schema:  # pragma: no cover
+        """What an upload of ``round`` must look like."""
         raise TypeError(f"{type(self).__name__} must define upload_schema()")
 
-    def max_upload_bytes(self) -> int:
-        """Reject encoded uploads above this size before parsing them: twice the schema's
-        tensor bytes plus 64 KiB for the safetensors header."""
-        total = 0
-        for spec in self.upload_schema().values():
-            numel = 1
-            for dim in spec.shape:
-                numel *= dim if dim is not None else 1
-            total += numel * torch.empty((), dtype=spec.dtype).element_size()
-        return 2 * total + 64 * 1024
+    def configure(self, state: ServerState, round: int) -> RoundPlan:
+        """The broadcast of ``round`` and the schema its uploads must follow."""
+        return RoundPlan(round, self.down_message(round, self.broadcast_tensors(state, round)),
+                         self.upload_schema(state, round))
 
-    def validate_upload(self, message: Message, *, round: int, client_id: int) -> None:
-        """Schema (names, shapes, dtypes, finiteness), header, then algorithm invariants.
+    def configure_evaluation(self, state: ServerState, round: int) -> Message:
+        """What clients evaluate with after ``round``'s aggregation (default: the broadcast a
+        next round would send, tagged with ``round``)."""
+        return self.down_message(round, self.broadcast_tensors(state, round))
+
+    def validate_uploads(
+        self, plan: RoundPlan, messages: Sequence[Message], client_ids: Sequence[int]
+    ) -> list[str | None]:
+        """Per upload: None (accepted) or the reason it is rejected.
+
+        Header (strategy, round, sender, direction), names, shapes, dtypes and finiteness per
+        message against ``plan.upload_schema``; then the algorithm's invariants of all
+        schema-valid uploads together (:meth:`upload_problems`).
+        """
+        reasons: list[str | None] = [None] * len(messages)
+        valid: list[int] = []
+        for i, (message, cid) in enumerate(zip(messages, client_ids, strict=True)):
+            try:
+                validate(message, plan.upload_schema, strategy=self.name, round=plan.round,
+                         client_id=cid, direction="up")
+            except MessageRejected as err:
+                reasons[i] = err.reason
+            else:
+                valid.append(i)
+        if valid:
+            problems = self.upload_problems(plan, [messages[i] for i in valid])
+            for i, problem in zip(valid, problems, strict=True):
+                reasons[i] = problem
+        return reasons
+
+    def validate_upload(self, plan: RoundPlan, message: Message, client_id: int) -> None:
+        """:meth:`validate_uploads` of one upload.
 
         Raises:
             MessageRejected: with the precise reason.
         """
-        validate(
-            message,
-            self.upload_schema(),
-            strategy=self.name,
-            round=round,
-            client_id=client_id,
-            direction="up",
-        )
-        self.check_invariants(message)
+        reason = self.validate_uploads(plan, [message], [client_id])[0]
+        if reason is not None:
+            raise MessageRejected(reason, client_id=client_id)
 
-    def check_invariants(self, message: Message) -> None:
-        """Algorithm-specific checks of a schema-valid upload; raise MessageRejected."""
-
-    def validate_uploads(
-        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
+    def upload_problems(
+        self, plan: RoundPlan, messages: Sequence[Message]
     ) -> list[str | None]:
-        """:meth:`validate_upload` of many uploads: per upload None (accepted) or the reason
-        it is rejected. Strategies may check many uploads together, but the verdicts and
-        reasons must be those of :meth:`validate_upload` one upload at a time."""
-        reasons: list[str | None] = []
-        for message, cid in zip(messages, client_ids, strict=True):
-            try:
-                self.validate_upload(message, round=round, client_id=cid)
-            except MessageRejected as err:
-                reasons.append(err.reason)
-            else:
-                reasons.append(None)
-        return reasons
+        """Algorithm invariants of schema-valid uploads: None or the violated one, each.
 
-    # ---- client side ----------------------------------------------------------------------
-    def client_update_batch(
-        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
-    ) -> list[Message]:
-        """Default: one :meth:`client_update` per client (strategies may batch)."""
-        return [
-            self.client_update(c, message, g) for c, g in zip(clients, generators, strict=True)
-        ]
+        One implementation serves one upload and many (the transport validates a round's
+        uploads together); the default accepts everything the schema accepts.
+        """
+        return [None] * len(messages)
 
-    def predict_proba_batch(
-        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
-    ) -> list[Tensor]:
-        """``[predict_proba(clients[k], state, xs[k]) for k]`` (strategies may batch)."""
-        return [self.predict_proba(c, state, x) for c, x in zip(clients, xs, strict=True)]
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:  # pragma: no cover - every strategy overrides it
+        """The new server state from this round's accepted uploads."""
+        raise TypeError(f"{type(self).__name__} must define aggregate()")
 
-    def client_update(
-        self, client: Client, message: Message, generator: torch.Generator
-    ) -> Message:  # pragma: no cover - every strategy overrides it
-        raise TypeError(f"{type(self).__name__} must define client_update()")
+    # ==== client half ======================================================================
+    def build_model(self, body: nn.Module) -> nn.Module:
+        """The client network around a body (default: the body itself)."""
+        return body
+
+    def initial_model(self, config: ClientConfig) -> nn.Module:
+        """Client ``config``'s initial network: its body spec, initialised from its seed.
+
+        The global RNG is seeded inside and restored afterwards, so building a network never
+        moves the caller's random stream.
+        """
+        shape, d = self.context.input_shape, self.feature_dim
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.init_seed)
+            body = build_body(config.body, shape, d)
+            check_feature_dim(body, shape, d)
+            model = self.build_model(body)
+        return model.to(self.context.device)
+
+    def template(self, body: str) -> nn.Module:
+        """A network of body spec ``body`` (structure only: its values are never used; client
+        values come from client states). Memoised per spec."""
+        if body not in self._templates:
+            self._templates[body] = self.initial_model(ClientConfig(0, body, 0))
+        return self._templates[body]
+
+    def init_client(self, config: ClientConfig) -> ClientState:
+        """The client's initial state: ``model.<name>`` of its initial network."""
+        return model_state(self.initial_model(config))
+
+    def client_model(self, config: ClientConfig, state: ClientState) -> nn.Module:
+        """A network of the client's body holding (copies of) its state's values."""
+        model = copy.deepcopy(self.template(config.body))
+        model.load_state_dict(model_entries(state), strict=True)
+        return model
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:  # pragma: no cover - every strategy overrides it
+        """Local work of one round: the client's new state and its upload."""
+        raise TypeError(f"{type(self).__name__} must define fit()")
+
+    def fit_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        generators: Sequence[torch.Generator],
+    ) -> list[tuple[ClientState, Message]]:
+        """:meth:`fit` of clients that share one body spec (default: one after another;
+        strategies may train them together)."""
+        return [self.fit(c, s, d, broadcast, g)
+                for c, s, d, g in zip(configs, states, datas, generators, strict=True)]
+
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """The state a client predicts with after training (or without any, for a novel
+        client); default: unchanged. ``broadcast`` is :meth:`configure_evaluation`'s."""
+        return state
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:  # pragma: no cover - every strategy overrides it
+        """Class probabilities (B, C) float64 of inputs ``x`` (B, ...): ``{PREDICTIVE: ...}``
+        and, for posterior strategies, ``{MAP_PLUGIN: ...}`` beside it."""
+        raise TypeError(f"{type(self).__name__} must define predict()")
+
+    def predict_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> list[dict[str, Tensor]]:
+        """:meth:`predict` of clients that share one body spec (strategies may batch)."""
+        return [self.predict(c, s, broadcast, x)
+                for c, s, x in zip(configs, states, xs, strict=True)]
+
+    def evaluate(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        *,
+        n_bins: int = 15,
+        keep_probs: bool = False,
+    ) -> Evaluation:
+        """The client's calibration accumulators on its test set (module docstring)."""
+        return self.evaluate_group([config], [state], [data], broadcast, n_bins=n_bins,
+                                   keep_probs=keep_probs)[0]
+
+    @torch.no_grad()
+    def evaluate_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        *,
+        n_bins: int = 15,
+        keep_probs: bool = False,
+    ) -> list[Evaluation]:
+        """:meth:`evaluate` of clients that share one body spec (predictions batched)."""
+        predictions = self.predict_group(configs, states, broadcast, [d.test_x for d in datas])
+        return [evaluation_of(c.client_id, p, d.test_y, n_bins, keep_probs)
+                for c, p, d in zip(configs, predictions, datas, strict=True)]
+
+    def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
+        """The federated posterior as client ``config`` holds it (posterior strategies)."""
+        raise ConfigError(f"{self.name} is not a posterior strategy: it has no posterior to "
+                          "return (posterior strategies: the FedLog family)")
+
+    # ==== messages =========================================================================
+    def header(self, round: int, client_id: int, direction: str) -> Header:
+        return Header(strategy=self.name, round=round, client_id=client_id, direction=direction)
+
+    def down_message(self, round: int, tensors: Mapping[str, Tensor]) -> Message:
+        return Message(self.header(round, -1, "down"), wire(tensors))
+
+    def up_message(self, round: int, client_id: int, tensors: Mapping[str, Tensor]) -> Message:
+        return Message(self.header(round, client_id, "up"), wire(tensors))
 
 
-def _wire(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def evaluation_of(
+    client_id: int, probs: Mapping[str, Tensor], labels: Tensor, n_bins: int, keep_probs: bool
+) -> Evaluation:
+    """An :class:`Evaluation` from each predictive's probabilities (validated by the
+    accumulators: rows >= 0 summing to one)."""
+    labels = labels.to("cpu")
+    accumulators = {k: Accumulator(n_bins=n_bins).update(p.to("cpu", torch.float64), labels)
+                    for k, p in probs.items()}
+    kept = {k: p.to("cpu", torch.float64) for k, p in probs.items()} if keep_probs else {}
+    return Evaluation(client_id, accumulators, kept, labels if keep_probs else None)
+
+
+def model_state(model: nn.Module) -> ClientState:
+    """``model.<name>`` -> detached copy, for every parameter and buffer of ``model``."""
+    return {MODEL_PREFIX + k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def model_entries(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The network part of a client state, without the ``model.`` prefix."""
+    n = len(MODEL_PREFIX)
+    return {k[n:]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def stacked_tensors(
+    template: nn.Module, states: Sequence[ClientState]
+) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
+    """Per client: (parameters, buffers) of its network as *copies* of its state's tensors,
+    named as in ``template`` (for :func:`bayesfl.training.train_stacked` and
+    :func:`bayesfl.training.forward_stacked_tensors`, which write into the parameters)."""
+    p_names = [n for n, _ in template.named_parameters()]
+    b_names = [n for n, _ in template.named_buffers()]
+    params = [{n: s[MODEL_PREFIX + n].clone() for n in p_names} for s in states]
+    buffers = [{n: s[MODEL_PREFIX + n] for n in b_names} for s in states]
+    return params, buffers
+
+
+def with_parameters(state: ClientState, parameters: Mapping[str, Tensor]) -> ClientState:
+    """``state`` with its network parameters replaced by ``parameters`` (a new dict)."""
+    return {**state, **{MODEL_PREFIX + k: v for k, v in parameters.items()}}
+
+
+def check_one_body(configs: Sequence[ClientConfig]) -> str:
+    """The body spec a group shares, or ConfigError (groups are formed by the transport)."""
+    bodies = {c.body for c in configs}
+    if len(bodies) != 1:
+        raise ConfigError(f"a client group must share one body spec, got {sorted(bodies)}")
+    return next(iter(bodies))
+
+
+def wire(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Tensors as they travel: detached, contiguous, on the CPU."""
     return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
@@ -249,10 +482,7 @@ def num_samples_tensor(n: int) -> Tensor:
 NUM_SAMPLES_SPEC = TensorSpec((1,), torch.int64)
 
 
-def check_num_samples(message: Message) -> int:
-    """The upload's positive sample count, or MessageRejected."""
+def num_samples_problem(message: Message) -> str | None:
+    """None if the upload's sample count is >= 1, else the reason."""
     n = int(message.tensors["num_samples"].item())
-    if n < 1:
-        raise MessageRejected(f"num_samples must be >= 1, got {n}",
-                              client_id=message.header.client_id)
-    return n
+    return None if n >= 1 else f"num_samples must be >= 1, got {n}"

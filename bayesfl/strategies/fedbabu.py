@@ -1,8 +1,11 @@
 """FedBABU (Oh, Kim & Yun 2022, "FedBABU: Toward Enhanced Representation for Federated Image
 Classification"): the head (the last layer) is randomly initialised and never updated during
-federated training; only the body is trained locally and averaged. For evaluation each client
-personalises by fine-tuning a copy of its network on its own training data, starting from the
-global body and the initial head; the client's own model is left untouched.
+federated training; only the body is trained locally and averaged. After training (and for a
+novel client that never trained) each client personalises once
+(:meth:`FedBABU.personalize`): it fine-tunes its network on its own training data, starting
+from the global body and its initial head, and from then on predicts with its own fine-tuned
+parameters. Rounds before that are evaluated with the global body and the initial head (what
+FedBABU's paper reports as accuracy "before fine-tuning").
 
 Layers (spec fedlog.md §5.1): FedBABU uploads "everything except the last layer (the head is
 never trained)"; 21330 of the MNIST CNN's 21840 floats.
@@ -14,22 +17,21 @@ Defaults (the FedLog paper gives no FedBABU hyperparameters, spec §7.1, and say
 grid-searched them): ``finetune_epochs = 1`` and ``finetune = "head"``. The paper's abstract
 fine-tunes "the head" for personalisation, hence ``"head"`` (``"all"`` fine-tunes body and head
 together, the other choice FedBABU discusses). One epoch, at the local learning rate and batch
-size, because the simulator evaluates every client every round and fine-tuning is the
-dominant cost of a FedBABU evaluation; raise it for final numbers.
+size.
 """
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
-from bayesfl.strategies.base import Client, ServerState, StrategyContext
+from bayesfl.messages import Message
+from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext, model_state
 from bayesfl.strategies.parameter_averaging import (
+    PERSONALIZED,
     ParameterAveraging,
-    _softmax_of,
     all_but_last_layers,
     everything,
     with_epochs,
@@ -40,23 +42,26 @@ _FINETUNE = ("head", "all")
 
 
 class FedBABU(ParameterAveraging):
-    """Shared body, head frozen at init during training, fine-tuned for evaluation.
+    """Shared body, head frozen at init during training, fine-tuned once to personalise.
 
     Args:
         context: classes, feature dimension, local training, rounds, device, seed.
-        finetune_epochs: epochs of fine-tuning before each evaluation (0: none).
-        finetune: what the evaluation fine-tunes: ``"head"`` (default) or ``"all"``.
+        finetune_epochs: epochs of fine-tuning in :meth:`personalize` (0: none).
+        finetune: what personalisation fine-tunes: ``"head"`` (default) or ``"all"``.
     """
 
     name = "fedbabu"
     weighted = True
+    personalizes = True
 
     def __init__(
         self, context: StrategyContext, *, finetune_epochs: int = 1, finetune: str = "head"
     ) -> None:
         super().__init__(context)
-        if finetune_epochs < 0:
-            raise ConfigError(f"fedbabu finetune_epochs must be >= 0, got {finetune_epochs}")
+        if isinstance(finetune_epochs, bool) or not isinstance(finetune_epochs, int) \
+                or finetune_epochs < 0:
+            raise ConfigError(f"fedbabu finetune_epochs must be an integer >= 0, got "
+                              f"{finetune_epochs!r}")
         if finetune not in _FINETUNE:
             raise ConfigError(f"fedbabu finetune must be one of {_FINETUNE}, got {finetune!r}")
         self.finetune_epochs = finetune_epochs
@@ -65,20 +70,26 @@ class FedBABU(ParameterAveraging):
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         return all_but_last_layers(model, 1, self.name)
 
-    def phases(self) -> list[tuple[ParameterFilter, LocalTraining]]:
-        return [(self.shared, self.context.training)]
+    def phases(self, shared: frozenset[str]) -> list[tuple[ParameterFilter, LocalTraining]]:
+        return [(shared.__contains__, self.context.training)]
 
-    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
-        model = copy.deepcopy(client.model)
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """Fine-tune the global body and the client's (initial) head on its training data."""
+        model = self.client_model(config, state)
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, value in state.items():
+            for name, value in self._received(config.body, broadcast).items():
                 params[name].copy_(value)
-        # deterministic per client, so evaluation does not consume any run RNG
-        generator = torch.Generator().manual_seed(1_000_003 + client.client_id)
-        trainable = self.personal if self.finetune == "head" else everything
-        with torch.enable_grad():  # evaluation may run under no_grad
-            train_plain(model, client.data.train_x, client.data.train_y, self.objective,
-                        with_epochs(self.context.training, self.finetune_epochs),
-                        generator=generator, trainable=trainable)
-        return _softmax_of(model, dict(model.named_parameters()), x)
+        shared = self.shared_names(config.body)
+        trainable = (lambda n: n not in shared) if self.finetune == "head" else everything
+        train_plain(model, data.train_x, data.train_y, self.objective,
+                    with_epochs(self.context.training, self.finetune_epochs),
+                    generator=generator, trainable=trainable)
+        return {**model_state(model), PERSONALIZED: torch.ones(1, dtype=torch.bool)}

@@ -1,38 +1,47 @@
 """FedLog (Yu, Zhang & Poupart): a federated Bayesian logistic-regression head.
 
-Spec: /work/shared/spec/fedlog.md. Every client keeps its body private and trains it with
-cross-entropy through the broadcast head ``W`` (C, m), m = d + 1, bias column first, which it
-does not update (§3.1). It then uploads the sufficient statistic of its training features,
+Spec: fedlog.md of the project's shared specs. Every client keeps its body private and trains it
+with cross-entropy through the broadcast head ``W`` (C, m), m = d + 1, bias column first, which
+it does not update (§3.1). It then uploads the sufficient statistic of its training features,
 ``S_c[y] = sum_{i: y_i = y} [1, phi(x_i)]`` (C, m), whose column 0 holds the class counts,
-and its sample count ``n_c`` (§1.4, §3.2). The server sums the statistics of this round only
-(no carry-over, §2.1), adds the conjugate prior (chi = 0, nu) and sets ``W`` to the posterior
-MAP (exact solver of :mod:`inference.conjugate`). Prediction is ``softmax(W [1, phi(x)])``.
+and its sample count ``n_c`` (§1.4, §3.2). The server sums the statistics, adds the conjugate
+prior (chi = 0, nu) and sets ``W`` to the posterior MAP (exact solver of
+:mod:`inference.conjugate`).
 
 Round 0 (``init_round``) is the reference code's "pretrain" round: clients send statistics of
 their untrained bodies, so the first head is already a MAP (§3.4, §9.5).
 
-Variants (each its own registry name, so message headers say which one is running):
+**Which statistics are summed** (``absent_clients``, spec §9 item 8). ``"latest"`` (default):
+the server keeps every client's latest accepted statistics and sums them all, so a client not
+sampled this round still counts with the statistics of its current body (its body changes only
+when it trains, and then it uploads again). ``"omit"``: this round's participants only (the
+paper's setting, where every client takes part every round). Measured on digits, 20 clients,
+``--fraction 0.3``, 15 rounds: ``"omit"`` swings between rounds because the head is rebuilt
+from 6 clients' classes; ``"latest"`` is stable (figures in the project's architecture notes).
 
-* ``fedlog-c`` (§4.1): the server broadcasts the aggregated statistic and N instead of W; each
-  client solves the same deterministic MAP locally and adds the compactness loss
-  ``alpha * ||phi(x) - mean_y||^2`` (global class means from the broadcast statistic,
-  constant coordinate excluded; alpha = 0.01 by default).
-* ``fedlog-dp-local`` / ``fedlog-dp-central`` (§4.2): features are clamped to [0, b] (after
-  the body's ReLU) so one record changes the statistic by at most ``sqrt(1 + (m-1) b^2)`` in
-  L2; Gaussian noise is added by each client to its own statistic (local) or once by the server
-  to the sum (central). Its sigma comes from the v2 accountant by default
-  (``accountant="k_round"``: (epsilon, delta) for the whole run, composed over all releases,
-  rounds + the init round), or the v1 one (``accountant="single"``: (epsilon, delta) per
-  release, a weaker guarantee for a multi-round run, as in the paper's first version).
-  Local-DP uploads carry no ``num_samples`` (it would leak n_c); the server uses the noisy
-  counts, clamped at >= 1. Their bias column is not an exact count any more, so the count
-  invariant is not checked; central-DP uploads are clean and checked, plus the clamp bound on
-  the feature columns.
+**Prediction.** The federated posterior is the conjugate posterior of the summed statistics
+(:class:`inference.ConjugatePosterior`); clients evaluate with its posterior predictive
+(``predictive="probit"`` by default: the Laplace approximation's logit moments through the
+probit approximation, deterministic and as cheap as the MAP; ``"mc"`` averages Laplace draws,
+``"map"`` is the plug-in) and report the MAP plug-in ``softmax(W [1, phi])`` beside it.
+
+**Parts.** A FedLog strategy is built from two parts instead of flags:
+
+* a *privacy placement* (:class:`NoPrivacy`, :class:`LocalDP`, :class:`CentralDP`): what a
+  client releases, what an upload must satisfy (one implementation for one upload and many),
+  and how the server totals the statistics (§4.2: features clamped to [-b, b]; Gaussian noise
+  added by each client to its own statistic, or once by the server to the sum; sigma from the
+  v2 accountant by default, ``accountant="k_round"``, or v1's per-release one, ``"single"``;
+  local-DP uploads carry no ``num_samples``, which would leak n_c);
+* a *broadcast policy* (:class:`HeadBroadcast` for FedLog, :class:`StatisticsBroadcast` for
+  FedLog-C, §4.1: the server broadcasts the statistic and N; each client solves the same
+  deterministic MAP and adds the compactness loss ``alpha * ||phi(x) - mean_y||^2``).
+
+Registry names: ``fedlog``, ``fedlog-c``, ``fedlog-dp-local``, ``fedlog-dp-central``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -40,25 +49,29 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, Schema, TensorSpec, validate
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.posterior import ClientPosterior
 from bayesfl.strategies.base import (
+    MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
-    BaseStrategy,
-    Client,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
     ServerState,
+    Strategy,
     StrategyContext,
-    check_num_samples,
+    check_one_body,
+    derived_seed,
+    model_state,
     num_samples_tensor,
+    stacked_tensors,
+    with_parameters,
 )
 from bayesfl.strategies.networks import batched_apply
-from bayesfl.training import (
-    architecture_key,
-    forward_stacked,
-    forward_stacked_concat,
-    train_batched,
-    train_plain,
-)
+from bayesfl.training import forward_stacked_tensors, train_plain, train_stacked
 from inference.conjugate import (
     ClassMeans,
     ConjugatePosterior,
@@ -71,6 +84,161 @@ from inference.conjugate import (
 from inference.conjugate.statistics import checked_batch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PREDICTIVES = ("probit", "mc", "map")
+ABSENT_CLIENTS = ("latest", "omit")
+_CACHE = "latest/"
+
+
+# ==== parts: privacy placement ===============================================================
+class NoPrivacy:
+    """Clean statistics: uploads carry ``num_samples`` and exact class counts."""
+
+    noisy: ClassVar[bool] = False
+    sends_num_samples: ClassVar[bool] = True
+    sigma: float = 0.0
+    clip: float | None = None
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return body
+
+    def schema(self, num_classes: int, m: int, dtype: torch.dtype) -> Schema:
+        schema = {"statistics": TensorSpec((num_classes, m), dtype)}
+        if self.sends_num_samples:
+            schema["num_samples"] = NUM_SAMPLES_SPEC
+        return schema
+
+    def release(
+        self, table: Tensor, n: int, dtype: torch.dtype, generator: torch.Generator
+    ) -> dict[str, Tensor]:
+        """What a client uploads of its statistic ``table`` (C, m) float64 over n samples."""
+        return {"statistics": table.to(dtype), "num_samples": num_samples_tensor(n)}
+
+    def problems(self, tables: Tensor, n: Tensor | None) -> list[str | None]:
+        """Invariants of K schema-valid uploads: ``tables`` (K, C, m) float64, ``n`` (K,)
+        int64. Per upload None or the first violated invariant, in this order: n >= 1;
+        non-negative, integral class counts in column 0 that sum to n; (central DP) feature
+        sums within the clamp bound times the counts."""
+        assert n is not None  # schema: clean uploads carry num_samples
+        counts = tables[:, :, 0]
+        failures = [
+            (n < 1, lambda k: f"num_samples must be >= 1, got {int(n[k])}"),
+            ((counts < 0).any(1), lambda k: "bias column (class counts) has negative entries"),
+            ((counts != counts.round()).any(1),
+             lambda k: "bias column (class counts) is not integral"),
+            (counts.sum(1) != n.to(torch.float64),
+             lambda k: f"class counts sum to {int(counts[k].sum())} but num_samples is "
+                       f"{int(n[k])}"),
+            *self.extra_failures(tables, counts),
+        ]
+        reasons: list[str | None] = [None] * tables.shape[0]
+        for mask, reason in reversed(failures):  # the first failing check names the reason
+            for k in mask.nonzero().flatten().tolist():
+                reasons[k] = reason(k)
+        return reasons
+
+    def extra_failures(self, tables: Tensor, counts: Tensor) -> list:
+        return []
+
+    def total(
+        self, tables: Tensor, n: Tensor | None, generator: torch.Generator
+    ) -> SufficientStatistics:
+        """The server's total of K uploads (exact, order-independent sum)."""
+        assert n is not None
+        return SufficientStatistics.sum_tables(tables, int(n.sum()))
+
+
+class LocalDP(NoPrivacy):
+    """Local DP: every client clamps its features and adds N(0, sigma^2) to its statistic;
+    no ``num_samples`` travels (the server uses the noisy counts, rounded, at least 1). Noisy
+    uploads have no count invariant to check."""
+
+    noisy = True
+    sends_num_samples = False
+
+    def __init__(self, sigma: float, clip: float) -> None:
+        self.sigma, self.clip = sigma, clip
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return FeatureClamp(body, self.clip)
+
+    def release(
+        self, table: Tensor, n: int, dtype: torch.dtype, generator: torch.Generator
+    ) -> dict[str, Tensor]:
+        noisy = privatize(SufficientStatistics(table, n), self.sigma, generator)
+        return {"statistics": noisy.table.to(dtype)}
+
+    def problems(self, tables: Tensor, n: Tensor | None) -> list[str | None]:
+        return [None] * tables.shape[0]
+
+    def total(
+        self, tables: Tensor, n: Tensor | None, generator: torch.Generator
+    ) -> SufficientStatistics:
+        total = SufficientStatistics.sum_tables(tables, 0, privatized=True)
+        noisy_n = int(total.table[:, 0].sum().round().item())
+        return SufficientStatistics(total.table, max(1, noisy_n), privatized=True)
+
+
+class CentralDP(NoPrivacy):
+    """Central DP: clients clamp their features and upload clean statistics (checked, with
+    the clamp bound on the feature sums); the server adds N(0, sigma^2) to the sum once."""
+
+    noisy = True
+
+    def __init__(self, sigma: float, clip: float) -> None:
+        self.sigma, self.clip = sigma, clip
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return FeatureClamp(body, self.clip)
+
+    def extra_failures(self, tables: Tensor, counts: Tensor) -> list:
+        limit = self.clip * counts[:, :, None] * (1 + 1e-6) + 1e-6
+        over = (tables[:, :, 1:].abs() > limit).flatten(1).any(1)
+        return [(over, lambda k: f"feature sums exceed the clamp bound {self.clip} times the "
+                                 "class counts")]
+
+    def total(
+        self, tables: Tensor, n: Tensor | None, generator: torch.Generator
+    ) -> SufficientStatistics:
+        return privatize(super().total(tables, n, generator), self.sigma, generator)
+
+
+# ==== parts: broadcast policy ================================================================
+class HeadBroadcast:
+    """FedLog: the server broadcasts the MAP head W (C, m) float32."""
+
+    solves_locally: ClassVar[bool] = False
+
+    def tensors(self, state: ServerState, dtype: torch.dtype) -> dict[str, Tensor]:
+        return {"head": state["head"].to(torch.float32)}
+
+    def training_target(self, message: Message, strategy: FedLog) -> HeadObjective:
+        return HeadObjective(message.tensors["head"].to(strategy.context.device))
+
+
+class StatisticsBroadcast:
+    """FedLog-C: the server broadcasts the summed statistic (wire dtype) and N; every client
+    solves the same MAP and pulls its features towards the global class means (``alpha``)."""
+
+    solves_locally: ClassVar[bool] = True
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def tensors(self, state: ServerState, dtype: torch.dtype) -> dict[str, Tensor]:
+        return {"statistics": state["statistics"].to(dtype),
+                "num_samples": state["num_samples"].to(torch.float64)}
+
+    def training_target(self, message: Message, strategy: FedLog) -> HeadObjective:
+        table = message.tensors["statistics"].to(torch.float64)
+        n = float(message.tensors["num_samples"].item())
+        head = strategy.solve_head(table, n, privatized=True).to(torch.float32)
+        device = strategy.context.device
+        if not (self.alpha > 0 and n > 0):
+            return HeadObjective(head.to(device))
+        # counts clamped at 1 inside: noisy or absent classes never divide by ~0
+        means = ClassMeans.from_statistics(SufficientStatistics(table, 0, privatized=True),
+                                           dtype=torch.float32).means
+        return HeadObjective(head.to(device), means.to(device), self.alpha)
 
 
 class HeadObjective:
@@ -109,26 +277,22 @@ class FeatureClamp(nn.Module):
         return clip_features(self.body(x), self.bound)
 
 
-def head_logits(head: Tensor, features: Tensor) -> Tensor:
-    """Logits (B, C) = ``[1, features] @ head.T`` in float64; head (C, m), features (B, m-1)."""
-    head = head.to(device=features.device, dtype=torch.float64)
-    return head[:, 0] + features.to(torch.float64) @ head[:, 1:].T
-
-
-class FedLog(BaseStrategy):
+# ==== the strategy ===========================================================================
+class FedLog(Strategy):
     """FedLog: body trained through the broadcast head, statistics up, MAP head down.
 
     Args:
-        context: classes, feature dimension, local training, rounds, device, seed.
+        context: the run configuration.
         prior_nu: the conjugate prior's nu (chi = 0); the paper's default is 1.
         upload_dtype: "float32" (the paper's accounting) or "float64" for the statistic.
+        absent_clients: ``"latest"`` (sum every client's latest statistics, default) or
+            ``"omit"`` (this round's participants only); see the module docstring.
+        predictive: the headline predictive, ``"probit"`` (default), ``"mc"`` or ``"map"``.
     """
 
     name: ClassVar[str] = "fedlog"
     init_round: ClassVar[bool] = True
-    supports_batched_training: ClassVar[bool] = True
-    broadcasts_statistics: ClassVar[bool] = False
-    dp_placement: ClassVar[str | None] = None
+    is_posterior: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -136,230 +300,68 @@ class FedLog(BaseStrategy):
         *,
         prior_nu: float = 1.0,
         upload_dtype: str = "float32",
+        absent_clients: str = "latest",
+        predictive: str = "probit",
     ) -> None:
         super().__init__(context)
         if upload_dtype not in _DTYPES:
             raise ConfigError(f"upload_dtype must be one of {sorted(_DTYPES)}, got "
                               f"{upload_dtype!r}")
-        if not prior_nu >= 0:
-            raise ConfigError(f"prior_nu must be >= 0, got {prior_nu}")
+        if not (isinstance(prior_nu, int | float) and math.isfinite(prior_nu) and prior_nu >= 0):
+            raise ConfigError(f"prior_nu must be a finite number >= 0, got {prior_nu!r}")
+        if absent_clients not in ABSENT_CLIENTS:
+            raise ConfigError(f"absent_clients must be one of {', '.join(ABSENT_CLIENTS)}; "
+                              f"got {absent_clients!r}")
+        if predictive not in PREDICTIVES:
+            raise ConfigError(f"predictive must be one of {', '.join(PREDICTIVES)}; got "
+                              f"{predictive!r}")
         self.prior_nu = float(prior_nu)
         self.upload_dtype = _DTYPES[upload_dtype]
+        self.absent_clients = absent_clients
+        self.predictive = predictive
         self.m = context.feature_dim + 1
-        self.alpha = 0.0  # FedLog-C's compactness weight
-        self.clip = 0.0  # DP feature bound
-        self.sigma = 0.0  # DP noise scale
+        self.privacy: NoPrivacy = self.make_privacy()
+        self.broadcast: HeadBroadcast | StatisticsBroadcast = self.make_broadcast()
 
-    # ---- setup ----------------------------------------------------------------------------
+    def make_privacy(self) -> NoPrivacy:
+        """The privacy placement part (FedLog: none)."""
+        return NoPrivacy()
+
+    def make_broadcast(self) -> HeadBroadcast | StatisticsBroadcast:
+        """The broadcast policy part (FedLog: the MAP head)."""
+        return HeadBroadcast()
+
     def build_model(self, body: nn.Module) -> nn.Module:
-        return body
+        return self.privacy.build_model(body)
 
-    def init(self, clients: Sequence[Client]) -> ServerState:
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
         C, m = self.num_classes, self.m
         return {
             "head": torch.zeros(C, m, dtype=torch.float32),
             "statistics": torch.zeros(C, m, dtype=torch.float64),
             "num_samples": torch.zeros(1, dtype=torch.float64),
+            "privatized": torch.zeros(1, dtype=torch.bool),
         }
 
-    # ---- server -> client -----------------------------------------------------------------
-    def broadcast(self, state: ServerState, round: int) -> Message:
-        if self.broadcasts_statistics:
-            return self.down_message(round, {
-                "statistics": state["statistics"].to(self.upload_dtype),
-                "num_samples": state["num_samples"].to(torch.float64),
-            })
-        return self.down_message(round, {"head": state["head"].to(torch.float32)})
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return self.broadcast.tensors(state, self.upload_dtype)
 
-    def _head_and_means(self, message: Message) -> tuple[Tensor, Tensor | None]:
-        """The head W (C, m) float32 a client trains against, and class means for FedLog-C."""
-        if not self.broadcasts_statistics:
-            return message.tensors["head"], None
-        table = message.tensors["statistics"].to(torch.float64)
-        n = float(message.tensors["num_samples"].item())
-        head = self.solve_head(table, n).to(torch.float32)
-        if not (self.alpha > 0 and n > 0):
-            return head, None
-        # counts clamped at 1 inside: noisy or absent classes never divide by ~0
-        stats = SufficientStatistics(table, 0, privatized=True)
-        return head, ClassMeans.from_statistics(stats, dtype=torch.float32).means
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        return self.privacy.schema(self.num_classes, self.m, self.upload_dtype)
 
-    # ---- client ---------------------------------------------------------------------------
-    def client_update(
-        self, client: Client, message: Message, generator: torch.Generator
-    ) -> Message:
-        round = message.header.round
-        if round > 0:
-            head, means = self._head_and_means(message)
-            objective = HeadObjective(head.to(self.context.device),
-                                      _to(means, self.context.device), self.alpha)
-            train_plain(client.model, client.data.train_x, client.data.train_y, objective,
-                        self.context.training, generator=generator)
-        return self._upload(client, round, generator)
+    def configure_evaluation(self, state: ServerState, round: int) -> Message:
+        """The federated posterior's parameters: the summed statistic (float64), its count
+        and whether it is privatized (clients build the conjugate posterior from them)."""
+        return self.down_message(round, {"statistics": state["statistics"],
+                                         "num_samples": state["num_samples"],
+                                         "privatized": state["privatized"]})
 
-    def client_update_batch(
-        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
-    ) -> list[Message]:
-        if len({architecture_key(c.model) for c in clients}) != 1:
-            return super().client_update_batch(clients, message, generators)
-        round = message.header.round
-        if round > 0:
-            head, means = self._head_and_means(message)
-            objective = HeadObjective(head.to(self.context.device),
-                                      _to(means, self.context.device), self.alpha)
-            train_batched([c.model for c in clients], [c.data.train_x for c in clients],
-                          [c.data.train_y for c in clients], objective, self.context.training,
-                          generators=generators)
-        features = forward_stacked_concat([c.model for c in clients],
-                                          [c.data.train_x for c in clients])
-        tables = self.batch_statistics(clients, features).cpu()
-        return [self._upload(c, round, g, table=t)
-                for c, g, t in zip(clients, generators, tables, strict=True)]
-
-    def batch_statistics(self, clients: Sequence[Client], features: Tensor) -> Tensor:
-        """S_c (K, C, m) float64 of K clients at once, from ``features`` (sum_k n_k, m - 1):
-        their training features concatenated client after client.
-
-        One scatter over (client, class) rows adds the samples to each table in the order
-        :meth:`SufficientStatistics.from_features` adds them, so every table is the one
-        :meth:`client_statistics` gives (non-finite features fall back to it, which raises).
-        """
-        C = self.num_classes
-        labels = torch.cat([c.data.train_y for c in clients])
-        features, labels = checked_batch(features, labels.to(features.device), C)
-        sizes = torch.tensor([c.data.num_train for c in clients], device=features.device)
-        owner = torch.repeat_interleave(torch.arange(len(clients), device=features.device), sizes)
-        rows = torch.empty(features.shape[0], self.m, dtype=torch.float64, device=features.device)
-        rows[:, 0] = 1.0
-        rows[:, 1:] = features
-        tables = torch.zeros(len(clients) * C, self.m, dtype=torch.float64,
-                             device=features.device)
-        tables.index_add_(0, owner * C + labels, rows)
-        if not bool(torch.isfinite(tables).all()):
-            for c, f in zip(clients, features.split(sizes.tolist()), strict=True):
-                self.client_statistics(c, f)  # raises for the first client with a bad feature
-        return tables.view(len(clients), C, self.m)
-
-    def client_statistics(self, client: Client, features: Tensor | None = None) -> Tensor:
-        """S_c (C, m) float64 of the client's training features (eval mode, no grad);
-        ``features`` if already computed."""
-        if features is None:
-            features = batched_apply(client.model, client.data.train_x)
-        stats = SufficientStatistics.from_features(features.to(torch.float64),
-                                                   client.data.train_y, self.num_classes)
-        return stats.table
-
-    def _upload(
-        self,
-        client: Client,
-        round: int,
-        generator: torch.Generator,
-        features: Tensor | None = None,
-        *,
-        table: Tensor | None = None,
-    ) -> Message:
-        if table is None:
-            table = self.client_statistics(client, features).cpu()
-        if self.dp_placement == "local":
-            noisy = privatize(SufficientStatistics(table, client.data.num_train), self.sigma,
-                              generator)
-            return self.up_message(round, client.client_id,
-                                   {"statistics": noisy.table.to(self.upload_dtype)})
-        return self.up_message(round, client.client_id, {
-            "statistics": table.to(self.upload_dtype),
-            "num_samples": num_samples_tensor(client.data.num_train),
-        })
-
-    # ---- validation -----------------------------------------------------------------------
-    def upload_schema(self) -> Schema:
-        schema = {"statistics": TensorSpec((self.num_classes, self.m), self.upload_dtype)}
-        if self.dp_placement != "local":
-            schema["num_samples"] = NUM_SAMPLES_SPEC
-        return schema
-
-    def check_invariants(self, message: Message) -> None:
-        """Non-negative integral class counts in column 0 that sum to ``num_samples``;
-        with central DP also feature sums within the clamp bound. Local-DP uploads are
-        noisy by design and only schema-checked."""
-        if self.dp_placement == "local":
-            return
-        cid = message.header.client_id
-        n = check_num_samples(message)
-        table = message.tensors["statistics"].to(torch.float64)
-        counts = table[:, 0]
-        if (counts < 0).any():
-            raise MessageRejected("bias column (class counts) has negative entries",
-                                  client_id=cid)
-        if not torch.equal(counts, counts.round()):
-            raise MessageRejected("bias column (class counts) is not integral", client_id=cid)
-        if int(counts.sum().item()) != n:
-            raise MessageRejected(f"class counts sum to {int(counts.sum().item())} but "
-                                  f"num_samples is {n}", client_id=cid)
-        if self.dp_placement == "central":
-            limit = self.clip * counts[:, None] * (1 + 1e-6) + 1e-6
-            if (table[:, 1:].abs() > limit).any():
-                raise MessageRejected(f"feature sums exceed the clamp bound {self.clip} times "
-                                      "the class counts", client_id=cid)
-
-    def validate_uploads(
-        self, messages: Sequence[Message], *, round: int, client_ids: Sequence[int]
-    ) -> list[str | None]:
-        """:meth:`validate_upload` of many uploads, with the tensor checks done together.
-
-        Header, names, dtypes and shapes are checked per message (cheap); finiteness and the
-        count invariants of all schema-valid uploads at once on their stacked statistics.
-        Any upload that fails (or that the stacked checks cannot judge exactly) is checked
-        again on its own, so verdicts and reasons are those of :meth:`validate_upload`.
-        """
-        if (type(self).validate_upload is not BaseStrategy.validate_upload
-                or type(self).check_invariants is not FedLog.check_invariants):
-            return super().validate_uploads(messages, round=round, client_ids=client_ids)
-        loose = {name: dataclasses.replace(spec, finite=False)
-                 for name, spec in self.upload_schema().items()}
-        reasons: list[str | None] = [None] * len(messages)
-        shaped: list[int] = []
-        for i, (message, cid) in enumerate(zip(messages, client_ids, strict=True)):
-            try:
-                validate(message, loose, strategy=self.name, round=round, client_id=cid,
-                         direction="up")
-            except MessageRejected:
-                reasons[i] = self._reason(message, round, cid)
-            else:
-                shaped.append(i)
-        if not shaped:
-            return reasons
-        tables = torch.stack([messages[i].tensors["statistics"] for i in shaped])
-        tables = tables.to(torch.float64)
-        ok = torch.isfinite(tables).flatten(1).all(1)
-        if self.dp_placement != "local":
-            n = torch.cat([messages[i].tensors["num_samples"] for i in shaped])
-            counts = tables[:, :, 0]
-            ok &= (n >= 1) & (n <= 2**52)  # exact in float64 below
-            ok &= (counts >= 0).all(1) & (counts == counts.round()).all(1)
-            ok &= counts.sum(1) == n.to(torch.float64)
-            if self.dp_placement == "central":
-                limit = self.clip * counts[:, :, None] * (1 + 1e-6) + 1e-6
-                ok &= (tables[:, :, 1:].abs() <= limit).flatten(1).all(1)
-        for j in (~ok).nonzero().flatten().tolist():
-            i = shaped[j]
-            reasons[i] = self._reason(messages[i], round, client_ids[i])
-        return reasons
-
-    def _reason(self, message: Message, round: int, client_id: int) -> str | None:
-        try:
-            self.validate_upload(message, round=round, client_id=client_id)
-        except MessageRejected as err:
-            return err.reason
-        return None
-
-    # ---- server ---------------------------------------------------------------------------
-    def solve_head(self, table: Tensor, n: float, *, privatized: bool | None = None) -> Tensor:
-        """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
-        ``n`` under the prior chi = 0, ``nu`` (exact solver)."""
-        if privatized is None:
-            privatized = self.dp_placement is not None or self.broadcasts_statistics
-        stats = SufficientStatistics(table.to(torch.float64), round(n), privatized=privatized)
-        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats).map()
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        tables = torch.stack([m.tensors["statistics"] for m in messages]).to(torch.float64)
+        n = (torch.cat([m.tensors["num_samples"] for m in messages])
+             if self.privacy.sends_num_samples else None)
+        return self.privacy.problems(tables, n)
 
     def aggregate(
         self,
@@ -368,45 +370,178 @@ class FedLog(BaseStrategy):
         round: int,
         generator: torch.Generator,
     ) -> ServerState:
-        """Sum this round's statistics (plus central noise) and solve the MAP head."""
+        """Sum the statistics (this round's, or every client's latest), add central noise if
+        any, and solve the MAP head."""
         if not uploads:
             return state
-        private = self.dp_placement == "local"
-        total = SufficientStatistics.sum_tables(  # exact (double-double): order-independent
-            torch.stack([u.tensors["statistics"] for u in uploads]).to(torch.float64),
-            0 if private else int(torch.cat([u.tensors["num_samples"] for u in uploads]).sum()),
-            privatized=private)
-        if private:  # n_c is not sent: the noisy counts, rounded, at least 1
-            noisy_n = int(total.table[:, 0].sum().round().item())
-            total = SufficientStatistics(total.table, max(1, noisy_n), privatized=True)
-        if self.dp_placement == "central":
-            total = privatize(total, self.sigma, generator)
-        table, n = total.table, float(total.n)
-        if self.broadcasts_statistics:  # clients solve from the wire-dtype table: match it
+        received = {f"{_CACHE}{u.header.client_id}/{name}": t
+                    for u in uploads for name, t in u.tensors.items()}
+        if self.absent_clients == "latest":
+            cache = {k: v for k, v in state.items() if k.startswith(_CACHE)} | received
+        else:
+            cache = received
+        ids = sorted({int(k.split("/")[1]) for k in cache})
+        tables = torch.stack([cache[f"{_CACHE}{i}/statistics"] for i in ids]).to(torch.float64)
+        n = (torch.cat([cache[f"{_CACHE}{i}/num_samples"] for i in ids])
+             if self.privacy.sends_num_samples else None)
+        total = self.privacy.total(tables, n, generator)
+        table, count = total.table, float(total.n)
+        privatized = total.privatized or self.broadcast.solves_locally
+        if self.broadcast.solves_locally:  # clients solve from the wire-dtype table: match it
             table = table.to(self.upload_dtype).to(torch.float64)
-        head = self.solve_head(table, n, privatized=total.privatized
-                               or self.broadcasts_statistics).to(torch.float32)
-        return {"head": head, "statistics": table,
-                "num_samples": torch.tensor([n], dtype=torch.float64)}
+        head = self.solve_head(table, count, privatized=privatized).to(torch.float32)
+        new = {"head": head, "statistics": table,
+               "num_samples": torch.tensor([count], dtype=torch.float64),
+               "privatized": torch.tensor([privatized])}
+        if self.absent_clients == "latest":
+            new.update(cache)
+        return new
 
-    # ---- evaluation -----------------------------------------------------------------------
-    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
-        features = batched_apply(client.model, x)
-        return torch.softmax(head_logits(state["head"], features), dim=-1)
+    def solve_head(self, table: Tensor, n: float, *, privatized: bool) -> Tensor:
+        """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
+        ``n`` under the prior chi = 0, ``nu`` (exact solver)."""
+        stats = SufficientStatistics(table.to(torch.float64), round(n), privatized=privatized)
+        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats).map()
 
-    def predict_proba_batch(
-        self, clients: Sequence[Client], state: ServerState, xs: Sequence[Tensor]
-    ) -> list[Tensor]:
-        if len({architecture_key(c.model) for c in clients}) != 1:
-            return super().predict_proba_batch(clients, state, xs)
-        features = forward_stacked([c.model for c in clients], list(xs))
-        # one head for all clients' rows (the head is shared), split back per client
-        probs = torch.softmax(head_logits(state["head"], torch.cat(features)), dim=-1)
-        return list(probs.split([f.shape[0] for f in features]))
+    # ==== client half ======================================================================
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """Train the body through the broadcast head (not in round 0), then upload the
+        statistic of the training features (one client, ``torch.optim.Adam``)."""
+        model = self.client_model(config, state)
+        round = broadcast.header.round
+        if round > 0:
+            train_plain(model, data.train_x, data.train_y,
+                        self.broadcast.training_target(broadcast, self), self.context.training,
+                        generator=generator)
+        table = self.client_statistics(data, batched_apply(model, data.train_x)).cpu()
+        return model_state(model), self._upload(config, data, round, table, generator)
 
+    def fit_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        generators: Sequence[torch.Generator],
+    ) -> list[tuple[ClientState, Message]]:
+        """:meth:`fit` of same-body clients at once: vmapped training, one stacked forward and
+        one scatter for all statistics."""
+        template = self.template(check_one_body(configs))
+        params, buffers = stacked_tensors(template, states)
+        xs, ys = [d.train_x for d in datas], [d.train_y for d in datas]
+        round = broadcast.header.round
+        if round > 0:
+            train_stacked(template, params, buffers, xs, ys,
+                          self.broadcast.training_target(broadcast, self),
+                          self.context.training, generators=generators)
+        features = forward_stacked_tensors(template, params, buffers, xs)
+        tables = self.batch_statistics(datas, features).cpu()
+        return [(with_parameters(s, p), self._upload(c, d, round, t, g))
+                for c, s, p, d, t, g in zip(configs, states, params, datas, tables, generators,
+                                            strict=True)]
 
-def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
-    return None if t is None else t.to(device)
+    def _upload(
+        self, config: ClientConfig, data: ClientData, round: int, table: Tensor,
+        generator: torch.Generator,
+    ) -> Message:
+        tensors = self.privacy.release(table, data.num_train, self.upload_dtype, generator)
+        return self.up_message(round, config.client_id, tensors)
+
+    def client_statistics(self, data: ClientData, features: Tensor) -> Tensor:
+        """S_c (C, m) float64 of one client's training ``features`` (n_c, m - 1)."""
+        stats = SufficientStatistics.from_features(features.to(torch.float64), data.train_y,
+                                                   self.num_classes)
+        return stats.table
+
+    def batch_statistics(self, datas: Sequence[ClientData], features: Tensor) -> Tensor:
+        """S_c (K, C, m) float64 of K clients at once, from ``features`` (sum_k n_k, m - 1):
+        their training features concatenated client after client.
+
+        One scatter over (client, class) rows adds the samples to each table in the order
+        :meth:`SufficientStatistics.from_features` adds them, so every table is the one
+        :meth:`client_statistics` gives (non-finite features fall back to it, which raises).
+        """
+        C = self.num_classes
+        labels = torch.cat([d.train_y for d in datas])
+        features, labels = checked_batch(features, labels.to(features.device), C)
+        sizes = torch.tensor([d.num_train for d in datas], device=features.device)
+        owner = torch.repeat_interleave(torch.arange(len(datas), device=features.device), sizes)
+        rows = torch.empty(features.shape[0], self.m, dtype=torch.float64, device=features.device)
+        rows[:, 0] = 1.0
+        rows[:, 1:] = features
+        tables = torch.zeros(len(datas) * C, self.m, dtype=torch.float64,
+                             device=features.device)
+        tables.index_add_(0, owner * C + labels, rows)
+        if not bool(torch.isfinite(tables).all()):
+            for d, f in zip(datas, features.split(sizes.tolist()), strict=True):
+                self.client_statistics(d, f)  # raises for the first client with a bad feature
+        return tables.view(len(datas), C, self.m)
+
+    def head_posterior(self, broadcast: Message) -> ConjugatePosterior | None:
+        """The conjugate posterior of an evaluation broadcast (None while it has no count:
+        ``nu = 0`` and no statistics yet)."""
+        table = broadcast.tensors["statistics"].to(torch.float64)
+        n = float(broadcast.tensors["num_samples"].item())
+        if not self.prior_nu + n > 0:
+            return None
+        privatized = bool(broadcast.tensors["privatized"].any())
+        stats = SufficientStatistics(table, round(n), privatized=privatized)
+        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats)
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        features = batched_apply(self.client_model(config, state), x)
+        return self._predictives(broadcast, features)
+
+    def predict_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> list[dict[str, Tensor]]:
+        template = self.template(check_one_body(configs))
+        params, buffers = stacked_tensors(template, states)
+        features = forward_stacked_tensors(template, params, buffers, xs)
+        # one posterior for all clients' rows (the head is shared), split back per client
+        both = self._predictives(broadcast, features)
+        sizes = [int(x.shape[0]) for x in xs]
+        split = {k: v.split(sizes) for k, v in both.items()}
+        return [{k: split[k][i] for k in both} for i in range(len(xs))]
+
+    def _predictives(self, broadcast: Message, features: Tensor) -> dict[str, Tensor]:
+        posterior = self.head_posterior(broadcast)
+        if posterior is None:
+            uniform = torch.full((features.shape[0], self.num_classes), 1.0 / self.num_classes,
+                                 dtype=torch.float64)
+            return {PREDICTIVE: uniform, MAP_PLUGIN: uniform}
+        features = features.to(torch.float64)
+        generator = torch.Generator(features.device).manual_seed(
+            derived_seed(self.context.seed, broadcast.header.round, 13))
+        return {
+            PREDICTIVE: posterior.predict_proba(features, method=self.predictive,
+                                                generator=generator).cpu(),
+            MAP_PLUGIN: posterior.predict_proba(features, method="map").cpu(),
+        }
+
+    def posterior(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> ClientPosterior:
+        """The conjugate posterior of the summed statistics, seen through this client's body
+        (``predict_proba`` takes inputs; ``sample`` draws heads (n, C, m))."""
+        head = self.head_posterior(broadcast)
+        if head is None:
+            raise ConfigError("the federated posterior has no data yet (prior_nu = 0 and no "
+                              "statistics were aggregated)")
+        return ClientPosterior(self.client_model(config, state), head, self.predictive)
 
 
 class FedLogC(FedLog):
@@ -417,13 +552,15 @@ class FedLogC(FedLog):
     """
 
     name = "fedlog-c"
-    broadcasts_statistics = True
 
     def __init__(self, context: StrategyContext, *, alpha: float = 0.01, **options) -> None:
-        super().__init__(context, **options)
-        if not (alpha >= 0 and math.isfinite(alpha)):
-            raise ConfigError(f"fedlog-c alpha must be a finite value >= 0, got {alpha}")
+        if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
+            raise ConfigError(f"fedlog-c alpha must be a finite value >= 0, got {alpha!r}")
         self.alpha = float(alpha)
+        super().__init__(context, **options)
+
+    def make_broadcast(self) -> StatisticsBroadcast:
+        return StatisticsBroadcast(self.alpha)
 
 
 class _FedLogDP(FedLog):
@@ -437,6 +574,7 @@ class _FedLogDP(FedLog):
     """
 
     ACCOUNTANTS = ("k_round", "single")
+    placement: ClassVar[type[LocalDP] | type[CentralDP]]
 
     def __init__(
         self,
@@ -448,7 +586,6 @@ class _FedLogDP(FedLog):
         accountant: str = "k_round",
         **options,
     ) -> None:
-        super().__init__(context, **options)
         if not (epsilon > 0 and 0 < delta < 1 and clip > 0):
             raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
                               f"epsilon={epsilon}, delta={delta}, clip={clip}")
@@ -461,20 +598,21 @@ class _FedLogDP(FedLog):
         self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
                                     feature_dim=context.feature_dim, bound=self.clip,
                                     composition=accountant)
+        super().__init__(context, **options)
 
-    def build_model(self, body: nn.Module) -> nn.Module:
-        return FeatureClamp(body, self.clip)
+    def make_privacy(self) -> NoPrivacy:
+        return self.placement(self.sigma, self.clip)
 
 
 class FedLogLocalDP(_FedLogDP):
     """FedLog with local differential privacy (each client perturbs its own statistic)."""
 
     name = "fedlog-dp-local"
-    dp_placement = "local"
+    placement = LocalDP
 
 
 class FedLogCentralDP(_FedLogDP):
     """FedLog with central differential privacy (the server perturbs the sum once)."""
 
     name = "fedlog-dp-central"
-    dp_placement = "central"
+    placement = CentralDP

@@ -34,19 +34,27 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
     NUM_SAMPLES_SPEC,
-    BaseStrategy,
-    Client,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
     ServerState,
+    Strategy,
     StrategyContext,
-    check_num_samples,
+    check_one_body,
+    model_state,
+    num_samples_problem,
     num_samples_tensor,
+    stacked_tensors,
+    with_parameters,
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply
-from bayesfl.training import architecture_key, train_batched, train_plain
+from bayesfl.training import train_plain, train_stacked
 
 
 class PrototypeObjective:
@@ -63,7 +71,7 @@ class PrototypeObjective:
         return loss + self.lam * self.present[labels] * gap
 
 
-class FedProto(BaseStrategy):
+class FedProto(Strategy):
     """FedProto: personal networks; class prototypes exchanged and count-weighted averaged.
 
     Args:
@@ -76,7 +84,6 @@ class FedProto(BaseStrategy):
     INFERENCE: ClassVar[tuple[str, ...]] = ("prototype", "head")
 
     name: ClassVar[str] = "fedproto"
-    supports_batched_training: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -101,65 +108,38 @@ class FedProto(BaseStrategy):
     def build_model(self, body: nn.Module) -> nn.Module:
         return PrototypeNet(body, self.feature_dim, self.num_classes)
 
-    def init(self, clients: Sequence[Client]) -> ServerState:
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
         return {"prototypes": torch.zeros(self.num_classes, self.feature_dim),
                 "counts": torch.zeros(self.num_classes, dtype=torch.float64)}
 
-    def broadcast(self, state: ServerState, round: int) -> Message:
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
         present = (state["counts"] > 0).to(torch.float32)
-        return self.down_message(round, {"prototypes": state["prototypes"], "present": present})
+        return {"prototypes": state["prototypes"], "present": present}
 
-    def _objective(self, message: Message) -> PrototypeObjective:
-        device = self.context.device
-        return PrototypeObjective(message.tensors["prototypes"].to(device),
-                                  message.tensors["present"].to(device), self.lam)
-
-    def client_update(
-        self, client: Client, message: Message, generator: torch.Generator
-    ) -> Message:
-        train_plain(client.model, client.data.train_x, client.data.train_y,
-                    self._objective(message), self.context.training, generator=generator)
-        return self._upload(client, message.header.round)
-
-    def client_update_batch(
-        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
-    ) -> list[Message]:
-        if len({architecture_key(c.model) for c in clients}) != 1:
-            return super().client_update_batch(clients, message, generators)
-        train_batched([c.model for c in clients], [c.data.train_x for c in clients],
-                      [c.data.train_y for c in clients], self._objective(message),
-                      self.context.training, generators=generators)
-        return [self._upload(c, message.header.round) for c in clients]
-
-    def _upload(self, client: Client, round: int) -> Message:
-        _, features = batched_apply(client.model, client.data.train_x)
-        y = client.data.train_y
-        counts = torch.bincount(y, minlength=self.num_classes)
-        sums = torch.zeros(self.num_classes, self.feature_dim, dtype=torch.float64,
-                           device=features.device)
-        sums.index_add_(0, y, features.to(torch.float64))
-        protos = sums / counts.clamp_min(1).to(sums)[:, None]
-        return self.up_message(round, client.client_id, {
-            "prototypes": protos.to(torch.float32), "counts": counts.to(torch.int64),
-            "num_samples": num_samples_tensor(client.data.num_train)})
-
-    def upload_schema(self) -> Schema:
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
         return {"prototypes": TensorSpec((self.num_classes, self.feature_dim), torch.float32),
                 "counts": TensorSpec((self.num_classes,), torch.int64),
                 "num_samples": NUM_SAMPLES_SPEC}
 
-    def check_invariants(self, message: Message) -> None:
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
         """Non-negative counts summing to ``num_samples``; zero prototypes of absent classes."""
-        cid = message.header.client_id
-        n = check_num_samples(message)
+        return [self._problem(m) for m in messages]
+
+    @staticmethod
+    def _problem(message: Message) -> str | None:
+        problem = num_samples_problem(message)
+        if problem:
+            return problem
+        n = int(message.tensors["num_samples"].item())
         counts = message.tensors["counts"]
         if (counts < 0).any():
-            raise MessageRejected("negative class counts", client_id=cid)
+            return "negative class counts"
         if int(counts.sum()) != n:
-            raise MessageRejected(f"class counts sum to {int(counts.sum())} but num_samples is "
-                                  f"{n}", client_id=cid)
+            return f"class counts sum to {int(counts.sum())} but num_samples is {n}"
         if (message.tensors["prototypes"][counts == 0] != 0).any():
-            raise MessageRejected("non-zero prototype for a class with count 0", client_id=cid)
+            return "non-zero prototype for a class with count 0"
+        return None
 
     def aggregate(
         self,
@@ -177,13 +157,68 @@ class FedProto(BaseStrategy):
         mean = (weights[:, :, None] * protos).sum(0) / weights.sum(0).clamp_min(1.0)[:, None]
         return {"prototypes": mean.to(torch.float32), "counts": total}
 
-    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
-        """(n, C) float64 class probabilities of ``x`` (n, ...) for ``client``."""
-        logits, features = batched_apply(client.model, x)
-        present = state["counts"].to(features.device) > 0
+    # ==== client half ======================================================================
+    def _objective(self, message: Message) -> PrototypeObjective:
+        device = self.context.device
+        return PrototypeObjective(message.tensors["prototypes"].to(device),
+                                  message.tensors["present"].to(device), self.lam)
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        model = self.client_model(config, state)
+        train_plain(model, data.train_x, data.train_y, self._objective(broadcast),
+                    self.context.training, generator=generator)
+        _, features = batched_apply(model, data.train_x)
+        return model_state(model), self._upload(config, data, broadcast.header.round, features)
+
+    def fit_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        generators: Sequence[torch.Generator],
+    ) -> list[tuple[ClientState, Message]]:
+        template = self.template(check_one_body(configs))
+        params, buffers = stacked_tensors(template, states)
+        train_stacked(template, params, buffers, [d.train_x for d in datas],
+                      [d.train_y for d in datas], self._objective(broadcast),
+                      self.context.training, generators=generators)
+        out = []
+        for c, s, p, d in zip(configs, states, params, datas, strict=True):
+            new = with_parameters(s, p)
+            _, features = batched_apply(self.client_model(c, new), d.train_x)
+            out.append((new, self._upload(c, d, broadcast.header.round, features)))
+        return out
+
+    def _upload(self, config: ClientConfig, data: ClientData, round: int,
+                features: Tensor) -> Message:
+        y = data.train_y
+        counts = torch.bincount(y, minlength=self.num_classes)
+        sums = torch.zeros(self.num_classes, self.feature_dim, dtype=torch.float64,
+                           device=features.device)
+        sums.index_add_(0, y, features.to(torch.float64))
+        protos = sums / counts.clamp_min(1).to(sums)[:, None]
+        return self.up_message(round, config.client_id, {
+            "prototypes": protos.to(torch.float32), "counts": counts.to(torch.int64),
+            "num_samples": num_samples_tensor(data.num_train)})
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        """(n, C) float64 class probabilities of ``x`` (n, ...) for the client."""
+        logits, features = batched_apply(self.client_model(config, state), x)
+        present = broadcast.tensors["present"].to(features.device) > 0
         if self.inference == "head" or not bool(present.any()):
-            return torch.softmax(logits.to(torch.float64), dim=-1)
-        prototypes = state["prototypes"].to(device=features.device, dtype=torch.float64)
+            return {PREDICTIVE: torch.softmax(logits.to(torch.float64), dim=-1).cpu()}
+        prototypes = broadcast.tensors["prototypes"].to(device=features.device,
+                                                        dtype=torch.float64)
         distances = torch.cdist(features.to(torch.float64), prototypes).square()
         scores = (-distances).masked_fill(~present, float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        return {PREDICTIVE: torch.softmax(scores, dim=-1).cpu()}

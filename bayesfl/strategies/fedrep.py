@@ -56,10 +56,10 @@ class FedRep(ParameterAveraging):
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         return all_but_last_layers(model, self.local_layers, self.name)
 
-    def phases(self) -> list[tuple[ParameterFilter, LocalTraining]]:
+    def phases(self, shared: frozenset[str]) -> list[tuple[ParameterFilter, LocalTraining]]:
         training = self.context.training
-        return [(self.personal, with_epochs(training, self.head_epochs)),
-                (self.shared, training)]
+        return [(lambda name: name not in shared, with_epochs(training, self.head_epochs)),
+                (shared.__contains__, training)]
 
 
 class FedRep1(FedRep):

@@ -26,9 +26,10 @@ Each module's docstring gives the source of its weighting. With the FedLog paper
 partitions every client holds the same number of samples, so weighted and unweighted means
 coincide there; they differ under Dirichlet or unequal partitions.
 
-The split is computed per client model at :meth:`ParameterAveraging.init`; every client must
-then have the same shared parameter names and shapes (clients with different bodies work only
-where the body is personal, e.g. ``lg-fedavg`` with its one global layer, the head).
+The split is computed from a client's own network (:meth:`ParameterAveraging.shared_names`);
+the server's :meth:`~ParameterAveraging.init` checks that every body spec of the run shares
+parameters of the same names and shapes (clients with different bodies work only where the
+body is personal, e.g. ``lg-fedavg`` with its one global layer, the head).
 """
 
 from __future__ import annotations
@@ -39,17 +40,24 @@ from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from bayesfl.errors import ConfigError
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
     NUM_SAMPLES_SPEC,
-    BaseStrategy,
-    Client,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
     ServerState,
-    check_num_samples,
+    Strategy,
+    check_one_body,
+    model_state,
+    num_samples_problem,
     num_samples_tensor,
+    stacked_tensors,
+    with_parameters,
 )
 from bayesfl.strategies.networks import (
     ClassifierNet,
@@ -60,28 +68,23 @@ from bayesfl.strategies.networks import (
 from bayesfl.training import (
     LocalTraining,
     ParameterFilter,
-    architecture_key,
-    train_batched,
+    forward_stacked_tensors,
     train_plain,
+    train_stacked,
 )
 
-
-def is_body(name: str) -> bool:
-    return name.startswith("body.")
-
-
-def is_head(name: str) -> bool:
-    return name.startswith("head.")
+PERSONALIZED = "personalized"
+"""Client-state key set by :meth:`~bayesfl.strategies.base.Strategy.personalize`: the client
+then predicts with its own parameters only (not the broadcast's shared ones)."""
 
 
 def everything(_: str) -> bool:
     return True
 
 
-class ParameterAveraging(BaseStrategy):
+class ParameterAveraging(Strategy):
     """Base of FedAvg, FedPer, FedRep, LG-FedAvg and FedBABU (see the module docstring)."""
 
-    supports_batched_training: ClassVar[bool] = True
     weighted: ClassVar[bool] = True
     """Weight client parameters by their sample counts when averaging."""
 
@@ -89,101 +92,52 @@ class ParameterAveraging(BaseStrategy):
         """Names of the parameters of ``model`` that the server averages (default: all)."""
         return frozenset(name for name, _ in model.named_parameters())
 
-    def shared(self, name: str) -> bool:
-        """Whether parameter ``name`` is averaged by the server (known after :meth:`init`)."""
-        names = getattr(self, "_shared_names", None)
-        if names is None:
-            raise RuntimeError(f"{self.name}: call init(clients) before asking what is shared")
-        return name in names
-
-    def personal(self, name: str) -> bool:
-        """Whether parameter ``name`` stays on the client (the complement of :meth:`shared`)."""
-        return not self.shared(name)
-
-    def phases(self) -> list[tuple[ParameterFilter, LocalTraining]]:
-        """Local training as (which parameters, hyperparameters) phases run in order."""
+    def phases(self, shared: frozenset[str]) -> list[tuple[ParameterFilter, LocalTraining]]:
+        """Local training as (which parameters, hyperparameters) phases run in order, given
+        the names of the ``shared`` parameters."""
         return [(everything, self.context.training)]
 
     def objective(self, model_output: object, labels: Tensor) -> Tensor:
         return cross_entropy_per_sample(model_output, labels)  # type: ignore[arg-type]
 
-    # ---- setup ----------------------------------------------------------------------------
     def build_model(self, body: nn.Module) -> nn.Module:
         return ClassifierNet(body, self.feature_dim, self.num_classes)
 
-    def init(self, clients: Sequence[Client]) -> ServerState:
-        """The shared parameters of client 0's initial network (all clients start equal).
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        """The shared parameters of the initial network of the run's first body spec (every
+        client with that spec starts from the same weights).
 
         Raises:
-            ConfigError: a layer count that does not fit the networks, or clients whose shared
-                parameters differ in names or shapes.
+            ConfigError: a layer count that does not fit the networks, or body specs whose
+                shared parameters differ in names or shapes.
         """
-        def shared_of(model: nn.Module) -> dict[str, Tensor]:
+        specs = list(dict.fromkeys(self.context.bodies))
+        shared = []
+        for spec in specs:
+            model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
             names = self.shared_parameters(model)
-            return {k: v for k, v in model.named_parameters() if k in names}
-
-        first = shared_of(clients[0].model)
-        for c in clients[1:]:
-            other = shared_of(c.model)
+            shared.append({k: v.detach().clone() for k, v in model.named_parameters()
+                           if k in names})
+        first = shared[0]
+        for spec, other in zip(specs[1:], shared[1:], strict=True):
             if {k: v.shape for k, v in other.items()} != {k: v.shape for k, v in first.items()}:
                 raise ConfigError(
-                    f"{self.name} averages {sorted(first)[:3]}...; client {c.client_id}'s body "
-                    f"{c.body_spec!r} has different shared parameter shapes than client 0's "
-                    f"{clients[0].body_spec!r}: use one body for all clients with {self.name}"
-                )
-        state = {k: v.detach().clone() for k, v in first.items()}
-        self._shared_names = frozenset(state)
-        self._shared_shapes = {k: tuple(v.shape) for k, v in state.items()}
-        return state
+                    f"{self.name} averages {sorted(first)[:3]}...; body {spec!r} has different "
+                    f"shared parameter shapes than {specs[0]!r}: use one body for all clients "
+                    f"with {self.name}")
+        return first
 
-    def _shared_of(self, model: nn.Module) -> dict[str, Tensor]:
-        return {k: v for k, v in model.named_parameters() if self.shared(k)}
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return dict(state)
 
-    # ---- protocol -------------------------------------------------------------------------
-    def broadcast(self, state: ServerState, round: int) -> Message:
-        return self.down_message(round, dict(state))
-
-    def _receive(self, client: Client, message: Message) -> None:
-        params = dict(client.model.named_parameters())
-        with torch.no_grad():
-            for name, value in message.tensors.items():
-                params[name].copy_(value)
-
-    def _upload(self, client: Client, round: int) -> Message:
-        tensors = {k: v.detach() for k, v in self._shared_of(client.model).items()}
-        tensors["num_samples"] = num_samples_tensor(client.data.num_train)
-        return self.up_message(round, client.client_id, tensors)
-
-    def client_update(
-        self, client: Client, message: Message, generator: torch.Generator
-    ) -> Message:
-        self._receive(client, message)
-        for trainable, config in self.phases():
-            train_plain(client.model, client.data.train_x, client.data.train_y, self.objective,
-                        config, generator=generator, trainable=trainable)
-        return self._upload(client, message.header.round)
-
-    def client_update_batch(
-        self, clients: Sequence[Client], message: Message, generators: Sequence[torch.Generator]
-    ) -> list[Message]:
-        if len({architecture_key(c.model) for c in clients}) != 1:
-            return super().client_update_batch(clients, message, generators)
-        for c in clients:
-            self._receive(c, message)
-        for trainable, config in self.phases():
-            train_batched([c.model for c in clients], [c.data.train_x for c in clients],
-                          [c.data.train_y for c in clients], self.objective, config,
-                          generators=generators, trainable=trainable)
-        return [self._upload(c, message.header.round) for c in clients]
-
-    def upload_schema(self) -> Schema:
-        schema = {name: TensorSpec(tuple(shape), torch.float32)
-                  for name, shape in self._shared_shapes.items()}
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        schema = {name: TensorSpec(tuple(t.shape), torch.float32) for name, t in state.items()}
         schema["num_samples"] = NUM_SAMPLES_SPEC
         return schema
 
-    def check_invariants(self, message: Message) -> None:
-        check_num_samples(message)
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        return [num_samples_problem(m) for m in messages]
 
     def aggregate(
         self,
@@ -206,23 +160,106 @@ class ParameterAveraging(BaseStrategy):
             new[name] = mean.to(dtype=old.dtype, device=old.device)
         return new
 
-    def predict_proba(self, client: Client, state: ServerState, x: Tensor) -> Tensor:
+    # ==== client half ======================================================================
+    def shared_names(self, body: str) -> frozenset[str]:
+        """The shared parameter names of a client network of body spec ``body`` (the client
+        computes them from its own network, not from the server)."""
+        return self.shared_parameters(self.template(body))
+
+    def _received(self, body: str, broadcast: Message) -> dict[str, Tensor]:
+        """The broadcast's shared parameters, checked against this client's network."""
+        template = dict(self.template(body).named_parameters())
+        shared = self.shared_names(body)
+        if set(broadcast.tensors) != shared:
+            raise MessageRejected(f"broadcast names {sorted(broadcast.tensors)[:4]}... do not "
+                                  f"match this client's shared parameters {sorted(shared)[:4]}...")
+        for name, value in broadcast.tensors.items():
+            if value.shape != template[name].shape:
+                raise MessageRejected(f"broadcast {name!r} has shape {tuple(value.shape)}, this "
+                                      f"client's network has {tuple(template[name].shape)}")
+        device = self.context.device
+        return {k: v.to(device=device, dtype=template[k].dtype)
+                for k, v in broadcast.tensors.items()}
+
+    def _upload(self, config: ClientConfig, data: ClientData, round: int,
+                params: dict[str, Tensor]) -> Message:
+        tensors = {k: params[k] for k in sorted(self.shared_names(config.body))}
+        tensors["num_samples"] = num_samples_tensor(data.num_train)
+        return self.up_message(round, config.client_id, tensors)
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """Load the global shared parameters, train (phases), upload the shared ones."""
+        model = self.client_model(config, state)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in self._received(config.body, broadcast).items():
+                params[name].copy_(value)
+        for trainable, phase in self.phases(self.shared_names(config.body)):
+            train_plain(model, data.train_x, data.train_y, self.objective, phase,
+                        generator=generator, trainable=trainable)
+        upload = self._upload(config, data, broadcast.header.round,
+                              dict(model.named_parameters()))
+        return model_state(model), upload
+
+    def fit_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        generators: Sequence[torch.Generator],
+    ) -> list[tuple[ClientState, Message]]:
+        """:meth:`fit` of same-body clients with one vmapped training per phase."""
+        body = check_one_body(configs)
+        template = self.template(body)
+        params, buffers = stacked_tensors(template, states)
+        received = self._received(body, broadcast)
+        for p in params:
+            p.update({k: v.clone() for k, v in received.items()})
+        xs, ys = [d.train_x for d in datas], [d.train_y for d in datas]
+        for trainable, phase in self.phases(self.shared_names(body)):
+            train_stacked(template, params, buffers, xs, ys, self.objective, phase,
+                          generators=generators, trainable=trainable)
+        round = broadcast.header.round
+        return [(with_parameters(s, p), self._upload(c, d, round, p))
+                for c, s, p, d in zip(configs, states, params, datas, strict=True)]
+
+    def _predict_parameters(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> ClientState:
+        """The client state to predict with: its own personal parameters and the global
+        shared ones, or all its own once it is personalized."""
+        if PERSONALIZED in state:
+            return state
+        return with_parameters(state, self._received(config.body, broadcast))
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
         """Softmax of the client network with the global shared and its personal parameters."""
-        params = {k: v for k, v in client.model.named_parameters() if not self.shared(k)}
-        params.update({k: v.to(x.device) for k, v in state.items()})
-        return _softmax_of(client.model, params, x)
+        return self.predict_group([config], [state], broadcast, [x])[0]
 
-
-@torch.no_grad()
-def _softmax_of(model: nn.Module, params: dict[str, Tensor], x: Tensor) -> Tensor:
-    was_training = model.training
-    model.eval()
-    try:
-        out = functional_call(model, params, (x,), strict=False)
-    finally:
-        model.train(was_training)
-    logits = out[0] if isinstance(out, tuple) else out
-    return torch.softmax(logits.to(torch.float64), dim=-1)
+    def predict_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> list[dict[str, Tensor]]:
+        template = self.template(check_one_body(configs))
+        states = [self._predict_parameters(c, s, broadcast) for c, s in zip(configs, states,
+                                                                            strict=True)]
+        params, buffers = stacked_tensors(template, states)
+        logits = forward_stacked_tensors(template, params, buffers, xs)
+        probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
+        return [{PREDICTIVE: p} for p in probs.split([int(x.shape[0]) for x in xs])]
 
 
 def with_epochs(config: LocalTraining, epochs: int) -> LocalTraining:
