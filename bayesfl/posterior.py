@@ -22,14 +22,17 @@ class ClientPosterior:
         body: the client's network up to the head's features (B, *input) -> (B, m).
         head: the head posterior (``mean``, ``sample``, ``predict_proba(features, method)``).
         method: the predictive method used when ``predict_proba`` is given none.
+        **defaults: default keyword options of the head's ``predict_proba`` (e.g.
+            ``n_samples``).
     """
 
     kind = "client"
 
-    def __init__(self, body: nn.Module, head: Any, method: str) -> None:
+    def __init__(self, body: nn.Module, head: Any, method: str, **defaults: Any) -> None:
         self.body = body.eval()
         self.head = head
         self.method = method
+        self.defaults = defaults
 
     @property
     def mean(self) -> Tensor:
@@ -47,15 +50,17 @@ class ClientPosterior:
                               for i in range(0, max(inputs.shape[0], 1), 4096)]).double()
 
     def predict_proba(self, inputs: Tensor, method: str | None = None, **options: Any) -> Tensor:
-        """Predictive probabilities (B, C) float64 of ``inputs`` (B, *input); ``method`` as
-        the head posterior names them (default: the strategy's predictive)."""
-        return self.head.predict_proba(self.features(inputs), method=method or self.method,
-                                       **options)
+        """Predictive probabilities (B, C) float64 of ``inputs`` (B, *input); ``method`` and
+        ``options`` as the head posterior names them (default: the strategy's predictive)."""
+        method = method or self.method
+        if method == self.method:
+            options = {**self.defaults, **options}
+        return self.head.predict_proba(self.features(inputs), method=method, **options)
 
     def to(self, device: torch.device | str) -> ClientPosterior:
         """A copy on ``device``."""
         return ClientPosterior(copy.deepcopy(self.body).to(device), self.head.to(device),
-                               self.method)
+                               self.method, **self.defaults)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The head posterior's tensors (the body is the client's own network)."""

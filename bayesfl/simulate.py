@@ -67,6 +67,10 @@ from inference.errors import InferenceError
 UploadHook = Callable[[int, int, bytes], bytes]
 """``hook(round, client_id, encoded_upload) -> bytes actually delivered`` (tests, attacks)."""
 
+BroadcastHook = Callable[[int, bytes], None]
+"""``hook(round, encoded_broadcast)``: sees each round's broadcast as it leaves the server
+(tests that replay the client half elsewhere, audits); it cannot change it."""
+
 RoundCallback = Callable[[int, dict], None]
 """``callback(round, metrics_record)`` after each complete (checkpointed) round."""
 
@@ -194,6 +198,7 @@ def simulate(
     progress: bool = True,
     upload_hook: UploadHook | None = None,
     round_callback: RoundCallback | None = None,
+    broadcast_hook: BroadcastHook | None = None,
     data: Dataset | None = None,
     **options: Any,
 ) -> SimulationResult:
@@ -207,6 +212,7 @@ def simulate(
         progress: show a tqdm progress bar over rounds.
         upload_hook: transforms each encoded upload before the server receives it.
         round_callback: called after each complete round with its metrics record.
+        broadcast_hook: called with each round's encoded broadcast.
         data: a pre-loaded pooled data set instead of loading ``dataset`` by name.
         **options: the other :class:`SimulationConfig` fields (body, feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
@@ -225,6 +231,7 @@ def simulate(
     if resume and out is None:
         raise ConfigError("resume=True needs the run directory `out` of the run to continue")
     run = _Run(config, None if out is None else Path(out), data=data)
+    run.broadcast_hook = broadcast_hook
     return run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
                        round_callback=round_callback)
 
@@ -277,6 +284,7 @@ class _Run:
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
         self.state = self.server.init()
         self.fingerprint = config_fingerprint(config.to_dict())
+        self.broadcast_hook: BroadcastHook | None = None
 
     def _on_device(self, data: ClientData) -> ClientData:
         return ClientData(
@@ -357,6 +365,8 @@ class _Run:
         participants = sample_clients(config.clients, config.fraction, config.seed, r)
         plan = server.configure(self.state, r)
         down_bytes = encode(plan.broadcast)
+        if self.broadcast_hook is not None:
+            self.broadcast_hook(r, down_bytes)
         received = decode(down_bytes)  # what the clients see is what crossed the wire
         t_local = time.perf_counter()
         gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))

@@ -20,10 +20,17 @@ paper's setting, where every client takes part every round). Measured on digits,
 from 6 clients' classes; ``"latest"`` is stable (figures in the project's architecture notes).
 
 **Prediction.** The federated posterior is the conjugate posterior of the summed statistics
-(:class:`inference.ConjugatePosterior`); clients evaluate with its posterior predictive
-(``predictive="probit"`` by default: the Laplace approximation's logit moments through the
-probit approximation, deterministic and as cheap as the MAP; ``"mc"`` averages Laplace draws,
-``"map"`` is the plug-in) and report the MAP plug-in ``softmax(W [1, phi])`` beside it.
+(:class:`inference.ConjugatePosterior`); clients evaluate with its posterior predictive and
+report the MAP plug-in ``softmax(W [1, phi])`` beside it. ``predictive="mc"`` (default) averages
+the softmax over ``mc_samples`` (256) draws of the posterior's Laplace approximation, seeded
+from the run seed and the round (every client of a round sees the same draws); ``"probit"``
+uses the Laplace logit moments through the probit approximation; ``"map"`` is the plug-in.
+The default was chosen by measurement on digits (20 clients, ``shards:2``, ``mlp:200``, 30
+rounds, seeds 0-4, final round, 1,000 draws): the MC predictive had the lowest pooled ECE on
+all five seeds and the lowest NLL on four; probit was better than the plug-in on two seeds and
+worse on three (its one-dimensional probit correction is only an approximation of the
+multi-class integral). With ~1,300 training samples the posterior is concentrated and all three
+agree to about 1e-3 in NLL.
 
 **Parts.** A FedLog strategy is built from two parts instead of flags:
 
@@ -84,7 +91,7 @@ from inference.conjugate import (
 from inference.conjugate.statistics import checked_batch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-PREDICTIVES = ("probit", "mc", "map")
+PREDICTIVES = ("mc", "probit", "map")
 ABSENT_CLIENTS = ("latest", "omit")
 _CACHE = "latest/"
 
@@ -287,7 +294,8 @@ class FedLog(Strategy):
         upload_dtype: "float32" (the paper's accounting) or "float64" for the statistic.
         absent_clients: ``"latest"`` (sum every client's latest statistics, default) or
             ``"omit"`` (this round's participants only); see the module docstring.
-        predictive: the headline predictive, ``"probit"`` (default), ``"mc"`` or ``"map"``.
+        predictive: the headline predictive, ``"mc"`` (default), ``"probit"`` or ``"map"``.
+        mc_samples: Laplace draws of the ``"mc"`` predictive.
     """
 
     name: ClassVar[str] = "fedlog"
@@ -301,7 +309,8 @@ class FedLog(Strategy):
         prior_nu: float = 1.0,
         upload_dtype: str = "float32",
         absent_clients: str = "latest",
-        predictive: str = "probit",
+        predictive: str = "mc",
+        mc_samples: int = 256,
     ) -> None:
         super().__init__(context)
         if upload_dtype not in _DTYPES:
@@ -315,6 +324,9 @@ class FedLog(Strategy):
         if predictive not in PREDICTIVES:
             raise ConfigError(f"predictive must be one of {', '.join(PREDICTIVES)}; got "
                               f"{predictive!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ConfigError(f"mc_samples must be an integer >= 1, got {mc_samples!r}")
+        self.mc_samples = mc_samples
         self.prior_nu = float(prior_nu)
         self.upload_dtype = _DTYPES[upload_dtype]
         self.absent_clients = absent_clients
@@ -528,6 +540,7 @@ class FedLog(Strategy):
             derived_seed(self.context.seed, broadcast.header.round, 13))
         return {
             PREDICTIVE: posterior.predict_proba(features, method=self.predictive,
+                                                n_samples=self.mc_samples,
                                                 generator=generator).cpu(),
             MAP_PLUGIN: posterior.predict_proba(features, method="map").cpu(),
         }
@@ -541,7 +554,8 @@ class FedLog(Strategy):
         if head is None:
             raise ConfigError("the federated posterior has no data yet (prior_nu = 0 and no "
                               "statistics were aggregated)")
-        return ClientPosterior(self.client_model(config, state), head, self.predictive)
+        return ClientPosterior(self.client_model(config, state), head, self.predictive,
+                               n_samples=self.mc_samples)
 
 
 class FedLogC(FedLog):

@@ -82,6 +82,10 @@ def test_poisoned_uploads_are_rejected_logged_and_the_run_finishes(tmp_path):
     assert result.summary["rejected_uploads"] == 5
     assert {r["client_id"] for r in result.summary["rejections"]} == {1, 2}
     assert torch.isfinite(result.state["head"]).all()
+    # a rejected upload never enters the cache of latest statistics: client 1 was rejected
+    # every round, client 2 only in round 2 (its round-3 upload is cached)
+    assert "latest/1/statistics" not in result.state
+    assert torch.isfinite(result.state["latest/2/statistics"]).all()
     assert result.summary["accuracy"] > 0.5
 
 
@@ -135,15 +139,15 @@ def test_batched_and_plain_training_give_the_same_run(tmp_path):
 
 def test_heterogeneous_bodies_run_and_learn():
     result = simulate("fedlog", **{**SMALL, "body": "mlp:16,mlp:8-8", "rounds": 3})
-    assert [c.body_spec for c in result.clients[:2]] == ["mlp:16", "mlp:8-8"]
     assert result.summary["accuracy"] > 0.7
+    assert [c.body_spec for c in result.clients[:2]] == ["mlp:16", "mlp:8-8"]
 
 
 def test_fedavg_uploads_the_whole_network_and_fedlog_only_statistics():
     fedlog = simulate("fedlog", **SMALL)
     fedavg = simulate("fedavg", **SMALL)
-    net = fedavg.clients[0].model
-    num_params = sum(p.numel() for p in net.parameters())
+    num_params = sum(t.numel() for k, t in fedavg.clients[0].state.items()
+                     if k.startswith("model."))
     # per client per round: FedLog C (d + 1) statistics + n_c; FedAvg every parameter + n_c
     assert fedlog.metrics[1]["floats_up"] == 6 * (4 * 9 + 1)
     assert fedavg.metrics[0]["floats_up"] == 6 * (num_params + 1)
@@ -169,6 +173,10 @@ def test_bad_settings_are_config_errors():
         simulate("fedlog", resume=True, **SMALL)
     with pytest.raises(ConfigError, match="different shared parameter shapes"):
         simulate("fedavg", **{**SMALL, "body": "mlp:16,mlp:8"})
+    with pytest.raises(ConfigError, match="client_id"):
+        simulate("fedlog", **{**SMALL, "rounds": 0}).predict_proba(6, torch.zeros(1, 10))
+    with pytest.raises(ConfigError, match="not a posterior strategy"):
+        simulate("fedavg", **{**SMALL, "rounds": 1}).posterior(0)
 
 
 
@@ -183,140 +191,117 @@ def test_strategies_run_on_every_available_device(device, strategy):
     assert result.summary["rejected_uploads"] == 0
 
 
-def _per_client_accumulators(probs, labels, sizes, n_bins=15):
-    from calibration.accumulator import Accumulator
-
-    accs, start = [], 0
-    for n in sizes:
-        accs.append(Accumulator(n_bins).update(probs[start:start + n], labels[start:start + n]))
-        start += n
-    return [a.compute() for a in accs], Accumulator.merged(accs).compute()
-
-
-@pytest.mark.parametrize("n_bins", [1, 10, 15])
-def test_vectorised_client_metrics_equal_one_accumulator_per_client(n_bins):
-    from bayesfl.evaluation import METRICS, multi_client_metrics
-
-    g = torch.Generator().manual_seed(0)
-    sizes = [int(s) for s in torch.randint(1, 25, (40,), generator=g)]
-    n = sum(sizes)
-    probs = torch.softmax(3 * torch.randn(n, 7, generator=g, dtype=torch.float64), dim=1)
-    probs[:6] = 1 / 7  # ties: the first maximal class is the prediction
-    probs[6, :] = 0.0
-    probs[6, 2] = 1.0  # confidence exactly 1 lands in the last bin
-    labels = torch.randint(0, 7, (n,), generator=g)
-    index = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    per_client, pooled = multi_client_metrics(probs, labels, index, len(sizes), n_bins=n_bins)
-    want_clients, want_pooled = _per_client_accumulators(probs, labels, sizes, n_bins)
-    for got, want in zip(per_client, want_clients, strict=True):
-        assert got["count"] == want["count"]
-        for key in METRICS:
-            assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-14)
-    for key in METRICS:
-        assert pooled[key] == pytest.approx(want_pooled[key], rel=1e-12, abs=1e-14)
-
-
-def test_vectorised_client_metrics_reject_bad_input():
-    from bayesfl.evaluation import multi_client_metrics
-    from calibration.errors import InvalidInputError
-
-    probs = torch.full((4, 2), 0.5, dtype=torch.float64)
-    labels = torch.tensor([0, 1, 0, 1])
-    with pytest.raises(InvalidInputError, match="no samples"):
-        multi_client_metrics(probs, labels, torch.tensor([0, 0, 2, 2]), 3)
-    probs[1] = torch.tensor([1.5, -0.5], dtype=torch.float64)
-    with pytest.raises(InvalidInputError, match="negative"):
-        multi_client_metrics(probs, labels, torch.tensor([0, 0, 1, 1]), 2)
-
-
 @pytest.mark.parametrize("body", ["mlp:16", "mlp:16,mlp:8-8"])
 def test_batched_evaluation_equals_the_per_client_evaluation(body):
-    from bayesfl.evaluation import evaluate_clients
+    from bayesfl.evaluation import merge_evaluations
+    from bayesfl.executor import ClientExecutor
 
     result = simulate("fedlog", **{**SMALL, "body": body, "rounds": 1})
-    together = evaluate_clients(result.strategy, result.clients, result.state, batched=True)
-    one_by_one = evaluate_clients(result.strategy, result.clients, result.state, batched=False)
+
+    def evaluation(batched):
+        executor = ClientExecutor(result.strategy, batched=batched)
+        return merge_evaluations(executor.evaluate(result.clients, result.evaluation_broadcast,
+                                                   n_bins=15, keep_probs=True))
+
+    together, one_by_one = evaluation(True), evaluation(False)
     assert [c["client_id"] for c in together.per_client] == list(range(6))
     for got, want in zip(together.per_client, one_by_one.per_client, strict=True):
         assert got.keys() == want.keys() and got["count"] == want["count"]
         assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
-    assert together.pooled == pytest.approx(one_by_one.pooled, rel=1e-9, abs=1e-12)
-    assert together.headline() == pytest.approx(one_by_one.headline(), rel=1e-9, abs=1e-12)
+    got, want = together.headline(), one_by_one.headline()
+    assert got.pop("map_plugin") == pytest.approx(want.pop("map_plugin"), rel=1e-9, abs=1e-12)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
     torch.testing.assert_close(together.probs, one_by_one.probs, rtol=1e-6, atol=1e-9)
     assert torch.equal(together.labels, one_by_one.labels)
     assert torch.equal(together.client_ids, one_by_one.client_ids)
 
 
-def _tampered_uploads(strategy, ups):
-    """Valid uploads and one of each kind of bad upload, as received (wire round trip)."""
+def test_pooled_metrics_are_the_merge_of_the_clients_accumulators(tmp_path):
+    import numpy as np
 
-    def tamper(up, **tensors):
-        return decode(encode(Message(up.header, {**up.tensors, **tensors})))
+    import calibration
 
-    stats = ups[0].tensors["statistics"]
-    bad = [
-        tamper(ups[1], statistics=stats[:, :-1]),
-        tamper(ups[2], statistics=stats.double()),
-        tamper(ups[3], statistics=torch.full_like(stats, float("nan"))),
-        tamper(ups[4], statistics=torch.cat([stats[:, :1] + 0.5, stats[:, 1:]], 1)),
-        tamper(ups[5], statistics=torch.cat([-stats[:, :1], stats[:, 1:]], 1)),
-        tamper(ups[0], statistics=torch.cat([stats[:, :1], stats[:, 1:] + 100.0], 1)),
-    ]
-    if "num_samples" in ups[0].tensors:
-        n = ups[0].tensors["num_samples"]
-        bad += [tamper(ups[1], num_samples=n + 1), tamper(ups[2], num_samples=n * 0),
-                tamper(ups[3], num_samples=n.to(torch.int32))]
-    else:
-        bad.append(tamper(ups[1], num_samples=torch.tensor([3])))
-    return ups + bad
+    result = simulate("fedlog", out=tmp_path, **SMALL)
+    saved = np.load(tmp_path / "predictions.npz")
+    # the merge of six client accumulators equals the metrics of the pooled predictions
+    pooled = calibration.evaluate(saved["probs"], saved["labels"])
+    for key in ("accuracy", "ece", "mce", "brier", "nll"):
+        assert result.summary[key if key != "accuracy" else "accuracy_pooled"] == \
+            pytest.approx(float(pooled[key]), rel=1e-12, abs=1e-15)
 
 
-@pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-central", "fedlog-dp-local",
-                                      "fedlog-c"])
-def test_validating_uploads_together_gives_the_one_by_one_verdicts(strategy):
-    from bayesfl.errors import MessageRejected
-
-    result = simulate(strategy, **{**SMALL, "rounds": 0})
-    s, clients = result.strategy, result.clients
-    down = decode(encode(s.broadcast(result.state, 0)))
-    gens = [torch.Generator().manual_seed(c.client_id) for c in clients]
-    ups = [decode(encode(u)) for u in s.client_update_batch(clients, down, gens)]
-    received = _tampered_uploads(s, ups)
-    ids = [m.header.client_id for m in received]
-    ids[0] = 5  # a header naming another client
-    for r in (0, 1):  # round 1: every header names the wrong round
-        want = []
-        for m, cid in zip(received, ids, strict=True):
-            try:
-                s.validate_upload(m, round=r, client_id=cid)
-            except MessageRejected as err:
-                want.append(err.reason)
-            else:
-                want.append(None)
-        assert s.validate_uploads(received, round=r, client_ids=ids) == want
-        assert sum(v is None for v in want) >= (5 if r == 0 else 0)
+def test_posterior_strategies_report_the_map_plugin_beside_the_posterior_predictive(tmp_path):
+    result = simulate("fedlog", out=tmp_path, **SMALL)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    keys = {"accuracy", "accuracy_pooled", "ece", "mce", "brier", "nll"}
+    assert keys <= set(summary["map_plugin"])
+    assert all(keys <= set(m["map_plugin"]) for m in read_metrics(tmp_path))
+    assert "map_plugin" not in simulate("fedavg", **SMALL).summary
+    # the federated posterior as client 0 holds it: head draws and a predictive on inputs
+    posterior = result.posterior(0)
+    assert posterior.sample(10).shape == (10, 4, 9)
+    x = result.clients[0].data.test_x
+    g = torch.Generator().manual_seed(0)
+    probs = posterior.predict_proba(x, generator=g)
+    assert probs.shape == (x.shape[0], 4)
+    torch.testing.assert_close(probs.sum(1), torch.ones(x.shape[0], dtype=torch.float64))
+    map_probs = posterior.predict_proba(x, method="map")
+    torch.testing.assert_close(map_probs, result.strategy.predict(
+        result.clients[0].config, result.clients[0].state, result.evaluation_broadcast,
+        x)["map_plugin"], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-local"])
+def test_cached_statistics_make_the_head_that_of_every_clients_current_body():
+    """With partial participation, FedLog's default sums every client's latest statistics: the
+    server's statistic is exactly the sum over all clients of the statistic of their current
+    bodies (an absent client's body has not changed since it last uploaded)."""
+    from inference import SufficientStatistics
+
+    result = simulate("fedlog", **{**SMALL, "rounds": 3, "fraction": 0.5})
+    s = result.strategy
+    tables = []
+    for c in result.clients:
+        features = s.client_model(c.config, c.state).eval()(c.data.train_x).detach()
+        tables.append(s.client_statistics(c.data, features).to(torch.float32).double())
+    want = SufficientStatistics.sum_tables(torch.stack(tables), 0, privatized=True).table
+    assert torch.equal(result.state["statistics"], want)
+    omitted = simulate("fedlog", **{**SMALL, "rounds": 3, "fraction": 0.5,
+                                    "strategy_options": {"absent_clients": "omit"}})
+    n_last = len(omitted.metrics[-1]["participants"])
+    assert omitted.state["num_samples"].item() < result.state["num_samples"].item()
+    assert n_last == 3
+
+
+def test_fedbabu_personalizes_once_after_training_and_predicts_with_it(tmp_path):
+    result = simulate("fedbabu", out=tmp_path, **{**SMALL, "rounds": 2})
+    assert result.summary["personalized"] is True
+    assert set(result.personalized) == set(range(6))
+    last = result.metrics[-1]["per_client"]
+    # personalisation changed the predictions (the head is fine-tuned from its random init)
+    assert [c["accuracy"] for c in result.summary["per_client"]] != [c["accuracy"] for c in last]
+    c = result.clients[0]
+    personal = result.strategy.predict(c.config, result.personalized[0],
+                                       result.evaluation_broadcast, c.data.test_x)["predictive"]
+    assert torch.equal(result.predict_proba(0, c.data.test_x), personal)
+
+
+@pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-local", "fedavg", "fedproto"])
 def test_batched_uploads_equal_the_per_client_uploads(strategy):
-    result = simulate(strategy, **{**SMALL, "rounds": 1})
+    result = simulate(strategy, **{**SMALL, "rounds": 0 if strategy.startswith("fedlog") else 1})
     s, clients = result.strategy, result.clients
-    down = decode(encode(s.broadcast(result.state, 0)))
-    together = s.client_update_batch(
-        clients, down, [torch.Generator().manual_seed(c.client_id) for c in clients])
-    for c, up in zip(clients, together, strict=True):
-        alone = s.client_update(c, down, torch.Generator().manual_seed(c.client_id))
+    server = type(s)(s.context)
+    state = server.init()
+    down = decode(encode(server.configure(state, 0 if s.init_round else 1).broadcast))
+    gens = [torch.Generator().manual_seed(c.client_id) for c in clients]
+    together = s.fit_group([c.config for c in clients], [c.state for c in clients],
+                           [c.data for c in clients], down, gens)
+    for c, (_, up) in zip(clients, together, strict=True):
+        _, alone = s.fit(c.config, c.state, c.data, down,
+                         torch.Generator().manual_seed(c.client_id))
         assert up.header == alone.header and up.tensors.keys() == alone.tensors.keys()
         for name, tensor in alone.tensors.items():
+            # float rounding of vmapped vs per-client Adam, carried through one round
             torch.testing.assert_close(up.tensors[name], tensor, rtol=1e-6, atol=1e-5)
-    from bayesfl.training import forward_stacked_concat
-
-    features = forward_stacked_concat([c.model for c in clients],
-                                      [c.data.train_x for c in clients])
-    tables = s.batch_statistics(clients, features)
-    for c, table, f in zip(clients, tables, features.split([c.data.num_train for c in clients]),
-                           strict=True):
-        assert torch.equal(table, s.client_statistics(c, f))
 
 
 def test_a_run_leaves_the_callers_global_rng_where_it_was():
