@@ -2,7 +2,9 @@
 
 Also runs FedLog with heterogeneous bodies (clients alternate ``mlp:200`` / ``mlp:100-100``).
 Prints a table of mean and standard error over seeds of the final-round mean client
-accuracy, the pooled ECE and the total uplink bytes, then one JSON line with the figures:
+accuracy, the pooled ECE and NLL and the total uplink bytes (FedLog's rows are its posterior
+predictive; a second table sets it beside FedLog's own MAP plug-in, which for FedLog is also
+the network's softmax), then one JSON line with the figures:
 FedLog's accuracy minus FedAvg's and FedLog's uplink bytes divided by FedAvg's are measured
 against FedAvg (the named peer) in the same run.
 
@@ -51,29 +53,46 @@ def main() -> None:
     rows: dict[str, dict[str, list[float]]] = {}
     start = time.perf_counter()
     for label, config in CONFIGS.items():
-        rows[label] = {"accuracy": [], "ece": [], "bytes_up": [], "first_round_acc": []}
+        rows[label] = {k: [] for k in ("accuracy", "ece", "nll", "bytes_up", "plugin_accuracy",
+                                       "plugin_ece", "plugin_nll")}
         for seed in range(args.seeds):
             s = simulate(rounds=args.rounds, seed=seed, **COMMON, **config).summary
             rows[label]["accuracy"].append(s["accuracy"])
             rows[label]["ece"].append(s["ece"])
+            rows[label]["nll"].append(s["nll"])
             rows[label]["bytes_up"].append(float(s["bytes_up"]))
+            for key in ("accuracy", "ece", "nll"):
+                rows[label][f"plugin_{key}"].append(s.get("map_plugin", s)[key])
             print(f"{label:32s} seed {seed}: accuracy {s['accuracy']:.4f} ECE {s['ece']:.4f} "
-                  f"bytes up {s['bytes_up']:,}", flush=True)
+                  f"NLL {s['nll']:.4f} bytes up {s['bytes_up']:,}", flush=True)
     print(f"\ndigits, 20 clients, shards:2, {args.rounds} rounds, {args.seeds} seeds "
           "(mean ± standard error over seeds; accuracy = final-round mean client accuracy)\n")
-    print("| strategy | accuracy | ECE (pooled) | uplink bytes (total) |")
-    print("|---|---|---|---|")
+    print("| strategy | accuracy | ECE (pooled) | NLL (pooled) | uplink bytes (total) |")
+    print("|---|---|---|---|---|")
     figures: dict[str, float] = {}
     for label, values in rows.items():
-        (acc, acc_se), (ece, ece_se), (up, up_se) = (
-            mean_se(values[k]) for k in ("accuracy", "ece", "bytes_up"))
+        (acc, acc_se), (ece, ece_se), (nll, nll_se), (up, up_se) = (
+            mean_se(values[k]) for k in ("accuracy", "ece", "nll", "bytes_up"))
         print(f"| {label} | {acc:.4f} ± {acc_se:.4f} | {ece:.4f} ± {ece_se:.4f} | "
-              f"{up:,.0f} ± {up_se:,.0f} |")
+              f"{nll:.4f} ± {nll_se:.4f} | {up:,.0f} ± {up_se:,.0f} |")
         key = {"fedlog": "fedlog", "fedavg": "fedavg"}.get(label, "fedlog_heterogeneous")
         figures[f"{key}_accuracy"] = acc
         figures[f"{key}_accuracy_se"] = acc_se
         figures[f"{key}_ece"] = ece
         figures[f"{key}_bytes_up"] = up
+    print("\nFedLog: posterior predictive (MC, 256 Laplace draws) vs its MAP plug-in, paired by "
+          "seed (predictive minus plug-in)\n")
+    print("| bodies | accuracy | ECE | NLL |")
+    print("|---|---|---|---|")
+    for label in ("fedlog", "fedlog (mlp:200 / mlp:100-100)"):
+        v = rows[label]
+        diffs = [mean_se([a - b for a, b in zip(v[k], v[f"plugin_{k}"], strict=True)])
+                 for k in ("accuracy", "ece", "nll")]
+        print(f"| {label} | " + " | ".join(f"{d:+.5f} ± {e:.5f}" for d, e in diffs) + " |")
+        key = "fedlog" if label == "fedlog" else "fedlog_heterogeneous"
+        figures[f"{key}_nll"] = statistics.fmean(v["nll"])
+        figures[f"{key}_plugin_ece"] = statistics.fmean(v["plugin_ece"])
+        figures[f"{key}_plugin_nll"] = statistics.fmean(v["plugin_nll"])
     figures["accuracy_gain_vs_fedavg"] = figures["fedlog_accuracy"] - figures["fedavg_accuracy"]
     figures["uplink_ratio_vs_fedavg"] = figures["fedlog_bytes_up"] / figures["fedavg_bytes_up"]
     figures["seeds"] = args.seeds

@@ -8,6 +8,7 @@ import torch
 from strategy_helpers import context, make_clients
 
 from bayesfl.strategies import StrategyContext, make_strategy
+from bayesfl.strategies.networks import batched_apply
 from inference.conjugate import gaussian_sigma
 
 # spec §4.2 reference table: m = 101 (d = 100 body features), b = 2, delta = 0.01
@@ -49,13 +50,18 @@ def noisy_rounds(name):
     the noise of every upload (RUNS, K, C, m) and of every aggregate (RUNS, C, m)."""
     strategy = make_strategy(name, context(), epsilon=1.0, delta=0.01, clip=2.0)
     clients = make_clients(strategy)
-    state = strategy.init(clients)
-    clean = torch.stack([strategy.client_statistics(c) for c in clients])
-    down = strategy.broadcast(state, 0)
+    state = strategy.init()
+    clean = torch.stack([
+        strategy.client_statistics(
+            c.data, batched_apply(strategy.client_model(c.config, c.state), c.data.train_x))
+        for c in clients])
+    down = strategy.configure(state, 0).broadcast
     upload_noise, total_noise = [], []
     for run in range(RUNS):
-        gens = [torch.Generator().manual_seed(10_000 * run + c.client_id) for c in clients]
-        ups = [strategy.client_update(c, down, g) for c, g in zip(clients, gens, strict=True)]
+        gens = [torch.Generator().manual_seed(10_000 * run + c.config.client_id)
+                for c in clients]
+        ups = [strategy.fit(c.config, c.state, c.data, down, g)[1]
+               for c, g in zip(clients, gens, strict=True)]
         new = strategy.aggregate(state, ups, 0, torch.Generator().manual_seed(77 + run))
         upload_noise.append(torch.stack([u.tensors["statistics"].double() for u in ups]) - clean)
         total_noise.append(new["statistics"] - clean.sum(0))

@@ -1,4 +1,5 @@
-"""FedLog: sufficiency of the server step, upload invariants, variants."""
+"""FedLog: sufficiency of the server step, upload invariants, statistics of absent clients,
+the posterior predictive, variants."""
 
 import copy
 import math
@@ -6,17 +7,34 @@ import math
 import pytest
 import torch
 from scipy.optimize import minimize
-from strategy_helpers import NUM_CLASSES, run_round, wire
+from strategy_helpers import (
+    FEATURE_DIM,
+    NUM_CLASSES,
+    evaluation_broadcast,
+    fit_all,
+    generators,
+    predict,
+    run_round,
+    wire,
+)
 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
-from bayesfl.strategies.fedlog import head_logits
+from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
+from bayesfl.strategies.fedlog import HeadObjective
 from bayesfl.strategies.networks import batched_apply
+from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
 
 
-def pooled_table(clients):
+def features_of(strategy, client, x=None):
+    """The client's body features (n, d) of ``x`` (default: its training inputs)."""
+    model = strategy.client_model(client.config, client.state)
+    return batched_apply(model, client.data.train_x if x is None else x)
+
+
+def pooled_table(strategy, clients):
     """Independent reference: one-hot matmul of the pooled augmented features (float64)."""
-    feats = torch.cat([batched_apply(c.model, c.data.train_x) for c in clients]).double()
+    feats = torch.cat([features_of(strategy, c) for c in clients]).double()
     labels = torch.cat([c.data.train_y for c in clients])
     onehot = torch.nn.functional.one_hot(labels, NUM_CLASSES).double()
     phi = torch.cat([torch.ones(len(labels), 1, dtype=torch.float64), feats], dim=1)
@@ -45,7 +63,7 @@ def test_server_step_equals_centralized_map_on_pooled_features(build, round_):
     if round_ == 1:  # train once so the features are not those of the initial bodies
         state, _ = run_round(strategy, clients, state, 0)
     new_state, _ = run_round(strategy, clients, state, round_)
-    table, n = pooled_table(clients)
+    table, n = pooled_table(strategy, clients)
     # sufficiency: sum of client statistics == pooled statistic (exact in float64)
     torch.testing.assert_close(new_state["statistics"], table, atol=1e-9, rtol=1e-12)
     reference = lbfgs_map(table, 1.0 + n)  # prior chi = 0, nu = 1
@@ -53,7 +71,7 @@ def test_server_step_equals_centralized_map_on_pooled_features(build, round_):
     scale = reference.abs().max()
     assert (head - reference).abs().max() <= 1e-6 * scale
     # the float64 solve itself matches the stationarity condition p_y W_y / 2 = S_y / N
-    W = strategy.solve_head(table, n)
+    W = strategy.solve_head(table, n, privatized=False)
     p = torch.softmax(W.pow(2).sum(1) / 4, 0)
     torch.testing.assert_close(p[:, None] * W / 2, table / (1.0 + n), atol=1e-10, rtol=1e-9)
 
@@ -62,8 +80,8 @@ def test_float32_uploads_give_the_same_head_to_float32_rounding(build):
     strategy, clients, state = build("fedlog")
     new_state, ups = run_round(strategy, clients, state, 0)
     assert ups[0].tensors["statistics"].dtype == torch.float32
-    table, n = pooled_table(clients)
-    W = strategy.solve_head(table, n)
+    table, n = pooled_table(strategy, clients)
+    W = strategy.solve_head(table, n, privatized=False)
     # float32 statistics: relative rounding 6e-8 per entry, so 1e-6 relative to max |W|
     assert (new_state["head"].double() - W).abs().max() <= 1e-6 * W.abs().max()
 
@@ -79,13 +97,14 @@ def test_upload_bias_column_is_class_counts(build):
 
 def test_round_zero_does_not_train_and_later_rounds_only_train_the_body(build):
     strategy, clients, state = build("fedlog")
-    before = copy.deepcopy(clients[0].model.state_dict())
+    before = copy.deepcopy(clients[0].state)
     state, _ = run_round(strategy, clients, state, 0)
-    after0 = clients[0].model.state_dict()
+    after0 = clients[0].state
+    assert after0.keys() == before.keys()
     assert all(torch.equal(before[k], after0[k]) for k in before)
     head = state["head"].clone()
     state, _ = run_round(strategy, clients, state, 1)
-    assert not torch.equal(before["1.weight"], clients[0].model.state_dict()["1.weight"])
+    assert not torch.equal(before["model.1.weight"], clients[0].state["model.1.weight"])
     assert not torch.equal(head, state["head"])  # new statistics, new head
 
 
@@ -93,25 +112,33 @@ def test_training_improves_fedlog_training_accuracy(build):
     strategy, clients, state = build("fedlog", sizes=(30, 30, 30))
     state, _ = run_round(strategy, clients, state, 0)
 
-    def train_accuracy():
-        correct = sum(int((strategy.predict_proba(c, state, c.data.train_x).argmax(1)
+    def train_accuracy(r):
+        correct = sum(int((predict(strategy, c, state, c.data.train_x, r).argmax(1)
                            == c.data.train_y).sum()) for c in clients)
         return correct / 90
 
-    acc0 = train_accuracy()
+    acc0 = train_accuracy(0)
     for r in range(1, 5):
         state, _ = run_round(strategy, clients, state, r)
-    assert train_accuracy() > max(acc0, 0.6)
+    assert train_accuracy(4) > max(acc0, 0.6)
 
 
-def test_predictions_are_softmax_of_head_times_augmented_features(build):
+def test_map_plugin_is_softmax_of_the_map_head_times_augmented_features(build):
     strategy, clients, state = build("fedlog")
     state, _ = run_round(strategy, clients, state, 0)
     c = clients[1]
-    probs = strategy.predict_proba(c, state, c.data.test_x)
-    feats = c.model(c.data.test_x).detach().double()
+    probs = predict(strategy, c, state, c.data.test_x, key=MAP_PLUGIN)
+    feats = features_of(strategy, c, c.data.test_x).double()
     phi = torch.cat([torch.ones(len(feats), 1, dtype=torch.float64), feats], 1)
-    torch.testing.assert_close(probs, torch.softmax(phi @ state["head"].double().T, 1))
+    # the plug-in is computed in float64 from the broadcast statistics, so the reference is
+    # the float64 head solved from the same statistics (the float32 broadcast head would differ
+    # by ~1e-7). Both are float64 softmaxes of the same float32 features: 1e-12 leaves room
+    # for summation order only, and catches a wrong head, a missing bias or a wrong feature.
+    W = strategy.solve_head(state["statistics"], float(state["num_samples"]), privatized=False)
+    torch.testing.assert_close(probs, torch.softmax(phi @ W.T, 1), atol=1e-12, rtol=0)
+    # ... and it is the broadcast float32 head's softmax up to that head's rounding
+    torch.testing.assert_close(probs, torch.softmax(phi @ state["head"].double().T, 1),
+                               atol=1e-5, rtol=0)
 
 
 def test_batched_client_updates_match_the_plain_loop(build):
@@ -125,14 +152,67 @@ def test_batched_client_updates_match_the_plain_loop(build):
 
 def test_heterogeneous_bodies_share_one_head(build):
     strategy, clients, state = build("fedlog", bodies=("mlp:8", "mlp:5-5"))
-    assert clients[0].body_spec != clients[1].body_spec
+    assert clients[0].config.body != clients[1].config.body
     state, _ = run_round(strategy, clients, state, 0)
-    state, _ = run_round(strategy, clients, state, 1, batched=True)  # falls back to a loop
+    state, _ = run_round(strategy, clients, state, 1, batched=True)  # one group per body
     assert state["head"].shape == (NUM_CLASSES, 5)
 
 
+def test_fit_group_refuses_clients_with_two_body_specs(build):
+    strategy, clients, state = build("fedlog", bodies=("mlp:8", "mlp:5-5"))
+    down = strategy.configure(state, 0).broadcast
+    with pytest.raises(ConfigError, match="one body spec"):
+        strategy.fit_group([c.config for c in clients], [c.state for c in clients],
+                           [c.data for c in clients], down, generators(clients, 0))
+
+
+# ---- statistics of absent clients ---------------------------------------------------------
+def test_latest_sums_every_clients_latest_accepted_statistics(build):
+    strategy, clients, state = build("fedlog")
+    assert strategy.absent_clients == "latest"  # the default
+    state, ups0 = run_round(strategy, clients, state, 0)
+    state, ups1 = run_round(strategy, clients[:2], state, 1)  # client 2 does not upload
+    latest = [ups1[0], ups1[1], ups0[2]]
+    tables = torch.stack([u.tensors["statistics"] for u in latest]).double()
+    n = sum(int(u.tensors["num_samples"]) for u in latest)
+    expected = SufficientStatistics.sum_tables(tables, n).table
+    assert torch.equal(state["statistics"], expected)
+    # float32 uploads of non-negative features: their float64 sum is exact as well
+    assert torch.equal(state["statistics"], tables[0] + tables[1] + tables[2])
+    assert float(state["num_samples"]) == n
+    assert torch.equal(state["head"], strategy.solve_head(expected, n, privatized=False).float())
+    # the absent client keeps its cached table; the others' caches hold this round's uploads
+    assert torch.equal(state["latest/2/statistics"], ups0[2].tensors["statistics"])
+    assert torch.equal(state["latest/2/num_samples"], ups0[2].tensors["num_samples"])
+    for k in (0, 1):
+        assert torch.equal(state[f"latest/{k}/statistics"], ups1[k].tensors["statistics"])
+    # a cached table is a client's latest body: after training, round 1's differ from round 0's
+    assert not torch.equal(ups1[0].tensors["statistics"], ups0[0].tensors["statistics"])
+
+
+def test_omit_sums_only_the_rounds_uploads(build):
+    strategy, clients, state = build("fedlog", absent_clients="omit")
+    state, _ = run_round(strategy, clients, state, 0)
+    state, ups1 = run_round(strategy, clients[:2], state, 1)
+    tables = torch.stack([u.tensors["statistics"] for u in ups1]).double()
+    n = sum(int(u.tensors["num_samples"]) for u in ups1)
+    assert torch.equal(state["statistics"], SufficientStatistics.sum_tables(tables, n).table)
+    assert float(state["num_samples"]) == n
+    assert not any(k.startswith("latest/") for k in state)
+
+
+def test_an_unknown_absent_clients_policy_is_a_config_error(build):
+    with pytest.raises(ConfigError, match="absent_clients"):
+        build("fedlog", absent_clients="mean")
+
+
+# ---- upload invariants ----------------------------------------------------------------------
 def _tampered(upload, **tensors):
     return Message(upload.header, {**upload.tensors, **tensors})
+
+
+def _with_counts(t, counts):
+    return torch.cat([counts, t["statistics"][:, 1:]], 1)
 
 
 @pytest.mark.parametrize(
@@ -151,31 +231,203 @@ def _tampered(upload, **tensors):
 )
 def test_invalid_uploads_are_rejected_with_a_reason(build, change, reason):
     strategy, clients, state = build("fedlog")
+    plan = strategy.configure(state, 0)
     _, ups = run_round(strategy, clients, state, 0)
     bad = wire(_tampered(ups[0], **change(ups[0].tensors)))
     with pytest.raises(MessageRejected, match=reason):
-        strategy.validate_upload(bad, round=0, client_id=0)
+        strategy.validate_upload(plan, bad, 0)
 
 
 def test_an_upload_for_another_round_or_client_is_rejected(build):
     strategy, clients, state = build("fedlog")
     _, ups = run_round(strategy, clients, state, 0)
     with pytest.raises(MessageRejected, match="round"):
-        strategy.validate_upload(ups[0], round=1, client_id=0)
+        strategy.validate_upload(strategy.configure(state, 1), ups[0], 0)
     with pytest.raises(MessageRejected, match="client_id"):
-        strategy.validate_upload(ups[0], round=0, client_id=2)
+        strategy.validate_upload(strategy.configure(state, 0), ups[0], 2)
 
 
+TAMPERINGS = {  # name -> (change of an upload's tensors, expected reason)
+    "negative counts": (lambda t: {"statistics": _with_counts(
+        t, t["statistics"][:, :1] * torch.tensor([[-1.0], [1.0], [1.0]]))}, "negative"),
+    "non-integral counts": (lambda t: {"statistics": _with_counts(
+        t, t["statistics"][:, :1] + torch.tensor([[0.5], [-0.5], [0.0]]))}, "integral"),
+    "counts not summing to num_samples": (lambda t: {"num_samples": t["num_samples"] + 2},
+                                          "sum to"),
+    "num_samples 0": (lambda t: {"num_samples": t["num_samples"] * 0}, ">= 1"),
+    "wrong shape": (lambda t: {"statistics": t["statistics"][:, :-1]}, "shape"),
+}
+
+
+def _verdicts_one_at_a_time(strategy, plan, messages, ids):
+    verdicts = []
+    for message, cid in zip(messages, ids, strict=True):
+        try:
+            strategy.validate_upload(plan, message, cid)
+        except MessageRejected as err:
+            verdicts.append(err.reason)
+        else:
+            verdicts.append(None)
+    return verdicts
+
+
+def test_validating_a_batch_gives_the_verdicts_of_one_upload_at_a_time(build):
+    strategy, clients, state = build("fedlog")
+    plan = strategy.configure(state, 0)
+    _, ups = run_round(strategy, clients, state, 0)
+    messages, ids, expected = [], [], []
+    for k, (change, reason) in enumerate(TAMPERINGS.values()):
+        good = ups[k % len(ups)]
+        messages += [good, wire(_tampered(good, **change(good.tensors)))]
+        ids += [good.header.client_id] * 2
+        expected += [None, reason]
+    batch = strategy.validate_uploads(plan, messages, ids)
+    assert batch == _verdicts_one_at_a_time(strategy, plan, messages, ids)
+    for verdict, reason in zip(batch, expected, strict=True):
+        if reason is None:
+            assert verdict is None
+        else:
+            assert verdict is not None and reason in verdict, (verdict, reason)
+
+
+def test_central_dp_batch_verdicts_include_the_clamp_bound(build):
+    strategy, clients, state = build("fedlog-dp-central", epsilon=5.0, clip=0.5)
+    plan = strategy.configure(state, 0)
+    _, ups = run_round(strategy, clients, state, 0)
+    over = ups[1].tensors["statistics"].clone()
+    over[:, 1:] += 100.0
+    negative, _ = TAMPERINGS["negative counts"]
+    messages = [ups[0], wire(_tampered(ups[1], statistics=over)), ups[2],
+                wire(_tampered(ups[2], **negative(ups[2].tensors)))]
+    ids = [0, 1, 2, 2]
+    batch = strategy.validate_uploads(plan, messages, ids)
+    assert batch == _verdicts_one_at_a_time(strategy, plan, messages, ids)
+    assert batch[0] is None and batch[2] is None
+    assert "clamp" in batch[1]
+    assert "negative" in batch[3]
+
+
+def _invariant_rows():
+    """Stacked tables (K, C, m) float64 and counts (K,) int64, one invariant broken per row
+    (row 1 breaks two: the first in the order of the checks names the reason)."""
+    C, m = NUM_CLASSES, FEATURE_DIM + 1
+    rows = [  # (class counts, num_samples, feature sums per class, expected reason)
+        ([2.0, 1.0, 1.0], 4, 0.25, None),
+        ([-1.0, 1.0, 0.0], 0, 0.0, "num_samples must be >= 1, got 0"),
+        ([-1.0, 3.0, 2.0], 4, 0.0, "negative"),
+        ([1.5, 1.5, 1.0], 4, 0.0, "not integral"),
+        ([1.0, 2.0, 3.0], 7, 0.0, "class counts sum to 6 but num_samples is 7"),
+        ([1.0, 1.0, 1.0], 3, 100.0, "clamp bound"),
+    ]
+    tables = torch.zeros(len(rows), C, m, dtype=torch.float64)
+    for k, (counts, _, feature_sum, _) in enumerate(rows):
+        tables[k, :, 0] = torch.tensor(counts)
+        tables[k, :, 1:] = feature_sum
+    n = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+    return tables, n, [r[3] for r in rows]
+
+
+def test_problems_name_the_first_violated_invariant_of_every_row():
+    from strategy_helpers import context
+
+    central = make_strategy("fedlog-dp-central", context(), clip=2.0)
+    tables, n, expected = _invariant_rows()
+    reasons = central.privacy.problems(tables, n)
+    assert len(reasons) == len(expected)
+    for k, (got, want) in enumerate(zip(reasons, expected, strict=True)):
+        if want is None:
+            assert got is None, k
+        else:
+            assert got is not None and want in got, (k, got, want)
+    # without central DP there is no clamp bound: the last row is accepted, the rest agree
+    clean = make_strategy("fedlog", context()).privacy.problems(tables, n)
+    assert clean == [*reasons[:-1], None]
+    # local-DP uploads are noisy: there is no invariant to check
+    local = make_strategy("fedlog-dp-local", context()).privacy.problems(tables, None)
+    assert local == [None] * len(expected)
+
+
+# ---- the posterior predictive ---------------------------------------------------------------
+def test_predict_returns_the_posterior_predictive_and_the_map_plugin(build):
+    strategy, clients, state = build("fedlog")
+    state, _ = run_round(strategy, clients, state, 0)
+    c = clients[0]
+    out = strategy.predict(c.config, c.state, evaluation_broadcast(strategy, state),
+                           c.data.test_x)
+    assert set(out) == {PREDICTIVE, MAP_PLUGIN}
+    for probs in out.values():
+        assert probs.dtype == torch.float64 and probs.shape == (c.data.num_test, NUM_CLASSES)
+        torch.testing.assert_close(probs.sum(1), torch.ones(c.data.num_test,
+                                                            dtype=torch.float64))
+    assert not torch.equal(out[PREDICTIVE], out[MAP_PLUGIN])  # probit != plug-in
+
+
+def test_the_probit_predictive_is_the_conjugate_posteriors_of_the_broadcast_statistics(build):
+    strategy, clients, state = build("fedlog", predictive="probit")
+    state, _ = run_round(strategy, clients, state, 0)
+    state, _ = run_round(strategy, clients, state, 1)
+    broadcast = evaluation_broadcast(strategy, state, 1)
+    c = clients[2]
+    got = strategy.predict(c.config, c.state, broadcast, c.data.test_x)[PREDICTIVE]
+    stats = SufficientStatistics(broadcast.tensors["statistics"],
+                                 round(float(broadcast.tensors["num_samples"])))
+    posterior = ConjugatePosterior(ConjugatePrior(nu=1.0), stats)
+    feats = features_of(strategy, c, c.data.test_x).double()
+    expected = posterior.predict_proba(feats, method="probit")
+    # the same float64 computation from the same statistics and features
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_the_map_predictive_makes_the_headline_the_plugin(build):
+    strategy, clients, state = build("fedlog", predictive="map")
+    state, _ = run_round(strategy, clients, state, 0)
+    c = clients[0]
+    out = strategy.predict(c.config, c.state, evaluation_broadcast(strategy, state),
+                           c.data.test_x)
+    assert torch.equal(out[PREDICTIVE], out[MAP_PLUGIN])
+
+
+def test_an_unknown_predictive_is_a_config_error(build):
+    with pytest.raises(ConfigError, match="predictive"):
+        build("fedlog", predictive="laplace")
+
+
+@pytest.mark.parametrize("predictive", ["probit", "map"])
+def test_the_client_posterior_samples_heads_and_predicts_as_predict_does(build, predictive):
+    # the deterministic predictives ("mc" draws from a generator predict seeds from the round)
+    strategy, clients, state = build("fedlog", predictive=predictive)
+    state, _ = run_round(strategy, clients, state, 0)
+    broadcast = evaluation_broadcast(strategy, state)
+    c = clients[1]
+    posterior = strategy.posterior(c.config, c.state, broadcast)
+    draws = posterior.sample(10, generator=torch.Generator().manual_seed(0))
+    assert draws.shape == (10, NUM_CLASSES, FEATURE_DIM + 1)
+    assert torch.isfinite(draws).all()
+    x = c.data.test_x
+    torch.testing.assert_close(posterior.predict_proba(x),
+                               strategy.predict(c.config, c.state, broadcast, x)[PREDICTIVE],
+                               atol=1e-12, rtol=0)
+
+
+def test_fedavg_has_no_posterior(build):
+    strategy, clients, state = build("fedavg")
+    c = clients[0]
+    with pytest.raises(ConfigError, match="not a posterior strategy"):
+        strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, state))
+
+
+# ---- FedLog-C and DP --------------------------------------------------------------------------
 def test_fedlog_c_broadcasts_statistics_and_clients_rebuild_the_servers_head(build):
     strategy, clients, state = build("fedlog-c")
     state, _ = run_round(strategy, clients, state, 0)
-    down = wire(strategy.broadcast(state, 1))
+    down = wire(strategy.configure(state, 1).broadcast)
     assert set(down.tensors) == {"statistics", "num_samples"}
-    head, means = strategy._head_and_means(down)
+    target = strategy.broadcast.training_target(down, strategy)
+    head = torch.cat([target.bias[:, None], target.weight], 1)
     torch.testing.assert_close(head, state["head"], atol=0, rtol=0)  # same deterministic solve
     table = state["statistics"]
-    torch.testing.assert_close(means.double(), table[:, 1:] / table[:, :1].clamp_min(1),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(target.class_means.double(),
+                               table[:, 1:] / table[:, :1].clamp_min(1), atol=1e-6, rtol=1e-6)
     state, _ = run_round(strategy, clients, state, 1)
     assert torch.isfinite(state["head"]).all()
 
@@ -214,21 +466,40 @@ def test_local_dp_uploads_are_noisy_and_carry_no_sample_count(build):
 
 def test_central_dp_adds_noise_once_at_the_server_and_clamps_features(build):
     strategy, clients, state = build("fedlog-dp-central", epsilon=5.0, clip=0.5)
+    plan = strategy.configure(state, 0)
     new_state, ups = run_round(strategy, clients, state, 0)
     clean = sum(u.tensors["statistics"].double() for u in ups)
     noise = new_state["statistics"] - clean
     assert noise.abs().max() > 0
     assert noise.std().item() == pytest.approx(strategy.sigma, rel=0.6)
-    feats = batched_apply(clients[0].model, clients[0].data.train_x)
+    assert bool(new_state["privatized"].all())
+    feats = features_of(strategy, clients[0])
     assert feats.max() <= 0.5
     # an upload that violates the clamp bound is rejected
     t = ups[0].tensors["statistics"].clone()
     t[:, 1:] += 100.0
     with pytest.raises(MessageRejected, match="clamp"):
-        strategy.validate_upload(wire(_tampered(ups[0], statistics=t)), round=0, client_id=0)
+        strategy.validate_upload(plan, wire(_tampered(ups[0], statistics=t)), 0)
 
 
-def test_head_logits_put_the_bias_first():
+def test_the_training_head_puts_the_bias_first():
     head = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
     feats = torch.tensor([[3.0]])
-    torch.testing.assert_close(head_logits(head, feats), torch.tensor([[7.0, -3.0]]).double())
+    labels = torch.tensor([0])
+    # logits [1 + 2 * 3, 0 - 1 * 3] = [7, -3]
+    expected = torch.nn.functional.cross_entropy(torch.tensor([[7.0, -3.0]]), labels,
+                                                 reduction="none")
+    torch.testing.assert_close(HeadObjective(head)(feats, labels), expected)
+
+
+def test_fit_group_of_fedlog_uploads_the_statistics_fit_uploads(build):
+    strategy, clients, state = build("fedlog")
+    state, _ = run_round(strategy, clients, state, 0)
+    down = wire(strategy.configure(state, 1).broadcast)
+    plain = fit_all(strategy, clients, down, generators(clients, 1))
+    grouped = fit_all(strategy, clients, down, generators(clients, 1), batched=True)
+    for (_, a), (_, b) in zip(plain, grouped, strict=True):
+        assert torch.equal(a.tensors["num_samples"], b.tensors["num_samples"])
+        # float32 rounding of vmapped vs plain Adam over the round, summed over <= 20 samples
+        torch.testing.assert_close(a.tensors["statistics"], b.tensors["statistics"],
+                                   atol=1e-4, rtol=1e-5)

@@ -1,18 +1,34 @@
 """FedProto: prototypes are count-weighted class means of the clients' features."""
 
+import copy
+
 import pytest
 import torch
-from strategy_helpers import NUM_CLASSES, run_round, wire
+from strategy_helpers import (
+    NUM_CLASSES,
+    fit_all,
+    generators,
+    predict,
+    run_round,
+    wire,
+)
 
-from bayesfl.errors import MessageRejected
+from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
+from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
 from bayesfl.strategies.networks import batched_apply
+
+
+def outputs_of(strategy, client, x=None):
+    """(logits, features) of the client's own network on ``x`` (default: its training set)."""
+    model = strategy.client_model(client.config, client.state)
+    return batched_apply(model, client.data.train_x if x is None else x)
 
 
 def test_global_prototypes_are_the_pooled_class_means_of_uploaded_features(build):
     strategy, clients, state = build("fedproto")
     new_state, _ = run_round(strategy, clients, state, 1)
-    feats = torch.cat([batched_apply(c.model, c.data.train_x)[1] for c in clients]).double()
+    feats = torch.cat([outputs_of(strategy, c)[1] for c in clients]).double()
     labels = torch.cat([c.data.train_y for c in clients])
     for y in range(NUM_CLASSES):
         expected = feats[labels == y].mean(0)
@@ -23,6 +39,7 @@ def test_global_prototypes_are_the_pooled_class_means_of_uploaded_features(build
 
 def test_prototype_of_an_absent_class_must_be_zero(build):
     strategy, clients, state = build("fedproto")
+    plan = strategy.configure(state, 1)
     _, ups = run_round(strategy, clients, state, 1)
     t = dict(ups[0].tensors)
     t["counts"] = t["counts"].clone()
@@ -30,12 +47,10 @@ def test_prototype_of_an_absent_class_must_be_zero(build):
     t["counts"][0] = 0
     t["counts"][1] += moved  # still sums to n, but class 0 has a prototype without samples
     with pytest.raises(MessageRejected, match="count 0"):
-        strategy.validate_upload(wire(Message(ups[0].header, t)), round=1, client_id=0)
+        strategy.validate_upload(plan, wire(Message(ups[0].header, t)), 0)
 
 
 def test_fedproto_batched_equals_loop(build):
-    import copy
-
     strategy, clients, state = build("fedproto")
     state, _ = run_round(strategy, clients, state, 1)
     twins = copy.deepcopy(clients)
@@ -55,9 +70,6 @@ def test_unweighted_prototypes_are_the_plain_mean_over_clients_holding_the_class
 
 
 def test_fedproto_defaults_and_bad_options():
-    from bayesfl.errors import ConfigError
-    from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
-
     assert strategy_options("fedproto") == {"lam": 1.0, "weighted": True, "inference": "prototype"}
     with pytest.raises(ConfigError, match="weighted"):
         make_strategy("fedproto", StrategyContext(3, 4), weighted="yes")
@@ -69,8 +81,8 @@ def test_prototype_inference_predicts_the_nearest_global_prototype(build):
     state, _ = run_round(strategy, clients, state, 1)
     client = clients[0]
     x = client.data.test_x
-    probs = strategy.predict_proba(client, state, x)
-    _, features = batched_apply(client.model, x)
+    probs = predict(strategy, client, state, x, r=1)
+    _, features = outputs_of(strategy, client, x)
     # reference: squared distances by explicit differences, over the classes with a prototype
     gaps = features.double()[:, None, :] - state["prototypes"].double()[None, :, :]
     distances = gaps.pow(2).sum(-1)
@@ -85,17 +97,48 @@ def test_prototype_inference_predicts_the_nearest_global_prototype(build):
 def test_head_inference_and_the_fallback_before_any_prototype_use_the_head(build):
     strategy, clients, state = build("fedproto", inference="head")
     client = clients[0]
-    logits, _ = batched_apply(client.model, client.data.test_x)
+    logits, _ = outputs_of(strategy, client, client.data.test_x)
     expected = torch.softmax(logits.double(), dim=1)
-    torch.testing.assert_close(strategy.predict_proba(client, state, client.data.test_x),
-                               expected)
-    prototype_strategy, _, _ = build("fedproto")  # no aggregation yet: no prototypes
+    torch.testing.assert_close(predict(strategy, client, state, client.data.test_x), expected)
+    # no aggregation yet: no prototypes
+    prototype_strategy, _, prototype_state = build("fedproto")
     torch.testing.assert_close(
-        prototype_strategy.predict_proba(client, state, client.data.test_x), expected)
+        predict(prototype_strategy, client, prototype_state, client.data.test_x), expected)
 
 
 def test_an_unknown_inference_rule_is_a_config_error(build):
-    from bayesfl.errors import ConfigError
-
     with pytest.raises(ConfigError, match="inference"):
         build("fedproto", inference="knn")
+
+
+def test_fit_group_gives_the_states_and_uploads_of_fit_one_client_at_a_time(build):
+    strategy, clients, state = build("fedproto")
+    state, _ = run_round(strategy, clients, state, 1)
+    down = wire(strategy.configure(state, 2).broadcast)
+    plain = fit_all(strategy, clients, down, generators(clients, 2))
+    grouped = fit_all(strategy, clients, down, generators(clients, 2), batched=True)
+    for (s_plain, u_plain), (s_group, u_group) in zip(plain, grouped, strict=True):
+        assert torch.equal(u_plain.tensors["counts"], u_group.tensors["counts"])
+        assert torch.equal(u_plain.tensors["num_samples"], u_group.tensors["num_samples"])
+        # float32 rounding of vmapped vs plain Adam over 2 epochs; features are O(1)
+        torch.testing.assert_close(u_plain.tensors["prototypes"], u_group.tensors["prototypes"],
+                                   atol=1e-5, rtol=1e-5)
+        assert s_plain.keys() == s_group.keys()
+        for k in s_plain:
+            torch.testing.assert_close(s_plain[k], s_group[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def test_fit_group_refuses_clients_with_two_body_specs(build):
+    strategy, clients, state = build("fedproto", bodies=("mlp:8", "mlp:5-5"))
+    down = strategy.configure(state, 1).broadcast
+    with pytest.raises(ConfigError, match="one body spec"):
+        strategy.fit_group([c.config for c in clients], [c.state for c in clients],
+                           [c.data for c in clients], down, generators(clients, 1))
+
+
+def test_fit_group_of_one_body_spec_is_each_clients_fit_with_mixed_bodies(build):
+    strategy, clients, state = build("fedproto", bodies=("mlp:8", "mlp:5-5"))
+    twins = copy.deepcopy(clients)
+    plain, _ = run_round(strategy, clients, state, 1)
+    grouped, _ = run_round(strategy, twins, state, 1, batched=True)  # one group per body
+    torch.testing.assert_close(plain["prototypes"], grouped["prototypes"], atol=1e-5, rtol=1e-5)
