@@ -82,11 +82,7 @@ class FedBABU(ParameterAveraging):
         generator: torch.Generator,
     ) -> ClientState:
         """Fine-tune the global body and the client's (initial) head on its training data."""
-        model = self.client_model(config, state)
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, value in self._received(config.body, broadcast).items():
-                params[name].copy_(value)
+        model = self.global_model(config, state, broadcast)
         shared = self.shared_names(config.body)
         trainable = (lambda n: n not in shared) if self.finetune == "head" else everything
         train_plain(model, data.train_x, data.train_y, self.objective,

@@ -181,6 +181,17 @@ class ParameterAveraging(Strategy):
         return {k: v.to(device=device, dtype=template[k].dtype)
                 for k, v in broadcast.tensors.items()}
 
+    def global_model(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> nn.Module:
+        """The client's network with the broadcast's global shared parameters loaded."""
+        model = self.client_model(config, state)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in self._received(config.body, broadcast).items():
+                params[name].copy_(value)
+        return model
+
     def _upload(self, config: ClientConfig, data: ClientData, round: int,
                 params: dict[str, Tensor]) -> Message:
         tensors = {k: params[k] for k in sorted(self.shared_names(config.body))}
@@ -196,11 +207,7 @@ class ParameterAveraging(Strategy):
         generator: torch.Generator,
     ) -> tuple[ClientState, Message]:
         """Load the global shared parameters, train (phases), upload the shared ones."""
-        model = self.client_model(config, state)
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, value in self._received(config.body, broadcast).items():
-                params[name].copy_(value)
+        model = self.global_model(config, state, broadcast)
         for trainable, phase in self.phases(self.shared_names(config.body)):
             train_plain(model, data.train_x, data.train_y, self.objective, phase,
                         generator=generator, trainable=trainable)

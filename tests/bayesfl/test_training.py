@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from bayesfl.errors import ConfigError
-from bayesfl.training import LocalTraining, architecture_key, train_batched, train_plain
+from bayesfl.training import (
+    LocalTraining,
+    architecture_key,
+    forward_stacked_tensors,
+    train_batched,
+    train_plain,
+    train_stacked,
+)
 
 
 def _mlp(seed: int) -> nn.Module:
@@ -128,3 +135,44 @@ def test_named_tensors_follow_the_module_even_after_reassignment():
     with torch.no_grad():
         model[3].bias.add_(1.0)  # in-place updates are visible too (same tensor)
     assert torch.equal(named_tensors(model)["3.bias"], model[3].bias)
+
+
+def _tensors(model: nn.Module) -> tuple[dict, dict]:
+    """Copies of a model's parameters and buffers: a client state's network part."""
+    return ({n: p.detach().clone() for n, p in model.named_parameters()},
+            {n: b.detach().clone() for n, b in model.named_buffers()})
+
+
+@pytest.mark.parametrize("sizes", [[7, 23, 1, 12], [10, 9, 6]])
+def test_stacked_training_of_tensors_equals_the_plain_loop_and_leaves_the_template(sizes):
+    xs, ys = _client_data(sizes)
+    config = LocalTraining(epochs=3, lr=1e-2, batch_size=5)
+    plain = [_mlp(k) for k in range(len(sizes))]
+    params, buffers = zip(*[_tensors(m) for m in plain], strict=True)
+    template = _mlp(99)
+    template_before = copy.deepcopy(template.state_dict())
+    for k, model in enumerate(plain):
+        train_plain(model, xs[k], ys[k], _ce, config,
+                    generator=torch.Generator().manual_seed(100 + k))
+    gens = [torch.Generator().manual_seed(100 + k) for k in range(len(sizes))]
+    train_stacked(template, list(params), list(buffers), xs, ys, _ce, config, generators=gens)
+    for model, p in zip(plain, params, strict=True):  # trained values written into the dicts
+        for name, value in model.named_parameters():
+            # float32 rounding over 15 Adam steps; parameters are O(1)
+            torch.testing.assert_close(p[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    for name, value in template.state_dict().items():  # the template's own tensors unused
+        assert torch.equal(value, template_before[name]), name
+
+
+@pytest.mark.parametrize("chunk", [2, 256])
+def test_stacked_forward_of_tensors_equals_each_model_on_its_own_inputs(chunk):
+    sizes = [7, 1, 12, 4, 3]
+    xs, _ = _client_data(sizes)
+    models = [_bn_mlp(k) for k in range(len(sizes))]
+    with torch.no_grad():
+        want = torch.cat([m.eval()(x) for m, x in zip(models, xs, strict=True)])
+    params, buffers = zip(*[_tensors(m) for m in models], strict=True)
+    template = _bn_mlp(99).train()
+    got = forward_stacked_tensors(template, list(params), list(buffers), xs, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert template.training  # its mode is restored

@@ -4,22 +4,13 @@ The parameter counts of the paper's MNIST and CIFAR CNNs (spec fedlog.md §5.2) 
 to the right layer: a split off by one layer changes the float count.
 """
 
-import copy
-
 import pytest
 import torch
-from strategy_helpers import (
-    INPUT_DIM,
-    NUM_CLASSES,
-    context,
-    make_client_data,
-    make_clients,
-    run_round,
-)
+from strategy_helpers import context, make_clients, run_round, wire
 from torch import nn
 
 from bayesfl.errors import ConfigError
-from bayesfl.strategies import Client, StrategyContext, make_strategy, strategy_options
+from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
 from bayesfl.strategies.networks import layer_parameter_names
 from bayesfl.training import LocalTraining
 
@@ -35,46 +26,42 @@ SHARED_LAYERS = {
 }
 
 
-def mlp_body(widths=(8, 8), feature_dim=4):
-    """Flatten, then Linear+ReLU layers: the shape of bayesfl.bodies' ``mlp:8-8``."""
-    layers, width = [nn.Flatten()], INPUT_DIM
-    for out in (*widths, feature_dim):
-        layers += [nn.Linear(width, out), nn.ReLU()]
-        width = out
-    return nn.Sequential(*layers)
+MLP = "mlp:8-8"
+"""Flatten, then Linear+ReLU layers 6 -> 8 -> 8 -> 4: body.1, body.3, body.5 (then the head)."""
 
 
-def build_net(name, body_factory, sizes=(12, 20, 7), feature_dim=4, num_classes=NUM_CLASSES,
-          **options):
-    ctx = StrategyContext(num_classes, feature_dim,
-                          LocalTraining(epochs=1, lr=1e-2, batch_size=5), rounds=2)
+def build_net(name, sizes=(12, 20, 7), **options):
+    ctx = context(rounds=2, sizes=sizes, bodies=(MLP,),
+                  training=LocalTraining(epochs=1, lr=1e-2, batch_size=5))
     strategy = make_strategy(name, ctx, **options)
-    torch.manual_seed(0)
-    model = strategy.build_model(body_factory())
-    clients = [Client(k, make_client_data(k, n, 6, seed=k), copy.deepcopy(model), "test")
-               for k, n in enumerate(sizes)]
-    return strategy, clients, strategy.init(clients)
+    clients = make_clients(strategy, sizes)  # one body spec: the same initial network
+    return strategy, clients, strategy.init()
 
 
-def expected_names(model, layers):
-    return {n for n, _ in model.named_parameters() if n.rsplit(".", 1)[0] in layers}
+def parameter_names(strategy, client):
+    return [n for n, _ in strategy.client_model(client.config, client.state).named_parameters()]
+
+
+def expected_names(names, layers):
+    return {n for n in names if n.rsplit(".", 1)[0] in layers}
 
 
 @pytest.mark.parametrize("name", sorted(SHARED_LAYERS))
 def test_exactly_the_named_layers_are_averaged_and_the_rest_stay_local(name):
-    strategy, clients, state = build_net(name, mlp_body)
-    model = clients[0].model
-    shared = expected_names(model, SHARED_LAYERS[name])
+    strategy, clients, state = build_net(name)
+    names = parameter_names(strategy, clients[0])
+    shared = expected_names(names, SHARED_LAYERS[name])
     assert set(state) == shared
+    assert strategy.shared_names(MLP) == shared  # the client's own split agrees
     state, ups = run_round(strategy, clients, state, 1)
     assert set(state) == shared
     assert all(set(u.tensors) == shared | {"num_samples"} for u in ups)
     # next round: shared layers arrive identical on every client, personal ones differ
-    down = strategy.broadcast(state, 2)
-    for c in clients:
-        strategy._receive(c, down)
-    for param, _ in model.named_parameters():
-        values = [dict(c.model.named_parameters())[param] for c in clients]
+    down = wire(strategy.configure(state, 2).broadcast)
+    # the network each client predicts with: its own state with the broadcast loaded into it
+    received = [strategy._predict_parameters(c.config, c.state, down) for c in clients]
+    for param in names:
+        values = [r["model." + param] for r in received]
         same = all(torch.equal(values[0], v) for v in values[1:])
         if param in shared:
             assert same, param
@@ -83,16 +70,16 @@ def test_exactly_the_named_layers_are_averaged_and_the_rest_stay_local(name):
 
 
 def test_fedbabu_head_stays_at_its_common_initialisation():
-    strategy, clients, state = build_net("fedbabu", mlp_body)
-    init = clients[0].model.head.weight.detach().clone()
+    strategy, clients, state = build_net("fedbabu")
+    init = clients[0].state["model.head.weight"].clone()
     run_round(strategy, clients, state, 1)
-    assert all(torch.equal(c.model.head.weight, init) for c in clients)
+    assert all(torch.equal(c.state["model.head.weight"], init) for c in clients)
 
 
 def test_fedrep_phases_train_the_personal_layers_then_the_shared_ones():
-    strategy, clients, _ = build_net("fedrep", mlp_body, head_epochs=3)
-    (first, first_cfg), (second, second_cfg) = strategy.phases()
-    names = [n for n, _ in clients[0].model.named_parameters()]
+    strategy, clients, _ = build_net("fedrep", head_epochs=3)
+    (first, first_cfg), (second, second_cfg) = strategy.phases(strategy.shared_names(MLP))
+    names = parameter_names(strategy, clients[0])
     assert [n for n in names if first(n)] == ["body.5.weight", "body.5.bias", "head.weight",
                                               "head.bias"]
     assert [n for n in names if second(n)] == ["body.1.weight", "body.1.bias", "body.3.weight",
@@ -109,9 +96,9 @@ def test_paper_defaults_of_the_layer_options():
 
 
 def test_layer_options_override_the_defaults():
-    _, _, state = build_net("fedper", mlp_body, local_layers=1)
+    _, _, state = build_net("fedper", local_layers=1)
     assert {n.rsplit(".", 1)[0] for n in state} == {"body.1", "body.3", "body.5"}
-    _, _, state = build_net("lg-fedavg", mlp_body, global_layers=3)
+    _, _, state = build_net("lg-fedavg", global_layers=3)
     assert {n.rsplit(".", 1)[0] for n in state} == {"body.3", "body.5", "head"}
 
 
@@ -127,17 +114,18 @@ def test_bad_layer_counts_are_config_errors(name, option, value):
 
 def test_layer_counts_that_do_not_fit_the_network_are_config_errors():
     with pytest.raises(ConfigError, match="nothing would be shared"):
-        build_net("fedper", mlp_body, local_layers=4)
+        build_net("fedper", local_layers=4)
     with pytest.raises(ConfigError, match="only 4"):
-        build_net("lg-fedavg", mlp_body, global_layers=5)
+        build_net("lg-fedavg", global_layers=5)
 
 
 def test_lg_fedavg_2_rejects_bodies_whose_second_global_layer_differs():
-    strategy = make_strategy("lg-fedavg-2", context())
+    bodies = ("mlp:8", "mlp:5")
+    strategy = make_strategy("lg-fedavg-2", context(bodies=bodies))
     with pytest.raises(ConfigError, match="different shared parameter"):
-        strategy.init(make_clients(strategy, bodies=("mlp:8", "mlp:5")))
-    one = make_strategy("lg-fedavg", context())  # one global layer: any bodies
-    one.init(make_clients(one, bodies=("mlp:8", "mlp:5")))
+        strategy.init()
+    one = make_strategy("lg-fedavg", context(bodies=bodies))  # one global layer: any bodies
+    one.init()
 
 
 # ---- the FedLog paper's CNNs (spec fedlog.md §7.1) and its per-round float counts (§5.2) ---
@@ -177,10 +165,12 @@ def test_shared_floats_reproduce_the_papers_per_round_counts(dataset):
     for name, floats in PAPER_FLOATS[dataset].items():
         strategy = make_strategy(name, ctx)
         model = strategy.build_model(body())
-        client = Client(0, make_client_data(0, 4, 2, seed=0), model, "paper-cnn")
-        state = strategy.init([client])
+        # the paper's CNNs have no body spec: the split is taken from the network itself, as
+        # the server's init and the client's shared_names take it from theirs
+        shared = strategy.shared_parameters(model)
+        state = {k: v for k, v in model.named_parameters() if k in shared}
         assert sum(v.numel() for v in state.values()) == floats, name
-        assert strategy.upload_schema().keys() == set(state) | {"num_samples"}
+        assert strategy.upload_schema(state, 1).keys() == set(state) | {"num_samples"}
 
 
 def test_the_papers_mnist_cnn_has_four_layers_in_forward_order():

@@ -203,11 +203,11 @@ def test_lg_fedavg_accepts_different_bodies_but_fedavg_does_not(build):
 
 
 def test_unknown_names_and_options_list_the_valid_ones():
-    context = StrategyContext(num_classes=3, feature_dim=4)
+    ctx = StrategyContext(num_classes=3, feature_dim=4)
     with pytest.raises(ConfigError, match="valid names: " + ", ".join(STRATEGIES)):
-        make_strategy("fedsgd", context)
+        make_strategy("fedsgd", ctx)
     with pytest.raises(ConfigError, match="valid: head_epochs"):
-        make_strategy("fedrep", context, head_epoch=3)
+        make_strategy("fedrep", ctx, head_epoch=3)
 
 
 def test_fedbabu_can_fine_tune_the_whole_network_to_personalize(build):
