@@ -37,8 +37,9 @@ class PredictiveMetrics:
 
     @classmethod
     def merge(cls, ids: Sequence[int], accumulators: Sequence[Accumulator]) -> PredictiveMetrics:
-        per_client = [{"client_id": cid, **_typed(acc.compute())}
-                      for cid, acc in zip(ids, accumulators, strict=True)]
+        per_client = [{"client_id": cid, **_typed(metrics)}
+                      for cid, metrics in zip(ids, Accumulator.compute_each(accumulators),
+                                              strict=True)]
         pooled = _typed(Accumulator.merged(accumulators).compute())
         return cls(per_client, {k: pooled[k] for k in METRICS})
 

@@ -14,14 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from calibration.bin_stats import BinStats
-from calibration.binning import check_n_bins, uniform_edges
+from calibration.binning import bin_indices, check_n_bins, uniform_edges
 from calibration.errors import InvalidInputError
 from calibration.metrics import metrics_from_totals
-from calibration.row_scores import row_scores
+from calibration.row_scores import PROBABILITY_FLOOR, row_scores
 
 _STATE_KEYS = ("bin_counts", "bin_confidence_sums", "bin_correct_counts", "brier_sum", "nll_sum")
 
@@ -80,6 +81,83 @@ class Accumulator:
         state["nll_sum"] += scores.nll_sum
         return self
 
+    @classmethod
+    def per_group(
+        cls, probs: Any, labels: Any, groups: Any, num_groups: int, n_bins: int = 15
+    ) -> list[Accumulator]:
+        """One accumulator per group from one validated sweep over all rows.
+
+        ``probs`` (N, K) probabilities, ``labels`` (N,), ``groups`` (N,) ints in
+        ``[0, num_groups)``. Accumulator g holds exactly the bin counts and correct counts of
+        ``Accumulator(n_bins).update(rows of group g)`` and the same float64 sums up to
+        summation order (~1e-15 relative): the state of many clients, scored together.
+        """
+        check_n_bins(n_bins)
+        probs = torch.as_tensor(probs)
+        scores = row_scores(probs, labels)  # validates; top-label confidence and correctness
+        probs = probs.to(torch.float64)
+        labels = torch.as_tensor(labels).to(device=probs.device, dtype=torch.int64)
+        groups = torch.as_tensor(groups).to(device=probs.device, dtype=torch.int64)
+        if groups.shape != labels.shape or (groups.numel() and not (
+                int(groups.min()) >= 0 and int(groups.max()) < num_groups)):
+            raise InvalidInputError(f"groups must be (N,) integers in [0, {num_groups})")
+        label_prob = probs.gather(1, labels[:, None])[:, 0]
+        # per-sample Brier sum_k (p_k - 1[y=k])^2 = ||p||^2 - 2 p_y + 1; NLL -log max(p_y, floor)
+        brier = probs.square().sum(1) - 2.0 * label_prob + 1.0
+        nll = -label_prob.clamp(min=PROBABILITY_FLOOR).log()
+        edges = uniform_edges(n_bins, device=probs.device)
+        cell = groups * n_bins + bin_indices(scores.confidence, edges).to(torch.int64)
+        size = num_groups * n_bins
+        pairs = torch.bincount(cell * 2 + scores.correct, minlength=2 * size).view(size, 2)
+        confidence = torch.zeros(size, dtype=torch.float64, device=probs.device)
+        confidence.index_add_(0, cell, scores.confidence.to(torch.float64))
+        sums = torch.zeros(2, num_groups, dtype=torch.float64, device=probs.device)
+        sums[0].index_add_(0, groups, brier)
+        sums[1].index_add_(0, groups, nll)
+        counts = pairs.sum(1).view(num_groups, n_bins)
+        correct = pairs[:, 1].reshape(num_groups, n_bins)
+        confidence = confidence.view(num_groups, n_bins)
+        out = []
+        for g in range(num_groups):
+            acc = cls(n_bins, device=probs.device)
+            acc._state = {"bin_counts": counts[g].clone(),
+                          "bin_confidence_sums": confidence[g].clone(),
+                          "bin_correct_counts": correct[g].clone(),
+                          "brier_sum": sums[0, g].clone(), "nll_sum": sums[1, g].clone()}
+            out.append(acc)
+        return out
+
+    @staticmethod
+    def compute_each(accumulators: Iterable[Accumulator]) -> list[dict[str, float]]:
+        """``[a.compute() for a in accumulators]`` computed together (vectorised over the
+        accumulators; the same formulas: ECE = sum_b n_b |acc_b - conf_b| / N over non-empty
+        bins, MCE their maximum gap). All must share ``n_bins`` and hold samples."""
+        items = list(accumulators)
+        if not items:
+            return []
+        if len({a.n_bins for a in items}) != 1:
+            raise InvalidInputError("compute_each needs accumulators with one number of bins")
+        if any(a.count == 0 for a in items):
+            raise InvalidInputError("the accumulator is empty: update it with at least one "
+                                    "sample")
+        states = [a._state_on(a.device) for a in items]
+        counts = torch.stack([s["bin_counts"].cpu() for s in states]).numpy()
+        conf = torch.stack([s["bin_confidence_sums"].cpu() for s in states]).numpy()
+        correct = torch.stack([s["bin_correct_counts"].cpu() for s in states]).numpy()
+        brier = torch.stack([s["brier_sum"].cpu() for s in states]).numpy()
+        nll = torch.stack([s["nll_sum"].cpu() for s in states]).numpy()
+        totals = counts.sum(1)
+        nonempty = counts > 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gaps = np.abs(correct / counts - conf / counts)
+        ece = np.where(nonempty, counts * gaps, 0.0).sum(1) / totals
+        mce = np.where(nonempty, gaps, -np.inf).max(1)
+        accuracy = correct.sum(1) / totals
+        columns = (accuracy, ece, mce, brier / totals, nll / totals, totals)
+        keys = ("accuracy", "ece", "mce", "brier", "nll", "count")
+        return [dict(zip(keys, row, strict=True))
+                for row in zip(*(c.tolist() for c in columns), strict=True)]
+
     # -- merging -------------------------------------------------------------------------
     def merge(self, other: Accumulator) -> Accumulator:
         """A new accumulator holding the samples of both (self's device). Inputs are unchanged."""
@@ -112,9 +190,14 @@ class Accumulator:
         items = list(accumulators)
         if not items:
             raise InvalidInputError("cannot merge an empty collection of accumulators")
-        result = items[0].merge(Accumulator(items[0].n_bins, device=items[0].device))
-        for item in items[1:]:
-            result = result.merge(item)
+        if len({a.n_bins for a in items}) != 1:
+            raise InvalidInputError("cannot merge accumulators with different numbers of bins")
+        result = Accumulator(items[0].n_bins, device=items[0].device)
+        states = [a._state for a in items if a._state is not None]
+        if states:  # one stacked sum per key (same sums as pairwise merges, one allocation)
+            device = result.device
+            result._state = {key: torch.stack([s[key].to(device) for s in states]).sum(0)
+                             for key in _STATE_KEYS}
         return result
 
     # -- results -------------------------------------------------------------------------

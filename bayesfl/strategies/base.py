@@ -401,8 +401,23 @@ class Strategy:
     ) -> list[Evaluation]:
         """:meth:`evaluate` of clients that share one body spec (predictions batched)."""
         predictions = self.predict_group(configs, states, broadcast, [d.test_x for d in datas])
-        return [evaluation_of(c.client_id, p, d.test_y, n_bins, keep_probs)
-                for c, p, d in zip(configs, predictions, datas, strict=True)]
+        labels = torch.cat([d.test_y for d in datas]).cpu()
+        sizes = torch.tensor([d.num_test for d in datas])
+        group = torch.repeat_interleave(torch.arange(len(datas)), sizes)
+        accumulators: dict[str, list[Accumulator]] = {}
+        probs: dict[str, list[Tensor]] = {}
+        for key in predictions[0]:
+            # every client's accumulator from one sweep (the same state Accumulator.update of
+            # its own rows gives)
+            probs[key] = [p[key].to("cpu", torch.float64) for p in predictions]
+            accumulators[key] = Accumulator.per_group(torch.cat(probs[key]), labels, group,
+                                                      len(datas), n_bins)
+        out = []
+        for k, (c, d) in enumerate(zip(configs, datas, strict=True)):
+            kept = {key: probs[key][k] for key in probs} if keep_probs else {}
+            out.append(Evaluation(c.client_id, {key: a[k] for key, a in accumulators.items()},
+                                  kept, d.test_y.cpu() if keep_probs else None))
+        return out
 
     def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
         """The federated posterior as client ``config`` holds it (posterior strategies)."""
@@ -418,18 +433,6 @@ class Strategy:
 
     def up_message(self, round: int, client_id: int, tensors: Mapping[str, Tensor]) -> Message:
         return Message(self.header(round, client_id, "up"), wire(tensors))
-
-
-def evaluation_of(
-    client_id: int, probs: Mapping[str, Tensor], labels: Tensor, n_bins: int, keep_probs: bool
-) -> Evaluation:
-    """An :class:`Evaluation` from each predictive's probabilities (validated by the
-    accumulators: rows >= 0 summing to one)."""
-    labels = labels.to("cpu")
-    accumulators = {k: Accumulator(n_bins=n_bins).update(p.to("cpu", torch.float64), labels)
-                    for k, p in probs.items()}
-    kept = {k: p.to("cpu", torch.float64) for k, p in probs.items()} if keep_probs else {}
-    return Evaluation(client_id, accumulators, kept, labels if keep_probs else None)
 
 
 def model_state(model: nn.Module) -> ClientState:

@@ -126,3 +126,47 @@ def test_accumulator_state_stays_on_the_input_device(device):
                                 torch.tensor(labels, device=device))
     assert all(t.device.type == device for t in acc.state_dict().values())
     assert acc.compute()["ece"] == pytest.approx(ece(probs, labels, 8), abs=1e-12)
+
+
+def test_per_group_accumulators_equal_one_update_per_group():
+    g = torch.Generator().manual_seed(0)
+    sizes = [int(s) for s in torch.randint(1, 25, (40,), generator=g)]
+    n = sum(sizes)
+    probs = torch.softmax(3 * torch.randn(n, 7, generator=g, dtype=torch.float64), dim=1)
+    probs[:6] = 1 / 7  # ties: the first maximal class is the prediction
+    probs[6, :] = 0.0
+    probs[6, 2] = 1.0  # confidence exactly 1 lands in the last bin
+    labels = torch.randint(0, 7, (n,), generator=g)
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    for n_bins in (1, 10, 15):
+        together = Accumulator.per_group(probs, labels, groups, len(sizes), n_bins=n_bins)
+        start = 0
+        for acc, size in zip(together, sizes, strict=True):
+            alone = Accumulator(n_bins).update(probs[start:start + size],
+                                               labels[start:start + size])
+            start += size
+            want, got = alone.state_dict(), acc.state_dict()
+            for key in ("bin_counts", "bin_correct_counts"):  # integers: exact
+                assert torch.equal(got[key], want[key])
+            for key in ("bin_confidence_sums", "brier_sum", "nll_sum"):  # summation order only
+                torch.testing.assert_close(got[key], want[key], rtol=1e-13, atol=1e-15)
+        # compute_each is compute, vectorised; merged is the pooled data's metrics
+        for got, acc in zip(Accumulator.compute_each(together), together, strict=True):
+            assert got == pytest.approx(acc.compute(), rel=1e-12, abs=1e-15)
+        pooled = Accumulator(n_bins).update(probs, labels).compute()
+        assert Accumulator.merged(together).compute() == pytest.approx(pooled, rel=1e-12,
+                                                                       abs=1e-15)
+
+
+def test_per_group_and_compute_each_refuse_bad_input():
+    probs = torch.full((4, 2), 0.5, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 0, 1])
+    with pytest.raises(InvalidInputError, match="groups"):
+        Accumulator.per_group(probs, labels, torch.tensor([0, 0, 3, 3]), 3)
+    empty = Accumulator.per_group(probs, labels, torch.tensor([0, 0, 2, 2]), 3)
+    with pytest.raises(InvalidInputError, match="empty"):
+        Accumulator.compute_each(empty)
+    bad = probs.clone()
+    bad[1] = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match="negative"):
+        Accumulator.per_group(bad, labels, torch.tensor([0, 0, 1, 1]), 2)
