@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
-from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.messages import Message, Schema, TensorSpec, tensor_digest
 from bayesfl.posterior import ClientPosterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
@@ -332,6 +332,7 @@ class FedLog(Strategy):
         self.absent_clients = absent_clients
         self.predictive = predictive
         self.m = context.feature_dim + 1
+        self._posterior_memo: tuple[str, ConjugatePosterior | None, Tensor | None] | None = None
         self.privacy: NoPrivacy = self.make_privacy()
         self.broadcast: HeadBroadcast | StatisticsBroadcast = self.make_broadcast()
 
@@ -498,7 +499,28 @@ class FedLog(Strategy):
 
     def head_posterior(self, broadcast: Message) -> ConjugatePosterior | None:
         """The conjugate posterior of an evaluation broadcast (None while it has no count:
-        ``nu = 0`` and no statistics yet)."""
+        ``nu = 0`` and no statistics yet).
+
+        The last one is memoised by the broadcast's content digest: every client of a round
+        receives the same broadcast, so a process that runs many of them one by one (the
+        simulator's plain loop) solves the MAP once, not once per client.
+        """
+        return self._memo(broadcast)[0]
+
+    def _memo(self, broadcast: Message) -> tuple[ConjugatePosterior | None, Tensor | None]:
+        """(posterior, its MC predictive draws) of a broadcast, memoised by content."""
+        key = tensor_digest(broadcast.tensors, str(broadcast.header.round))
+        if self._posterior_memo is None or self._posterior_memo[0] != key:
+            posterior, draws = self._solve_posterior(broadcast), None
+            if posterior is not None and self.predictive == "mc":
+                # seeded from the run seed and the round: every client sees the same draws
+                generator = torch.Generator(posterior.device).manual_seed(
+                    derived_seed(self.context.seed, broadcast.header.round, 13))
+                draws = posterior.sample(self.mc_samples, generator=generator)
+            self._posterior_memo = (key, posterior, draws)
+        return self._posterior_memo[1], self._posterior_memo[2]
+
+    def _solve_posterior(self, broadcast: Message) -> ConjugatePosterior | None:
         table = broadcast.tensors["statistics"].to(torch.float64)
         n = float(broadcast.tensors["num_samples"].item())
         if not self.prior_nu + n > 0:
@@ -530,18 +552,15 @@ class FedLog(Strategy):
         return [{k: split[k][i] for k in both} for i in range(len(xs))]
 
     def _predictives(self, broadcast: Message, features: Tensor) -> dict[str, Tensor]:
-        posterior = self.head_posterior(broadcast)
+        posterior, draws = self._memo(broadcast)
         if posterior is None:
             uniform = torch.full((features.shape[0], self.num_classes), 1.0 / self.num_classes,
                                  dtype=torch.float64)
             return {PREDICTIVE: uniform, MAP_PLUGIN: uniform}
         features = features.to(torch.float64)
-        generator = torch.Generator(features.device).manual_seed(
-            derived_seed(self.context.seed, broadcast.header.round, 13))
         return {
             PREDICTIVE: posterior.predict_proba(features, method=self.predictive,
-                                                n_samples=self.mc_samples,
-                                                generator=generator).cpu(),
+                                                samples=draws).cpu(),
             MAP_PLUGIN: posterior.predict_proba(features, method="map").cpu(),
         }
 
