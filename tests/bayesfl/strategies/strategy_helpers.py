@@ -110,3 +110,11 @@ def predict(strategy, client, state, x, r=0, key=PREDICTIVE):
     """The client's ``key`` predictive (n, C) of ``x`` with the server ``state`` of round r."""
     broadcast = evaluation_broadcast(strategy, state, r)
     return strategy.predict(client.config, client.state, broadcast, x)[key]
+
+
+def network_output(strategy, client, x=None):
+    """The client's own network applied to ``x`` (default: its training inputs), eval mode."""
+    from bayesfl.strategies.networks import batched_apply
+
+    model = strategy.client_model(client.config, client.state)
+    return batched_apply(model, client.data.train_x if x is None else x)

@@ -13,6 +13,7 @@ from strategy_helpers import (
     evaluation_broadcast,
     fit_all,
     generators,
+    network_output,
     predict,
     run_round,
     wire,
@@ -22,19 +23,12 @@ from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
 from bayesfl.strategies.fedlog import HeadObjective
-from bayesfl.strategies.networks import batched_apply
 from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
-
-
-def features_of(strategy, client, x=None):
-    """The client's body features (n, d) of ``x`` (default: its training inputs)."""
-    model = strategy.client_model(client.config, client.state)
-    return batched_apply(model, client.data.train_x if x is None else x)
 
 
 def pooled_table(strategy, clients):
     """Independent reference: one-hot matmul of the pooled augmented features (float64)."""
-    feats = torch.cat([features_of(strategy, c) for c in clients]).double()
+    feats = torch.cat([network_output(strategy, c) for c in clients]).double()
     labels = torch.cat([c.data.train_y for c in clients])
     onehot = torch.nn.functional.one_hot(labels, NUM_CLASSES).double()
     phi = torch.cat([torch.ones(len(labels), 1, dtype=torch.float64), feats], dim=1)
@@ -128,7 +122,7 @@ def test_map_plugin_is_softmax_of_the_map_head_times_augmented_features(build):
     state, _ = run_round(strategy, clients, state, 0)
     c = clients[1]
     probs = predict(strategy, c, state, c.data.test_x, key=MAP_PLUGIN)
-    feats = features_of(strategy, c, c.data.test_x).double()
+    feats = network_output(strategy, c, c.data.test_x).double()
     phi = torch.cat([torch.ones(len(feats), 1, dtype=torch.float64), feats], 1)
     # the plug-in is computed in float64 from the broadcast statistics, so the reference is
     # the float64 head solved from the same statistics (the float32 broadcast head would differ
@@ -373,7 +367,7 @@ def test_the_probit_predictive_is_the_conjugate_posteriors_of_the_broadcast_stat
     stats = SufficientStatistics(broadcast.tensors["statistics"],
                                  round(float(broadcast.tensors["num_samples"])))
     posterior = ConjugatePosterior(ConjugatePrior(nu=1.0), stats)
-    feats = features_of(strategy, c, c.data.test_x).double()
+    feats = network_output(strategy, c, c.data.test_x).double()
     expected = posterior.predict_proba(feats, method="probit")
     # the same float64 computation from the same statistics and features
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
@@ -474,7 +468,7 @@ def test_central_dp_adds_noise_once_at_the_server_and_clamps_features(build):
     assert noise.abs().max() > 0
     assert noise.std().item() == pytest.approx(strategy.sigma, rel=0.6)
     assert bool(new_state["privatized"].all())
-    feats = features_of(strategy, clients[0])
+    feats = network_output(strategy, clients[0])
     assert feats.max() <= 0.5
     # an upload that violates the clamp bound is rejected
     t = ups[0].tensors["statistics"].clone()

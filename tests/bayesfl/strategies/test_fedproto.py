@@ -8,6 +8,7 @@ from strategy_helpers import (
     NUM_CLASSES,
     fit_all,
     generators,
+    network_output,
     predict,
     run_round,
     wire,
@@ -16,19 +17,12 @@ from strategy_helpers import (
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
-from bayesfl.strategies.networks import batched_apply
-
-
-def outputs_of(strategy, client, x=None):
-    """(logits, features) of the client's own network on ``x`` (default: its training set)."""
-    model = strategy.client_model(client.config, client.state)
-    return batched_apply(model, client.data.train_x if x is None else x)
 
 
 def test_global_prototypes_are_the_pooled_class_means_of_uploaded_features(build):
     strategy, clients, state = build("fedproto")
     new_state, _ = run_round(strategy, clients, state, 1)
-    feats = torch.cat([outputs_of(strategy, c)[1] for c in clients]).double()
+    feats = torch.cat([network_output(strategy, c)[1] for c in clients]).double()
     labels = torch.cat([c.data.train_y for c in clients])
     for y in range(NUM_CLASSES):
         expected = feats[labels == y].mean(0)
@@ -82,7 +76,7 @@ def test_prototype_inference_predicts_the_nearest_global_prototype(build):
     client = clients[0]
     x = client.data.test_x
     probs = predict(strategy, client, state, x, r=1)
-    _, features = outputs_of(strategy, client, x)
+    _, features = network_output(strategy, client, x)
     # reference: squared distances by explicit differences, over the classes with a prototype
     gaps = features.double()[:, None, :] - state["prototypes"].double()[None, :, :]
     distances = gaps.pow(2).sum(-1)
@@ -97,7 +91,7 @@ def test_prototype_inference_predicts_the_nearest_global_prototype(build):
 def test_head_inference_and_the_fallback_before_any_prototype_use_the_head(build):
     strategy, clients, state = build("fedproto", inference="head")
     client = clients[0]
-    logits, _ = outputs_of(strategy, client, client.data.test_x)
+    logits, _ = network_output(strategy, client, client.data.test_x)
     expected = torch.softmax(logits.double(), dim=1)
     torch.testing.assert_close(predict(strategy, client, state, client.data.test_x), expected)
     # no aggregation yet: no prototypes
