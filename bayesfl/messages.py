@@ -11,17 +11,31 @@ Receiving side: ``msg = decode(data)`` checks the format, then ``validate(msg, s
 strategy=..., round=..., direction=...)`` checks names, shapes, dtypes and finiteness against a
 :data:`Schema`. Both raise :class:`bayesfl.errors.MessageRejected` with a precise reason.
 Algorithm invariants (e.g. FedLog's bias column) are the strategy's to check on top.
+
+Hostile bytes: the JSON header is bounded in size (:data:`MAX_HEADER_BYTES`) and nesting
+(:data:`MAX_HEADER_DEPTH`) before it is parsed, so no input can exhaust memory or the
+interpreter's recursion limit; every failure is a :class:`~bayesfl.errors.MessageRejected`.
+
+Authentication: the SHA-256 digest detects corruption but not forgery (anyone can recompute it
+after rewriting the header, e.g. to replay an old upload as another round or client). With a
+``key``, :func:`encode` stores an HMAC-SHA256 of the same bytes instead, and :func:`decode` with
+that key accepts only messages whose HMAC verifies (constant-time comparison). Keys are per
+client (see :class:`KeyRing`); distributing them is the deployment's job.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load as _safetensors_load
 from safetensors.torch import save as _safetensors_save
@@ -31,8 +45,15 @@ from bayesfl.errors import ConfigError, MessageRejected
 SCHEMA_VERSION = 1
 DIRECTIONS = ("up", "down")
 DEFAULT_MAX_BYTES = 64 * 2**20
+MAX_HEADER_BYTES = 16 * 2**20
+"""Largest JSON header accepted (bytes). A message's header holds ~100 bytes per tensor and a
+checkpoint's one entry per client tensor, so 16 MiB covers ~100,000 tensors."""
+MAX_HEADER_DEPTH = 8
+"""Deepest JSON nesting accepted. A safetensors header nests 3 deep (object, tensor entry,
+shape list); anything much deeper is hostile (30,000 levels exhaust the recursion limit)."""
 _PREFIX = "bayesfl."
 _FORMAT = "bayesfl-message"
+_HMAC = _PREFIX + "hmac-sha256"
 
 
 @dataclass(frozen=True)
@@ -102,14 +123,18 @@ class Message:
         return sum(t.numel() for t in self.tensors.values())
 
 
-def tensor_digest(tensors: Mapping[str, torch.Tensor], preamble: str = "") -> str:
-    """SHA-256 hex digest of ``preamble`` then the names, dtypes, shapes and raw bytes of
-    ``tensors`` (sorted by name).
+def tensor_digest(
+    tensors: Mapping[str, torch.Tensor], preamble: str = "", key: bytes | None = None
+) -> str:
+    """SHA-256 hex digest (HMAC-SHA256 with ``key``) of ``preamble`` then the names, dtypes,
+    shapes and raw bytes of ``tensors`` (sorted by name).
 
     Messages and checkpoints store it to detect corrupted payloads; the preamble binds the
-    header (or checkpoint meta) to the tensors.
+    header (or checkpoint meta) to the tensors. Only the keyed form detects forgery.
     """
-    digest = hashlib.sha256(preamble.encode("utf-8"))
+    digest = (hashlib.sha256() if key is None
+              else hmac.new(_check_key(key), digestmod=hashlib.sha256))
+    digest.update(preamble.encode("utf-8"))
     for name in sorted(tensors):
         tensor = tensors[name].detach().to("cpu").contiguous().reshape(-1)
         digest.update(json.dumps([name, str(tensor.dtype), list(tensors[name].shape)]).encode())
@@ -136,8 +161,10 @@ def contiguous_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
-def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to safetensors bytes with the header and a digest in the metadata."""
+def encode(msg: Message, *, key: bytes | None = None) -> bytes:
+    """Serialize ``msg`` to safetensors bytes with the header and a digest in the metadata:
+    SHA-256, or HMAC-SHA256 when ``key`` is given (then only holders of the key can produce
+    or check it)."""
     tensors = contiguous_cpu_tensors(msg.tensors)
     h = msg.header
     metadata = {
@@ -147,9 +174,42 @@ def encode(msg: Message) -> bytes:
         _PREFIX + "round": str(h.round),
         _PREFIX + "client_id": str(h.client_id),
         _PREFIX + "direction": h.direction,
-        _PREFIX + "sha256": tensor_digest(tensors, _header_text(h)),
     }
+    digest = tensor_digest(tensors, _header_text(h), key)
+    metadata[_HMAC if key is not None else _PREFIX + "sha256"] = digest
     return _safetensors_save(tensors, metadata=metadata)
+
+
+def _check_key(key: object) -> bytes:
+    if not isinstance(key, bytes | bytearray) or len(key) < 16:
+        raise ConfigError("a message key must be at least 16 bytes (use KeyRing or "
+                          "secrets.token_bytes(32))")
+    return bytes(key)
+
+
+class KeyRing:
+    """Per-client HMAC keys derived from one secret: ``client_key(k)`` authenticates client
+    k's uploads, ``server_key`` the server's broadcasts.
+
+    The simulator draws a fresh secret per run (:meth:`generate`); a deployment provisions
+    each client with its own key out of band. A client holding its key can authenticate only
+    messages under its own id: it cannot forge another client's uploads or the server's.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = _check_key(secret)
+
+    @classmethod
+    def generate(cls) -> KeyRing:
+        return cls(secrets.token_bytes(32))
+
+    def client_key(self, client_id: int) -> bytes:
+        return hmac.new(self._secret, f"client/{int(client_id)}".encode(),
+                        hashlib.sha256).digest()
+
+    @property
+    def server_key(self) -> bytes:
+        return hmac.new(self._secret, b"server", hashlib.sha256).digest()
 
 
 def _header_text(header: Header) -> str:
@@ -157,20 +217,35 @@ def _header_text(header: Header) -> str:
                        header.schema_version])
 
 
-def read_safetensors_metadata(data: bytes) -> dict[str, str]:
+def read_safetensors_metadata(
+    data: bytes, *, max_header_bytes: int | None = None
+) -> dict[str, str]:
     """The ``__metadata__`` of safetensors bytes, read from its JSON header.
 
+    The header's size and nesting depth are bounded before it is parsed.
+
     Raises:
-        ValueError: the bytes do not start with a well-formed safetensors header.
+        ValueError: the bytes do not start with a well-formed safetensors header, or the
+            header is larger than ``max_header_bytes`` (default :data:`MAX_HEADER_BYTES`) or
+            nested deeper than :data:`MAX_HEADER_DEPTH`.
     """
+    if max_header_bytes is None:
+        max_header_bytes = MAX_HEADER_BYTES
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes is shorter than a safetensors header")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > len(data) - 8:
         raise ValueError(f"header length {header_len} exceeds the {len(data) - 8} bytes present")
+    if header_len > max_header_bytes:
+        raise ValueError(f"header of {header_len} bytes exceeds the limit of {max_header_bytes}")
+    raw = bytes(data[8 : 8 + header_len])
+    depth = json_depth(raw)
+    if depth > MAX_HEADER_DEPTH:
+        raise ValueError(f"header nests {depth} levels deep; a safetensors header nests 3 "
+                         f"(limit {MAX_HEADER_DEPTH})")
     try:
-        header = json.loads(bytes(data[8 : 8 + header_len]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"header is not JSON ({err})") from err
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
@@ -180,13 +255,34 @@ def read_safetensors_metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(raw: bytes) -> int:
+    """Maximum bracket nesting of the JSON text ``raw``, brackets inside strings ignored.
+
+    Linear time, no recursion: safe on hostile input (run before ``json.loads``).
+    """
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    steps = (np.isin(codes, (ord("["), ord("{"))).astype(np.int64)
+             - np.isin(codes, (ord("]"), ord("}"))))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def decode(
+    data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, key: bytes | None = None
+) -> Message:
     """Parse bytes produced by :func:`encode`; never unpickles anything.
+
+    With ``key``, only messages whose HMAC-SHA256 verifies under it are accepted (and an
+    unauthenticated message is rejected); without, an authenticated message is rejected too
+    (its integrity cannot be checked without the key).
 
     Raises:
         MessageRejected: bytes larger than ``max_bytes``, not a safetensors file (a pickle, an
-            ``.npz``, ...), a safetensors file without a bayesfl header, a malformed or
-            unsupported header, or tensors whose digest disagrees (truncated or corrupted).
+            ``.npz``, ...), a header too large or too deeply nested, a safetensors file
+            without a bayesfl header, a malformed or unsupported header, tensors whose digest
+            disagrees (truncated or corrupted), or an HMAC that does not verify.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MessageRejected(f"expected bytes, got {type(data).__name__}")
@@ -206,9 +302,28 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
     except Exception as err:  # the parser's errors on hostile bytes vary; none may escape
         raise MessageRejected(f"corrupt message: safetensors could not read it ({err})",
                               client_id=header.client_id) from err
-    if tensor_digest(tensors, _header_text(header)) != metadata.get(_PREFIX + "sha256"):
-        raise MessageRejected("corrupt message: tensor digest mismatch", client_id=header.client_id)
+    _check_digest(metadata, tensors, header, key)
     return Message(header, tensors)
+
+
+def _check_digest(metadata: Mapping[str, str], tensors: Mapping[str, torch.Tensor],
+                  header: Header, key: bytes | None) -> None:
+    sender = header.client_id
+    if key is None:
+        if _HMAC in metadata:
+            raise MessageRejected("authenticated message (HMAC) but this receiver has no key to "
+                                  "check it: pass the sender's key", client_id=sender)
+        if tensor_digest(tensors, _header_text(header)) != metadata.get(_PREFIX + "sha256"):
+            raise MessageRejected("corrupt message: tensor digest mismatch", client_id=sender)
+        return
+    tag = metadata.get(_HMAC)
+    if tag is None:
+        raise MessageRejected("unauthenticated message: this receiver requires an HMAC "
+                              "(the sender must encode with its key)", client_id=sender)
+    if not hmac.compare_digest(tensor_digest(tensors, _header_text(header), key), tag):
+        raise MessageRejected("authentication failed: the HMAC does not verify under this "
+                              "client's key (forged, replayed under another header, or "
+                              "corrupted)", client_id=sender)
 
 
 def _header_from_metadata(metadata: Mapping[str, str]) -> Header:

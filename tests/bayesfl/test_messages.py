@@ -10,11 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import (
     Header,
+    KeyRing,
     Message,
     TensorSpec,
     decode,
@@ -289,3 +291,79 @@ def test_digest_depends_on_names_dtypes_shapes_and_values():
     digests = {tensor_digest(v) for v in variants} | {tensor_digest(base)}
     assert len(digests) == 5
     assert tensor_digest(base) != tensor_digest(base, preamble="header")
+
+
+# ---- hostile headers ----------------------------------------------------------------------
+def safetensors_bytes_with_header(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("nested", [b"[" * 30000 + b"]" * 30000,
+                                    b'{"a":' * 5000 + b"1" + b"}" * 5000,
+                                    b'{"__metadata__": {"x": ' + b"[" * 20 + b"]" * 20 + b"}}"])
+def test_a_deeply_nested_header_is_a_rejection_not_a_recursion_error(nested):
+    with pytest.raises(MessageRejected, match=r"nests \d+ levels deep"):
+        decode(safetensors_bytes_with_header(nested))
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    metadata = {"bayesfl.note": "[" * 100 + '\\"{' * 50}
+    data = safetensors_save({"x": torch.zeros(1)}, metadata=metadata)
+    with pytest.raises(MessageRejected, match=r"lacks bayesfl\.format"):  # parsed, then refused
+        decode(data)
+
+
+def test_an_oversized_header_is_rejected_before_it_is_parsed(monkeypatch):
+    import bayesfl.messages as messages
+    monkeypatch.setattr(messages, "MAX_HEADER_BYTES", 1000)
+    data = encode(Message(HEADER, {f"t{i:04d}": torch.zeros(1) for i in range(100)}))
+    with pytest.raises(MessageRejected, match="exceeds the limit of 1000"):
+        messages.decode(data)
+
+
+# ---- authenticated messages ---------------------------------------------------------------
+def forge_header(data: bytes, round: int, client_id: int) -> bytes:
+    """The tensors of ``data`` under a rewritten header with a recomputed plain SHA-256, as
+    anyone without a key can produce: the unauthenticated format accepts the result."""
+    return encode(Message(Header("fedlog", round, client_id, "up"), safetensors_load(data)))
+
+
+def test_without_a_key_a_rewritten_header_with_a_recomputed_digest_is_accepted():
+    # the threat an HMAC removes: an old upload replayed as another round and client
+    replayed = decode(forge_header(encode(fedlog_upload()), round=9, client_id=2))
+    assert (replayed.header.round, replayed.header.client_id) == (9, 2)
+
+
+def test_with_a_key_the_same_forgery_is_rejected():
+    keys = KeyRing.generate()
+    data = encode(fedlog_upload(), key=keys.client_key(7))
+    assert_same_message(decode(data, key=keys.client_key(7)), fedlog_upload())
+    with pytest.raises(MessageRejected, match="unauthenticated message"):
+        decode(forge_header(data, round=9, client_id=2), key=keys.client_key(2))
+
+
+def test_an_hmac_verifies_only_under_the_senders_key():
+    keys = KeyRing.generate()
+    data = encode(fedlog_upload(), key=keys.client_key(7))
+    with pytest.raises(MessageRejected, match="authentication failed"):
+        decode(data, key=keys.client_key(2))
+    with pytest.raises(MessageRejected, match="authentication failed"):
+        decode(data, key=KeyRing.generate().client_key(7))
+    with pytest.raises(MessageRejected, match="has no key"):
+        decode(data)
+
+
+def test_an_authenticated_message_with_a_flipped_tensor_byte_is_rejected():
+    key = KeyRing.generate().client_key(7)
+    data = bytearray(encode(fedlog_upload(), key=key))
+    data[-3] ^= 0x01
+    with pytest.raises(MessageRejected, match="authentication failed"):
+        decode(bytes(data), key=key)
+
+
+def test_keys_are_distinct_per_client_and_the_server_and_short_keys_are_refused():
+    keys = KeyRing(b"s" * 32)
+    assert len({keys.client_key(0), keys.client_key(1), keys.server_key}) == 3
+    assert KeyRing(b"s" * 32).client_key(5) == keys.client_key(5)  # derived, reproducible
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        encode(fedlog_upload(), key=b"short")
