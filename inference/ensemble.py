@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError
+from inference.inputs import as_features
 from inference.linear_model import augment_with_bias, check_features
 from inference.options import PredictiveMethod
 from inference.posterior import check_num_draws, draw_device, register_posterior
@@ -79,6 +80,7 @@ class EnsemblePosterior:
         Computed in the samples' dtype on their device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
+        inputs = as_features(inputs)  # NumPy arrays and lists too (inference.inputs)
         if method is PredictiveMethod.PROBIT:
             raise InvalidInputError("an ensemble posterior predicts with method 'mc' or 'map'.")
         if self.samples.ndim != 3:

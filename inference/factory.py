@@ -26,6 +26,14 @@ subnet_laplace     :func:`inference.subnet.fit_subnet_laplace`;        SubnetLap
                    ``subnet_size=`` is an alias of ``subnet=``
 =================  ==================================================  ======================
 
+Inputs: features and labels may be torch tensors, NumPy arrays or nested lists
+(:mod:`inference.inputs` has the dtype policy: float32 / float64 kept, narrower floats and
+integers widened to float32, labels made int64 beside the features). Options are checked before
+the fitting function runs: an unknown name raises :class:`~inference.errors.UnknownOptionError`
+listing the valid ones, and a numeric option that is NaN, infinite, a bool, a string or out of
+range raises :class:`~inference.errors.InvalidInputError` saying what it must be
+(:data:`inference.options.NUMERIC_OPTIONS`).
+
 Modules are imported when their kind is asked for, so ``fit_head("laplace", ...)`` does not
 import pyro.
 """
@@ -33,38 +41,42 @@ import pyro.
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from inference.errors import InvalidInputError
-from inference.options import HeadKind
+from torch import Tensor
+
+from inference.errors import InvalidInputError, UnknownOptionError
+from inference.inputs import as_features, as_labels, as_num_classes, as_targets
+from inference.options import NUMERIC_OPTIONS, HeadKind, Likelihood
 from inference.posterior import Posterior
 
 FEATURE_HEAD_KINDS = (HeadKind.CONJUGATE, HeadKind.LAPLACE, HeadKind.MFVI, HeadKind.SGLD)
 
 
-def _fit_conjugate(features, labels, num_classes, **options) -> Posterior:
-    """FedLog's conjugate head: ``prior=`` or the prior's fields, and ``solver=``."""
+def _fit_conjugate(
+    features: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    *,
+    prior: Any = None,
+    chi: float | Tensor | None = None,
+    nu: float | None = None,
+    solver: str = "exact",
+) -> Posterior:
+    """FedLog's conjugate head: ``prior=ConjugatePrior(...)`` or its fields (``chi``, ``nu``),
+    and ``solver=``."""
     from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
 
-    solver = options.pop("solver", "exact")
-    prior = options.pop("prior", None)
+    fields = {k: v for k, v in (("chi", chi), ("nu", nu)) if v is not None}
     if prior is None:
-        prior = ConjugatePrior(**options)
-    elif options:
-        raise InvalidInputError(f"pass either prior= or its fields, not both: {sorted(options)}.")
+        prior = ConjugatePrior(**fields)
+    elif fields:
+        raise InvalidInputError(f"pass either prior= or its fields, not both: {sorted(fields)}.")
     stats = SufficientStatistics.from_features(features, labels, num_classes)
     return ConjugatePosterior(prior, stats, solver=solver)
-
-
-def _feature_head_fitter(module: str, function: str):
-    """A fitter that imports ``module`` only when called and forwards to ``function``."""
-
-    def fit(features, labels, num_classes, **options) -> Posterior:
-        return getattr(importlib.import_module(module), function)(
-            features, labels, num_classes, **options
-        )
-
-    return fit
 
 
 def _fit_subnet_laplace(model, loader, **options) -> Posterior:
@@ -80,13 +92,108 @@ def _fit_subnet_laplace(model, loader, **options) -> Posterior:
     return fit_subnet_laplace(model, loader, **options)
 
 
-_FITTERS = {
+#: The fitting function of each kind: a function here, or (module, name) imported when asked.
+_FITTERS: dict[HeadKind, Callable[..., Posterior] | tuple[str, str]] = {
     HeadKind.CONJUGATE: _fit_conjugate,
-    HeadKind.LAPLACE: _feature_head_fitter("inference.laplace_head", "fit_laplace_head"),
-    HeadKind.MFVI: _feature_head_fitter("inference.mfvi", "fit_mfvi_head"),
-    HeadKind.SGLD: _feature_head_fitter("inference.sgld", "fit_sgld_head"),
+    HeadKind.LAPLACE: ("inference.laplace_head", "fit_laplace_head"),
+    HeadKind.MFVI: ("inference.mfvi", "fit_mfvi_head"),
+    HeadKind.SGLD: ("inference.sgld", "fit_sgld_head"),
     HeadKind.SUBNET_LAPLACE: _fit_subnet_laplace,
 }
+
+
+def fitting_function(kind: HeadKind | str) -> Callable[..., Posterior]:
+    """The function :func:`fit_head` calls for ``kind`` (its module is imported now)."""
+    fitter = _FITTERS[HeadKind.parse(kind, "kind")]
+    if isinstance(fitter, tuple):
+        module, name = fitter
+        fitter = getattr(importlib.import_module(module), name)
+    return fitter
+
+
+def _declared_by(kind: HeadKind, function: Callable[..., Posterior]) -> Callable[..., Any]:
+    """The function whose signature declares ``kind``'s options (subnet Laplace: the fitting
+    function behind the alias-resolving wrapper)."""
+    if kind is HeadKind.SUBNET_LAPLACE:
+        from inference.subnet import fit_subnet_laplace
+
+        return fit_subnet_laplace
+    return function
+
+
+def option_names(function: Callable[..., Any]) -> list[str] | None:
+    """The keyword options ``function`` takes after its data arguments, or None if it takes
+    any (``**options``)."""
+    parameters = list(inspect.signature(function).parameters.values())
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    data = 2 if parameters and parameters[0].name == "model" else 3
+    return [p.name for p in parameters[data:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def checked_options(kind: HeadKind, function: Callable[..., Any],
+                    options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every numeric one checked (and made a Python number) against
+    :data:`~inference.options.NUMERIC_OPTIONS`.
+
+    A value passes unchecked where the fitting function's signature declares that kind of
+    value for the option: ``None`` (``batch_size=None``), a string (an option that also takes
+    a method name), or a tensor (``chi=``, a per-entry prior precision).
+
+    Raises:
+        UnknownOptionError: an option ``function`` does not take (the message lists them).
+        InvalidInputError: a numeric option that is NaN, infinite, a bool, of a wrong type or
+            out of range.
+    """
+    names = option_names(function)
+    aliases = {"subnet_size"} if kind is HeadKind.SUBNET_LAPLACE else set()
+    if names is not None:
+        unknown = sorted(set(options) - set(names) - aliases)
+        if unknown:
+            raise UnknownOptionError(
+                f"fit_head({kind.value!r}) takes no option {', '.join(map(repr, unknown))}; its "
+                f"options are: {', '.join(names)}."
+            )
+    parameters = inspect.signature(function).parameters
+    checked = dict(options)
+    for name, value in options.items():
+        rule = NUMERIC_OPTIONS.get(name)
+        if rule is not None and not _declared_non_number(parameters.get(name), value):
+            checked[name] = rule.parse(value, name)
+    return checked
+
+
+def _declared_non_number(parameter: inspect.Parameter | None, value: Any) -> bool:
+    """Whether ``parameter``'s signature lets ``value`` (None, a string, a tensor) through."""
+    if parameter is None:
+        return False
+    # Annotations are strings under `from __future__ import annotations`, else types.
+    annotation = str(parameter.annotation)
+    if value is None:
+        return parameter.default is None or re.search(r"\bNone\b", annotation) is not None
+    if isinstance(value, str):
+        return re.search(r"\b(str|Literal)\b", annotation) is not None
+    if isinstance(value, Tensor):
+        return re.search(r"\bTensor\b", annotation) is not None
+    return False
+
+
+def _feature_head_data(
+    features: Any, labels: Any, num_classes: Any, likelihood: Any
+) -> tuple[Tensor, Tensor, int]:
+    """Features ``(N, m)``, labels ``(N,)`` (or regression targets) and ``C`` as the fitting
+    functions take them, from tensors, NumPy arrays or lists (:mod:`inference.inputs`)."""
+    gaussian = Likelihood.parse(likelihood, "likelihood") is Likelihood.GAUSSIAN
+    num_classes = as_num_classes(num_classes)
+    features = as_features(features)
+    if features.shape[0] == 0:
+        raise InvalidInputError("the training set is empty (0 rows of features).")
+    if gaussian:
+        targets = as_targets(labels, features.shape[0], device=features.device)
+    else:
+        targets = as_labels(labels, features.shape[0], num_classes, device=features.device)
+    return features, targets, num_classes
 
 
 def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
@@ -99,9 +206,13 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
         post = fit_head("subnet_laplace", model, loader, subnet_size=800)
         probs = post.predict_proba(phi_test)        # (B, C) for every kind
 
+    ``phi`` and ``y`` may be NumPy arrays (``y`` of any integer dtype).
+
     Raises:
-        InvalidInputError: unknown ``kind``, wrong positional arguments, or bad option values.
-        TypeError: an option the kind's fitting function does not take.
+        InvalidInputError: unknown ``kind``, wrong positional arguments, bad features or
+            labels (shape, dtype, NaN, a label out of range), or bad option values.
+        UnknownOptionError: an option the kind's fitting function does not take (also a
+            ``TypeError``).
     """
     kind = HeadKind.parse(kind, "kind")
     expected = 3 if kind in FEATURE_HEAD_KINDS else 2
@@ -114,4 +225,8 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
             f"fit_head({kind.value!r}, ...) takes {signature}; got {len(args)} positional "
             "arguments."
         )
-    return _FITTERS[kind](*args, **options)
+    function = fitting_function(kind)
+    options = checked_options(kind, _declared_by(kind, function), options)
+    if kind in FEATURE_HEAD_KINDS:
+        args = _feature_head_data(*args, options.get("likelihood", Likelihood.SOFTMAX))
+    return function(*args, **options)

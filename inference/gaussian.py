@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
+from inference.inputs import as_features
 from inference.linear_model import augment_with_bias, check_features
 from inference.options import CovarianceStructure, PredictiveMethod
 from inference.posterior import check_num_draws, draw_device, register_posterior
@@ -521,6 +522,7 @@ class GaussianPosterior:
 
     def logit_moments(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Mean and per-class variance of the logits ``f = W [1, x]``, each ``(B, C)``, float64."""
+        features = as_features(features)
         num_classes, width = self._head_shape(features)
         x = augment_with_bias(features.to(device=self.device, dtype=torch.float64))
         mean_w = self.mean.to(torch.float64)
@@ -560,6 +562,7 @@ class GaussianPosterior:
         Computed in float64 on the posterior's device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
+        inputs = as_features(inputs)  # NumPy arrays and lists too (inference.inputs)
         self._head_shape(inputs)
         out_dtype = inputs.dtype
         if method is PredictiveMethod.MAP:

@@ -3,12 +3,23 @@
 Every public function that takes one of these options accepts either the enum member or its
 string value (``"full"`` or ``CovarianceStructure.FULL``); :meth:`Option.parse` does the
 conversion and raises :class:`~inference.errors.InvalidInputError` naming the valid choices.
+
+Numeric options (prior precisions, step counts, learning rates, ...) are described by a
+:class:`NumberRule`; :data:`NUMERIC_OPTIONS` lists those of the fitting functions, and
+:meth:`NumberRule.parse` refuses NaN, infinities, booleans, strings and out-of-range values with
+an :class:`~inference.errors.InvalidInputError` (an :class:`~inference.errors.InferenceError`
+and a ``ValueError``) that names the option, the value and what it must be.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Self
+from typing import Any, Self
+
+import numpy as np
 
 from inference.errors import InvalidInputError
 
@@ -114,3 +125,113 @@ class Preconditioner(Option):
 
     NONE = "none"
     RMSPROP = "rmsprop"
+
+
+# -- numeric options -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NumberRule:
+    """Which numbers a numeric option takes: an integer or a finite real, within bounds.
+
+    ``low`` / ``high`` are inclusive unless ``low_open`` / ``high_open``. Infinite and NaN values
+    are never accepted (no option of :mod:`inference` means anything at infinity), nor are
+    booleans (``True`` is an ``int`` to Python, but never a meaningful count or scale).
+    """
+
+    integer: bool = False
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def describe(self) -> str:
+        """The rule in words, e.g. ``"an integer >= 1"`` or ``"a finite number in (0, 1]"``."""
+        what = "an integer" if self.integer else "a finite number"
+        has_low, has_high = math.isfinite(self.low), math.isfinite(self.high)
+        low, high = _plain(self.low), _plain(self.high)
+        if has_low and has_high:
+            return (f"{what} in {'(' if self.low_open else '['}{low}, {high}"
+                    f"{')' if self.high_open else ']'}")
+        if has_low:
+            return f"{what} {'>' if self.low_open else '>='} {low}"
+        if has_high:
+            return f"{what} {'<' if self.high_open else '<='} {high}"
+        return what
+
+    def parse(self, value: Any, name: str) -> int | float:
+        """``value`` as a Python ``int`` / ``float`` if it satisfies the rule.
+
+        NumPy scalars are accepted (``np.int64(5)``, ``np.float32(0.1)``); an integer option
+        refuses floats, even whole ones (``1e3``), so that a typo does not pass silently.
+
+        Raises:
+            InvalidInputError: the wrong type, NaN or infinite, or out of bounds; the message
+                names the option, the value and what it must be.
+        """
+        wanted = self.describe()
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+            kind = "" if value is None else f" (a {type(value).__name__})"
+            raise InvalidInputError(f"{name} must be {wanted}; got {value!r}{kind}.")
+        if not isinstance(value, numbers.Integral) and not math.isfinite(float(value)):
+            raise InvalidInputError(f"{name} must be {wanted}; got {value!r}.")
+        if self.integer and not isinstance(value, numbers.Integral):
+            raise InvalidInputError(
+                f"{name} must be {wanted}; got {value!r} (a {type(value).__name__}); write it "
+                "without a decimal point or exponent."
+            )
+        try:
+            number: int | float = int(value) if self.integer else float(value)
+        except OverflowError:  # an integer beyond float64's range for a real option
+            raise InvalidInputError(f"{name} must be {wanted}; got {value!r}.") from None
+        below = number <= self.low if self.low_open else number < self.low
+        above = number >= self.high if self.high_open else number > self.high
+        if below or above:
+            raise InvalidInputError(f"{name} must be {wanted}; got {value!r}.")
+        return number
+
+
+def _plain(bound: float) -> str:
+    return str(int(bound)) if math.isfinite(bound) and bound == int(bound) else f"{bound:g}"
+
+
+POSITIVE = NumberRule(low=0.0, low_open=True)
+NON_NEGATIVE = NumberRule(low=0.0)
+FINITE = NumberRule()
+UNIT_INTERVAL_OPEN_LEFT = NumberRule(low=0.0, high=1.0, low_open=True)
+COUNT = NumberRule(integer=True, low=1)
+NON_NEGATIVE_INT = NumberRule(integer=True, low=0)
+SEED = NumberRule(integer=True, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed takes
+
+#: The numeric options of the fitting functions behind :func:`inference.fit_head`, by name.
+#: :func:`inference.factory.fit_head` checks every option it is given against this table
+#: before the fitting function runs (a ``None`` or string passes where the fitting function's
+#: signature declares it, e.g. ``batch_size=None`` for full batches).
+NUMERIC_OPTIONS: dict[str, NumberRule] = {
+    "prior_precision": POSITIVE,
+    "prior_mean": FINITE,
+    "noise_std": POSITIVE,
+    "rank": NON_NEGATIVE_INT,
+    "max_iter": COUNT,
+    "num_steps": COUNT,
+    "lr": POSITIVE,
+    "final_lr_fraction": UNIT_INTERVAL_OPEN_LEFT,
+    "batch_size": COUNT,
+    "num_particles": COUNT,
+    "init_scale": POSITIVE,
+    "seed": SEED,
+    "step_size": POSITIVE,
+    "num_samples": COUNT,
+    "burn_in": NON_NEGATIVE_INT,
+    "thinning": COUNT,
+    "num_chains": COUNT,
+    "divergence_threshold": POSITIVE,
+    "nu": NON_NEGATIVE,
+    "chi": FINITE,
+}
+
+
+def check_number(value: Any, name: str, rule: NumberRule) -> int | float:
+    """``rule.parse(value, name)``: the option as a Python number, or
+    :class:`InvalidInputError` saying what it must be."""
+    return rule.parse(value, name)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from inference.errors import InvalidInputError, NumericalError
+from inference.inputs import as_network_inputs
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory
 from inference.subnet.parameters import check_subnet_indices, trainable_slots
@@ -266,7 +267,9 @@ class SubnetLaplacePosterior:
         """Predictive class probabilities, (B, C), rows summing to one.
 
         Args:
-            inputs: (B, ...) model inputs (moved to the posterior's device).
+            inputs: (B, ...) model inputs, a tensor, NumPy array or list (moved to the
+                posterior's device; floating inputs cast to the network's dtype, so the
+                probabilities come back in that dtype).
             method: ``"glm_probit"`` (default; FedSI Eq. 19): ``softmax(kappa * f)`` with
                 ``kappa_o = (1 + pi/8 * var_o)^{-1/2}`` and ``var_o`` the linearised logit
                 variance, as laplace-torch's ``link_approx="probit"``; ``"glm_mc"``: average
@@ -281,8 +284,8 @@ class SubnetLaplacePosterior:
         method = "glm_probit" if method is None else method
         if method not in _METHODS:
             raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
-        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] == 0:
-            raise InvalidInputError("inputs must be a non-empty tensor with a leading batch axis")
+        # NumPy arrays and lists too; floating inputs cast to the network's dtype (inference.inputs)
+        inputs = as_network_inputs(inputs, self._mean.dtype)
         engine = self._subnet_jacobian()
         x = inputs.to(self._mean.device)
         deltas = None
