@@ -140,11 +140,14 @@ class RoundPlan:
         broadcast: the message every sampled client receives.
         upload_schema: names, shapes and dtypes an upload of this round must have (a schedule
             such as FedPart changes it from round to round).
+        state: the server state the round starts from (server-side only, never sent): upload
+            checks that compare with it (an update's norm, a declared sample count) read it.
     """
 
     round: int
     broadcast: Message
     upload_schema: Schema
+    state: Mapping[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def max_upload_bytes(self) -> int:
@@ -222,7 +225,7 @@ class Strategy:
     def configure(self, state: ServerState, round: int) -> RoundPlan:
         """The broadcast of ``round`` and the schema its uploads must follow."""
         return RoundPlan(round, self.down_message(round, self.broadcast_tensors(state, round)),
-                         self.upload_schema(state, round))
+                         self.upload_schema(state, round), state)
 
     def configure_evaluation(self, state: ServerState, round: int) -> Message:
         """What clients evaluate with after ``round``'s aggregation (default: the broadcast a

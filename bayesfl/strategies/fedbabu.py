@@ -22,6 +22,8 @@ size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -55,9 +57,10 @@ class FedBABU(ParameterAveraging):
     personalizes = True
 
     def __init__(
-        self, context: StrategyContext, *, finetune_epochs: int = 1, finetune: str = "head"
+        self, context: StrategyContext, *, finetune_epochs: int = 1, finetune: str = "head",
+        **options: Any,
     ) -> None:
-        super().__init__(context)
+        super().__init__(context, **options)
         if isinstance(finetune_epochs, bool) or not isinstance(finetune_epochs, int) \
                 or finetune_epochs < 0:
             raise ConfigError(f"fedbabu finetune_epochs must be an integer >= 0, got "

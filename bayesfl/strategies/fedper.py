@@ -14,6 +14,8 @@ equal-size shards both give the same mean.)
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from bayesfl.strategies.base import StrategyContext
@@ -36,8 +38,10 @@ class FedPer(ParameterAveraging):
     name = "fedper"
     weighted = True
 
-    def __init__(self, context: StrategyContext, *, local_layers: int = 2) -> None:
-        super().__init__(context)
+    def __init__(
+        self, context: StrategyContext, *, local_layers: int = 2, **options: Any
+    ) -> None:
+        super().__init__(context, **options)
         self.local_layers = check_layer_count(self.name, "local_layers", local_layers)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:

@@ -18,6 +18,8 @@ CIFAR (``lens = np.ones(num_users)``; sample counts only for the LEAF data sets)
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from bayesfl.errors import ConfigError
@@ -45,9 +47,10 @@ class FedRep(ParameterAveraging):
     weighted = False
 
     def __init__(
-        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 2
+        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 2,
+        **options: Any,
     ) -> None:
-        super().__init__(context)
+        super().__init__(context, **options)
         if head_epochs < 0:
             raise ConfigError(f"{self.name} head_epochs must be >= 0, got {head_epochs}")
         self.head_epochs = head_epochs
@@ -68,6 +71,8 @@ class FedRep1(FedRep):
     name = "fedrep-1"
 
     def __init__(
-        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 1
+        self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 1,
+        **options: Any,
     ) -> None:
-        super().__init__(context, head_epochs=head_epochs, local_layers=local_layers)
+        super().__init__(context, head_epochs=head_epochs, local_layers=local_layers,
+                         **options)

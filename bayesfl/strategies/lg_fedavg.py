@@ -13,6 +13,8 @@ Aggregation: unweighted mean over the participating clients, as LG-FedAvg's code
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from bayesfl.strategies.base import StrategyContext
@@ -35,8 +37,10 @@ class LGFedAvg(ParameterAveraging):
     name = "lg-fedavg"
     weighted = False
 
-    def __init__(self, context: StrategyContext, *, global_layers: int = 1) -> None:
-        super().__init__(context)
+    def __init__(
+        self, context: StrategyContext, *, global_layers: int = 1, **options: Any
+    ) -> None:
+        super().__init__(context, **options)
         self.global_layers = check_layer_count(self.name, "global_layers", global_layers)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
@@ -48,5 +52,7 @@ class LGFedAvg2(LGFedAvg):
 
     name = "lg-fedavg-2"
 
-    def __init__(self, context: StrategyContext, *, global_layers: int = 2) -> None:
-        super().__init__(context, global_layers=global_layers)
+    def __init__(
+        self, context: StrategyContext, *, global_layers: int = 2, **options: Any
+    ) -> None:
+        super().__init__(context, global_layers=global_layers, **options)

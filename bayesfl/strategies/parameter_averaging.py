@@ -22,6 +22,13 @@ registry name      shared with the server                       aggregation
 ``fedbabu``        all but the last layer (the head)            weighted by n_c
 =================  ===========================================  =======================
 
+Robust options (every strategy of this family; :mod:`bayesfl.strategies.robust` gives the
+sources): ``aggregation`` = ``"mean"`` (default; the paper's weighting), ``"median"`` or
+``"trimmed-mean"`` (coordinate-wise, with ``trim_fraction``); ``norm_bound`` (clip each
+update ``w_c - w_global`` to that L2 norm; default None); ``screening_ratio`` (default 10:
+reject an upload whose update norm or sample count exceeds 10x the round's median, with the
+reason in metrics.jsonl). A client's ``num_samples`` may not exceed its first declared one.
+
 Each module's docstring gives the source of its weighting. With the FedLog paper's shard
 partitions every client holds the same number of samples, so weighted and unweighted means
 coincide there; they differ under Dirichlet or unequal partitions.
@@ -52,6 +59,7 @@ from bayesfl.strategies.base import (
     RoundPlan,
     ServerState,
     Strategy,
+    StrategyContext,
     check_one_body,
     model_state,
     num_samples_problem,
@@ -64,6 +72,16 @@ from bayesfl.strategies.networks import (
     cross_entropy_per_sample,
     last_layers,
     layer_parameter_names,
+)
+from bayesfl.strategies.robust import (
+    DECLARED,
+    check_robust_options,
+    combine,
+    declarations,
+    declared_problems,
+    first_reasons,
+    norm_scales,
+    screening_reasons,
 )
 from bayesfl.training import (
     LocalTraining,
@@ -83,10 +101,36 @@ def everything(_: str) -> bool:
 
 
 class ParameterAveraging(Strategy):
-    """Base of FedAvg, FedPer, FedRep, LG-FedAvg and FedBABU (see the module docstring)."""
+    """Base of FedAvg, FedPer, FedRep, LG-FedAvg and FedBABU (see the module docstring).
+
+    Args:
+        context: the run configuration.
+        aggregation: ``"mean"`` (weighted as the strategy's paper does), ``"median"`` or
+            ``"trimmed-mean"`` (coordinate-wise, unweighted; Yin et al. 2018).
+        trim_fraction: beta of the trimmed mean: the fraction of values dropped at each end.
+        norm_bound: clip every update ``w_c - w_global`` to this L2 norm before aggregating
+            (norm bounding, Sun et al. 2019); None: no clipping.
+        screening_ratio: reject uploads whose update norm or sample count exceeds this many
+            times the round's median; None: no screening.
+    """
 
     weighted: ClassVar[bool] = True
     """Weight client parameters by their sample counts when averaging."""
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        aggregation: str = "mean",
+        trim_fraction: float = 0.1,
+        norm_bound: float | None = None,
+        screening_ratio: float | None = 10.0,
+    ) -> None:
+        super().__init__(context)
+        check_robust_options(aggregation, trim_fraction, norm_bound, screening_ratio)
+        self.aggregation, self.trim_fraction = aggregation, float(trim_fraction)
+        self.norm_bound = None if norm_bound is None else float(norm_bound)
+        self.screening_ratio = None if screening_ratio is None else float(screening_ratio)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         """Names of the parameters of ``model`` that the server averages (default: all)."""
@@ -129,15 +173,28 @@ class ParameterAveraging(Strategy):
         return first
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        return dict(state)
+        return shared_state(state)
 
     def upload_schema(self, state: ServerState, round: int) -> Schema:
-        schema = {name: TensorSpec(tuple(t.shape), torch.float32) for name, t in state.items()}
+        schema = {name: TensorSpec(tuple(t.shape), torch.float32)
+                  for name, t in shared_state(state).items()}
         schema["num_samples"] = NUM_SAMPLES_SPEC
         return schema
 
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
-        return [num_samples_problem(m) for m in messages]
+        """Per upload: a valid sample count, not above the client's first declared one, and
+        (screening) an update norm and sample count within ``screening_ratio`` times the
+        round's medians."""
+        ids = [m.header.client_id for m in messages]
+        counts = [int(m.tensors["num_samples"].item()) for m in messages]
+        ratio = self.screening_ratio
+        return first_reasons(
+            [num_samples_problem(m) for m in messages],
+            declared_problems(plan.state, ids, counts),
+            screening_reasons(torch.tensor(counts, dtype=torch.float64), ratio, "num_samples"),
+            screening_reasons(update_norms(shared_state(plan.state), messages), ratio,
+                              "update norm"),
+        )
 
     def aggregate(
         self,
@@ -146,18 +203,26 @@ class ParameterAveraging(Strategy):
         round: int,
         generator: torch.Generator,
     ) -> ServerState:
+        """The (weighted) mean, median or trimmed mean of the uploads' shared parameters,
+        after norm bounding if set, plus the ledger of declared sample counts."""
         if not uploads:
             return state
-        weights = torch.tensor(
-            [float(m.tensors["num_samples"].item()) if self.weighted else 1.0 for m in uploads],
-            dtype=torch.float64,
-        )
+        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
+        weights = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
+                               dtype=torch.float64)
         weights = weights / weights.sum()
+        params = shared_state(state)
+        scales = norm_scales(update_norms(params, uploads), self.norm_bound)
         new = {}
-        for name, old in state.items():
+        for name, old in params.items():
             stacked = torch.stack([m.tensors[name].to(torch.float64) for m in uploads])
-            mean = torch.tensordot(weights, stacked, dims=1)
-            new[name] = mean.to(dtype=old.dtype, device=old.device)
+            if self.norm_bound is not None:
+                start = old.to(torch.float64)
+                shape = (-1,) + (1,) * old.dim()
+                stacked = start + scales.view(shape) * (stacked - start)
+            combined = combine(stacked, weights, self.aggregation, self.trim_fraction)
+            new[name] = combined.to(dtype=old.dtype, device=old.device)
+        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
         return new
 
     # ==== client half ======================================================================
@@ -267,6 +332,22 @@ class ParameterAveraging(Strategy):
         logits = forward_stacked_tensors(template, params, buffers, xs)
         probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
         return [{PREDICTIVE: p} for p in probs.split([int(x.shape[0]) for x in xs])]
+
+
+def shared_state(state: ServerState) -> dict[str, Tensor]:
+    """The shared parameters of a parameter-averaging server state (without its ledger of
+    declared sample counts)."""
+    return {k: v for k, v in state.items() if not k.startswith(DECLARED)}
+
+
+def update_norms(params: ServerState, messages: Sequence[Message]) -> Tensor:
+    """(K,) float64: the L2 norm of each upload's shared parameters minus ``params``."""
+    norms = torch.zeros(len(messages), dtype=torch.float64)
+    for name, old in params.items():
+        start = old.detach().to("cpu", torch.float64)
+        for k, m in enumerate(messages):
+            norms[k] += (m.tensors[name].to(torch.float64) - start).square().sum()
+    return norms.sqrt()
 
 
 def with_epochs(config: LocalTraining, epochs: int) -> LocalTraining:

@@ -11,6 +11,7 @@ from torch import nn
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
+from bayesfl.strategies.parameter_averaging import shared_state
 from bayesfl.strategies.networks import layer_parameter_names
 from bayesfl.training import LocalTraining
 
@@ -54,7 +55,8 @@ def test_exactly_the_named_layers_are_averaged_and_the_rest_stay_local(name):
     assert set(state) == shared
     assert strategy.shared_names(MLP) == shared  # the client's own split agrees
     state, ups = run_round(strategy, clients, state, 1)
-    assert set(state) == shared
+    assert set(shared_state(state)) == shared
+    assert set(state) - shared == {f"declared/{c.config.client_id}" for c in clients}
     assert all(set(u.tensors) == shared | {"num_samples"} for u in ups)
     # next round: shared layers arrive identical on every client, personal ones differ
     down = wire(strategy.configure(state, 2).broadcast)
@@ -87,12 +89,17 @@ def test_fedrep_phases_train_the_personal_layers_then_the_shared_ones():
     assert first_cfg.epochs == 3 and second_cfg.epochs == strategy.context.training.epochs
 
 
+ROBUST_DEFAULTS = {"aggregation": "mean", "trim_fraction": 0.1, "norm_bound": None,
+                   "screening_ratio": 10.0}
+
+
 def test_paper_defaults_of_the_layer_options():
-    assert strategy_options("fedper")["local_layers"] == 2
-    assert strategy_options("fedrep") == {"head_epochs": 10, "local_layers": 2}
-    assert strategy_options("fedrep-1") == {"head_epochs": 10, "local_layers": 1}
-    assert strategy_options("lg-fedavg") == {"global_layers": 1}
-    assert strategy_options("lg-fedavg-2") == {"global_layers": 2}
+    assert strategy_options("fedper") == ROBUST_DEFAULTS | {"local_layers": 2}
+    assert strategy_options("fedrep") == ROBUST_DEFAULTS | {"head_epochs": 10, "local_layers": 2}
+    assert strategy_options("fedrep-1") == ROBUST_DEFAULTS | {"head_epochs": 10,
+                                                              "local_layers": 1}
+    assert strategy_options("lg-fedavg") == ROBUST_DEFAULTS | {"global_layers": 1}
+    assert strategy_options("lg-fedavg-2") == ROBUST_DEFAULTS | {"global_layers": 2}
 
 
 def test_layer_options_override_the_defaults():

@@ -19,7 +19,7 @@ from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import PREDICTIVE, STRATEGIES, make_strategy
 from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.parameter_averaging import PERSONALIZED
+from bayesfl.strategies.parameter_averaging import PERSONALIZED, shared_state
 
 
 def shared_names(strategy):
@@ -59,7 +59,7 @@ def test_fedavg_predicts_with_the_global_network(build):
     state, _ = run_round(strategy, clients, state, 1)
     c = clients[0]
     twin = strategy.client_model(c.config, c.state)
-    twin.load_state_dict(state)
+    twin.load_state_dict(shared_state(state))
     x = c.data.test_x
     expected = torch.softmax(twin(x).double(), dim=1)
     torch.testing.assert_close(predict(strategy, c, state, x, r=1), expected)
@@ -113,7 +113,7 @@ def test_fedbabu_personalize_fine_tunes_a_copy_that_predicts_with_its_own_parame
     assert all(torch.equal(c.state[k], before[k]) for k in before)
     # head fine-tuning: the global body, a head moved away from its initialisation
     assert PERSONALIZED in personal
-    for name, value in state.items():
+    for name, value in shared_state(state).items():
         torch.testing.assert_close(personal["model." + name], value, atol=0, rtol=0)
     assert not torch.equal(personal["model.head.weight"], before["model.head.weight"])
     # it predicts with its own parameters only: any later broadcast leaves it as it is
@@ -122,7 +122,7 @@ def test_fedbabu_personalize_fine_tunes_a_copy_that_predicts_with_its_own_parame
     broadcast = evaluation_broadcast(strategy, state, 1)
     probs = strategy.predict(c.config, personal, broadcast, x)[PREDICTIVE]
     torch.testing.assert_close(probs, own)
-    moved = {k: v + 1.0 for k, v in state.items()}
+    moved = {k: v + 1.0 for k, v in shared_state(state).items()}
     assert torch.equal(
         strategy.predict(c.config, personal, evaluation_broadcast(strategy, moved, 2), x)[
             PREDICTIVE], probs)
@@ -206,7 +206,7 @@ def test_unknown_names_and_options_list_the_valid_ones():
     ctx = StrategyContext(num_classes=3, feature_dim=4)
     with pytest.raises(ConfigError, match="valid names: " + ", ".join(STRATEGIES)):
         make_strategy("fedsgd", ctx)
-    with pytest.raises(ConfigError, match="valid: head_epochs"):
+    with pytest.raises(ConfigError, match="valid: aggregation, head_epochs"):
         make_strategy("fedrep", ctx, head_epoch=3)
 
 

@@ -1,0 +1,194 @@
+"""Robust aggregation: the rules against independent references, screening of absurd uploads,
+the declared-sample ledger, and parameter averaging with each option."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from strategy_helpers import context, fit_all, generators, make_clients, run_round, wire
+
+from bayesfl.errors import ConfigError
+from bayesfl.messages import Message
+from bayesfl.strategies import make_strategy
+from bayesfl.strategies.parameter_averaging import shared_state
+from bayesfl.strategies.robust import (
+    coordinate_median,
+    declarations,
+    declared_problems,
+    norm_scales,
+    screen,
+    trimmed_mean,
+)
+
+
+# ---- the rules, against numpy / scipy ------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2, 5, 6])
+def test_coordinate_median_is_numpys_median(k):
+    x = torch.randn(k, 3, 4, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    np.testing.assert_array_equal(coordinate_median(x).numpy(), np.median(x.numpy(), axis=0))
+
+
+@pytest.mark.parametrize(("k", "beta"), [(5, 0.1), (10, 0.1), (10, 0.25), (7, 0.3), (4, 0.0)])
+def test_trimmed_mean_is_scipys_trim_mean(k, beta):
+    x = torch.randn(k, 6, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    # both drop floor(beta k) values at each end; equal up to summation order (1 ulp-ish)
+    np.testing.assert_allclose(trimmed_mean(x, beta).numpy(),
+                               stats.trim_mean(x.numpy(), beta, axis=0), rtol=1e-14, atol=1e-15)
+
+
+def test_norm_scales_clip_only_the_updates_above_the_bound():
+    norms = torch.tensor([0.5, 2.0, 8.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(norm_scales(norms, 2.0),
+                               torch.tensor([1.0, 1.0, 0.25, 1.0], dtype=torch.float64))
+    assert torch.equal(norm_scales(norms, None), torch.ones(4, dtype=torch.float64))
+
+
+def test_screening_compares_with_the_lower_median_so_two_clients_suffice():
+    flags = screen(torch.tensor([1.0, 1e3]), 10.0)
+    assert flags.tolist() == [False, True]
+    # lower median 2: 25 > 10 x 2 is flagged, 19 is not
+    assert screen(torch.tensor([1.0, 2.0, 19.0, 25.0]), 10.0).tolist() == [False] * 3 + [True]
+    assert not screen(torch.tensor([5.0]), 10.0).any()  # one upload: nothing to compare with
+    assert not screen(torch.tensor([0.0, 0.0, 3.0]), 10.0).any()  # no scale: no verdict
+    assert not screen(torch.tensor([1.0, 1e9]), None).any()
+
+
+def test_the_ledger_keeps_the_first_declared_count_and_flags_larger_later_ones():
+    ledger = declarations({}, [3, 4], [60, 80])
+    ledger = declarations(ledger, [3], [50])  # a smaller count does not replace the first
+    assert {k: int(v) for k, v in ledger.items()} == {"declared/3": 60, "declared/4": 80}
+    reasons = declared_problems(ledger, [3, 4, 5], [60, 10**7, 10**7])
+    assert reasons[0] is None and reasons[2] is None  # equal; a client never seen before
+    assert "num_samples 10000000 exceeds the 80 this client declared" in reasons[1]
+
+
+@pytest.mark.parametrize("options", [{"aggregation": "krum"}, {"trim_fraction": 0.5},
+                                     {"trim_fraction": -0.1}, {"norm_bound": 0.0},
+                                     {"norm_bound": math.inf}, {"screening_ratio": 1.0},
+                                     {"screening_ratio": "10"}, {"trim_fraction": True}])
+def test_invalid_robust_options_are_config_errors(options):
+    with pytest.raises(ConfigError):
+        make_strategy("fedavg", context(), **options)
+
+
+# ---- parameter averaging with the options ---------------------------------------------------
+SIZES = (12, 20, 7, 15, 9)
+
+
+def round_uploads(name="fedavg", **options):
+    """Strategy, plan and honestly trained uploads of round 1 (not yet aggregated)."""
+    strategy = make_strategy(name, context(sizes=SIZES), **options)
+    clients = make_clients(strategy, SIZES)
+    state = strategy.init()
+    plan = strategy.configure(state, 1)
+    down = wire(plan.broadcast)
+    ups = [wire(u) for _, u in fit_all(strategy, clients, down, generators(clients, 1))]
+    return strategy, plan, state, ups
+
+
+def tampered(upload: Message, scale: float = 1.0, num_samples: int | None = None) -> Message:
+    tensors = {k: v * scale if k != "num_samples" else v for k, v in upload.tensors.items()}
+    if num_samples is not None:
+        tensors["num_samples"] = torch.tensor([num_samples], dtype=torch.int64)
+    return Message(upload.header, tensors)
+
+
+def verdicts(strategy, plan, ups):
+    return strategy.validate_uploads(plan, ups, [u.header.client_id for u in ups])
+
+
+def test_honest_uploads_pass_screening():
+    strategy, plan, _, ups = round_uploads()
+    assert verdicts(strategy, plan, ups) == [None] * len(SIZES)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e6, 1e30])
+def test_scaled_parameters_are_rejected_by_update_norm_screening(scale):
+    strategy, plan, _, ups = round_uploads()
+    ups[2] = tampered(ups[2], scale)
+    reasons = verdicts(strategy, plan, ups)
+    assert reasons[2].startswith("update norm") and "screening_ratio" in reasons[2]
+    assert reasons[:2] + reasons[3:] == [None] * 4
+
+
+def test_an_inflated_sample_count_is_rejected():
+    strategy, plan, _, ups = round_uploads()
+    ups[0] = tampered(ups[0], -1.0, num_samples=2**40)  # sign flip with an absurd weight
+    reasons = verdicts(strategy, plan, ups)
+    assert reasons[0].startswith("num_samples 1.1e+12 is more than 10x")
+
+
+def test_a_count_above_the_first_declared_one_is_rejected_in_later_rounds():
+    strategy = make_strategy("fedavg", context(sizes=SIZES))
+    clients = make_clients(strategy, SIZES)
+    state, _ = run_round(strategy, clients, strategy.init(), 1)
+    plan = strategy.configure(state, 2)
+    ups = [wire(u) for _, u in fit_all(strategy, clients, wire(plan.broadcast),
+                                       generators(clients, 2))]
+    ups[1] = tampered(ups[1], num_samples=SIZES[1] + 1)
+    assert verdicts(strategy, plan, ups)[1] == (
+        f"num_samples {SIZES[1] + 1} exceeds the {SIZES[1]} this client declared in its first "
+        "accepted upload")
+
+
+def test_screening_can_be_switched_off():
+    strategy, plan, _, ups = round_uploads(screening_ratio=None)
+    ups[2] = tampered(ups[2], 1e3)
+    assert verdicts(strategy, plan, ups) == [None] * len(SIZES)
+
+
+def stacked(ups, name):
+    return np.stack([u.tensors[name].double().numpy() for u in ups])
+
+
+@pytest.mark.parametrize(("aggregation", "reference"), [
+    ("median", lambda x: np.median(x, axis=0)),
+    ("trimmed-mean", lambda x: stats.trim_mean(x, 0.2, axis=0)),
+])
+def test_robust_aggregation_is_the_coordinate_wise_rule(aggregation, reference):
+    strategy, _, state, ups = round_uploads(aggregation=aggregation, trim_fraction=0.2)
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    for name in shared_state(state):
+        np.testing.assert_allclose(new[name].numpy(), reference(stacked(ups, name)),
+                                   rtol=1e-6, atol=1e-7)  # float32 storage of the result
+
+
+def test_one_absurd_upload_barely_moves_the_median():
+    strategy, _, state, ups = round_uploads(aggregation="median", screening_ratio=None)
+    clean = strategy.aggregate(state, ups[1:], 1, torch.Generator())
+    poisoned = strategy.aggregate(state, [tampered(ups[0], 1e30), *ups[1:]], 1,
+                                  torch.Generator())
+    for name in shared_state(state):  # 5 values vs 4 honest ones: the median stays inside
+        honest = stacked(ups[1:], name)
+        assert (poisoned[name].numpy() <= honest.max(0) + 1e-7).all()
+        assert (poisoned[name].numpy() >= honest.min(0) - 1e-7).all()
+        assert torch.isfinite(clean[name]).all()
+
+
+def test_norm_bounding_clips_each_update_before_the_weighted_mean():
+    bound = 0.05
+    strategy, _, state, ups = round_uploads(norm_bound=bound)
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    names = sorted(shared_state(state))
+    start = {n: state[n].double().numpy() for n in names}
+    updates = [{n: u.tensors[n].double().numpy() - start[n] for n in names} for u in ups]
+    norms = [math.sqrt(sum((d[n] ** 2).sum() for n in names)) for d in updates]
+    assert max(norms) > bound  # the bound is active for this check to mean anything
+    weights = np.array(SIZES, dtype=np.float64) / sum(SIZES)
+    for n in names:
+        want = start[n] + sum(w * min(1.0, bound / nrm) * d[n]
+                              for w, nrm, d in zip(weights, norms, updates, strict=True))
+        np.testing.assert_allclose(new[n].numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_without_options_the_aggregate_is_bit_identical_to_the_plain_weighted_mean():
+    strategy, _, state, ups = round_uploads()
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    weights = torch.tensor(SIZES, dtype=torch.float64)
+    weights = weights / weights.sum()
+    for name in shared_state(state):
+        want = torch.tensordot(weights, torch.stack([u.tensors[name].double() for u in ups]),
+                               dims=1).float()
+        assert torch.equal(new[name], want)
