@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from calibration.bin_stats import BinStats
-from calibration.binning import bin_indices, check_n_bins, uniform_edges
+from calibration.binning import MAX_BIN_CELLS, bin_indices, check_n_bins, uniform_edges
 from calibration.errors import InvalidInputError
+from calibration.inputs import as_tensor, index_array, positive_int
 from calibration.metrics import metrics_from_totals
 from calibration.row_scores import PROBABILITY_FLOOR, row_scores
 
@@ -38,7 +39,7 @@ class Accumulator:
 
     def __init__(self, n_bins: int = 15, device: torch.device | str | None = None) -> None:
         self.n_bins = check_n_bins(n_bins)
-        self._device = torch.device(device) if device is not None else None
+        self._device = _device(device)
         self._state: dict[str, Tensor] | None = None
 
     # -- state ---------------------------------------------------------------------------
@@ -92,15 +93,28 @@ class Accumulator:
         ``Accumulator(n_bins).update(rows of group g)`` and the same float64 sums up to
         summation order (~1e-15 relative): the state of many clients, scored together.
         """
-        check_n_bins(n_bins)
-        probs = torch.as_tensor(probs)
+        n_bins = check_n_bins(n_bins)
+        num_groups = positive_int(num_groups, "num_groups")
+        if num_groups * n_bins > MAX_BIN_CELLS:
+            raise InvalidInputError(
+                f"num_groups x n_bins = {num_groups:,} x {n_bins:,} = {num_groups * n_bins:,} "
+                f"cells exceeds the limit of {MAX_BIN_CELLS:,} (MAX_BIN_CELLS, about 56 bytes "
+                "each); use fewer bins or score the groups in batches"
+            )
+        probs = as_tensor(probs, "probs")
         scores = row_scores(probs, labels)  # validates; top-label confidence and correctness
         probs = probs.to(torch.float64)
-        labels = torch.as_tensor(labels).to(device=probs.device, dtype=torch.int64)
-        groups = torch.as_tensor(groups).to(device=probs.device, dtype=torch.int64)
-        if groups.shape != labels.shape or (groups.numel() and not (
-                int(groups.min()) >= 0 and int(groups.max()) < num_groups)):
-            raise InvalidInputError(f"groups must be (N,) integers in [0, {num_groups})")
+        labels = as_tensor(labels, "labels").to(device=probs.device, dtype=torch.int64)
+        groups = as_tensor(groups, "groups")
+        if tuple(groups.shape) != tuple(labels.shape):
+            raise InvalidInputError(
+                f"groups must have shape {tuple(labels.shape)} (one group per sample); "
+                f"got {tuple(groups.shape)}"
+            )
+        if groups.dtype == torch.bool:
+            raise InvalidInputError("groups must be integer group indices; got dtype torch.bool")
+        groups = index_array(groups, "groups", num_groups, f"for {num_groups} groups",
+                             probs.device)
         label_prob = probs.gather(1, labels[:, None])[:, 0]
         # per-sample Brier sum_k (p_k - 1[y=k])^2 = ||p||^2 - 2 p_y + 1; NLL -log max(p_y, floor)
         brier = probs.square().sum(1) - 2.0 * label_prob + 1.0
@@ -162,7 +176,9 @@ class Accumulator:
     def merge(self, other: Accumulator) -> Accumulator:
         """A new accumulator holding the samples of both (self's device). Inputs are unchanged."""
         if not isinstance(other, Accumulator):
-            raise TypeError(f"can only merge an Accumulator, got {type(other).__name__}")
+            raise InvalidInputError(
+                f"can only merge an Accumulator; got {type(other).__name__}"
+            )
         if other.n_bins != self.n_bins:
             raise InvalidInputError(
                 f"cannot merge accumulators with {self.n_bins} and {other.n_bins} bins"
@@ -190,6 +206,9 @@ class Accumulator:
         items = list(accumulators)
         if not items:
             raise InvalidInputError("cannot merge an empty collection of accumulators")
+        strangers = [type(a).__name__ for a in items if not isinstance(a, Accumulator)]
+        if strangers:
+            raise InvalidInputError(f"can only merge Accumulators; got {strangers[0]}")
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("cannot merge accumulators with different numbers of bins")
         result = Accumulator(items[0].n_bins, device=items[0].device)
@@ -235,19 +254,29 @@ class Accumulator:
         cls, state: Mapping[str, Tensor], device: torch.device | str | None = None
     ) -> Accumulator:
         """Rebuild an accumulator from :meth:`state_dict` output, validating it first."""
+        if not isinstance(state, Mapping):
+            raise InvalidInputError(
+                f"an accumulator state is a mapping of name -> tensor; got {type(state).__name__}"
+            )
         missing = [key for key in _STATE_KEYS if key not in state]
         extra = [key for key in state if key not in _STATE_KEYS]
         if missing or extra:
             raise InvalidInputError(
                 f"accumulator state has missing keys {missing} / unexpected keys {extra}"
             )
-        tensors = {key: torch.as_tensor(state[key]) for key in _STATE_KEYS}
+        tensors = {key: as_tensor(state[key], key) for key in _STATE_KEYS}
+        for key, tensor in tensors.items():
+            if tensor.dtype == torch.bool:
+                raise InvalidInputError(f"{key} must be numeric; got dtype torch.bool")
+            if key in ("bin_counts", "bin_correct_counts") and tensor.is_floating_point() and not (
+                    bool((tensor == tensor.round()).all())):
+                raise InvalidInputError(f"{key} must hold whole numbers (sample counts)")
         counts = tensors["bin_counts"]
         if counts.ndim != 1 or counts.numel() == 0:
             raise InvalidInputError(
                 f"bin_counts must be 1-D and non-empty; got shape {tuple(counts.shape)}"
             )
-        n_bins = counts.numel()
+        n_bins = check_n_bins(counts.numel())
         for key in ("bin_confidence_sums", "bin_correct_counts"):
             if tuple(tensors[key].shape) != (n_bins,):
                 raise InvalidInputError(f"{key} must have shape ({n_bins},)")
@@ -262,7 +291,7 @@ class Accumulator:
         correct, confidence = tensors["bin_correct_counts"], tensors["bin_confidence_sums"]
         if bool((correct > counts).any()) or bool((confidence > counts * (1 + 1e-9)).any()):
             raise InvalidInputError("per-bin sums exceed the bin counts: inconsistent state")
-        target = torch.device(device) if device is not None else counts.device
+        target = _device(device) or counts.device
         accumulator = cls(n_bins, device=target)
         accumulator._state = {
             "bin_counts": counts.to(target, torch.int64).clone(),
@@ -275,3 +304,15 @@ class Accumulator:
 
     def __repr__(self) -> str:
         return f"Accumulator(n_bins={self.n_bins}, count={self.count}, device={self.device})"
+
+
+def _device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a torch.device (None stays None), or InvalidInputError."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidInputError(
+            f"device must be a torch device such as 'cpu' or 'cuda:0'; got {device!r}"
+        ) from None

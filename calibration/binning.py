@@ -20,6 +20,22 @@ import torch
 from torch import Tensor
 
 from calibration.errors import InvalidInputError
+from calibration.inputs import positive_int
+
+MAX_BINS = 1_000_000
+"""The most bins any metric, accumulator, report or diagram accepts.
+
+Every bin costs memory in every table built from it (an accumulator holds 24 bytes per bin, a
+reliability table 32, a report one accumulator per client, the native sweep a histogram per block
+of rows), so ``n_bins`` must be bounded before anything is allocated: a million bins keep one
+table under about 60 MB, where 1e8 bins needed gigabytes. Nothing informative is lost: a bin's
+accuracy needs samples, and even a billion predictions give only a thousand per bin at this limit
+(ECE is usually computed with 10-20 bins).
+"""
+
+MAX_BIN_CELLS = 1 << 24
+"""The most (group, bin) cells built in one call of :meth:`Accumulator.per_group`: clients times
+bins, about 56 bytes each while they are summed, so at most about 1 GB."""
 
 
 class Binning(enum.StrEnum):
@@ -41,15 +57,15 @@ class Binning(enum.StrEnum):
 
 
 def check_n_bins(n_bins: int) -> int:
-    """Validate and return ``n_bins`` (a positive integer)."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise InvalidInputError(f"n_bins must be a positive integer; got {n_bins!r}")
-    return n_bins
+    """Validate ``n_bins`` (a positive integer of any integer type, at most :data:`MAX_BINS`)
+    and return it as a Python int."""
+    return positive_int(n_bins, "n_bins", MAX_BINS,
+                        " (MAX_BINS: memory grows with every bin; 10-20 bins are usual)")
 
 
 def uniform_edges(n_bins: int, device: torch.device | str | None = None) -> Tensor:
     """Equal-width edges on [0, 1]: float64 tensor of shape (n_bins + 1,)."""
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     edges = torch.arange(n_bins + 1, dtype=torch.float64, device=device) * (1.0 / n_bins)
     edges[-1] = 1.0
     return edges
@@ -61,7 +77,7 @@ def quantile_edges(confidences: Tensor, n_bins: int) -> Tensor:
     Linear interpolation between order statistics (numpy's default ``method="linear"``),
     computed with a sort so that it works for any N (``torch.quantile`` caps the input size).
     """
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     values = confidences.to(torch.float64).sort().values
     n = values.numel()
     positions = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64, device=values.device)

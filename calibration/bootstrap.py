@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -9,9 +11,20 @@ import torch
 from calibration.bin_stats import bin_stats_from_confidence
 from calibration.binning import Binning, bin_edges, bin_indices, check_n_bins
 from calibration.errors import InvalidInputError
+from calibration.inputs import positive_int
 from calibration.row_scores import row_scores
 
+MAX_BOOTSTRAP = 1_000_000
+"""The most bootstrap replicates :func:`bootstrap_ece` accepts.
+
+The replicates are held at once (8 bytes each) to take their quantiles, and each costs a pass
+over the N samples; 10**12 replicates asked for 8 TB. A percentile interval is settled long
+before this: its Monte Carlo error shrinks like 1 / sqrt(n_boot), and 1,000-10,000 replicates
+are the usual choice.
+"""
+
 _DRAWS_PER_BLOCK = 4_000_000  # resampled indices held at once (memory bound, ~32 MB)
+_CELLS_PER_BLOCK = 4_000_000  # (replicate, bin) sums held at once (memory bound, ~32 MB)
 
 
 class ECEInterval(NamedTuple):
@@ -39,11 +52,12 @@ def bootstrap_ece(
     edges are those of the full data (for ``"quantile"`` binning they are not re-estimated per
     resample). The estimate is the ECE of the full data, not the bootstrap mean.
     """
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise InvalidInputError(f"n_boot must be a positive integer; got {n_boot!r}")
-    if not 0.0 < alpha < 1.0:
-        raise InvalidInputError(f"alpha must lie in (0, 1); got {alpha!r}")
-    check_n_bins(n_bins)
+    n_boot = positive_int(n_boot, "n_boot", MAX_BOOTSTRAP,
+                          " (MAX_BOOTSTRAP: the replicates are held in memory; 1,000-10,000 "
+                          "are usual)")
+    alpha = _alpha(alpha)
+    seed = _seed(seed)
+    n_bins = check_n_bins(n_bins)
     scores = row_scores(probs, labels, from_logits=from_logits)
     confidence, correct = scores.confidence.to(torch.float64), scores.correct
     n = confidence.shape[0]
@@ -55,7 +69,7 @@ def bootstrap_ece(
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     replicates = torch.empty(n_boot, dtype=torch.float64, device=device)
-    block = max(1, _DRAWS_PER_BLOCK // n)
+    block = max(1, min(_DRAWS_PER_BLOCK // n, _CELLS_PER_BLOCK // n_bins))
     for start in range(0, n_boot, block):
         size = min(block, n_boot - start)
         draws = torch.randint(0, n, (size, n), generator=generator, device=device)
@@ -68,3 +82,25 @@ def bootstrap_ece(
     quantiles = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=torch.float64, device=device)
     low, high = torch.quantile(replicates, quantiles).tolist()
     return ECEInterval(estimate, low, high)
+
+
+def _alpha(alpha: Any) -> float:
+    """``alpha`` as a float strictly between 0 and 1, or InvalidInputError."""
+    try:
+        value = float(alpha)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"alpha must be a number in (0, 1); got {alpha!r}") from None
+    if isinstance(alpha, bool) or not 0.0 < value < 1.0 or math.isnan(value):
+        raise InvalidInputError(f"alpha must lie in (0, 1); got {alpha!r}")
+    return value
+
+
+def _seed(seed: Any) -> int:
+    """``seed`` as an int accepted by ``torch.Generator.manual_seed``, or InvalidInputError."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise InvalidInputError(f"seed must be an integer; got {seed!r}") from None
+    if isinstance(seed, bool) or not -(2**63) <= value < 2**64:
+        raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64); got {seed!r}")
+    return value

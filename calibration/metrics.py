@@ -42,7 +42,7 @@ def _scores_and_bins(
     quantile edges need the confidences first.
     """
     binning = Binning.parse(binning)
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     if binning is Binning.UNIFORM:  # the histogram is all it needs of the confidences
         edges = uniform_edges(n_bins)
         scores = row_scores(probs, labels, from_logits=from_logits, edges=edges,
@@ -155,8 +155,10 @@ def positive_class_ece(
 
 def _two_columns(probs: Any, from_logits: bool) -> torch.Tensor:
     """(N,) positive-class scores as (N, 2) rows; (N, 2) input checked and kept."""
-    tensor = as_tensor(probs, "probs")
+    tensor = as_tensor(probs, "logits" if from_logits else "probs")
     if tensor.ndim == 1:
+        if tensor.dtype == torch.bool:
+            raise InvalidInputError("probs must be real-valued numbers; got dtype torch.bool")
         if tensor.dtype != torch.float64:
             tensor = tensor.float()
         if from_logits:  # softmax([0, x]) = [1 - sigmoid(x), sigmoid(x)]
@@ -211,7 +213,7 @@ def _one_vs_rest_stats(
     metrics validate them, and quantile edges are computed per class.
     """
     binning = Binning.parse(binning)
-    check_n_bins(n_bins)
+    n_bins = check_n_bins(n_bins)
     row_scores(scores, labels, from_logits=from_logits, confidence=False)  # validates
     if from_logits:
         scores = torch.softmax(scores, dim=1)

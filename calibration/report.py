@@ -22,10 +22,12 @@ import torch
 
 from calibration.accumulator import Accumulator
 from calibration.bin_stats import BinStats
-from calibration.binning import Binning, check_n_bins
+from calibration.binning import MAX_BIN_CELLS, Binning, check_n_bins
+from calibration.client_ids import client_id_array
 from calibration.errors import InvalidInputError
 from calibration.inputs import as_tensor, score_matrix
 from calibration.metrics import evaluate, evaluate_with_bins
+from calibration.row_scores import row_scores
 
 POOLED = "pooled (micro)"
 MACRO = "macro (mean over clients)"
@@ -86,8 +88,16 @@ class CalibrationReport:
     @classmethod
     def from_accumulators(cls, accumulators: Mapping[Any, Accumulator]) -> CalibrationReport:
         """Report from per-client accumulators (client id -> Accumulator); pooled = their merge."""
-        if not accumulators:
-            raise InvalidInputError("no client accumulators to report on")
+        if not isinstance(accumulators, Mapping) or not accumulators:
+            raise InvalidInputError("no client accumulators to report on: pass a non-empty "
+                                    "mapping of client id -> Accumulator")
+        client_id_array(list(accumulators), len(accumulators))  # one kind, none missing
+        strangers = [k for k, v in accumulators.items() if not isinstance(v, Accumulator)]
+        if strangers:
+            raise InvalidInputError(
+                f"client {strangers[0]!r}: expected an Accumulator, got "
+                f"{type(accumulators[strangers[0]]).__name__}"
+            )
         names = _client_names(list(accumulators))
         clients = []
         for client_id in _sorted_ids(accumulators):
@@ -175,56 +185,70 @@ def report(
 ) -> CalibrationReport:
     """Calibration report of ``probs`` (N, K) against ``labels`` (N,), per client if given.
 
-    ``client_ids`` (N,) holds any hashable ids (ints or strings), one per sample. With uniform
-    bins the pooled row is the merge of per-client accumulators; with quantile bins every group
-    gets its own equal-mass edges (computed from its samples).
+    ``client_ids`` (N,) holds one id per sample, all integers or all strings (see
+    :mod:`calibration.client_ids`). With uniform bins the pooled row is the merge of per-client
+    accumulators; with quantile bins every group gets its own equal-mass edges (computed from its
+    samples). Invalid rows are reported with their count and position in the whole input.
     """
     binning = Binning.parse(binning)
-    check_n_bins(n_bins)
-    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    n_bins = check_n_bins(n_bins)
+    kind = "logits" if from_logits else "probs"
+    given = as_tensor(probs, kind)  # kept in its dtype: the row-sum tolerance depends on it
+    scores = score_matrix(given, kind)
     if client_ids is None:
-        metrics, stats = evaluate_with_bins(scores, labels, n_bins, binning, from_logits)
+        metrics, stats = evaluate_with_bins(given, labels, n_bins, binning, from_logits)
         pooled = ReportRow.from_metrics(ALL, "pooled", metrics)
         return CalibrationReport((), pooled, None, stats, n_bins, binning.value)
 
     groups = _group_rows(client_ids, scores.shape[0])
+    if len(groups) * n_bins > MAX_BIN_CELLS:
+        raise InvalidInputError(
+            f"{len(groups):,} clients x {n_bins:,} bins = {len(groups) * n_bins:,} cells exceeds "
+            f"the limit of {MAX_BIN_CELLS:,} (MAX_BIN_CELLS); use fewer bins"
+        )
     label_tensor = as_tensor(labels, "labels")
     if label_tensor.ndim != 1 or label_tensor.shape[0] != scores.shape[0]:
         raise InvalidInputError(
             f"shape mismatch: {scores.shape[0]} rows of scores but labels of shape "
             f"{tuple(label_tensor.shape)}"
         )
+    label_tensor = label_tensor.to(given.device)
+    try:
+        clients = _client_rows(given, label_tensor, groups, n_bins, binning, from_logits)
+    except InvalidInputError as client_error:
+        # A client's rows are numbered and counted within that client: re-examine the whole
+        # input so that the message gives the count and the first row of all of it.
+        row_scores(given, label_tensor, from_logits=from_logits, confidence=False)
+        raise client_error
     if binning is Binning.UNIFORM:
-        accumulators = {}
-        for client_id, rows in groups.items():
-            index = torch.as_tensor(rows, device=scores.device)
-            accumulators[client_id] = Accumulator(n_bins).update(
-                scores[index], label_tensor.to(scores.device)[index], from_logits=from_logits
-            )
-        return CalibrationReport.from_accumulators(accumulators)
-
-    names = _client_names(list(groups))
-    clients = []
-    for client_id in _sorted_ids(groups):
-        index = torch.as_tensor(groups[client_id], device=scores.device)
-        metrics = evaluate(scores[index], label_tensor.to(scores.device)[index], n_bins, binning,
-                           from_logits)
-        clients.append(ReportRow.from_metrics(names[client_id], "client", metrics))
-    metrics, stats = evaluate_with_bins(scores, labels, n_bins, binning, from_logits)
+        return CalibrationReport.from_accumulators(clients)
+    names = _client_names(list(clients))
+    rows = [ReportRow.from_metrics(names[client], "client", clients[client])
+            for client in _sorted_ids(clients)]
+    metrics, stats = evaluate_with_bins(given, label_tensor, n_bins, binning, from_logits)
     pooled = ReportRow.from_metrics(POOLED, "pooled", metrics)
-    return CalibrationReport(tuple(clients), pooled, _macro(clients), stats, n_bins, binning.value)
+    return CalibrationReport(tuple(rows), pooled, _macro(rows), stats, n_bins, binning.value)
+
+
+def _client_rows(
+    scores: torch.Tensor, labels: torch.Tensor, groups: dict[Any, np.ndarray], n_bins: int,
+    binning: Binning, from_logits: bool,
+) -> dict[Any, Any]:
+    """Per client: an Accumulator (uniform bins) or its metrics dict (quantile bins)."""
+    out = {}
+    for client_id, rows in groups.items():
+        index = torch.as_tensor(rows, device=scores.device)
+        if binning is Binning.UNIFORM:
+            out[client_id] = Accumulator(n_bins).update(scores[index], labels[index],
+                                                        from_logits=from_logits)
+        else:
+            out[client_id] = evaluate(scores[index], labels[index], n_bins, binning, from_logits)
+    return out
 
 
 def _group_rows(client_ids: Any, n_samples: int) -> dict[Any, np.ndarray]:
     """Map each distinct client id to the row indices (int64) holding it."""
-    if isinstance(client_ids, torch.Tensor):
-        client_ids = client_ids.detach().cpu().numpy()
-    ids = np.asarray(client_ids)
-    if ids.ndim != 1 or ids.shape[0] != n_samples:
-        raise InvalidInputError(
-            f"client_ids must have shape ({n_samples},) (one id per sample); "
-            f"got {tuple(ids.shape)}"
-        )
+    ids = client_id_array(client_ids, n_samples)
     distinct, inverse = np.unique(ids, return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     splits = np.split(order, np.cumsum(np.bincount(inverse))[:-1])

@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,10 +41,12 @@ from calibration import native_sweep
 from calibration.bin_stats import binned_sums
 from calibration.binning import edges_in_dtype
 from calibration.errors import InvalidInputError
-from calibration.inputs import class_labels, score_matrix
+from calibration.inputs import as_tensor, class_labels, score_matrix
 
 SUM_TOLERANCE = 1e-3
-"""Absolute tolerance on ``|sum_k p_k - 1|`` per row (float32 softmax rows are well within it)."""
+"""Absolute tolerance on ``|sum_k p_k - 1|`` per row (float32 softmax rows are well within it).
+
+Inputs in a coarser format get their format's own bound, see :func:`sum_tolerance`."""
 
 PROBABILITY_FLOOR = 1e-12
 """Smallest probability used in the NLL: ``-log(max(p_y, 1e-12))`` <= 27.6 nats.
@@ -97,17 +100,37 @@ def row_scores(
 ) -> RowScores:
     """Validate ``probs`` (N, K) and ``labels`` (N,) and compute the requested per-row quantities.
 
-    ``probs`` are probabilities (rows >= 0 summing to 1 within :data:`SUM_TOLERANCE`) unless
+    ``probs`` are probabilities (rows >= 0 summing to 1 within :func:`sum_tolerance`) unless
     ``from_logits=True``, in which case they are finite logits turned into probabilities with a
     softmax. Nothing is ever guessed from the values. ``edges`` (n_bins + 1,) float64: also
     histogram the top-label confidences over these bins (``RowScores.bin_sums``).
     """
-    scores = score_matrix(probs, "logits" if from_logits else "probs")
+    if not isinstance(from_logits, bool | np.bool_):
+        raise InvalidInputError(
+            f"from_logits must be True or False; got {from_logits!r} (the kind of scores is "
+            "stated, never guessed)"
+        )
+    given = as_tensor(probs, "logits" if from_logits else "probs")
+    scores = score_matrix(given, "logits" if from_logits else "probs")
     n_samples, n_classes = scores.shape
     label_index = class_labels(labels, n_samples, n_classes, scores.device)
     if from_logits:
         return _from_logits(scores, label_index, confidence, brier, log_prob, edges)
-    return _from_probabilities(scores, label_index, confidence, brier, log_prob, edges)
+    return _from_probabilities(scores, label_index, confidence, brier, log_prob, edges,
+                               sum_tolerance(given.dtype))
+
+
+def sum_tolerance(dtype: torch.dtype) -> float:
+    """Tolerance on ``|sum_k p_k - 1|`` for probabilities given in ``dtype``.
+
+    :data:`SUM_TOLERANCE`, or the format's machine epsilon where that is larger (bfloat16: 2**-7,
+    the float8 formats): rounding K probabilities to a format of unit roundoff u = eps / 2
+    changes each by at most u * p_k, hence their sum by at most u * sum_k p_k = u, so a row
+    that summed to 1 before rounding is always within eps (twice the bound) after it.
+    """
+    if dtype.is_floating_point:
+        return max(SUM_TOLERANCE, float(torch.finfo(dtype).eps))
+    return SUM_TOLERANCE
 
 
 def _from_logits(
@@ -118,7 +141,8 @@ def _from_logits(
         row = int((~torch.isfinite(logits)).any(1).nonzero()[0, 0])
         raise InvalidInputError(f"logits contain NaN or Inf (first in row {row})")
     log_probs = torch.log_softmax(logits, dim=1)
-    scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, False, edges)
+    scores = _from_probabilities(log_probs.exp(), labels, confidence, brier, False, edges,
+                                 SUM_TOLERANCE)
     nll_sum = None
     if log_prob:
         label_log_prob = log_probs.gather(1, labels[:, None])
@@ -129,16 +153,17 @@ def _from_logits(
 
 def _from_probabilities(
     probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool,
-    edges: Tensor | None,
+    edges: Tensor | None, tolerance: float,
 ) -> RowScores:
     native = native_sweep.sweep(
-        probs, labels, tolerance=SUM_TOLERANCE, top=confidence, label_prob=brier or log_prob,
+        probs, labels, tolerance=tolerance, top=confidence, label_prob=brier or log_prob,
         squares=brier, edges=None if edges is None else edges_in_dtype(edges, probs.dtype),
     )
     if native is not None and native.valid:
         return _from_native(native, probs.shape[0], brier, log_prob, edges)
     # The torch sweep: on other devices, without the kernel, or to examine a flagged array.
-    scores = _torch_sweep(probs, labels, confidence or edges is not None, brier, log_prob)
+    scores = _torch_sweep(probs, labels, confidence or edges is not None, brier, log_prob,
+                          tolerance)
     if edges is None:
         return scores
     bin_sums = binned_sums(scores.confidence, scores.correct, edges.to(probs.device))
@@ -163,7 +188,8 @@ def _from_native(
 
 
 def _torch_sweep(
-    probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool
+    probs: Tensor, labels: Tensor, confidence: bool, brier: bool, log_prob: bool,
+    tolerance: float = SUM_TOLERANCE,
 ) -> RowScores:
     n_samples, n_classes = probs.shape
     bits_dtype = _BITS_DTYPE[probs.dtype]
@@ -199,7 +225,7 @@ def _torch_sweep(
                 label_prob[block, 0], row_norm[block],
             )
 
-    _check_rows(probs, bits, bool((step_min_bits < 0).any()), row_sum)
+    _check_rows(probs, bits, bool((step_min_bits < 0).any()), row_sum, tolerance)
     label_prob = label_prob.squeeze(1)
     top = max_bits.view(probs.dtype) if max_bits is not None else None
     brier_sum = None
@@ -222,7 +248,8 @@ def _sweep_plan(probs: Tensor) -> tuple[int, int, int]:
     return step, -(-n_samples // step), max(1, _BLOCK_BYTES // _CHUNK_BYTES)
 
 
-def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tensor) -> None:
+def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tensor,
+                tolerance: float) -> None:
     """Raise InvalidInputError for non-finite, negative or badly normalised rows.
 
     NaN/Inf anywhere in a row make its sum non-finite, which fails the ``<= tolerance`` test;
@@ -244,7 +271,7 @@ def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tenso
                     f"first: row {row}); if these are logits pass from_logits=True"
                 )
     deviation = (row_sum - 1.0).abs_()
-    if bool((deviation <= SUM_TOLERANCE).all()):
+    if bool((deviation <= tolerance).all()):
         return
     non_finite = ~torch.isfinite(row_sum)
     if bool(non_finite.any()):
@@ -252,10 +279,10 @@ def _check_rows(probs: Tensor, bits: Tensor, sign_bit_seen: bool, row_sum: Tenso
         raise InvalidInputError(
             f"probs contain NaN or Inf ({int(non_finite.sum())} bad rows, first: row {row})"
         )
-    off = ~(deviation <= SUM_TOLERANCE)
+    off = ~(deviation <= tolerance)
     row = int(off.nonzero()[0, 0])
     raise InvalidInputError(
-        f"probability rows must sum to 1 (tolerance {SUM_TOLERANCE}); row {row} sums to "
+        f"probability rows must sum to 1 (tolerance {tolerance:g}); row {row} sums to "
         f"{row_sum[row].item():.6g} ({int(off.sum())} bad rows); "
         "if these are logits pass from_logits=True"
     )
