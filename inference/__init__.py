@@ -32,7 +32,8 @@ from inference.options import (
     Preconditioner,
     PredictiveMethod,
 )
-from inference.posterior import Posterior, check, load_posterior, register_posterior, save_posterior
+from inference.posterior import Posterior, check, register_posterior
+from inference.posterior_file import load_posterior, save_posterior
 from inference.sgld import fit_sgld_head
 from inference.subnet import (
     SubnetLaplacePosterior,

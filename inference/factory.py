@@ -50,7 +50,7 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, UnknownOptionError
 from inference.inputs import as_features, as_labels, as_num_classes, as_targets
-from inference.options import NUMERIC_OPTIONS, HeadKind, Likelihood
+from inference.options import NUMERIC_OPTIONS, HeadKind, Likelihood, Option
 from inference.posterior import Posterior
 
 FEATURE_HEAD_KINDS = (HeadKind.CONJUGATE, HeadKind.LAPLACE, HeadKind.MFVI, HeadKind.SGLD)
@@ -172,11 +172,17 @@ def _declared_non_number(parameter: inspect.Parameter | None, value: Any) -> boo
     annotation = str(parameter.annotation)
     if value is None:
         return parameter.default is None or re.search(r"\bNone\b", annotation) is not None
-    if isinstance(value, str):
-        return re.search(r"\b(str|Literal)\b", annotation) is not None
+    if isinstance(value, str):  # a plain str, a Literal, or one of inference.options' enums
+        names = ["str", "Literal", *(cls.__name__ for cls in _option_classes())]
+        return re.search(rf"\b({'|'.join(names)})\b", annotation) is not None
     if isinstance(value, Tensor):
         return re.search(r"\bTensor\b", annotation) is not None
     return False
+
+
+def _option_classes(base: type = Option) -> list[type]:
+    """Every subclass of :class:`~inference.options.Option` (string-valued option enums)."""
+    return [sub for cls in base.__subclasses__() for sub in (cls, *_option_classes(cls))]
 
 
 def _feature_head_data(

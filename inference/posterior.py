@@ -13,15 +13,14 @@ federation layer and users can swap methods by one string:
 ``to(device)``
     A copy on ``device`` (nothing is moved in place).
 ``state_dict()`` / ``from_state_dict(state)``
-    Tensors only (no pickle): what :func:`save_posterior` writes with safetensors and what
-    ``torch.load(..., weights_only=True)`` can read back.
+    Tensors only (no pickle): what :func:`inference.posterior_file.save_posterior` writes with
+    safetensors, with a digest, and :func:`~inference.posterior_file.load_posterior` reads back
+    and validates.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -67,7 +66,7 @@ def draw_device(generator: torch.Generator | None, device: torch.device) -> torc
     return device if generator is None else generator.device
 
 
-# -- registry and serialisation -----------------------------------------------------------------
+# -- registry ---------------------------------------------------------------------------------
 
 #: Posterior classes by ``kind``; filled by :func:`register_posterior`.
 POSTERIOR_CLASSES: dict[str, type] = {}
@@ -80,11 +79,9 @@ _MODULES_WITH_POSTERIORS = (
     "inference.subnet",
 )
 
-SCHEMA_VERSION = "1"
-
-
 def register_posterior(cls: type) -> type:
-    """Class decorator: make ``cls`` loadable by :func:`load_posterior` under ``cls.kind``."""
+    """Class decorator: make ``cls`` loadable by
+    :func:`~inference.posterior_file.load_posterior` under ``cls.kind``."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} needs a non-empty class attribute `kind: str`.")
@@ -121,48 +118,6 @@ def posterior_class(kind: str) -> type:
         known = ", ".join(sorted(POSTERIOR_CLASSES)) or "none"
         raise InvalidInputError(f"unknown posterior kind {kind!r}; registered kinds: {known}.")
     return POSTERIOR_CLASSES[kind]
-
-
-def save_posterior(posterior: Posterior, path: str | Path) -> None:
-    """Write ``posterior.state_dict()`` to ``path`` with safetensors (no pickle).
-
-    The file's metadata records ``kind`` and ``schema_version``; tensors are saved from CPU
-    copies (so entries that share memory, which safetensors refuses, are written apart).
-    The write is atomic (a temporary file renamed over ``path``; removed if the write fails).
-    """
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    state = {k: v.detach().to("cpu", copy=True).contiguous()
-             for k, v in posterior.state_dict().items()}
-    metadata = {"kind": posterior.kind, "schema_version": SCHEMA_VERSION}
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        save_file(state, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def load_posterior(path: str | Path, device: torch.device | str = "cpu") -> Posterior:
-    """Read a posterior written by :func:`save_posterior`, onto ``device``.
-
-    Raises:
-        InvalidInputError: the file has no ``kind``, another schema version, or an unknown kind.
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        metadata = handle.metadata() or {}
-        state = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
-    if "kind" not in metadata:
-        raise InvalidInputError(f"{path} has no `kind` in its metadata; not a saved posterior.")
-    if metadata.get("schema_version") != SCHEMA_VERSION:
-        raise InvalidInputError(
-            f"{path} has schema version {metadata.get('schema_version')!r}; this library reads "
-            f"{SCHEMA_VERSION!r}."
-        )
-    return posterior_class(metadata["kind"]).from_state_dict(state).to(device)
 
 
 # -- self-check ---------------------------------------------------------------------------------

@@ -203,3 +203,24 @@ def test_network_inputs_keep_integer_indices_for_embedding_networks():
     tokens = np.array([[1, 5, 2]], dtype=np.int64)
     assert as_network_inputs(tokens, torch.float32).dtype == torch.int64
     assert as_network_inputs(tokens.astype(np.float64), torch.float32).dtype == torch.float32
+
+
+def test_strings_and_none_pass_where_the_signature_declares_them():
+    from inference.factory import checked_options
+    from inference.options import HeadKind
+
+    def fit(features, labels, num_classes, *,
+            prior_precision: float | PriorPrecisionMethod | None = None,  # noqa: F821
+            num_steps: int = 10):
+        """A fitting function whose prior precision may also be a method name (or chosen)."""
+
+    checked = checked_options(HeadKind.LAPLACE, fit, {"prior_precision": "marglik"})
+    assert checked == {"prior_precision": "marglik"}
+    assert checked_options(HeadKind.LAPLACE, fit, {"prior_precision": None}) == {
+        "prior_precision": None}
+    assert checked_options(HeadKind.LAPLACE, fit, {"prior_precision": np.float32(2)}) == {
+        "prior_precision": 2.0}
+    with pytest.raises(InvalidInputError, match="num_steps must be an integer"):
+        checked_options(HeadKind.LAPLACE, fit, {"num_steps": "many"})
+    with pytest.raises(InvalidInputError, match="num_steps must be an integer"):
+        checked_options(HeadKind.LAPLACE, fit, {"num_steps": None})

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from inference.ensemble import EnsemblePosterior
-from inference.errors import InvalidInputError, NumericalError
+from inference.errors import InvalidInputError, NumericalError, PosteriorFileError
 from inference.gaussian import GaussianPosterior, GaussianTerm, gaussian_prior
-from inference.posterior import Posterior, check, load_posterior, posterior_class, save_posterior
+from inference.posterior import Posterior, check, posterior_class
+from inference.posterior_file import load_posterior, save_posterior
 from tests.devices import DEVICES
 
 F64 = torch.float64
@@ -125,7 +126,7 @@ def test_unknown_kind_and_foreign_files_are_rejected(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(1)}, str(tmp_path / "foreign.safetensors"))
-    with pytest.raises(InvalidInputError, match="no `kind`"):
+    with pytest.raises(PosteriorFileError, match="no `kind`"):
         load_posterior(tmp_path / "foreign.safetensors")
 
 
