@@ -26,6 +26,26 @@ from calibration.metrics import (
 )
 from calibration.prediction_files import Predictions, load_predictions
 from calibration.report import CalibrationReport, ReportRow, report
+from calibration.smooth_ece import (
+    SmoothECE,
+    SmoothReliabilityCurve,
+    smooth_calibration_error,
+    smooth_ece,
+    smooth_ece_details,
+    smooth_reliability_curve,
+)
+from calibration.temperature import (
+    NLLDerivatives,
+    TemperatureAtBoundWarning,
+    TemperatureFit,
+    TemperatureReport,
+    apply_temperature,
+    fit_temperature,
+    minimize_temperature,
+    nll_derivatives,
+    temperature_report,
+    temperature_search,
+)
 
 _PLOTTING = {"reliability_diagram", "save_figure"}
 
@@ -48,22 +68,38 @@ __all__ = [
     "ECEInterval",
     "FileFormatError",
     "InvalidInputError",
+    "NLLDerivatives",
     "Predictions",
     "ReportRow",
+    "SmoothECE",
+    "SmoothReliabilityCurve",
+    "TemperatureAtBoundWarning",
+    "TemperatureFit",
+    "TemperatureReport",
     "accuracy",
+    "apply_temperature",
     "bootstrap_ece",
     "brier",
     "classwise_ece",
     "ece",
     "evaluate",
+    "fit_temperature",
     "l2_calibration_error",
     "load_predictions",
     "mce",
+    "minimize_temperature",
     "nll",
+    "nll_derivatives",
     "positive_class_ece",
     "positive_class_stats",
     "reliability_diagram",
     "reliability_stats",
     "report",
     "save_figure",
+    "smooth_calibration_error",
+    "smooth_ece",
+    "smooth_ece_details",
+    "smooth_reliability_curve",
+    "temperature_report",
+    "temperature_search",
 ]

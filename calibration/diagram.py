@@ -6,6 +6,10 @@ shaded; empty bins get no bar. A strip beneath shows how many samples fall in ea
 and MCE of the drawn table are annotated. Figures are created without pyplot (a bare
 ``matplotlib.figure.Figure`` renders with the Agg canvas), so the global backend is left alone,
 nothing is registered in pyplot and nothing needs closing; an ``ax`` passed in is drawn into.
+
+With ``smooth=True`` the diagram has no bins: the kernel-smoothed accuracy against confidence
+(drawn thicker where confidences are dense) with the smooth ECE annotated, and the kernel
+density of the confidences beneath (:mod:`calibration.smooth_ece`, Błasiok & Nakkiran 2023).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import numpy as np
 import seaborn as sns
 from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from mpl_toolkits.axes_grid1 import make_axes_locatable
 
@@ -38,12 +43,20 @@ def reliability_diagram(
     from_logits: bool = False,
     ax: Axes | None = None,
     title: str | None = None,
+    smooth: bool = False,
+    bandwidth: float | None = None,
 ) -> Figure:
     """Draw a reliability diagram and return its Figure.
 
     ``stats_or_probs`` is a :class:`BinStats` (then ``labels`` must be None) or probabilities
     (N, K) with ``labels`` (N,), binned with ``n_bins``/``binning``/``from_logits``.
+    ``smooth=True`` draws the smooth reliability diagram instead (probabilities only): the
+    kernel-smoothed accuracy against confidence and the density of the confidences, at the
+    smooth ECE's automatic bandwidth or ``bandwidth`` (:mod:`calibration.smooth_ece`).
     """
+    if smooth:
+        return _smooth_reliability_diagram(stats_or_probs, labels, from_logits, bandwidth, ax,
+                                           title)
     if isinstance(stats_or_probs, BinStats):
         if labels is not None:
             raise InvalidInputError("pass labels only with probabilities, not with BinStats")
@@ -110,6 +123,74 @@ def _draw_count_strip(ax: Axes, stats: BinStats) -> None:
         ax.set_ylabel("Count (log)")
     else:
         ax.set_ylabel("Count")
+
+
+SMOOTH_CURVE_LABEL = "Smoothed accuracy"
+
+
+def _smooth_reliability_diagram(
+    probs: Any, labels: Any, from_logits: bool, bandwidth: float | None, ax: Axes | None,
+    title: str | None,
+) -> Figure:
+    from calibration.smooth_ece import smooth_reliability_curve, top_label
+
+    if isinstance(probs, BinStats):
+        raise InvalidInputError("a smooth reliability diagram needs the probabilities and "
+                                "labels, not BinStats (binning discards what it smooths)")
+    if labels is None:
+        raise InvalidInputError("labels are required when passing probabilities")
+    confidence, correct = top_label(probs, labels, from_logits)
+    curve = smooth_reliability_curve(confidence.cpu(), correct.cpu(), bandwidth=bandwidth)
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
+        if ax is None:
+            figure = Figure(figsize=(5.2, 6.2), layout="constrained")
+            ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
+        else:
+            figure = ax.get_figure()
+            strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
+        _draw_smooth_curve(ax, curve, title)
+        _draw_density_strip(strip, curve)
+    return figure
+
+
+def _draw_smooth_curve(ax: Axes, curve: Any, title: str | None) -> None:
+    palette = sns.color_palette("deep")
+    t = curve.mesh.numpy()
+    accuracy = curve.mean_outcome.numpy()
+    density = curve.density.numpy()
+    ax.plot([0, 1], [0, 1], linestyle="--", color="0.35", linewidth=1.2,
+            label="Perfect calibration")
+    ax.fill_between(t, accuracy, t, color=palette[3], alpha=0.2, linewidth=0, label=GAP_LABEL)
+    # thick where confidences are dense, thin where the curve only extrapolates the kernel
+    points = np.stack([t, accuracy], axis=1)
+    segments = np.stack([points[:-1], points[1:]], axis=1)
+    weight = (density[:-1] + density[1:]) / 2
+    widths = 0.5 + 3.5 * weight / max(float(weight.max()), 1e-300)
+    ax.add_collection(LineCollection(segments, linewidths=widths, color=palette[0],
+                                     capstyle="round", label=SMOOTH_CURVE_LABEL))
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("Accuracy")
+    ax.tick_params(labelbottom=False)
+    ax.legend(loc="upper left", frameon=True, fontsize="small")
+    value = curve.smooth_ece
+    ax.text(0.97, 0.04, f"smECE = {100 * value.value:.2f}%\n"
+            f"bandwidth = {value.bandwidth:.3g}\nN = {value.count:,}", transform=ax.transAxes,
+            ha="right", va="bottom", fontsize="small",
+            bbox=dict(boxstyle="round", facecolor="white", alpha=0.85))
+    ax.set_title(title if title is not None else "Smooth reliability diagram")
+
+
+def _draw_density_strip(ax: Axes, curve: Any) -> None:
+    t = curve.mesh.numpy()
+    density = curve.density.numpy()
+    color = sns.color_palette("deep")[7]
+    ax.fill_between(t, 0, density, color=color, alpha=0.5, linewidth=0)
+    ax.plot(t, density, color=color, linewidth=1)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("Confidence")
+    ax.set_ylabel("Density")
 
 
 def save_figure(figure: Figure, path: str | Path) -> Path:
