@@ -51,7 +51,9 @@ from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
+from bayesfl.inputs import client_index, client_inputs
 from bayesfl.messages import Message, decode, encode
+from bayesfl.posterior import ClientPosterior
 from bayesfl.strategies import make_strategy, strategy_options
 from bayesfl.strategies.base import (
     PREDICTIVE,
@@ -158,31 +160,47 @@ class SimulationResult:
     personalized: dict[int, ClientState] = field(default_factory=dict)
 
     def client_state(self, client_id: int) -> ClientState:
-        """Client ``client_id``'s final state (personalized where the strategy does that)."""
-        if isinstance(client_id, bool) or not isinstance(client_id, int) \
-                or not 0 <= client_id < len(self.clients):
-            raise ConfigError(f"client_id must be an integer in [0, {len(self.clients)}), got "
-                              f"{client_id!r}")
+        """Client ``client_id``'s final state (personalized where the strategy does that).
+
+        Raises:
+            ConfigError: ``client_id`` is not an integer in ``[0, clients)``.
+        """
+        client_id = client_index(client_id, len(self.clients))
         return self.personalized.get(client_id, self.clients[client_id].state)
 
-    def predict_proba(self, client_id: int, x: torch.Tensor) -> torch.Tensor:
+    def predict_proba(self, client_id: int, x: Any) -> torch.Tensor:
         """Probabilities (B, C) float64 of client ``client_id`` for inputs x (B, ...): the
-        strategy's headline predictive (posterior strategies: the posterior predictive)."""
+        strategy's headline predictive (posterior strategies: the posterior predictive).
+
+        ``x`` may be a tensor, NumPy array or list of any real dtype; it is cast to the dtype
+        and device of the client's data (:func:`bayesfl.inputs.client_inputs`).
+
+        Raises:
+            ConfigError: ``client_id`` is not an integer in ``[0, clients)``.
+            DataError: ``x`` is not a finite batch shaped like the client's inputs.
+        """
         state = self.client_state(client_id)
-        x = x.to(self.clients[client_id].data.train_x)
-        return self.strategy.predict(self.clients[client_id].config, state,
-                                     self.evaluation_broadcast, x)[PREDICTIVE]
+        client = self.clients[int(client_id)]
+        like = client.data.train_x
+        x = client_inputs(x, input_shape=tuple(like.shape[1:]), dtype=like.dtype,
+                          device=like.device)
+        return self.strategy.predict(client.config, state, self.evaluation_broadcast,
+                                     x)[PREDICTIVE]
 
     def posterior(self, client_id: int) -> Any:
         """The federated posterior as client ``client_id`` holds it (posterior strategies):
         ``sample(n)`` draws head parameters, ``predict_proba(x)`` takes the client's inputs.
 
         Raises:
-            ConfigError: the strategy is not a posterior strategy.
+            ConfigError: the strategy is not a posterior strategy, or ``client_id`` is not an
+                integer in ``[0, clients)``.
         """
         state = self.client_state(client_id)
-        return self.strategy.posterior(self.clients[client_id].config, state,
-                                       self.evaluation_broadcast)
+        client = self.clients[int(client_id)]
+        posterior = self.strategy.posterior(client.config, state, self.evaluation_broadcast)
+        if isinstance(posterior, ClientPosterior) and posterior.input_shape is None:
+            posterior.input_shape = tuple(client.data.train_x.shape[1:])  # checked per batch
+        return posterior
 
 
 def simulate(

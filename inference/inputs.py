@@ -128,7 +128,7 @@ def check_finite(tensor: Tensor, name: str) -> None:
     if not bool(finite.all()):
         bad = int((~finite).sum())
         raise InvalidInputError(
-            f"{name} contain {bad} NaN or infinite value(s) of {tensor.numel()}; remove or "
+            f"{bad} of the {tensor.numel()} values in {name} are NaN or infinite; remove or "
             "impute them before fitting or predicting."
         )
 
