@@ -7,6 +7,7 @@ minibatch's log likelihood is scaled by ``N / len(idx)`` and the ELBO is unbiase
 
 Guide: ``AutoNormal`` (default) or ``AutoDiagonalNormal``, both a diagonal Gaussian, trained with
 ``Trace_ELBO`` used as a module and a torch Adam optimiser (exponentially decayed learning rate).
+Both start at the prior mean (on a fresh tensor: see :func:`init_to_prior_mean_copy`).
 The fitted guide is exported as a diagonal :class:`~inference.gaussian.GaussianPosterior`
 (mean = guide loc, variance = guide scale²); nothing of pyro survives the fit.
 
@@ -91,6 +92,31 @@ def isolated_pyro_state(seed: int, device: torch.device):
         yield
 
 
+def init_to_prior_mean_copy(site: dict) -> Tensor:
+    """``init_to_mean`` on a fresh tensor: the guide must never own the model's prior buffer.
+
+    pyro's ``init_to_mean`` returns ``site["fn"].mean.detach()``, which for a ``Normal`` is the
+    model's ``prior_loc`` buffer itself (``detach`` shares storage); ``AutoNormal`` wraps that
+    value in its ``locs`` parameter unchanged, so every optimiser step moved the prior mean with
+    the fitted mean and the prior stopped pulling the means towards it (``AutoDiagonalNormal``
+    concatenates its sites into a new tensor and escaped). Cloning breaks the alias.
+    """
+    value = init_to_mean(site).clone()
+    value._pyro_custom_init = False  # as init_to_mean marks it (read by pyro's reparam handlers)
+    return value
+
+
+def _check_prior_untouched(model: BayesianLinearHead, loc: Tensor, scale: Tensor) -> None:
+    """Raise :class:`NumericalError` if fitting changed the model's prior buffers (the aliasing
+    fixed by :func:`init_to_prior_mean_copy`, or any future pyro behaviour like it)."""
+    if not (torch.equal(model.prior_loc, loc) and torch.equal(model.prior_scale, scale)):
+        raise NumericalError(
+            "the MFVI prior's buffers changed during the fit: a guide parameter aliases the "
+            "model's prior (a pyro initialisation returned the buffer itself); this is a bug in "
+            "inference.mfvi, please report it with the pyro version."
+        )
+
+
 def _guide_moments(guide, guide_kind: GuideKind, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """The guide's (loc, scale) over W, through pyro's constrained accessors."""
     if guide_kind is GuideKind.AUTO_NORMAL:
@@ -165,7 +191,9 @@ def fit_mfvi_head(
         model = BayesianLinearHead(shape[1], num_classes, prior_precision, prior_mean,
                                    likelihood, noise_std).to(device)
         guide_cls = AutoNormal if guide_kind is GuideKind.AUTO_NORMAL else AutoDiagonalNormal
-        auto_guide = guide_cls(model, init_loc_fn=init_to_mean, init_scale=init_scale)
+        prior_loc, prior_scale = model.prior_loc.clone(), model.prior_scale.clone()
+        auto_guide = guide_cls(model, init_loc_fn=init_to_prior_mean_copy,
+                               init_scale=init_scale)
         elbo = Trace_ELBO(num_particles=num_particles, vectorize_particles=num_particles > 1,
                           max_plate_nesting=1)
         loss_fn = elbo(model, auto_guide)
@@ -193,6 +221,7 @@ def fit_mfvi_head(
             loss.backward()
             optimiser.step()
             scheduler.step()
+        _check_prior_untouched(model, prior_loc, prior_scale)
         loc, scale = _guide_moments(auto_guide, guide_kind, shape)
 
     loc, scale = loc.to(torch.float64), scale.to(torch.float64)

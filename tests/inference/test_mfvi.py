@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import math
+
+import mpmath
 import pyro
 import pytest
 import torch
+from pyro.infer.autoguide.initialization import init_to_mean
 
+from inference import mfvi
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior
-from inference.mfvi import fit_mfvi_head
+from inference.mfvi import BayesianLinearHead, fit_mfvi_head, init_to_prior_mean_copy
+from inference.options import Likelihood
 from tests.devices import DEVICES
 from tests.inference.ground_truth import (  # noqa: F401  (fixture)
     linear_regression,
     single_intra_op_thread,
     softmax_regression,
+)
+from tests.inference.mean_field_reference import (
+    expected_log_sigmoid,
+    gaussian_regression,
+    logistic_data,
+    logistic_elbo,
+    mean_field_optimum,
 )
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
@@ -57,10 +70,10 @@ def test_softmax_regression_means_near_truth_and_variances_under_dispersed():
     truth = softmax_regression()
     post = fit_mfvi_head(truth.features, truth.labels, 2, batch_size=None, **FAST)
     sd = truth.variance.sqrt()
-    # tolerance 0.6 posterior sd: the mean-field mean of this skewed, strongly correlated
-    # posterior is biased (≈ 0.44 sd on w₀₀ in long runs) and SVI adds ≈ 0.1 sd of noise.
-    # A head that ignored the data would be off by 1.2 sd.
-    assert ((post.mean - truth.mean) / sd).abs().max() < 0.6
+    # tolerance 0.25 posterior sd: the fits of 3 seeds were 0.06-0.10 sd from the exact mean.
+    # (This test once allowed 0.6 sd, blaming a mean-field bias of ≈ 0.44 sd on w₀₀ that was in
+    # fact the guide moving the prior mean, issue 12.) A head ignoring the data is 1.2 sd off.
+    assert ((post.mean - truth.mean) / sd).abs().max() < 0.25
     assert (post.marginal_variance() < truth.variance).all()
 
 
@@ -120,3 +133,139 @@ def test_fits_on_the_features_device(device):
     assert post.mean.device.type == device
     probs = post.predict_proba(truth.features.float().to(device))
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(truth.labels), device=device))
+
+
+# -- the exact mean-field optimum (tests/inference/mean_field_reference.py) ----------------------
+
+#: Settings of the fits compared with the exact optimum: full batch, 4 ELBO particles, lr decayed
+#: from 0.05 to 5e-4 over 600 steps.
+EXACT = dict(num_steps=600, lr=0.05, num_particles=4, final_lr_fraction=0.01, batch_size=None)
+
+
+def test_reference_quadrature_matches_adaptive_quadrature_and_its_optimum_is_stationary():
+    # The reference's E[log σ(z)], z ~ N(m, v), against mpmath's 30-digit tanh-sinh quadrature
+    # (an independent method), over the means and variances the fits meet (and beyond).
+    mpmath.mp.dps = 30
+    for mean, variance in [(0.0, 1e-4), (2.5, 0.3), (-4.0, 3.0), (1.0, 10.0)]:
+        sd = mpmath.sqrt(variance)
+        exact = mpmath.quad(
+            lambda z, m=mean, s=sd: mpmath.npdf(z, m, s) * -mpmath.log1p(mpmath.exp(-z)),
+            [-mpmath.inf, mean - 3 * sd, mean, mean + 3 * sd, mpmath.inf])
+        got = float(expected_log_sigmoid(torch.tensor(mean, dtype=torch.float64),
+                                         torch.tensor(variance, dtype=torch.float64)))
+        assert abs(got - float(exact)) < 1e-11, (mean, variance, got, exact)
+    for precision in (1.0, 25.0, 1e4):
+        assert mean_field_optimum(precision).grad_norm < 1e-6
+
+
+def test_reference_elbo_matches_a_monte_carlo_estimate_of_its_definition():
+    # E_q[log p(y | W)] − KL(q ‖ p) by brute force over W ~ q (no reduction to the margin):
+    # 200,000 draws give a standard error of ≈ 0.01 nats; 5 standard errors allowed.
+    data = logistic_data()
+    gen = torch.Generator().manual_seed(0)
+    loc = torch.tensor([[0.1, 0.5, -0.4], [-0.2, -0.3, 0.6]], dtype=torch.float64)
+    scale = torch.tensor([[0.3, 0.2, 0.4], [0.25, 0.35, 0.15]], dtype=torch.float64)
+    draws = loc + scale * torch.randn(200_000, 2, 3, generator=gen, dtype=torch.float64)
+    inputs = torch.cat([torch.ones(len(data.labels), 1, dtype=torch.float64), data.features], 1)
+    log_lik = torch.log_softmax(torch.einsum("bp,scp->sbc", inputs, draws), -1)
+    log_lik = log_lik.gather(-1, data.labels.expand(len(draws), -1)[..., None]).sum((1, 2))
+    prior = torch.distributions.Normal(0.0, 1 / math.sqrt(25.0))
+    kl = torch.distributions.kl_divergence(torch.distributions.Normal(loc, scale), prior).sum()
+    estimate, se = float(log_lik.mean() - kl), float(log_lik.std() / math.sqrt(len(draws)))
+    assert abs(float(logistic_elbo(data, loc, scale, 25.0)) - estimate) < 5 * se
+
+
+def mean_field_deviation(post: GaussianPosterior, precision: float, prior_mean: float = 0.0
+                         ) -> tuple[float, float, float]:
+    """Largest |Δμ| in optimum sds, largest |log σ / σ*|, and the exact ELBO's shortfall."""
+    optimum = mean_field_optimum(precision, prior_mean=prior_mean)
+    loc, scale = post.mean, post.marginal_variance().sqrt()
+    elbo = float(logistic_elbo(logistic_data(), loc, scale, precision, prior_mean))
+    return (float(((loc - optimum.loc) / optimum.scale).abs().max()),
+            float((scale / optimum.scale).log().abs().max()), optimum.elbo - elbo)
+
+
+@pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
+@pytest.mark.parametrize(("precision", "prior_mean"), [(1.0, 0.0), (25.0, 0.3)])
+def test_fit_is_the_exact_mean_field_optimum(guide, precision, prior_mean):
+    data = logistic_data()
+    post = fit_mfvi_head(data.features, data.labels, 2, guide=guide, prior_precision=precision,
+                         prior_mean=prior_mean, **EXACT)
+    mean_error, log_scale_error, elbo_gap = mean_field_deviation(post, precision, prior_mean)
+    # Tolerances ≈ 2x the stochastic optimisation's own noise: over 5 seeds and both guides
+    # the final iterate was within 0.094 optimum sds on the means, 0.06 on log σ and 0.017
+    # nats of the optimal ELBO, and these shrank ~2x with 4x the particles (noise, not bias).
+    # The guide that owned the prior buffer (the bug of issue 12) was 0.48-0.54 sds and
+    # 0.38-0.48 nats off at λ = 1 (hidden by the older test's 0.6 sd tolerance), ≥ 3.8 sds and
+    # ≥ 27 nats at λ = 25. A prior scale of 1/λ (or 1/√λ read as a variance) moves the λ = 25
+    # optimum by several sds.
+    assert mean_error < 0.2, mean_error
+    assert log_scale_error < 0.12, log_scale_error
+    assert 0 <= elbo_gap < 0.04, elbo_gap
+
+
+@pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
+def test_a_strong_prior_holds_the_means_at_the_prior_mean(guide):
+    # Issue 12's reproduction: prior sd 0.01 (λ = 1e4). The optimum's means are ≤ 0.0012 and
+    # its sds 0.0100. Measured (5 seeds): within 0.24 sds and 0.08 nats of the optimum (Adam's
+    # absolute step of 5e-4 is 0.05 prior sds here, hence more noise than at λ ≤ 25); with the
+    # aliased prior buffer the default guide ended 41-83 sds away (max |mean| 0.41).
+    data = logistic_data()
+    post = fit_mfvi_head(data.features, data.labels, 2, guide=guide, prior_precision=1e4,
+                         **EXACT)
+    mean_error, log_scale_error, elbo_gap = mean_field_deviation(post, 1e4)
+    assert float(post.mean.abs().max()) < 0.006
+    assert mean_error < 0.5 and log_scale_error < 0.25 and elbo_gap < 0.2
+
+
+def test_the_guide_does_not_alias_the_model_prior():
+    # The root cause: the initial value handed to the guide must be a fresh tensor.
+    with pyro.settings.context(module_local_params=True), pyro.get_param_store().scope():
+        model = BayesianLinearHead(3, 2, prior_precision=4.0, prior_mean=0.5,
+                                   likelihood=Likelihood.SOFTMAX, noise_std=1.0)
+        trace = pyro.poutine.trace(model).get_trace(torch.zeros(1, 3), torch.zeros(1).long(), 1,
+                                                    torch.arange(1))
+        value = init_to_prior_mean_copy(trace.nodes["weight"])
+    torch.testing.assert_close(value, torch.full((2, 3), 0.5))
+    assert value.untyped_storage().data_ptr() != model.prior_loc.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("precision", [0.04, 1.0, 25.0])
+def test_prior_standard_deviation_is_one_over_root_precision(precision):
+    weight = torch.tensor([[0.3, -1.0, 2.0], [0.0, 0.5, -0.4]])
+    with pyro.settings.context(module_local_params=True), pyro.get_param_store().scope():
+        model = BayesianLinearHead(3, 2, prior_precision=precision, prior_mean=0.2,
+                                   likelihood=Likelihood.SOFTMAX, noise_std=1.0)
+        conditioned = pyro.poutine.condition(model, data={"weight": weight})
+        trace = pyro.poutine.trace(conditioned).get_trace(
+            torch.zeros(1, 3), torch.zeros(1).long(), 1, torch.arange(1))
+    site = trace.nodes["weight"]
+    torch.testing.assert_close(site["fn"].base_dist.scale,
+                               torch.full((2, 3), 1 / math.sqrt(precision)))
+    # log N(w; 0.2, 1/λ) = ½ log(λ / 2π) − λ (w − 0.2)² / 2, summed over the 6 weights
+    expected = (0.5 * math.log(precision / (2 * math.pi))
+                - 0.5 * precision * (weight.double() - 0.2) ** 2).sum()
+    torch.testing.assert_close(site["fn"].log_prob(weight).double(), expected, rtol=1e-6, atol=0)
+
+
+def test_gaussian_likelihood_at_precision_25_gives_exact_means_and_inverse_diagonal_variances():
+    # Closed form at λ = 25 with the data as informative as the prior (σ = 2): the mean-field
+    # optimum has the exact posterior mean and variances 1 / Λᵢᵢ. A 1/λ prior scale gives
+    # variances ≈ 60x smaller, a √λ precision ≈ 2.3x larger.
+    truth = gaussian_regression(25.0)
+    post = fit_mfvi_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                         noise_std=truth.noise_std, prior_precision=25.0, batch_size=None, **FAST)
+    sd = truth.covariance.diagonal().sqrt()
+    assert ((post.mean - truth.mean) / sd).abs().max() < 0.2  # as the λ = 1 test above
+    ratio = post.marginal_variance()[0] * truth.precision.diagonal()
+    assert ((ratio - 1).abs() < 0.2).all(), ratio
+    torch.testing.assert_close(post.prior.diag, torch.full((3,), 25.0, dtype=torch.float64))
+
+
+def test_a_fit_whose_guide_aliases_the_prior_is_refused(monkeypatch):
+    # The guard behind the fix: pyro's own init_to_mean (the aliasing initialisation) makes the
+    # fit raise instead of returning a posterior fitted against a moving prior.
+    monkeypatch.setattr(mfvi, "init_to_prior_mean_copy", init_to_mean)
+    truth = softmax_regression()
+    with pytest.raises(NumericalError, match="prior's buffers changed"):
+        fit_mfvi_head(truth.features, truth.labels, 2, num_steps=5)
