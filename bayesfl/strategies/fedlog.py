@@ -44,6 +44,18 @@ agree to about 1e-3 in NLL.
   FedLog-C, §4.1: the server broadcasts the statistic and N; each client solves the same
   deterministic MAP and adds the compactness loss ``alpha * ||phi(x) - mean_y||^2``).
 
+**What an honest upload satisfies.** Every body ends in a ReLU, and a client's features are
+bounded by ``B`` (``feature_bound``, default 1000, far above the ~5 a trained digits body
+reaches; a client clamps its features at B before summing, so an honest client never violates
+it; with DP, B is the clip bound). So for clean statistics (no privacy or central DP) the
+server rejects an upload unless, per class y: ``0 <= S[y, j] <= n_y B``, ``n_y = 0`` implies
+``S[y, :] = 0``, and the counts are integral and sum to ``num_samples``; ``num_samples`` may not
+exceed the client's first declared count, nor ``sample_screening_ratio`` (100) times the
+round's median. Local-DP uploads are noisy and carry no count: no such check applies to them.
+``statistics_aggregation="median"`` (clean statistics only) replaces each class's summed
+features by ``n_y`` times the coordinate-wise median of the clients' class means, so one client
+within the bounds moves a class mean by at most the spread of the honest ones.
+
 Registry names: ``fedlog``, ``fedlog-c``, ``fedlog-dp-local``, ``fedlog-dp-central``.
 """
 
@@ -78,6 +90,14 @@ from bayesfl.strategies.base import (
     with_parameters,
 )
 from bayesfl.strategies.networks import batched_apply
+from bayesfl.strategies.robust import (
+    check_robust_options,
+    coordinate_median,
+    declarations,
+    declared_problems,
+    first_reasons,
+    screening_reasons,
+)
 from bayesfl.training import forward_stacked_tensors, train_plain, train_stacked
 from inference.conjugate import (
     ClassMeans,
@@ -93,6 +113,7 @@ from inference.conjugate.statistics import checked_batch
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PREDICTIVES = ("mc", "probit", "map")
 ABSENT_CLIENTS = ("latest", "omit")
+STATISTICS_AGGREGATIONS = ("sum", "median")
 _CACHE = "latest/"
 
 
@@ -104,6 +125,11 @@ class NoPrivacy:
     sends_num_samples: ClassVar[bool] = True
     sigma: float = 0.0
     clip: float | None = None
+    bound_name: ClassVar[str] = "feature bound"
+
+    def __init__(self, bound: float = math.inf) -> None:
+        self.bound = bound
+        """Feature bound B: an honest client's features lie in [0, B]."""
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return body
@@ -123,10 +149,13 @@ class NoPrivacy:
     def problems(self, tables: Tensor, n: Tensor | None) -> list[str | None]:
         """Invariants of K schema-valid uploads: ``tables`` (K, C, m) float64, ``n`` (K,)
         int64. Per upload None or the first violated invariant, in this order: n >= 1;
-        non-negative, integral class counts in column 0 that sum to n; (central DP) feature
-        sums within the clamp bound times the counts."""
+        non-negative, integral class counts in column 0 that sum to n; feature sums that are
+        non-negative (ReLU bodies), zero for an absent class, and within B times the count."""
         assert n is not None  # schema: clean uploads carry num_samples
         counts = tables[:, :, 0]
+        sums = tables[:, :, 1:]
+        # float32 uploads round each sum by a relative 6e-8; 1e-6 is slack for that only
+        limit = self.bound * counts[:, :, None] * (1 + 1e-6)
         failures = [
             (n < 1, lambda k: f"num_samples must be >= 1, got {int(n[k])}"),
             ((counts < 0).any(1), lambda k: "bias column (class counts) has negative entries"),
@@ -135,16 +164,19 @@ class NoPrivacy:
             (counts.sum(1) != n.to(torch.float64),
              lambda k: f"class counts sum to {int(counts[k].sum())} but num_samples is "
                        f"{int(n[k])}"),
-            *self.extra_failures(tables, counts),
+            ((sums < 0).flatten(1).any(1),
+             lambda k: "negative feature sums, impossible for features after a ReLU"),
+            (((counts == 0)[:, :, None] & (sums != 0)).flatten(1).any(1),
+             lambda k: "non-zero feature sums for a class with count 0"),
+            ((sums > limit).flatten(1).any(1),
+             lambda k: f"feature sums exceed the {self.bound_name} {self.bound:g} times the "
+                       "class counts"),
         ]
         reasons: list[str | None] = [None] * tables.shape[0]
         for mask, reason in reversed(failures):  # the first failing check names the reason
             for k in mask.nonzero().flatten().tolist():
                 reasons[k] = reason(k)
         return reasons
-
-    def extra_failures(self, tables: Tensor, counts: Tensor) -> list:
-        return []
 
     def total(
         self, tables: Tensor, n: Tensor | None, generator: torch.Generator
@@ -163,6 +195,7 @@ class LocalDP(NoPrivacy):
     sends_num_samples = False
 
     def __init__(self, sigma: float, clip: float) -> None:
+        super().__init__(clip)
         self.sigma, self.clip = sigma, clip
 
     def build_model(self, body: nn.Module) -> nn.Module:
@@ -190,18 +223,14 @@ class CentralDP(NoPrivacy):
     the clamp bound on the feature sums); the server adds N(0, sigma^2) to the sum once."""
 
     noisy = True
+    bound_name = "clamp bound"
 
     def __init__(self, sigma: float, clip: float) -> None:
+        super().__init__(clip)
         self.sigma, self.clip = sigma, clip
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return FeatureClamp(body, self.clip)
-
-    def extra_failures(self, tables: Tensor, counts: Tensor) -> list:
-        limit = self.clip * counts[:, :, None] * (1 + 1e-6) + 1e-6
-        over = (tables[:, :, 1:].abs() > limit).flatten(1).any(1)
-        return [(over, lambda k: f"feature sums exceed the clamp bound {self.clip} times the "
-                                 "class counts")]
 
     def total(
         self, tables: Tensor, n: Tensor | None, generator: torch.Generator
@@ -296,6 +325,12 @@ class FedLog(Strategy):
             ``"omit"`` (this round's participants only); see the module docstring.
         predictive: the headline predictive, ``"mc"`` (default), ``"probit"`` or ``"map"``.
         mc_samples: Laplace draws of the ``"mc"`` predictive.
+        feature_bound: B, the bound of honest features (clients clamp at it; the server
+            rejects sums above ``n_y B``). Not an option of the DP variants (their clip is B).
+        statistics_aggregation: ``"sum"`` (the paper) or ``"median"`` (robust class means;
+            clean statistics only), see the module docstring.
+        sample_screening_ratio: reject a ``num_samples`` above this many times the round's
+            median (None: no screening).
     """
 
     name: ClassVar[str] = "fedlog"
@@ -311,8 +346,24 @@ class FedLog(Strategy):
         absent_clients: str = "latest",
         predictive: str = "mc",
         mc_samples: int = 256,
+        feature_bound: float = 1000.0,
+        statistics_aggregation: str = "sum",
+        sample_screening_ratio: float | None = 100.0,
     ) -> None:
         super().__init__(context)
+        check_robust_options("mean", 0.0, None, sample_screening_ratio)
+        if not (isinstance(feature_bound, int | float) and not isinstance(feature_bound, bool)
+                and 0 < feature_bound < math.inf):
+            raise ConfigError(f"feature_bound must be a finite number > 0, got "
+                              f"{feature_bound!r}")
+        if statistics_aggregation not in STATISTICS_AGGREGATIONS:
+            raise ConfigError(f"statistics_aggregation must be one of "
+                              f"{', '.join(STATISTICS_AGGREGATIONS)}; got "
+                              f"{statistics_aggregation!r}")
+        self.feature_bound = float(feature_bound)
+        self.statistics_aggregation = statistics_aggregation
+        self.sample_screening_ratio = (None if sample_screening_ratio is None
+                                       else float(sample_screening_ratio))
         if upload_dtype not in _DTYPES:
             raise ConfigError(f"upload_dtype must be one of {sorted(_DTYPES)}, got "
                               f"{upload_dtype!r}")
@@ -335,10 +386,13 @@ class FedLog(Strategy):
         self._posterior_memo: tuple[str, ConjugatePosterior | None, Tensor | None] | None = None
         self.privacy: NoPrivacy = self.make_privacy()
         self.broadcast: HeadBroadcast | StatisticsBroadcast = self.make_broadcast()
+        if statistics_aggregation == "median" and not self.privacy.sends_num_samples:
+            raise ConfigError("statistics_aggregation='median' needs exact class counts; "
+                              "local-DP uploads are noisy: use 'sum'")
 
     def make_privacy(self) -> NoPrivacy:
         """The privacy placement part (FedLog: none)."""
-        return NoPrivacy()
+        return NoPrivacy(self.feature_bound)
 
     def make_broadcast(self) -> HeadBroadcast | StatisticsBroadcast:
         """The broadcast policy part (FedLog: the MAP head)."""
@@ -371,10 +425,18 @@ class FedLog(Strategy):
                                          "privatized": state["privatized"]})
 
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """The privacy placement's invariants of the statistics, then (clean counts) the
+        declared-sample ledger and the screening of ``num_samples``."""
         tables = torch.stack([m.tensors["statistics"] for m in messages]).to(torch.float64)
-        n = (torch.cat([m.tensors["num_samples"] for m in messages])
-             if self.privacy.sends_num_samples else None)
-        return self.privacy.problems(tables, n)
+        if not self.privacy.sends_num_samples:
+            return self.privacy.problems(tables, None)
+        n = torch.cat([m.tensors["num_samples"] for m in messages])
+        ids = [m.header.client_id for m in messages]
+        return first_reasons(
+            self.privacy.problems(tables, n),
+            declared_problems(plan.state, ids, n.tolist()),
+            screening_reasons(n.to(torch.float64), self.sample_screening_ratio, "num_samples"),
+        )
 
     def aggregate(
         self,
@@ -397,6 +459,8 @@ class FedLog(Strategy):
         tables = torch.stack([cache[f"{_CACHE}{i}/statistics"] for i in ids]).to(torch.float64)
         n = (torch.cat([cache[f"{_CACHE}{i}/num_samples"] for i in ids])
              if self.privacy.sends_num_samples else None)
+        if self.statistics_aggregation == "median":
+            tables = median_class_means(tables)
         total = self.privacy.total(tables, n, generator)
         table, count = total.table, float(total.n)
         privatized = total.privatized or self.broadcast.solves_locally
@@ -408,6 +472,9 @@ class FedLog(Strategy):
                "privatized": torch.tensor([privatized])}
         if self.absent_clients == "latest":
             new.update(cache)
+        if self.privacy.sends_num_samples:
+            new.update(declarations(state, [u.header.client_id for u in uploads],
+                                    [int(u.tensors["num_samples"].item()) for u in uploads]))
         return new
 
     def solve_head(self, table: Tensor, n: float, *, privatized: bool) -> Tensor:
@@ -467,10 +534,17 @@ class FedLog(Strategy):
         tensors = self.privacy.release(table, data.num_train, self.upload_dtype, generator)
         return self.up_message(round, config.client_id, tensors)
 
+    def bounded(self, features: Tensor) -> Tensor:
+        """``features`` clamped at the feature bound B (non-finite values left for the
+        statistics' own check to reject)."""
+        bound = self.privacy.bound
+        return torch.where(features > bound, torch.full_like(features, bound), features)
+
     def client_statistics(self, data: ClientData, features: Tensor) -> Tensor:
-        """S_c (C, m) float64 of one client's training ``features`` (n_c, m - 1)."""
-        stats = SufficientStatistics.from_features(features.to(torch.float64), data.train_y,
-                                                   self.num_classes)
+        """S_c (C, m) float64 of one client's training ``features`` (n_c, m - 1), clamped at
+        the feature bound."""
+        features = self.bounded(features.to(torch.float64))
+        stats = SufficientStatistics.from_features(features, data.train_y, self.num_classes)
         return stats.table
 
     def batch_statistics(self, datas: Sequence[ClientData], features: Tensor) -> Tensor:
@@ -484,6 +558,7 @@ class FedLog(Strategy):
         C = self.num_classes
         labels = torch.cat([d.train_y for d in datas])
         features, labels = checked_batch(features, labels.to(features.device), C)
+        features = self.bounded(features)
         sizes = torch.tensor([d.num_train for d in datas], device=features.device)
         owner = torch.repeat_interleave(torch.arange(len(datas), device=features.device), sizes)
         rows = torch.empty(features.shape[0], self.m, dtype=torch.float64, device=features.device)
@@ -619,6 +694,9 @@ class _FedLogDP(FedLog):
         accountant: str = "k_round",
         **options,
     ) -> None:
+        if "feature_bound" in options:
+            raise ConfigError(f"{self.name} bounds features by its clip ({clip}); set clip, "
+                              "not feature_bound")
         if not (epsilon > 0 and 0 < delta < 1 and clip > 0):
             raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
                               f"epsilon={epsilon}, delta={delta}, clip={clip}")
@@ -635,6 +713,21 @@ class _FedLogDP(FedLog):
 
     def make_privacy(self) -> NoPrivacy:
         return self.placement(self.sigma, self.clip)
+
+
+def median_class_means(tables: Tensor) -> Tensor:
+    """Statistics (K, C, m) whose per-class feature sums are replaced by ``n_{k,y}`` times the
+    coordinate-wise median of the class means of the clients holding class y, so their sum
+    over clients is ``n_y`` times that median; counts are unchanged."""
+    robust = tables.clone()
+    counts = tables[:, :, 0]
+    for y in range(tables.shape[1]):
+        holders = counts[:, y] > 0
+        if not bool(holders.any()):
+            continue
+        means = tables[holders, y, 1:] / counts[holders, y, None]
+        robust[:, y, 1:] = counts[:, y, None] * coordinate_median(means)[None, :]
+    return robust
 
 
 class FedLogLocalDP(_FedLogDP):

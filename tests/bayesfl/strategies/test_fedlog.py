@@ -312,12 +312,18 @@ def _invariant_rows():
         ([-1.0, 3.0, 2.0], 4, 0.0, "negative"),
         ([1.5, 1.5, 1.0], 4, 0.0, "not integral"),
         ([1.0, 2.0, 3.0], 7, 0.0, "class counts sum to 6 but num_samples is 7"),
+        ([1.0, 1.0, 1.0], 3, -0.5, "negative feature sums, impossible for features after a "
+                                   "ReLU"),
+        ([1.0, 0.0, 1.0], 2, 0.25, "non-zero feature sums for a class with count 0"),
+        ([1.0, 1.0, 1.0], 3, 1e30, "bound"),
         ([1.0, 1.0, 1.0], 3, 100.0, "clamp bound"),
     ]
     tables = torch.zeros(len(rows), C, m, dtype=torch.float64)
     for k, (counts, _, feature_sum, _) in enumerate(rows):
         tables[k, :, 0] = torch.tensor(counts)
-        tables[k, :, 1:] = feature_sum
+        tables[k, :, 1:] = feature_sum * tables[k, :, :1]  # a per-sample value times n_y
+        if feature_sum and not all(counts):
+            tables[k, 1, 1:] = feature_sum  # a class without samples yet with feature sums
     n = torch.tensor([r[1] for r in rows], dtype=torch.int64)
     return tables, n, [r[3] for r in rows]
 
@@ -334,9 +340,11 @@ def test_problems_name_the_first_violated_invariant_of_every_row():
             assert got is None, k
         else:
             assert got is not None and want in got, (k, got, want)
-    # without central DP there is no clamp bound: the last row is accepted, the rest agree
+    assert "clamp bound 2 times" in reasons[-2]
+    # without DP the bound is feature_bound (1000): 100 per sample is accepted, 1e30 is not
     clean = make_strategy("fedlog", context()).privacy.problems(tables, n)
-    assert clean == [*reasons[:-1], None]
+    assert clean[:-2] == reasons[:-2] and clean[-1] is None
+    assert clean[-2] == "feature sums exceed the feature bound 1000 times the class counts"
     # local-DP uploads are noisy: there is no invariant to check
     local = make_strategy("fedlog-dp-local", context()).privacy.problems(tables, None)
     assert local == [None] * len(expected)

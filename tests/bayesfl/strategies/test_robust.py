@@ -192,3 +192,96 @@ def test_without_options_the_aggregate_is_bit_identical_to_the_plain_weighted_me
         want = torch.tensordot(weights, torch.stack([u.tensors[name].double() for u in ups]),
                                dims=1).float()
         assert torch.equal(new[name], want)
+
+
+# ---- FedLog: what an honest statistic satisfies ------------------------------------------------
+def fedlog_round(**options):
+    strategy = make_strategy("fedlog", context(sizes=SIZES), **options)
+    clients = make_clients(strategy, SIZES)
+    state = strategy.init()
+    plan = strategy.configure(state, 0)
+    ups = [wire(u) for _, u in fit_all(strategy, clients, wire(plan.broadcast),
+                                       generators(clients, 0))]
+    return strategy, clients, plan, state, ups
+
+
+def with_statistics(upload: Message, table: torch.Tensor, n: int | None = None) -> Message:
+    tensors = dict(upload.tensors, statistics=table.to(upload.tensors["statistics"].dtype))
+    if n is not None:
+        tensors["num_samples"] = torch.tensor([n], dtype=torch.int64)
+    return Message(upload.header, tensors)
+
+
+def test_honest_fedlog_statistics_pass_every_bound():
+    strategy, _, plan, _, ups = fedlog_round()
+    assert verdicts(strategy, plan, ups) == [None] * len(SIZES)
+
+
+def test_feature_sums_of_1e30_are_rejected_by_the_feature_bound():
+    strategy, _, plan, _, ups = fedlog_round()
+    table = ups[1].tensors["statistics"].double().clone()
+    table[:, 1:] = torch.where(table[:, :1] > 0, 1e30, 0.0)
+    reasons = verdicts(strategy, plan, [*ups[:1], with_statistics(ups[1], table), *ups[2:]])
+    assert reasons[1] == "feature sums exceed the feature bound 1000 times the class counts"
+    assert reasons[0] is None and reasons[2:] == [None] * 3
+
+
+def test_a_consistent_but_inflated_count_is_rejected_by_screening():
+    # 1e7 samples on a client of 20, with counts and sums made consistent: only the
+    # comparison with the other clients gives it away
+    strategy, _, plan, _, ups = fedlog_round()
+    table = ups[1].tensors["statistics"].double() * 500_000
+    reasons = verdicts(strategy, plan, [*ups[:1], with_statistics(ups[1], table, 10**7),
+                                        *ups[2:]])
+    assert reasons[1].startswith("num_samples 1e+07 is more than 100x the round's median")
+
+
+def test_a_fedlog_count_above_the_first_declared_one_is_rejected():
+    strategy, clients, _, state, ups = fedlog_round()
+    state = strategy.aggregate(state, ups, 0, torch.Generator())
+    assert int(state["declared/3"]) == SIZES[3]
+    plan = strategy.configure(state, 1)
+    ups = [wire(u) for _, u in fit_all(strategy, clients, wire(plan.broadcast),
+                                       generators(clients, 1))]
+    table = ups[3].tensors["statistics"].double().clone()
+    table[0] += torch.cat([torch.ones(1), table[0, 1:] / table[0, 0].clamp_min(1)])
+    reasons = verdicts(strategy, plan, [*ups[:3], with_statistics(ups[3], table, SIZES[3] + 1),
+                                        ups[4]])
+    assert reasons[3] == (f"num_samples {SIZES[3] + 1} exceeds the {SIZES[3]} this client "
+                          "declared in its first accepted upload")
+
+
+def test_clients_clamp_features_at_the_feature_bound_so_honest_uploads_always_pass():
+    strategy, clients, plan, _, ups = fedlog_round(feature_bound=0.05)
+    assert verdicts(strategy, plan, ups) == [None] * len(SIZES)
+    c = clients[0]
+    from strategy_helpers import network_output
+    features = network_output(strategy, c).double()
+    assert features.max() > 0.05  # the clamp is active
+    table = torch.zeros_like(ups[0].tensors["statistics"], dtype=torch.float64)
+    table[:, 0] = torch.bincount(c.data.train_y, minlength=table.shape[0]).double()
+    table[:, 1:].index_add_(0, c.data.train_y, features.clamp(max=0.05))
+    torch.testing.assert_close(ups[0].tensors["statistics"].double(), table,
+                               rtol=1e-6, atol=1e-7)  # float32 upload
+
+
+def test_median_statistics_aggregation_uses_the_median_class_mean_times_the_count():
+    strategy, _, _, state, ups = fedlog_round(statistics_aggregation="median",
+                                              absent_clients="omit")
+    new = strategy.aggregate(state, ups, 0, torch.Generator())
+    tables = np.stack([u.tensors["statistics"].double().numpy() for u in ups])
+    counts = tables[:, :, 0]
+    want = np.zeros_like(tables[0])
+    want[:, 0] = counts.sum(0)
+    for y in range(tables.shape[1]):
+        holders = counts[:, y] > 0
+        means = tables[holders, y, 1:] / counts[holders, y, None]
+        want[y, 1:] = counts[:, y].sum() * np.median(means, axis=0)
+    np.testing.assert_allclose(new["statistics"].numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_median_statistics_aggregation_is_refused_for_noisy_local_dp_uploads():
+    with pytest.raises(ConfigError, match="needs exact class counts"):
+        make_strategy("fedlog-dp-local", context(), statistics_aggregation="median")
+    with pytest.raises(ConfigError, match="set clip, not feature_bound"):
+        make_strategy("fedlog-dp-central", context(), feature_bound=3.0)
