@@ -1,0 +1,217 @@
+"""Federated temperature scaling: the held-out split, the message protocol, its validation, and
+equality with centralised temperature scaling on the pooled held-out data."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bayesfl.calibrate import (
+    DEFAULT_HELD_OUT_FRACTION,
+    PROPOSAL_SCHEMA,
+    PROTOCOL,
+    REPLY_SCHEMA,
+    CalibrationSpec,
+    TemperatureClient,
+    calibrated,
+    federated_temperature_search,
+    hold_out,
+    parse_calibrate,
+    proposal_message,
+    reply_problem,
+    result_message,
+    temperature_of,
+)
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, decode, encode, validate
+from calibration.temperature import NLLDerivatives, fit_temperature, nll_derivatives
+
+
+def client_probabilities(seed: int, sizes, num_classes: int = 4, sharpen: float = 2.5):
+    """Per client: an overconfident predictive (probabilities) on its held-out data + labels."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        logits = rng.normal(size=(n, num_classes)) * 1.5
+        truth = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+        labels = np.array([rng.choice(num_classes, p=p) for p in truth])
+        sharp = np.exp(logits * sharpen)
+        out.append((torch.from_numpy(sharp / sharp.sum(1, keepdims=True)),
+                    torch.from_numpy(labels)))
+    return out
+
+
+def temperature_clients(data):
+    return [TemperatureClient.from_probabilities(k, p, y) for k, (p, y) in enumerate(data)]
+
+
+# ---- configuration and the held-out split -------------------------------------------------------
+def test_calibrate_settings_are_parsed_or_refused():
+    assert parse_calibrate(None) is None
+    assert parse_calibrate("temperature") == CalibrationSpec("temperature",
+                                                             DEFAULT_HELD_OUT_FRACTION)
+    assert parse_calibrate("temperature:0.3") == CalibrationSpec("temperature", 0.3)
+    for bad in ("platt", "temperature:1.5", "temperature:x", "", 1):
+        with pytest.raises(ConfigError, match="calibrate"):
+            parse_calibrate(bad)
+
+
+def make_client(client_id, labels):
+    labels = torch.as_tensor(labels)
+    x = torch.arange(len(labels), dtype=torch.float32)[:, None].repeat(1, 3)
+    return ClientData(client_id, x, labels, x[:2], labels[:2],
+                      train_indices=np.arange(len(labels)) + 100 * client_id,
+                      test_indices=np.array([0, 1]))
+
+
+def test_held_out_data_are_a_stratified_disjoint_share_of_each_clients_training_data():
+    clients = [make_client(0, [0] * 20 + [1] * 10), make_client(1, [2] * 7), make_client(2, [3])]
+    kept, held = hold_out(clients, 0.2, seed=0)
+    for before, after in zip(clients, kept, strict=True):
+        assert after.client_id == before.client_id and after.test_y is before.test_y
+    # 30 samples: round(30 * 0.2) = 6 held out, 4 of class 0 and 2 of class 1
+    assert held[0].size == 6 and sorted(held[0].y.tolist()) == [0, 0, 0, 0, 1, 1]
+    assert kept[0].num_train == 24
+    together = np.concatenate([kept[0].train_indices, held[0].indices])
+    assert sorted(together.tolist()) == clients[0].train_indices.tolist()  # disjoint, complete
+    # the rows travel with their indices
+    rows = held[0].x[:, 0].long().numpy()
+    assert (clients[0].train_indices[rows] == held[0].indices).all()
+    assert held[1].size == 1 and kept[1].num_train == 6  # at least one held out
+    assert 2 not in held and kept[2] is clients[2]  # one sample: nothing to hold out
+    _, held_again = hold_out(clients, 0.2, seed=0)
+    assert (held_again[0].indices == held[0].indices).all()  # seeded
+
+
+# ---- the protocol ----------------------------------------------------------------------------
+def test_a_reply_carries_four_numbers_of_the_clients_held_out_data():
+    (probs, labels), = client_probabilities(0, [30])
+    client = TemperatureClient.from_probabilities(3, probs, labels)
+    proposal = decode(encode(proposal_message(5, 0.25)))
+    validate(proposal, PROPOSAL_SCHEMA, strategy=PROTOCOL, direction="down")
+    reply = decode(encode(client.reply(proposal)))
+    validate(reply, REPLY_SCHEMA, strategy=PROTOCOL, round=5, client_id=3, direction="up")
+    assert reply.num_elements == 4  # never predictions: 3 float64 and a count
+    expected = nll_derivatives(probs, labels, 0.25, from_logits=False)
+    np.testing.assert_allclose(reply.tensors["nll_derivatives"].numpy(),
+                               [expected.nll_sum, expected.d1, expected.d2], rtol=1e-13)
+    assert int(reply.tensors["num_samples"]) == 30
+
+
+def test_a_client_refuses_a_proposal_of_the_wrong_shape():
+    (probs, labels), = client_probabilities(1, [10])
+    client = TemperatureClient.from_probabilities(0, probs, labels)
+    bad = Message(proposal_message(0, 0.0).header,
+                  {"log_temperature": torch.zeros(2, dtype=torch.float64)})
+    with pytest.raises(MessageRejected, match="shape"):
+        client.reply(bad)
+
+
+def test_federated_temperature_equals_centralised_temperature_on_the_pooled_data():
+    data = client_probabilities(2, [13, 40, 7, 25, 60, 1])
+    outcome = federated_temperature_search(temperature_clients(data), num_classes=4)
+    pooled = fit_temperature(torch.cat([p for p, _ in data]), torch.cat([y for _, y in data]),
+                             from_logits=False)
+    # the acceptance tolerance is 1e-6; summing per client changes only the rounding (~1e-13)
+    assert outcome.fit.temperature == pytest.approx(pooled.temperature, rel=1e-6, abs=0)
+    assert outcome.fit.temperature == pytest.approx(pooled.temperature, rel=1e-11)
+    assert outcome.fit.temperature > 1.5  # 2.5x sharpened: a real correction was needed
+    assert outcome.fit.count == 146 and outcome.participants == list(range(6))
+    assert outcome.steps == outcome.fit.evaluations <= 12
+    assert outcome.rejections == [] and outcome.restarts == 0 and outcome.error is None
+
+
+def test_bytes_and_numbers_of_the_step_are_counted_on_the_encoded_messages():
+    data = client_probabilities(3, [20, 30, 40])
+    outcome = federated_temperature_search(temperature_clients(data), num_classes=4)
+    proposal_bytes = len(encode(proposal_message(0, 0.0)))
+    reply_bytes = len(encode(temperature_clients(data)[0].reply(proposal_message(0, 0.0))))
+    # every proposal goes to 3 clients, every client answers each one
+    assert outcome.floats_down == 3 * outcome.steps and outcome.floats_up == 4 * 3 * outcome.steps
+    # encoded sizes vary by a few bytes with the digits of the round number in the header
+    assert abs(outcome.bytes_down - 3 * outcome.steps * proposal_bytes) <= 3 * outcome.steps * 4
+    assert abs(outcome.bytes_up - 3 * outcome.steps * reply_bytes) <= 3 * outcome.steps * 4
+    assert reply_bytes > 4 * 8  # the numbers plus the header and digest
+
+
+def test_the_result_broadcast_scales_the_clients_predictive():
+    (probs, _), = client_probabilities(4, [15])
+    message = decode(encode(result_message(7, 2.0)))
+    temperature = temperature_of(message)
+    assert temperature == 2.0
+    expected = probs.sqrt() / probs.sqrt().sum(1, keepdim=True)
+    torch.testing.assert_close(calibrated(probs, temperature), expected, rtol=1e-12, atol=0)
+    bad = Message(message.header, {"temperature": torch.tensor([-1.0], dtype=torch.float64)})
+    with pytest.raises(MessageRejected, match="> 0"):
+        temperature_of(bad)
+
+
+# ---- validation on receipt ---------------------------------------------------------------------
+@pytest.mark.parametrize("s", [math.log(0.01), -1.0, 0.0, 1.3, math.log(100.0)])
+def test_honest_replies_satisfy_the_bounds_at_every_temperature(s):
+    for probs, labels in client_probabilities(5, [1, 50], sharpen=6.0):
+        point = nll_derivatives(probs, labels, s, from_logits=False)
+        assert reply_problem(point, 4, None) is None
+    # extremes: certain and right, certain and wrong, uniform
+    eye = torch.eye(4, dtype=torch.float64)
+    for labels in (torch.arange(4), torch.tensor([1, 2, 3, 0])):
+        assert reply_problem(nll_derivatives(eye, labels, s, from_logits=False), 4, None) is None
+    uniform = torch.full((3, 4), 0.25, dtype=torch.float64)
+    point = nll_derivatives(uniform, torch.arange(3), s, from_logits=False)
+    assert reply_problem(point, 4, None) is None
+
+
+@pytest.mark.parametrize("tamper, reason", [
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] * torch.tensor([-1.0, 1, 1],
+                                                                            dtype=torch.float64)},
+     "summed NLL"),
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, 1e9, 0],
+                                                                            dtype=torch.float64)},
+     "first derivative"),
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, 0, -1e9],
+                                                                            dtype=torch.float64)},
+     "second derivative"),
+    (lambda t: {**t, "num_samples": t["num_samples"] * 0}, "num_samples must be >= 1"),
+    (lambda t: {**t, "nll_derivatives": torch.full((3,), math.nan, dtype=torch.float64)},
+     "non-finite"),
+    (lambda t: {**t, "predictions": torch.zeros(5)}, "unexpected tensors"),
+])
+def test_a_tampered_reply_drops_its_client_and_the_rest_still_get_their_pooled_temperature(
+        tamper, reason):
+    data = client_probabilities(6, [30, 20, 25])
+
+    def hook(step, client_id, data_bytes):
+        if client_id != 1 or step != 1:
+            return data_bytes
+        message = decode(data_bytes)
+        return encode(Message(message.header, tamper(dict(message.tensors))))
+
+    outcome = federated_temperature_search(temperature_clients(data), 4, upload_hook=hook)
+    assert [r["client_id"] for r in outcome.rejections] == [1]
+    assert reason in outcome.rejections[0]["reason"] and outcome.rejections[0]["step"] == 1
+    assert outcome.restarts == 1 and outcome.participants == [0, 2]
+    rest = [data[0], data[2]]
+    pooled = fit_temperature(torch.cat([p for p, _ in rest]), torch.cat([y for _, y in rest]),
+                             from_logits=False)
+    assert outcome.fit.temperature == pytest.approx(pooled.temperature, rel=1e-11)
+
+
+def test_a_sample_count_that_changes_between_proposals_is_rejected():
+    point = NLLDerivatives(0.0, 10.0, 1.0, 2.0, 12)
+    assert "changed" in reply_problem(point, 4, expected_count=11)
+
+
+def test_garbage_bytes_are_rejected_and_with_no_one_left_no_temperature_is_fitted():
+    data = client_probabilities(7, [10, 10])
+    outcome = federated_temperature_search(temperature_clients(data), 4,
+                                           upload_hook=lambda step, cid, b: b"\x00" * 40)
+    assert outcome.fit is None and outcome.participants == []
+    assert "no client" in outcome.error
+    assert all("not a bayesfl message" in r["reason"] for r in outcome.rejections)
+
+
+def test_a_search_without_participants_reports_an_error_instead_of_failing():
+    outcome = federated_temperature_search([], num_classes=3)
+    assert outcome.fit is None and outcome.steps == 0 and outcome.error
