@@ -11,8 +11,8 @@
 * :func:`mean_field_optimum`: the maximiser of that ELBO over ``(μ, log σ)`` by scipy's L-BFGS-B
   on float64 autograd gradients.
 * :func:`gaussian_regression`: the closed-form posterior of Bayesian linear regression at any
-  prior precision (for the mean-field optimum of a Gaussian posterior: exact means, variances
-  ``1 / Λᵢᵢ``).
+  prior precision and mean (for the mean-field optimum of a Gaussian posterior: exact means,
+  variances ``1 / Λᵢᵢ``).
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ class RegressionTruth:
 
 
 @functools.cache
-def gaussian_regression(prior_precision: float, noise_std: float = 2.0, num_data: int = 40,
-                        seed: int = 0) -> RegressionTruth:
-    """Closed-form posterior of ``y = W [1, x] + N(0, σ²)``, ``W ~ N(0, I/λ)``:
-    ``Λ = λ I + XᵀX / σ²``, ``μ = Λ⁻¹ Xᵀ y / σ²``. With the default ``σ = 2`` the data's
-    precision (``XᵀX / σ² ≈ 10`` per direction) is comparable to a prior of λ = 25, so
+def gaussian_regression(prior_precision: float, prior_mean: float = 0.0, noise_std: float = 2.0,
+                        num_data: int = 40, seed: int = 0) -> RegressionTruth:
+    """Closed-form posterior of ``y = W [1, x] + N(0, σ²)``, ``W ~ N(μ₀, I/λ)``:
+    ``Λ = λ I + XᵀX / σ²``, ``μ = Λ⁻¹ (λ μ₀ + Xᵀ y / σ²)``. With the default ``σ = 2`` the
+    data's precision (``XᵀX / σ² ≈ 10`` per direction) is comparable to a prior of λ = 25, so
     confusing λ with √λ or 1/λ changes the posterior by a large factor."""
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(num_data, 2, generator=gen, dtype=F64)
@@ -135,6 +135,6 @@ def gaussian_regression(prior_precision: float, noise_std: float = 2.0, num_data
     targets = inputs @ true_w + noise_std * torch.randn(num_data, generator=gen, dtype=F64)
     precision = prior_precision * torch.eye(3, dtype=F64) + inputs.T @ inputs / noise_std**2
     covariance = torch.linalg.inv(precision)
-    mean = covariance @ (inputs.T @ targets) / noise_std**2
+    mean = covariance @ (prior_precision * prior_mean + inputs.T @ targets / noise_std**2)
     return RegressionTruth(features, targets, noise_std, prior_precision, mean[None],
                            covariance, precision)

@@ -16,6 +16,7 @@ from tests.inference.ground_truth import (  # noqa: F401  (fixture)
     single_intra_op_thread,
     softmax_regression,
 )
+from tests.inference.mean_field_reference import gaussian_regression
 
 pytestmark = pytest.mark.usefixtures("single_intra_op_thread")
 
@@ -94,6 +95,26 @@ def test_linear_regression_sample_moments_match_the_closed_form(batch_size, prec
     bias = (0.10 if batch_size is not None else 0.025) * truth.covariance.diagonal()
     var_error = (post.marginal_variance()[0] - truth.covariance.diagonal()).abs()
     assert (var_error <= 4 * var_se[0] + bias).all(), (var_error, var_se)
+
+
+@pytest.mark.parametrize(("precision", "prior_mean"), [(25.0, 0.0), (0.04, 0.0), (25.0, 0.5)])
+def test_prior_precision_other_than_one_gives_the_closed_form_posterior(precision, prior_mean):
+    # At λ = 1 a prior gradient of −λ(θ − μ₀), −√λ(θ − μ₀) or −(θ − μ₀)/λ are the same; at
+    # λ = 25 with data as informative as the prior (σ = 2: XᵀX/σ² ≈ 10 per direction) they give
+    # posterior variances ≈ 35⁻¹, 15⁻¹ and 10⁻¹, at λ = 0.04 a prior 25x too strong or weak
+    # moves the mean. μ₀ = 0.5 checks that the prior pulls towards its mean.
+    truth = gaussian_regression(precision, prior_mean)
+    chains = 16
+    post = fit_sgld_head(truth.features, truth.targets, 1, likelihood="gaussian",
+                         noise_std=truth.noise_std, prior_precision=precision,
+                         prior_mean=prior_mean, num_samples=400, thinning=5, burn_in=500,
+                         num_chains=chains, batch_size=None, seed=2)
+    mean_se, var_se = chain_standard_errors(post, chains)
+    # Tolerances as in the λ = 1 test above (4 Monte-Carlo standard errors, plus the ≤ 2.5 %
+    # discretisation bias of the variance at ε = 0.1 / L).
+    assert ((post.mean - truth.mean).abs() <= 4 * mean_se).all(), (post.mean, truth.mean)
+    var_error = (post.marginal_variance()[0] - truth.covariance.diagonal()).abs()
+    assert (var_error <= 4 * var_se[0] + 0.025 * truth.covariance.diagonal()).all(), var_error
 
 
 def test_softmax_regression_sample_moments_match_the_exact_posterior():
