@@ -37,6 +37,7 @@ communication rounds and bytes of the step, and any rejections.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,7 @@ from bayesfl.data.clients import ClientData, stratified_split
 from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import SimulatedClient
-from bayesfl.messages import Header, Message, TensorSpec, decode, encode, validate
+from bayesfl.messages import Header, KeyRing, Message, TensorSpec, decode, encode, validate
 from bayesfl.strategies.base import PREDICTIVE, ClientState, Evaluation, Strategy
 from calibration.accumulator import Accumulator
 from calibration.errors import CalibrationError
@@ -265,10 +266,10 @@ def reply_problem(
 
 def _received_reply(
     data: Any, step: int, client_id: int, log_temperature: float, num_classes: int,
-    expected_count: int | None,
+    expected_count: int | None, key: bytes | None,
 ) -> NLLDerivatives:
     """Decode and validate one reply (server side); MessageRejected with the reason."""
-    message = decode(data, max_bytes=_REPLY_MAX_BYTES)
+    message = decode(data, max_bytes=_REPLY_MAX_BYTES, key=key)
     validate(message, REPLY_SCHEMA, strategy=PROTOCOL, round=step, direction="up",
              client_id=client_id)
     nll_sum, d1, d2 = (float(v) for v in message.tensors["nll_derivatives"])
@@ -318,17 +319,19 @@ def federated_temperature_search(
     *,
     bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
     upload_hook: UploadHook | None = None,
+    keys: KeyRing | None = None,
 ) -> FederatedTemperature:
     """The server's search over messages, with every client answering from its own data.
 
     Replies are summed in client order; a rejected or failing client is dropped and the
-    search restarts over the rest (module docstring).
+    search restarts over the rest (module docstring). With ``keys`` every message carries an
+    HMAC (the server's key down, each client's own key up), as the run's other messages do.
     """
     outcome = FederatedTemperature(fit=None, participants=[c.client_id for c in clients])
     active = list(clients)
     while active:
         try:
-            outcome.fit = _search_once(active, num_classes, bounds, upload_hook, outcome)
+            outcome.fit = _search_once(active, num_classes, bounds, upload_hook, keys, outcome)
             outcome.participants = [c.client_id for c in active]
             return outcome
         except _Restart:
@@ -345,22 +348,24 @@ def federated_temperature_search(
 
 def _search_once(
     active: Sequence[TemperatureClient], num_classes: int, bounds: tuple[float, float],
-    upload_hook: UploadHook | None, outcome: FederatedTemperature,
+    upload_hook: UploadHook | None, keys: KeyRing | None, outcome: FederatedTemperature,
 ) -> TemperatureFit:
+    server_key = None if keys is None else keys.server_key
     search = temperature_search(bounds)
     s = next(search)
     counts: dict[int, int] = {}
     while True:
         step = outcome.steps
-        down = encode(proposal_message(step, s))
+        down = encode(proposal_message(step, s), key=server_key)
         outcome.steps += 1
         outcome.bytes_down += len(down) * len(active)
         outcome.floats_down += len(active)
         points: list[NLLDerivatives] = []
         rejected = False
         for client in active:
-            try:
-                up = encode(client.reply(decode(down)))  # the client's side, from bytes
+            client_key = None if keys is None else keys.client_key(client.client_id)
+            try:  # the client's side, from the bytes it received
+                up = encode(client.reply(decode(down, key=server_key)), key=client_key)
             except (BayesFLError, CalibrationError, ValueError) as err:
                 outcome.rejections.append({"step": step, "client_id": client.client_id,
                                            "reason": f"client failed to answer: {err}"})
@@ -372,7 +377,7 @@ def _search_once(
             outcome.floats_up += 4
             try:
                 point = _received_reply(up, step, client.client_id, s, num_classes,
-                                        counts.get(client.client_id))
+                                        counts.get(client.client_id), client_key)
             except MessageRejected as err:
                 outcome.rejections.append({"step": step, "client_id": client.client_id,
                                            "reason": err.reason})
@@ -400,14 +405,20 @@ class CalibrationOutcome:
         search: the federated search's outcome.
         evaluation: the clients' evaluation of their temperature-scaled predictive on their
             test data (None when no temperature was fitted).
-        held_out_samples: held-out samples over all clients.
+        held_out: client id -> its held-out data (what the clients fitted T on).
         held_out_fraction: the share of training data held out.
+        seconds: wall-clock time of the step.
     """
 
     search: FederatedTemperature
     evaluation: RoundEvaluation | None
-    held_out_samples: int
+    held_out: Mapping[int, HeldOut]
     held_out_fraction: float
+    seconds: float = 0.0
+
+    @property
+    def held_out_samples(self) -> int:
+        return sum(d.size for d in self.held_out.values())
 
     def summary(self, uncalibrated: Mapping[str, Any]) -> dict[str, Any]:
         """``summary["calibration"]``: T, the step's costs and both sets of figures."""
@@ -433,6 +444,7 @@ class CalibrationOutcome:
             "floats_down": search.floats_down,
             "rejections": search.rejections,
             "error": search.error,
+            "seconds": self.seconds,
             "uncalibrated": {k: uncalibrated[k] for k in _FIGURES if k in uncalibrated},
             "calibrated": None,
         }
@@ -457,6 +469,7 @@ def calibrate_run(
     n_bins: int,
     states: Mapping[int, ClientState] | None = None,
     upload_hook: UploadHook | None = None,
+    keys: KeyRing | None = None,
 ) -> CalibrationOutcome:
     """Run the step after a simulation's last round (``strategy``: the client half).
 
@@ -464,6 +477,7 @@ def calibrate_run(
     given, e.g. personalised) and takes part in the search; then the server broadcasts T and
     every client evaluates its temperature-scaled predictive on its test data.
     """
+    start = time.perf_counter()
     participants: list[TemperatureClient] = []
     for client in clients:
         data = held_out.get(client.client_id)
@@ -476,24 +490,25 @@ def calibrate_run(
         except CalibrationError:  # an invalid predictive: the client sits the step out
             continue
     search = federated_temperature_search(participants, strategy.num_classes,
-                                          upload_hook=upload_hook)
-    samples = sum(d.size for d in held_out.values())
+                                          upload_hook=upload_hook, keys=keys)
     if search.fit is None:
-        return CalibrationOutcome(search, None, samples, spec.held_out_fraction)
-    result = encode(result_message(search.steps, search.fit.temperature))
+        return CalibrationOutcome(search, None, held_out, spec.held_out_fraction,
+                                  time.perf_counter() - start)
+    server_key = None if keys is None else keys.server_key
+    result = encode(result_message(search.steps, search.fit.temperature), key=server_key)
     search.bytes_down += len(result) * len(clients)
     search.floats_down += len(clients)
     evaluations = []
     for client in clients:
-        temperature = temperature_of(decode(result))  # what each client receives
+        temperature = temperature_of(decode(result, key=server_key))  # what it receives
         probs = calibrated(_predict(strategy, client, states, broadcast, client.data.test_x),
                            temperature)
         labels = client.data.test_y.cpu()
         accumulator = Accumulator(n_bins).update(probs.cpu(), labels)
         evaluations.append(Evaluation(client.client_id, {PREDICTIVE: accumulator},
                                       {PREDICTIVE: probs.cpu()}, labels))
-    return CalibrationOutcome(search, merge_evaluations(evaluations), samples,
-                              spec.held_out_fraction)
+    return CalibrationOutcome(search, merge_evaluations(evaluations), held_out,
+                              spec.held_out_fraction, time.perf_counter() - start)
 
 
 @torch.no_grad()
