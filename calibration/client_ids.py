@@ -58,14 +58,22 @@ def client_id_array(client_ids: Any, n_samples: int) -> np.ndarray:
 
 def _from_objects(ids: np.ndarray) -> np.ndarray:
     """Python objects as a typed array, refusing None, mixed kinds and non-id values."""
-    kinds = {}
-    for kind in set(map(type, ids)):
-        kinds.setdefault(_kind(kind), kind)
+    types = set(map(type, ids))
+    kinds = {_kind(kind) for kind in types}
     if None in kinds:
         first = _first(ids, lambda v: _kind(type(v)) is None)
         value = ids[first]
         what = "missing (None)" if value is None else f"a {type(value).__name__} ({value!r})"
         raise InvalidInputError(f"client_ids[{first}] is {what}; {_ADVICE}")
+    has_floats = any(issubclass(kind, float | np.floating) for kind in types)
+    if has_floats:
+        missing = [i for i, v in enumerate(ids)
+                   if isinstance(v, float | np.floating) and math.isnan(v)]
+        if missing:  # how pandas marks an empty cell of a text column
+            raise InvalidInputError(
+                f"client_ids[{missing[0]}] is missing (NaN) ({len(missing)} such ids); every "
+                "sample needs a client id (fill or drop the rows without one)"
+            )
     if len(kinds) > 1:
         number = _first(ids, lambda v: _kind(type(v)) == "number")
         text = _first(ids, lambda v: _kind(type(v)) == "text")
@@ -75,7 +83,7 @@ def _from_objects(ids: np.ndarray) -> np.ndarray:
         )
     if "text" in kinds:
         return ids.astype(str)
-    if any(issubclass(kind, float | np.floating) for kind in kinds.values()):
+    if has_floats:
         return ids.astype(np.float64)
     try:
         return ids.astype(np.int64)

@@ -15,3 +15,8 @@ class InvalidInputError(CalibrationError, ValueError):
 
 class FileFormatError(CalibrationError, ValueError):
     """A prediction file that cannot be read safely or lacks the expected keys/columns."""
+
+
+class CalibrationWarning(UserWarning):
+    """Something in the input was set aside or reinterpreted, and the result depends on it
+    (e.g. a pandas index column ignored in a CSV file)."""

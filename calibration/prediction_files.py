@@ -8,25 +8,43 @@ Layouts (the kind of score is always stated, never guessed from the values):
   tensors only (a dict of tensors, or one tensor of scores).
 * ``.npy``: one (N, K) array of scores; labels then come from a separate file.
 * ``.csv``: a header row; a ``label`` (or ``labels``) column, an optional ``client_id`` (or
-  ``client_ids``) column, and every other column is one class score, in file order.
+  ``client_ids``) column, and every other column is one class score, in file order. A first
+  column without a header name holding distinct integers is the index pandas writes by default
+  (``DataFrame.to_csv`` without ``index=False``): it is ignored, with a
+  :class:`calibration.errors.CalibrationWarning` saying so.
 * a separate labels file: ``.npy`` (N,), ``.npz``/``.pt`` with ``labels`` (or a single
   array/tensor), or ``.csv`` with a ``label``/``labels`` column (or a single column).
 
-Problems raise :class:`calibration.errors.FileFormatError` saying what was found.
+Every file is opened and bounded as :mod:`calibration.bounded_files` describes: it must be a
+regular file (a directory, FIFO, device or symlink loop is named as such), and no file may hold
+or decompress to more than ``max_bytes`` (:data:`MAX_FILE_BYTES`, 1 GiB, by default); sizes
+are checked from the file's own declarations before anything is allocated. Problems raise
+:class:`calibration.errors.FileFormatError` saying what was found.
 """
 
 from __future__ import annotations
 
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
-from calibration.errors import FileFormatError
+from calibration.bounded_files import (
+    MAX_FILE_BYTES,
+    check_size,
+    file_size,
+    open_archive,
+    open_regular_file,
+    read_npy,
+    read_npz,
+)
+from calibration.errors import CalibrationWarning, FileFormatError
+from calibration.inputs import positive_int
 
 LABEL_KEYS = ("labels", "label")
 CLIENT_KEYS = ("client_ids", "client_id")
@@ -50,15 +68,18 @@ def load_predictions(
     logits: bool = False,
     label_key: str | None = None,
     client_key: str | None = None,
+    max_bytes: int = MAX_FILE_BYTES,
 ) -> Predictions:
     """Read predictions (and labels, client ids) from ``path``; see the module docstring.
 
     ``label_key``/``client_key`` name the entry or column to use instead of the defaults; a
-    named client key must exist, the default ones are used when present.
+    named client key must exist, the default ones are used when present. ``max_bytes``: the
+    most bytes each file may hold or decompress to.
     """
     path = Path(path)
+    max_bytes = positive_int(max_bytes, "max_bytes")
     score_key = "logits" if logits else "probs"
-    table = _read_table(path)
+    table = _read_table(path, max_bytes)
     if isinstance(table, _Columns):
         scores = table.score_matrix(exclude=(label_key, client_key, *LABEL_KEYS, *CLIENT_KEYS))
     elif isinstance(table, dict):
@@ -76,7 +97,7 @@ def load_predictions(
         scores = table
 
     if labels_path is not None:
-        labels = _read_labels(Path(labels_path), label_key)
+        labels = _read_labels(Path(labels_path), label_key, max_bytes)
     elif isinstance(table, dict | _Columns):
         labels = _pick(table, path, label_key, LABEL_KEYS, "labels")
     else:
@@ -130,53 +151,40 @@ def _pick(table: dict, path: Path, key: str | None, defaults: tuple[str, ...], w
     return None
 
 
-def _read_table(path: Path) -> dict | np.ndarray | torch.Tensor:
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
+def _read_table(path: Path, max_bytes: int) -> dict | np.ndarray | torch.Tensor:
+    with open_regular_file(path) as handle:  # first: say what the path is, whatever its name
+        suffix = path.suffix.lower()
+        if suffix not in SUFFIXES:
+            raise FileFormatError(
+                f"{path.name}: unsupported file type {suffix!r}; use one of {', '.join(SUFFIXES)}"
+            )
+        if suffix == ".npz":
+            return read_npz(handle, path.name, max_bytes)
+        if suffix == ".npy":
+            return read_npy(handle, path.name, max_bytes)
+        if suffix == ".pt":
+            return _read_pt(handle, path.name, max_bytes)
+        return _read_csv(handle, path.name, max_bytes)
+
+
+def _read_pt(handle: BinaryIO, name: str, max_bytes: int) -> dict[str, torch.Tensor] | torch.Tensor:
+    # torch.save writes a zip archive (since torch 1.6): its declared sizes bound what loading
+    # allocates. The older format declares storage sizes inside the pickle, unbounded: refused.
+    if not zipfile.is_zipfile(handle):
         raise FileFormatError(
-            f"{path.name}: unsupported file type {suffix!r}; use one of {', '.join(SUFFIXES)}"
+            f"{name}: not a zip-format .pt file (torch.save has written zip archives since "
+            "torch 1.6); re-save it with a current torch, or save the arrays as .npz"
         )
-    if not path.is_file():
-        raise FileFormatError(f"{path}: no such file")
-    if suffix == ".npz":
-        return _read_npz(path)
-    if suffix == ".npy":
-        return _read_npy(path)
-    if suffix == ".pt":
-        return _read_pt(path)
-    return _read_csv(path)
-
-
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    handle.seek(0)
+    open_archive(handle, name, max_bytes).close()
+    handle.seek(0)
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except ValueError as err:
-        if "pickle" in str(err).lower() or "object arrays" in str(err).lower():
-            raise FileFormatError(f"{path.name}: refusing pickled data (object arrays)") from None
-        raise FileFormatError(f"{path.name}: not a readable .npz file ({err})") from None
-    except (OSError, zipfile.BadZipFile, EOFError) as err:
-        raise FileFormatError(f"{path.name}: not a readable .npz file ({err})") from None
-
-
-def _read_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except ValueError as err:
-        if "pickle" in str(err).lower() or "object arrays" in str(err).lower():
-            raise FileFormatError(f"{path.name}: refusing pickled data") from None
-        raise FileFormatError(f"{path.name}: not a readable .npy file ({err})") from None
-    except (OSError, EOFError) as err:
-        raise FileFormatError(f"{path.name}: not a readable .npy file ({err})") from None
-
-
-def _read_pt(path: Path) -> dict[str, torch.Tensor] | torch.Tensor:
-    try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
+        content = torch.load(handle, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
+            zipfile.BadZipFile) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileFormatError(
-            f"{path.name}: not a tensors-only .pt file (loaded with weights_only=True): {reason}"
+            f"{name}: not a tensors-only .pt file (loaded with weights_only=True): {reason}"
         ) from None
     if isinstance(content, torch.Tensor):
         return content
@@ -185,27 +193,53 @@ def _read_pt(path: Path) -> dict[str, torch.Tensor] | torch.Tensor:
     ):
         return dict(content)
     raise FileFormatError(
-        f"{path.name}: expected a tensor or a dict of name -> tensor; got {type(content).__name__}"
+        f"{name}: expected a tensor or a dict of name -> tensor; got {type(content).__name__}"
     )
 
 
-def _read_csv(path: Path) -> _Columns:
+_UNNAMED = "Unnamed: 0"  # what pandas calls a first column whose header cell is empty
+
+
+def _read_csv(handle: BinaryIO, name: str, max_bytes: int) -> _Columns:
+    check_size(file_size(handle), f"{name}: the CSV file holds", max_bytes)
     import pandas as pd  # pandas comes with seaborn; imported lazily, only for CSV
 
     try:
-        frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as err:
-        raise FileFormatError(f"{path.name}: not a readable CSV file ({err})") from None
+        frame = pd.read_csv(handle)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError,
+            ValueError) as err:
+        reason = " ".join(str(err).split())
+        raise FileFormatError(f"{name}: not a readable CSV file ({reason})") from None
     if frame.shape[0] == 0:
-        raise FileFormatError(f"{path.name}: the CSV has a header but no rows")
+        raise FileFormatError(f"{name}: the CSV has a header but no rows")
+    if len(frame.columns) and str(frame.columns[0]) == _UNNAMED:
+        frame = _without_index_column(frame, name)
     columns = _Columns()
-    for name in frame.columns:
-        columns[str(name).strip()] = frame[name].to_numpy()
+    for column in frame.columns:
+        columns[str(column).strip()] = frame[column].to_numpy()
     return columns
 
 
-def _read_labels(path: Path, label_key: str | None) -> Any:
-    table = _read_table(path)
+def _without_index_column(frame: Any, name: str) -> Any:
+    """Drop a first column with an empty header that holds distinct integers: the row index
+    pandas writes unless told ``index=False``. Anything else there is kept as it is."""
+    values = frame.iloc[:, 0].to_numpy()
+    if values.dtype.kind not in "iu" or len(np.unique(values)) != len(values):
+        return frame
+    if np.array_equal(values, np.arange(len(values))):
+        what = f"rows numbered 0..{len(values) - 1}"
+    else:
+        what = "distinct integers"
+    warnings.warn(
+        f"{name}: ignoring the first column: it has no header name and holds {what}, the "
+        "index pandas writes by default (save with DataFrame.to_csv(..., index=False) to leave "
+        "it out)", CalibrationWarning, stacklevel=4,
+    )
+    return frame.iloc[:, 1:]
+
+
+def _read_labels(path: Path, label_key: str | None, max_bytes: int) -> Any:
+    table = _read_table(path, max_bytes)
     if isinstance(table, dict | _Columns):
         if label_key is None and len(table) == 1:
             return next(iter(table.values()))
