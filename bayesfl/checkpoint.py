@@ -11,15 +11,23 @@ missing, corrupt or foreign file with a :class:`bayesfl.errors.CheckpointError` 
 to do.
 
 The fingerprint is taken from ``save_checkpoint(..., fingerprint=...)`` or else from
-``meta["fingerprint"]``; one of the two is required.
+``meta["fingerprint"]``; one of the two is required. When the fingerprint differs and both the
+checkpoint's meta and the caller hold the configuration (``meta["config"]``,
+``load_checkpoint(..., config=...)``), the error lists the settings that differ.
+
+Only a regular file of at most :data:`MAX_CHECKPOINT_BYTES` is read: a directory, a FIFO, a
+device such as ``/dev/zero`` (also behind a symlink) or a symlink loop is refused by name, and
+the JSON in the metadata is parsed with its size and nesting bounded.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,11 +38,18 @@ import torch
 from safetensors.torch import load as _safetensors_load
 from safetensors.torch import save as _safetensors_save
 
-from bayesfl.errors import CheckpointError, ConfigError
+from bayesfl.errors import BayesFLError, CheckpointError, ConfigError
 from bayesfl.messages import contiguous_cpu_tensors, read_safetensors_metadata, tensor_digest
 
 _FORMAT = "bayesfl-checkpoint"
 _KEY = "bayesfl."
+
+MAX_CHECKPOINT_BYTES = 16 * 2**30
+"""The largest checkpoint file read (16 GiB): far above any simulator run's server and client
+states, and a bound on what a damaged or planted file can make the reader allocate."""
+
+MAX_META_BYTES = 64 * 2**20
+"""The largest JSON meta read from a checkpoint's header (the metadata JSON is parsed whole)."""
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
@@ -139,45 +154,146 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, fingerprint: str
+    path: str | os.PathLike[str],
+    *,
+    fingerprint: str,
+    config: Mapping[str, Any] | None = None,
+    max_bytes: int = MAX_CHECKPOINT_BYTES,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read a checkpoint written by :func:`save_checkpoint` for the run ``fingerprint``.
+
+    Args:
+        path: the checkpoint file.
+        fingerprint: this run's :func:`config_fingerprint`.
+        config: this run's configuration (what was fingerprinted); with it, a foreign
+            checkpoint's error names the settings that differ from the ``meta["config"]`` saved.
+        max_bytes: the largest file read.
 
     Returns:
         (tensors on the CPU with their saved dtypes, meta as saved; JSON turns tuples into
         lists).
 
     Raises:
-        CheckpointError: the file is missing, is not a bayesfl checkpoint, is corrupt, or was
-            written by a run with another configuration fingerprint.
+        CheckpointError: the file is missing, is not a regular file (a directory, a device, a
+            FIFO, a symlink loop), is larger than ``max_bytes``, is not a bayesfl checkpoint,
+            is corrupt, or was written by a run with another configuration fingerprint.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as err:
-        raise CheckpointError(f"no checkpoint at {path}; start the run without resuming") from err
-    except OSError as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+    data = _read_regular_file(path, max_bytes)
     corrupt = (f"checkpoint {path} is corrupt or not a bayesfl checkpoint; delete it (or the "
                "run directory) and start the run again without resuming")
     try:
         metadata = read_safetensors_metadata(data)
-    except ValueError as err:
-        raise CheckpointError(f"{corrupt} ({err})") from err
+    except (ValueError, RecursionError, BayesFLError) as err:
+        raise CheckpointError(f"{corrupt} ({_one_line(err)})") from err
     if metadata.get(_KEY + "format") != _FORMAT:
         raise CheckpointError(f"{corrupt} (no {_KEY}format={_FORMAT} in its metadata)")
+    meta_json = metadata.get(_KEY + "meta", "")
+    if len(meta_json) > MAX_META_BYTES:
+        raise CheckpointError(f"{corrupt} (its meta is {len(meta_json):,} characters, more than "
+                              f"the limit {MAX_META_BYTES:,})")
     found = metadata.get(_KEY + "fingerprint")
     if found != fingerprint:
+        differences = _differences_from_saved(meta_json, config)
+        what = f": {differences}" if differences else ""
         raise CheckpointError(
-            f"checkpoint {path} belongs to another run configuration (fingerprint {found}, this "
-            f"run has {fingerprint}); resume with the original configuration or use a new "
-            "output directory")
+            f"checkpoint {path} belongs to another run configuration{what} (fingerprint "
+            f"{found}, this run has {fingerprint}); resume with the original configuration or "
+            "use a new output directory (the run's manifest.json lists its settings)")
     try:
         tensors = _safetensors_load(data)
-        meta_json = metadata[_KEY + "meta"]
         meta = json.loads(meta_json)
     except Exception as err:  # parser errors on damaged bytes vary; report them all the same way
-        raise CheckpointError(f"{corrupt} ({err})") from err
+        raise CheckpointError(f"{corrupt} ({_one_line(err)})") from err
     if tensor_digest(tensors, found + meta_json) != metadata.get(_KEY + "sha256"):
         raise CheckpointError(f"{corrupt} (digest mismatch)")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{corrupt} (its meta is not a JSON object)")
     return tensors, meta
+
+
+def _read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``max_bytes`` (symlinks are
+    followed; what they lead to is checked on the opened file, so it cannot be swapped)."""
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError as err:
+        raise CheckpointError(f"no checkpoint at {path}; start the run without resuming") from err
+    except OSError as err:
+        what = "is a symlink loop" if err.errno == errno.ELOOP else f"cannot be opened ({err})"
+        raise CheckpointError(f"checkpoint {path} {what}; point it at a checkpoint file or "
+                              "start the run without resuming") from err
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"checkpoint {path} is {_file_kind(info.st_mode)}, not a regular "
+                                  "file; point it at a checkpoint file or start the run without "
+                                  "resuming")
+        if info.st_size > max_bytes:
+            raise CheckpointError(f"checkpoint {path} is {info.st_size:,} bytes, more than the "
+                                  f"limit {max_bytes:,}; it is not a checkpoint of this run")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint {path}: {err}") from err
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # it grew while being read
+        raise CheckpointError(f"checkpoint {path} is more than the limit {max_bytes:,} bytes")
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _differences_from_saved(meta_json: str, config: Mapping[str, Any] | None) -> str:
+    """The settings in which ``config`` differs from the checkpoint's ``meta["config"]``, in
+    words ("" when either is unavailable)."""
+    if config is None:
+        return ""
+    try:
+        saved = json.loads(meta_json).get("config")
+        current = json.loads(json.dumps(dict(config), default=_json_default))
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return ""
+    if not isinstance(saved, dict):
+        return ""
+    lines = config_differences(saved, current)
+    shown = "; ".join(lines[:8])
+    return shown + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
+
+
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
+                       prefix: str = "") -> list[str]:
+    """``"key: checkpoint X, this run Y"`` for every key whose values differ (nested mappings
+    compared key by key, named ``outer.inner``)."""
+    lines: list[str] = []
+    for key in sorted(set(saved) | set(current), key=str):
+        a, b = saved.get(key, _ABSENT), current.get(key, _ABSENT)
+        if a == b and type(a) is type(b):
+            continue
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            lines += config_differences(a, b, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key}: checkpoint {_show(a)}, this run {_show(b)}")
+    return lines
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "(not set)"
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."

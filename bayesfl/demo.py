@@ -6,6 +6,11 @@ Prints the comparison table (mean client accuracy, pooled ECE, bytes uploaded), 
 run's directory under ``runs/demo/<strategy>/`` (metrics, summary, manifest, checkpoint,
 plots), the comparison plot ``runs/demo/accuracy.png`` and the calibration reports
 ``runs/demo/calibration_<strategy>.md``. Takes a minute or two on a laptop CPU.
+
+The demo owns its output directory: running it again replaces its previous results (each
+strategy's run directory is started again with ``force=True``). It refuses an output
+directory that holds a ``bayesfl run`` of its own (a ``manifest.json`` or checkpoint at its
+top level) unless ``--force`` is given, so it never overwrites someone's run.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from bayesfl.errors import BayesFLError, ConfigError
 from bayesfl.plots import plot_accuracy
+from bayesfl.run_directory import CHECKPOINT_NAME
 from bayesfl.simulate import SimulationResult, simulate
 from calibration.report import report
 
@@ -45,15 +51,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: half the cores, 1 to 4)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into --out even if it holds a `bayesfl run` directory")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # small models: threads cost more than they gain on a busy CPU
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        check_demo_directory(args.out, force=args.force)
+        results = run_demo(args)
+    except BayesFLError as err:
+        print(f"bayesfl.demo: error: {err}", file=sys.stderr)
+        return 2
+    report_demo(results, args)
+    return 0
+
+
+def check_demo_directory(out: Path, *, force: bool) -> None:
+    """Refuse ``out`` if it is a ``bayesfl run`` directory (not a demo's) unless ``force``."""
+    foreign = [name for name in ("manifest.json", CHECKPOINT_NAME) if (out / name).exists()]
+    if foreign and not force:
+        raise ConfigError(f"{out} holds a `bayesfl run` directory ({', '.join(foreign)}), not a "
+                          "demo's results; pass --out elsewhere, or --force to write into it")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, SimulationResult]:
+    """Both strategies, each in ``args.out / name``, started again if already there."""
     results: dict[str, SimulationResult] = {}
     for name in STRATEGIES:
         print(f"running {name} ({args.rounds} rounds) ...", flush=True)
         results[name] = simulate(name, rounds=args.rounds, seed=args.seed,
-                                 out=args.out / name, progress=not args.no_progress,
-                                 **SETTINGS)
+                                 out=args.out / name, force=True, threads=args.threads,
+                                 progress=not args.no_progress, **SETTINGS)
+    return results
+
+
+def report_demo(results: dict[str, SimulationResult], args: argparse.Namespace) -> None:
+    """Print the comparison and write the plot and the calibration reports."""
     table = comparison_table(results)
     print("\nFedLog vs FedAvg on digits, 20 clients, shards:2, mlp:200 body, "
           f"{args.rounds} rounds, seed {args.seed}\n")
@@ -74,7 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "comparison.md").write_text(table + "\n")
     print(f"\nplots and reports in {args.out}/ (accuracy.png, <strategy>/reliability.png, "
           "calibration_<strategy>.md)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -41,13 +42,16 @@ def git_commit(directory: Path | None = None) -> str | None:
     return head + ("-dirty" if dirty else "") if head else None
 
 
-def build_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Config (with its seed), versions of Python and packages, platform, git commit, time."""
+def build_manifest(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """Config (with its seed), versions of Python and packages, platform, git commit, time,
+    and the ``extra`` entries (e.g. the data's identity, the thread count)."""
     return {
         "config": dict(config),
         "seed": config.get("seed"),
+        **extra,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
         "packages": package_versions(),
         "git_commit": git_commit(),
         "command": sys.argv,
@@ -55,8 +59,8 @@ def build_manifest(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_manifest(path: str | Path, config: Mapping[str, Any]) -> dict[str, Any]:
+def write_manifest(path: str | Path, config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """Write :func:`build_manifest` as JSON to ``path`` and return it."""
-    manifest = build_manifest(config)
+    manifest = build_manifest(config, **extra)
     Path(path).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     return manifest

@@ -32,7 +32,6 @@ same numbers as an uninterrupted one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -45,16 +44,30 @@ import torch
 from tqdm.auto import tqdm
 
 from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
+from bayesfl.config import (
+    CONFIG_FIELDS,
+    SimulationConfig,
+    check_model_size,
+    check_threads,
+    resolve_device,
+    torch_threads,
+)
 from bayesfl.data.clients import ClientData, make_clients
-from bayesfl.data.datasets import Dataset, load_dataset
+from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
-from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
+from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
 from bayesfl.messages import Message, decode, encode
 from bayesfl.posterior import ClientPosterior
-from bayesfl.strategies import make_strategy, strategy_options
+from bayesfl.run_directory import (
+    CHECKPOINT_NAME,
+    METRICS_NAME,
+    MetricsLog,
+    prepare_run_directory,
+)
+from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import (
     PREDICTIVE,
     ClientState,
@@ -75,62 +88,6 @@ BroadcastHook = Callable[[int, bytes], None]
 
 RoundCallback = Callable[[int, dict], None]
 """``callback(round, metrics_record)`` after each complete (checkpointed) round."""
-
-CHECKPOINT_NAME = "checkpoint.safetensors"
-
-
-@dataclass(frozen=True)
-class SimulationConfig:
-    """Everything that determines a run's numbers (its fingerprint guards resumption).
-
-    ``body`` is one body spec for all clients, or several separated by commas, assigned to
-    clients in turn (client k gets spec ``k % len(specs)``): ``"mlp:200,mlp:100-100"``.
-    ``batched`` trains clients of one architecture together (same results up to float
-    rounding). ``fraction`` of the clients (at least one) is sampled each training round.
-    """
-
-    strategy: str = "fedlog"
-    dataset: str = "digits"
-    clients: int = 20
-    partition: str = "shards:2"
-    rounds: int = 30
-    seed: int = 0
-    body: str = "mlp:200"
-    feature_dim: int = 50
-    local_epochs: int = 5
-    lr: float = 1e-3
-    batch_size: int = 10
-    fraction: float = 1.0
-    test_fraction: float = 0.25
-    batched: bool = True
-    n_bins: int = 15
-    device: str = "cpu"
-    strategy_options: dict[str, Any] = field(default_factory=dict)
-    dataset_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.clients < 1:
-            raise ConfigError(f"clients must be >= 1, got {self.clients}")
-        if self.rounds < 0:
-            raise ConfigError(f"rounds must be >= 0, got {self.rounds}")
-        if not 0.0 < self.fraction <= 1.0:
-            raise ConfigError(f"fraction must lie in (0, 1], got {self.fraction}")
-        if self.n_bins < 1:
-            raise ConfigError(f"n_bins must be >= 1, got {self.n_bins}")
-        if not self.body_specs:
-            raise ConfigError(f"body must name at least one body spec, got {self.body!r}")
-        strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
-
-    @property
-    def body_specs(self) -> list[str]:
-        return [s.strip() for s in self.body.split(",") if s.strip()]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SimulationConfig))
-
 
 @dataclass
 class SimulationResult:
@@ -205,7 +162,7 @@ class SimulationResult:
 
 def simulate(
     strategy: str = "fedlog",
-    dataset: str = "digits",
+    dataset: str | None = None,
     clients: int = 20,
     partition: str = "shards:2",
     rounds: int = 30,
@@ -213,7 +170,9 @@ def simulate(
     *,
     out: str | Path | None = None,
     resume: bool = False,
+    force: bool = False,
     progress: bool = True,
+    threads: int | None = None,
     upload_hook: UploadHook | None = None,
     round_callback: RoundCallback | None = None,
     broadcast_hook: BroadcastHook | None = None,
@@ -223,35 +182,61 @@ def simulate(
     """Run a federated experiment (module docstring) and return its results.
 
     Args:
-        strategy, dataset, clients, partition, rounds, seed: the experiment.
+        strategy, clients, partition, rounds, seed: the experiment.
+        dataset: the data set's name (default ``"digits"``); with ``data``, a label for those
+            data (default ``"custom"``).
         out: run directory for metrics, summary, manifest, plots and checkpoints; None
-            writes nothing (and cannot resume).
+            writes nothing (and cannot resume). It must be empty or absent unless ``resume``
+            or ``force`` is given.
         resume: continue from ``out``'s checkpoint (from scratch if there is none yet).
+        force: start again in a non-empty ``out``: the files a run writes there are deleted
+            first (other files are kept).
         progress: show a tqdm progress bar over rounds.
+        threads: torch intra-op threads during the run (restored afterwards); None takes
+            :func:`bayesfl.config.default_threads` (half the cores, 1 to 4).
         upload_hook: transforms each encoded upload before the server receives it.
         round_callback: called after each complete round with its metrics record.
         broadcast_hook: called with each round's encoded broadcast.
-        data: a pre-loaded pooled data set instead of loading ``dataset`` by name.
+        data: a pre-loaded pooled data set instead of loading ``dataset`` by name; its
+            identity (shapes and a SHA-256 of its contents) is recorded and fingerprinted, so
+            its run resumes only with the same data.
         **options: the other :class:`SimulationConfig` fields (body, feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
             strategy_options, dataset_options).
 
     Raises:
-        ConfigError: unknown names or options, inconsistent settings.
+        ConfigError: unknown names or options, values of the wrong type or out of range
+            (:mod:`bayesfl.config`), an unavailable device, a non-empty ``out`` without
+            ``resume`` or ``force``.
         DataError: a partition that leaves a client empty, more clients than samples.
         CheckpointError: ``resume`` with a corrupt or foreign checkpoint.
     """
     unknown = sorted(set(options) - set(CONFIG_FIELDS))
     if unknown:
         raise ConfigError(f"unknown option(s) {unknown}; valid: {', '.join(CONFIG_FIELDS)}")
+    for name, flag in (("resume", resume), ("force", force), ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}")
+    if data is not None and not isinstance(data, Dataset):
+        raise ConfigError(f"data must be a bayesfl.data.Dataset, got {type(data).__name__}")
+    if dataset is None:
+        dataset = "digits" if data is None else "custom"
     config = SimulationConfig(strategy=strategy, dataset=dataset, clients=clients,
                               partition=partition, rounds=rounds, seed=seed, **options)
+    threads = check_threads(threads)
     if resume and out is None:
         raise ConfigError("resume=True needs the run directory `out` of the run to continue")
-    run = _Run(config, None if out is None else Path(out), data=data)
-    run.broadcast_hook = broadcast_hook
-    return run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
-                       round_callback=round_callback)
+    run_dir = None if out is None else Path(out)
+    if run_dir is not None:  # before any data is loaded: a refusal costs nothing
+        prepare_run_directory(run_dir, resume=resume, force=force)
+    with torch_threads(threads):
+        run = _Run(config, run_dir, data=data, resume=resume)
+        run.threads = threads
+        run.broadcast_hook = broadcast_hook
+        return run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
+                           round_callback=round_callback)
+
+
 
 
 def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
@@ -269,22 +254,37 @@ def round_half_up(x: float) -> int:
 
 
 _SERVER_KEY = 2**31 - 1
+_METRICS_TENSOR = "run/metrics.jsonl"
+_CHECKPOINT_FORMAT = 2  # 2: carries metrics.jsonl, the data identity, the first round
 _PERSONALIZE_KEY = 2**31 - 2
 
 
 class _Run:
     """One run: setup, the round loop, and the files it writes."""
 
-    def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None):
+    def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
+                 resume: bool = False):
         self.config = config
         self.run_dir = run_dir
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.dataset = data if data is not None else load_dataset(
             config.dataset, seed=config.seed, **config.dataset_options)
+        # what the data really were (shapes and a digest of the contents) is part of the
+        # fingerprint: a run resumes only with the data it started with
+        self.data_identity = dataset_identity(self.dataset, custom=data is not None)
+        self.identity = {**config.to_dict(), "data": self.data_identity}
+        self.fingerprint = config_fingerprint(self.identity)
+        # the checkpoint to resume is read and compared before the data are partitioned or a
+        # model is built: a foreign one fails at once, naming the settings that differ
+        self.saved = self._read_checkpoint() if resume else None
+        check_model_size(config, tuple(self.dataset.input_shape))  # before any body is built
         client_data = make_clients(self.dataset, config.clients, config.partition,
                                    seed=config.seed, test_fraction=config.test_fraction)
+        # a batch larger than every client's training set is full-batch training: clamping it
+        # bounds the batched schedule (clients x batch) by the data, whatever was asked for
+        largest = max(d.num_train for d in client_data)
         training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
-                                 batch_size=config.batch_size)
+                                 batch_size=max(1, min(config.batch_size, largest)))
         context = StrategyContext(
             num_classes=self.dataset.num_classes, feature_dim=config.feature_dim,
             training=training, rounds=config.rounds, device=self.device, seed=config.seed,
@@ -301,8 +301,9 @@ class _Run:
                                                 self.client_half.init_client(client_config)))
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
         self.state = self.server.init()
-        self.fingerprint = config_fingerprint(config.to_dict())
         self.broadcast_hook: BroadcastHook | None = None
+        self.threads = torch.get_num_threads()
+        self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
 
     def _on_device(self, data: ClientData) -> ClientData:
         return ClientData(
@@ -322,32 +323,33 @@ class _Run:
         round_callback: RoundCallback | None,
     ) -> SimulationResult:
         config = self.config
-        first = 0 if self.server.init_round else 1
-        metrics: list[dict[str, Any]] = []
+        first = self.first_round = 0 if self.server.init_round else 1
         self.seconds_before = 0.0
+        self.resumed_from: int | None = None
+        if self.saved is not None:
+            first = self._restore(self.run_dir / CHECKPOINT_NAME)
+        else:
+            self.metrics_log.start()
+        metrics = self.metrics_log.records  # what the checkpoint vouches for, then this run's
         if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            if resume and (self.run_dir / CHECKPOINT_NAME).exists():
-                first, metrics = self._restore()
-            else:
-                (self.run_dir / "metrics.jsonl").write_text("")
             self._write_setup_files()
         start = time.perf_counter()
-        bar = tqdm(range(first, config.rounds + 1), disable=not progress, unit="round",
+        # the bar counts every round of the run: after a resume it starts at the rounds done
+        bar = tqdm(total=config.rounds + 1 - self.first_round, initial=first - self.first_round,
+                   disable=not progress, unit="round",
                    desc=f"{config.strategy} on {config.dataset}", leave=False)
         last_eval: RoundEvaluation | None = None
-        for r in bar:
+        for r in range(first, config.rounds + 1):
             t0 = time.perf_counter()
             # Rounds seed the global RNG (layers built inside strategies draw from it); the
             # caller's own RNG state is restored afterwards.
             with torch.random.fork_rng(devices=self._rng_devices()):
                 record, last_eval = self._round(r, upload_hook)
             record["seconds"] = time.perf_counter() - t0
-            metrics.append(record)
+            self.metrics_log.append(record)
+            bar.update(1)
             bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
             if self.run_dir is not None:
-                with open(self.run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
                 self._checkpoint(r, self.seconds_before + time.perf_counter() - start)
             if round_callback is not None:
                 round_callback(r, record)
@@ -369,6 +371,8 @@ class _Run:
         seconds = self.seconds_before + time.perf_counter() - start
         summary = build_summary(config, metrics, last_eval, seconds)
         summary["personalized"] = bool(personalized)
+        summary["data"] = self.data_identity
+        summary["threads"] = self.threads
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
         return SimulationResult(config, summary, metrics, self.run_dir, self.state,
@@ -455,35 +459,85 @@ class _Run:
         for c in self.clients:
             tensors.update({f"client/{c.client_id}/{k}": v for k, v in c.state.items()})
         tensors["rng/torch"] = torch.get_rng_state()
-        meta = {"round": r, "seconds": seconds, "config": self.config.to_dict(),
-                "server_keys": sorted(self.state)}
+        # the checkpoint carries metrics.jsonl as it stands after round r: a resume rebuilds
+        # the file (and the summary) from this copy, whatever happened to the file since
+        tensors[_METRICS_TENSOR] = torch.from_numpy(
+            np.frombuffer(bytes(self.metrics_log.text), dtype=np.uint8).copy())
+        meta = {"format": _CHECKPOINT_FORMAT, "round": r, "first_round": self.first_round,
+                "seconds": seconds, "config": self.identity, "server_keys": sorted(self.state)}
         save_checkpoint(self.run_dir / CHECKPOINT_NAME, tensors, meta,
                         fingerprint=self.fingerprint)
 
-    def _restore(self) -> tuple[int, list[dict[str, Any]]]:
-        tensors, meta = load_checkpoint(self.run_dir / CHECKPOINT_NAME,
-                                        fingerprint=self.fingerprint)
-        last = int(meta["round"])
-        self.state = {k: tensors[f"server/{k}"].to(self.device) for k in meta["server_keys"]}
-        for c in self.clients:
-            prefix = f"client/{c.client_id}/"
-            c.state = {k[len(prefix):]: v.to(self.device)
-                       for k, v in tensors.items() if k.startswith(prefix)}
-        torch.set_rng_state(tensors["rng/torch"])
-        self.seconds_before = float(meta["seconds"])
-        # keep the metric lines of complete rounds only (a crash may have left one more)
-        path = self.run_dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        metrics = [rec for rec in (json.loads(x) for x in lines if x.strip())
-                   if rec["round"] <= last]
-        path.write_text("".join(json.dumps(rec) + "\n" for rec in metrics))
-        return last + 1, metrics
+    def _read_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The run directory's checkpoint (None if there is none yet).
+
+        Raises:
+            CheckpointError: the file is unreadable, corrupt or foreign (it names the settings
+                that differ).
+        """
+        path = self.run_dir / CHECKPOINT_NAME
+        if not (path.exists() or path.is_symlink()):
+            return None
+        return load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity)
+
+    def _restore(self, path: Path) -> int:
+        """Load the run's state from the checkpoint read from ``path``; returns the next round.
+
+        Raises:
+            CheckpointError: it holds a round or state this run cannot have written.
+        """
+        tensors, meta = self.saved
+        self.saved = None
+        last, first, rounds = meta.get("round"), self.first_round, self.config.rounds
+        foreign = (f"checkpoint {path} was not written by this run ({{}}); delete it or start "
+                   "the run again with --force (force=True)")
+        if meta.get("format") != _CHECKPOINT_FORMAT:
+            raise CheckpointError(foreign.format(f"format {meta.get('format')!r}, this version "
+                                                 f"writes {_CHECKPOINT_FORMAT}"))
+        if isinstance(last, bool) or not isinstance(last, int) or not first <= last <= rounds:
+            raise CheckpointError(foreign.format(f"its round is {last!r}, outside this run's "
+                                                 f"rounds {first} to {rounds}"))
+        seconds = meta.get("seconds")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+                or not 0 <= seconds < float("inf"):
+            raise CheckpointError(foreign.format(f"elapsed seconds {seconds!r}"))
+        try:
+            state = {k: tensors[f"server/{k}"].to(self.device) for k in meta["server_keys"]}
+            client_states = [self._restored_client_state(c, tensors) for c in self.clients]
+            rng = tensors["rng/torch"]
+            log = tensors[_METRICS_TENSOR]
+            if rng.dtype != torch.uint8 or log.dtype != torch.uint8 or log.ndim != 1:
+                raise ValueError("rng/metrics tensors are not byte vectors")
+            torch.set_rng_state(rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(foreign.format(f"it does not hold this run's state: "
+                                                 f"{err}")) from err
+        self.metrics_log.restore(log.numpy().tobytes(), list(range(first, last + 1)))
+        self.state = state
+        for c, client_state in zip(self.clients, client_states, strict=True):
+            c.state = client_state
+        self.seconds_before = float(seconds)
+        self.resumed_from = last
+        return last + 1
+
+    def _restored_client_state(self, client: SimulatedClient,
+                               tensors: dict[str, torch.Tensor]) -> ClientState:
+        """Client ``client``'s tensors from a checkpoint, checked against its initial state
+        (same names, shapes and dtypes: a client's state keeps its layout across rounds)."""
+        prefix = f"client/{client.client_id}/"
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        layout = {k: (tuple(v.shape), v.dtype) for k, v in client.state.items()}
+        if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
+            raise ValueError(f"client {client.client_id}'s tensors differ from its layout")
+        return {k: v.to(self.device) for k, v in state.items()}
 
     # ---- files ----------------------------------------------------------------------------
     def _write_setup_files(self) -> None:
         from bayesfl.manifest import write_manifest
 
-        write_manifest(self.run_dir / "manifest.json", self.config.to_dict())
+        write_manifest(self.run_dir / "manifest.json", self.config.to_dict(),
+                       data=self.data_identity, threads=self.threads,
+                       resumed_from_round=self.resumed_from)
         labels = self.dataset.y
         parts = [np.concatenate([c.data.train_indices, c.data.test_indices])
                  for c in self.clients]

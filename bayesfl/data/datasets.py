@@ -31,6 +31,7 @@ Every data set is pooled; clients and their train/test splits come from
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from collections.abc import Callable
@@ -84,6 +85,29 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.y)
+
+
+def dataset_identity(dataset: Dataset, *, custom: bool = False) -> dict[str, Any]:
+    """What a run's data were: a record for manifests, summaries and the run's fingerprint.
+
+    Args:
+        dataset: the pooled data set.
+        custom: the data were passed in (``simulate(data=...)``) rather than loaded by name;
+            they are then named ``"custom"``, whatever their ``name`` field says.
+
+    Returns:
+        ``{"name", "num_samples", "input_shape", "num_classes", "sha256"}``; the digest
+        covers the dtypes, shapes and bytes of ``x`` and ``y``, so two data sets share it only
+        if they hold the same numbers in the same order.
+    """
+    digest = hashlib.sha256()
+    for tensor in (dataset.x, dataset.y):
+        array = np.ascontiguousarray(tensor.detach().cpu().numpy())
+        digest.update(f"{array.dtype.str}{array.shape};".encode("ascii"))
+        digest.update(memoryview(array).cast("B"))
+    return {"name": "custom" if custom else dataset.name, "num_samples": len(dataset),
+            "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
+            "sha256": digest.hexdigest()}
 
 
 def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options: Any) -> Dataset:

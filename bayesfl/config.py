@@ -1,0 +1,334 @@
+"""The run configuration: :class:`SimulationConfig`, the checks on it, and the documented limits.
+
+Every field is checked for its type and range when a config is built, before any data is
+loaded or memory allocated, so a wrong keyword argument or TOML value is a
+:class:`~bayesfl.errors.ConfigError` that names the setting, shows what it got and says what
+is valid. Types are strict: a bool is not an integer (``clients = true`` is refused, not read as
+1), a string is not a number (``rounds = "ten"``), a float is not an integer (``seed = 1e3``),
+and a flag is ``true`` or ``false`` (``batched = "no"`` is refused, not read as true). Integers
+are accepted where a float is expected (``lr = 1`` is 1.0), and NumPy scalars like Python ones.
+
+Limits (each refused with the number that was too large):
+
+========================  =====================================================================
+``seed``                  0 <= seed < 2**63 (NumPy and torch seeds are non-negative)
+``feature_dim``           1 .. :data:`MAX_FEATURE_DIM` (16,384)
+``n_bins``                1 .. :data:`MAX_BINS` (10,000), and clients x n_bins at most
+                          :data:`MAX_BIN_CELLS` (2**24: the per-client calibration tables)
+``batch_size``            >= 1; a batch larger than a client's training set is full-batch
+``clients x parameters``  the bodies of all clients together at most :data:`MAX_PARAMETERS`
+                          (10**9 float32 weights, 4 GB), counted before any is built
+``threads``               1 .. :data:`MAX_THREADS` (1,024); default :func:`default_threads`
+========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import numbers
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bayesfl.errors import ConfigError
+
+MAX_FEATURE_DIM = 16_384
+"""Largest body output width d: heads and FedLog's statistics are C x (d + 1), its Laplace
+covariance factors grow with d; 16,384 is four times the widest feature layer in common use."""
+
+MAX_BINS = 10_000
+"""Most calibration bins: far beyond any useful ECE resolution (15 is usual)."""
+
+MAX_BIN_CELLS = 1 << 24
+"""Most (client, bin) cells: every round builds one calibration accumulator per client."""
+
+MAX_PARAMETERS = 10**9
+"""Most body parameters over all clients together (each client holds its own copy)."""
+
+MAX_THREADS = 1024
+"""Most torch intra-op threads a run may ask for."""
+
+_SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    """Everything that determines a run's numbers (its fingerprint guards resumption).
+
+    ``body`` is one body spec for all clients, or several separated by commas, assigned to
+    clients in turn (client k gets spec ``k % len(specs)``): ``"mlp:200,mlp:100-100"``.
+    ``batched`` trains clients of one architecture together (same results up to float
+    rounding). ``authenticate`` signs every message with HMAC-SHA256 under per-client keys
+    drawn for the run (:class:`bayesfl.messages.KeyRing`); an upload whose HMAC does not verify
+    under its sender's key is rejected. ``fraction`` of the clients (at least one) is sampled
+    each training round.
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range (module docstring), an unknown
+            strategy, or a body string without a spec.
+    """
+
+    strategy: str = "fedlog"
+    dataset: str = "digits"
+    clients: int = 20
+    partition: str = "shards:2"
+    rounds: int = 30
+    seed: int = 0
+    body: str = "mlp:200"
+    feature_dim: int = 50
+    local_epochs: int = 5
+    lr: float = 1e-3
+    batch_size: int = 10
+    fraction: float = 1.0
+    test_fraction: float = 0.25
+    batched: bool = True
+    n_bins: int = 15
+    device: str = "cpu"
+    authenticate: bool = False
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    dataset_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
+        if self.clients * self.n_bins > MAX_BIN_CELLS:
+            raise ConfigError(f"clients x n_bins = {self.clients * self.n_bins:,} is more than "
+                              f"the limit {MAX_BIN_CELLS:,} (one calibration table per client); "
+                              "use fewer bins")
+        if not self.body_specs:
+            raise ConfigError(f"body must name at least one body spec, got {self.body!r}; "
+                              "e.g. 'mlp:200' or 'mlp:200,mlp:100-100'")
+        from bayesfl.strategies import strategy_options
+
+        strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
+
+    @property
+    def body_specs(self) -> list[str]:
+        return [s.strip() for s in self.body.split(",") if s.strip()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SimulationConfig))
+
+# field -> (lowest, highest) for integers; None: unbounded on that side
+_INTEGERS: dict[str, tuple[int, int | None]] = {
+    "clients": (1, None),
+    "rounds": (0, None),
+    "seed": (0, _SEED_LIMIT - 1),
+    "feature_dim": (1, MAX_FEATURE_DIM),
+    "local_epochs": (0, None),
+    "batch_size": (1, None),
+    "n_bins": (1, MAX_BINS),
+}
+# field -> (test of the value, the valid range in words)
+_FLOATS: dict[str, tuple[Any, str]] = {
+    "lr": (lambda v: 0.0 < v < math.inf, "a finite number > 0"),
+    "fraction": (lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "test_fraction": (lambda v: 0.0 < v < 1.0, "a number in (0, 1)"),
+}
+_STRINGS = ("strategy", "dataset", "partition", "body", "device")
+_BOOLS = ("batched", "authenticate")
+_MAPPINGS = ("strategy_options", "dataset_options")
+
+
+def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
+    """Check one :class:`SimulationConfig` field and return it normalised (NumPy scalars to
+    Python numbers, integers to floats for float fields, mappings to plain dicts).
+
+    Args:
+        name: the field.
+        value: its value.
+        label: what the messages call the setting (e.g. the TOML key); default ``name``.
+
+    Raises:
+        ConfigError: ``value`` has the wrong type or lies out of range; the message names the
+            setting, the value and what is valid.
+    """
+    label = label or name
+    if name in _INTEGERS:
+        low, high = _INTEGERS[name]
+        return check_integer(label, value, low, high)
+    if name in _FLOATS:
+        test, valid = _FLOATS[name]
+        number = check_number(label, value)
+        if not test(number):
+            raise ConfigError(f"{label} must be {valid}, got {number!r}")
+        return number
+    if name in _STRINGS:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{label} must be a non-empty string, got {describe(value)}")
+        if name == "device":
+            parse_device(value)
+        return value
+    if name in _BOOLS:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{label} must be true or false, got {describe(value)}")
+        return value
+    if name in _MAPPINGS:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{label} must be a mapping of option names to values, e.g. "
+                              f"{{'alpha': 0.01}}, got {describe(value)}")
+        return dict(value)
+    raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(CONFIG_FIELDS)}")
+
+
+def check_integer(name: str, value: Any, low: int, high: int | None) -> int:
+    """``value`` as a Python int in ``[low, high]`` (bools and floats refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer, got {describe(value)}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        valid = f">= {low}" if high is None else f"between {low} and {high:,}"
+        raise ConfigError(f"{name} must be {valid}, got {number:,}")
+    return number
+
+
+def check_number(name: str, value: Any) -> float:
+    """``value`` (an int or float, not a bool) as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {describe(value)}")
+    return float(value)
+
+
+def describe(value: Any) -> str:
+    """``value`` and its type in words, for error messages (TOML users see these names)."""
+    kinds = {bool: "a boolean", str: "a string", float: "a float", int: "an integer",
+             list: "a list", dict: "a table", type(None): "nothing"}
+    kind = next((v for k, v in kinds.items() if isinstance(value, k)),
+                f"a {type(value).__name__}")
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} ({kind})"
+
+
+# ---- devices -------------------------------------------------------------------------------
+def parse_device(text: str) -> torch.device:
+    """The torch device named by ``text`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), without
+    checking that it exists here (:func:`resolve_device` does).
+
+    Raises:
+        ConfigError: not a device name, or a kind of device runs do not support.
+    """
+    try:
+        device = torch.device(text.strip())
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise ConfigError(f"unknown device {text!r}; use cpu, cuda, cuda:N or mps") from err
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {text!r} is not supported for runs; use cpu, cuda, cuda:N "
+                          "or mps")
+    return device
+
+
+def resolve_device(text: str) -> torch.device:
+    """:func:`parse_device`, then check that the device exists on this machine.
+
+    Raises:
+        ConfigError: e.g. ``cuda`` where torch finds no GPU, or ``cuda:3`` with two GPUs.
+    """
+    device = parse_device(text)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {text!r}: CUDA is not available here (no GPU or driver "
+                              f"found, or torch {torch.__version__} was built without CUDA); "
+                              "use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {text!r}: this machine has {count} CUDA device(s), "
+                              f"cuda:0 to cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {text!r}: MPS is not available here; use --device cpu")
+    return device
+
+
+# ---- model size ----------------------------------------------------------------------------
+def check_model_size(config: SimulationConfig, input_shape: tuple[int, ...]) -> int:
+    """Count the parameters of every client's body (built on the meta device: nothing is
+    allocated) and refuse a run whose bodies together exceed :data:`MAX_PARAMETERS`.
+
+    Returns:
+        the total number of body parameters over all clients.
+
+    Raises:
+        ConfigError: too many parameters (the message gives the count), or a bad body spec.
+    """
+    from bayesfl.bodies import build_body
+
+    specs = config.body_specs
+    sizes = {}
+    for spec in set(specs):
+        with torch.device("meta"):
+            body = build_body(spec, input_shape, config.feature_dim)
+        sizes[spec] = sum(p.numel() for p in body.parameters())
+    total = sum(sizes[specs[k % len(specs)]] for k in range(config.clients))
+    if total > MAX_PARAMETERS:
+        largest = max(sizes, key=sizes.__getitem__)
+        raise ConfigError(
+            f"the clients' bodies would hold {total:,} parameters together ({config.clients} "
+            f"clients; {largest!r} with feature_dim {config.feature_dim} has "
+            f"{sizes[largest]:,}), more than the limit {MAX_PARAMETERS:,}; use narrower bodies, "
+            "a smaller feature_dim or fewer clients")
+    return total
+
+
+# ---- threads -------------------------------------------------------------------------------
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS reports one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_threads() -> int:
+    """The torch intra-op thread count of a run that does not set one: half the available
+    cores, at least 1 and at most 4. The models of a federated simulation are small, so
+    each operation is too short to share among many threads; on a busy 2-core machine torch's
+    own default (every core) made a 5-round digits run much slower than one thread."""
+    return min(4, max(1, available_cores() // 2))
+
+
+def check_threads(value: Any) -> int:
+    """``value`` as a thread count in ``[1, MAX_THREADS]``; None means :func:`default_threads`.
+
+    Raises:
+        ConfigError: not an integer, or out of range.
+    """
+    if value is None:
+        return default_threads()
+    return check_integer("threads", value, 1, MAX_THREADS)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch intra-op threads, then restore the caller's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+__all__ = [
+    "CONFIG_FIELDS",
+    "MAX_BINS",
+    "MAX_BIN_CELLS",
+    "MAX_FEATURE_DIM",
+    "MAX_PARAMETERS",
+    "MAX_THREADS",
+    "SimulationConfig",
+    "check_model_size",
+    "check_setting",
+    "check_threads",
+    "default_threads",
+    "describe",
+    "parse_device",
+    "resolve_device",
+    "torch_threads",
+]
