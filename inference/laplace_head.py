@@ -12,6 +12,11 @@ stored full, diagonal (``diag(H)``) or low rank (top ``rank`` eigenpairs of ``H`
 diagonal remainder, so ``diag(H)`` is kept exactly). The returned :class:`GaussianPosterior`'s
 likelihood term is ``(H, H W* + λ(W* − μ₀))``: prior + likelihood reproduces the local Laplace
 posterior, and K clients combine by adding their terms.
+
+The prior precision ``λ`` is by default the maximiser of the Laplace log evidence over ``log λ``
+(``prior_precision="marglik"``, refitting the mode at every ``λ``), or the validation-NLL grid
+point (``"validation"``), or a given number; :mod:`inference.prior_precision` does the search
+and the fitted posterior's ``prior_selection`` records the outcome.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from torch import Tensor
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
 from inference.linear_model import log_likelihood, training_tensors
-from inference.options import CovarianceStructure, Likelihood, MapSolver
+from inference.options import (
+    CovarianceStructure,
+    Likelihood,
+    MapSolver,
+    PredictiveMethod,
+    PriorPrecisionMethod,
+)
+from inference.prior_precision import DEFAULT_BOUNDS, maximise_log_space
 
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
 NEWTON_MAX_PARAMETERS = 3000
@@ -128,6 +140,7 @@ def find_mode(
     prior_mean: float = 0.0, likelihood: Likelihood | str = Likelihood.SOFTMAX,
     noise_std: float = 1.0, solver: MapSolver | str | None = None, max_iter: int = 100,
     tol: float = 1e-12,
+    start: Tensor | None = None,
 ) -> Tensor:
     """Mode of the log posterior as a flat float64 ``(C (m + 1),)`` vector.
 
@@ -135,7 +148,9 @@ def find_mode(
     ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton up to
     :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above. ``max_iter`` bounds Newton's
     iterations (L-BFGS gets at least 500 function evaluations); ``tol`` is Newton's stopping
-    threshold on half the squared Newton decrement, in nats.
+    threshold on half the squared Newton decrement, in nats. ``start`` (a flat ``(d,)`` vector,
+    default every weight at ``prior_mean``) is where the solver starts: the objective is
+    strictly convex, so the start changes the iterations, not the mode.
 
     Raises:
         NumericalError: the solver did not converge.
@@ -146,7 +161,8 @@ def find_mode(
     d = num_outputs * inputs.shape[1]
     solver = MapSolver.parse(solver or ("newton" if d <= NEWTON_MAX_PARAMETERS else "lbfgs"),
                              "solver")
-    start = torch.full((d,), float(prior_mean), dtype=torch.float64, device=inputs.device)
+    if start is None:
+        start = torch.full((d,), float(prior_mean), dtype=torch.float64, device=inputs.device)
 
     def objective(theta: Tensor) -> Tensor:
         return negative_log_posterior(theta, inputs, targets, num_outputs, prior_precision,
@@ -165,7 +181,7 @@ def fit_laplace_head(
     labels: Tensor,
     num_classes: int,
     *,
-    prior_precision: float = 1.0,
+    prior_precision: float | PriorPrecisionMethod | str = PriorPrecisionMethod.MARGLIK,
     prior_mean: float = 0.0,
     structure: CovarianceStructure | str = CovarianceStructure.FULL,
     rank: int = 20,
@@ -173,26 +189,51 @@ def fit_laplace_head(
     likelihood: Likelihood | str = Likelihood.SOFTMAX,
     noise_std: float = 1.0,
     max_iter: int = 100,
+    prior_precision_bounds: tuple[float, float] = DEFAULT_BOUNDS,
+    validation_data: tuple[Tensor, Tensor] | None = None,
+    validation_method: PredictiveMethod | str = PredictiveMethod.PROBIT,
 ) -> GaussianPosterior:
     """Laplace posterior of a linear head on fixed features.
+
+    The prior precision ``λ`` is a number, or chosen from the data (the default, ``"marglik"``):
+
+    * ``"marglik"`` maximises the Laplace log evidence (:func:`log_marginal_likelihood`) over
+      ``log λ`` in ``prior_precision_bounds``: a grid of one point a decade, then bounded Brent
+      to 1e-6 in ``log λ`` (:mod:`inference.prior_precision`). The mode is **refitted** at every
+      ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that
+      prior's mode), not held at one MAP as laplace-torch's ``optimize_prior_precision`` holds
+      the network's: a head's MAP is cheap to refit, and the evidence formula evaluated away
+      from the mode is not the Laplace approximation of anything. At the mode's own ``λ`` the
+      two agree (the tests check the value against laplace-torch's).
+    * ``"validation"`` takes the ``λ`` of a log grid (5 points a decade over the bounds) whose
+      posterior has the lowest NLL on ``validation_data`` with ``validation_method``
+      (laplace-torch's ``gridsearch``).
 
     Args:
         features: ``(N, m)`` features from a fixed body (any float dtype, any device).
         labels: ``(N,)`` integer labels in ``[0, num_classes)`` (real targets if gaussian).
         num_classes: ``C`` (use 1 for ``likelihood="gaussian"``).
-        prior_precision: ``λ`` of the isotropic prior ``N(prior_mean, I/λ)``, ``> 0``.
-        structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal).
+        prior_precision: ``λ > 0`` of the isotropic prior ``N(prior_mean, I/λ)``, or
+            ``"marglik"`` / ``"validation"`` (see above).
         prior_mean: ``μ₀``, the prior mean of every weight.
-        structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal).
+        structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal);
+            the evidence maximised is that of this structure's own precision.
         rank: ``r ≥ 1`` of the low-rank structure (capped at ``d = C (m + 1)``).
         solver: ``"newton"`` or ``"lbfgs"`` for the mode (default by size).
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
         max_iter: Newton iterations at most (see :func:`find_mode`).
+        prior_precision_bounds: ``(lower, upper)`` search interval of ``λ`` (default 1e-4, 1e4).
+        validation_data: ``(features (V, m), labels (V,))`` held out from training, for
+            ``prior_precision="validation"``.
+        validation_method: the predictive whose validation NLL is minimised.
 
     Returns:
         A float64 :class:`GaussianPosterior` over the ``(C, m + 1)`` head, on the features'
-        device, with ``n_data = N``.
+        device, with ``n_data = N``. Its attribute ``prior_selection`` is the
+        :class:`~inference.prior_precision.PriorPrecisionChoice` (the chosen ``λ``, the
+        criterion there, and whether it hit a bound), or ``None`` for a given number; it is a
+        record of the fit, not part of the posterior's state (``to`` and ``state_dict`` drop it).
 
     Raises:
         InvalidInputError: bad features, labels or options. NumericalError: no convergence.
@@ -201,25 +242,139 @@ def fit_laplace_head(
     structure = CovarianceStructure.parse(structure, "structure")
     if structure is CovarianceStructure.LOWRANK and rank < 1:
         raise InvalidInputError(f"rank must be at least 1 for a low-rank structure; got {rank}.")
-    if not prior_precision > 0:
-        raise InvalidInputError(f"prior_precision must be positive; got {prior_precision}.")
+    method = _prior_precision_method(prior_precision)
     inputs, targets = training_tensors(features, labels, num_classes, likelihood, noise_std,
                                        torch.float64)
-    mode = find_mode(inputs, targets, num_classes, prior_precision, prior_mean, likelihood,
-                     noise_std, solver, max_iter)
+    fit = _LaplaceFit(inputs, targets, num_classes, prior_mean, structure, rank, solver,
+                      likelihood, noise_std, max_iter)
+    choice = None
+    if method is None:
+        value = float(prior_precision)
+    else:
+        criterion = (fit.log_evidence if method is PriorPrecisionMethod.MARGLIK else
+                     fit.validation_criterion(validation_data, PredictiveMethod.parse(
+                         validation_method, "validation_method")))
+        choice = maximise_log_space(criterion, method, prior_precision_bounds,
+                                    points_per_decade=_GRID_DENSITY[method],
+                                    refine=method is PriorPrecisionMethod.MARGLIK)
+        value = choice.value
+    posterior = fit.posterior(value)
+    posterior.prior_selection = choice
+    return posterior
+
+
+#: Coarse-grid points per decade: marglik refines by Brent, validation keeps the grid.
+_GRID_DENSITY = {PriorPrecisionMethod.MARGLIK: 1, PriorPrecisionMethod.VALIDATION: 5}
+
+
+def _prior_precision_method(value: object) -> PriorPrecisionMethod | None:
+    """The selection method named by ``value``, or ``None`` for a valid positive number."""
+    if isinstance(value, str):
+        return PriorPrecisionMethod.parse(value, "prior_precision")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise InvalidInputError(
+            f"prior_precision must be a finite number > 0, 'marglik' or 'validation'; got "
+            f"{value!r}.")
+    return None
+
+
+class _LaplaceFit:
+    """The training set and options of one :func:`fit_laplace_head` call: posteriors at any
+    prior precision (each mode warm-started from the last one found) and the criteria the
+    prior precision is chosen by."""
+
+    def __init__(self, inputs: Tensor, targets: Tensor, num_classes: int, prior_mean: float,
+                 structure: CovarianceStructure, rank: int, solver: MapSolver | str | None,
+                 likelihood: Likelihood, noise_std: float, max_iter: int) -> None:
+        self.inputs, self.targets, self.num_classes = inputs, targets, num_classes
+        self.prior_mean, self.structure, self.rank = prior_mean, structure, rank
+        self.solver, self.likelihood, self.noise_std = solver, likelihood, noise_std
+        self.max_iter = max_iter
+        self._last_mode: Tensor | None = None
+
+    def posterior(self, prior_precision: float) -> GaussianPosterior:
+        """The Laplace posterior at ``prior_precision`` (mode refitted)."""
+        mode = find_mode(self.inputs, self.targets, self.num_classes, prior_precision,
+                         self.prior_mean, self.likelihood, self.noise_std, self.solver,
+                         self.max_iter, start=self._last_mode)
+        self._last_mode = mode
+        return laplace_posterior(mode, self.inputs, self.num_classes, prior_precision,
+                                 self.prior_mean, self.structure, self.rank, self.likelihood,
+                                 self.noise_std)
+
+    def log_evidence(self, prior_precision: float) -> float:
+        """Laplace log evidence at ``prior_precision`` (nats)."""
+        return _log_evidence(self.posterior(prior_precision), self.inputs, self.targets,
+                             self.likelihood, self.noise_std)
+
+    def validation_criterion(self, validation_data: tuple[Tensor, Tensor] | None,
+                             method: PredictiveMethod):
+        """``λ -> −(mean validation NLL)`` of the posterior's ``method`` predictive."""
+        if validation_data is None:
+            raise InvalidInputError(
+                "prior_precision='validation' needs validation_data=(features, labels) held "
+                "out from training; or use prior_precision='marglik' (training data only).")
+        try:
+            val_features, val_targets = validation_data
+        except (TypeError, ValueError):
+            raise InvalidInputError(
+                "validation_data must be a pair (features (V, m), labels (V,)).") from None
+        val_inputs, val_targets = training_tensors(
+            val_features, val_targets, self.num_classes, self.likelihood, self.noise_std,
+            torch.float64)
+        if val_inputs.shape[1] != self.inputs.shape[1]:
+            raise InvalidInputError(
+                f"validation features have {val_inputs.shape[1] - 1} columns, the training "
+                f"features {self.inputs.shape[1] - 1}.")
+        val_inputs = val_inputs.to(self.inputs.device)
+        val_targets = val_targets.to(self.inputs.device)
+        generator = torch.Generator(device=self.inputs.device)
+
+        def criterion(prior_precision: float) -> float:
+            posterior = self.posterior(prior_precision)
+            generator.manual_seed(0)  # MC predictive: the same draws' noise at every λ
+            return -_predictive_nll(posterior, val_inputs[:, 1:], val_targets, method,
+                                    self.likelihood, self.noise_std, generator)
+
+        return criterion
+
+
+def _predictive_nll(posterior: GaussianPosterior, features: Tensor, targets: Tensor,
+                    method: PredictiveMethod, likelihood: Likelihood, noise_std: float,
+                    generator: torch.Generator) -> float:
+    """Mean NLL (nats) of held-out ``targets`` under the posterior predictive."""
+    if likelihood is Likelihood.GAUSSIAN:  # exact: N(f̄, v + σ²)
+        mean, variance = posterior.logit_moments(features)
+        predictive = torch.distributions.Normal(mean[:, 0], (variance[:, 0] + noise_std**2)
+                                                .sqrt())
+        return float(-predictive.log_prob(targets).mean())
+    probs = posterior.predict_proba(features, method=method, generator=generator)
+    picked = probs.gather(1, targets[:, None])[:, 0]
+    return float(-torch.log(picked.clamp_min(torch.finfo(probs.dtype).tiny)).mean())
+
+
+def laplace_posterior(
+    mode: Tensor, inputs: Tensor, num_classes: int, prior_precision: float, prior_mean: float,
+    structure: CovarianceStructure, rank: int, likelihood: Likelihood, noise_std: float,
+) -> GaussianPosterior:
+    """The Laplace posterior ``N(W*, (λI + H)⁻¹)`` at a flat float64 ``mode`` for bias-augmented
+    ``inputs (N, m + 1)``, with the likelihood term ``(H, H W* + λ(W* − μ₀))`` in ``structure``
+    (``H`` exact, its diagonal, or its top-``rank`` eigenpairs plus the diagonal remainder)."""
     shape = (num_classes, inputs.shape[1])
     d = mode.shape[0]
+    n_data = inputs.shape[0]
     prior = GaussianTerm.isotropic(d, prior_precision, prior_mean, device=mode.device)
     if structure is CovarianceStructure.DIAG:
         hess_diag = likelihood_hessian_diagonal(mode, inputs, num_classes, likelihood, noise_std)
         lik = GaussianTerm(structure, hess_diag * mode + prior_precision * (mode - prior_mean),
                            diag=hess_diag)
-        return GaussianPosterior(prior, lik, shape, n_data=features.shape[0])
+        return GaussianPosterior(prior, lik, shape, n_data=n_data)
     hessian = likelihood_hessian(mode, inputs, num_classes, likelihood, noise_std)
     shift = hessian @ mode + prior_precision * (mode - prior_mean)
     if structure is CovarianceStructure.FULL:
         lik = GaussianTerm(structure, shift, dense=0.5 * (hessian + hessian.T))
-        return GaussianPosterior(prior, lik, shape, n_data=features.shape[0])
+        return GaussianPosterior(prior, lik, shape, n_data=n_data)
     eigenvalues, eigenvectors = torch.linalg.eigh(hessian)
     keep = min(int(rank), d)
     factor = eigenvectors[:, d - keep:] * eigenvalues[d - keep:].clamp_min(0.0).sqrt()
@@ -228,7 +383,7 @@ def fit_laplace_head(
     lr_hessian = GaussianTerm(structure, torch.zeros_like(mode), diag=remainder, factor=factor)
     lik = GaussianTerm(structure, lr_hessian.matvec(mode) + prior_precision * (mode - prior_mean),
                        diag=remainder, factor=factor)
-    return GaussianPosterior(prior, lik, shape, n_data=features.shape[0])
+    return GaussianPosterior(prior, lik, shape, n_data=n_data)
 
 
 def log_marginal_likelihood(
@@ -243,7 +398,8 @@ def log_marginal_likelihood(
     ``log p(y|W*) + log p(W*) + (d/2) log 2π − ½ log|Λ|`` for a posterior from
     :func:`fit_laplace_head` on the same data (its mean is the mode ``W*``, its precision
     ``Λ``; a diag or low-rank posterior uses its own ``Λ``). Exact for the Gaussian likelihood.
-    Use it to choose ``prior_precision`` on a grid (larger is better).
+    This is what ``prior_precision="marglik"`` maximises; laplace-torch's
+    ``log_marginal_likelihood`` gives the same value for the same head at its mode.
 
     Args:
         posterior: a Laplace posterior over a ``(C, m + 1)`` head with a diagonal prior.
@@ -258,15 +414,20 @@ def log_marginal_likelihood(
         )
     inputs, targets = training_tensors(features, labels, posterior.shape[0], likelihood,
                                        noise_std, torch.float64)
-    inputs, targets = inputs.to(posterior.device), targets.to(posterior.device)
+    return _log_evidence(posterior, inputs.to(posterior.device), targets.to(posterior.device),
+                         likelihood, noise_std)
+
+
+def _log_evidence(posterior: GaussianPosterior, inputs: Tensor, targets: Tensor,
+                  likelihood: Likelihood, noise_std: float) -> float:
+    """:func:`log_marginal_likelihood` for bias-augmented float64 ``inputs`` on the device."""
     mode = posterior.mean.to(torch.float64)
     log_lik = log_likelihood(mode, inputs, targets, likelihood, noise_std)
-    prior_diag = prior.diag.to(torch.float64)
-    prior_mean = prior.shift.to(torch.float64) / prior_diag
+    prior_diag = posterior.prior.diag.to(torch.float64)
+    prior_mean = posterior.prior.shift.to(torch.float64) / prior_diag
     flat = mode.reshape(-1)
     d = flat.shape[0]
     log_prior = 0.5 * (torch.log(prior_diag).sum() - d * math.log(2 * math.pi)
                        - (prior_diag * (flat - prior_mean) ** 2).sum())
     log_det = posterior.log_det_precision()
     return float(log_lik + log_prior + 0.5 * d * math.log(2 * math.pi) - 0.5 * log_det)
-

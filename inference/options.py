@@ -235,3 +235,17 @@ def check_number(value: Any, name: str, rule: NumberRule) -> int | float:
     """``rule.parse(value, name)``: the option as a Python number, or
     :class:`InvalidInputError` saying what it must be."""
     return rule.parse(value, name)
+
+
+class PriorPrecisionMethod(Option):
+    """How a head chooses its prior precision λ when none is given (see
+    :mod:`inference.prior_precision`).
+
+    ``marglik``: maximise the log marginal likelihood (evidence) ``log p(y | X, λ)`` over
+    ``log λ`` in bounds, continuously (grid, then bounded Brent); needs only the training data.
+    ``validation``: the λ of a log-spaced grid with the lowest NLL of the head's predictive on
+    held-out data (laplace-torch's ``gridsearch``); needs ``validation_data``.
+    """
+
+    MARGLIK = "marglik"
+    VALIDATION = "validation"
