@@ -19,7 +19,14 @@ from inference.conjugate import (
     solve_map,
 )
 from inference.ensemble import EnsemblePosterior
-from inference.errors import InferenceError, InvalidInputError, MemoryBudgetError, NumericalError
+from inference.errors import (
+    InferenceError,
+    InvalidInputError,
+    MemoryBudgetError,
+    NumericalError,
+    PosteriorFileError,
+    UnknownOptionError,
+)
 from inference.factory import fit_head
 from inference.gaussian import GaussianPosterior, GaussianTerm, average, combine, gaussian_prior
 from inference.laplace_head import fit_laplace_head, log_marginal_likelihood
@@ -60,10 +67,12 @@ __all__ = [
     "MemoryBudgetError",
     "NumericalError",
     "Posterior",
+    "PosteriorFileError",
     "Preconditioner",
     "PredictiveMethod",
     "SubnetLaplacePosterior",
     "SufficientStatistics",
+    "UnknownOptionError",
     "average",
     "check",
     "clip_features",
