@@ -88,6 +88,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("test-fraction",), "test_fraction", "float",
             "per-client test share, in (0, 1); default 0.25"),
     Setting(("bins", "n-bins"), "n_bins", "int", "calibration bins, at most 10000; default 15"),
+    Setting(("calibrate",), "calibrate", "str",
+            "final calibration step: temperature, or temperature:FRACTION (the share of "
+            "each client's training data held out to fit it, default 0.2); default none"),
     Setting(("device",), "device", "str", "cpu, cuda, cuda:N or mps; default cpu"),
     Setting(("batched",), "batched", "toggle",
             "train clients of one architecture together (--no-batched: one by one); default on"),
@@ -225,6 +228,12 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
           f"{s['accuracy_pooled']:.4f}), ECE {s['ece']:.4f}, NLL {s['nll']:.4f}, "
           f"bytes up {s['bytes_up']:,}, down {s['bytes_down']:,}, "
           f"rejected uploads {s['rejected_uploads']}, {s['seconds']:.1f} s")
+    calibration = s.get("calibration") or {}
+    if calibration.get("calibrated"):
+        after = calibration["calibrated"]
+        print(f"temperature scaling: T = {calibration['temperature']:.4g}, ECE "
+              f"{after['ece']:.4f}, NLL {after['nll']:.4f} (uncalibrated above), "
+              f"bytes up {calibration['bytes_up']:,}, down {calibration['bytes_down']:,}")
     print(f"results in {result.run_dir}")
     return 0
 

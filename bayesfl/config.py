@@ -68,6 +68,10 @@ class SimulationConfig:
     under its sender's key is rejected. ``fraction`` of the clients (at least one) is sampled
     each training round.
 
+    ``calibrate`` ends the run with a calibration step (:mod:`bayesfl.calibrate`):
+    ``"temperature"`` (or ``"temperature:FRACTION"``) holds out that share of each
+    client's training data and fits one temperature over all clients' held-out data.
+
     Raises:
         ConfigError: a value of the wrong type or out of range (module docstring), an unknown
             strategy, or a body string without a spec.
@@ -90,6 +94,7 @@ class SimulationConfig:
     n_bins: int = 15
     device: str = "cpu"
     authenticate: bool = False
+    calibrate: str | None = None
     strategy_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
 
@@ -152,6 +157,11 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
             setting, the value and what is valid.
     """
     label = label or name
+    if name == "calibrate":  # None, "temperature" or "temperature:FRACTION"
+        from bayesfl.calibrate import parse_calibrate
+
+        parse_calibrate(value)
+        return value if value is None else value.strip()
     if name in _INTEGERS:
         low, high = _INTEGERS[name]
         return check_integer(label, value, low, high)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from bayesfl.calibrate import CalibrationOutcome, calibrate_run, hold_out, parse_calibrate
 from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
 from bayesfl.config import (
     CONFIG_FIELDS,
@@ -104,6 +105,7 @@ class SimulationResult:
         evaluation_broadcast: what clients evaluate with after the last round.
         personalized: client id -> personalized state (strategies that personalise), used
             for predictions instead of the trained state.
+        calibration: the final calibration step (``calibrate``), or None.
     """
 
     config: SimulationConfig
@@ -115,6 +117,7 @@ class SimulationResult:
     strategy: Strategy
     evaluation_broadcast: Message
     personalized: dict[int, ClientState] = field(default_factory=dict)
+    calibration: CalibrationOutcome | None = None
 
     def client_state(self, client_id: int) -> ClientState:
         """Client ``client_id``'s final state (personalized where the strategy does that).
@@ -280,6 +283,12 @@ class _Run:
         check_model_size(config, tuple(self.dataset.input_shape))  # before any body is built
         client_data = make_clients(self.dataset, config.clients, config.partition,
                                    seed=config.seed, test_fraction=config.test_fraction)
+        # calibrate: every client holds out part of its training data, before any training
+        self.calibration = parse_calibrate(config.calibrate)
+        self.held_out = {}
+        if self.calibration is not None:
+            client_data, self.held_out = hold_out(
+                client_data, self.calibration.held_out_fraction, config.seed)
         # a batch larger than every client's training set is full-batch training: clamping it
         # bounds the batched schedule (clients x batch) by the data, whatever was asked for
         largest = max(d.num_train for d in client_data)
@@ -373,10 +382,25 @@ class _Run:
         summary["personalized"] = bool(personalized)
         summary["data"] = self.data_identity
         summary["threads"] = self.threads
+        calibration = self._calibrate(broadcast, personalized, summary)
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
         return SimulationResult(config, summary, metrics, self.run_dir, self.state,
-                                self.clients, self.client_half, broadcast, personalized)
+                                self.clients, self.client_half, broadcast, personalized,
+                                calibration)
+
+    def _calibrate(self, broadcast: Message, personalized: dict[int, ClientState],
+                   summary: dict[str, Any]) -> CalibrationOutcome | None:
+        """The optional final step (:mod:`bayesfl.calibrate`); its figures, beside the
+        uncalibrated ones, go to ``summary["calibration"]``."""
+        if self.calibration is None:
+            return None
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            outcome = calibrate_run(self.client_half, self.clients, self.held_out, broadcast,
+                                    spec=self.calibration, n_bins=self.config.n_bins,
+                                    states=personalized or None)
+        summary["calibration"] = outcome.summary(summary)
+        return outcome
 
     def _rng_devices(self) -> list[torch.device]:
         return [self.device] if self.device.type == "cuda" else []
@@ -539,7 +563,9 @@ class _Run:
                        data=self.data_identity, threads=self.threads,
                        resumed_from_round=self.resumed_from)
         labels = self.dataset.y
-        parts = [np.concatenate([c.data.train_indices, c.data.test_indices])
+        held = {k: h.indices for k, h in self.held_out.items() if h.indices is not None}
+        parts = [np.concatenate([c.data.train_indices, c.data.test_indices,
+                                 held.get(c.client_id, np.empty(0, np.int64))])
                  for c in self.clients]
         C = self.dataset.num_classes
         counts = partition_summary(labels, parts, C)

@@ -1,6 +1,7 @@
 """Federated temperature scaling: the held-out split, the message protocol, its validation, and
 equality with centralised temperature scaling on the pooled held-out data."""
 
+import json
 import math
 
 import numpy as np
@@ -23,10 +24,19 @@ from bayesfl.calibrate import (
     result_message,
     temperature_of,
 )
+from bayesfl.cli import main as cli_main
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, decode, encode, validate
-from calibration.temperature import NLLDerivatives, fit_temperature, nll_derivatives
+from bayesfl.messages import KeyRing, Message, decode, encode, validate
+from bayesfl.simulate import simulate
+from bayesfl.strategies.base import PREDICTIVE
+from calibration import evaluate
+from calibration.temperature import (
+    NLLDerivatives,
+    apply_temperature,
+    fit_temperature,
+    nll_derivatives,
+)
 
 
 def client_probabilities(seed: int, sizes, num_classes: int = 4, sharpen: float = 2.5):
@@ -215,3 +225,110 @@ def test_garbage_bytes_are_rejected_and_with_no_one_left_no_temperature_is_fitte
 def test_a_search_without_participants_reports_an_error_instead_of_failing():
     outcome = federated_temperature_search([], num_classes=3)
     assert outcome.fit is None and outcome.steps == 0 and outcome.error
+
+
+def test_authenticated_messages_carry_each_senders_hmac():
+    data = client_probabilities(8, [20, 15])
+    keys = KeyRing.generate()
+    plain = federated_temperature_search(temperature_clients(data), 4)
+    signed = federated_temperature_search(temperature_clients(data), 4, keys=keys)
+    assert signed.fit.temperature == plain.fit.temperature and signed.rejections == []
+
+    def impostor(step, client_id, data_bytes):  # client 1's reply re-signed with client 0's key
+        if client_id != 1:
+            return data_bytes
+        return encode(decode(data_bytes, key=keys.client_key(1)), key=keys.client_key(0))
+
+    outcome = federated_temperature_search(temperature_clients(data), 4, keys=keys,
+                                           upload_hook=impostor)
+    assert [r["client_id"] for r in outcome.rejections] == [1]
+    assert outcome.participants == [0]
+
+
+# ---- the final step of a federated run --------------------------------------------------------
+SMALL = dict(
+    dataset="gaussian_mixture", clients=6, partition="shards:2", rounds=2, seed=3,
+    body="mlp:16", feature_dim=8, local_epochs=1, batch_size=16, lr=1e-2, progress=False,
+    dataset_options={"num_classes": 4, "dim": 10, "n": 480, "separation": 4.0},
+)
+
+
+def pooled_held_out_predictive(result):
+    """What the clients' search never shows the server: their held-out probabilities."""
+    probs, labels = [], []
+    for client in result.clients:
+        held = result.calibration.held_out.get(client.client_id)
+        if held is None:
+            continue
+        predictive = result.strategy.predict(client.config, result.client_state(client.client_id),
+                                             result.evaluation_broadcast, held.x)[PREDICTIVE]
+        probs.append(predictive.double())
+        labels.append(held.y)
+    return torch.cat(probs), torch.cat(labels)
+
+
+def test_a_fedlog_run_with_temperature_scaling_reports_both_figures_and_the_steps_bytes(
+        tmp_path):
+    result = simulate("fedlog", calibrate="temperature", out=tmp_path, **SMALL)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    step = summary["calibration"]
+    assert step == result.summary["calibration"]
+    assert step["method"] == "temperature" and step["error"] is None
+    assert step["participants"] == list(range(6)) and step["rejections"] == []
+    # uncalibrated: the run's headline figures; calibrated: the same clients' test data
+    for key in ("accuracy", "ece", "nll", "brier"):
+        assert step["uncalibrated"][key] == summary[key]
+    calibrated_figures = step["calibrated"]
+    assert calibrated_figures["accuracy"] == pytest.approx(summary["accuracy"])  # T keeps argmax
+    assert len(calibrated_figures["per_client"]) == 6
+    # one T fitted on the held-out data: it lowers their NLL (T = 1 was a candidate)
+    assert step["held_out_nll_after"] < step["held_out_nll_before"]
+    assert calibrated_figures["ece"] != summary["ece"]
+    # bytes: every proposal to every participant, every reply, the result to every client
+    assert step["steps"] >= 2 and step["floats_up"] == 4 * 6 * step["steps"]
+    assert step["floats_down"] == 6 * step["steps"] + 6
+    proposal = len(encode(proposal_message(0, 0.0)))
+    assert step["bytes_down"] >= (6 * step["steps"] + 6) * proposal - 6 * (step["steps"] + 1) * 4
+    assert step["bytes_up"] >= 6 * step["steps"] * 4 * 8
+    assert step["held_out_samples"] == sum(h.size for h in result.calibration.held_out.values())
+
+
+def test_the_runs_temperature_equals_centralised_temperature_on_the_pooled_held_out_data():
+    result = simulate("fedlog", calibrate="temperature:0.3", **SMALL)
+    probs, labels = pooled_held_out_predictive(result)
+    pooled = fit_temperature(probs, labels, from_logits=False)
+    step = result.summary["calibration"]
+    assert step["held_out_fraction"] == 0.3 and step["held_out_samples"] == len(labels)
+    assert step["temperature"] == pytest.approx(pooled.temperature, rel=1e-6, abs=0)
+    # the calibrated figures are the metrics of p^(1/T) on every client's test data
+    test_probs, test_labels = [], []
+    for client in result.clients:
+        p = result.predict_proba(client.client_id, client.data.test_x)
+        test_probs.append(apply_temperature(p, step["temperature"], from_logits=False))
+        test_labels.append(client.data.test_y)
+    expected = evaluate(torch.cat(test_probs), torch.cat(test_labels))
+    assert step["calibrated"]["ece"] == pytest.approx(expected["ece"], rel=1e-9)
+    assert step["calibrated"]["nll"] == pytest.approx(expected["nll"], rel=1e-9)
+
+
+def test_held_out_data_are_not_trained_on_and_runs_without_the_step_are_unchanged():
+    plain = simulate("fedlog", **SMALL)
+    calibrated_run = simulate("fedlog", calibrate="temperature", **SMALL)
+    assert "calibration" not in plain.summary and plain.calibration is None
+    for before, after in zip(plain.clients, calibrated_run.clients, strict=True):
+        held = calibrated_run.calibration.held_out[after.client_id]
+        assert after.data.num_train + held.size == before.data.num_train
+        assert not set(held.indices) & set(after.data.train_indices)
+        assert torch.equal(after.data.test_y, before.data.test_y)  # the same test data
+
+
+def test_the_cli_flag_runs_the_step(tmp_path, capsys):
+    flags = ["run", "--strategy", "fedlog", "--dataset", "gaussian_mixture", "--clients", "4",
+             "--rounds", "1", "--body", "mlp:8", "--feature-dim", "4", "--local-epochs", "1",
+             "--no-progress", "--calibrate", "temperature", "--out", str(tmp_path / "run"),
+             "--dataset-option", "n=200", "--dataset-option", "num_classes=4"]
+    assert cli_main(flags) == 0
+    assert "temperature scaling: T = " in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["calibration"]["calibrated"] is not None
+    assert cli_main([*flags[:-4], "--calibrate", "platt", "--out", str(tmp_path / "x")]) == 2
