@@ -228,6 +228,7 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
     "divergence_threshold": POSITIVE,
     "nu": NON_NEGATIVE,
     "chi": FINITE,
+    "feature_scale": POSITIVE,
 }
 
 
