@@ -293,8 +293,10 @@ def test_a_fedlog_run_with_temperature_scaling_reports_both_figures_and_the_step
     assert step["held_out_samples"] == sum(h.size for h in result.calibration.held_out.values())
 
 
-def test_the_runs_temperature_equals_centralised_temperature_on_the_pooled_held_out_data():
-    result = simulate("fedlog", calibrate="temperature:0.3", **SMALL)
+@pytest.mark.parametrize("strategy", ["fedlog", "fedbabu"])  # fedbabu: personalised states
+def test_the_runs_temperature_equals_centralised_temperature_on_the_pooled_held_out_data(
+        strategy):
+    result = simulate(strategy, calibrate="temperature:0.3", **SMALL)
     probs, labels = pooled_held_out_predictive(result)
     pooled = fit_temperature(probs, labels, from_logits=False)
     step = result.summary["calibration"]
