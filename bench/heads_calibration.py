@@ -163,10 +163,11 @@ def accepted(default: dict[str, float], plugin: dict[str, float],
 
 
 def fit_summary(post: Any) -> dict[str, Any]:
-    """What the fit chose (prior precision, feature scale, ...) where the posterior says."""
+    """What the fit chose (``prior_selection``, ``feature_scale_selection``, ...: every
+    ``*_selection`` attribute of the posterior with a ``summary()``)."""
     summary: dict[str, Any] = {}
-    for name in ("prior_selection", "calibration"):
-        value = getattr(post, name, None)
+    for name in dir(post):
+        value = getattr(post, name, None) if name.endswith("_selection") else None
         if value is not None and hasattr(value, "summary"):
             summary[name] = value.summary()
     return summary

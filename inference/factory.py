@@ -15,10 +15,11 @@ Calling convention:
 =================  ==================================================  ======================
 kind               fitting function                                    returns
 =================  ==================================================  ======================
-conjugate          ``inference.conjugate``: ``ConjugatePosterior(       ConjugatePosterior
-                   prior, SufficientStatistics.from_features(...))``;
-                   options: ``prior=ConjugatePrior(...)`` or its
-                   fields (``chi``, ``nu``), and ``solver``
+conjugate          :func:`inference.conjugate.feature_scale.            ConjugatePosterior
+                   fit_conjugate_head`; options: ``prior=ConjugatePrior(
+                   ...)`` or its fields (``chi``, ``nu``), ``solver``,
+                   ``feature_scale`` (default ``"conditional"``),
+                   ``feature_scale_bounds``, ``validation_data``
 laplace            :func:`inference.laplace_head.fit_laplace_head`     GaussianPosterior
 mfvi               :func:`inference.mfvi.fit_mfvi_head`                GaussianPosterior (diag)
 sgld               :func:`inference.sgld.fit_sgld_head`                EnsemblePosterior
@@ -65,18 +66,25 @@ def _fit_conjugate(
     chi: float | Tensor | None = None,
     nu: float | None = None,
     solver: str = "exact",
+    feature_scale: float | str = "conditional",
+    feature_scale_bounds: tuple[float, float] = (1e-4, 1e4),
+    validation_data: tuple[Any, Any] | None = None,
 ) -> Posterior:
     """FedLog's conjugate head: ``prior=ConjugatePrior(...)`` or its fields (``chi``, ``nu``),
-    and ``solver=``."""
-    from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
+    ``solver=``, and the feature scale (:func:`inference.conjugate.feature_scale.
+    fit_conjugate_head`: chosen by the training labels' likelihood unless given)."""
+    from inference.conjugate import ConjugatePrior
+    from inference.conjugate.feature_scale import fit_conjugate_head
 
     fields = {k: v for k, v in (("chi", chi), ("nu", nu)) if v is not None}
     if prior is None:
         prior = ConjugatePrior(**fields)
     elif fields:
         raise InvalidInputError(f"pass either prior= or its fields, not both: {sorted(fields)}.")
-    stats = SufficientStatistics.from_features(features, labels, num_classes)
-    return ConjugatePosterior(prior, stats, solver=solver)
+    return fit_conjugate_head(features, labels, num_classes, prior=prior, solver=solver,
+                              feature_scale=feature_scale,
+                              feature_scale_bounds=feature_scale_bounds,
+                              validation_data=validation_data)
 
 
 def _fit_subnet_laplace(model, loader, **options) -> Posterior:

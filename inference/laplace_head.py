@@ -15,7 +15,7 @@ posterior, and K clients combine by adding their terms.
 
 The prior precision ``λ`` is by default the maximiser of the Laplace log evidence over ``log λ``
 (``prior_precision="marglik"``, refitting the mode at every ``λ``), or the validation-NLL grid
-point (``"validation"``), or a given number; :mod:`inference.prior_precision` does the search
+point (``"validation"``), or a given number; :mod:`inference.hyperparameters` does the search
 and the fitted posterior's ``prior_selection`` records the outcome.
 """
 
@@ -28,6 +28,7 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
+from inference.hyperparameters import DEFAULT_BOUNDS, Criterion, search_log_space
 from inference.linear_model import log_likelihood, training_tensors
 from inference.options import (
     CovarianceStructure,
@@ -36,7 +37,6 @@ from inference.options import (
     PredictiveMethod,
     PriorPrecisionMethod,
 )
-from inference.prior_precision import DEFAULT_BOUNDS, maximise_log_space
 
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
 NEWTON_MAX_PARAMETERS = 3000
@@ -199,7 +199,7 @@ def fit_laplace_head(
 
     * ``"marglik"`` maximises the Laplace log evidence (:func:`log_marginal_likelihood`) over
       ``log λ`` in ``prior_precision_bounds``: a grid of one point a decade, then bounded Brent
-      to 1e-6 in ``log λ`` (:mod:`inference.prior_precision`). The mode is **refitted** at every
+      to 1e-6 in ``log λ`` (:mod:`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that
       prior's mode), not held at one MAP as laplace-torch's ``optimize_prior_precision`` holds
       the network's: a head's MAP is cheap to refit, and the evidence formula evaluated away
@@ -231,7 +231,7 @@ def fit_laplace_head(
     Returns:
         A float64 :class:`GaussianPosterior` over the ``(C, m + 1)`` head, on the features'
         device, with ``n_data = N``. Its attribute ``prior_selection`` is the
-        :class:`~inference.prior_precision.PriorPrecisionChoice` (the chosen ``λ``, the
+        :class:`~inference.hyperparameters.HyperparameterChoice` (the chosen ``λ``, the
         criterion there, and whether it hit a bound), or ``None`` for a given number; it is a
         record of the fit, not part of the posterior's state (``to`` and ``state_dict`` drop it).
 
@@ -251,12 +251,15 @@ def fit_laplace_head(
     if method is None:
         value = float(prior_precision)
     else:
-        criterion = (fit.log_evidence if method is PriorPrecisionMethod.MARGLIK else
-                     fit.validation_criterion(validation_data, PredictiveMethod.parse(
-                         validation_method, "validation_method")))
-        choice = maximise_log_space(criterion, method, prior_precision_bounds,
-                                    points_per_decade=_GRID_DENSITY[method],
-                                    refine=method is PriorPrecisionMethod.MARGLIK)
+        if method is PriorPrecisionMethod.MARGLIK:
+            criterion = Criterion(fit.log_evidence, "log_evidence", method.value, maximise=True)
+        else:
+            criterion = Criterion(fit.validation_nll(validation_data, PredictiveMethod.parse(
+                validation_method, "validation_method")), "validation_nll", method.value,
+                maximise=False)
+        choice = search_log_space(criterion, "prior_precision", prior_precision_bounds,
+                                  points_per_decade=_GRID_DENSITY[method],
+                                  refine=method is PriorPrecisionMethod.MARGLIK)
         value = choice.value
     posterior = fit.posterior(value)
     posterior.prior_selection = choice
@@ -308,9 +311,9 @@ class _LaplaceFit:
         return _log_evidence(self.posterior(prior_precision), self.inputs, self.targets,
                              self.likelihood, self.noise_std)
 
-    def validation_criterion(self, validation_data: tuple[Tensor, Tensor] | None,
-                             method: PredictiveMethod):
-        """``λ -> −(mean validation NLL)`` of the posterior's ``method`` predictive."""
+    def validation_nll(self, validation_data: tuple[Tensor, Tensor] | None,
+                       method: PredictiveMethod):
+        """``λ -> mean validation NLL`` (nats) of the posterior's ``method`` predictive."""
         if validation_data is None:
             raise InvalidInputError(
                 "prior_precision='validation' needs validation_data=(features, labels) held "
@@ -320,13 +323,18 @@ class _LaplaceFit:
         except (TypeError, ValueError):
             raise InvalidInputError(
                 "validation_data must be a pair (features (V, m), labels (V,)).") from None
+        from inference.inputs import as_features, as_labels, as_targets
+
+        val_features = as_features(val_features, self.inputs.shape[1] - 1,
+                                   "validation features")
+        rows, device = val_features.shape[0], val_features.device
+        val_targets = (as_targets(val_targets, rows, device=device)
+                       if self.likelihood is Likelihood.GAUSSIAN else
+                       as_labels(val_targets, rows, self.num_classes, device=device,
+                                 name="validation labels"))
         val_inputs, val_targets = training_tensors(
             val_features, val_targets, self.num_classes, self.likelihood, self.noise_std,
             torch.float64)
-        if val_inputs.shape[1] != self.inputs.shape[1]:
-            raise InvalidInputError(
-                f"validation features have {val_inputs.shape[1] - 1} columns, the training "
-                f"features {self.inputs.shape[1] - 1}.")
         val_inputs = val_inputs.to(self.inputs.device)
         val_targets = val_targets.to(self.inputs.device)
         generator = torch.Generator(device=self.inputs.device)
@@ -334,8 +342,8 @@ class _LaplaceFit:
         def criterion(prior_precision: float) -> float:
             posterior = self.posterior(prior_precision)
             generator.manual_seed(0)  # MC predictive: the same draws' noise at every λ
-            return -_predictive_nll(posterior, val_inputs[:, 1:], val_targets, method,
-                                    self.likelihood, self.noise_std, generator)
+            return _predictive_nll(posterior, val_inputs[:, 1:], val_targets, method,
+                                   self.likelihood, self.noise_std, generator)
 
         return criterion
 

@@ -240,7 +240,7 @@ def check_number(value: Any, name: str, rule: NumberRule) -> int | float:
 
 class PriorPrecisionMethod(Option):
     """How a head chooses its prior precision λ when none is given (see
-    :mod:`inference.prior_precision`).
+    :mod:`inference.hyperparameters`).
 
     ``marglik``: maximise the log marginal likelihood (evidence) ``log p(y | X, λ)`` over
     ``log λ`` in bounds, continuously (grid, then bounded Brent); needs only the training data.
@@ -249,4 +249,19 @@ class PriorPrecisionMethod(Option):
     """
 
     MARGLIK = "marglik"
+    VALIDATION = "validation"
+
+
+class FeatureScaleMethod(Option):
+    """How the conjugate head chooses its feature scale ``s`` (the model's class-conditional
+    standard deviation is ``1 / (s √2)``) when none is given (see
+    :mod:`inference.conjugate.feature_scale`).
+
+    ``conditional``: maximise the conditional log likelihood of the training labels,
+    ``Σ log p(y_i | s φ_i, W*(s))``, over ``log s`` (grid, then bounded Brent); training data only.
+    ``validation``: the same on held-out ``validation_data`` (an unbiased choice when the body
+    was trained on the training set, whose features it separates better than new ones).
+    """
+
+    CONDITIONAL = "conditional"
     VALIDATION = "validation"

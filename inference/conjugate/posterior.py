@@ -5,6 +5,15 @@
 prior and the likelihood statistics are kept apart, so a server sums client statistics and adds
 the prior exactly once. ``W`` is ``(C, m + 1)`` with column 0 the bias: logits are
 ``[1, phi] @ W.T`` for body features ``phi (B, m)``.
+
+Feature scale. The model's class-conditional density is ``N(W_y / 2, I / 2)`` (spec §1.2): it
+fixes the features' within-class standard deviation at ``1/√2``. A body whose features have
+another scale (any body not trained against this head) makes the MAP overconfident. With
+``feature_scale = s`` the model is fitted to ``s phi`` instead (class-conditional standard
+deviation ``1 / (s √2)`` in the body's units): the statistics' feature columns are multiplied
+by ``s``, which needs nothing beyond the statistics, and every head this class hands out
+(``map``, ``mean``, ``sample``, ``covariance``) is mapped back to the body's features, so logits
+stay ``[1, phi] @ W.T``. ``s = 1`` is the paper's model.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from inference.conjugate.prior import ConjugatePrior
 from inference.conjugate.solver import map_objective, solve_map, solve_map_adam
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
+from inference.hyperparameters import HyperparameterChoice
 
 SampleMethod = Literal["laplace", "nuts"]
 PredictMethod = Literal["map", "probit", "mc"]
@@ -36,10 +46,18 @@ class ConjugatePosterior:
         prior: hyperparameters (``None`` means ``ConjugatePrior()``: chi = 0, nu = 1).
         statistics: summed statistics (possibly privatised).
         solver: ``"exact"`` (spec §2.3, default) or ``"adam"`` (the paper's loop, spec §2.2).
+        feature_scale: ``s > 0`` (see the module docstring); ``chi`` lives in the scaled
+            space (it is a pseudo-statistic of ``[1, s phi]``).
+
+    Attributes:
+        feature_scale_selection: how :func:`inference.fit_head` chose ``feature_scale`` (a
+            :class:`~inference.hyperparameters.HyperparameterChoice`), or ``None``; a record of
+            the fit, not part of the state.
 
     Raises:
         InvalidInputError: ``N = nu + n <= 0``, a prior chi of the wrong shape, an unknown
-            solver, or statistics that fail :meth:`SufficientStatistics.validate`.
+            solver, a feature scale that is not a finite positive number, or statistics that
+            fail :meth:`SufficientStatistics.validate`.
     """
 
     kind: ClassVar[str] = "conjugate"
@@ -49,6 +67,7 @@ class ConjugatePosterior:
         prior: ConjugatePrior | None,
         statistics: SufficientStatistics,
         solver: Solver = "exact",
+        feature_scale: float = 1.0,
     ) -> None:
         if not isinstance(statistics, SufficientStatistics):
             raise InvalidInputError("statistics must be a SufficientStatistics")
@@ -57,7 +76,12 @@ class ConjugatePosterior:
         self.prior = ConjugatePrior() if prior is None else prior
         self.statistics = statistics.validate()
         self.solver = solver
-        self.natural_statistic = statistics.table + self.prior.chi_table(
+        self.feature_scale = _checked_scale(feature_scale)
+        # [1, s, ..., s]: statistics of [1, s phi] are the table's columns times this
+        self._column_scale = torch.full((statistics.table.shape[1],), self.feature_scale,
+                                        dtype=torch.float64, device=statistics.device)
+        self._column_scale[0] = 1.0
+        self.natural_statistic = statistics.table * self._column_scale + self.prior.chi_table(
             statistics.table.shape, statistics.device
         )
         self.natural_count = self.prior.nu + statistics.n
@@ -67,6 +91,7 @@ class ConjugatePosterior:
             )
         self._map: Tensor | None = None
         self._laplace: ConjugateLaplace | None = None
+        self.feature_scale_selection: HyperparameterChoice | None = None
 
     # ------------------------------------------------------------------ shape
 
@@ -88,7 +113,12 @@ class ConjugatePosterior:
     # ------------------------------------------------------------------ point estimate
 
     def map(self) -> Tensor:
-        """The MAP head ``W (C, m + 1)``, float64, column 0 the bias (cached)."""
+        """The MAP head ``W (C, m + 1)`` for body features, float64, column 0 the bias
+        (cached)."""
+        return self._map_scaled() * self._column_scale
+
+    def _map_scaled(self) -> Tensor:
+        """The MAP in the model's coordinates (the head of ``[1, s phi]``)."""
         if self._map is None:
             if self.solver == "exact":
                 self._map = solve_map(self.natural_statistic, self.natural_count)
@@ -103,25 +133,30 @@ class ConjugatePosterior:
 
     def log_posterior(self, W: Tensor) -> Tensor:
         """Exact unnormalised log density ``<W, S> - N logsumexp(||W_y||^2/4)`` of heads ``W``
-        of shape ``(C, m + 1)`` or ``(..., C, m + 1)``."""
+        of shape ``(C, m + 1)`` or ``(..., C, m + 1)`` (heads of body features; with a feature
+        scale, up to the constant log-Jacobian of the change to the model's coordinates)."""
         if W.shape[-2:] != self.natural_statistic.shape:
             raise InvalidInputError(
                 f"W must end in shape {tuple(self.natural_statistic.shape)}, got {tuple(W.shape)}"
             )
-        return map_objective(W.to(torch.float64), self.natural_statistic, self.natural_count)
+        scaled = W.to(torch.float64) / self._column_scale
+        return map_objective(scaled, self.natural_statistic, self.natural_count)
 
     # ------------------------------------------------------------------ uncertainty
 
     def laplace(self) -> ConjugateLaplace:
-        """Laplace approximation ``N(W*, H^-1)`` with structured covariance (cached)."""
+        """Laplace approximation ``N(W*, H^-1)`` with structured covariance (cached), in the
+        model's coordinates (heads of ``[1, s phi]``; the same as the body's when ``s = 1``)."""
         if self._laplace is None:
-            self._laplace = ConjugateLaplace(self.map(), self.natural_count)
+            self._laplace = ConjugateLaplace(self._map_scaled(), self.natural_count)
         return self._laplace
 
     def covariance(self) -> Tensor:
-        """Dense Laplace covariance ``(C (m+1), C (m+1))``, row-major over (class, column);
-        refused with MemoryBudgetError above 1 GiB. Prefer :meth:`laplace` for large heads."""
-        return self.laplace().dense_covariance()
+        """Dense Laplace covariance ``(C (m+1), C (m+1))`` of heads of body features, row-major
+        over (class, column); refused with MemoryBudgetError above 1 GiB. Prefer
+        :meth:`laplace` for large heads."""
+        scale = self._column_scale.repeat(self.num_classes)
+        return self.laplace().dense_covariance() * scale[:, None] * scale[None, :]
 
     def sample(
         self,
@@ -140,12 +175,13 @@ class ConjugatePosterior:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive integer, got {n!r}")
         if method == "laplace":
-            return self.laplace().sample(n, generator=generator)
+            return self.laplace().sample(n, generator=generator) * self._column_scale
         if method == "nuts":
-            return sample_nuts(
+            draws = sample_nuts(
                 self.laplace(), self.natural_statistic, self.natural_count, n,
                 warmup_steps=warmup_steps, generator=generator,
             )
+            return draws * self._column_scale.to(draws.device)
         raise InvalidInputError(f"method must be 'laplace' or 'nuts', got {method!r}")
 
     # ------------------------------------------------------------------ predictive
@@ -170,7 +206,7 @@ class ConjugatePosterior:
         if method == "map":
             probs = torch.softmax(x @ self.map().T, dim=1)
         elif method == "probit":
-            mean, variance = self.laplace().logit_moments(x)
+            mean, variance = self.laplace().logit_moments(x * self._column_scale)
             probs = torch.softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * variance), dim=1)
         elif method == "mc":
             if samples is None:
@@ -203,18 +239,22 @@ class ConjugatePosterior:
         chi = self.prior.chi
         prior = ConjugatePrior(chi=chi.to(device) if isinstance(chi, Tensor) else chi,
                                nu=self.prior.nu)
-        moved = ConjugatePosterior(prior, self.statistics.to(device), solver=self.solver)
+        moved = ConjugatePosterior(prior, self.statistics.to(device), solver=self.solver,
+                                   feature_scale=self.feature_scale)
         if self._map is not None:
             moved._map = self._map.to(device)
         return moved
 
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only: the statistics' state, ``prior_chi`` (float64 ``(C, m+1)``),
-        ``prior_nu`` (float64 scalar) and ``solver`` (int64 code). The MAP is recomputed."""
+        ``prior_nu`` (float64 scalar), ``solver`` (int64 code) and, unless it is 1,
+        ``feature_scale`` (float64 scalar). The MAP is recomputed."""
         state = dict(self.statistics.state_dict())
         state["prior_chi"] = self.prior.chi_table(self.statistics.table.shape, self.device)
         state["prior_nu"] = torch.tensor(self.prior.nu, dtype=torch.float64)
         state["solver"] = torch.tensor(_SOLVER_CODES[self.solver], dtype=torch.int64)
+        if self.feature_scale != 1.0:
+            state["feature_scale"] = torch.tensor(self.feature_scale, dtype=torch.float64)
         return state
 
     @classmethod
@@ -230,10 +270,23 @@ class ConjugatePosterior:
         solver = codes.get(int(state["solver"]))
         if solver is None:
             raise InvalidInputError(f"unknown solver code {int(state['solver'])}")
-        return cls(prior, statistics, solver=solver)  # type: ignore[arg-type]
+        scale = state.get("feature_scale")
+        if scale is not None and scale.numel() != 1:
+            raise InvalidInputError("feature_scale must be a scalar tensor")
+        return cls(prior, statistics, solver=solver,  # type: ignore[arg-type]
+                   feature_scale=1.0 if scale is None else float(scale))
 
     def __repr__(self) -> str:
         return (
             f"ConjugatePosterior(C={self.num_classes}, m={self.feature_dim}, "
-            f"N={self.natural_count:g}, solver={self.solver!r}, device={self.device})"
+            f"N={self.natural_count:g}, solver={self.solver!r}, "
+            f"feature_scale={self.feature_scale:g}, device={self.device})"
         )
+
+
+def _checked_scale(value: float) -> float:
+    """``value`` as a float if it is a finite number > 0; else :class:`InvalidInputError`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise InvalidInputError(f"feature_scale must be a finite number > 0, got {value!r}")
+    return float(value)

@@ -72,10 +72,13 @@ def test_conjugate_kind_delegates_to_the_fedlog_head():
     from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
 
     x, y = blobs()
-    post = fit_head("conjugate", x, y, 3, nu=2.0)
-    reference = ConjugatePosterior(ConjugatePrior(nu=2.0),
-                                   SufficientStatistics.from_features(x, y, 3))
-    torch.testing.assert_close(post.mean, reference.mean)
+    stats = SufficientStatistics.from_features(x, y, 3)
+    post = fit_head("conjugate", x, y, 3, nu=2.0, feature_scale=1.0)
+    torch.testing.assert_close(post.mean, ConjugatePosterior(ConjugatePrior(nu=2.0), stats).mean)
+    chosen = fit_head("conjugate", x, y, 3, nu=2.0)  # default: the scale chosen by likelihood
+    scale = chosen.feature_scale_selection.value
+    reference = ConjugatePosterior(ConjugatePrior(nu=2.0), stats, feature_scale=scale)
+    torch.testing.assert_close(chosen.mean, reference.mean, rtol=0, atol=0)
 
 
 def test_subnet_laplace_kind_takes_a_model_and_a_loader():

@@ -208,7 +208,7 @@ def test_marglik_is_the_default_and_its_optimum_is_the_maximum_of_a_fine_grid():
     # 1e-9 nats (the value is flat to second order at the maximum: Brent's 1e-6 costs ~1e-12).
     h = 0.01
     log_grid = torch.arange(-30, 31, dtype=F64) * h + math.log(choice.value)
-    values = torch.tensor([evidence_at(x, y, float(v)) for v in log_grid.exp()])
+    values = torch.tensor([evidence_at(x, y, float(v)) for v in log_grid.exp()], dtype=F64)
     assert abs(float(log_grid[values.argmax()]) - math.log(choice.value)) <= h
     assert choice.criterion >= float(values.max()) - 1e-9
     assert abs(choice.criterion - log_marginal_likelihood(post, x, y)) < 1e-9  # what it reports
