@@ -60,7 +60,7 @@ from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, MessageRe
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
-from bayesfl.messages import Message, decode, encode
+from bayesfl.messages import KeyRing, Message, decode, encode
 from bayesfl.posterior import ClientPosterior
 from bayesfl.run_directory import (
     CHECKPOINT_NAME,
@@ -78,6 +78,7 @@ from bayesfl.strategies.base import (
     derived_seed,
 )
 from bayesfl.training import LocalTraining
+from calibration.errors import CalibrationError
 from inference.errors import InferenceError
 
 UploadHook = Callable[[int, int, bytes], bytes]
@@ -227,6 +228,7 @@ def simulate(
     config = SimulationConfig(strategy=strategy, dataset=dataset, clients=clients,
                               partition=partition, rounds=rounds, seed=seed, **options)
     threads = check_threads(threads)
+    resolve_device(config.device)  # an absent GPU is refused before anything is written
     if resume and out is None:
         raise ConfigError("resume=True needs the run directory `out` of the run to continue")
     run_dir = None if out is None else Path(out)
@@ -240,6 +242,14 @@ def simulate(
                            round_callback=round_callback)
 
 
+def non_finite_problem(state: ServerState) -> str | None:
+    """The first server-state tensor holding NaN or Inf, described; None if all are finite."""
+    for name, tensor in state.items():
+        if (tensor.is_floating_point() or tensor.is_complex()) and \
+                not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            return f"{name!r} has {bad} non-finite value(s) of {tensor.numel()}"
+    return None
 
 
 def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
@@ -302,6 +312,9 @@ class _Run:
         # the two halves are built apart from the same run configuration, as a Flower
         # ServerApp and ClientApp would be: nothing set on one is seen by the other
         self.server = make_strategy(config.strategy, context, **config.strategy_options)
+        # fresh per-run keys: they authenticate this process's messages, nothing persists
+        self.keys = KeyRing.generate() if config.authenticate else None
+        self.server_key = None if self.keys is None else self.keys.server_key
         self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
         self.clients = []
         for d in client_data:
@@ -364,7 +377,8 @@ class _Run:
                 round_callback(r, record)
         bar.close()
         last_round = max(config.rounds, first - 1)
-        broadcast = decode(encode(self.server.configure_evaluation(self.state, last_round)))
+        broadcast = decode(encode(self.server.configure_evaluation(self.state, last_round),
+                                  key=self.server_key), key=self.server_key)
         personalized: dict[int, ClientState] = {}
         with torch.random.fork_rng(devices=self._rng_devices()):
             if self.client_half.personalizes:
@@ -410,10 +424,11 @@ class _Run:
         torch.manual_seed(derived_seed(config.seed, r))
         participants = sample_clients(config.clients, config.fraction, config.seed, r)
         plan = server.configure(self.state, r)
-        down_bytes = encode(plan.broadcast)
+        down_bytes = encode(plan.broadcast, key=self.server_key)
         if self.broadcast_hook is not None:
             self.broadcast_hook(r, down_bytes)
-        received = decode(down_bytes)  # what the clients see is what crossed the wire
+        # what the clients see is what crossed the wire
+        received = decode(down_bytes, key=self.server_key)
         t_local = time.perf_counter()
         gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))
                 for cid in participants}
@@ -424,13 +439,14 @@ class _Run:
         reasons: dict[int, str] = {}  # client id -> why its upload was rejected
         received_up: list[tuple[int, Message]] = []
         for cid, upload in zip(participants, uploads, strict=True):
-            data = encode(upload)
+            data = encode(upload, key=self.client_key(cid))
             floats_up += upload.num_elements
             if upload_hook is not None:
                 data = upload_hook(r, cid, data)
             bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
             try:
-                received_up.append((cid, decode(data, max_bytes=plan.max_upload_bytes)))
+                received_up.append((cid, decode(data, max_bytes=plan.max_upload_bytes,
+                                                key=self.client_key(cid))))
             except MessageRejected as err:
                 reasons[cid] = err.reason
         verdicts = server.validate_uploads(plan, [m for _, m in received_up],
@@ -443,18 +459,28 @@ class _Run:
                 reasons[cid] = reason
         rejections = [{"client_id": cid, "reason": reasons[cid]}
                       for cid in participants if cid in reasons]
-        aggregate_error = None
+        # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
+        # evaluated is dropped with its reason, and the round keeps the previous state.
+        previous, aggregate_error = self.state, None
         try:
             server_gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))
-            self.state = server.aggregate(self.state, accepted, r, server_gen)
-        except (BayesFLError, InferenceError) as err:  # keep the previous state; go on
-            aggregate_error = str(err)
+            new_state = server.aggregate(self.state, accepted, r, server_gen)
+            problem = non_finite_problem(new_state)
+            if problem is None:
+                self.state = new_state
+            else:
+                aggregate_error = f"aggregate rejected, previous state kept: {problem}"
+        except (BayesFLError, InferenceError) as err:
+            aggregate_error = f"aggregation failed, previous state kept: {err}"
         t_eval = time.perf_counter()
-        eval_bytes = encode(server.configure_evaluation(self.state, r))
-        evaluations = self.executor.evaluate(self.clients, decode(eval_bytes),
-                                             n_bins=config.n_bins,
-                                             keep_probs=r == config.rounds)
-        evaluation = merge_evaluations(evaluations)
+        try:
+            eval_bytes, evaluation = self._evaluate(r)
+        except (BayesFLError, InferenceError, CalibrationError) as err:
+            if self.state is previous:
+                raise  # the state that was evaluated fine last round: not an upload's doing
+            self.state = previous
+            aggregate_error = f"evaluation of the aggregate failed ({err}); previous state kept"
+            eval_bytes, evaluation = self._evaluate(r)
         t_eval = time.perf_counter() - t_eval
         record = {
             "round": r,
@@ -476,6 +502,19 @@ class _Run:
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
         return record, evaluation
+
+    def _evaluate(self, r: int) -> tuple[bytes, RoundEvaluation]:
+        """Every client's evaluation of the server state after round ``r``: the encoded
+        evaluation broadcast and the merged evaluation."""
+        eval_bytes = encode(self.server.configure_evaluation(self.state, r), key=self.server_key)
+        evaluations = self.executor.evaluate(self.clients, decode(eval_bytes, key=self.server_key),
+                                             n_bins=self.config.n_bins,
+                                             keep_probs=r == self.config.rounds)
+        return eval_bytes, merge_evaluations(evaluations)
+
+    def client_key(self, client_id: int) -> bytes | None:
+        """Client ``client_id``'s HMAC key, or None when messages are not authenticated."""
+        return None if self.keys is None else self.keys.client_key(client_id)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _checkpoint(self, r: int, seconds: float) -> None:
