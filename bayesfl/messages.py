@@ -29,18 +29,17 @@ import hashlib
 import hmac
 import json
 import math
-import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load as _safetensors_load
 from safetensors.torch import save as _safetensors_save
 
 from bayesfl.errors import ConfigError, MessageRejected
+from inference.posterior_file import json_depth
 
 SCHEMA_VERSION = 1
 DIRECTIONS = ("up", "down")
@@ -253,20 +252,6 @@ def read_safetensors_metadata(
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("metadata is not a string-to-string mapping")
     return metadata
-
-
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-
-
-def json_depth(raw: bytes) -> int:
-    """Maximum bracket nesting of the JSON text ``raw``, brackets inside strings ignored.
-
-    Linear time, no recursion: safe on hostile input (run before ``json.loads``).
-    """
-    codes = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
-    steps = (np.isin(codes, (ord("["), ord("{"))).astype(np.int64)
-             - np.isin(codes, (ord("]"), ord("}"))))
-    return int(np.cumsum(steps).max(initial=0))
 
 
 def decode(
