@@ -61,7 +61,6 @@ from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
 from bayesfl.messages import KeyRing, Message, decode, encode
-from bayesfl.posterior import ClientPosterior
 from bayesfl.run_directory import (
     CHECKPOINT_NAME,
     METRICS_NAME,
@@ -158,10 +157,7 @@ class SimulationResult:
         """
         state = self.client_state(client_id)
         client = self.clients[int(client_id)]
-        posterior = self.strategy.posterior(client.config, state, self.evaluation_broadcast)
-        if isinstance(posterior, ClientPosterior) and posterior.input_shape is None:
-            posterior.input_shape = tuple(client.data.train_x.shape[1:])  # checked per batch
-        return posterior
+        return self.strategy.posterior(client.config, state, self.evaluation_broadcast)
 
 
 def simulate(

@@ -649,6 +649,7 @@ class FedLog(Strategy):
             raise ConfigError("the federated posterior has no data yet (prior_nu = 0 and no "
                               "statistics were aggregated)")
         return ClientPosterior(self.client_model(config, state), head, self.predictive,
+                               input_shape=self.context.input_shape or None,
                                n_samples=self.mc_samples)
 
 
@@ -697,6 +698,11 @@ class _FedLogDP(FedLog):
         if "feature_bound" in options:
             raise ConfigError(f"{self.name} bounds features by its clip ({clip}); set clip, "
                               "not feature_bound")
+        for option, value in (("epsilon", epsilon), ("delta", delta), ("clip", clip)):
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise ConfigError(f"{self.name} {option} must be a finite number, got "
+                                  f"{value!r}")
         if not (epsilon > 0 and 0 < delta < 1 and clip > 0):
             raise ConfigError("DP needs epsilon > 0, 0 < delta < 1 and clip > 0; got "
                               f"epsilon={epsilon}, delta={delta}, clip={clip}")

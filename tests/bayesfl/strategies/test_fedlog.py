@@ -507,3 +507,14 @@ def test_fit_group_of_fedlog_uploads_the_statistics_fit_uploads(build):
         # (entries up to ~20: rtol 1e-5 leaves ~2e-4; measured differences are ~1e-6)
         torch.testing.assert_close(a.tensors["statistics"], b.tensors["statistics"],
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{"clip": "a"}, {"clip": True}, {"clip": float("inf")},
+                                     {"epsilon": float("nan")}, {"delta": "0.1"},
+                                     {"clip": -1.0}, {"delta": 1.0}])
+def test_dp_budget_options_must_be_finite_numbers_in_range(options):
+    from strategy_helpers import context
+
+    for name in ("fedlog-dp-local", "fedlog-dp-central"):
+        with pytest.raises(ConfigError, match="finite number|DP needs"):
+            make_strategy(name, context(), **options)
