@@ -93,7 +93,7 @@ SETTINGS: tuple[Setting, ...] = (
             "each client's training data held out to fit it, default 0.2); default none"),
     Setting(("device",), "device", "str", "cpu, cuda, cuda:N or mps; default cpu"),
     Setting(("batched",), "batched", "toggle",
-            "train clients of one architecture together (--no-batched: one by one); default on"),
+            "train clients of one architecture together, or one by one; default on"),
     Setting(("authenticate",), "authenticate", "toggle",
             "sign every message with HMAC-SHA256 under per-client keys drawn for the run; "
             "default off"),
@@ -111,7 +111,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("threads",), "threads", "int",
             "torch threads; default half the CPU cores, 1 to 4 (small models run slower "
             "with more)"),
-    Setting(("progress",), "progress", "toggle", "progress bar (--no-progress: none); default on"),
+    Setting(("progress",), "progress", "toggle", "progress bar over rounds; default on"),
 )
 
 _RUN_KEYWORDS = ("out", "resume", "force", "progress", "threads")
@@ -142,11 +142,13 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run a federated experiment",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run a federated experiment; writes metrics.jsonl, summary.json, "
+        description="Run a federated experiment; writes metrics.jsonl, summary.json,\n"
         "manifest.json, a checkpoint and plots into --out.",
-        epilog="A TOML file (--config) takes the same names as keys, with - or _ "
-        "(feature-dim = 50, bins = 15, no-progress = true,\n[option] alpha = 0.01); flags "
-        "override it. Ctrl-C stops a run and prints the command that resumes it.")
+        epilog="A TOML file (--config) takes the flag names as keys, - or _ alike:\n"
+        "  feature-dim = 50\n  bins = 15\n  no-progress = true\n  [option]\n"
+        "  alpha = 0.01\n"
+        "Flags given on the command line override the file.\n"
+        "Ctrl-C stops a run and prints the command that resumes it.")
     run.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="TOML file with settings (keys: the flag names below)")
     types = {"str": str, "int": int, "float": float, "path": Path}

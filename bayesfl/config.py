@@ -185,8 +185,25 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise ConfigError(f"{label} must be a mapping of option names to values, e.g. "
                               f"{{'alpha': 0.01}}, got {describe(value)}")
+        for key, option in value.items():
+            if not _is_json_value(option):
+                raise ConfigError(f"{label} {key}={option!r}: an option value must be a finite "
+                                  "number, a string, a boolean or a list of them (a run's "
+                                  "configuration is recorded as JSON)")
         return dict(value)
     raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(CONFIG_FIELDS)}")
+
+
+def _is_json_value(value: Any, depth: int = 0) -> bool:
+    if value is None or isinstance(value, bool | str | numbers.Integral):
+        return True
+    if isinstance(value, numbers.Real):
+        return math.isfinite(value)
+    if isinstance(value, list | tuple) and depth < 4:
+        return all(_is_json_value(v, depth + 1) for v in value)
+    if isinstance(value, Mapping) and depth < 4:
+        return all(isinstance(k, str) and _is_json_value(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def check_integer(name: str, value: Any, low: int, high: int | None) -> int:

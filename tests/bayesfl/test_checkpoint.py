@@ -4,6 +4,8 @@ import hashlib
 import json
 import os
 import pickle
+import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +204,102 @@ def test_the_checkpoint_directory_must_be_writable(tmp_path):
     with pytest.raises(CheckpointError, match="cannot create a temporary file"):
         save_checkpoint(missing_dir, *server_state(1))
     assert not os.path.exists(tmp_path / "nope")
+
+
+# ---- what is read: regular files of bounded size only --------------------------------------
+def _fifo(tmp_path):
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda tmp: tmp, "is a directory, not a regular file"),
+    (_fifo, "is a FIFO (named pipe), not a regular file"),
+    (lambda tmp: Path("/dev/zero"), "is a character device, not a regular file"),
+])
+def test_what_is_not_a_regular_file_is_refused_by_name(tmp_path, make, expected):
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        load_checkpoint(make(tmp_path), fingerprint=FINGERPRINT)
+
+
+def test_a_symlink_is_judged_by_what_it_leads_to(tmp_path):
+    link = tmp_path / "link.safetensors"
+    os.symlink("/dev/zero", link)
+    with pytest.raises(CheckpointError, match="is a character device"):
+        load_checkpoint(link, fingerprint=FINGERPRINT)
+    save_checkpoint(tmp_path / "real.safetensors", *server_state(1))
+    link.unlink()
+    os.symlink(tmp_path / "real.safetensors", link)  # a link to a checkpoint is a checkpoint
+    assert_state_equal(load_checkpoint(link, fingerprint=FINGERPRINT), server_state(1))
+
+
+def test_a_symlink_loop_is_named(tmp_path):
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(CheckpointError, match="is a symlink loop"):
+        load_checkpoint(tmp_path / "a", fingerprint=FINGERPRINT)
+
+
+def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "state.safetensors"
+    save_checkpoint(path, *server_state(1))
+    size = path.stat().st_size
+    too_big = f"is {size:,} bytes, more than the limit {size - 1:,}"
+    with pytest.raises(CheckpointError, match=too_big):
+        load_checkpoint(path, fingerprint=FINGERPRINT, max_bytes=size - 1)
+    assert load_checkpoint(path, fingerprint=FINGERPRINT, max_bytes=size)[1]["round"] == 1
+    sparse = tmp_path / "huge.safetensors"  # 17 GiB on paper, nothing on disk
+    with open(sparse, "wb") as f:
+        f.truncate(checkpoint_module.MAX_CHECKPOINT_BYTES + 1)
+    with pytest.raises(CheckpointError, match="more than the limit 17,179,869,184"):
+        load_checkpoint(sparse, fingerprint=FINGERPRINT)
+
+
+@pytest.mark.parametrize("where", ["header", "meta"])
+def test_deeply_nested_json_is_a_checkpoint_error_not_a_recursion_error(tmp_path, where):
+    path = tmp_path / "state.safetensors"
+    deep = "[" * 50_000 + "]" * 50_000
+    if where == "header":
+        path.write_bytes(struct.pack("<Q", len(deep)) + deep.encode())
+        expected = "corrupt or not a bayesfl checkpoint"
+    else:
+        tensors, meta = server_state(1)
+        save_checkpoint(path, tensors, meta)
+        data = path.read_bytes()
+        header_len = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + header_len])
+        header["__metadata__"]["bayesfl.meta"] = deep
+        text = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + header_len:])
+        expected = "corrupt or not a bayesfl checkpoint"
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(path, fingerprint=FINGERPRINT)
+
+
+# ---- a foreign checkpoint says which settings differ ---------------------------------------
+def test_the_settings_that_differ_are_named(tmp_path):
+    path = tmp_path / "state.safetensors"
+    config = {**CONFIG, "strategy_options": {"alpha": 0.1}, "data": {"sha256": "a" * 64}}
+    tensors, meta = server_state(1)
+    meta = {**meta, "config": config}
+    save_checkpoint(path, tensors, meta, fingerprint=config_fingerprint(config))
+    other = {**config, "seed": 1, "strategy_options": {"alpha": 0.2},
+             "data": {"sha256": "b" * 64}}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, fingerprint=config_fingerprint(other), config=other)
+    message = str(info.value)
+    assert "seed: checkpoint 0, this run 1" in message
+    assert "strategy_options.alpha: checkpoint 0.1, this run 0.2" in message
+    assert 'data.sha256: checkpoint "aaaaaaaaaaaa' in message  # long values are shortened
+    assert 'this run "bbbbbbbbbbbb' in message and "a" * 64 not in message
+    assert "rounds" not in message and "clients" not in message
+
+
+def test_config_differences_cover_added_removed_and_retyped_settings():
+    from bayesfl.checkpoint import config_differences
+
+    assert config_differences({"a": 1, "b": 2}, {"a": 1, "c": 3}) == [
+        "b: checkpoint 2, this run (not set)", "c: checkpoint (not set), this run 3"]
+    assert config_differences({"lr": 1}, {"lr": 1.0}) == ["lr: checkpoint 1, this run 1.0"]
+    assert config_differences({"x": {"y": [1, 2]}}, {"x": {"y": [1, 2]}}) == []

@@ -1,6 +1,11 @@
 """The ``bayesfl`` command line: runs, TOML configs, and one-line errors with exit code 2."""
 
 import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -93,3 +98,250 @@ def test_strategies_lists_every_registered_name(capsys):
 def test_options_are_parsed_as_toml_literals():
     assert parse_options(["alpha=0.01", "upload-dtype=float64", "flag=true"]) == {
         "alpha": 0.01, "upload_dtype": "float64", "flag": True}
+
+
+# ---- one vocabulary: flags and TOML keys --------------------------------------------------
+def test_every_config_field_and_run_keyword_has_a_flag():
+    from bayesfl.cli import SETTINGS
+    from bayesfl.config import CONFIG_FIELDS
+
+    targets = {s.target for s in SETTINGS}
+    assert set(CONFIG_FIELDS) <= targets, "a SimulationConfig field without a CLI flag"
+    assert {"out", "resume", "force", "progress", "threads"} <= targets
+
+
+def test_the_flag_names_are_the_toml_keys(tmp_path):
+    """Each setting written under its flag name (and its alias, with - or _) means what the
+    flag means."""
+    written = ('strategy = "fedavg"\nrounds = 1\nbins = 7\nlocal_epochs = 1\n'
+               'no-progress = true\nno_batched = true\nthreads = 1\nfeature-dim = 4\n'
+               'dataset = "gaussian_mixture"\nclients = 5\nbody = "mlp:8"\nbatch-size = 32\n'
+               f'out = "{tmp_path / "run"}"\n'
+               'dataset-option = ["n=300"]\n[option]\nnorm_bound = 5.0\n')
+    config = tmp_path / "run.toml"
+    config.write_text(written)
+    assert main(["run", "--config", str(config)]) == 0
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["config"]["n_bins"] == 7 and manifest["config"]["batched"] is False
+    assert manifest["config"]["strategy_options"] == {"norm_bound": 5.0}
+    assert manifest["config"]["dataset_options"] == {"n": 300}
+    assert manifest["threads"] == 1
+    # resume = true in the file continues the finished run (no refusal of the directory)
+    config.write_text(written + "")
+    resumed = tmp_path / "resume.toml"
+    resumed.write_text(written.replace("[option]", "resume = true\n[option]"))
+    assert main(["run", "--config", str(resumed)]) == 0
+
+
+def test_the_python_names_are_accepted_as_aliases(tmp_path):
+    from bayesfl.cli import settings_from_mapping
+
+    settings = settings_from_mapping({"n_bins": 7, "strategy_options": {"alpha": 0.1},
+                                      "dataset-options": {"n": 5}, "batched": False})
+    assert settings == {"n_bins": 7, "strategy_options": {"alpha": 0.1},
+                        "dataset_options": {"n": 5}, "batched": False}
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ('rounds = "ten"', "rounds must be an integer, got 'ten' (a string)"),
+        ('fraction = "half"', "fraction must be a number, got 'half' (a string)"),
+        ("seed = 1e3", "seed must be an integer, got 1000.0 (a float)"),
+        ("clients = true", "clients must be an integer, got True (a boolean)"),
+        ('batched = "no"', "batched must be true or false, got 'no' (a string)"),
+        ('no-progress = "yes"', "no-progress must be true or false"),
+        ("seed = -5", "seed must be between 0 and"),
+        ("threads = 0", "threads must be between 1 and 1,024, got 0"),
+        ("option = 5", "option must be a table ([option] with KEY = VALUE lines) or a list"),
+        ("learning_rate = 0.1", "unknown key 'learning_rate'; valid keys are the flags of "
+                                "`bayesfl run` (- or _): strategy, dataset"),
+        ("bin = 15", "unknown key 'bin' (did you mean 'bins'?)"),
+        ("bins = 10\nn_bins = 12", "n_bins is given twice (as 'bins' and 'n_bins'); keep one"),
+        ('config = "other.toml"', "a config file cannot name another config file"),
+        ("rounds = ", "is not valid TOML"),
+    ],
+)
+def test_bad_toml_values_name_the_file_and_the_key(tmp_path, capsys, toml, expected):
+    config = tmp_path / "run.toml"
+    config.write_text(toml + "\n")
+    assert main(["run", "--config", str(config), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bayesfl: error: config {config}") and expected in err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "is not a text file (not UTF-8"),
+    (b"\x00\x01\x02rounds = 1", "is not valid TOML"),
+])
+def test_a_binary_config_file_is_a_one_line_error(tmp_path, capsys, content, expected):
+    config = tmp_path / "run.toml"
+    config.write_bytes(content)
+    assert main(["run", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+
+
+def test_a_config_that_is_not_a_regular_file_is_named_so(tmp_path, capsys):
+    assert main(["run", "--config", str(tmp_path)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert main(["run", "--config", str(tmp_path / "absent.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- bad values on the command line --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--seed", "-5"], "seed must be between 0 and 9,223,372,036,854,775,807, got -5"),
+        (["--device", "bogus"], "unknown device 'bogus'; use cpu, cuda, cuda:N or mps"),
+        (["--feature-dim", "1000000000"], "feature_dim must be between 1 and 16,384, got "
+                                          "1,000,000,000"),
+        (["--bins", "10000000000"], "n_bins must be between 1 and 10,000, got 10,000,000,000"),
+        (["--body", "mlp:1000000000"], "parameters together"),
+        (["--strategy", "fedlog-dp-local", "--option", "clip=inf"],
+         "strategy_options clip=inf: an option value must be a finite number"),
+        (["--strategy", "fedlog-dp-local", "--option", "clip=-1"], "DP needs epsilon > 0"),
+        (["--resume", "--force"], "resume and force contradict each other"),
+    ],
+)
+def test_bad_values_give_one_line_errors_without_traceback(tmp_path, capsys, args, expected):
+    assert main(["run", *TINY, "--out", str(tmp_path / "x"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bayesfl: error: ") and expected in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error", ["inference", "calibration", "os"])
+def test_errors_of_the_other_layers_are_one_line_errors_too(tmp_path, capsys, monkeypatch,
+                                                            error):
+    """A bad value that only the inference or calibration layer detects (or a failed write)
+    is reported like a configuration error, not as a traceback."""
+    from calibration.errors import InvalidInputError as CalibrationInputError
+    from inference.errors import InvalidInputError as InferenceInputError
+
+    raised = {"inference": InferenceInputError("bound must be a finite number > 0, got inf"),
+              "calibration": CalibrationInputError("n_bins must be a positive integer"),
+              "os": PermissionError(13, "Permission denied", "/runs/x")}[error]
+
+    def failing(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(sys.modules["bayesfl.simulate"], "simulate", failing)
+    assert main(["run", *TINY, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"bayesfl: error: {raised}\n"
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["run", *TINY, "--out", str(tmp_path / "x"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available here" in err and "use --device cpu" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_batch_larger_than_any_client_is_full_batch_training(tmp_path):
+    runs = {}
+    for size in ("1000000000", "1000000", "48"):  # 48 >= every client's training set here
+        out = tmp_path / size
+        assert main(["run", *TINY, "--rounds", "2", "--batch-size", size, "--out", str(out)]) == 0
+        runs[size] = [{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")}
+                      for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert runs["1000000000"] == runs["1000000"] == runs["48"]
+
+
+# ---- run directories -----------------------------------------------------------------------
+def test_a_non_empty_run_directory_is_refused_unless_resume_or_force(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", *TINY, "--out", str(out)]) == 0
+    first = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["run", *TINY, "--seed", "5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {out} is not empty" in err
+    assert "--resume" in err and "--force" in err and err.count("\n") == 1
+    assert (out / "metrics.jsonl").read_text() == first  # untouched
+    (out / "notes.txt").write_text("mine")
+    assert main(["run", *TINY, "--seed", "5", "--out", str(out), "--force"]) == 0
+    assert (out / "metrics.jsonl").read_text() != first
+    assert (out / "notes.txt").read_text() == "mine"  # --force removes only a run's files
+
+
+def test_a_file_where_the_run_directory_should_be_is_refused(tmp_path, capsys):
+    (tmp_path / "run").write_text("")
+    assert main(["run", *TINY, "--out", str(tmp_path / "run")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------
+def _interrupt_after_round(monkeypatch, stop_round):
+    simulate_module = sys.modules["bayesfl.simulate"]
+    real = simulate_module.simulate
+
+    def interrupted(*args, **kwargs):
+        def callback(r, record):
+            if r == stop_round:
+                raise KeyboardInterrupt
+        return real(*args, round_callback=callback, **kwargs)
+
+    monkeypatch.setattr(simulate_module, "simulate", interrupted)
+
+
+def test_ctrl_c_prints_the_exact_resume_command_and_exits_130(tmp_path, capsys, monkeypatch):
+    full = tmp_path / "full"
+    args = ["run", *TINY, "--rounds", "3", "--force"]
+    assert main([*args, "--out", str(full)]) == 0
+    monkeypatch.chdir(tmp_path)
+    _interrupt_after_round(monkeypatch, 1)
+    capsys.readouterr()
+    assert main(args) == 130  # default --out: runs/fedlog_gaussian_mixture_seed0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    command = err.split("continue the run with: ")[1].strip()
+    words = shlex.split(command)
+    assert words[0] == "bayesfl" and "--resume" in words and "--force" not in words
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert main(words[1:]) == 0
+
+    def numbers(path):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")}
+                for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    out = tmp_path / "runs" / "fedlog_gaussian_mixture_seed0"
+    assert numbers(out) == numbers(full)
+
+
+@pytest.mark.slow
+def test_sigint_to_a_real_process_leaves_a_resumable_run(tmp_path):
+    """The real thing: SIGINT to `python -m bayesfl run` mid-run; then the printed command."""
+    out = tmp_path / "run"
+    args = ["run", *TINY, "--rounds", "40", "--out", str(out)]
+    process = subprocess.Popen([sys.executable, "-m", "bayesfl", *args], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.strip().count("\n") == 0
+    words = shlex.split(err.split("continue the run with: ")[1])
+    assert main(words[1:]) == 0
+    full = tmp_path / "full"
+    assert main([*args[:-1], str(full)]) == 0
+
+    def numbers(path):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("seconds")}
+                for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    assert numbers(out) == numbers(full)
+
