@@ -50,6 +50,7 @@ from bayesfl.strategies.base import (
     model_state,
     num_samples_problem,
     num_samples_tensor,
+    option_number,
     stacked_tensors,
     with_parameters,
 )
@@ -94,14 +95,12 @@ class FedProto(Strategy):
         inference: str = "prototype",
     ) -> None:
         super().__init__(context)
-        if not lam >= 0:
-            raise ConfigError(f"fedproto lam must be >= 0, got {lam}")
         if not isinstance(weighted, bool):
             raise ConfigError(f"fedproto weighted must be true or false, got {weighted!r}")
         if inference not in self.INFERENCE:
             raise ConfigError(f"fedproto inference must be one of {', '.join(self.INFERENCE)}; "
                               f"got {inference!r}")
-        self.lam = float(lam)
+        self.lam = option_number("fedproto", "lam", lam)
         self.weighted = weighted
         self.inference = inference
 

@@ -22,8 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from bayesfl.errors import ConfigError
-from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.base import StrategyContext, option_integer
 from bayesfl.strategies.parameter_averaging import (
     ParameterAveraging,
     all_but_last_layers,
@@ -51,9 +50,7 @@ class FedRep(ParameterAveraging):
         **options: Any,
     ) -> None:
         super().__init__(context, **options)
-        if head_epochs < 0:
-            raise ConfigError(f"{self.name} head_epochs must be >= 0, got {head_epochs}")
-        self.head_epochs = head_epochs
+        self.head_epochs = option_integer(self.name, "head_epochs", head_epochs)
         self.local_layers = check_layer_count(self.name, "local_layers", local_layers)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:

@@ -228,3 +228,14 @@ def test_fedbabu_can_fine_tune_the_whole_network_to_personalize(build):
         assert torch.equal(v, before[k])
     with pytest.raises(ConfigError, match="finetune"):
         make_strategy("fedbabu", strategy.context, finetune="body")
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("fedrep", {"head_epochs": "3"}), ("fedrep", {"head_epochs": 2.5}),
+    ("fedrep", {"head_epochs": True}), ("fedrep", {"head_epochs": -1}),
+    ("fedproto", {"lam": "a"}), ("fedproto", {"lam": float("inf")}),
+    ("fedproto", {"lam": -0.5}), ("fedproto", {"lam": False}),
+])
+def test_numeric_strategy_options_of_the_wrong_type_are_config_errors(name, options):
+    with pytest.raises(ConfigError, match=f"{name} .* must be"):
+        make_strategy(name, StrategyContext(num_classes=3, feature_dim=4), **options)
