@@ -20,3 +20,8 @@ class FileFormatError(CalibrationError, ValueError):
 class CalibrationWarning(UserWarning):
     """Something in the input was set aside or reinterpreted, and the result depends on it
     (e.g. a pandas index column ignored in a CSV file)."""
+
+
+class NativeKernelError(CalibrationError, RuntimeError):
+    """The compiled calibration kernel was required (``BAYESFL_REQUIRE_NATIVE=1``) but could not
+    be built or loaded safely."""

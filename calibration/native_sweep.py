@@ -11,11 +11,30 @@ the source, the flags, the compiler and the CPU; then called through ctypes, whi
 GIL, from ``torch.get_num_threads()`` threads that take blocks of rows in turn. Block partial sums
 are combined in block order, so results do not depend on the number of threads.
 
+Loading a shared library runs its code, so only files nobody else can have written are loaded:
+
+* the cache directory is created with mode 0700 and used only if it is a directory owned by
+  this user that neither its group nor others can write to (otherwise another user could put a
+  library there, or swap one in); nothing is ever loaded from a shared location such as
+  ``/tmp/bayesfl-<uid>`` under a predictable name;
+* a cached library is loaded only if it is a regular file (not a symlink) owned by this user
+  and not writable by group or others; one that fails is rebuilt over (atomically);
+* a build goes to a temporary file in the same directory, is made 0700 and renamed over the
+  target, so no reader ever sees a partial library;
+* when the cache directory is unusable or refused (with a logged warning saying why), the
+  kernel is built in a fresh private directory (``mkdtemp``: 0700, random name), loaded and the
+  directory removed: nothing pre-existing is trusted.
+
+When no kernel can be had (no compiler, a failed build, a refused file), :func:`library` logs a
+warning and returns None and the torch sweep is used; with ``BAYESFL_REQUIRE_NATIVE=1`` (set by
+``.ci/run``) it raises :class:`calibration.errors.NativeKernelError` instead, so CI cannot pass
+without checking the kernel while a machine without ``cc`` still runs everything.
+
 The "native" build (``-march=native``) takes an AVX-512 float32 path where the CPU has it, and
 otherwise the portable vector code (GCC/clang vector extensions: AVX2, SSE2 or NEON, whatever
 the target offers); float64 always takes the portable code. Set ``BAYESFL_NATIVE=0`` to turn the
 kernel off, or ``BAYESFL_NATIVE=portable`` for a build without ``-march=native``. Without a
-compiler, :func:`sweep` returns None and callers use the torch sweep; the two agree
+kernel, :func:`sweep` returns None and callers use the torch sweep; the two agree
 (``tests/calibration/test_calibration_native_sweep.py``).
 """
 
@@ -28,6 +47,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -39,7 +59,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["NativeSweep", "library", "sweep", "variant"]
+from calibration.errors import NativeKernelError
+
+__all__ = ["REQUIRE_VARIABLE", "NativeSweep", "cache_dir", "library", "required", "sweep",
+           "unavailable_reason", "variant"]
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("native_sweep.c")
@@ -51,8 +74,11 @@ _THREADED_ELEMENTS = 1 << 20  # below this, one call in the calling thread beats
 _MAX_BIN_ENTRIES = 1 << 20  # per-block histogram entries held at once (24 bytes each)
 _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
+REQUIRE_VARIABLE = "BAYESFL_REQUIRE_NATIVE"
+
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}
+_problems: dict[str, str] = {}
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
@@ -94,17 +120,40 @@ def variant() -> str | None:
     return "portable" if setting == "portable" else "native"
 
 
+def required() -> bool:
+    """Whether ``BAYESFL_REQUIRE_NATIVE`` demands the compiled kernel (CI sets it to 1)."""
+    return os.environ.get(REQUIRE_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def library(kind: str = "native") -> ctypes.CDLL | None:
     """The compiled kernel for ``kind`` ("native" or "portable"), building it if needed.
 
-    Returns None (and logs one warning) when it cannot be built or loaded.
+    Returns None (and logs one warning; :func:`unavailable_reason` says why) when it cannot be
+    built or loaded safely, and the callers use the torch sweep; with ``BAYESFL_REQUIRE_NATIVE=1``
+    raises :class:`calibration.errors.NativeKernelError` instead.
     """
     if kind not in _VARIANT_FLAGS:
         raise ValueError(f"kind must be 'native' or 'portable'; got {kind!r}")
     with _lock:
         if kind not in _libraries:
-            _libraries[kind] = _load(kind)
-        return _libraries[kind]
+            try:
+                _libraries[kind] = _load(kind)
+            except _UnavailableError as reason:
+                _libraries[kind], _problems[kind] = None, str(reason)
+                _log.warning("the %s calibration kernel is unavailable (%s): calibration uses "
+                             "the slower torch sweep", kind, reason)
+        lib = _libraries[kind]
+    if lib is None and required():
+        raise NativeKernelError(
+            f"the {kind} calibration kernel is required ({REQUIRE_VARIABLE}=1) but unavailable: "
+            f"{_problems.get(kind)}"
+        )
+    return lib
+
+
+def unavailable_reason(kind: str = "native") -> str | None:
+    """Why :func:`library` returned None for ``kind`` in this process (None if it did not)."""
+    return _problems.get(kind) if _libraries.get(kind, False) is None else None
 
 
 def sweep(
@@ -220,7 +269,11 @@ def _pointer(tensor: Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-# -- building --------------------------------------------------------------------------------
+# -- building and loading, safely ---------------------------------------------------------------
+class _UnavailableError(Exception):
+    """Why a kernel cannot be used (a missing compiler, a failed build, an unsafe file)."""
+
+
 def _compiler() -> str | None:
     for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if candidate and shutil.which(candidate):
@@ -228,14 +281,71 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dirs() -> list[Path]:
-    """Where the library may live: the user's cache, then a per-user temporary directory."""
+def _uid() -> int | None:
+    """The user whose files may be loaded (None where the OS has no uids)."""
+    return os.geteuid() if hasattr(os, "geteuid") else None
+
+
+def cache_dir() -> Path | None:
+    """Where compiled kernels are cached: ``$BAYESFL_CACHE_DIR``, else ``$XDG_CACHE_HOME/bayesfl``
+    (an absolute ``XDG_CACHE_HOME`` only, as the XDG spec says), else ``~/.cache/bayesfl``;
+    None without a home directory."""
     configured = os.environ.get("BAYESFL_CACHE_DIR")
     if configured:
-        return [Path(configured)]
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    return [Path(base) / "bayesfl", Path(tempfile.gettempdir()) / f"bayesfl-{user}"]
+        return Path(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "bayesfl"
+    try:
+        return Path.home() / ".cache" / "bayesfl"
+    except (RuntimeError, KeyError):  # no HOME and no password entry
+        return None
+
+
+def _directory_problem(directory: Path) -> str | None:
+    """Create ``directory`` (mode 0700) if absent; None when it is safe to load from, else why
+    not: it must be a directory owned by this user that no group or other user can write to
+    (then nobody else can put or swap a file in it)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass  # checked below, whatever it is
+    except OSError as err:
+        return f"cannot create {directory} ({err.strerror or err})"
+    try:
+        info = os.stat(directory)  # follows a symlink: what is checked is what is used
+    except OSError as err:
+        return f"cannot read {directory} ({err.strerror or err})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{directory} is not a directory"
+    return _ownership_problem(directory, info, "directory")
+
+
+def _file_problem(path: Path) -> str | None:
+    """None when ``path`` is a regular file (not a symlink) owned by this user and writable by
+    nobody else, else why it must not be loaded."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+    except OSError as err:
+        return f"cannot open {path} ({err.strerror or err})"
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a regular file"
+    return _ownership_problem(path, info, "file")
+
+
+def _ownership_problem(path: Path, info: os.stat_result, what: str) -> str | None:
+    uid = _uid()
+    if uid is not None and info.st_uid != uid:
+        return f"the {what} {path} is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"the {what} {path} is writable by its group or by others "
+                f"(mode {stat.S_IMODE(info.st_mode):o}); make it 0700 (chmod go-w)")
+    return None
 
 
 def _cpu_identity() -> str:
@@ -251,57 +361,109 @@ def _cpu_identity() -> str:
     return identity
 
 
-def _load(kind: str) -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        _log.warning("no C compiler found (set CC): calibration uses the slower torch sweep")
-        return None
+def _library_name(compiler: str, kind: str) -> str:
+    """``native_sweep-<kind>-<key>.so``, keyed by the source, flags, compiler and CPU."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError):
         version = []
     flags = _BASE_FLAGS + _VARIANT_FLAGS[kind]
-    source = _SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(flags).encode(), compiler.encode(), *(v.encode() for v in
-                    version), _cpu_identity().encode()])
+        b"\0".join([_SOURCE.read_bytes(), " ".join(flags).encode(), compiler.encode(),
+                    *(v.encode() for v in version), _cpu_identity().encode()])
     ).hexdigest()[:20]
-    name = f"native_sweep-{kind}-{key}.so"
-    problem = "no writable cache directory"
-    for directory in _cache_dirs():
-        target = directory / name
-        try:
-            if not target.exists():
-                _compile(compiler, flags, target)
-            lib = ctypes.CDLL(str(target))
-        except _CompileError as error:
-            problem = str(error)
-            break  # the compiler refused: another directory will not help
-        except (OSError, subprocess.SubprocessError) as error:
-            problem = f"{target}: {error}"
-            continue
+    return f"native_sweep-{kind}-{key}.so"
+
+
+def _load(kind: str) -> ctypes.CDLL:
+    """The kernel for ``kind`` from the private cache, built there if needed; or, when the cache
+    directory is unusable or unsafe, built in a fresh private temporary directory. Raises
+    _UnavailableError (never loads a file that failed the checks)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise _UnavailableError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    flags = _BASE_FLAGS + _VARIANT_FLAGS[kind]
+    name = _library_name(compiler, kind)
+    directory = cache_dir()
+    refusal = "no home directory" if directory is None else _directory_problem(directory)
+    if refusal is None:
+        return _cached_or_built(compiler, flags, directory / name)
+    _log.warning("not using the kernel cache (%s): building the %s calibration kernel in a "
+                 "private temporary directory instead", refusal, kind)
+    return _built_privately(compiler, flags, name)
+
+
+def _cached_or_built(compiler: str, flags: tuple[str, ...], target: Path) -> ctypes.CDLL:
+    """Load ``target`` if it passes the checks; otherwise (re)build it in place, atomically."""
+    if os.path.lexists(target):
+        problem = _file_problem(target)
+        if problem is None:
+            try:
+                return _open(target)
+            except OSError as error:  # e.g. a truncated file: rebuild it
+                problem = f"{target} does not load ({error})"
+        _log.warning("not loading the cached calibration kernel: %s; rebuilding it", problem)
+    _compile(compiler, flags, target)
+    return _verified_open(target)
+
+
+def _built_privately(compiler: str, flags: tuple[str, ...], name: str) -> ctypes.CDLL:
+    """Build and load in a new directory only this process knows (mkdtemp: mode 0700, a
+    random name, created exclusively), then remove it; the loaded library stays mapped."""
+    try:
+        directory = Path(tempfile.mkdtemp(prefix="bayesfl-native-"))
+    except OSError as error:
+        raise _UnavailableError(f"cannot create a private temporary directory ({error})") from None
+    try:
+        problem = _directory_problem(directory)
+        if problem is not None:
+            raise _UnavailableError(problem)
+        _compile(compiler, flags, directory / name)
+        return _verified_open(directory / name)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _verified_open(path: Path) -> ctypes.CDLL:
+    problem = _file_problem(path)
+    if problem is not None:
+        raise _UnavailableError(f"the freshly built kernel fails the checks: {problem}")
+    try:
+        return _open(path)
+    except OSError as error:
+        raise _UnavailableError(f"{path} does not load ({error})") from None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    try:
         _declare(lib)
-        return lib
-    _log.warning("could not build the %s calibration sweep (%s)", kind, problem)
-    return None
-
-
-class _CompileError(OSError):
-    """The compiler ran and failed."""
+    except AttributeError as error:  # not our kernel (e.g. a stale or foreign build)
+        raise OSError(f"a function is missing: {error}") from None
+    return lib
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    """Compile into a temporary file beside ``target`` and rename it (atomic for readers)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    """Compile into a temporary file beside ``target``, make it 0700 and rename it over
+    ``target`` (atomic: a reader sees the old file or the new, never a partial one)."""
+    try:
+        handle, scratch = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    except OSError as error:
+        raise _UnavailableError(f"cannot write in {target.parent} ({error})") from None
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *flags, "-o", scratch, str(_SOURCE)],
-                                capture_output=True, text=True, timeout=120)
+        try:
+            result = subprocess.run([compiler, *flags, "-o", scratch, str(_SOURCE)],
+                                    capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise _UnavailableError(f"{Path(compiler).name} could not run ({error})") from None
         if result.returncode != 0:
-            raise _CompileError(f"{Path(compiler).name} failed: {result.stderr.strip()[-400:]}")
+            raise _UnavailableError(f"{Path(compiler).name} failed: {result.stderr.strip()[-400:]}")
+        os.chmod(scratch, 0o700)  # the linker may have recreated it under a lax umask
         os.replace(scratch, target)
+    except OSError as error:
+        raise _UnavailableError(f"cannot install the kernel in {target.parent} ({error})") from None
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)

@@ -10,6 +10,10 @@ and accuracy are equal; ECE, MCE and bin confidences agree to 1e-12; the native 
 float64 sum (1e-12 of an exact reference); argmax ties go to the first index; bins follow
 :func:`calibration.binning.bin_indices`; -0.0 is a zero; invalid input raises the torch sweep's
 exact error; the thread count changes nothing; and without a compiler everything still works.
+
+Tests of a compiled backend skip, with the reason, where it cannot be built (no C compiler),
+unless BAYESFL_REQUIRE_NATIVE=1 demands it (see native_backends.py); the cache's safety checks
+are specified in test_calibration_native_cache.py.
 """
 
 import math
@@ -24,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from calibration_reference import calibrated_labels, random_probs
+from native_backends import forget_kernels, require_kernel
 
 import calibration.row_scores as row_scores_module
 from calibration import Accumulator, native_sweep
@@ -49,12 +54,11 @@ CLASS_COUNTS = [2, 3, 15, 16, 17, 31, 32, 33, 100]
 
 
 def use_backend(monkeypatch, backend: str) -> None:
-    """Score through ``backend``; a compiled one must build (the tests need a C compiler)."""
+    """Score through ``backend``; a compiled one must build, else the test skips (or fails,
+    under BAYESFL_REQUIRE_NATIVE=1)."""
     monkeypatch.setenv("BAYESFL_NATIVE", BACKENDS[backend])
     if backend in COMPILED:
-        assert native_sweep.library(backend) is not None, (
-            f"the {backend} kernel did not build: the tests need a C compiler (cc, gcc or "
-            "clang on PATH, or $CC)")
+        require_kernel(backend)
 
 
 @pytest.fixture
@@ -632,14 +636,16 @@ def test_without_a_compiler_metrics_use_the_torch_sweep(backend, monkeypatch, tm
 
     monkeypatch.setenv("BAYESFL_NATIVE", BACKENDS[backend])
     monkeypatch.setenv("BAYESFL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BAYESFL_REQUIRE_NATIVE", raising=False)  # not demanded: fall back
     monkeypatch.setattr(native_sweep, "_compiler", lambda: None)
-    monkeypatch.setattr(native_sweep, "_libraries", {})
+    forget_kernels(monkeypatch)
     with caplog.at_level("WARNING", logger=native_sweep.__name__):
         assert native_sweep.library(backend) is None
         assert kernel(probs, labels) is None
         warned = len(caplog.records)
         got = all_metrics(probs, labels)
     assert warned >= 1 and all("no C compiler" in r.message for r in caplog.records)
+    assert "no C compiler" in native_sweep.unavailable_reason(backend)
     assert len(caplog.records) == warned  # said once, not on every call
     assert got["evaluate"] == expected["evaluate"]
     assert got["accuracy"] == expected["accuracy"]
@@ -659,19 +665,21 @@ def test_a_failing_compiler_leaves_the_torch_sweep(monkeypatch, tmp_path, caplog
     monkeypatch.setenv("BAYESFL_NATIVE", "1")
     monkeypatch.setenv("BAYESFL_CACHE_DIR", str(cache))
     monkeypatch.setenv("CC", str(failing))  # runs, and fails every compilation
-    monkeypatch.setattr(native_sweep, "_libraries", {})
+    monkeypatch.delenv("BAYESFL_REQUIRE_NATIVE", raising=False)  # not demanded: fall back
+    forget_kernels(monkeypatch)
     assert native_sweep._compiler() == str(failing)
     with caplog.at_level("WARNING", logger=native_sweep.__name__):
         assert native_sweep.library("native") is None
         assert kernel(probs, labels) is None
         assert evaluate(probs, labels) == expected
-    assert caplog.records and all("could not build" in r.message for r in caplog.records)
+    assert caplog.records and all("cc-that-fails failed" in r.message for r in caplog.records)
     assert list(cache.iterdir()) == []  # no scratch file left behind
 
 
 def test_native_falls_back_to_the_portable_build(monkeypatch, torch_sweeps):
     use_backend(monkeypatch, "portable")
     monkeypatch.setenv("BAYESFL_NATIVE", "1")
+    monkeypatch.delenv("BAYESFL_REQUIRE_NATIVE", raising=False)  # not demanded: fall back
     monkeypatch.setitem(native_sweep._libraries, "native", None)  # as if it failed to build
     probs, labels = _data()
     result = kernel(probs, labels)
@@ -681,26 +689,38 @@ def test_native_falls_back_to_the_portable_build(monkeypatch, torch_sweeps):
     assert torch_sweeps == []
 
 
-def test_an_unusable_cache_dir_falls_back_to_a_temporary_directory(monkeypatch, tmp_path):
+def test_an_unusable_cache_dir_falls_back_to_a_private_temporary_directory(monkeypatch,
+                                                                           tmp_path, caplog):
+    """A fresh mkdtemp directory (0700, random name) that is removed once the library is
+    loaded: nothing that was already there is ever loaded."""
+    require_kernel("portable")
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache directory should be")
+    (tmp_path / "tmp").mkdir()
     monkeypatch.delenv("BAYESFL_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(native_sweep, "_libraries", {})
-    lib = native_sweep.library("portable")
+    forget_kernels(monkeypatch)
+    with caplog.at_level("WARNING", logger=native_sweep.__name__):
+        lib = native_sweep.library("portable")
     assert lib is not None
     built = Path(lib._name)
-    assert built.parent.parent == tmp_path / "tmp" and built.parent.name.startswith("bayesfl")
+    assert built.parent.parent == tmp_path / "tmp"
+    assert built.parent.name.startswith("bayesfl-native-")
+    assert not built.parent.exists()  # removed after loading; the mapping stays valid
+    assert lib.bfl_sweep_variant() == 0
     assert blocked.is_file()
+    assert any("not using the kernel cache" in r.message and "blocked" in r.message
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("kind", COMPILED)
 def test_build_into_a_fresh_cache_dir(kind, monkeypatch, tmp_path, torch_sweeps):
+    require_kernel(kind)
     cache = tmp_path / "not" / "yet" / "there"
     monkeypatch.setenv("BAYESFL_CACHE_DIR", str(cache))
     monkeypatch.setenv("BAYESFL_NATIVE", BACKENDS[kind])
-    monkeypatch.setattr(native_sweep, "_libraries", {})
+    forget_kernels(monkeypatch)
 
     lib = native_sweep.library(kind)
     assert lib is not None
@@ -720,7 +740,7 @@ def test_build_into_a_fresh_cache_dir(kind, monkeypatch, tmp_path, torch_sweeps)
     def no_compiling(*args):
         raise AssertionError("rebuilt although the cache holds the library")
 
-    monkeypatch.setattr(native_sweep, "_libraries", {})
+    forget_kernels(monkeypatch)
     monkeypatch.setattr(native_sweep, "_compile", no_compiling)
     again = native_sweep.library(kind)
     assert again is not None and Path(again._name) == built[0]
@@ -784,17 +804,22 @@ def test_a_forked_child_can_still_use_the_threaded_sweep(monkeypatch):
     assert result.stdout.strip() == "True"
 
 
+@pytest.mark.parametrize("flush", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_negative_subnormal_is_refused_even_when_denormals_are_flushed(backend, dtype,
+def test_a_negative_subnormal_is_refused_even_when_denormals_are_flushed(backend, dtype, flush,
                                                                         monkeypatch):
-    """torch.set_flush_denormal(True) makes float compares see -1e-40 as -0.0; bits do not."""
+    """torch.set_flush_denormal(True) makes float compares see -1e-40 as -0.0; bits do not.
+
+    The flushed case skips only where the CPU has no flush-to-zero mode (torch returns False:
+    non-x86 CPUs without it): there no flushing can hide the sign, so there is nothing to check
+    beyond the unflushed case, which runs everywhere."""
     use_backend(monkeypatch, backend)
     rng = np.random.default_rng(2)
     probs, labels = random_probs(rng, 50, 5, dtype=dtype), rng.integers(0, 5, 50)
     probs[7, 3] = -np.finfo(dtype).smallest_subnormal
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
+    if flush and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode (torch.set_flush_denormal is False)")
     try:
         with pytest.raises(InvalidInputError, match="negative"):
             evaluate(probs, labels)
