@@ -54,6 +54,8 @@ def reliability_diagram(
     kernel-smoothed accuracy against confidence and the density of the confidences, at the
     smooth ECE's automatic bandwidth or ``bandwidth`` (:mod:`calibration.smooth_ece`).
     """
+    if ax is not None and not isinstance(ax, Axes):
+        raise InvalidInputError(f"ax must be a matplotlib Axes (or None); got {type(ax).__name__}")
     if smooth:
         return _smooth_reliability_diagram(stats_or_probs, labels, from_logits, bandwidth, ax,
                                            title)

@@ -74,3 +74,22 @@ def test_unsupported_extension_is_refused(tmp_path):
 def test_labels_are_required_with_probabilities():
     with pytest.raises(InvalidInputError, match="labels"):
         reliability_diagram(data()[0])
+
+
+@pytest.mark.parametrize("smooth", [False, True])
+def test_something_that_is_no_axes_is_refused(smooth):
+    with pytest.raises(InvalidInputError, match="ax must be a matplotlib Axes"):
+        reliability_diagram(*data(), ax="left", smooth=smooth)
+
+
+@pytest.mark.parametrize(("n_bins", "message"), [(10**8, "exceeds the limit of 1,000,000"),
+                                                 (15.0, "positive integer")])
+def test_bin_counts_are_checked_before_drawing(n_bins, message):
+    with pytest.raises(InvalidInputError, match=message):
+        reliability_diagram(*data(), n_bins=n_bins)
+
+
+def test_a_numpy_bin_count_draws_the_same_bins():
+    probs, labels = data()
+    figure = reliability_diagram(probs, labels, n_bins=np.int64(10))
+    assert "10 bins" in figure.axes[0].get_title()
