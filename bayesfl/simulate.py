@@ -408,7 +408,7 @@ class _Run:
         with torch.random.fork_rng(devices=self._rng_devices()):
             outcome = calibrate_run(self.client_half, self.clients, self.held_out, broadcast,
                                     spec=self.calibration, n_bins=self.config.n_bins,
-                                    states=personalized or None)
+                                    states=personalized or None, keys=self.keys)
         summary["calibration"] = outcome.summary(summary)
         return outcome
 

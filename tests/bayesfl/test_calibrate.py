@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bayesfl import calibrate as calibrate_module
 from bayesfl.calibrate import (
     DEFAULT_HELD_OUT_FRACTION,
     PROPOSAL_SCHEMA,
@@ -311,6 +312,28 @@ def test_the_runs_temperature_equals_centralised_temperature_on_the_pooled_held_
     expected = evaluate(torch.cat(test_probs), torch.cat(test_labels))
     assert step["calibrated"]["ece"] == pytest.approx(expected["ece"], rel=1e-9)
     assert step["calibrated"]["nll"] == pytest.approx(expected["nll"], rel=1e-9)
+
+
+def test_an_authenticated_run_signs_the_calibration_messages_too(monkeypatch):
+    seen = {}
+    search = calibrate_module.federated_temperature_search
+
+    def forged(step, client_id, data):  # client 2 signs its reply with a key of its making
+        if client_id != 2:
+            return data
+        return encode(decode(data, key=seen["keys"].client_key(2)), key=b"k" * 32)
+
+    def with_forger(*args, **kwargs):
+        seen["keys"] = kwargs["keys"]
+        return search(*args, **{**kwargs, "upload_hook": forged})
+
+    monkeypatch.setattr(calibrate_module, "federated_temperature_search", with_forger)
+    result = simulate("fedlog", calibrate="temperature", authenticate=True, **SMALL)
+    assert isinstance(seen["keys"], KeyRing)  # the run's keys reached the step
+    step = result.summary["calibration"]
+    assert [r["client_id"] for r in step["rejections"]] == [2]
+    assert "HMAC" in step["rejections"][0]["reason"]
+    assert step["participants"] == [0, 1, 3, 4, 5] and step["calibrated"] is not None
 
 
 def test_held_out_data_are_not_trained_on_and_runs_without_the_step_are_unchanged():
