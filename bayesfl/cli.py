@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bayesfl.errors import BayesFLError, ConfigError
+from bayesfl.run_directory import CHECKPOINT_NAME
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a process stopped by Ctrl-C
@@ -137,10 +138,11 @@ _BY_NAME = _names_to_settings()
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bayesfl", description="Bayesian federated "
-                                     "classification: run experiments in the embedded simulator.")
+                                     "classification: run experiments in the embedded simulator.",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
-        "run", help="run a federated experiment",
+        "run", help="run a federated experiment", allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a federated experiment; writes metrics.jsonl, summary.json,\n"
         "manifest.json, a checkpoint and plots into --out.",
@@ -218,6 +220,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     settings.update(flags)
     run = {k: settings.pop(k) for k in _RUN_KEYWORDS if k in settings}
     out = Path(run.pop("out", None) or _default_out(settings))
+    if run.get("resume") and not run.get("force") and not (out / CHECKPOINT_NAME).exists():
+        # a mistyped --out must not start a long run unnoticed
+        print(f"bayesfl: no checkpoint in {out} yet; starting the run from its first round",
+              file=sys.stderr)
     try:
         result = simulate(out=out, **run, **settings)
     except KeyboardInterrupt:
@@ -226,7 +232,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         return EXIT_INTERRUPTED
     s = result.summary
     print(f"{s['strategy']} on {s['dataset']} ({s['clients']} clients, {s['partition']}, "
-          f"{s['rounds']} rounds): accuracy {s['accuracy']:.4f} (pooled "
+          f"{s['rounds']} round{'' if s['rounds'] == 1 else 's'}): accuracy "
+          f"{s['accuracy']:.4f} (pooled "
           f"{s['accuracy_pooled']:.4f}), ECE {s['ece']:.4f}, NLL {s['nll']:.4f}, "
           f"bytes up {s['bytes_up']:,}, down {s['bytes_down']:,}, "
           f"rejected uploads {s['rejected_uploads']}, {s['seconds']:.1f} s")
@@ -320,7 +327,8 @@ def settings_from_mapping(raw: Mapping[str, Any], source: str = "config") -> dic
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             valid = ", ".join(s.names[0] for s in SETTINGS)
             raise ConfigError(f"{source}: unknown key {key!r}{hint}; valid keys are the flags "
-                              f"of `bayesfl run` (- or _): {valid}")
+                              f"of `bayesfl run` (- or _): {valid} (on/off keys also as "
+                              "no-NAME, e.g. no-progress = true)")
         setting, negated = _BY_NAME[name]
         if setting.target in given:
             raise ConfigError(f"{source}: {setting.target} is given twice (as "

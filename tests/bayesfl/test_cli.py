@@ -272,6 +272,18 @@ def test_a_non_empty_run_directory_is_refused_unless_resume_or_force(tmp_path, c
     assert (out / "notes.txt").read_text() == "mine"  # --force removes only a run's files
 
 
+def test_resume_without_a_checkpoint_says_it_starts_from_the_first_round(tmp_path, capsys):
+    assert main(["run", *TINY, "--out", str(tmp_path / "typo"), "--resume"]) == 0
+    assert f"no checkpoint in {tmp_path / 'typo'} yet" in capsys.readouterr().err
+
+
+def test_flags_are_not_abbreviated(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--round", "2"])  # a TOML key must be the whole name, and so must a flag
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --round 2" in capsys.readouterr().err
+
+
 def test_a_file_where_the_run_directory_should_be_is_refused(tmp_path, capsys):
     (tmp_path / "run").write_text("")
     assert main(["run", *TINY, "--out", str(tmp_path / "run")]) == 2
