@@ -20,14 +20,19 @@ Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summar
 ``manifest.json`` (config, seed, versions, git hash), ``partition.txt`` / ``partition.json``
 (clients x classes counts), ``predictions.npz`` (final-round test probabilities, labels and
 client ids, readable by ``bayesfl-calibrate``), ``checkpoint.safetensors`` and the plots
-``accuracy.png`` and ``reliability.png``.
+``accuracy.png`` and ``reliability.png``. The directory must be empty or absent, unless
+``resume`` or ``force`` says what to do with it (:mod:`bayesfl.run_directory`). The manifest
+and the summary record what the data were (:func:`bayesfl.data.datasets.dataset_identity`:
+``"custom"`` and a SHA-256 of the contents for ``data=``) and the torch thread count.
 
 Randomness: every random draw of round ``r`` comes from generators derived from
 ``(seed, r, client)`` (client sampling, mini-batch order, noise), and the global torch RNG is
 reseeded from ``(seed, r)`` at the start of each round; the checkpoint also stores the global
 torch RNG state. Resuming (``resume=True``) restores the server state, every client's
 state and the counters from the last complete round, so a resumed run writes the
-same numbers as an uninterrupted one.
+same numbers as an uninterrupted one. The checkpoint also carries the configuration with the
+data's identity (its fingerprint must match: a mismatch names the settings that differ) and
+``metrics.jsonl`` up to its round, from which the file and the summary are rebuilt.
 """
 
 from __future__ import annotations
