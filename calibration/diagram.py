@@ -8,8 +8,9 @@ and MCE of the drawn table are annotated. Figures are created without pyplot (a 
 nothing is registered in pyplot and nothing needs closing; an ``ax`` passed in is drawn into.
 
 With ``smooth=True`` the diagram has no bins: the kernel-smoothed accuracy against confidence
-(drawn thicker where confidences are dense) with the smooth ECE annotated, and the kernel
-density of the confidences beneath (:mod:`calibration.smooth_ece`, Błasiok & Nakkiran 2023).
+(drawn thicker where confidences are dense, and only where their density is at least 1% of its
+peak) with the smooth ECE annotated, and the kernel density of the confidences beneath
+(:mod:`calibration.smooth_ece`, Błasiok & Nakkiran 2023).
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def _draw_count_strip(ax: Axes, stats: BinStats) -> None:
 
 
 SMOOTH_CURVE_LABEL = "Smoothed accuracy"
+SUPPORT_FRACTION = 0.01
+"""The smooth curve is drawn where the confidences' density is at least this share of its
+peak; elsewhere the kernel smoother has (almost) no samples and only extrapolates."""
 
 
 def _smooth_reliability_diagram(
@@ -162,12 +166,16 @@ def _draw_smooth_curve(ax: Axes, curve: Any, title: str | None) -> None:
     density = curve.density.numpy()
     ax.plot([0, 1], [0, 1], linestyle="--", color="0.35", linewidth=1.2,
             label="Perfect calibration")
-    ax.fill_between(t, accuracy, t, color=palette[3], alpha=0.2, linewidth=0, label=GAP_LABEL)
-    # thick where confidences are dense, thin where the curve only extrapolates the kernel
+    # where almost no confidences lie the smoother only extrapolates: nothing is drawn there
+    supported = density >= SUPPORT_FRACTION * float(density.max())
+    ax.fill_between(t, accuracy, t, where=supported, color=palette[3], alpha=0.2, linewidth=0,
+                    label=GAP_LABEL)
+    # thick where confidences are dense
     points = np.stack([t, accuracy], axis=1)
-    segments = np.stack([points[:-1], points[1:]], axis=1)
-    weight = (density[:-1] + density[1:]) / 2
-    widths = 0.5 + 3.5 * weight / max(float(weight.max()), 1e-300)
+    keep = supported[:-1] & supported[1:]
+    segments = np.stack([points[:-1], points[1:]], axis=1)[keep]
+    weight = ((density[:-1] + density[1:]) / 2)[keep]
+    widths = 0.5 + 3.5 * weight / max(float(weight.max(initial=0.0)), 1e-300)
     ax.add_collection(LineCollection(segments, linewidths=widths, color=palette[0],
                                      capstyle="round", label=SMOOTH_CURVE_LABEL))
     ax.set_xlim(0, 1)

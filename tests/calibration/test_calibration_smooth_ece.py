@@ -11,7 +11,7 @@ from matplotlib.collections import LineCollection
 from relplot.estimators import KernelSmoother
 from relplot.kernels import ReflectedGaussianKernel
 
-from calibration.diagram import SMOOTH_CURVE_LABEL, reliability_diagram
+from calibration.diagram import SMOOTH_CURVE_LABEL, SUPPORT_FRACTION, reliability_diagram
 from calibration.errors import InvalidInputError
 from calibration.metrics import reliability_stats
 from calibration.smooth_ece import (
@@ -222,7 +222,13 @@ def test_smooth_reliability_diagram_draws_the_curve_density_and_smooth_ece():
     confidence = probs.max(1)
     correct = (probs.argmax(1) == labels).astype(float)
     curve = smooth_reliability_curve(confidence, correct)
-    np.testing.assert_allclose([s[0][1] for s in segments], curve.mean_outcome.numpy()[:-1],
+    density = curve.density.numpy()
+    supported = density >= SUPPORT_FRACTION * density.max()
+    drawn = supported[:-1] & supported[1:]
+    assert 0 < drawn.sum() < len(drawn)  # confidences never reach 1/4 or 1 here
+    np.testing.assert_allclose([s[0][1] for s in segments],
+                               curve.mean_outcome.numpy()[:-1][drawn], atol=1e-12)
+    np.testing.assert_allclose([s[0][0] for s in segments], curve.mesh.numpy()[:-1][drawn],
                                atol=1e-12)
     value = smooth_ece(probs, labels)
     assert any(f"smECE = {100 * value:.2f}%" in text.get_text() for text in top.texts)
