@@ -146,7 +146,7 @@ class Accumulator:
         """``[a.compute() for a in accumulators]`` computed together (vectorised over the
         accumulators; the same formulas: ECE = sum_b n_b |acc_b - conf_b| / N over non-empty
         bins, MCE their maximum gap). All must share ``n_bins`` and hold samples."""
-        items = list(accumulators)
+        items = _accumulator_list(accumulators)
         if not items:
             return []
         if len({a.n_bins for a in items}) != 1:
@@ -203,12 +203,9 @@ class Accumulator:
     @classmethod
     def merged(cls, accumulators: Iterable[Accumulator]) -> Accumulator:
         """Merge any number of accumulators (at least one) into a new one."""
-        items = list(accumulators)
+        items = _accumulator_list(accumulators)
         if not items:
             raise InvalidInputError("cannot merge an empty collection of accumulators")
-        strangers = [type(a).__name__ for a in items if not isinstance(a, Accumulator)]
-        if strangers:
-            raise InvalidInputError(f"can only merge Accumulators; got {strangers[0]}")
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("cannot merge accumulators with different numbers of bins")
         result = Accumulator(items[0].n_bins, device=items[0].device)
@@ -304,6 +301,20 @@ class Accumulator:
 
     def __repr__(self) -> str:
         return f"Accumulator(n_bins={self.n_bins}, count={self.count}, device={self.device})"
+
+
+def _accumulator_list(accumulators: Any) -> list[Accumulator]:
+    """``accumulators`` (any iterable of Accumulator) as a list, or InvalidInputError."""
+    try:
+        items = list(accumulators)
+    except TypeError:
+        raise InvalidInputError(
+            f"expected an iterable of Accumulators; got {type(accumulators).__name__}"
+        ) from None
+    strangers = [type(a).__name__ for a in items if not isinstance(a, Accumulator)]
+    if strangers:
+        raise InvalidInputError(f"expected Accumulators only; got a {strangers[0]}")
+    return items
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:

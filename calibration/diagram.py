@@ -28,6 +28,7 @@ from mpl_toolkits.axes_grid1 import make_axes_locatable
 from calibration.bin_stats import BinStats
 from calibration.binning import Binning
 from calibration.errors import InvalidInputError
+from calibration.inputs import path_argument
 from calibration.metrics import reliability_stats
 
 SAVE_FORMATS = (".png", ".svg", ".pdf")
@@ -205,7 +206,12 @@ def _draw_density_strip(ax: Axes, curve: Any) -> None:
 
 def save_figure(figure: Figure, path: str | Path) -> Path:
     """Save ``figure`` to ``path``; the format comes from the extension (.png, .svg or .pdf)."""
-    path = Path(path)
+    if not isinstance(figure, Figure):
+        raise InvalidInputError(
+            f"figure must be a matplotlib Figure (e.g. from reliability_diagram); got "
+            f"{type(figure).__name__}"
+        )
+    path = path_argument(path, "path")
     if path.suffix.lower() not in SAVE_FORMATS:
         raise InvalidInputError(
             f"cannot save a figure as {path.suffix or 'a file without extension'!r}; "

@@ -22,7 +22,9 @@ What is accepted, and how it is converted (nothing is ever guessed from the valu
 from __future__ import annotations
 
 import operator
+import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,20 @@ def _complex_error(name: str, dtype: Any) -> InvalidInputError:
         f"{name} must be real-valued; got complex dtype {dtype} (pass x.real if the imaginary "
         "parts are zero)"
     )
+
+
+def flag(value: Any, name: str, why: str = "") -> bool:
+    """``value`` as a bool: True/False (or numpy's bools), never a truthy stand-in."""
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidInputError(f"{name} must be True or False; got {value!r}{why}")
+    return bool(value)
+
+
+def path_argument(value: Any, name: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path, or InvalidInputError."""
+    if isinstance(value, str | os.PathLike) and str(value).strip():
+        return Path(value)
+    raise InvalidInputError(f"{name} must be a file path (str or pathlib.Path); got {value!r}")
 
 
 def positive_int(value: Any, name: str, limit: int | None = None, why: str = "") -> int:

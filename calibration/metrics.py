@@ -26,7 +26,7 @@ import torch
 from calibration.bin_stats import BinStats, bin_stats_from_confidence
 from calibration.binning import Binning, bin_edges, check_n_bins, uniform_edges
 from calibration.errors import InvalidInputError
-from calibration.inputs import as_tensor, class_labels, score_matrix
+from calibration.inputs import as_tensor, class_labels, flag, score_matrix
 from calibration.row_scores import RowScores, row_scores
 
 METRIC_KEYS = ("accuracy", "ece", "mce", "brier", "nll", "count")
@@ -100,6 +100,7 @@ def l2_calibration_error(
     this plug-in estimate (Kumar et al. 2019, see :mod:`calibration.bin_stats`), best with
     ``binning="quantile"`` as in the paper.
     """
+    debiased = flag(debiased, "debiased")
     return reliability_stats(probs, labels, n_bins, binning, from_logits).l2_error(debiased)
 
 

@@ -24,9 +24,7 @@ are checked from the file's own declarations before anything is allocated. Probl
 
 from __future__ import annotations
 
-import pickle
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,13 +36,14 @@ from calibration.bounded_files import (
     MAX_FILE_BYTES,
     check_size,
     file_size,
+    is_zip_archive,
     open_archive,
     open_regular_file,
     read_npy,
     read_npz,
 )
-from calibration.errors import CalibrationWarning, FileFormatError
-from calibration.inputs import positive_int
+from calibration.errors import CalibrationWarning, FileFormatError, InvalidInputError
+from calibration.inputs import flag, path_argument, positive_int
 
 LABEL_KEYS = ("labels", "label")
 CLIENT_KEYS = ("client_ids", "client_id")
@@ -76,7 +75,12 @@ def load_predictions(
     named client key must exist, the default ones are used when present. ``max_bytes``: the
     most bytes each file may hold or decompress to.
     """
-    path = Path(path)
+    path = path_argument(path, "path")
+    labels_path = None if labels_path is None else path_argument(labels_path, "labels_path")
+    logits = flag(logits, "logits")
+    for name, key in (("label_key", label_key), ("client_key", client_key)):
+        if key is not None and not isinstance(key, str):
+            raise InvalidInputError(f"{name} must be a column or entry name (str); got {key!r}")
     max_bytes = positive_int(max_bytes, "max_bytes")
     score_key = "logits" if logits else "probs"
     table = _read_table(path, max_bytes)
@@ -97,7 +101,7 @@ def load_predictions(
         scores = table
 
     if labels_path is not None:
-        labels = _read_labels(Path(labels_path), label_key, max_bytes)
+        labels = _read_labels(labels_path, label_key, max_bytes)
     elif isinstance(table, dict | _Columns):
         labels = _pick(table, path, label_key, LABEL_KEYS, "labels")
     else:
@@ -170,18 +174,16 @@ def _read_table(path: Path, max_bytes: int) -> dict | np.ndarray | torch.Tensor:
 def _read_pt(handle: BinaryIO, name: str, max_bytes: int) -> dict[str, torch.Tensor] | torch.Tensor:
     # torch.save writes a zip archive (since torch 1.6): its declared sizes bound what loading
     # allocates. The older format declares storage sizes inside the pickle, unbounded: refused.
-    if not zipfile.is_zipfile(handle):
+    if not is_zip_archive(handle):
         raise FileFormatError(
             f"{name}: not a zip-format .pt file (torch.save has written zip archives since "
             "torch 1.6); re-save it with a current torch, or save the arrays as .npz"
         )
-    handle.seek(0)
     open_archive(handle, name, max_bytes).close()
     handle.seek(0)
     try:
         content = torch.load(handle, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
-            zipfile.BadZipFile) as err:
+    except Exception as err:  # corrupt or unsafe content fails in many ways (IndexError, ...)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileFormatError(
             f"{name}: not a tensors-only .pt file (loaded with weights_only=True): {reason}"

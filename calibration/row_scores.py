@@ -33,7 +33,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -41,7 +40,7 @@ from calibration import native_sweep
 from calibration.bin_stats import binned_sums
 from calibration.binning import edges_in_dtype
 from calibration.errors import InvalidInputError
-from calibration.inputs import as_tensor, class_labels, score_matrix
+from calibration.inputs import as_tensor, class_labels, flag, score_matrix
 
 SUM_TOLERANCE = 1e-3
 """Absolute tolerance on ``|sum_k p_k - 1|`` per row (float32 softmax rows are well within it).
@@ -105,11 +104,7 @@ def row_scores(
     softmax. Nothing is ever guessed from the values. ``edges`` (n_bins + 1,) float64: also
     histogram the top-label confidences over these bins (``RowScores.bin_sums``).
     """
-    if not isinstance(from_logits, bool | np.bool_):
-        raise InvalidInputError(
-            f"from_logits must be True or False; got {from_logits!r} (the kind of scores is "
-            "stated, never guessed)"
-        )
+    flag(from_logits, "from_logits", " (the kind of scores is stated, never guessed)")
     given = as_tensor(probs, "logits" if from_logits else "probs")
     scores = score_matrix(given, "logits" if from_logits else "probs")
     n_samples, n_classes = scores.shape

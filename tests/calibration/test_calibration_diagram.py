@@ -93,3 +93,10 @@ def test_a_numpy_bin_count_draws_the_same_bins():
     probs, labels = data()
     figure = reliability_diagram(probs, labels, n_bins=np.int64(10))
     assert "10 bins" in figure.axes[0].get_title()
+
+
+def test_save_figure_refuses_what_is_no_figure_or_path(tmp_path):
+    with pytest.raises(InvalidInputError, match="figure must be a matplotlib Figure"):
+        save_figure("diagram", tmp_path / "d.png")
+    with pytest.raises(InvalidInputError, match="path must be a file path"):
+        save_figure(reliability_diagram(*data()), 42)

@@ -250,8 +250,17 @@ def test_accumulator_arguments_are_checked(data):
         Accumulator(15, device="bogus")
     with pytest.raises(InvalidInputError, match="can only merge an Accumulator"):
         Accumulator(15).merge(5)
-    with pytest.raises(InvalidInputError, match="can only merge Accumulators"):
+    with pytest.raises(InvalidInputError, match="expected Accumulators only; got a str"):
         Accumulator.merged([Accumulator(15), "x"])
+    for bad in (None, 3, Accumulator(15)):
+        with pytest.raises(InvalidInputError, match="expected an iterable of Accumulators"):
+            Accumulator.merged(bad)
+        with pytest.raises(InvalidInputError, match="expected an iterable of Accumulators"):
+            Accumulator.compute_each(bad)
+    with pytest.raises(InvalidInputError, match="debiased must be True or False"):
+        from calibration import l2_calibration_error
+
+        l2_calibration_error(probs, labels, debiased=np.array([1, 0]))
     with pytest.raises(InvalidInputError, match="mapping"):
         Accumulator.from_state_dict([1, 2])
     state = Accumulator(15).update(probs, labels).state_dict()

@@ -122,3 +122,65 @@ def test_unreadable_files_are_refused(tmp_path, name, content):
 def test_missing_file_is_refused(tmp_path):
     with pytest.raises(FileFormatError, match="no such file"):
         load_predictions(tmp_path / "absent.npz")
+
+
+def corrupted(data: bytes, rng) -> list[bytes]:
+    """Every 1/30th truncation of ``data`` and 30 copies with a few random bytes changed."""
+    variants = [data[:k] for k in range(0, len(data), max(1, len(data) // 30))]
+    for _ in range(30):
+        copy = bytearray(data)
+        for position in rng.integers(0, len(data), rng.integers(1, 8)):
+            copy[position] = rng.integers(0, 256)
+        variants.append(bytes(copy))
+    return variants
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".npy", ".pt", ".csv", ".compressed.npz"])
+def test_a_truncated_or_corrupted_file_is_always_a_file_format_error(tmp_path, arrays, suffix):
+    """Whatever the damage, the outcome is the file loading (if the damage missed what is read)
+    or a CalibrationError: never another exception (numpy's header tokenizer, torch's unpickler
+    and zlib raise many kinds)."""
+    from calibration.errors import CalibrationError
+    from calibration.report import report
+
+    probs, labels, clients = arrays
+    source = tmp_path / f"valid{suffix}"
+    if suffix == ".npz":
+        np.savez(source, probs=probs, labels=labels, client_ids=clients)
+    elif suffix == ".compressed.npz":
+        np.savez_compressed(source, probs=probs, labels=labels)
+    elif suffix == ".npy":
+        np.save(source, probs)
+    elif suffix == ".pt":
+        torch.save({"probs": torch.tensor(probs), "labels": torch.tensor(labels)}, source)
+    else:
+        source.write_text("p0,p1,p2,p3,label\n" + "\n".join(
+            ",".join(f"{v:.17g}" for v in row) + f",{y}" for row, y in zip(probs, labels,
+                                                                            strict=True)))
+    np.save(tmp_path / "labels.npy", labels)
+    damaged = tmp_path / f"damaged{source.suffix}"
+    for variant in corrupted(source.read_bytes(), np.random.default_rng(len(suffix))):
+        damaged.write_bytes(variant)
+        try:
+            loaded = load_predictions(damaged, tmp_path / "labels.npy" if suffix == ".npy"
+                                      else None)
+            report(loaded.scores, loaded.labels, loaded.client_ids)
+        except CalibrationError:
+            pass
+
+
+def test_arguments_that_are_no_paths_or_flags_are_refused(tmp_path, arrays):
+    from calibration.errors import InvalidInputError
+
+    probs, labels, _ = arrays
+    np.savez(tmp_path / "p.npz", probs=probs, labels=labels)
+    for bad in (None, 3, ["p.npz"], ""):
+        with pytest.raises(InvalidInputError, match="path must be a file path"):
+            load_predictions(bad)
+    with pytest.raises(InvalidInputError, match="labels_path must be a file path"):
+        load_predictions(tmp_path / "p.npz", 5)
+    with pytest.raises(InvalidInputError, match="logits must be True or False"):
+        load_predictions(tmp_path / "p.npz", logits="yes")
+    with pytest.raises(InvalidInputError, match="label_key must be a column or entry name"):
+        load_predictions(tmp_path / "p.npz", label_key=0)
+    assert load_predictions(str(tmp_path / "p.npz")).scores.shape == (120, 4)
