@@ -10,7 +10,13 @@ from calibration.accumulator import Accumulator
 from calibration.bin_stats import BinStats
 from calibration.binning import Binning
 from calibration.bootstrap import ECEInterval, bootstrap_ece
-from calibration.errors import CalibrationError, FileFormatError, InvalidInputError
+from calibration.errors import (
+    CalibrationError,
+    CalibrationWarning,
+    FileFormatError,
+    InvalidInputError,
+    NativeKernelError,
+)
 from calibration.metrics import (
     accuracy,
     brier,
@@ -65,10 +71,12 @@ __all__ = [
     "Binning",
     "CalibrationError",
     "CalibrationReport",
+    "CalibrationWarning",
     "ECEInterval",
     "FileFormatError",
     "InvalidInputError",
     "NLLDerivatives",
+    "NativeKernelError",
     "Predictions",
     "ReportRow",
     "SmoothECE",
