@@ -138,7 +138,7 @@ def library(kind: str = "native") -> ctypes.CDLL | None:
         if kind not in _libraries:
             try:
                 _libraries[kind] = _load(kind)
-            except _UnavailableError as reason:
+            except (_UnavailableError, OSError) as reason:  # OSError: e.g. no kernel source
                 _libraries[kind], _problems[kind] = None, str(reason)
                 _log.warning("the %s calibration kernel is unavailable (%s): calibration uses "
                              "the slower torch sweep", kind, reason)

@@ -238,11 +238,15 @@ def _client_rows(
     out = {}
     for client_id, rows in groups.items():
         index = torch.as_tensor(rows, device=scores.device)
-        if binning is Binning.UNIFORM:
-            out[client_id] = Accumulator(n_bins).update(scores[index], labels[index],
-                                                        from_logits=from_logits)
-        else:
-            out[client_id] = evaluate(scores[index], labels[index], n_bins, binning, from_logits)
+        try:
+            if binning is Binning.UNIFORM:
+                out[client_id] = Accumulator(n_bins).update(scores[index], labels[index],
+                                                            from_logits=from_logits)
+            else:
+                out[client_id] = evaluate(scores[index], labels[index], n_bins, binning,
+                                          from_logits)
+        except InvalidInputError as error:
+            raise InvalidInputError(f"client {client_id!r}: {error}") from None
     return out
 
 
