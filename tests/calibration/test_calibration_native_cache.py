@@ -331,6 +331,7 @@ def run_without_compiler(tmp_path, require: bool) -> subprocess.CompletedProcess
                           timeout=300)
 
 
+@pytest.mark.slow  # a pytest process of its own: ~10-20 s on a busy machine
 def test_kernel_tests_skip_with_the_reason_without_a_compiler(tmp_path):
     done = run_without_compiler(tmp_path, require=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -340,6 +341,7 @@ def test_kernel_tests_skip_with_the_reason_without_a_compiler(tmp_path):
     assert "set BAYESFL_REQUIRE_NATIVE=1 to make this a failure" in done.stdout
 
 
+@pytest.mark.slow  # a pytest process of its own: ~10-20 s on a busy machine
 def test_kernel_tests_fail_without_a_compiler_where_it_is_required(tmp_path):
     done = run_without_compiler(tmp_path, require=True)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
