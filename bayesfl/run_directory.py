@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ def prepare_run_directory(path: Path, *, resume: bool, force: bool) -> None:
                 "output directory")
         if force:
             remove_run_files(path)
+        elif resume:
+            remove_stale_temp_files(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -64,10 +67,22 @@ def prepare_run_directory(path: Path, *, resume: bool, force: bool) -> None:
 
 def remove_run_files(path: Path) -> None:
     """Delete the files a run writes into ``path`` (and checkpoint temp files), no others."""
-    names = set(RUN_FILES)
+    _remove(path, lambda name: name in RUN_FILES or _is_checkpoint_temp(name))
+
+
+def remove_stale_temp_files(path: Path) -> None:
+    """Delete the temporary files of checkpoint writes that a killed run left in ``path``
+    (an atomic write renames its temp file; one that is still there was never finished)."""
+    _remove(path, _is_checkpoint_temp)
+
+
+def _is_checkpoint_temp(name: str) -> bool:
+    return name.startswith(f".{CHECKPOINT_NAME}.") and name.endswith(".tmp")
+
+
+def _remove(path: Path, chosen: Callable[[str], bool]) -> None:
     for entry in path.iterdir():
-        stale_temp = entry.name.startswith(f".{CHECKPOINT_NAME}.") and entry.name.endswith(".tmp")
-        if (entry.name in names or stale_temp) and (entry.is_symlink() or entry.is_file()):
+        if chosen(entry.name) and (entry.is_symlink() or entry.is_file()):
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
 
@@ -140,4 +155,4 @@ def _short(items: list[Any]) -> str:
 
 
 __all__ = ["CHECKPOINT_NAME", "METRICS_NAME", "RUN_FILES", "MetricsLog", "parse_metrics",
-           "prepare_run_directory", "remove_run_files"]
+           "prepare_run_directory", "remove_run_files", "remove_stale_temp_files"]

@@ -50,6 +50,15 @@ def test_force_does_not_remove_a_directory_named_like_a_run_file(tmp_path):
     assert (tmp_path / "metrics.jsonl").is_dir()
 
 
+def test_resume_removes_the_temp_files_of_unfinished_checkpoint_writes(tmp_path):
+    """kill -9 during a checkpoint's write leaves its temp file (the rename never came)."""
+    (tmp_path / f".{CHECKPOINT_NAME}.x1y2.tmp").write_text("torn")
+    (tmp_path / CHECKPOINT_NAME).write_text("kept")
+    (tmp_path / ".notes.tmp").write_text("mine")
+    prepare_run_directory(tmp_path, resume=True, force=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp", CHECKPOINT_NAME]
+
+
 def test_resume_and_force_together_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="contradict each other"):
         prepare_run_directory(tmp_path, resume=True, force=True)
