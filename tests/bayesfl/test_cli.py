@@ -1,11 +1,14 @@
 """The ``bayesfl`` command line: runs, TOML configs, and one-line errors with exit code 2."""
 
 import json
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -357,3 +360,53 @@ def test_sigint_to_a_real_process_leaves_a_resumable_run(tmp_path):
 
     assert numbers(out) == numbers(full)
 
+
+# ---- the README's examples -----------------------------------------------------------------
+README = Path(__file__).resolve().parents[2] / "README.md"
+QUICK = ["--rounds", "1", "--local-epochs", "1", "--no-progress"]  # appended: flags win
+
+
+def readme_run_commands(text: str) -> list[list[str]]:
+    """The arguments of every `bayesfl run` line in the README's bash blocks."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:2] == ["bayesfl", "run"]:
+                commands.append(words[1:])
+    return commands
+
+
+def readme_toml_files(text: str) -> dict[str, str]:
+    """TOML blocks of the README by the file name their first line names (``# NAME.toml``)."""
+    files = {}
+    for block in re.findall(r"```toml\n(.*?)```", text, flags=re.S):
+        name = re.match(r"#\s*(\S+\.toml)", block)
+        assert name, f"a README TOML block must start with '# NAME.toml': {block[:60]!r}"
+        files[name.group(1)] = block
+    return files
+
+
+def test_the_readme_toml_examples_use_only_valid_keys():
+    from bayesfl.cli import settings_from_mapping
+
+    files = readme_toml_files(README.read_text())
+    for name, text in files.items():
+        settings_from_mapping(tomllib.loads(text), source=f"README {name}")  # raises if not
+
+
+@pytest.mark.slow
+def test_the_readme_run_commands_work(tmp_path, monkeypatch):
+    text = README.read_text()
+    commands, files = readme_run_commands(text), readme_toml_files(text)
+    assert commands, "the README shows no `bayesfl run` command"
+    for i, words in enumerate(commands):
+        where = tmp_path / str(i)  # each example on its own, as a reader would try it
+        where.mkdir()
+        monkeypatch.chdir(where)
+        if "--config" in words:
+            name = words[words.index("--config") + 1]
+            assert name in files, f"the README runs --config {name} but shows no TOML block " \
+                                  f"starting '# {name}'"
+            (where / name).write_text(files[name])
+        assert main([*words, *QUICK]) == 0, f"README example failed: bayesfl {shlex.join(words)}"
