@@ -516,5 +516,5 @@ def test_dp_budget_options_must_be_finite_numbers_in_range(options):
     from strategy_helpers import context
 
     for name in ("fedlog-dp-local", "fedlog-dp-central"):
-        with pytest.raises(ConfigError, match="finite number|DP needs"):
+        with pytest.raises(ConfigError, match=r"finite number|DP needs"):
             make_strategy(name, context(), **options)
