@@ -30,7 +30,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bayesfl.simulate import simulate  # noqa: E402
 
 COMMON = dict(dataset="digits", clients=20, partition="shards:2", feature_dim=50,
-              local_epochs=5, lr=1e-3, batch_size=10, progress=False)
+              local_epochs=5, lr=1e-3, batch_size=10, progress=False, threads=1)
 CONFIGS = {
     "fedlog": dict(strategy="fedlog", body="mlp:200"),
     "fedavg": dict(strategy="fedavg", body="mlp:200"),

@@ -47,7 +47,7 @@ def main() -> None:
     settings = dict(dataset="mnist1d", clients=args.clients, partition="shards:2",
                     rounds=args.rounds, seed=0, body="mlp:100", feature_dim=32,
                     local_epochs=5, batch_size=10, lr=1e-3, progress=False, data=data,
-                    dataset_options={"num_samples": args.samples})
+                    dataset_options={"num_samples": args.samples}, threads=1)
     # warm-up: the first vmap call of a process pays a one-off setup cost
     simulate("fedlog", **{**settings, "clients": 20, "rounds": 1,
                           "data": load_dataset("mnist1d", seed=0, num_samples=400),
