@@ -397,6 +397,7 @@ class _Run:
         summary["personalized"] = bool(personalized)
         summary["data"] = self.data_identity
         summary["threads"] = self.threads
+        summary.update(self.server.server_metrics(self.state))
         calibration = self._calibrate(broadcast, personalized, summary)
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
@@ -500,6 +501,7 @@ class _Run:
             "seconds_local_updates": t_local,
             "seconds_evaluation": t_eval,
         }
+        record.update(server.server_metrics(self.state))
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
         return record, evaluation

@@ -288,6 +288,11 @@ class Strategy:
         """The new server state from this round's accepted uploads."""
         raise TypeError(f"{type(self).__name__} must define aggregate()")
 
+    def server_metrics(self, state: ServerState) -> dict[str, float]:
+        """Figures of the server state the transport adds to every round's metrics and to the
+        summary (default none; DP strategies report their noise-to-signal)."""
+        return {}
+
     # ==== client half ======================================================================
     def build_model(self, body: nn.Module) -> nn.Module:
         """The client network around a body (default: the body itself)."""

@@ -103,9 +103,12 @@ from inference.conjugate import (
     ClassMeans,
     ConjugatePosterior,
     ConjugatePrior,
+    DPNoiseReport,
+    NoisyConjugatePosterior,
     SufficientStatistics,
     clip_features,
     gaussian_sigma,
+    privacy_signal_to_noise,
     privatize,
 )
 from inference.conjugate.statistics import checked_batch
@@ -204,7 +207,9 @@ class LocalDP(NoPrivacy):
     def release(
         self, table: Tensor, n: int, dtype: torch.dtype, generator: torch.Generator
     ) -> dict[str, Tensor]:
-        noisy = privatize(SufficientStatistics(table, n), self.sigma, generator)
+        # one client's share is always swamped on its own; the server checks the sum
+        noisy = privatize(SufficientStatistics(table, n), self.sigma, generator,
+                          check_noise=False)
         return {"statistics": noisy.table.to(dtype)}
 
     def problems(self, tables: Tensor, n: Tensor | None) -> list[str | None]:
@@ -235,7 +240,10 @@ class CentralDP(NoPrivacy):
     def total(
         self, tables: Tensor, n: Tensor | None, generator: torch.Generator
     ) -> SufficientStatistics:
-        return privatize(super().total(tables, n, generator), self.sigma, generator)
+        # checked by the strategy from public figures (a warning computed from the clean sum
+        # would itself be a release)
+        return privatize(super().total(tables, n, generator), self.sigma, generator,
+                         check_noise=False)
 
 
 # ==== parts: broadcast policy ================================================================
@@ -675,11 +683,29 @@ class FedLogC(FedLog):
 class _FedLogDP(FedLog):
     """FedLog with clamped features and Gaussian noise on the statistics.
 
+    **Noise against signal.** After every aggregation the server compares the noise in the
+    summed statistic with the largest signal it can hold
+    (:func:`inference.conjugate.privacy_signal_to_noise`: ``R`` noisy releases summed, ``K``
+    clients' under local DP, 1 under central DP; class counts ``N / C`` from the released
+    count, so the figure is post-processing of DP outputs). The figure is in the server state
+    and every round's metrics as ``dp_noise_to_signal`` (with ``dp_sigma`` and
+    ``dp_noise_std``); a :class:`inference.conjugate.PrivacyNoiseWarning` is raised once per
+    run when it exceeds 0.5 (chance-level models from about 1).
+
+    **Noise-aware predictive** (``noise_aware=True``, default). The server tells clients the
+    noise variance ``R sigma^2`` of the statistic; their posterior is
+    :class:`inference.conjugate.NoisyConjugatePosterior`: the same MAP (the head clients train
+    with is unchanged), its Laplace covariance widened by the noise propagated through the MAP
+    (``H^-1 + R sigma^2 H^-1 M M^T H^-1``), so the MC and probit predictives stop being
+    confidently wrong when the noise dominates. ``noise_aware=False`` takes the noisy
+    statistic at face value (the paper).
+
     Args:
         epsilon, delta: the privacy budget: of the whole run (all rounds + the init round) with
             ``accountant="k_round"``, of each release with ``accountant="single"``.
         clip: the feature bound b; features are clamped to [-b, b] (after the body's ReLU).
         accountant: ``"k_round"`` (v2 composition, default) or ``"single"`` (v1, per release).
+        noise_aware: whether the predictive accounts for the known noise (see above).
     """
 
     ACCOUNTANTS = ("k_round", "single")
@@ -693,6 +719,7 @@ class _FedLogDP(FedLog):
         delta: float = 0.01,
         clip: float = 2.0,
         accountant: str = "k_round",
+        noise_aware: bool = True,
         **options,
     ) -> None:
         if "feature_bound" in options:
@@ -709,16 +736,90 @@ class _FedLogDP(FedLog):
         if accountant not in self.ACCOUNTANTS:
             raise ConfigError(f"DP accountant must be one of {', '.join(self.ACCOUNTANTS)}; "
                               f"got {accountant!r}")
+        if not isinstance(noise_aware, bool):
+            raise ConfigError(f"{self.name} noise_aware must be true or false, got "
+                              f"{noise_aware!r}")
         self.epsilon, self.delta, self.clip = float(epsilon), float(delta), float(clip)
         self.accountant = accountant
+        self.noise_aware = noise_aware
         releases = context.rounds + (1 if self.init_round else 0)
         self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
                                     feature_dim=context.feature_dim, bound=self.clip,
                                     composition=accountant)
+        self._noise_warned = False
         super().__init__(context, **options)
 
     def make_privacy(self) -> NoPrivacy:
         return self.placement(self.sigma, self.clip)
+
+    # ---- server half: the noise in the summed statistic ---------------------------------
+    def init(self) -> ServerState:
+        return super().init() | {"noise_variance": torch.zeros(1, dtype=torch.float64),
+                                 "dp_noise_to_signal": torch.zeros(1, dtype=torch.float64)}
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """FedLog's aggregation, then the noise variance of the summed statistic and its
+        noise-to-signal figure (warned about once per run when it is too high)."""
+        new = super().aggregate(state, uploads, round, generator)
+        if new is state:
+            return state
+        report = self.noise_report(float(new["num_samples"].item()), self.releases(new, uploads))
+        new["noise_variance"] = torch.tensor([report.noise_std**2], dtype=torch.float64)
+        new["dp_noise_to_signal"] = torch.tensor([report.noise_to_signal], dtype=torch.float64)
+        if not self._noise_warned:
+            self._noise_warned = report.warn(stacklevel=2)
+        return new
+
+    def releases(self, state: ServerState, uploads: Sequence[Message]) -> int:
+        """How many noisy releases the summed statistic of ``state`` holds: every summed
+        client's under local DP (this round's uploads, or every cached client's with
+        ``absent_clients="latest"``), one under central DP."""
+        if not self.privacy.noisy or self.privacy.sends_num_samples:
+            return 1  # central: the server adds the noise once to the sum
+        if self.absent_clients == "latest":
+            return len({k.split("/")[1] for k in state if k.startswith(_CACHE)})
+        return len(uploads)
+
+    def noise_report(self, num_samples: float, releases: int) -> DPNoiseReport:
+        """The noise-to-signal report of a summed statistic with ``num_samples`` released
+        samples (class counts taken as ``num_samples / C``) and ``releases`` noisy releases."""
+        return privacy_signal_to_noise(
+            self.sigma, max(num_samples, 1.0) / self.num_classes, feature_dim=self.feature_dim,
+            bound=self.clip, clients=releases,
+            placement="central" if self.privacy.sends_num_samples else "local")
+
+    def server_metrics(self, state: ServerState) -> dict[str, float]:
+        """``dp_noise_to_signal``, ``dp_sigma`` (per release) and ``dp_noise_std`` (per cell
+        of the summed statistic) of the server state."""
+        return {"dp_noise_to_signal": float(state["dp_noise_to_signal"].item()),
+                "dp_sigma": self.sigma,
+                "dp_noise_std": math.sqrt(float(state["noise_variance"].item()))}
+
+    def configure_evaluation(self, state: ServerState, round: int) -> Message:
+        """FedLog's evaluation broadcast plus ``noise_variance`` (float64 (1,)): the variance
+        of the noise in each cell of the summed statistic."""
+        message = super().configure_evaluation(state, round)
+        return self.down_message(round, {**message.tensors,
+                                         "noise_variance": state["noise_variance"]})
+
+    # ---- client half: the noise-aware posterior ----------------------------------------
+    def _solve_posterior(self, broadcast: Message) -> ConjugatePosterior | None:
+        posterior = super()._solve_posterior(broadcast)
+        variance = broadcast.tensors.get("noise_variance")
+        if posterior is None or not self.noise_aware or variance is None:
+            return posterior
+        noise_variance = float(variance.item())
+        if not noise_variance > 0:
+            return posterior
+        return NoisyConjugatePosterior(
+            posterior.prior, posterior.statistics, noise_variance,
+            count_from_noise=not self.privacy.sends_num_samples)
 
 
 def median_class_means(tables: Tensor) -> Tensor:

@@ -4,14 +4,25 @@ Clients send :class:`SufficientStatistics` (class-wise sums of ``[1, phi]``); th
 them, adds a :class:`ConjugatePrior` once, and a :class:`ConjugatePosterior` gives the exact MAP
 head (:func:`solve_map`), a structured Laplace approximation, NUTS draws and predictive
 probabilities. :func:`compactness_loss` is FedLog-C's client-side term; :mod:`.privacy` holds the
-Gaussian mechanism for statistics.
+Gaussian mechanism for statistics and the check that its noise does not swamp them;
+:class:`NoisyConjugatePosterior` is the posterior of noisy statistics with the noise accounted
+for (:mod:`.noise_aware`).
 """
 
 from inference.conjugate.compactness import ClassMeans, compactness_loss
 from inference.conjugate.laplace import ConjugateLaplace
+from inference.conjugate.noise_aware import NoiseAwareLaplace, NoisyConjugatePosterior
 from inference.conjugate.posterior import ConjugatePosterior
 from inference.conjugate.prior import ConjugatePrior
-from inference.conjugate.privacy import clip_features, gaussian_sigma, l2_sensitivity, privatize
+from inference.conjugate.privacy import (
+    DPNoiseReport,
+    PrivacyNoiseWarning,
+    clip_features,
+    gaussian_sigma,
+    l2_sensitivity,
+    privacy_signal_to_noise,
+    privatize,
+)
 from inference.conjugate.solver import map_gradient, map_objective, solve_map, solve_map_adam
 from inference.conjugate.statistics import SufficientStatistics
 
@@ -20,6 +31,10 @@ __all__ = [
     "ConjugateLaplace",
     "ConjugatePosterior",
     "ConjugatePrior",
+    "DPNoiseReport",
+    "NoiseAwareLaplace",
+    "NoisyConjugatePosterior",
+    "PrivacyNoiseWarning",
     "SufficientStatistics",
     "clip_features",
     "compactness_loss",
@@ -27,6 +42,7 @@ __all__ = [
     "l2_sensitivity",
     "map_gradient",
     "map_objective",
+    "privacy_signal_to_noise",
     "privatize",
     "solve_map",
     "solve_map_adam",

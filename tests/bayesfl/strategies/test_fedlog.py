@@ -10,6 +10,7 @@ from scipy.optimize import minimize
 from strategy_helpers import (
     FEATURE_DIM,
     NUM_CLASSES,
+    SIZES,
     evaluation_broadcast,
     fit_all,
     generators,
@@ -23,7 +24,12 @@ from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
 from bayesfl.strategies.fedlog import HeadObjective
-from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
+from inference.conjugate import (
+    ConjugatePosterior,
+    ConjugatePrior,
+    PrivacyNoiseWarning,
+    SufficientStatistics,
+)
 
 
 def pooled_table(strategy, clients):
@@ -518,3 +524,96 @@ def test_dp_budget_options_must_be_finite_numbers_in_range(options):
     for name in ("fedlog-dp-local", "fedlog-dp-central"):
         with pytest.raises(ConfigError, match=r"finite number|DP needs"):
             make_strategy(name, context(), **options)
+
+
+# ---- DP: noise against signal, and the noise-aware posterior ----------------------------------
+def test_dp_servers_record_the_noise_variance_and_noise_to_signal_of_the_sum(build):
+    from inference.conjugate import privacy_signal_to_noise
+
+    for name, releases in (("fedlog-dp-local", len(SIZES)), ("fedlog-dp-central", 1)):
+        strategy, clients, state = build(name, epsilon=1.0)
+        with pytest.warns(PrivacyNoiseWarning):  # 39 samples: swamped at epsilon 1
+            state, _ = run_round(strategy, clients, state, 0)
+        # local: every client's noise is in the sum (variances add); central: once
+        assert float(state["noise_variance"]) == pytest.approx(strategy.sigma**2 * releases,
+                                                               rel=1e-12)
+        n = float(state["num_samples"])
+        expected = privacy_signal_to_noise(
+            strategy.sigma, n / NUM_CLASSES, feature_dim=FEATURE_DIM, bound=strategy.clip,
+            clients=len(SIZES), placement="local" if "local" in name else "central")
+        assert float(state["dp_noise_to_signal"]) == pytest.approx(expected.noise_to_signal,
+                                                                   rel=1e-12)
+        assert strategy.server_metrics(state) == {
+            "dp_noise_to_signal": pytest.approx(expected.noise_to_signal, rel=1e-12),
+            "dp_sigma": strategy.sigma,
+            "dp_noise_std": pytest.approx(strategy.sigma * math.sqrt(releases), rel=1e-12)}
+
+
+def test_the_noise_warning_is_raised_once_per_run_and_not_for_a_generous_budget(build):
+    import warnings
+
+    strategy, clients, state = build("fedlog-dp-local", epsilon=1.0)
+    with pytest.warns(PrivacyNoiseWarning, match="raise epsilon"):
+        state, _ = run_round(strategy, clients, state, 0)
+    generous, generous_clients, generous_state = build("fedlog-dp-local", epsilon=1e4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyNoiseWarning)
+        run_round(strategy, clients, state, 1)  # already said
+        generous_state, _ = run_round(generous, generous_clients, generous_state, 0)
+    assert float(generous_state["dp_noise_to_signal"]) < 0.5
+
+
+@pytest.mark.parametrize(("name", "count_from_noise"), [("fedlog-dp-local", True),
+                                                        ("fedlog-dp-central", False)])
+def test_dp_clients_evaluate_with_the_noise_aware_posterior(build, name, count_from_noise):
+    from inference.conjugate import NoisyConjugatePosterior
+
+    strategy, clients, state = build(name, epsilon=1.0)
+    with pytest.warns(PrivacyNoiseWarning):
+        state, _ = run_round(strategy, clients, state, 0)
+    broadcast = evaluation_broadcast(strategy, state)
+    assert torch.equal(broadcast.tensors["noise_variance"], state["noise_variance"])
+    head = strategy.head_posterior(broadcast)
+    assert isinstance(head, NoisyConjugatePosterior)
+    assert head.noise_variance == float(state["noise_variance"])
+    assert head.count_from_noise is count_from_noise
+    face, _, _ = build(name, epsilon=1.0, noise_aware=False)
+    face_head = face.head_posterior(broadcast)
+    assert type(face_head) is ConjugatePosterior
+    # the same MAP (the head clients train with is untouched), a wider posterior
+    assert torch.equal(head.map(), face_head.map())
+    assert torch.equal(state["head"], face_head.map().float())
+    assert bool((head.laplace().marginal_variances()
+                 > face_head.laplace().marginal_variances()).all())
+    x = clients[0].data.test_x
+    aware = strategy.predict(clients[0].config, clients[0].state, broadcast, x)
+    plain = face.predict(clients[0].config, clients[0].state, broadcast, x)
+    assert torch.equal(aware[MAP_PLUGIN], plain[MAP_PLUGIN])
+    assert float(aware[PREDICTIVE].max(1).values.mean()) < float(
+        plain[PREDICTIVE].max(1).values.mean())
+
+
+def test_noise_aware_must_be_true_or_false():
+    from strategy_helpers import context
+
+    with pytest.raises(ConfigError, match="noise_aware"):
+        make_strategy("fedlog-dp-local", context(), noise_aware="yes")
+
+
+def test_a_dp_run_on_digits_reports_its_noise_to_signal_and_warns_only_when_swamped():
+    import warnings
+
+    from bayesfl.simulate import simulate
+
+    common = dict(dataset="digits", clients=20, rounds=1, seed=0, progress=False, threads=1)
+    with pytest.warns(PrivacyNoiseWarning, match="swamps"):
+        swamped = simulate(strategy="fedlog-dp-local", strategy_options={"epsilon": 1.0},
+                           **common)
+    assert swamped.summary["dp_noise_to_signal"] > 1
+    assert all("dp_noise_to_signal" in record for record in swamped.metrics)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyNoiseWarning)
+        useful = simulate(strategy="fedlog-dp-central", strategy_options={"epsilon": 8.0},
+                          **common)
+    assert useful.summary["dp_noise_to_signal"] < 0.5
+    assert useful.summary["accuracy"] > 0.9

@@ -1,11 +1,21 @@
-"""Differential privacy for statistics (spec §4.2): sigma formulas, noise, clipping."""
+"""Differential privacy for statistics (spec §4.2): sigma formulas, noise, clipping, and the
+warning when the noise swamps the statistics."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
-from inference.conjugate.privacy import clip_features, gaussian_sigma, l2_sensitivity, privatize
+from inference.conjugate.privacy import (
+    DEGRADED_RATIO,
+    PrivacyNoiseWarning,
+    clip_features,
+    gaussian_sigma,
+    l2_sensitivity,
+    privacy_signal_to_noise,
+    privatize,
+)
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
 from tests.devices import DEVICES
@@ -56,7 +66,8 @@ def test_noise_standard_deviation_matches_sigma_within_two_percent(device):
     stats = SufficientStatistics.from_features(features, torch.zeros(1, dtype=torch.int64,
                                                                      device=device), 100)
     sigma = gaussian_sigma(1.0, 1e-5, 10, 999, 0.1)
-    noisy = privatize(stats, sigma, generator=torch.Generator(device=device).manual_seed(0))
+    noisy = privatize(stats, sigma, generator=torch.Generator(device=device).manual_seed(0),
+                      check_noise=False)  # one sample: swamped, and that is not the point here
     noise = (noisy.table - stats.table).reshape(-1)
     assert noise.numel() == 100_000
     assert abs(float(noise.std()) / sigma - 1.0) <= 0.02
@@ -106,3 +117,102 @@ def test_privatised_statistics_skip_count_validation_and_can_hide_the_count():
     assert (public + stats).privatized  # privacy is contagious through sums
     with pytest.raises(InvalidInputError, match="sigma"):
         privatize(stats, -1.0)
+
+
+# ---- does the noise swamp the statistics? ---------------------------------------------------
+# The README's example: gaussian_sigma(epsilon=1, delta=1e-2, rounds=100, feature_dim=50,
+# bound=2) on statistics of digits (about 130 training samples per class, 10 classes).
+README_SIGMA = dict(epsilon=1.0, delta=1e-2, rounds=100, feature_dim=50, bound=2.0)
+
+
+def digits_sized_statistics(bound=2.0, per_class=130, classes=10, m=50, seed=0):
+    """Clipped non-negative features (a ReLU body clamped at the bound), balanced classes."""
+    g = torch.Generator().manual_seed(seed)
+    features = clip_features(torch.rand(per_class * classes, m, generator=g) * bound, bound)
+    labels = torch.arange(classes).repeat_interleave(per_class)
+    return SufficientStatistics.from_features(features, labels, classes)
+
+
+def test_the_readme_budget_warns_that_the_noise_swamps_digits_statistics():
+    sigma = gaussian_sigma(**README_SIGMA)
+    assert sigma == pytest.approx(863.0, abs=0.5)
+    stats = digits_sized_statistics()
+    # against the clip bound: (sigma / Delta_2) sqrt(m + 1) / n_y = 863 sqrt(51) / (130 sqrt(201))
+    with pytest.warns(PrivacyNoiseWarning, match=r"swamps the statistics: noise-to-signal 3\.34"):
+        privatize(stats, sigma, generator=torch.Generator().manual_seed(0), bound=2.0)
+    # without the bound, against the table's own rows (smaller: features below the bound)
+    with pytest.warns(PrivacyNoiseWarning, match="raise epsilon.*fewer rounds.*centrally"):
+        privatize(stats, sigma, generator=torch.Generator().manual_seed(0))
+    report = privacy_signal_to_noise(sigma, 130, feature_dim=50, bound=2.0)
+    assert report.swamped and report.warns
+    assert report.noise_to_signal == pytest.approx(
+        sigma * math.sqrt(51) / (130 * math.sqrt(1 + 50 * 4.0)), rel=1e-12)
+
+
+@pytest.mark.parametrize(("placement", "epsilon"), [("local", 16.0), ("central", 4.0)])
+def test_a_budget_that_leaves_a_useful_model_does_not_warn(placement, epsilon):
+    # Measured on digits (20 clients, 10 rounds + the init round, ~135 samples per class):
+    # local DP at epsilon 16 and central DP at epsilon 4 keep accuracy 0.97-0.98 (bench
+    # dp_price.py); their noise-to-signal is 0.38 and 0.30.
+    sigma = gaussian_sigma(epsilon, 1e-2, 11, 50, 2.0)
+    report = privacy_signal_to_noise(sigma, 135, feature_dim=50, bound=2.0, clients=20,
+                                     placement=placement)
+    assert report.noise_to_signal < DEGRADED_RATIO and not report.warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyNoiseWarning)
+        assert report.warn() is False
+        if placement == "central":  # the release itself, against the clip bound
+            privatize(digits_sized_statistics(per_class=135), sigma, bound=2.0)
+
+
+def test_the_noise_of_k_local_releases_adds_up_in_variance():
+    # Monte Carlo: the summed noise of K privatized copies has mean squared row norm
+    # K sigma^2 (m + 1), the report's noise_norm^2. 4,000 rows of 11 entries: the standard error
+    # of the mean of the squared norm is sqrt(2 / (11 * 4000)) = 0.7%, so 4% is ~6 SE.
+    stats = digits_sized_statistics(per_class=10, classes=4, m=10)
+    sigma, K = 3.0, 7
+    g = torch.Generator().manual_seed(2)
+    squared = []
+    for _ in range(1000):
+        total = sum(privatize(stats, sigma, g, check_noise=False) for _ in range(K))
+        squared.append((total.table - K * stats.table).pow(2).sum(dim=1))
+    report = privacy_signal_to_noise(sigma, 10, feature_dim=10, bound=2.0, clients=K,
+                                     placement="local")
+    assert report.releases == K and report.noise_std == pytest.approx(sigma * math.sqrt(K))
+    assert float(torch.cat(squared).mean()) == pytest.approx(report.noise_norm**2, rel=0.04)
+    central = privacy_signal_to_noise(sigma, 10, feature_dim=10, bound=2.0, clients=K)
+    assert central.releases == 1  # the server adds the noise once
+
+
+def test_the_clip_bound_cancels_from_the_noise_to_signal_of_a_budget():
+    # sigma is proportional to Delta_2 = sqrt(1 + m b^2), and so is the largest signal n_y Delta_2
+    ratios = [privacy_signal_to_noise(gaussian_sigma(2.0, 1e-3, 5, 20, b), [40, 60, 50],
+                                      feature_dim=20, bound=b).noise_to_signal
+              for b in (0.1, 1.0, 7.0)]
+    assert ratios[1] == pytest.approx(ratios[0], rel=1e-12)
+    assert ratios[2] == pytest.approx(ratios[0], rel=1e-12)
+
+
+def test_the_headline_ratio_is_the_rms_over_classes_present():
+    report = privacy_signal_to_noise(1.0, [3.0, 0.0, 4.0], feature_dim=0, bound=1.0)
+    # m = 0: the rows are counts only; noise norm 1; signals 3, 0 (absent), 4
+    assert report.per_class == (1 / 3, math.inf, 1 / 4)
+    assert report.noise_to_signal == pytest.approx(1 / math.sqrt((9 + 16) / 2), rel=1e-15)
+    assert privacy_signal_to_noise(1.0, [0.0], feature_dim=3, bound=1.0).noise_to_signal == \
+        math.inf
+
+
+def test_one_clients_share_of_a_local_sum_is_released_without_a_check():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyNoiseWarning)
+        privatize(digits_sized_statistics(per_class=3), 1e3, check_noise=False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(placement="server"), dict(clients=0),
+                                    dict(clients=True), dict(class_counts=[float("nan")]),
+                                    dict(class_counts=[]), dict(sigma=-1.0), dict(bound=0.0)])
+def test_invalid_noise_report_inputs_are_rejected(kwargs):
+    arguments = dict(sigma=1.0, class_counts=10.0, feature_dim=3, bound=1.0) | kwargs
+    sigma, counts = arguments.pop("sigma"), arguments.pop("class_counts")
+    with pytest.raises(InvalidInputError):
+        privacy_signal_to_noise(sigma, counts, **arguments)
