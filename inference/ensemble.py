@@ -81,7 +81,7 @@ class EnsemblePosterior:
         """
         method = PredictiveMethod.parse(method, "method")
         inputs = as_features(inputs)  # NumPy arrays and lists too (inference.inputs)
-        if method is PredictiveMethod.PROBIT:
+        if method in (PredictiveMethod.PROBIT, PredictiveMethod.CENTRED_PROBIT):
             raise InvalidInputError("an ensemble posterior predicts with method 'mc' or 'map'.")
         if self.samples.ndim != 3:
             raise InvalidInputError(

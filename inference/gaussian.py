@@ -548,17 +548,46 @@ class GaussianPosterior:
         correction = (w**2).sum(0).reshape(batch, num_classes)
         return logit_mean, ((x**2) @ inv_diag.T - correction).clamp_min(0.0)
 
+    def logit_covariance(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean ``(B, C)`` and full covariance ``(B, C, C)`` of the logits ``f = W [1, x]``,
+        float64 (the diagonal is :meth:`logit_moments`' variance)."""
+        features = as_features(features)
+        num_classes, width = self._head_shape(features)
+        x = augment_with_bias(features.to(device=self.device, dtype=torch.float64))
+        logit_mean = x @ self.mean.to(torch.float64).T
+        fac = self._factorisation()
+        if fac.structure is CovarianceStructure.FULL:
+            if "weight_blocks" not in self._cache:  # Σ as (C, P, C, P)
+                self._cache["weight_blocks"] = fac.covariance().reshape(
+                    num_classes, width, num_classes, width)
+            return logit_mean, torch.einsum("bp,cpkq,bq->bck", x, self._cache["weight_blocks"],
+                                            x)
+        if fac.structure is CovarianceStructure.DIAG:
+            var_w = fac.variance().reshape(num_classes, width)
+            return logit_mean, torch.diag_embed((x**2) @ var_w.T)
+        rank, batch = fac.factor.shape[1], x.shape[0]  # Σ = D⁻¹ − D⁻¹ L K⁻¹ Lᵀ D⁻¹
+        inv_diag = (1.0 / fac.diag).reshape(num_classes, width)
+        scaled = (fac.factor / fac.diag[:, None]).reshape(num_classes, width, rank)
+        u = torch.einsum("bp,cpr->bcr", x, scaled)
+        w = torch.linalg.solve_triangular(
+            fac.capacitance_chol, u.reshape(batch * num_classes, rank).T, upper=False
+        ).T.reshape(batch, num_classes, rank)
+        return logit_mean, (torch.diag_embed((x**2) @ inv_diag.T)
+                            - torch.einsum("bcr,bkr->bck", w, w))
+
     def predict_proba(
         self,
         inputs: Tensor,
-        method: PredictiveMethod | str = PredictiveMethod.PROBIT,
+        method: PredictiveMethod | str = PredictiveMethod.CENTRED_PROBIT,
         n_samples: int = 100,
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """Class probabilities ``(B, C)`` for features ``inputs (B, m)``.
 
-        ``method``: ``"probit"`` (default; ``softmax(f / sqrt(1 + π v / 8))``), ``"mc"``
-        (average of ``n_samples`` softmax draws) or ``"map"`` (softmax at the mean).
+        ``method``: ``"centred_probit"`` (default; the probit of the centred logits, see
+        :class:`~inference.options.PredictiveMethod`), ``"probit"`` (``softmax(f / sqrt(1 +
+        π v / 8))`` with the marginal variances, laplace-torch's), ``"mc"`` (average of
+        ``n_samples`` softmax draws) or ``"map"`` (softmax at the mean).
         Computed in float64 on the posterior's device; returned in the inputs' dtype there.
         """
         method = PredictiveMethod.parse(method, "method")
@@ -572,6 +601,13 @@ class GaussianPosterior:
             mean, var = self.logit_moments(inputs)
             kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * var)
             return torch.softmax(kappa * mean, dim=-1).to(out_dtype)
+        if method is PredictiveMethod.CENTRED_PROBIT:
+            mean, cov = self.logit_covariance(inputs)
+            centring = torch.eye(mean.shape[1], dtype=torch.float64, device=mean.device)
+            centring = centring - 1.0 / mean.shape[1]
+            var = torch.diagonal(centring @ cov @ centring, dim1=1, dim2=2).clamp_min(0.0)
+            kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * var)
+            return torch.softmax(kappa * (mean @ centring), dim=-1).to(out_dtype)
         from inference.ensemble import mean_softmax  # avoid a cycle at import time
 
         weights = self.sample(n_samples, generator).to(torch.float64)

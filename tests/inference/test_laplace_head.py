@@ -44,7 +44,7 @@ def objective(x, y, prior_precision=0.7):
 
 def test_mode_matches_scipy_lbfgs_and_the_gradient_vanishes():
     x, y = three_class_data()
-    post = fit_laplace_head(x, y, 3, prior_precision=0.7)
+    post = fit_laplace_head(x, y, 3, prior_precision=0.7, approximation="laplace")
     f = objective(x, y)
 
     def value_and_grad(theta_np):
@@ -64,14 +64,17 @@ def test_mode_matches_scipy_lbfgs_and_the_gradient_vanishes():
 
 def test_newton_and_lbfgs_solvers_find_the_same_mode():
     x, y = three_class_data()
-    newton = fit_laplace_head(x, y, 3, prior_precision=0.7, solver="newton")
-    lbfgs = fit_laplace_head(x, y, 3, prior_precision=0.7, solver="lbfgs")
+    newton = fit_laplace_head(x, y, 3, prior_precision=0.7, solver="newton",
+                              approximation="laplace")
+    lbfgs = fit_laplace_head(x, y, 3, prior_precision=0.7, solver="lbfgs",
+                             approximation="laplace")
     torch.testing.assert_close(newton.mean, lbfgs.mean, atol=1e-6, rtol=0)
 
 
 def test_posterior_precision_is_the_autograd_hessian_at_the_mode():
     x, y = three_class_data()
-    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure="full")
+    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure="full",
+                            approximation="laplace")
     hessian = torch.autograd.functional.hessian(objective(x, y), post.flat_mean)
     # tolerance 1e-10: both exact, float64 (sum of 120 terms)
     torch.testing.assert_close(post.natural.precision_matrix(), hessian, atol=1e-10, rtol=0)
@@ -88,10 +91,11 @@ def test_likelihood_hessian_formula_matches_autograd_away_from_the_mode():
 
 def test_diag_and_lowrank_structures_keep_the_mode_and_the_exact_diagonal():
     x, y = three_class_data()
-    full = fit_laplace_head(x, y, 3, structure="full", prior_precision=1.0)
-    diag = fit_laplace_head(x, y, 3, structure="diag", prior_precision=1.0)
-    low = fit_laplace_head(x, y, 3, structure="lowrank", rank=4, prior_precision=1.0)
-    exact = fit_laplace_head(x, y, 3, structure="lowrank", rank=12, prior_precision=1.0)
+    options = {"prior_precision": 1.0, "approximation": "laplace"}
+    full = fit_laplace_head(x, y, 3, structure="full", **options)
+    diag = fit_laplace_head(x, y, 3, structure="diag", **options)
+    low = fit_laplace_head(x, y, 3, structure="lowrank", rank=4, **options)
+    exact = fit_laplace_head(x, y, 3, structure="lowrank", rank=12, **options)
     for post in (diag, low, exact):
         torch.testing.assert_close(post.mean, full.mean, atol=1e-9, rtol=0)
         torch.testing.assert_close(post.natural.precision_diagonal(),
@@ -155,9 +159,10 @@ def test_log_marginal_likelihood_is_exact_for_the_gaussian_likelihood():
 
 def test_log_marginal_likelihood_of_diag_and_lowrank_use_their_own_precision():
     x, y = three_class_data()
-    full = fit_laplace_head(x, y, 3, structure="full", prior_precision=1.0)
-    exact_lowrank = fit_laplace_head(x, y, 3, structure="lowrank", rank=12, prior_precision=1.0)
-    diag = fit_laplace_head(x, y, 3, structure="diag", prior_precision=1.0)
+    options = {"prior_precision": 1.0, "approximation": "laplace"}
+    full = fit_laplace_head(x, y, 3, structure="full", **options)
+    exact_lowrank = fit_laplace_head(x, y, 3, structure="lowrank", rank=12, **options)
+    diag = fit_laplace_head(x, y, 3, structure="diag", **options)
     a = log_marginal_likelihood(full, x, y)
     assert abs(log_marginal_likelihood(exact_lowrank, x, y) - a) < 1e-8
     # Hadamard: log|Λ| ≤ Σ log Λ_ii, so the diagonal evidence is lower
@@ -170,7 +175,8 @@ def test_probit_predictive_matches_laplace_torch_on_the_same_head(structure):
     from torch import nn
 
     x, y = three_class_data()
-    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure=structure)
+    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure=structure,
+                            approximation="laplace")
     linear = nn.Linear(3, 3).double()
     with torch.no_grad():  # the same MAP head; laplace-torch orders weight before bias
         linear.bias.copy_(post.mean[:, 0])
@@ -191,13 +197,14 @@ def test_probit_predictive_matches_laplace_torch_on_the_same_head(structure):
 def evidence_at(x, y, precision, likelihood="softmax", noise_std=1.0):
     """The Laplace log evidence at one prior precision, through the public fixed-λ path."""
     post = fit_laplace_head(x, y, 1 if likelihood == "gaussian" else 3, likelihood=likelihood,
-                            noise_std=noise_std, prior_precision=precision)
+                            noise_std=noise_std, prior_precision=precision,
+                            approximation="laplace")
     return log_marginal_likelihood(post, x, y, likelihood, noise_std)
 
 
 def test_marglik_is_the_default_and_its_optimum_is_the_maximum_of_a_fine_grid():
     x, y = three_class_data()
-    post = fit_laplace_head(x, y, 3)
+    post = fit_laplace_head(x, y, 3, approximation="laplace")
     choice = post.prior_selection
     assert choice.method == "marglik" and choice.at_bound is None
     assert float(post.prior.diag[0]) == choice.value
@@ -250,7 +257,8 @@ def test_log_marginal_likelihood_matches_laplace_torch_at_the_mode(structure):
     from torch import nn
 
     x, y = three_class_data()
-    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure=structure)
+    post = fit_laplace_head(x, y, 3, prior_precision=0.7, structure=structure,
+                            approximation="laplace")
     linear = nn.Linear(3, 3).double()
     with torch.no_grad():  # the same MAP head; laplace-torch orders weight before bias
         linear.bias.copy_(post.mean[:, 0])

@@ -1,0 +1,209 @@
+"""The KL-optimal Gaussian over a softmax head, started from its Laplace approximation.
+
+Why. The Laplace approximation ``N(W*, (λI + H(W*))⁻¹)`` takes the curvature at the mode. On
+features a network was trained to separate, almost every training point is classified with
+``p ≈ 1`` at the mode, its curvature ``diag(p) − p pᵀ`` is ≈ 0, and the Gaussian is as wide as
+the prior in most directions — wide enough to put mass on heads that misclassify training
+points the likelihood rules out. Its predictive is then far *under*-confident although the
+posterior itself is not: on the digits MLP of issue 12 (prior precision by evidence, 0.58) the
+Laplace predictive has ECE 0.22 and NLL 0.33 where Hamiltonian Monte Carlo on the same
+posterior gives 0.014 and 0.078.
+
+What. The Gaussian ``q = N(μ, Λ⁻¹)`` that minimises ``KL(q ‖ p(W | data))`` (equivalently
+maximises the ELBO) satisfies (Opper & Archambeau, 2009)
+
+    Λ = λ I + E_q[H(W)],          E_q[∇ log p(y | W)] = λ (μ − μ₀),
+
+the curvature averaged over ``q`` instead of taken at the mode (``q`` must avoid the regions
+the likelihood rules out, so it is narrow where they begin). For a softmax likelihood the ELBO is
+concave in ``(μ, chol Λ⁻¹)`` (Challis & Barber, 2013), so the fixed point is unique. It is found
+by damped natural-gradient (variational online Newton) steps from the Laplace posterior:
+
+    Λ ← (1 − ρ) Λ + ρ (λ I + E_q[H]),      μ ← μ + ρ Λ⁻¹ (E_q[∇ log p(y | W)] − λ (μ − μ₀)).
+
+The expectations are over each training point's logits ``f_n ~ N(M_n, V_n)`` (``M_n = W x_n``,
+``V_n`` the ``C × C`` logit covariance under ``q``), estimated with ``num_draws`` standard-normal
+draws per point that are fixed for the whole run (common random numbers: the iteration is a
+deterministic map with a fixed point, and the result is reproducible from ``seed``).
+
+The result is a :class:`~inference.gaussian.GaussianPosterior` with the same prior and the
+likelihood term ``(E_q[H], Λ μ − λ μ₀)``: the same natural-parameter algebra as the Laplace one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from inference.errors import InvalidInputError, NumericalError
+from inference.gaussian import cholesky_with_jitter
+
+#: Draws per training point for the expectations (their Monte-Carlo error averages over points).
+DEFAULT_NUM_DRAWS = 64
+
+
+def variational_gaussian(
+    mode: Tensor,
+    laplace_precision: Tensor,
+    inputs: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    prior_precision: float,
+    prior_mean: float,
+    diagonal: bool = False,
+    num_draws: int = DEFAULT_NUM_DRAWS,
+    damping: float = 0.5,
+    max_iter: int = 300,
+    tol: float = 1e-3,
+    rtol: float = 1e-2,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Mean and expected likelihood curvature of the KL-optimal Gaussian (module docstring).
+
+    Each step is accepted only if the ELBO (estimated with the same fixed draws) does not drop;
+    otherwise ``ρ`` is halved and the step retried, and an accepted step lets ``ρ`` grow back
+    towards ``damping`` (the plain fixed-point map can overshoot where wide Gaussians make
+    ``E_q[H]`` small).
+
+    Args:
+        mode: the MAP, flat float64 ``(d,)`` with ``d = C (m + 1)``, the start of ``μ``.
+        laplace_precision: the Laplace precision at the mode, ``(d, d)`` (or ``(d,)`` with
+            ``diagonal``), the start of ``Λ``.
+        inputs: bias-augmented float64 features ``(N, m + 1)``; labels: int64 ``(N,)``.
+        num_classes: ``C``. prior_precision, prior_mean: ``λ`` and ``μ₀`` of the prior.
+        diagonal: fit a diagonal-precision Gaussian (mean field; ``Λ = λ + diag E_q[H]``).
+        num_draws: logit draws per training point. damping: the largest ``ρ ∈ (0, 1]``.
+        max_iter: ELBO evaluations at most. tol, rtol: stop when half the squared
+            natural-gradient norm ``gᵀ Λ⁻¹ g / 2`` (nats: the ELBO's predicted gain of a full
+            step) is at most ``tol`` and the next precision differs from the current by at most
+            ``rtol`` (largest entry change over largest entry); or when no step of any ``ρ`` down
+            to 1/1024 raises the ELBO while that gain is below 1 nat (the Monte-Carlo floor of
+            the fixed draws: the expectations carry an error of order ``1 / sqrt(num_draws)``
+            per point).
+        seed: seed of the fixed draws.
+
+    Returns:
+        ``(mean (d,), expected_curvature)``: ``E_q[H]`` as ``(d, d)`` (or ``(d,)`` diagonal),
+        float64, the likelihood precision of the variational posterior.
+
+    Raises:
+        InvalidInputError: bad options. NumericalError: no convergence in ``max_iter``.
+    """
+    if not 0 < damping <= 1:
+        raise InvalidInputError(f"damping must lie in (0, 1]; got {damping}.")
+    if num_draws < 1 or max_iter < 1:
+        raise InvalidInputError("num_draws and max_iter must be at least 1.")
+    problem = _Problem(inputs, labels, num_classes, prior_precision, prior_mean, diagonal,
+                       num_draws, seed)
+    state = problem.evaluate(mode.clone(), laplace_precision.clone())
+    rho = damping
+    for _ in range(max_iter):
+        if state.decrement / 2 <= tol and state.change <= rtol:
+            return state.mean, state.curvature
+        candidate = problem.evaluate(*state.step(rho, diagonal))
+        if candidate.elbo >= state.elbo:
+            state, rho = candidate, min(damping, 2 * rho)
+        elif rho > 1 / 1024:
+            rho /= 2
+        elif state.decrement / 2 <= 1.0:  # no ascent left that the draws can resolve
+            return state.mean, state.curvature
+        else:
+            break
+    raise NumericalError(
+        f"the variational Gaussian did not converge in {max_iter} ELBO evaluations "
+        f"(natural-gradient decrement {state.decrement:.2e} nats, relative precision change "
+        f"{state.change:.2e}); raise max_iter or use approximation='laplace'.")
+
+
+class _State:
+    """One ``(μ, Λ)`` with its ELBO, natural gradient and fixed-point target."""
+
+    def __init__(self, mean: Tensor, precision: Tensor, elbo: float, gradient: Tensor,
+                 curvature: Tensor, target: Tensor, chol: Tensor | None) -> None:
+        self.mean, self.precision, self.elbo = mean, precision, elbo
+        self.gradient, self.curvature, self.target = gradient, curvature, target
+        self.change = float((target - precision).abs().max() / precision.abs().max())
+        self.decrement = float(self.gradient @ self._solve(precision, chol, gradient))
+
+    @staticmethod
+    def _solve(precision: Tensor, chol: Tensor | None, vector: Tensor) -> Tensor:
+        if chol is None:
+            return vector / precision
+        return torch.cholesky_solve(vector[:, None], chol)[:, 0]
+
+    def step(self, rho: float, diagonal: bool) -> tuple[Tensor, Tensor]:
+        """``Λ' = (1 − ρ) Λ + ρ target``, ``μ' = μ + ρ Λ'⁻¹ g``."""
+        precision = (1 - rho) * self.precision + rho * self.target
+        chol = None if diagonal else cholesky_with_jitter(precision)
+        return self.mean + rho * self._solve(precision, chol, self.gradient), precision
+
+
+class _Problem:
+    """The data, the prior and the fixed draws; :meth:`evaluate` gives a :class:`_State`."""
+
+    def __init__(self, inputs: Tensor, labels: Tensor, num_classes: int, prior_precision: float,
+                 prior_mean: float, diagonal: bool, num_draws: int, seed: int) -> None:
+        generator = torch.Generator(device=inputs.device).manual_seed(int(seed))
+        self.draws = torch.randn(num_draws, inputs.shape[0], num_classes, generator=generator,
+                                 dtype=torch.float64, device=inputs.device)
+        self.inputs, self.labels, self.num_classes = inputs, labels, num_classes
+        self.one_hot = torch.nn.functional.one_hot(labels, num_classes).to(torch.float64)
+        self.prior_precision, self.prior_mean, self.diagonal = (prior_precision, prior_mean,
+                                                                diagonal)
+
+    def evaluate(self, mean: Tensor, precision: Tensor) -> _State:
+        lam = self.prior_precision
+        if self.diagonal:
+            chol, covariance = None, 1.0 / precision
+            log_det, trace = float(torch.log(precision).sum()), float(covariance.sum())
+        else:
+            chol = cholesky_with_jitter(precision)
+            covariance = torch.cholesky_inverse(chol)
+            log_det, trace = float(2 * torch.log(chol.diagonal()).sum()), float(covariance.trace())
+        log_probs = _logit_draw_log_probabilities(mean, covariance, self.inputs,
+                                                  self.num_classes, self.draws)
+        probs = log_probs.exp()
+        expected_log_lik = float(log_probs.gather(
+            -1, self.labels.expand(log_probs.shape[0], -1)[..., None]).sum() / len(probs))
+        d = mean.shape[0]
+        # KL(N(μ, Λ⁻¹) ‖ N(μ₀, I/λ)) = ½ (λ tr Λ⁻¹ + λ |μ − μ₀|² − d − d log λ + log|Λ|)
+        kl = 0.5 * (lam * trace + lam * float(((mean - self.prior_mean) ** 2).sum()) - d
+                    - d * math.log(lam) + log_det)
+        gradient = ((self.one_hot - probs.mean(0)).T @ self.inputs).reshape(-1)
+        gradient = gradient - lam * (mean - self.prior_mean)
+        curvature = _expected_curvature(probs, self.inputs, self.diagonal)
+        target = curvature + (lam if self.diagonal else lam * torch.eye(
+            d, dtype=torch.float64, device=mean.device))
+        return _State(mean, precision, expected_log_lik - kl, gradient, curvature, target, chol)
+
+
+def _logit_draw_log_probabilities(mean: Tensor, covariance: Tensor, inputs: Tensor,
+                                  num_classes: int, draws: Tensor) -> Tensor:
+    """``log_softmax`` of every point's logit draws ``M_n + chol(V_n) z``: ``(S, N, C)``."""
+    width = inputs.shape[1]
+    logit_mean = inputs @ mean.reshape(num_classes, width).T  # (N, C)
+    if covariance.ndim == 1:  # diagonal: independent logits, V_n = diag(Σ_p x_np² σ²_cp)
+        variance = inputs**2 @ covariance.reshape(num_classes, width).T
+        return torch.log_softmax(logit_mean + variance.sqrt() * draws, dim=-1)
+    blocks = covariance.reshape(num_classes, width, num_classes, width)
+    logit_cov = torch.einsum("np,cpkq,nq->nck", inputs, blocks, inputs)
+    jitter = 1e-12 * logit_cov.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)
+    eye = torch.eye(num_classes, dtype=torch.float64, device=inputs.device)
+    factor = torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)
+    return torch.log_softmax(logit_mean + torch.einsum("nck,snk->snc", factor, draws), dim=-1)
+
+
+def _expected_curvature(probs: Tensor, inputs: Tensor, diagonal: bool) -> Tensor:
+    """``E_q[H] = Σ_n E[diag p − p pᵀ] ⊗ x_n x_nᵀ`` from probability draws ``(S, N, C)``:
+    ``(d, d)``, or its diagonal ``(d,)``."""
+    num_classes, width = probs.shape[-1], inputs.shape[1]
+    if diagonal:
+        variance = (probs * (1 - probs)).mean(0)  # (N, C): E[p_c (1 − p_c)]
+        return (variance.T @ inputs**2).reshape(-1)
+    mean_p = probs.mean(0)
+    outer = torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0]
+    block = torch.diag_embed(mean_p) - outer  # (N, C, C)
+    d = num_classes * width
+    return torch.einsum("nck,np,nq->cpkq", block, inputs, inputs).reshape(d, d)
