@@ -71,6 +71,8 @@ class HeadRow:
 HEADS: list[HeadRow] = [
     HeadRow("laplace"),
     HeadRow("conjugate"),
+    HeadRow("mfvi"),  # MAP plug-in: softmax at the variational mean
+    HeadRow("sgld"),  # MAP plug-in: softmax at the mean of the draws
 ]
 
 

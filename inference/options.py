@@ -81,15 +81,10 @@ class PredictiveMethod(Option):
 
     ``probit``: logits' Gaussian mean ``f`` and per-class variance ``v`` give
     ``softmax(f / sqrt(1 + π v / 8))`` (the multiclass probit approximation of laplace-torch).
-    ``centred_probit``: the same applied to the centred logits ``P f`` (``P = I − 11ᵀ/C``):
-    ``softmax`` ignores a shift of all logits, so ``P f ~ N(P f̄, P V P)`` has exactly the
-    predictive of ``f``, without the variance of the shift, which a prior puts there (the
-    likelihood never sees it) and the marginal probit would count as uncertainty.
     ``mc``: average of ``softmax`` over posterior draws. ``map``: ``softmax`` at the mean.
     """
 
     PROBIT = "probit"
-    CENTRED_PROBIT = "centred_probit"
     MC = "mc"
     MAP = "map"
 
@@ -125,11 +120,13 @@ class GuideKind(Option):
 
 
 class Preconditioner(Option):
-    """SGLD preconditioning: ``none`` (plain Welling-Teh SGLD) or ``rmsprop`` (pSGLD, Li et al.
-    2016: a diagonal RMSprop preconditioner)."""
+    """SGLD preconditioning: ``none`` (plain Welling-Teh SGLD), ``rmsprop`` (pSGLD, Li et al.
+    2016: a diagonal RMSprop preconditioner) or ``laplace`` (a constant full preconditioner, the
+    covariance of the Laplace posterior at the chains' start; see :mod:`inference.sgld`)."""
 
     NONE = "none"
     RMSPROP = "rmsprop"
+    LAPLACE = "laplace"
 
 
 # -- numeric options -----------------------------------------------------------------------------
@@ -234,7 +231,6 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
     "nu": NON_NEGATIVE,
     "chi": FINITE,
     "feature_scale": POSITIVE,
-    "num_draws": COUNT,
 }
 
 
@@ -258,6 +254,19 @@ class PriorPrecisionMethod(Option):
     VALIDATION = "validation"
 
 
+class VariationalPriorMethod(Option):
+    """How the MFVI head chooses its prior precision λ when none is given (see
+    :func:`inference.mfvi.fit_mfvi_head`).
+
+    ``elbo``: empirical Bayes on the ELBO: λ is learnt with the guide (the ELBO's exact
+    maximiser in λ for the current guide, bounded). ``marglik``: the λ maximising the Laplace
+    evidence of the same model (:func:`inference.laplace_head.fit_laplace_head`).
+    """
+
+    ELBO = "elbo"
+    MARGLIK = "marglik"
+
+
 class FeatureScaleMethod(Option):
     """How the conjugate head chooses its feature scale ``s`` (the model's class-conditional
     standard deviation is ``1 / (s √2)``) when none is given (see
@@ -271,16 +280,3 @@ class FeatureScaleMethod(Option):
 
     CONDITIONAL = "conditional"
     VALIDATION = "validation"
-
-
-class GaussianApproximation(Option):
-    """Which Gaussian the feature-head Laplace fitter returns (:mod:`inference.laplace_head`).
-
-    ``laplace``: ``N(W*, (λI + H(W*))⁻¹)``, the curvature at the mode (laplace-torch's).
-    ``variational``: the Gaussian closest to the posterior in ``KL(q ‖ p)``, ``Λ = λI +
-    E_q[H]``, started from the Laplace one (:mod:`inference.variational_gaussian`); the same
-    for a Gaussian likelihood, where both are exact.
-    """
-
-    LAPLACE = "laplace"
-    VARIATIONAL = "variational"

@@ -15,6 +15,18 @@ eigen-direction near the posterior (sampling without replacement, ``λ_lik`` the
 curvature), which adds about ``ε λ_lik (N / n − 1) / 4`` relative variance (7.5 % for
 ``ε λ = 0.1`` and ``N / n = 4``), so small batches want a smaller ``ε``.
 
+Constant preconditioning (``"laplace"``, the default for heads of up to
+:data:`LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters): ``θ ← θ + (ε / 2) P ĝ + N(0, ε P)``
+with ``P = (λI + H(W*))⁻¹`` the Laplace covariance at the mode ``W*`` (the chains' start) —
+Langevin dynamics in the coordinates ``P^{-1/2} θ``, exact for a constant ``P`` (no Γ term). The
+plain chain's step is set by the stiffest direction (on network features, whose mean is far from
+0, ``λ_max(H)`` exceeds the prior's λ by 10⁵-10⁶, so ``ε = 0.1 / L`` explores the weak
+directions ~10⁻⁴ of their posterior variance in the default 3,000 steps); under ``P`` a Gaussian
+posterior becomes ``N(0, I)``, and ``ε`` is a fraction of the posterior's own scale: the default
+0.05 gives an autocorrelation time of ~``2 / ε = 40`` steps, a stationary variance inflated by
+``1 / (1 − ε / 4)`` ≈ 1.3 % (plus ≈ ``ε (N / n − 1) / 4`` of minibatch noise). Where the posterior
+is narrower than the Laplace Gaussian the effective step is larger, so ``ε`` stays small.
+
 Preconditioning (``"rmsprop"``, pSGLD of Li et al. 2016): ``V ← α V + (1 − α) ḡ²`` with ``ḡ``
 the per-datum mean likelihood gradient (``V`` starts at the first ``ḡ²``), ``G = 1 / (δ + √V)``,
 and ``θ ← θ + (ε / 2) G ĝ + N(0, ε G)``. The Γ correction term is omitted, as in the paper; by
@@ -28,17 +40,21 @@ A state that becomes non-finite or leaves ``|θ| ≤ divergence_threshold`` rais
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from inference.borrowed_evidence import laplace_evidence_prior_precision
 from inference.ensemble import EnsemblePosterior
 from inference.errors import InvalidInputError, NumericalError
-from inference.laplace_head import find_mode
+from inference.gaussian import cholesky_with_jitter
+from inference.hyperparameters import DEFAULT_BOUNDS
+from inference.laplace_head import find_mode, likelihood_hessian
 from inference.linear_model import training_tensors
-from inference.options import Likelihood, Preconditioner
+from inference.options import Likelihood, Preconditioner, PriorPrecisionMethod
 
 #: ``grad_fn(params, minibatch_index) -> (ĝ, ḡ)``: the stochastic gradient of the log posterior
 #: and the per-datum mean likelihood gradient (for the RMSprop preconditioner), for ``params``
@@ -55,9 +71,20 @@ class SGLDState:
     step: int
 
 
+#: Largest head (``C (m + 1)`` parameters) whose default preconditioner is ``"laplace"`` (a
+#: ``d × d`` covariance and its Cholesky factor); larger heads default to ``"none"``.
+LAPLACE_PRECONDITIONER_MAX_PARAMETERS = 3000
+#: Default step of the ``"laplace"`` preconditioner (in units of the Laplace covariance).
+LAPLACE_STEP_SIZE = 0.05
+
+
 @dataclass(frozen=True)
 class SGLDConfig:
-    """Sampler settings (see the module docstring for the update they define)."""
+    """Sampler settings (see the module docstring for the update they define).
+
+    ``covariance_factor`` is the lower Cholesky factor ``L (d, d)`` of the constant
+    preconditioner ``P = L Lᵀ`` of ``"laplace"`` (required by it, ignored otherwise).
+    """
 
     step_size: float
     num_samples: int = 200
@@ -68,10 +95,15 @@ class SGLDConfig:
     rmsprop_delta: float = 1e-5
     freeze_preconditioner: bool = True
     divergence_threshold: float = 1e4
+    covariance_factor: Tensor | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preconditioner",
                            Preconditioner.parse(self.preconditioner, "preconditioner"))
+        if self.preconditioner is Preconditioner.LAPLACE and self.covariance_factor is None:
+            raise InvalidInputError(
+                "the 'laplace' preconditioner needs covariance_factor (the Cholesky factor of "
+                "the Laplace covariance); fit_sgld_head computes it.")
         if not self.step_size > 0:
             raise InvalidInputError(f"step_size must be positive; got {self.step_size}.")
         if self.num_samples < 1 or self.burn_in < 0 or self.thinning < 1:
@@ -92,7 +124,7 @@ def sgld_update(
     state: SGLDState, grad: Tensor, mean_grad: Tensor, config: SGLDConfig,
     generator: torch.Generator | None, adapt: bool = True,
 ) -> SGLDState:
-    """One Welling-Teh (optionally RMSprop-preconditioned) step; returns the new state.
+    """One Welling-Teh step (plain, Laplace- or RMSprop-preconditioned); returns the new state.
 
     ``grad`` is ``ĝ`` and ``mean_grad`` the per-datum mean likelihood gradient ``ḡ``, both
     ``(K, d)`` like ``state.params``; ``adapt=False`` keeps the RMSprop average ``V`` fixed.
@@ -103,6 +135,10 @@ def sgld_update(
     eps = config.step_size
     if config.preconditioner is Preconditioner.NONE:
         new = params + 0.5 * eps * grad + eps**0.5 * noise
+        return SGLDState(new, None, state.step + 1)
+    if config.preconditioner is Preconditioner.LAPLACE:  # P ĝ and N(0, ε P) with P = L Lᵀ
+        factor = config.covariance_factor
+        new = params + 0.5 * eps * (grad @ factor) @ factor.T + eps**0.5 * noise @ factor.T
         return SGLDState(new, None, state.step + 1)
     square_avg = state.square_avg
     if square_avg is None:
@@ -191,7 +227,7 @@ def fit_sgld_head(
     labels: Tensor,
     num_classes: int,
     *,
-    prior_precision: float = 1.0,
+    prior_precision: float | PriorPrecisionMethod | str = PriorPrecisionMethod.MARGLIK,
     prior_mean: float = 0.0,
     step_size: float | None = None,
     num_samples: int = 200,
@@ -199,12 +235,13 @@ def fit_sgld_head(
     thinning: int = 10,
     num_chains: int = 1,
     batch_size: int | None = 256,
-    preconditioner: Preconditioner | str = Preconditioner.NONE,
+    preconditioner: Preconditioner | str | None = None,
     init: str = "map",
     likelihood: Likelihood | str = Likelihood.SOFTMAX,
     noise_std: float = 1.0,
     divergence_threshold: float = 1e4,
     seed: int = 0,
+    prior_precision_bounds: tuple[float, float] = DEFAULT_BOUNDS,
 ) -> EnsemblePosterior:
     """Sample a linear head's posterior with SGLD; returns the kept draws as an ensemble.
 
@@ -212,35 +249,42 @@ def fit_sgld_head(
         features: ``(N, m)`` features from a fixed body.
         labels: ``(N,)`` labels in ``[0, num_classes)`` (real targets if gaussian).
         num_classes: ``C`` (1 for ``likelihood="gaussian"``).
-        prior_precision: ``λ > 0`` of the prior ``N(prior_mean, I/λ)``.
-        step_size: ``ε`` of the Welling-Teh update; default ``0.1 / L``
-            (:func:`curvature_bound`) without preconditioning, ``1e-3`` with RMSprop.
+        prior_precision: ``λ > 0`` of the prior ``N(prior_mean, I/λ)``, or ``"marglik"`` (the
+            default): the λ maximising the Laplace evidence of the same model within
+            ``prior_precision_bounds`` (:mod:`inference.borrowed_evidence`; a sampler's draws
+            do not give the evidence).
+        step_size: ``ε`` of the Welling-Teh update; default :data:`LAPLACE_STEP_SIZE` with the
+            Laplace preconditioner, ``0.1 / L`` (:func:`curvature_bound`) without, ``1e-3``
+            with RMSprop.
         num_samples, burn_in, thinning: states kept per chain, steps discarded first,
             keep-one-in.
         num_chains: chains run in lockstep (vectorised); the ensemble holds
             ``num_chains · num_samples`` draws, chain by chain.
         batch_size: minibatch size ``n ≥ 1`` (``None``: full batch); gradients are scaled by
             N/n.
-        preconditioner: ``"none"`` or ``"rmsprop"`` (pSGLD).
+        preconditioner: ``"laplace"`` (constant, the Laplace covariance at the mode),
+            ``"none"`` or ``"rmsprop"`` (pSGLD); default ``"laplace"`` up to
+            :data:`LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters, ``"none"`` above.
         init: ``"map"`` (start at the mode, found in float64) or ``"prior_mean"``.
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
         divergence_threshold: ``|θ|`` beyond which the run is declared diverged.
         seed: seeds the chain's generator (global RNG untouched).
+        prior_precision_bounds: ``(lower, upper)`` interval of a chosen λ (default 1e-4, 1e4).
 
     Returns:
         A float64 :class:`EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws
-        on the features' device, ``n_data = N``.
+        on the features' device, ``n_data = N``. Its attribute ``prior_selection`` is the
+        :class:`~inference.hyperparameters.HyperparameterChoice` of a chosen λ (value, log
+        evidence, whether it hit a bound), or ``None`` for a given number.
 
     Raises:
         InvalidInputError: bad features, labels or options. NumericalError: divergence.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
-    preconditioner = Preconditioner.parse(preconditioner, "preconditioner")
     if init not in ("map", "prior_mean"):
         raise InvalidInputError(f"init must be 'map' or 'prior_mean'; got {init!r}.")
-    if not prior_precision > 0:
-        raise InvalidInputError(f"prior_precision must be positive; got {prior_precision}.")
+    choose = _chooses_prior_precision(prior_precision)
     if num_chains < 1 or (batch_size is not None and batch_size < 1):
         raise InvalidInputError(
             f"need num_chains ≥ 1 and batch_size ≥ 1 (or None); got {num_chains} and {batch_size}."
@@ -249,13 +293,25 @@ def fit_sgld_head(
                                        torch.float64)
     num_data, width = inputs.shape
     shape = (num_classes, width)
-    if step_size is None:
-        if preconditioner is Preconditioner.NONE:
-            step_size = 0.1 / curvature_bound(inputs, prior_precision, likelihood, noise_std)
-        else:
-            step_size = 1e-3
-    config = SGLDConfig(step_size, num_samples, burn_in, thinning, preconditioner,
-                        divergence_threshold=divergence_threshold)
+    preconditioner = _resolve_preconditioner(preconditioner, num_classes * width)
+    choice = None
+    if choose:
+        choice = laplace_evidence_prior_precision(
+            features, labels, num_classes, prior_mean=prior_mean, likelihood=likelihood,
+            noise_std=noise_std, bounds=prior_precision_bounds)
+        prior_precision = choice.value
+    mode, factor = None, None
+    if init == "map" or preconditioner is Preconditioner.LAPLACE:
+        mode = find_mode(inputs, targets, num_classes, prior_precision, prior_mean, likelihood,
+                         noise_std)
+    if preconditioner is Preconditioner.LAPLACE:
+        factor = laplace_covariance_factor(mode, inputs, num_classes, prior_precision,
+                                           likelihood, noise_std)
+    config = SGLDConfig(
+        _default_step_size(step_size, preconditioner, inputs, prior_precision, likelihood,
+                           noise_std),
+        num_samples, burn_in, thinning, preconditioner,
+        divergence_threshold=divergence_threshold, covariance_factor=factor)
     batch = num_data if batch_size is None else min(int(batch_size), num_data)
 
     def grad_fn(params: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
@@ -266,11 +322,62 @@ def fit_sgld_head(
 
     generator = torch.Generator(device=features.device).manual_seed(seed)
     if init == "map":
-        start = find_mode(inputs, targets, num_classes, prior_precision, prior_mean,
-                          likelihood, noise_std)
+        start = mode
     else:
         start = torch.full((num_classes * width,), float(prior_mean), dtype=torch.float64,
                            device=features.device)
-    start = start.expand(num_chains, -1)
-    draws = run_sgld(grad_fn, start, config, num_data, batch, generator)
-    return EnsemblePosterior(draws.reshape(-1, *shape), n_data=num_data)
+    draws = run_sgld(grad_fn, start.expand(num_chains, -1), config, num_data, batch, generator)
+    posterior = EnsemblePosterior(draws.reshape(-1, *shape), n_data=num_data)
+    posterior.prior_selection = choice
+    return posterior
+
+
+def laplace_covariance_factor(mode: Tensor, inputs: Tensor, num_outputs: int,
+                              prior_precision: float, likelihood: Likelihood,
+                              noise_std: float) -> Tensor:
+    """A factor ``F (d, d)`` with ``F Fᵀ = (λI + H(W*))⁻¹``, the Laplace covariance at the flat
+    float64 ``mode (d,)`` for bias-augmented ``inputs (N, m + 1)``: ``F = R⁻ᵀ`` for the
+    Cholesky factor ``R`` of the precision (jittered if needed)."""
+    precision = likelihood_hessian(mode, inputs, num_outputs, likelihood, noise_std)
+    precision = 0.5 * (precision + precision.T) + prior_precision * torch.eye(
+        mode.shape[0], dtype=mode.dtype, device=mode.device)
+    chol = cholesky_with_jitter(precision)
+    eye = torch.eye(mode.shape[0], dtype=mode.dtype, device=mode.device)
+    return torch.linalg.solve_triangular(chol, eye, upper=False).T
+
+
+def _resolve_preconditioner(value: Preconditioner | str | None, dim: int) -> Preconditioner:
+    """The preconditioner asked for, or the default for a head of ``dim`` parameters."""
+    if value is None:
+        return (Preconditioner.LAPLACE if dim <= LAPLACE_PRECONDITIONER_MAX_PARAMETERS
+                else Preconditioner.NONE)
+    return Preconditioner.parse(value, "preconditioner")
+
+
+def _default_step_size(step_size: float | None, preconditioner: Preconditioner, inputs: Tensor,
+                       prior_precision: float, likelihood: Likelihood, noise_std: float
+                       ) -> float:
+    """``step_size``, or the documented default of ``preconditioner``."""
+    if step_size is not None:
+        return step_size
+    if preconditioner is Preconditioner.LAPLACE:
+        return LAPLACE_STEP_SIZE
+    if preconditioner is Preconditioner.NONE:
+        return 0.1 / curvature_bound(inputs, prior_precision, likelihood, noise_std)
+    return 1e-3
+
+
+def _chooses_prior_precision(value: object) -> bool:
+    """True for ``"marglik"``, False for a valid positive number; else InvalidInputError."""
+    if isinstance(value, str):
+        method = PriorPrecisionMethod.parse(value, "prior_precision")
+        if method is not PriorPrecisionMethod.MARGLIK:
+            raise InvalidInputError(
+                f"SGLD chooses its prior precision by 'marglik' only; got {value!r}. A "
+                "held-out grid would rerun the chains at every λ: pass a number found that way.")
+        return True
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise InvalidInputError(
+            f"prior_precision must be a finite number > 0 or 'marglik'; got {value!r}.")
+    return False

@@ -74,7 +74,7 @@ def logistic_elbo(data: LogisticData, loc: Tensor, scale: Tensor, prior_precisio
     margin_var = inputs**2 @ (scale[0] ** 2 + scale[1] ** 2)
     expected_log_lik = expected_log_sigmoid(margin_mean, margin_var).sum()
     prior_var = 1.0 / prior_precision
-    kl = (0.5 * math.log(prior_var) - torch.log(scale)
+    kl = (0.5 * torch.log(torch.as_tensor(prior_var, dtype=F64)) - torch.log(scale)
           + (scale**2 + (loc - prior_mean) ** 2) / (2 * prior_var) - 0.5).sum()
     return expected_log_lik - kl
 
@@ -110,6 +110,29 @@ def mean_field_optimum(prior_precision: float, prior_mean: float = 0.0, num_data
                             float(np.abs(grad).max()))
 
 
+@functools.cache
+def empirical_bayes_optimum(num_data: int = 40, seed: int = 0) -> tuple[float, MeanFieldOptimum]:
+    """The joint maximiser of :func:`logistic_elbo` over ``(μ, log σ, log λ)`` (13 numbers,
+    L-BFGS-B), prior mean 0: the λ that variational EM should find, and the guide there."""
+    data = logistic_data(num_data, seed)
+
+    def negative_elbo(flat: np.ndarray) -> tuple[float, np.ndarray]:
+        params = torch.tensor(flat, dtype=F64, requires_grad=True)
+        loc, log_scale = params[:6].reshape(2, 3), params[6:12].reshape(2, 3)
+        value = -logistic_elbo(data, loc, log_scale.exp(), params[12].exp())
+        (grad,) = torch.autograd.grad(value, params)
+        return float(value.detach()), grad.numpy()
+
+    result = scipy.optimize.minimize(negative_elbo, np.concatenate([np.zeros(6), np.zeros(7)]),
+                                     jac=True, method="L-BFGS-B",
+                                     options={"gtol": 1e-11, "ftol": 1e-15, "maxiter": 5000})
+    value, grad = negative_elbo(result.x)
+    flat = torch.tensor(result.x, dtype=F64)
+    optimum = MeanFieldOptimum(flat[:6].reshape(2, 3), flat[6:12].exp().reshape(2, 3), -value,
+                               float(np.abs(grad).max()))
+    return math.exp(result.x[12]), optimum
+
+
 @dataclass(frozen=True)
 class RegressionTruth:
     features: Tensor  # (N, 2) float64
@@ -123,15 +146,17 @@ class RegressionTruth:
 
 @functools.cache
 def gaussian_regression(prior_precision: float, prior_mean: float = 0.0, noise_std: float = 2.0,
-                        num_data: int = 40, seed: int = 0) -> RegressionTruth:
+                        num_data: int = 40, seed: int = 0, weight_scale: float = 1.0,
+                        ) -> RegressionTruth:
     """Closed-form posterior of ``y = W [1, x] + N(0, σ²)``, ``W ~ N(μ₀, I/λ)``:
     ``Λ = λ I + XᵀX / σ²``, ``μ = Λ⁻¹ (λ μ₀ + Xᵀ y / σ²)``. With the default ``σ = 2`` the
     data's precision (``XᵀX / σ² ≈ 10`` per direction) is comparable to a prior of λ = 25, so
-    confusing λ with √λ or 1/λ changes the posterior by a large factor."""
+    confusing λ with √λ or 1/λ changes the posterior by a large factor. The data are drawn
+    with the weights ``weight_scale · [1.5, −0.7, 0.3]``."""
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(num_data, 2, generator=gen, dtype=F64)
     inputs = torch.cat([torch.ones(num_data, 1, dtype=F64), features], 1)
-    true_w = torch.tensor([1.5, -0.7, 0.3], dtype=F64)
+    true_w = weight_scale * torch.tensor([1.5, -0.7, 0.3], dtype=F64)
     targets = inputs @ true_w + noise_std * torch.randn(num_data, generator=gen, dtype=F64)
     precision = prior_precision * torch.eye(3, dtype=F64) + inputs.T @ inputs / noise_std**2
     covariance = torch.linalg.inv(precision)
