@@ -81,10 +81,15 @@ class PredictiveMethod(Option):
 
     ``probit``: logits' Gaussian mean ``f`` and per-class variance ``v`` give
     ``softmax(f / sqrt(1 + π v / 8))`` (the multiclass probit approximation of laplace-torch).
+    ``centred_probit``: the same applied to the centred logits ``P f`` (``P = I − 11ᵀ/C``):
+    ``softmax`` ignores a shift of all logits, so ``P f ~ N(P f̄, P V P)`` has exactly the
+    predictive of ``f``, without the variance of the shift, which a prior puts there (the
+    likelihood never sees it) and the marginal probit would count as uncertainty.
     ``mc``: average of ``softmax`` over posterior draws. ``map``: ``softmax`` at the mean.
     """
 
     PROBIT = "probit"
+    CENTRED_PROBIT = "centred_probit"
     MC = "mc"
     MAP = "map"
 
@@ -231,6 +236,7 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
     "nu": NON_NEGATIVE,
     "chi": FINITE,
     "feature_scale": POSITIVE,
+    "num_draws": COUNT,
 }
 
 
@@ -280,3 +286,16 @@ class FeatureScaleMethod(Option):
 
     CONDITIONAL = "conditional"
     VALIDATION = "validation"
+
+
+class GaussianApproximation(Option):
+    """Which Gaussian the feature-head Laplace fitter returns (:mod:`inference.laplace_head`).
+
+    ``laplace``: ``N(W*, (λI + H(W*))⁻¹)``, the curvature at the mode (laplace-torch's).
+    ``variational``: the Gaussian closest to the posterior in ``KL(q ‖ p)``, ``Λ = λI +
+    E_q[H]``, started from the Laplace one (:mod:`inference.variational_gaussian`); the same
+    for a Gaussian likelihood, where both are exact.
+    """
+
+    LAPLACE = "laplace"
+    VARIATIONAL = "variational"
