@@ -16,7 +16,12 @@ from torch import Tensor
 
 from inference.hyperparameters import DEFAULT_BOUNDS, HyperparameterChoice
 from inference.laplace_head import fit_laplace_head
-from inference.options import CovarianceStructure, Likelihood, PriorPrecisionMethod
+from inference.options import (
+    CovarianceStructure,
+    GaussianApproximation,
+    Likelihood,
+    PriorPrecisionMethod,
+)
 
 
 def laplace_evidence_prior_precision(
@@ -42,5 +47,6 @@ def laplace_evidence_prior_precision(
                                prior_precision=PriorPrecisionMethod.MARGLIK,
                                prior_mean=prior_mean, structure=CovarianceStructure.FULL,
                                likelihood=likelihood, noise_std=noise_std,
-                               prior_precision_bounds=bounds)
+                               prior_precision_bounds=bounds,
+                               approximation=GaussianApproximation.LAPLACE)  # λ is all we use
     return laplace.prior_selection
