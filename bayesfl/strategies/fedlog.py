@@ -39,7 +39,9 @@ agree to about 1e-3 in NLL.
   and how the server totals the statistics (§4.2: features clamped to [-b, b]; Gaussian noise
   added by each client to its own statistic, or once by the server to the sum; sigma from the
   v2 accountant by default, ``accountant="k_round"``, or v1's per-release one, ``"single"``;
-  local-DP uploads carry no ``num_samples``, which would leak n_c);
+  local-DP uploads carry no ``num_samples``, which would leak n_c; DP runs report the
+  noise-to-signal of the summed statistic, ``dp_noise_to_signal``, warn when the noise swamps
+  it, and evaluate with the posterior widened by the known noise, see :class:`_FedLogDP`);
 * a *broadcast policy* (:class:`HeadBroadcast` for FedLog, :class:`StatisticsBroadcast` for
   FedLog-C, §4.1: the server broadcasts the statistic and N; each client solves the same
   deterministic MAP and adds the compactness loss ``alpha * ||phi(x) - mean_y||^2``).
@@ -686,11 +688,15 @@ class _FedLogDP(FedLog):
     **Noise against signal.** After every aggregation the server compares the noise in the
     summed statistic with the largest signal it can hold
     (:func:`inference.conjugate.privacy_signal_to_noise`: ``R`` noisy releases summed, ``K``
-    clients' under local DP, 1 under central DP; class counts ``N / C`` from the released
-    count, so the figure is post-processing of DP outputs). The figure is in the server state
-    and every round's metrics as ``dp_noise_to_signal`` (with ``dp_sigma`` and
-    ``dp_noise_std``); a :class:`inference.conjugate.PrivacyNoiseWarning` is raised once per
-    run when it exceeds 0.5 (chance-level models from about 1).
+    clients' under local DP, 1 under central DP; class counts ``n / C``). The count is the
+    released one, so the figure is post-processing of DP outputs: exact under central DP; under
+    local DP the sum of the noisy count column (noise ``sigma sqrt(R C)``, a quarter of ``n``
+    on digits at epsilon 16), averaged over the rounds so far (the data do not change between
+    rounds). The figure is in the server state and every round's metrics as
+    ``dp_noise_to_signal`` (with ``dp_sigma`` and ``dp_noise_std``); a
+    :class:`inference.conjugate.PrivacyNoiseWarning` is raised once per run when it exceeds
+    0.5 (chance-level models from about 1) even with the count one standard error higher, so
+    an unlucky noisy count does not raise it.
 
     **Noise-aware predictive** (``noise_aware=True``, default). The server tells clients the
     noise variance ``R sigma^2`` of the statistic; their posterior is
@@ -754,8 +760,9 @@ class _FedLogDP(FedLog):
 
     # ---- server half: the noise in the summed statistic ---------------------------------
     def init(self) -> ServerState:
-        return super().init() | {"noise_variance": torch.zeros(1, dtype=torch.float64),
-                                 "dp_noise_to_signal": torch.zeros(1, dtype=torch.float64)}
+        zero = torch.zeros(1, dtype=torch.float64)
+        return super().init() | {"noise_variance": zero, "dp_noise_to_signal": zero.clone(),
+                                 "dp_count_sum": zero.clone(), "dp_count_releases": zero.clone()}
 
     def aggregate(
         self,
@@ -769,10 +776,21 @@ class _FedLogDP(FedLog):
         new = super().aggregate(state, uploads, round, generator)
         if new is state:
             return state
-        report = self.noise_report(float(new["num_samples"].item()), self.releases(new, uploads))
+        releases = self.releases(new, uploads)
+        count, standard_error = float(new["num_samples"].item()), 0.0
+        zero = torch.zeros(1, dtype=torch.float64)
+        new["dp_count_sum"] = state.get("dp_count_sum", zero)
+        new["dp_count_releases"] = state.get("dp_count_releases", zero)
+        if not self.privacy.sends_num_samples:  # local DP: average the noisy counts
+            new["dp_count_sum"] = new["dp_count_sum"] + count
+            new["dp_count_releases"] = new["dp_count_releases"] + 1
+            times = float(new["dp_count_releases"].item())
+            count = float(new["dp_count_sum"].item()) / times
+            standard_error = self.sigma * math.sqrt(releases * self.num_classes / times)
+        report = self.noise_report(count, releases)
         new["noise_variance"] = torch.tensor([report.noise_std**2], dtype=torch.float64)
         new["dp_noise_to_signal"] = torch.tensor([report.noise_to_signal], dtype=torch.float64)
-        if not self._noise_warned:
+        if not self._noise_warned and self.noise_report(count + standard_error, releases).warns:
             self._noise_warned = report.warn(stacklevel=2)
         return new
 
@@ -787,8 +805,9 @@ class _FedLogDP(FedLog):
         return len(uploads)
 
     def noise_report(self, num_samples: float, releases: int) -> DPNoiseReport:
-        """The noise-to-signal report of a summed statistic with ``num_samples`` released
-        samples (class counts taken as ``num_samples / C``) and ``releases`` noisy releases."""
+        """The noise-to-signal report of a summed statistic of ``num_samples`` samples (class
+        counts taken as ``num_samples / C``, at least 1 in all) and ``releases`` noisy
+        releases."""
         return privacy_signal_to_noise(
             self.sigma, max(num_samples, 1.0) / self.num_classes, feature_dim=self.feature_dim,
             bound=self.clip, clients=releases,

@@ -208,6 +208,9 @@ class NoisyConjugatePosterior(ConjugatePosterior):
     The MAP is that of the noisy statistic taken at face value; :meth:`laplace` is a
     :class:`NoiseAwareLaplace`, so ``sample``, ``covariance`` and the ``"probit"`` and ``"mc"``
     predictives carry the noise. With ``noise_variance = 0`` it is the face-value posterior.
+    Prefer ``"mc"`` when ``count_from_noise``: the noise of ``N`` rescales every class's logits
+    together, which the draws keep and the probit's per-class marginal variances do not (on
+    digits, local DP at epsilon 16: MC mean confidence 0.91 at accuracy 0.97, probit 0.55).
 
     Args:
         prior: hyperparameters (None: chi = 0, nu = 1).

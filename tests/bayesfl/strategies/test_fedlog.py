@@ -617,3 +617,45 @@ def test_a_dp_run_on_digits_reports_its_noise_to_signal_and_warns_only_when_swam
                           **common)
     assert useful.summary["dp_noise_to_signal"] < 0.5
     assert useful.summary["accuracy"] > 0.9
+
+
+def _local_uploads(strategy, round_, total_count):
+    """Three local-DP uploads whose noisy count columns sum to ``total_count``."""
+    uploads = []
+    for cid in range(len(SIZES)):
+        table = torch.zeros(NUM_CLASSES, FEATURE_DIM + 1)
+        table[:, 0] = total_count / (len(SIZES) * NUM_CLASSES)
+        uploads.append(strategy.up_message(round_, cid, {"statistics": table}))
+    return uploads
+
+
+def test_local_dp_averages_the_noisy_count_over_rounds_and_warns_only_beyond_its_error(build):
+    import warnings
+
+    from inference.conjugate import l2_sensitivity
+
+    strategy, _, state = build("fedlog-dp-local", epsilon=0.2)
+    R, C = len(SIZES), NUM_CLASSES
+    # the count at which the noise-to-signal is 0.5, and the standard error of one noisy count
+    threshold = (strategy.sigma * math.sqrt(R * (FEATURE_DIM + 1)) * C
+                 / (0.5 * l2_sensitivity(FEATURE_DIM, strategy.clip)))
+    error = strategy.sigma * math.sqrt(R * C)
+    assert threshold > 1000  # counts are rounded to integers: 5e-4 relative at most
+    assert error > 0.2 * threshold  # a noisy count can move the figure across 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrivacyNoiseWarning)
+        # above 0.5 at the count released, below at one standard error more: no warning
+        state = strategy.aggregate(state, _local_uploads(strategy, 0, threshold - 0.5 * error), 0,
+                                   torch.Generator().manual_seed(0))
+    assert float(state["dp_noise_to_signal"]) > 0.5
+    # the figure uses the mean of the counts released so far: (t - e/2 + t + 3e/2) / 2 = t + e/2
+    state = strategy.aggregate(state, _local_uploads(strategy, 1, threshold + 1.5 * error), 1,
+                               torch.Generator().manual_seed(1))
+    expected = strategy.noise_report(threshold + 0.5 * error, R).noise_to_signal
+    assert float(state["dp_noise_to_signal"]) == pytest.approx(expected, rel=1e-3)
+    assert float(state["dp_noise_to_signal"]) < 0.5
+    # far below the count where the noise is tolerable: warned, even counting the error
+    fresh, _, fresh_state = build("fedlog-dp-local", epsilon=0.2)
+    with pytest.warns(PrivacyNoiseWarning, match="degrades|swamps"):
+        fresh.aggregate(fresh_state, _local_uploads(fresh, 0, threshold - 2 * error), 0,
+                        torch.Generator().manual_seed(0))
