@@ -1,0 +1,40 @@
+"""The one jitter policy for Cholesky factorisations of Gaussian precisions and covariances."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from inference.errors import NumericalError
+
+#: Relative jitter tried, in order, when a Cholesky factorisation fails (times mean |diag|).
+JITTER_SCHEDULE = (0.0, 1e-10, 1e-9, 1e-8, 1e-7, 1e-6)
+
+
+def cholesky_with_jitter(matrix: Tensor, what: str = "precision") -> Tensor:
+    """Lower Cholesky factor of a symmetric positive-definite matrix, in float64.
+
+    Jitter policy: the matrix is symmetrised; if the factorisation fails, ``j · mean|diag|`` is
+    added to the diagonal for ``j`` in :data:`JITTER_SCHEDULE` (1e-10 up to 1e-6, relative)
+    and the first success is returned. If all fail the matrix is not positive definite in any
+    useful sense and :class:`NumericalError` reports its smallest eigenvalue.
+    """
+    a = matrix.to(torch.float64)
+    if not torch.isfinite(a).all():
+        raise NumericalError(f"the {what} matrix contains NaN or inf.")
+    a = 0.5 * (a + a.transpose(-1, -2))
+    scale = a.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(torch.finfo(torch.float64).tiny)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    for jitter in JITTER_SCHEDULE:
+        factor, info = torch.linalg.cholesky_ex(a + jitter * scale * eye)
+        if int(info.max()) == 0:
+            return factor
+    smallest = float(torch.linalg.eigvalsh(a).min())
+    raise NumericalError(
+        f"the {what} matrix is not positive definite (smallest eigenvalue {smallest:.3e}, "
+        f"size {a.shape[-1]}), even with a relative jitter of {JITTER_SCHEDULE[-1]:g}. "
+        "Increase the prior precision or check the curvature for NaNs / negative terms."
+    )
+
+
+__all__ = ["JITTER_SCHEDULE", "cholesky_with_jitter"]
