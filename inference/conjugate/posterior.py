@@ -32,6 +32,7 @@ from inference.conjugate.solver import map_objective, solve_map, solve_map_adam
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
 from inference.hyperparameters import HyperparameterChoice
+from inference.inputs import as_features
 
 SampleMethod = Literal["laplace", "nuts"]
 PredictMethod = Literal["map", "probit", "mc"]
@@ -202,6 +203,7 @@ class ConjugatePosterior:
         from ``sample(..., method="nuts")``). Computed in float64, returned in the inputs'
         floating dtype on the posterior's device.
         """
+        inputs = as_features(inputs, self.feature_dim)  # tensors, NumPy arrays or lists
         x = self._augmented(inputs)
         if method == "map":
             probs = torch.softmax(x @ self.map().T, dim=1)
@@ -220,16 +222,9 @@ class ConjugatePosterior:
         return probs.to(inputs.dtype)
 
     def _augmented(self, inputs: Tensor) -> Tensor:
-        if not isinstance(inputs, Tensor) or inputs.dim() != 2 or not inputs.is_floating_point():
-            raise InvalidInputError("inputs must be floating-point body features (B, m)")
-        if inputs.shape[1] != self.feature_dim:
-            raise InvalidInputError(
-                f"inputs have {inputs.shape[1]} features, the head expects {self.feature_dim} "
-                "(pass body features without the constant 1)"
-            )
-        if not bool(torch.isfinite(inputs).all()):
-            raise InvalidInputError("inputs contain NaN or Inf")
-        x = inputs.to(device=self.device, dtype=torch.float64)
+        """``[1, inputs]`` (B, m + 1) float64 on the posterior's device; ``inputs`` are body
+        features without the constant 1, checked by :func:`inference.inputs.as_features`."""
+        x = as_features(inputs, self.feature_dim).to(device=self.device, dtype=torch.float64)
         return torch.cat([torch.ones_like(x[:, :1]), x], dim=1)
 
     # ------------------------------------------------------------------ transport

@@ -160,9 +160,8 @@ def test_every_option_error_is_an_inference_error_and_a_value_error():
 
 # -- predict_proba ----------------------------------------------------------------------------
 
-# The conjugate posterior's predict_proba lives in inference/conjugate (converted there too
-# once that module calls inference.inputs.as_features).
-FEATURE_POSTERIORS = ["gaussian_full", "gaussian_diag", "gaussian_lowrank", "ensemble"]
+FEATURE_POSTERIORS = ["gaussian_full", "gaussian_diag", "gaussian_lowrank", "ensemble",
+                      "conjugate"]
 
 
 @pytest.mark.parametrize("name", FEATURE_POSTERIORS)
@@ -179,7 +178,8 @@ def test_predict_proba_takes_numpy_and_returns_the_features_dtype(name, dtype):
 @pytest.mark.parametrize("name", FEATURE_POSTERIORS)
 def test_predict_proba_refuses_bad_features_clearly(name):
     post = MAKERS[name]()
-    with pytest.raises(InvalidInputError, match="4 columns but the head expects 3"):
+    wrong_width = r"4 columns but the head (expects|was fitted on) 3"
+    with pytest.raises(InvalidInputError, match=wrong_width):
         post.predict_proba(np.zeros((2, 4)))
     with pytest.raises(InvalidInputError, match="NaN"):
         post.predict_proba(np.full((2, 3), np.nan))

@@ -127,7 +127,7 @@ def test_mc_predictive_accepts_given_draws():
 
 def test_inputs_with_the_constant_feature_or_nan_are_rejected():
     posterior = ConjugatePosterior(None, statistics()[0])
-    with pytest.raises(InvalidInputError, match="without the constant"):
+    with pytest.raises(InvalidInputError, match="without a constant 1"):
         posterior.predict_proba(torch.randn(2, 4))
     with pytest.raises(InvalidInputError, match="NaN"):
         posterior.predict_proba(torch.tensor([[0.0, math.nan, 1.0]]))
