@@ -24,18 +24,22 @@ Limits (each refused with the number that was too large):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from bayesfl.errors import ConfigError
+from inference.threads import (  # noqa: F401 - part of this module's API
+    MAX_THREADS,
+    available_cores,
+    default_threads,
+    torch_threads,
+)
 
 MAX_FEATURE_DIM = 16_384
 """Largest body output width d: heads and FedLog's statistics are C x (d + 1), its Laplace
@@ -50,8 +54,6 @@ MAX_BIN_CELLS = 1 << 24
 MAX_PARAMETERS = 10**9
 """Most body parameters over all clients together (each client holds its own copy)."""
 
-MAX_THREADS = 1024
-"""Most torch intra-op threads a run may ask for."""
 
 _SEED_LIMIT = 2**63
 
@@ -304,22 +306,6 @@ def check_model_size(config: SimulationConfig, input_shape: tuple[int, ...]) -> 
 
 
 # ---- threads -------------------------------------------------------------------------------
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS reports one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def default_threads() -> int:
-    """The torch intra-op thread count of a run that does not set one: half the available
-    cores, at least 1 and at most 4. The models of a federated simulation are small, so
-    each operation is too short to share among many threads; on a busy 2-core machine torch's
-    own default (every core) made a 5-round digits run much slower than one thread."""
-    return min(4, max(1, available_cores() // 2))
-
-
 def check_threads(value: Any) -> int:
     """``value`` as a thread count in ``[1, MAX_THREADS]``; None means :func:`default_threads`.
 
@@ -329,17 +315,6 @@ def check_threads(value: Any) -> int:
     if value is None:
         return default_threads()
     return check_integer("threads", value, 1, MAX_THREADS)
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """Run the block with ``threads`` torch intra-op threads, then restore the caller's."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 __all__ = [

@@ -51,10 +51,12 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, UnknownOptionError
 from inference.inputs import as_features, as_labels, as_num_classes, as_targets
-from inference.options import NUMERIC_OPTIONS, HeadKind, Likelihood, Option
+from inference.options import NUMERIC_OPTIONS, HeadKind, Likelihood, NumberRule, Option
 from inference.posterior import Posterior
+from inference.threads import MAX_THREADS, default_threads, torch_threads
 
 FEATURE_HEAD_KINDS = (HeadKind.CONJUGATE, HeadKind.LAPLACE, HeadKind.MFVI, HeadKind.SGLD)
+THREADS = NumberRule(integer=True, low=1, high=MAX_THREADS)
 
 
 def _fit_conjugate(
@@ -220,7 +222,10 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
         post = fit_head("subnet_laplace", model, loader, subnet_size=800)
         probs = post.predict_proba(phi_test)        # (B, C) for every kind
 
-    ``phi`` and ``y`` may be NumPy arrays (``y`` of any integer dtype).
+    ``phi`` and ``y`` may be NumPy arrays (``y`` of any integer dtype). ``threads`` (option)
+    sets torch's intra-op threads for the fit, restored afterwards; default
+    :func:`inference.threads.default_threads` (half the cores, 1 to 4: heads are small, and on a
+    busy 2-core machine torch's default made an MFVI fit 8x slower than one thread).
 
     Raises:
         InvalidInputError: unknown ``kind``, wrong positional arguments, bad features or
@@ -239,8 +244,11 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
             f"fit_head({kind.value!r}, ...) takes {signature}; got {len(args)} positional "
             "arguments."
         )
+    threads = options.pop("threads", None)
+    threads = default_threads() if threads is None else int(THREADS.parse(threads, "threads"))
     function = fitting_function(kind)
     options = checked_options(kind, _declared_by(kind, function), options)
     if kind in FEATURE_HEAD_KINDS:
         args = _feature_head_data(*args, options.get("likelihood", Likelihood.SOFTMAX))
-    return function(*args, **options)
+    with torch_threads(threads):
+        return function(*args, **options)

@@ -127,9 +127,9 @@ def test_model_size_is_counted_without_allocating_and_bounded():
 
 
 def test_threads_default_and_bounds(monkeypatch):
-    monkeypatch.setattr("bayesfl.config.available_cores", lambda: 2)
+    monkeypatch.setattr("inference.threads.available_cores", lambda: 2)
     assert default_threads() == 1
-    monkeypatch.setattr("bayesfl.config.available_cores", lambda: 16)
+    monkeypatch.setattr("inference.threads.available_cores", lambda: 16)
     assert default_threads() == 4
     assert check_threads(None) == 4 and check_threads(3) == 3
     for bad, message in [(0, "between 1 and"), (True, "an integer"), (2.0, "an integer")]:

@@ -96,3 +96,30 @@ def test_subnet_laplace_kind_takes_a_model_and_a_loader():
     probs = post.predict_proba(x)
     assert probs.shape == (90, 3)
     torch.testing.assert_close(probs.sum(-1), torch.ones(90), atol=1e-5, rtol=0)
+
+
+def test_fit_head_runs_with_its_thread_count_and_restores_the_callers(monkeypatch):
+    import inference.factory
+
+    seen = []
+    real = inference.factory.fitting_function
+
+    def spy(kind):
+        fit = real(kind)
+
+        def recording(*args, **options):
+            seen.append(torch.get_num_threads())
+            return fit(*args, **options)
+        return recording
+
+    monkeypatch.setattr(inference.factory, "fitting_function", spy)
+    phi = torch.randn(30, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(30) % 3
+    before = torch.get_num_threads()
+    fit_head("laplace", phi, y, 3, prior_precision=1.0, threads=1)
+    monkeypatch.setattr("inference.threads.available_cores", lambda: 2)
+    fit_head("laplace", phi, y, 3, prior_precision=1.0)  # default: half of 2 cores
+    assert seen == [1, 1] and torch.get_num_threads() == before
+    for bad in (0, 2.0, "2", True):
+        with pytest.raises(InvalidInputError, match="threads must be"):
+            fit_head("laplace", phi, y, 3, threads=bad)
