@@ -691,8 +691,8 @@ class _FedLogDP(FedLog):
     clients' under local DP, 1 under central DP; class counts ``n / C``). The count is the
     released one, so the figure is post-processing of DP outputs: exact under central DP; under
     local DP the sum of the noisy count column (noise ``sigma sqrt(R C)``, a quarter of ``n``
-    on digits at epsilon 16), averaged over the rounds so far (the data do not change between
-    rounds). The figure is in the server state and every round's metrics as
+    on digits at epsilon 16 and 10 rounds), averaged over the rounds so far (the data do not
+    change between rounds). The figure is in the server state and every round's metrics as
     ``dp_noise_to_signal`` (with ``dp_sigma`` and ``dp_noise_std``); a
     :class:`inference.conjugate.PrivacyNoiseWarning` is raised once per run when it exceeds
     0.5 (chance-level models from about 1) even with the count one standard error higher, so

@@ -30,6 +30,13 @@ FedLog). The MAP is unchanged (the paper's estimator); only the spread grows, an
 frequentist covariance of the MAP over the DP noise (what a re-run with fresh noise would
 give), which the tests check by Monte Carlo.
 
+The same covariance is the Laplace (Fisher) approximation of the noise-aware likelihood of
+Bernstein & Sheldon (2018, "Differentially private Bayesian inference for exponential
+families"): with the statistic's normal approximation ``S ~ N(n grad A, n Hess A)`` (spec
+§1.2's exponential family, ``Cov T = Hess A``), ``S_hat ~ N(n grad A(W), n Hess A + s2 I)``,
+whose Fisher information ``n^2 Hess A (n Hess A + s2 I)^-1 Hess A`` inverts to
+``H^-1 + s2 H^-2`` (``M = I``, ``N = n``).
+
 Check against the model's own generative reading (spec §1.2: ``phi | y ~ N(W_y / 2, I / 2)``):
 there ``S_y | n_y ~ N(n_y W_y / 2, (n_y / 2) I)``, so ``S_hat_y ~ N(n_y W_y / 2, (n_y / 2 + s2)
 I)`` and the class-conditional estimate ``2 S_hat_y / n_y`` of ``W_y`` has variance
@@ -49,6 +56,23 @@ face-value posterior and adds the same linearised noise term.
 The linearisation is taken at the noisy MAP; when the noise swamps the statistics (see
 :class:`~inference.conjugate.privacy.DPNoiseReport`) it still widens the predictive towards
 uniform, which is the honest answer, but the figures are then no more than that.
+
+**What it buys, measured** (``bench/dp_price.py``: FedLog on digits, 20 clients, 10 and 30
+rounds, 3 seeds, MC predictive; paired with the face-value predictive on the same clients).
+Wherever the noise warning fires (noise-to-signal above 0.5) the face-value predictive is
+confidently wrong, ECE 0.19-0.89 and NLL 1.8-23, and this one much less: ECE 0.10-0.40, NLL
+0.7-9.6 (the 9s are one seed whose noisy local count summed to about 1 in the last round; its
+MAP is then meaningless and even the widened draws are one-hot: NLL 20-22 against 24-27). With
+little noise (central epsilon 8 and 16, noise-to-signal 0.08-0.27) ECE moves by at most 0.008
+(mostly under 0.003; the seeds' spread is 0.005-0.007) and NLL is lower in all 12 paired runs.
+In between, where the model is still accurate but noisy (noise-to-signal 0.30-0.38: central
+epsilon 4 and local epsilon 16 at 10 rounds) it is underconfident: ECE 0.013 -> 0.025 and
+0.029 -> 0.086, mean NLL 0.160 -> 0.088 and 0.211 -> 0.181 (lower in 4 of 6 runs). The flat
+prior on the clean statistic hedges every test point against noise of the size the statistic
+got, while most points' margins are far larger than that noise (data drawn from the model
+itself show the same: 10 classes, 50 features, 130 samples per class, sigma 20: mean
+confidence 0.944 at accuracy 0.963). ``noise_aware=False`` in the FedLog DP strategies keeps
+the face-value predictive.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from inference.conjugate import (
 )
 from inference.errors import InvalidInputError
 from inference.posterior_file import load_posterior, save_posterior
+from tests.devices import DEVICES
 
 CASES = [(False, 1.0), (True, 1.0), (False, 0.5), (True, 0.5)]  # (count_from_noise, scale)
 
@@ -247,3 +248,15 @@ def test_nuts_draws_carry_the_noise_term():
 def test_a_noise_variance_must_be_a_finite_number_at_least_zero(value):
     with pytest.raises(InvalidInputError, match="noise_variance"):
         NoisyConjugatePosterior(ConjugatePrior(), statistics(), value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_noise_aware_posterior_gives_the_same_predictive_on_every_device(device):
+    post = NoisyConjugatePosterior(ConjugatePrior(), statistics(), 3.0, count_from_noise=True)
+    moved = post.to(device)
+    x = torch.rand(5, 4, dtype=torch.float64)
+    # float64 throughout; devices differ only in rounding
+    torch.testing.assert_close(moved.predict_proba(x.to(device), method="probit").cpu(),
+                               post.predict_proba(x, method="probit"), rtol=1e-10, atol=1e-12)
+    draws = moved.sample(3, generator=torch.Generator(device).manual_seed(0))
+    assert draws.device.type == device and bool(torch.isfinite(draws).all())
