@@ -11,6 +11,10 @@ from bayesfl.strategies import StrategyContext, make_strategy
 from bayesfl.strategies.networks import batched_apply
 from inference.conjugate import gaussian_sigma
 
+# These tiny clients (a dozen samples) are deliberately drowned in noise to test the mechanics;
+# the noise-to-signal warning that says so is tested in test_fedlog.py.
+pytestmark = pytest.mark.filterwarnings("ignore::inference.conjugate.privacy.PrivacyNoiseWarning")
+
 # spec §4.2 reference table: m = 101 (d = 100 body features), b = 2, delta = 0.01
 SIGMA_TABLE = {  # epsilon: (v1 per release, v2 k = 1, v2 k = 100)
     0.1: (622.3, 903.2, 9032.2),
