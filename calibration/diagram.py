@@ -73,15 +73,21 @@ def reliability_diagram(
         raise InvalidInputError("cannot draw a reliability diagram without samples")
 
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
-        if ax is None:
-            figure = Figure(figsize=(5.2, 6.2), layout="constrained")
-            ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
-        else:
-            figure = ax.get_figure()
-            strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
+        figure, ax, strip = _diagram_axes(ax)
         _draw_reliability(ax, stats, title)
         _draw_count_strip(strip, stats)
     return figure
+
+
+def _diagram_axes(ax: Axes | None) -> tuple[Any, Axes, Axes]:
+    """The figure, the main axes and the strip below it: a new two-panel figure, or ``ax``
+    with a strip appended underneath."""
+    if ax is None:
+        figure = Figure(figsize=(5.2, 6.2), layout="constrained")
+        ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
+        return figure, ax, strip
+    strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
+    return ax.get_figure(), ax, strip
 
 
 def _draw_reliability(ax: Axes, stats: BinStats, title: str | None) -> None:
@@ -149,12 +155,7 @@ def _smooth_reliability_diagram(
     confidence, correct = top_label(probs, labels, from_logits)
     curve = smooth_reliability_curve(confidence.cpu(), correct.cpu(), bandwidth=bandwidth)
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
-        if ax is None:
-            figure = Figure(figsize=(5.2, 6.2), layout="constrained")
-            ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
-        else:
-            figure = ax.get_figure()
-            strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
+        figure, ax, strip = _diagram_axes(ax)
         _draw_smooth_curve(ax, curve, title)
         _draw_density_strip(strip, curve)
     return figure
