@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 import zipfile
 from pathlib import Path
 from typing import BinaryIO
@@ -155,11 +156,19 @@ def is_zip_archive(handle: BinaryIO) -> bool:
         handle.seek(0)
 
 
+# What zipfile raises on a damaged central directory: a bad signature or offsets
+# (BadZipFile, struct.error, EOFError, OSError), an unsupported zip feature in the header
+# (NotImplementedError), undecodable or inconsistent fields (ValueError, incl. UnicodeError),
+# a member table larger than memory allows (MemoryError, OverflowError).
+_ZIP_ERRORS = (zipfile.BadZipFile, struct.error, EOFError, OSError, NotImplementedError,
+               ValueError, MemoryError, OverflowError)
+
+
 def open_archive(handle: BinaryIO, name: str, max_bytes: int) -> zipfile.ZipFile:
     """A zip archive whose declared, uncompressed content fits in ``max_bytes``."""
     try:
         archive = zipfile.ZipFile(handle)
-    except Exception as err:  # a corrupt directory fails in many ways (NotImplementedError...)
+    except _ZIP_ERRORS as err:
         raise FileFormatError(f"{name}: not a readable zip archive ({_reason(err)})") from None
     infos = archive.infolist()
     if len(infos) > MAX_ARCHIVE_MEMBERS:
