@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from bayesfl.data.datasets import Dataset
-from bayesfl.data.partition import PartitionScheme, partition
+from bayesfl.data.partition import PartitionScheme, fixed_split, partition
 from bayesfl.errors import ConfigError
 
 
@@ -62,7 +62,8 @@ def make_clients(
         partition: a partition scheme string, e.g. ``"shards:2"`` (see
             :mod:`bayesfl.data.partition`).
         seed: seeds both the partition and the train/test split.
-        test_fraction: share of each client's samples (per class) held out for testing, in (0, 1).
+        test_fraction: share of each client's samples (per class) held out for testing, in
+            (0, 1); ignored by a scheme that fixes the split (``labels:K:train=N``).
 
     Raises:
         ConfigError: a bad scheme or ``test_fraction``.
@@ -72,13 +73,11 @@ def make_clients(
     if not 0.0 < test_fraction < 1.0:
         raise ConfigError(f"test_fraction must lie in (0, 1), got {test_fraction}")
     labels = dataset.y.numpy()
-    # every client needs one sample to train and one to test
-    parts = _partition(labels, num_clients, partition, seed=seed, min_samples=2)
-    rng = np.random.default_rng([seed, 1])  # independent of the partition's stream
+    scheme = partition if isinstance(partition, PartitionScheme) else \
+        PartitionScheme.parse(partition)
     clients = []
-    for client_id, indices in enumerate(parts):
-        train, test = stratified_split(labels[indices], test_fraction, rng)
-        train_idx, test_idx = np.sort(indices[train]), np.sort(indices[test])
+    for client_id, (train_idx, test_idx) in enumerate(
+            _splits(labels, num_clients, scheme, seed, test_fraction)):
         clients.append(ClientData(
             client_id=client_id,
             train_x=dataset.x[train_idx], train_y=dataset.y[train_idx],
@@ -89,6 +88,23 @@ def make_clients(
 
 
 _partition = partition  # the argument of make_clients shadows the function's name
+
+
+def _splits(
+    labels: np.ndarray, num_clients: int, scheme: PartitionScheme, seed: int,
+    test_fraction: float,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client, sorted (train, test) indices of the pooled data set."""
+    if scheme.fixes_split:
+        return fixed_split(labels, num_clients, scheme, seed=seed)
+    # every client needs one sample to train and one to test
+    parts = _partition(labels, num_clients, scheme, seed=seed, min_samples=2)
+    rng = np.random.default_rng([seed, 1])  # independent of the partition's stream
+    pairs = []
+    for indices in parts:
+        train, test = stratified_split(labels[indices], test_fraction, rng)
+        pairs.append((np.sort(indices[train]), np.sort(indices[test])))
+    return pairs
 
 
 def stratified_split(

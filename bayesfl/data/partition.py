@@ -23,6 +23,17 @@ short strings (the CLI flag ``--partition``), parsed by :class:`PartitionScheme`
     Samples beyond what the clients take are left unassigned (each sample is assigned at most
     once); the total N per class is the client's train + test pool (see ``make_clients``).
 
+``labels:K`` with optional ``:train=N``, ``:test=M`` and ``:random``
+    Label skew with FedSI's (pFedMe/pFedBayes') *sliding window*: client u holds the K labels
+    ``{(u + j) mod C : j = 0..K-1}`` (so with 10 clients and K = 5 every label sits on exactly 5
+    clients); ``:random`` draws balanced random K-subsets instead (as ``shards:K``). Without
+    ``train=N`` a class's samples are cut into equal random shards, one per holder, and
+    ``make_clients`` splits each client by ``test_fraction``. With ``train=N`` the split is
+    fixed here, per class and per client, as FedSI's data-size regimes are: every holder gets N
+    training samples of the class, and the class's remaining samples are shared equally among
+    its holders as test samples (at most M each with ``test=M``). ``labels:5:train=50`` is
+    FedSI's *small* regime (250 training images per client).
+
 Every scheme is deterministic given ``seed`` (numpy PCG64) and uses only the classes present in
 ``labels``. For iid, dirichlet and shards every sample is assigned exactly once.
 """
@@ -42,6 +53,8 @@ PARTITION_SCHEMES: dict[str, str] = {
     "dirichlet": "dirichlet:ALPHA (label skew, ALPHA > 0; smaller is more skewed)",
     "shards": "shards:K (each client holds K distinct classes)",
     "per_class": "per_class:N or per_class:N:K (N samples per class per client, K classes each)",
+    "labels": "labels:K[:train=N][:test=M][:random] (K labels per client, sliding window; "
+              "N training / M test samples per class per client)",
 }
 
 
@@ -54,14 +67,24 @@ class PartitionScheme:
     """A parsed partition scheme; ``str(scheme)`` gives back its canonical string.
 
     ``kind`` is one of :data:`PARTITION_SCHEMES`. ``alpha`` is set for ``dirichlet``,
-    ``classes_per_client`` for ``shards`` (and optionally ``per_class``), ``samples_per_class``
-    for ``per_class``.
+    ``classes_per_client`` for ``shards`` and ``labels`` (and optionally ``per_class``),
+    ``samples_per_class`` for ``per_class``; ``train_per_class``, ``test_per_class`` and
+    ``random_labels`` only for ``labels``.
     """
 
     kind: str
     alpha: float | None = None
     classes_per_client: int | None = None
     samples_per_class: int | None = None
+    train_per_class: int | None = None
+    test_per_class: int | None = None
+    random_labels: bool = False
+
+    @property
+    def fixes_split(self) -> bool:
+        """Whether the scheme itself says which samples train and which test (``labels`` with
+        ``train=N``); ``make_clients`` then ignores ``test_fraction``."""
+        return self.train_per_class is not None
 
     @classmethod
     def parse(cls, text: str) -> PartitionScheme:
@@ -91,11 +114,38 @@ class PartitionScheme:
                 n = _positive_int(args[0])
                 k = _positive_int(args[1]) if len(args) == 2 else None
                 return cls("per_class", classes_per_client=k, samples_per_class=n)
+            if kind == "labels" and args:
+                return cls._parse_labels(args)
         except ValueError:
             pass
         raise ConfigError(f"malformed partition scheme {text!r}; valid forms: {_valid_forms()}")
 
+    @classmethod
+    def _parse_labels(cls, args: list[str]) -> PartitionScheme:
+        k = _positive_int(args[0])
+        fields: dict[str, int] = {}
+        random_labels = False
+        for token in (a.strip().lower() for a in args[1:]):
+            key, eq, value = token.partition("=")
+            if token == "random" and not random_labels:
+                random_labels = True
+            elif eq and key in ("train", "test") and key not in fields:
+                fields[key] = _positive_int(value)
+            else:
+                raise ValueError(token)
+        if "test" in fields and "train" not in fields:
+            raise ValueError("test= needs train=")
+        return cls("labels", classes_per_client=k, train_per_class=fields.get("train"),
+                   test_per_class=fields.get("test"), random_labels=random_labels)
+
     def __str__(self) -> str:
+        if self.kind == "labels":
+            text = f"labels:{self.classes_per_client}"
+            if self.train_per_class is not None:
+                text += f":train={self.train_per_class}"
+            if self.test_per_class is not None:
+                text += f":test={self.test_per_class}"
+            return text + (":random" if self.random_labels else "")
         if self.kind == "dirichlet":
             return f"dirichlet:{self.alpha:g}"
         if self.kind == "shards":
@@ -157,6 +207,8 @@ def partition(
         parts = _dirichlet(y, num_clients, parsed.alpha, min_samples, rng)
     elif parsed.kind == "shards":
         parts = _shards(y, num_clients, parsed.classes_per_client, rng)
+    elif parsed.kind == "labels":
+        parts = [np.concatenate(pair) for pair in _labels(y, num_clients, parsed, rng)]
     else:
         parts = _per_class(y, num_clients, parsed.samples_per_class,
                            parsed.classes_per_client, rng)
@@ -167,6 +219,78 @@ def partition(
                         f"{min_samples} sample(s) ({len(y)} samples, {num_clients} clients); "
                         "use fewer clients or another scheme")
     return result
+
+
+def fixed_split(
+    labels: np.ndarray | torch.Tensor, num_clients: int, scheme: str | PartitionScheme, *,
+    seed: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client, the (train, test) sample indices of a scheme that fixes the split itself
+    (``labels:K:train=N``); their union is what :func:`partition` gives that client.
+
+    Raises:
+        ConfigError: a scheme that does not fix the split (see
+            :attr:`PartitionScheme.fixes_split`).
+        DataError: as :func:`partition`.
+    """
+    parsed = scheme if isinstance(scheme, PartitionScheme) else PartitionScheme.parse(scheme)
+    if not parsed.fixes_split:
+        raise ConfigError(f"partition {parsed} does not fix a train/test split; only "
+                          "labels:K:train=N does (others are split by test_fraction)")
+    partition(labels, num_clients, parsed, seed=seed)  # the same checks, the same draws
+    pairs = _labels(_as_label_array(labels), num_clients, parsed, np.random.default_rng(seed))
+    return [(np.sort(train.astype(np.int64)), np.sort(test.astype(np.int64)))
+            for train, test in pairs]
+
+
+def window_classes(classes: np.ndarray, num_clients: int, k: int) -> list[np.ndarray]:
+    """The sliding-window label sets: client u holds ``classes[(u + j) mod C]``, j < k."""
+    if k > len(classes):
+        raise DataError(f"{k} labels per client requested but the labels hold only "
+                        f"{len(classes)} classes; use at most {len(classes)}")
+    c = len(classes)
+    return [np.sort(classes[[(u + j) % c for j in range(k)]]) for u in range(num_clients)]
+
+
+def _labels(
+    y: np.ndarray, num_clients: int, scheme: PartitionScheme, rng: np.random.Generator
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) index pairs of ``labels:K...``; without ``train=N`` every sample is the
+    client's "train" part (``make_clients`` splits it by ``test_fraction``)."""
+    classes = np.unique(y)
+    k = scheme.classes_per_client
+    class_sets = (assign_classes(classes, num_clients, k, rng) if scheme.random_labels
+                  else window_classes(classes, num_clients, k))
+    holders_of = _holders_by_class(class_sets)
+    uncovered = sorted(set(classes.tolist()) - set(holders_of))
+    if uncovered and scheme.train_per_class is None:
+        raise DataError(f"partition {scheme} with {num_clients} clients leaves classes "
+                        f"{uncovered[:10]} on no client; use more clients or more labels each")
+    train: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    test: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c, holders in holders_of.items():
+        members = rng.permutation(np.flatnonzero(y == c))
+        n = scheme.train_per_class
+        if n is None:
+            for client, shard in zip(holders, np.array_split(members, len(holders)),
+                                     strict=True):
+                train[client].append(shard)
+            continue
+        if n * len(holders) >= len(members):
+            raise DataError(f"partition {scheme}: class {c} has {len(members)} samples but its "
+                            f"{len(holders)} clients need {n} training samples each and at "
+                            "least one test sample; lower train=N or the labels per client")
+        for j, client in enumerate(holders):
+            train[client].append(members[j * n:(j + 1) * n])
+        for client, rest in zip(holders, np.array_split(members[n * len(holders):],
+                                                        len(holders)), strict=True):
+            if len(rest) == 0:
+                raise DataError(f"partition {scheme}: class {c} leaves client {client} no test "
+                                "sample; lower train=N")
+            test[client].append(rest[:scheme.test_per_class])
+    empty = np.empty(0, np.int64)
+    return [(np.concatenate(tr) if tr else empty, np.concatenate(te) if te else empty)
+            for tr, te in zip(train, test, strict=True)]
 
 
 def _as_label_array(labels: np.ndarray | torch.Tensor) -> np.ndarray:

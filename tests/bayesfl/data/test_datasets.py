@@ -163,3 +163,28 @@ def test_dataset_rejects_inconsistent_arrays():
         Dataset("bad", torch.zeros(3, 2), torch.zeros(4, dtype=torch.int64), 2, (2,))
     with pytest.raises(DataError, match="labels"):
         Dataset("bad", torch.zeros(3, 2), torch.tensor([0, 1, 2]), 2, (2,))
+
+
+def test_mnist_5k_loads_offline_as_500_real_digits_per_class_normalised(no_network):
+    data = load_dataset("mnist-5k")
+    assert (data.name, data.num_classes, data.input_shape) == ("mnist_5k", 10, (1, 28, 28))
+    assert data.x.shape == (5000, 1, 28, 28) and data.x.dtype == torch.float32
+    assert torch.bincount(data.y).tolist() == [500] * 10
+    # MNIST's background is 0 -> (0 - 0.1307) / 0.3081 and its ink 255 -> (1 - 0.1307) / 0.3081
+    assert float(data.x.min()) == pytest.approx(-0.1307 / 0.3081, abs=1e-6)
+    assert float(data.x.max()) == pytest.approx((1 - 0.1307) / 0.3081, abs=1e-6)
+    # these 5,000 digits have MNIST's statistics: mean ~0, std ~1 after normalising
+    assert abs(float(data.x.mean())) < 0.05 and abs(float(data.x.std()) - 1) < 0.05
+    assert no_network == []
+
+
+def test_mnist_5k_with_the_fedsi_small_regime_gives_250_training_images_per_client():
+    from bayesfl.data.clients import make_clients
+
+    clients = make_clients(load_dataset("mnist_5k"), 10, "labels:5:train=50", seed=0)
+    for u, c in enumerate(clients):
+        assert c.num_train == 250 and c.num_test == 250
+        assert torch.bincount(c.train_y, minlength=10)[[(u + j) % 10 for j in range(5)]] \
+            .tolist() == [50] * 5
+        assert set(c.test_y.tolist()) == {(u + j) % 10 for j in range(5)}
+        assert not set(c.train_indices) & set(c.test_indices)

@@ -269,3 +269,64 @@ def test_property_partitions_cover_every_sample_once_or_refuse_clearly(labels, n
 def test_a_non_positive_or_fractional_client_count_is_a_config_error(num_clients):
     with pytest.raises(ConfigError, match="num_clients"):
         partition(np.arange(10) % 2, num_clients, "iid", seed=0)
+
+
+# ---- labels:K (FedSI's sliding window) --------------------------------------------------------
+def test_labels_5_gives_each_label_to_exactly_5_of_10_clients_in_a_sliding_window(digits_labels):
+    parts = partition(digits_labels, 10, "labels:5", seed=0)
+    assert_exact_cover(parts, len(digits_labels))
+    for u, part in enumerate(parts):
+        assert classes_of(digits_labels, part) == {(u + j) % 10 for j in range(5)}
+    holders = (partition_summary(digits_labels, parts, 10) > 0).sum(axis=0)
+    assert holders.tolist() == [5] * 10
+
+
+def test_labels_with_train_n_fixes_n_training_samples_per_class_per_client(digits_labels):
+    from bayesfl.data.partition import fixed_split
+
+    pairs = fixed_split(digits_labels, 10, "labels:5:train=10", seed=3)
+    used = np.concatenate([np.concatenate(p) for p in pairs])
+    assert len(np.unique(used)) == len(used), "a sample went to two places"
+    for u, (train, test) in enumerate(pairs):
+        window = [(u + j) % 10 for j in range(5)]
+        train_counts = np.bincount(digits_labels[train], minlength=10)
+        assert all(train_counts[c] == 10 for c in window)
+        assert train_counts.sum() == 50
+        assert set(np.unique(digits_labels[test]).tolist()) == set(window)
+    # the rest of every class is shared out as test samples: nothing is left unused
+    assert len(used) == len(digits_labels)
+    # test=M caps the test share per class per client
+    capped = fixed_split(digits_labels, 10, "labels:5:train=10:test=4", seed=3)
+    assert all(np.bincount(digits_labels[te], minlength=10).max() == 4 for _, te in capped)
+    assert [tr.tolist() for tr, _ in capped] == [tr.tolist() for tr, _ in pairs]
+
+
+def test_labels_random_draws_balanced_label_sets_instead_of_the_window(digits_labels):
+    parts = partition(digits_labels, 10, "labels:5:random", seed=1)
+    sets = [classes_of(digits_labels, p) for p in parts]
+    assert all(len(s) == 5 for s in sets)
+    assert sets != [{(u + j) % 10 for j in range(5)} for u in range(10)]
+    holders = (partition_summary(digits_labels, parts, 10) > 0).sum(axis=0)
+    assert holders.tolist() == [5] * 10
+
+
+def test_labels_refuses_more_training_samples_than_a_class_holds(digits_labels):
+    # digits has 174..183 samples per class; 5 holders x 36 = 180 leaves some class no test
+    with pytest.raises(DataError, match="train=N"):
+        partition(digits_labels, 10, "labels:5:train=36", seed=0)
+    with pytest.raises(DataError, match="at most 10"):
+        partition(digits_labels, 10, "labels:11", seed=0)
+
+
+@pytest.mark.parametrize("text", ["labels:5", "labels:5:train=50", "labels:5:train=50:test=20",
+                                  "labels:3:random", "labels:5:train=50:random"])
+def test_labels_scheme_strings_parse_and_print_back(text):
+    assert str(PartitionScheme.parse(text)) == text
+
+
+@pytest.mark.parametrize("text", ["labels", "labels:0", "labels:5:train=0", "labels:5:test=5",
+                                  "labels:5:train=5:train=6", "labels:5:size=3",
+                                  "labels:5:random:random"])
+def test_malformed_labels_scheme_is_a_config_error(text):
+    with pytest.raises(ConfigError, match="labels:K"):
+        PartitionScheme.parse(text)
