@@ -19,18 +19,22 @@ from bayesfl.strategies.base import (
     Strategy,
     StrategyContext,
 )
-from bayesfl.strategies.fedavg import FedAvg
+from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
+from bayesfl.strategies.colearn import CoLearn
+from bayesfl.strategies.fd import FederatedDistillation
 from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
 from bayesfl.strategies.fedper import FedPer
 from bayesfl.strategies.fedproto import FedProto
 from bayesfl.strategies.fedrep import FedRep, FedRep1
 from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
+from bayesfl.strategies.local_only import LocalOnly
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
-                FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto)
+    for cls in (CoLearn, FederatedDistillation,
+                FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
+                FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto, FedAvgFT, LocalOnly)
 }
 """Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
 their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
@@ -78,8 +82,11 @@ __all__ = [
     "STRATEGIES",
     "ClientConfig",
     "ClientState",
+    "CoLearn",
     "Evaluation",
+    "FederatedDistillation",
     "FedAvg",
+    "FedAvgFT",
     "FedBABU",
     "FedLog",
     "FedLogC",
@@ -91,6 +98,7 @@ __all__ = [
     "FedRep1",
     "LGFedAvg",
     "LGFedAvg2",
+    "LocalOnly",
     "RoundPlan",
     "ServerState",
     "Strategy",

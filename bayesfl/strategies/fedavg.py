@@ -4,10 +4,21 @@ parameters. Evaluation uses the global network.
 
 Aggregation: weighted by the clients' sample counts, w <- sum_c (n_c / n) w_c, as FedAvg's
 Algorithm 1 does (n = the participating clients' total).
+
+``fedavg-ft`` (:class:`FedAvgFT`) adds local fine-tuning after training (the FedSI paper's
+FedAvg-FT baseline).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
+from bayesfl.data.clients import ClientData
+from bayesfl.messages import Message
+from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
+from bayesfl.strategies.finetuning import check_finetuning, fine_tune
 from bayesfl.strategies.parameter_averaging import ParameterAveraging
 
 
@@ -16,3 +27,43 @@ class FedAvg(ParameterAveraging):
 
     name = "fedavg"
     weighted = True
+
+
+class FedAvgFT(FedAvg):
+    """FedAvg, then local fine-tuning to personalise (the FedSI paper's "FedAvg-FT" baseline).
+
+    Federated training is FedAvg's. :meth:`personalize` (after training, and for a novel
+    client) fine-tunes the global network on the client's training data
+    (:mod:`bayesfl.strategies.finetuning`). The FedSI paper does not state its fine-tuning
+    budget; the default here is as many epochs as one round of local training (``None``) over
+    the whole network (``finetune = "all"``), the usual reading of "FedAvg + fine-tuning".
+
+    Args:
+        context: the run configuration.
+        finetune_epochs: fine-tuning epochs (None: the local training's epochs).
+        finetune: ``"all"`` (default) or ``"head"`` (the last layer only).
+        options: FedAvg's robust options.
+    """
+
+    name = "fedavg-ft"
+    personalizes = True
+
+    def __init__(
+        self, context: StrategyContext, *, finetune_epochs: int | None = None,
+        finetune: str = "all", **options: Any,
+    ) -> None:
+        super().__init__(context, **options)
+        epochs = context.training.epochs if finetune_epochs is None else finetune_epochs
+        self.finetune_epochs, self.finetune = check_finetuning(self.name, epochs, finetune)
+
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """Fine-tune the global network on the client's training data."""
+        return fine_tune(self, config, state, data, broadcast, generator,
+                         epochs=self.finetune_epochs, scope=self.finetune)

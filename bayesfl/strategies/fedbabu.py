@@ -28,19 +28,11 @@ import torch
 from torch import nn
 
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import ConfigError
 from bayesfl.messages import Message
-from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext, model_state
-from bayesfl.strategies.parameter_averaging import (
-    PERSONALIZED,
-    ParameterAveraging,
-    all_but_last_layers,
-    everything,
-    with_epochs,
-)
-from bayesfl.training import LocalTraining, ParameterFilter, train_plain
-
-_FINETUNE = ("head", "all")
+from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
+from bayesfl.strategies.finetuning import check_finetuning, fine_tune
+from bayesfl.strategies.parameter_averaging import ParameterAveraging, all_but_last_layers
+from bayesfl.training import LocalTraining, ParameterFilter
 
 
 class FedBABU(ParameterAveraging):
@@ -61,14 +53,8 @@ class FedBABU(ParameterAveraging):
         **options: Any,
     ) -> None:
         super().__init__(context, **options)
-        if isinstance(finetune_epochs, bool) or not isinstance(finetune_epochs, int) \
-                or finetune_epochs < 0:
-            raise ConfigError(f"fedbabu finetune_epochs must be an integer >= 0, got "
-                              f"{finetune_epochs!r}")
-        if finetune not in _FINETUNE:
-            raise ConfigError(f"fedbabu finetune must be one of {_FINETUNE}, got {finetune!r}")
-        self.finetune_epochs = finetune_epochs
-        self.finetune = finetune
+        self.finetune_epochs, self.finetune = check_finetuning(self.name, finetune_epochs,
+                                                               finetune)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         return all_but_last_layers(model, 1, self.name)
@@ -85,10 +71,5 @@ class FedBABU(ParameterAveraging):
         generator: torch.Generator,
     ) -> ClientState:
         """Fine-tune the global body and the client's (initial) head on its training data."""
-        model = self.global_model(config, state, broadcast)
-        shared = self.shared_names(config.body)
-        trainable = (lambda n: n not in shared) if self.finetune == "head" else everything
-        train_plain(model, data.train_x, data.train_y, self.objective,
-                    with_epochs(self.context.training, self.finetune_epochs),
-                    generator=generator, trainable=trainable)
-        return {**model_state(model), PERSONALIZED: torch.ones(1, dtype=torch.bool)}
+        return fine_tune(self, config, state, data, broadcast, generator,
+                         epochs=self.finetune_epochs, scope=self.finetune)
