@@ -243,6 +243,48 @@ def simulate(
                            round_callback=round_callback)
 
 
+@dataclass
+class RunSetup:
+    """What both halves of a run derive from its configuration and data (:func:`run_setup`).
+
+    Attributes:
+        client_data: every client's data, in client order.
+        held_out: client id -> its held-out calibration data (``calibrate`` only).
+        calibration: the parsed ``calibrate`` step, or None.
+        context: the :class:`StrategyContext` both halves build the strategy from.
+    """
+
+    client_data: list[ClientData]
+    held_out: dict[int, Any]
+    calibration: Any
+    context: StrategyContext
+
+
+def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) -> RunSetup:
+    """The clients' data and the strategy context of a run (the simulator and the Flower
+    adapter share it, so both build the same clients and strategy from the same config)."""
+    check_model_size(config, tuple(dataset.input_shape))  # before any body is built
+    client_data = make_clients(dataset, config.clients, config.partition,
+                               seed=config.seed, test_fraction=config.test_fraction)
+    # calibrate: every client holds out part of its training data, before any training
+    calibration = parse_calibrate(config.calibrate)
+    held_out = {}
+    if calibration is not None:
+        client_data, held_out = hold_out(
+            client_data, calibration.held_out_fraction, config.seed)
+    # a batch larger than every client's training set is full-batch training: clamping it
+    # bounds the batched schedule (clients x batch) by the data, whatever was asked for
+    largest = max(d.num_train for d in client_data)
+    training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
+                             batch_size=max(1, min(config.batch_size, largest)))
+    context = StrategyContext(
+        num_classes=dataset.num_classes, feature_dim=config.feature_dim,
+        training=training, rounds=config.rounds, device=device, seed=config.seed,
+        input_shape=tuple(dataset.input_shape), bodies=tuple(config.body_specs),
+        clients=config.clients)
+    return RunSetup(client_data, held_out, calibration, context)
+
+
 def non_finite_problem(state: ServerState) -> str | None:
     """The first server-state tensor holding NaN or Inf, described; None if all are finite."""
     for name, tensor in state.items():
@@ -291,25 +333,10 @@ class _Run:
         # the checkpoint to resume is read and compared before the data are partitioned or a
         # model is built: a foreign one fails at once, naming the settings that differ
         self.saved = self._read_checkpoint() if resume else None
-        check_model_size(config, tuple(self.dataset.input_shape))  # before any body is built
-        client_data = make_clients(self.dataset, config.clients, config.partition,
-                                   seed=config.seed, test_fraction=config.test_fraction)
-        # calibrate: every client holds out part of its training data, before any training
-        self.calibration = parse_calibrate(config.calibrate)
-        self.held_out = {}
-        if self.calibration is not None:
-            client_data, self.held_out = hold_out(
-                client_data, self.calibration.held_out_fraction, config.seed)
-        # a batch larger than every client's training set is full-batch training: clamping it
-        # bounds the batched schedule (clients x batch) by the data, whatever was asked for
-        largest = max(d.num_train for d in client_data)
-        training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
-                                 batch_size=max(1, min(config.batch_size, largest)))
-        context = StrategyContext(
-            num_classes=self.dataset.num_classes, feature_dim=config.feature_dim,
-            training=training, rounds=config.rounds, device=self.device, seed=config.seed,
-            input_shape=tuple(self.dataset.input_shape), bodies=tuple(config.body_specs),
-            clients=config.clients)
+        setup = run_setup(config, self.dataset, self.device)
+        client_data, self.held_out, self.calibration = (setup.client_data, setup.held_out,
+                                                         setup.calibration)
+        context = setup.context
         # the two halves are built apart from the same run configuration, as a Flower
         # ServerApp and ClientApp would be: nothing set on one is seen by the other
         self.server = make_strategy(config.strategy, context, **config.strategy_options)
