@@ -19,9 +19,9 @@ from bayesfl.strategies.base import (
     Strategy,
     StrategyContext,
 )
-from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.colearn import CoLearn
 from bayesfl.strategies.fd import FederatedDistillation
+from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
 from bayesfl.strategies.fedper import FedPer
@@ -84,7 +84,6 @@ __all__ = [
     "ClientState",
     "CoLearn",
     "Evaluation",
-    "FederatedDistillation",
     "FedAvg",
     "FedAvgFT",
     "FedBABU",
@@ -96,6 +95,7 @@ __all__ = [
     "FedProto",
     "FedRep",
     "FedRep1",
+    "FederatedDistillation",
     "LGFedAvg",
     "LGFedAvg2",
     "LocalOnly",

@@ -1,0 +1,463 @@
+"""CoLearn (Berdoz, Singh, Jaggi, Raskar 2022, "Scalable Collaborative Learning via
+Representation Sharing"): clients share per-class features, never weights.
+
+Spec: ``shared/spec/colearn.md`` (section numbers below are its). Every client keeps a
+personal network ``f_u = tau_u o phi_u`` (its body, d' = ``feature_dim`` features after the
+body's final ReLU, then a linear classifier ``tau_u``); bodies may differ between clients as
+long as d' and the classes agree. Nothing of a network ever leaves its client.
+
+**Upload** (client -> server, per round; §1.2, the schema admits nothing else):
+
+=================  ==================  ===================================================
+``prototypes``     (C, d') float32     ``t_u^c``: mean feature of all class-c samples
+``observations``   (M_up, C, d') f32   ``t_{u,m}^c``: mean feature of ``min(n_avg, n_u^c)``
+                                       random class-c samples, M_up independent draws
+``counts``         (C,) int64          ``n_u^c`` (0: class absent, zero rows, no term)
+=================  ==================  ===================================================
+
+So an upload is ``(1 + M_up) C d'`` floats plus C integers and the message header. Features
+of the bodies here are non-negative (every body ends in a ReLU), which the server checks: a
+classifier's weights ``W_u`` (C, d') have the prototypes' shape but not their sign.
+
+**Server** (a relay and mean calculator; §1.4): the global prototype of class c is the
+count-weighted mean of the uploaded prototypes, ``sum_u n_u^c t_u^c / sum_u n_u^c``
+(``weighting="uniform"``: the plain mean over the clients holding c); a class nobody
+uploaded keeps its previous prototype (or stays absent). The uploaded observation sets go to
+a relay pool, shuffled; the broadcast carries the prototypes, their presence mask and the
+pool with each set's sender id. The contract gives every client the same broadcast, so the
+relay forwards the pool and each client draws its ``M_down`` sets from *peers* (sets it sent
+itself are skipped); ``relay_pool`` caps the pool (downlink ``(relay_pool + 1) C d'``).
+
+**Local objective** (§1.3), per sample ``(x, y)`` with ``s = phi_u(x)``, ``z = tau_u(s)``::
+
+    CE(z, y) + lam_kd ||s - t_bar^y||^2
+             + lam_disc [-log h(s, t_m^y) - sum_{c != y} log(1 - h(s, t_m^c))]
+
+with ``h(s, t) = <softmax(tau_u(s) / T), softmax(tau_u(t) / T)>`` (T = ``tau_disc``, 1 in the
+paper), ``m ~ U{1..M_down}`` per sample, and ``h`` clamped to ``[eps, 1 - eps]``. The
+downloaded ``t`` are constants: the disc term trains ``tau_u`` on peers' features too. Terms
+whose target is absent (no global prototype of ``y``; no observation of a class in set m)
+are skipped (§6.8). Each term is a batch mean.
+
+**Options** (the spec's open points, §6; defaults are its recommendations):
+
+- ``lam_kd=10``, ``lam_disc=1``, ``n_avg=10``, ``m_up=1``, ``m_down=1`` (§2).
+- ``tau_disc=1`` (§6.1): temperature of the two softmaxes inside ``h`` only.
+- ``statistics="final"`` (§6.3): prototypes and observations from an extra no-grad pass with
+  the round's final weights (eval mode); ``"running"``: from the features of the last local
+  epoch's mini-batches, as they were computed during training (no extra pass).
+- ``bootstrap="upload"`` (§6.4): a round 0 in which clients upload prototypes and
+  observations of their *initial* networks, so round 1 pulls towards real features;
+  ``"skip"``: no round 0, round 1 has no targets (CE only); ``"random"``: the paper's random
+  initial prototypes and observations (uniform on [0, 1), seeded by the run).
+- ``synchronous=True`` (§6.5): every round's clients train against the same broadcast. The
+  paper's sequential listing (later clients see fresher prototypes) is not expressible in a
+  transport that broadcasts once per round, so ``False`` is refused; partial participation
+  (``fraction``) gives stale-but-kept prototypes of the classes nobody uploaded.
+- ``peer="one"`` (§6.6): each downloaded set comes from one random peer, a class that peer
+  lacks is filled from another random peer holding it; ``"mix"``: every class of a set from
+  its own random peer (Algorithm 1's shuffled per-class buffers).
+- ``weighting="count"`` (§6.7) or ``"uniform"``.
+- ``neg_reduction="sum"`` (§6.9, the paper) or ``"mean"`` over the available negatives.
+- ``kd_reduction="sum"`` (§6.10, the paper: summed over d') or ``"mean"`` (divided by d').
+- ``eps=1e-7`` (§6.11): the clamp of ``h``.
+- ``keep_optimizer=True`` (§6.12) and ``independent_init=True`` (Algorithm 1), see
+  :mod:`bayesfl.strategies.personal`.
+- ``relay_pool=None``: how many observation sets the relay forwards (None: all of the
+  round's accepted ones); at least ``m_down + 1`` so every client finds a peer's.
+- ``max_norm=1e4``: uploads with a prototype or observation of larger L2 norm are rejected.
+- ``screening_ratio=10``: an upload whose total count exceeds ``ratio`` times the round's
+  median total is rejected (a client inflating its weight); None disables it.
+
+Heterogeneous d' (§6.15) is out of scope: the run's ``feature_dim`` is every body's width.
+Prediction is the client's own network (softmax of its classifier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
+    ServerState,
+    StrategyContext,
+    derived_seed,
+    model_state,
+    option_integer,
+    option_number,
+)
+from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.strategies.personal import PersonalStrategy, class_means
+
+UPLOAD_NAMES = ("prototypes", "observations", "counts")
+
+
+def observation_sets(
+    features: Tensor, labels: Tensor, num_classes: int, m_up: int, n_avg: int,
+    generator: torch.Generator,
+) -> tuple[Tensor, Tensor]:
+    """``m_up`` observation sets: per class, the mean of ``min(n_avg, n_c)`` random class-c
+    rows of ``features`` (n, d) (without replacement within a set).
+
+    Returns:
+        observations (m_up, C, d) float64 (zero rows for absent classes) and the number of
+        rows each mean averages, (C,) int64 (the same for every set).
+    """
+    d = features.shape[1]
+    out = torch.zeros(m_up, num_classes, d, dtype=torch.float64, device=features.device)
+    sizes = torch.zeros(num_classes, dtype=torch.int64)
+    for c in range(num_classes):
+        members = torch.nonzero(labels == c).flatten().cpu()
+        k = min(n_avg, len(members))
+        sizes[c] = k
+        for m in range(m_up):
+            if k == 0:
+                continue
+            pick = members[torch.randperm(len(members), generator=generator)[:k]]
+            out[m, c] = features[pick.to(features.device)].to(torch.float64).mean(0)
+    return out, sizes
+
+
+def contrastive_terms(
+    logits: Tensor, observation_logits: Tensor, labels: Tensor, available: Tensor, *,
+    tau: float = 1.0, eps: float = 1e-7, neg_reduction: str = "sum",
+) -> Tensor:
+    """CoLearn's per-sample "same class?" loss (§1.3).
+
+    Args:
+        logits: (B, C) the client's logits of its samples, ``tau_u(s_b)``.
+        observation_logits: (B, C, C): row ``[b, c]`` is ``tau_u(t_{m_b}^c)``, the client's
+            logits of the observation of class c in the set drawn for sample b.
+        labels: (B,) int64.
+        available: (B, C) bool: whether the observation of class c exists in b's set.
+        tau: temperature of both softmaxes; eps: clamp of ``h``.
+        neg_reduction: ``"sum"`` over the available negatives, or ``"mean"``.
+
+    Returns:
+        (B,) ``-log h_b,y_b - sum_{c != y_b} log(1 - h_b,c)`` over available observations,
+        with ``h_b,c = <softmax(logits_b / tau), softmax(observation_logits_b,c / tau)>``.
+    """
+    p_s = torch.softmax(logits / tau, dim=-1)
+    p_t = torch.softmax(observation_logits / tau, dim=-1)
+    h = torch.einsum("bk,bck->bc", p_s, p_t).clamp(eps, 1 - eps)
+    positive = nn.functional.one_hot(labels, logits.shape[1]).bool()
+    pos = -(h.log() * (positive & available)).sum(1)
+    neg_mask = ~positive & available
+    neg = -(torch.log1p(-h) * neg_mask).sum(1)
+    if neg_reduction == "mean":
+        neg = neg / neg_mask.sum(1).clamp_min(1)
+    return pos + neg
+
+
+def select_observations(
+    pool: Tensor, present: Tensor, sources: Tensor, client_id: int, m_down: int,
+    generator: torch.Generator, *, peer: str = "one",
+) -> tuple[Tensor, Tensor]:
+    """A client's ``m_down`` observation sets drawn from the relay pool, peers only.
+
+    Args:
+        pool: (S, C, d) relayed observation sets; present: (S, C) >0 where a set holds the
+            class; sources: (S,) sender ids (-1: the random bootstrap's).
+        client_id: the drawing client (its own sets are never drawn).
+        peer: ``"one"`` (one random peer per set, a missing class filled from a random peer
+            that has it) or ``"mix"`` (every class from its own random peer).
+
+    Returns:
+        observations (m_down, C, d) and available (m_down, C) bool (False: no peer has it).
+    """
+    _, c, d = pool.shape
+    obs = torch.zeros(m_down, c, d, dtype=pool.dtype)
+    available = torch.zeros(m_down, c, dtype=torch.bool)
+    eligible = (sources != client_id).cpu()
+    holds = (present.cpu() > 0) & eligible[:, None]
+    peers = torch.nonzero(eligible).flatten()
+    if len(peers) == 0:
+        return obs, available
+    for m in range(m_down):
+        if peer == "one":
+            j = int(peers[torch.randint(len(peers), (1,), generator=generator)])
+            obs[m], available[m] = pool[j].cpu(), holds[j]
+        for k in torch.nonzero(~available[m]).flatten().tolist():
+            holders = torch.nonzero(holds[:, k]).flatten()
+            if len(holders):
+                j = int(holders[torch.randint(len(holders), (1,), generator=generator)])
+                obs[m, k], available[m, k] = pool[j, k].cpu(), True
+    return obs, available
+
+
+class CoLearn(PersonalStrategy):
+    """CoLearn: personal networks aligned through shared class prototypes and relayed
+    observation sets (module docstring).
+
+    Args:
+        context: classes, d', local training (the paper: 1 epoch, Adam 1e-3, batch 16),
+            rounds, device, seed, bodies.
+        lam_kd, lam_disc, n_avg, m_up, m_down, tau_disc, statistics, bootstrap, synchronous,
+            peer, weighting, neg_reduction, kd_reduction, eps, relay_pool, max_norm,
+            screening_ratio, independent_init, keep_optimizer: module docstring.
+    """
+
+    name: ClassVar[str] = "colearn"
+    LOSS_TERMS: tuple[str, ...] = ("ce", "kd", "disc")
+    STATISTICS: ClassVar[tuple[str, ...]] = ("final", "running")
+    BOOTSTRAP: ClassVar[tuple[str, ...]] = ("upload", "skip", "random")
+    PEER: ClassVar[tuple[str, ...]] = ("one", "mix")
+    WEIGHTING: ClassVar[tuple[str, ...]] = ("count", "uniform")
+    REDUCTION: ClassVar[tuple[str, ...]] = ("sum", "mean")
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        lam_kd: float = 10.0,
+        lam_disc: float = 1.0,
+        n_avg: int = 10,
+        m_up: int = 1,
+        m_down: int = 1,
+        tau_disc: float = 1.0,
+        statistics: str = "final",
+        bootstrap: str = "upload",
+        synchronous: bool = True,
+        peer: str = "one",
+        weighting: str = "count",
+        neg_reduction: str = "sum",
+        kd_reduction: str = "sum",
+        eps: float = 1e-7,
+        relay_pool: int | None = None,
+        max_norm: float = 1e4,
+        screening_ratio: float | None = 10.0,
+        independent_init: bool = True,
+        keep_optimizer: bool = True,
+    ) -> None:
+        super().__init__(context, independent_init=independent_init,
+                         keep_optimizer=keep_optimizer)
+        self.lam_kd = option_number(self.name, "lam_kd", lam_kd)
+        self.lam_disc = option_number(self.name, "lam_disc", lam_disc)
+        self.n_avg = option_integer(self.name, "n_avg", n_avg, 1)
+        self.m_up = option_integer(self.name, "m_up", m_up, 1)
+        self.m_down = option_integer(self.name, "m_down", m_down, 1)
+        self.tau_disc = option_number(self.name, "tau_disc", tau_disc, 1e-6)
+        self.eps = option_number(self.name, "eps", eps, 0.0)
+        if not 0 < self.eps < 0.5:
+            raise ConfigError(f"colearn eps must lie in (0, 0.5), got {eps!r}")
+        self.max_norm = option_number(self.name, "max_norm", max_norm, 0.0)
+        self.screening_ratio = None if screening_ratio is None else option_number(
+            self.name, "screening_ratio", screening_ratio, 1.0)
+        self.relay_pool = None if relay_pool is None else option_integer(
+            self.name, "relay_pool", relay_pool, self.m_down + 1)
+        for option, value, valid in (
+                ("statistics", statistics, self.STATISTICS),
+                ("bootstrap", bootstrap, self.BOOTSTRAP), ("peer", peer, self.PEER),
+                ("weighting", weighting, self.WEIGHTING),
+                ("neg_reduction", neg_reduction, self.REDUCTION),
+                ("kd_reduction", kd_reduction, self.REDUCTION)):
+            if value not in valid:
+                raise ConfigError(f"colearn {option} must be one of {', '.join(valid)}; "
+                                  f"got {value!r}")
+        if synchronous is not True:
+            raise ConfigError("colearn synchronous must be true: the transport broadcasts once "
+                              "per round, so the paper's sequential listing (later clients "
+                              "see fresher prototypes) cannot be run; use fraction < 1 for "
+                              "stale prototypes")
+        self.statistics, self.bootstrap, self.peer = statistics, bootstrap, peer
+        self.weighting, self.neg_reduction, self.kd_reduction = (weighting, neg_reduction,
+                                                                 kd_reduction)
+        self.synchronous = True
+        # the bootstrap upload is a round 0 that the transport runs with every client
+        self.init_round = bootstrap == "upload"  # type: ignore[misc]
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return PrototypeNet(body, self.feature_dim, self.num_classes)
+
+    def loss_weights(self) -> dict[str, float]:
+        return {"ce": 1.0, "kd": self.lam_kd, "disc": self.lam_disc}
+
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        """Empty prototypes and pool, or (``bootstrap="random"``) random ones."""
+        C, d = self.num_classes, self.feature_dim
+        if self.bootstrap != "random":
+            return {"prototypes": torch.zeros(C, d), "counts": torch.zeros(C, dtype=torch.float64),
+                    "pool": torch.zeros(0, C, d), "pool_present": torch.zeros(0, C),
+                    "pool_sources": torch.zeros(0, dtype=torch.int64)}
+        g = torch.Generator().manual_seed(derived_seed(self.context.seed, 31))
+        sets = self.context.clients * self.m_up
+        return {"prototypes": torch.rand(C, d, generator=g),
+                "counts": torch.ones(C, dtype=torch.float64),
+                "pool": torch.rand(sets, C, d, generator=g), "pool_present": torch.ones(sets, C),
+                "pool_sources": torch.full((sets,), -1, dtype=torch.int64)}
+
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return {"prototypes": state["prototypes"],
+                "present": (state["counts"] > 0).to(torch.float32),
+                "observations": state["pool"], "observations_present": state["pool_present"],
+                "observation_sources": state["pool_sources"]}
+
+    def configure_evaluation(self, state: ServerState, round: int) -> Message:
+        """Nothing: a client predicts with its own network."""
+        return self.down_message(round, {})
+
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        C, d = self.num_classes, self.feature_dim
+        return {"prototypes": TensorSpec((C, d), torch.float32),
+                "observations": TensorSpec((self.m_up, C, d), torch.float32),
+                "counts": TensorSpec((C,), torch.int64)}
+
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """Per upload, the first violated invariant: non-negative counts with at least one
+        sample; zero prototype and observations for a class of count 0; non-negative
+        features (every body ends in a ReLU) of L2 norm at most ``max_norm``; a total count at
+        most ``screening_ratio`` times the round's median total."""
+        problems = [self._problem(m) for m in messages]
+        if self.screening_ratio is not None:
+            totals = [float(m.tensors["counts"].sum()) for m in messages]
+            median = float(torch.tensor(totals).median())
+            for i, total in enumerate(totals):
+                if problems[i] is None and total > self.screening_ratio * max(median, 1.0):
+                    problems[i] = (f"total count {total:g} exceeds {self.screening_ratio:g} x "
+                                   f"the round's median {median:g}")
+        return problems
+
+    def _problem(self, message: Message) -> str | None:
+        counts = message.tensors["counts"]
+        protos, obs = message.tensors["prototypes"], message.tensors["observations"]
+        if (counts < 0).any():
+            return "negative class counts"
+        if int(counts.sum()) < 1:
+            return "no samples: every class count is 0"
+        absent = counts == 0
+        if (protos[absent] != 0).any() or (obs[:, absent] != 0).any():
+            return "non-zero prototype or observation for a class with count 0"
+        if (protos < 0).any() or (obs < 0).any():
+            return ("negative feature values: prototypes and observations are means of "
+                    "non-negative (post-ReLU) features, not parameters")
+        largest = max(float(protos.norm(dim=-1).max()), float(obs.norm(dim=-1).max()))
+        if largest > self.max_norm:
+            return f"feature norm {largest:.3g} exceeds max_norm {self.max_norm:g}"
+        return None
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """Count-weighted (or uniform) prototypes; the round's observation sets, shuffled,
+        as the next relay pool (at most ``relay_pool``)."""
+        if not uploads:
+            return state
+        counts = torch.stack([u.tensors["counts"].to(torch.float64) for u in uploads])
+        protos = torch.stack([u.tensors["prototypes"].to(torch.float64) for u in uploads])
+        weights = counts if self.weighting == "count" else (counts > 0).to(counts)
+        total = weights.sum(0)
+        mean = (weights[:, :, None] * protos).sum(0) / total.clamp_min(1.0)[:, None]
+        held = total > 0  # a class nobody uploaded keeps its previous prototype
+        prototypes = torch.where(held[:, None], mean.to(torch.float32), state["prototypes"])
+        new_counts = torch.where(held, counts.sum(0), state["counts"])
+        pool = torch.cat([u.tensors["observations"] for u in uploads])
+        present = torch.cat([(u.tensors["counts"] > 0).to(torch.float32).expand(self.m_up, -1)
+                             for u in uploads])
+        sources = torch.tensor([u.header.client_id for u in uploads for _ in range(self.m_up)],
+                               dtype=torch.int64)
+        order = torch.randperm(len(pool), generator=generator)
+        if self.relay_pool is not None:
+            order = order[: self.relay_pool]
+        return {"prototypes": prototypes, "counts": new_counts, "pool": pool[order],
+                "pool_present": present[order], "pool_sources": sources[order]}
+
+    # ==== client half ======================================================================
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """Round 0 (bootstrap): upload statistics of the initial network. Otherwise train
+        on the CoLearn objective, then upload."""
+        model = self.client_model(config, state)
+        round = broadcast.header.round
+        if round == 0:
+            features = batched_apply(model, data.train_x)[1]
+            return state, self._upload(config, data, round, features, generator)
+        targets = self._targets(config, broadcast, generator)
+        running = torch.zeros(data.num_train, self.feature_dim, device=data.train_x.device)
+
+        def collect(idx: Tensor, features: Tensor) -> None:
+            running[idx] = features
+
+        extra = self.train_personal(model, state, data, lambda *a: self._terms(targets, *a),
+                                    generator, collect if self.statistics == "running" else None)
+        if self.statistics == "final" or self.context.training.epochs == 0:
+            features = batched_apply(model, data.train_x)[1]
+        else:
+            features = running
+        new_state = {**model_state(model), **extra}
+        return new_state, self._upload(config, data, round, features, generator)
+
+    def _targets(self, config: ClientConfig, broadcast: Message,
+                 generator: torch.Generator) -> dict[str, Tensor]:
+        device = self.context.device
+        t = broadcast.tensors
+        obs, available = select_observations(
+            t["observations"], t["observations_present"], t["observation_sources"],
+            config.client_id, self.m_down, generator, peer=self.peer)
+        return {"prototypes": t["prototypes"].to(device), "present": t["present"].to(device),
+                "observations": obs.to(device), "available": available.to(device)}
+
+    def _terms(self, targets: dict[str, Tensor], model: nn.Module, x: Tensor, y: Tensor,
+               generator: torch.Generator) -> tuple[dict[str, Tensor], Tensor]:
+        """Per-sample CE, KD and disc terms of a mini-batch (module docstring), features."""
+        logits, features = model(x)
+        ce = nn.functional.cross_entropy(logits, y, reduction="none")
+        gap = (features - targets["prototypes"][y]).pow(2)
+        gap = gap.sum(1) if self.kd_reduction == "sum" else gap.mean(1)
+        kd = targets["present"][y] * gap
+        m = torch.randint(self.m_down, (len(y),), generator=generator).to(y.device)
+        obs_logits = model.head(targets["observations"])  # (M_down, C, C): grads to the head
+        disc = contrastive_terms(logits, obs_logits[m], y, targets["available"][m],
+                                 tau=self.tau_disc, eps=self.eps,
+                                 neg_reduction=self.neg_reduction)
+        return {"ce": ce, "kd": kd, "disc": disc}, features
+
+    def _upload(self, config: ClientConfig, data: ClientData, round: int, features: Tensor,
+                generator: torch.Generator) -> Message:
+        protos, counts = class_means(features, data.train_y, self.num_classes)
+        obs, _ = observation_sets(features, data.train_y, self.num_classes, self.m_up,
+                                  self.n_avg, generator)
+        return self.up_message(round, config.client_id, {
+            "prototypes": protos.to(torch.float32), "observations": obs.to(torch.float32),
+            "counts": counts})
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        """(n, C) float64 softmax of the client's own network on ``x`` (n, ...)."""
+        logits, _ = batched_apply(self.client_model(config, state), x)
+        return {PREDICTIVE: torch.softmax(logits.to(torch.float64), dim=-1).cpu()}
+
+
+def upload_floats(num_classes: int, feature_dim: int, m_up: int = 1) -> int:
+    """Feature floats of one CoLearn upload, ``(1 + m_up) C d'`` (spec §1.5)."""
+    return (1 + m_up) * num_classes * feature_dim
+
+
+def model_floats(model: nn.Module) -> int:
+    """Parameter count of a network (what FedAvg would send per client and round)."""
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+__all__ = ["CoLearn", "contrastive_terms", "model_floats", "observation_sets",
+           "select_observations", "upload_floats"]
