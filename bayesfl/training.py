@@ -22,6 +22,7 @@ global head, global class means, prototypes).
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -243,9 +244,18 @@ def train_stacked(
     used). The trained values are written into the ``parameters[k]`` tensors in place.
 
     The objective must be the same function for every client (constants it closes over are
-    shared). Buffers are carried along read-only (no batch-norm statistics updates).
+    shared). Buffers are carried along read-only (no batch-norm statistics updates), except
+    for a template with batch-norm running statistics (:func:`has_running_stats`): vmapped
+    training would normalise with statistics over the padded rows and drop the running-stat
+    updates, so such clients are trained one by one with :func:`train_plain` (same generator
+    use, same result as each client alone) and each ``buffers[k]`` entry is *replaced* by the
+    client's updated buffer (the dicts are changed, never the tensors they held).
     """
     if not parameters:
+        return
+    if has_running_stats(template):
+        _train_each(template, parameters, buffers, xs, ys, objective, config,
+                    generators=generators, trainable=trainable)
         return
     trainable = trainable or _all_parameters
     template.train()
@@ -304,6 +314,36 @@ def train_stacked(
         for k, p in enumerate(per_model):
             for n in train_names:
                 p[n].copy_(train_p[n][k])
+
+
+def has_running_stats(module: nn.Module) -> bool:
+    """Whether ``module`` has a batch-norm layer that tracks running statistics."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+               for m in module.modules())
+
+
+def _train_each(
+    template: nn.Module,
+    parameters: Sequence[dict[str, Tensor]],
+    buffers: Sequence[dict[str, Tensor]],
+    xs: Sequence[Tensor],
+    ys: Sequence[Tensor],
+    objective: Objective,
+    config: LocalTraining,
+    *,
+    generators: Sequence[torch.Generator],
+    trainable: ParameterFilter | None,
+) -> None:
+    """:func:`train_stacked` of a template with running statistics: :func:`train_plain` on a
+    copy per client; parameters written back in place, buffer entries replaced."""
+    model = copy.deepcopy(template)
+    for p, b, x, y, g in zip(parameters, buffers, xs, ys, generators, strict=True):
+        model.load_state_dict({**p, **b}, strict=True)
+        train_plain(model, x, y, objective, config, generator=g, trainable=trainable)
+        with torch.no_grad():
+            for name, value in model.named_parameters():
+                p[name].copy_(value)
+        b.update({name: value.detach().clone() for name, value in model.named_buffers()})
 
 
 def _reset(state: _AdamState | torch.optim.Adam) -> None:

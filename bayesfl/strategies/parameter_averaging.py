@@ -300,8 +300,9 @@ class ParameterAveraging(Strategy):
             train_stacked(template, params, buffers, xs, ys, self.objective, phase,
                           generators=generators, trainable=trainable)
         round = broadcast.header.round
-        return [(with_parameters(s, p), self._upload(c, d, round, p))
-                for c, s, p, d in zip(configs, states, params, datas, strict=True)]
+        # buffers too: a body with batch-norm statistics has them updated by training
+        return [(with_parameters(s, {**b, **p}), self._upload(c, d, round, p))
+                for c, s, p, b, d in zip(configs, states, params, buffers, datas, strict=True)]
 
     def _predict_parameters(
         self, config: ClientConfig, state: ClientState, broadcast: Message

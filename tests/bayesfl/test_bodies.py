@@ -1,5 +1,7 @@
 """Bodies: each spec builds and maps (B, *input_shape) to non-negative (B, feature_dim)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -93,3 +95,98 @@ def test_check_feature_dim_restores_training_mode_and_handles_parameter_free_bod
     body.train()
     check_feature_dim(body, (4,), 4)
     assert body.training
+
+
+@pytest.mark.parametrize(("spec", "input_shape", "feature_dim"), [
+    ("resnet8", (3, 32, 32), 256),
+    ("resnet8:8-16-32", (64,), 20),       # digits 8x8: maps are 1x1 from stage 2 on
+    ("resnet8:8-16-32", (1, 28, 28), 32),
+    ("lenet5", (1, 28, 28), 84),
+    ("lenet5", (64,), 84),                # digits 8x8: 'same' padding
+    ("lenet5", (3, 32, 32), 84),
+    ("lg-cnn-mnist", (1, 28, 28), 50),
+    ("lg-cnn-mnist", (64,), 50),
+    ("lg-cnn-cifar", (3, 32, 32), 100),
+])
+def test_image_bodies_map_a_batch_to_non_negative_features(spec, input_shape, feature_dim):
+    torch.manual_seed(0)
+    body = build_body(spec, input_shape, feature_dim)
+    features = body(torch.randn(4, *input_shape))
+    assert features.shape == (4, feature_dim) and (features >= 0).all()
+    check_feature_dim(body, input_shape, feature_dim)
+    features.sum().backward()
+    assert all(p.grad is not None for p in body.parameters())
+
+
+def test_resnet8_has_the_fedpart_papers_group_sizes():
+    # spec fedpart.md §1.2 table (CIFAR-10): conv + following BN per group, shortcut separate
+    body = build_body("resnet8", (3, 32, 32), 256)
+    sizes = {}
+    for name, p in body.named_parameters():
+        prefix = name.rsplit(".", 1)[0].replace("bn", "conv").replace("downsample.1",
+                                                                      "downsample.0")
+        sizes[prefix] = sizes.get(prefix, 0) + p.numel()
+    assert list(sizes.values()) == [9_536, 36_992, 36_992, 73_984, 147_712, 8_448, 295_424,
+                                    590_336, 33_280]
+    assert sum(sizes.values()) + (256 * 10 + 10) == 1_235_274  # the paper's "about 1.235M"
+    assert not isinstance(body.proj, nn.Linear) and len(list(body.proj.parameters())) == 0
+
+
+def test_resnet8_projects_when_feature_dim_differs_from_the_last_width():
+    body = build_body("resnet8:8-16-32", (64,), 20)
+    assert isinstance(body.proj[0], nn.Linear) and body.proj[0].weight.shape == (20, 32)
+
+
+@pytest.mark.parametrize(("spec", "input_shape", "flat"), [
+    ("lenet5", (1, 28, 28), 16 * 4 * 4),   # 28 -> 24 -> 12 -> 8 -> 4 (valid convs)
+    ("lenet5", (3, 32, 32), 16 * 5 * 5),   # classic LeNet-5: 400 features
+    ("lenet5", (64,), 16 * 2 * 2),         # 8 -> 8 -> 4 -> 4 -> 2 ('same' padding)
+])
+def test_lenet5_parameter_count_matches_the_layer_formula(spec, input_shape, flat):
+    channels = input_shape[0] if len(input_shape) == 3 else 1
+    expected = ((channels * 6 * 25 + 6) + (6 * 16 * 25 + 16) + (flat * 120 + 120)
+                + (120 * 84 + 84))
+    assert sum(p.numel() for p in build_body(spec, input_shape, 84).parameters()) == expected
+
+
+@pytest.mark.parametrize(("spec", "input_shape", "feature_dim", "last_two"), [
+    ("lg-cnn-mnist", (1, 28, 28), 50, 16_560),   # spec fedlog.md: "LG-FedAvg 2" = 16560
+    ("lg-cnn-cifar", (3, 32, 32), 100, 13_110),  # CIFAR10 "LG-FedAvg 2" = 13110
+])
+def test_lg_fedavg_cnns_share_the_papers_two_layer_sizes(spec, input_shape, feature_dim,
+                                                         last_two):
+    linears = [m for m in build_body(spec, input_shape, feature_dim).modules()
+               if isinstance(m, nn.Linear)]
+    last = linears[-1].weight.numel() + linears[-1].bias.numel()
+    assert last + (feature_dim * 10 + 10) == last_two
+
+
+@pytest.mark.parametrize("spec", ["resnet8:8-16", "resnet8:8-16-32-64", "lenet5:3",
+                                  "lg-cnn-mnist:10"])
+def test_fixed_architectures_reject_wrong_sizes(spec):
+    with pytest.raises(ConfigError, match="malformed"):
+        build_body(spec, (64,), 10)
+
+
+def test_stacked_training_of_a_batchnorm_body_equals_training_each_client():
+    # train_stacked falls back to train_plain per client for running statistics; the two
+    # paths are the same computation, so the results agree bitwise
+    from bayesfl.strategies.networks import ClassifierNet, cross_entropy_per_sample
+    from bayesfl.training import LocalTraining, train_plain, train_stacked
+    torch.manual_seed(0)
+    net = ClassifierNet(build_body("resnet8:4-8-8", (64,), 8), 8, 3)
+    xs = [torch.randn(12, 64), torch.randn(7, 64)]
+    ys = [torch.randint(0, 3, (12,)), torch.randint(0, 3, (7,))]
+    config = LocalTraining(epochs=2, batch_size=5)
+    params = [{n: p.detach().clone() for n, p in net.named_parameters()} for _ in xs]
+    buffers = [{n: b.clone() for n, b in net.named_buffers()} for _ in xs]
+    train_stacked(net, params, buffers, xs, ys, cross_entropy_per_sample, config,
+                  generators=[torch.Generator().manual_seed(k) for k in range(2)])
+    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        alone = copy.deepcopy(net)
+        train_plain(alone, x, y, cross_entropy_per_sample, config,
+                    generator=torch.Generator().manual_seed(k))
+        for n, v in alone.state_dict().items():
+            assert torch.equal(v, {**params[k], **buffers[k]}[n]), n
+    assert not torch.equal(buffers[0]["body.pre_bn.running_mean"],
+                           net.state_dict()["body.pre_bn.running_mean"])
