@@ -27,6 +27,7 @@ from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLo
 from bayesfl.strategies.fedper import FedPer
 from bayesfl.strategies.fedproto import FedProto
 from bayesfl.strategies.fedrep import FedRep, FedRep1
+from bayesfl.strategies.fedsi import FedSI, FedSIFac
 from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
 from bayesfl.strategies.local_only import LocalOnly
 
@@ -35,6 +36,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     for cls in (CoLearn, FederatedDistillation,
                 FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
                 FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto, FedAvgFT, LocalOnly)
+    + (FedSI, FedSIFac)
 }
 """Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
 their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
@@ -95,6 +97,8 @@ __all__ = [
     "FedProto",
     "FedRep",
     "FedRep1",
+    "FedSI",
+    "FedSIFac",
     "FederatedDistillation",
     "LGFedAvg",
     "LGFedAvg2",

@@ -1,0 +1,636 @@
+"""FedSI (Chen et al. 2024, "Federated Subnetwork Inference"): a Bayesian FedBABU.
+
+Spec: fedsi.md of the project's shared specs (section numbers below are its). The client
+network is :class:`~bayesfl.strategies.networks.ClassifierNet`: a shared body theta (every
+``body.*`` parameter, |R| of them, flattened in ``model.body.parameters()`` order) and a
+personal linear head phi.
+
+**Server** (§2.4). It keeps a diagonal Gaussian ``N(mu, diag(g))`` over the body: ``mu`` starts
+at the body's initialisation (one init seed per body spec), ``g`` at ``prior_var`` (alpha) for
+every entry (§2.2). It broadcasts ``mean`` and ``variance`` (float32, |R| each) and aggregates
+the uploads: ``mu`` = the mean of the clients' means; the variances by ``aggregation``
+(below), entries no client made stochastic reset to alpha, then clamped to
+``[variance_floor, alpha]``.
+
+**Client round** (§2.3). Warm start theta = mu; ``local_epochs`` of Adam (``local_lr``, the
+run's batch size, one optimiser state for the whole round) on the body only, the head frozen at
+its initial value phi^0, minimising ``mean CE + (1 / 2n) sum_r (theta_r - mu_r)^2 / g_r`` (the
+broadcast Gaussian as prior, :func:`prior_penalty`); then, in eval mode at the MAP:
+:func:`inference.subnet.select_subnet` picks the |S| body entries of largest diagonal-Laplace
+variance ``1 / (diag GGN + 1/g)`` and :func:`inference.subnet.fit_subnet_laplace` fits the
+dense |S| x |S| GGN Laplace with prior precision ``1/g_S`` (GGN summed over the client's
+training set). Upload: ``mean`` (the MAP of every body entry, float32 (|R|,)), ``std``
+(marginal posterior standard deviations, float32 (|R|,), **exactly zero outside the subnet**),
+``subnet`` (the declared indices, int32 (|S|,), sorted) and ``num_samples``. The head and
+the covariance never leave the client.
+
+**Personalisation** (§2.5, after training and for a novel client that never trained): the body
+is fixed at the global mean, the head is fine-tuned from phi^0 (``finetune_epochs`` of Adam at
+``finetune_lr``, the run's batch size, body frozen), then the subnet is selected again and the
+Laplace refitted at (mu, phi_fin) with prior precision ``1/g`` (fine-tune first: Eq. 17 takes
+the Jacobian at phi_fin, §8 A8). Prediction: ``{"predictive": GLM predictive (probit, or MC
+with predictive="glm_mc"), "map_plugin": softmax(f(x; mu, phi_fin))}``. Rounds before
+personalisation evaluate the global mean with the client's initial head (FedBABU's "before
+fine-tuning"); there is no client posterior then, so both keys hold that softmax.
+
+**FedSI-Fac** (``fedsi-fac``, §6.1 item 11): ``posterior="diag_all"``: a diagonal GGN Laplace
+over every body entry (:class:`inference.subnet.DiagonalLaplacePosterior`), all standard
+deviations sent (no ``subnet`` tensor), diagonal GLM predictive.
+
+Options (every ambiguity of spec §8 is one, with the spec's recommended default):
+
+======================  ===================  ===================================================
+option                  default              meaning (spec)
+======================  ===================  ===================================================
+prior_var               1e-4                 alpha, the base prior *variance* (§1.2, A1)
+subnet_fraction         0.05                 |S| = floor(fraction |R|), >= 1 (§1.4, A9; 5% MLP)
+subnet_size             None                 an explicit |S| (overrides the fraction)
+posterior               "subnet_full"        "subnet_full" (FedSI), "subnet_diag" (diagonal
+                                             posterior on the subnet), "diag_all" (FedSI-Fac;
+                                             its default) (A17)
+aggregation             "mean_std"           variances: "mean_std" (the paper: mean of the stds,
+                                             zeros included, squared), "mean_var",
+                                             "mean_nonzero" (over the clients that chose r),
+                                             "moment_match" (mixture moments), "product"
+                                             (precision-weighted product of Gaussians, below)
+                                             (A4)
+weights                 "uniform"            client weights of the means: "uniform" (paper) or
+                                             "n_i" (sample counts) (A12)
+variance_floor          1e-12                lower clamp of g (A18)
+prior_in_map            True                 the Gaussian prior term in the local MAP (A2)
+local_lr                0.01                 Adam lr of local training (§5.2); None: the run's lr
+head_init               "shared"             phi^0 shared by clients of a body spec, or
+                                             "per_client" (§2.2, A7)
+filter_zero_curvature   True                 rank zero-curvature entries last; False: the
+                                             paper's literal rule (A5)
+eval_selection          "diag_laplace"       selection at personalisation: diagonal-Laplace
+                                             variance at (mu, phi_fin), or "global_var" (rank by
+                                             g alone) (A6)
+finetune_epochs         5                    head fine-tuning epochs (A7)
+finetune_lr             1e-3                 head fine-tuning Adam lr (A7)
+predictive              "glm_probit"         "glm_probit" (Eq. 19) or "glm_mc" (§3.2)
+mc_samples              100                  weight-space draws of "glm_mc"
+screening_ratio         10.0                 reject an upload whose ||mean - mu|| exceeds this
+                                             many times the round's median (None: off)
+curvature_batch         256                  rows per curvature / Jacobian chunk (memory only)
+======================  ===================  ===================================================
+
+The Laplace runs every round (A11: ``laplace_every = 1``, the paper's schedule; no option).
+
+**Product aggregation** (``aggregation="product"``, not in the paper). Per entry r, the
+clients that made r stochastic contribute ``N(mu_ir, s_ir^2)``; the new variance is
+``1 / sum_i s_ir^-2`` over them (each client's posterior already contains the broadcast prior,
+which is *not* divided out: the product is a plain product of the uploaded Gaussians) and the
+new mean is the precision-weighted mean, in which a client that kept r deterministic weighs
+``1 / g_r`` (it claims nothing beyond the prior there). Entries nobody made stochastic get the
+plain mean and alpha, as in the paper's rule.
+
+**What an honest upload satisfies** (:meth:`FedSI.upload_problems`, each failure named):
+``num_samples >= 1`` and not above the client's first declared count; the declared subnet
+sorted, unique and inside the body; every ``std`` >= 0; ``std`` exactly 0 outside the declared
+subnet and > 0 inside it (the posterior precision is positive definite); ``std`` at most the
+broadcast prior std (a Laplace marginal variance ``[(H + D)^-1]_rr <= D^-1_rr`` for a
+PSD GGN H; relative slack 1e-3 for float32 rounding); the mean's distance to ``mu`` within
+``screening_ratio`` times the round's median. The subnet size is fixed by the schema
+(``subnet`` has shape (|S|,)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    MAP_PLUGIN,
+    NUM_SAMPLES_SPEC,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
+    ServerState,
+    Strategy,
+    StrategyContext,
+    derived_seed,
+    model_state,
+    num_samples_problem,
+    num_samples_tensor,
+    option_integer,
+    option_number,
+)
+from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
+from bayesfl.strategies.robust import (
+    declarations,
+    declared_problems,
+    first_reasons,
+    screening_reasons,
+)
+from bayesfl.training import LocalTraining, train_plain
+from inference.subnet import (
+    SubnetLaplacePosterior,
+    fit_subnet_laplace,
+    rank_by_variance,
+    select_subnet,
+)
+from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
+from inference.subnet.parameters import resolve_subnet_size
+
+POSTERIORS = ("subnet_full", "subnet_diag", "diag_all")
+AGGREGATIONS = ("mean_std", "mean_var", "mean_nonzero", "moment_match", "product")
+WEIGHTS = ("uniform", "n_i")
+HEAD_INITS = ("shared", "per_client")
+EVAL_SELECTIONS = ("diag_laplace", "global_var")
+PREDICTIVES = ("glm_probit", "glm_mc")
+PERSONALIZED = "personalized"
+"""Client-state key set by :meth:`FedSI.personalize`."""
+POSTERIOR_PREFIX = "posterior."
+STD_TOLERANCE = 1e-3
+"""Relative slack of the ``std <= prior std`` check: float32 rounding of the broadcast
+variance and of the uploaded std is ~1e-7; 1e-3 only has to separate rounding from a lie."""
+
+
+Posterior = SubnetLaplacePosterior | DiagonalLaplacePosterior
+
+
+def prior_penalty(theta: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
+    """``0.5 * sum_r (theta_r - mean_r)^2 / variance_r``: minus the log density of the
+    broadcast Gaussian prior up to a constant. All (|R|,); returns a scalar."""
+    return 0.5 * ((theta - mean).square() / variance).sum()
+
+
+def body_vector(model: nn.Module) -> Tensor:
+    """The body's parameters as one flat vector (|R|,) (``model.body.parameters()`` order)."""
+    return parameters_to_vector(model.body.parameters()).detach().clone()
+
+
+def aggregate_gaussians(
+    means: Tensor,
+    stds: Tensor,
+    weights: Tensor,
+    prior_variance: Tensor,
+    *,
+    rule: str,
+    alpha: float,
+    floor: float,
+) -> tuple[Tensor, Tensor]:
+    """The server's new ``(mean, variance)`` from K uploads (module docstring).
+
+    Args:
+        means, stds: (K, R) float64 uploads.
+        weights: (K,) non-negative weights summing to 1 (means of every rule but "product").
+        prior_variance: (R,) the variances broadcast this round (the "product" rule weighs a
+            deterministic client's mean by their inverse).
+        rule: one of :data:`AGGREGATIONS`.
+        alpha: the base prior variance (entries nobody made stochastic; the upper clamp).
+        floor: the lower clamp of the variances.
+
+    Returns:
+        ``(mean (R,), variance (R,))`` float64.
+    """
+    stochastic = stds > 0
+    anyone = stochastic.any(0)
+    w = weights.view(-1, 1)
+    if rule == "product":
+        precision = torch.where(stochastic, stds.square().reciprocal(),
+                                prior_variance.reciprocal().expand_as(stds))
+        mean = (precision * means).sum(0) / precision.sum(0)
+        stochastic_precision = torch.where(stochastic, precision, torch.zeros_like(precision))
+        variance = stochastic_precision.sum(0).reciprocal()  # inf where nobody: reset below
+    else:
+        mean = (w * means).sum(0)
+        if rule == "mean_std":
+            variance = (w * stds).sum(0).square()
+        elif rule == "mean_var":
+            variance = (w * stds.square()).sum(0)
+        elif rule == "mean_nonzero":
+            chose = w * stochastic
+            variance = (chose * stds.square()).sum(0) / chose.sum(0).clamp_min(1e-300)
+        elif rule == "moment_match":
+            variance = (w * (stds.square() + means.square())).sum(0) - mean.square()
+        else:
+            raise ConfigError(f"unknown aggregation {rule!r}; valid: {', '.join(AGGREGATIONS)}")
+    variance = torch.where(anyone, variance, torch.full_like(variance, alpha))
+    return mean, variance.clamp(min=floor, max=alpha)
+
+
+class FedSI(Strategy):
+    """FedSI: a Gaussian over the shared body, subnet Laplace on every client (module doc).
+
+    Args: see the options table of the module docstring.
+    """
+
+    name: ClassVar[str] = "fedsi"
+    personalizes: ClassVar[bool] = True
+    is_posterior: ClassVar[bool] = True
+    default_posterior: ClassVar[str] = "subnet_full"
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        prior_var: float = 1e-4,
+        subnet_fraction: float = 0.05,
+        subnet_size: int | None = None,
+        posterior: str | None = None,
+        aggregation: str = "mean_std",
+        weights: str = "uniform",
+        variance_floor: float = 1e-12,
+        prior_in_map: bool = True,
+        local_lr: float | None = 1e-2,
+        head_init: str = "shared",
+        filter_zero_curvature: bool = True,
+        eval_selection: str = "diag_laplace",
+        finetune_epochs: int = 5,
+        finetune_lr: float = 1e-3,
+        predictive: str = "glm_probit",
+        mc_samples: int = 100,
+        screening_ratio: float | None = 10.0,
+        curvature_batch: int = 256,
+    ) -> None:
+        super().__init__(context)
+        name = self.name
+        self.prior_var = option_number(name, "prior_var", prior_var, 0.0)
+        self.variance_floor = option_number(name, "variance_floor", variance_floor, 0.0)
+        if not 0 < self.variance_floor <= self.prior_var:
+            raise ConfigError(f"{name} needs 0 < variance_floor <= prior_var, got "
+                              f"{variance_floor!r} and {prior_var!r}")
+        self.subnet_fraction = option_number(name, "subnet_fraction", subnet_fraction, 0.0)
+        if not 0 < self.subnet_fraction <= 1:
+            raise ConfigError(f"{name} subnet_fraction must be in (0, 1], got {subnet_fraction!r}")
+        self.subnet_size = (None if subnet_size is None
+                            else option_integer(name, "subnet_size", subnet_size, 1))
+        self.posterior_kind = self.default_posterior if posterior is None else posterior
+        for option, value, valid in (
+            ("posterior", self.posterior_kind, POSTERIORS),
+            ("aggregation", aggregation, AGGREGATIONS), ("weights", weights, WEIGHTS),
+            ("head_init", head_init, HEAD_INITS),
+            ("eval_selection", eval_selection, EVAL_SELECTIONS),
+            ("predictive", predictive, PREDICTIVES),
+        ):
+            if value not in valid:
+                raise ConfigError(f"{name} {option} must be one of {', '.join(valid)}; got "
+                                  f"{value!r}")
+        for option, value in (("prior_in_map", prior_in_map),
+                              ("filter_zero_curvature", filter_zero_curvature)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} {option} must be true or false, got {value!r}")
+        self.aggregation, self.weights, self.head_init = aggregation, weights, head_init
+        self.eval_selection, self.predictive = eval_selection, predictive
+        self.prior_in_map, self.filter_zero_curvature = prior_in_map, filter_zero_curvature
+        self.local_lr = None if local_lr is None else option_number(name, "local_lr", local_lr)
+        if self.local_lr is not None and self.local_lr <= 0:
+            raise ConfigError(f"{name} local_lr must be > 0, got {local_lr!r}")
+        self.finetune_epochs = option_integer(name, "finetune_epochs", finetune_epochs, 0)
+        self.finetune_lr = option_number(name, "finetune_lr", finetune_lr)
+        if self.finetune_lr <= 0:
+            raise ConfigError(f"{name} finetune_lr must be > 0, got {finetune_lr!r}")
+        self.mc_samples = option_integer(name, "mc_samples", mc_samples, 1)
+        self.screening_ratio = (None if screening_ratio is None
+                                else option_number(name, "screening_ratio", screening_ratio, 1.0))
+        self.curvature_batch = option_integer(name, "curvature_batch", curvature_batch, 1)
+
+    # ==== sizes ============================================================================
+    @property
+    def sends_subnet(self) -> bool:
+        """Whether uploads declare a subnet (not for FedSI-Fac's diagonal over everything)."""
+        return self.posterior_kind != "diag_all"
+
+    def body_size(self, body: str | None = None) -> int:
+        """|R|, the number of body parameters of body spec ``body`` (default: the first)."""
+        spec = self.context.bodies[0] if body is None else body
+        return sum(p.numel() for p in self.template(spec).body.parameters())
+
+    def subnet_count(self, body: str | None = None) -> int:
+        """|S|: ``subnet_size``, or ``floor(subnet_fraction |R|)`` (at least 1)."""
+        R = self.body_size(body)
+        if self.subnet_size is not None:
+            if self.subnet_size > R:
+                raise ConfigError(f"{self.name} subnet_size {self.subnet_size} exceeds the body's "
+                                  f"{R} parameters")
+            return self.subnet_size
+        return resolve_subnet_size(float(self.subnet_fraction), R)
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return ClassifierNet(body, self.feature_dim, self.num_classes)
+
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        """``mean``: the body of the first spec's initial network (float32, (|R|,));
+        ``variance``: alpha everywhere (float64).
+
+        Raises:
+            ConfigError: body specs whose bodies differ in parameter shapes.
+        """
+        specs = list(dict.fromkeys(self.context.bodies))
+        models = [self.initial_model(ClientConfig(0, s, self.context.init_seed(s)))
+                  for s in specs]
+        shapes = [[tuple(p.shape) for p in m.body.parameters()] for m in models]
+        if any(s != shapes[0] for s in shapes[1:]):
+            raise ConfigError(f"{self.name} shares the whole body: every body spec must have the "
+                              f"same parameter shapes, got {specs}")
+        mean = body_vector(models[0]).to(torch.float32)
+        return {"mean": mean,
+                "variance": torch.full(mean.shape, self.prior_var, dtype=torch.float64)}
+
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return {"mean": state["mean"].to(torch.float32),
+                "variance": state["variance"].to(torch.float32)}
+
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        R = int(state["mean"].numel())
+        schema = {"mean": TensorSpec((R,), torch.float32), "std": TensorSpec((R,), torch.float32),
+                  "num_samples": NUM_SAMPLES_SPEC}
+        if self.sends_subnet:
+            schema["subnet"] = TensorSpec((self.subnet_count(),), torch.int32)
+        return schema
+
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """The invariants of the module docstring, the first failing one named per upload."""
+        prior_std = plan.state["variance"].to(torch.float64).sqrt()
+        mu = plan.state["mean"].to(torch.float64)
+        ids = [m.header.client_id for m in messages]
+        counts = [int(m.tensors["num_samples"].item()) for m in messages]
+        norms = torch.stack([(m.tensors["mean"].to(torch.float64) - mu).norm()
+                             for m in messages])
+        return first_reasons(
+            [num_samples_problem(m) for m in messages],
+            declared_problems(plan.state, ids, counts),
+            [self._std_problem(m, prior_std) for m in messages],
+            screening_reasons(norms, self.screening_ratio, "distance of the mean to the "
+                              "broadcast mean"),
+        )
+
+    def _std_problem(self, message: Message, prior_std: Tensor) -> str | None:
+        std = message.tensors["std"].to(torch.float64)
+        R = std.numel()
+        if bool((std < 0).any()):
+            return f"{int((std < 0).sum())} negative standard deviations"
+        above = std > prior_std * (1 + STD_TOLERANCE)
+        if bool(above.any()):
+            return (f"{int(above.sum())} standard deviations above the broadcast prior std (a "
+                    "Laplace posterior variance cannot exceed its prior variance)")
+        if not self.sends_subnet:
+            if bool((std == 0).any()):
+                return (f"{int((std == 0).sum())} zero standard deviations: {self.name} sends "
+                        "the positive std of every body parameter")
+            return None
+        idx = message.tensors["subnet"].to(torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= R):
+            return f"declared subnet indices outside [0, {R})"
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            return "declared subnet indices are not sorted and unique"
+        inside = torch.zeros(R, dtype=torch.bool)
+        inside[idx] = True
+        outside = (std != 0) & ~inside
+        if bool(outside.any()):
+            return (f"{int(outside.sum())} non-zero standard deviations outside the declared "
+                    "subnet (deterministic parameters must send exactly 0)")
+        if bool((std[inside] == 0).any()):
+            return (f"{int((std[inside] == 0).sum())} zero standard deviations inside the "
+                    "declared subnet (a positive-definite posterior has std > 0)")
+        return None
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """The new Gaussian (:func:`aggregate_gaussians` with ``aggregation``) and the ledger of
+        declared sample counts."""
+        if not uploads:
+            return state
+        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
+        if self.weights == "n_i":
+            weights = torch.tensor(counts, dtype=torch.float64)
+        else:
+            weights = torch.ones(len(uploads), dtype=torch.float64)
+        means = torch.stack([m.tensors["mean"].to(torch.float64) for m in uploads])
+        stds = torch.stack([m.tensors["std"].to(torch.float64) for m in uploads])
+        mean, variance = aggregate_gaussians(
+            means, stds, weights / weights.sum(), state["variance"].to(torch.float64),
+            rule=self.aggregation, alpha=self.prior_var, floor=self.variance_floor)
+        new = {"mean": mean.to(torch.float32), "variance": variance}
+        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
+        return new
+
+    def server_metrics(self, state: ServerState) -> dict[str, float]:
+        """``fedsi_stochastic_fraction``: the share of body entries whose variance is below
+        alpha (made stochastic by some client last round); ``fedsi_mean_std``: the mean of
+        sqrt(g)."""
+        variance = state["variance"].to(torch.float64)
+        below = variance < self.prior_var * (1 - 1e-9)
+        return {"fedsi_stochastic_fraction": float(below.double().mean()),
+                "fedsi_mean_std": float(variance.sqrt().mean())}
+
+    # ==== client half ======================================================================
+    def init_client(self, config: ClientConfig) -> ClientState:
+        """The initial network; with ``head_init="per_client"`` the head is redrawn from a
+        seed derived from the run seed and the client id."""
+        model = self.initial_model(config)
+        if self.head_init == "per_client":
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derived_seed(self.context.seed, 23, config.client_id))
+                model.head.reset_parameters()
+        return model_state(model)
+
+    def received(self, config: ClientConfig, broadcast: Message) -> tuple[Tensor, Tensor]:
+        """The broadcast ``(mean, variance)`` (|R|,) each, checked against this client's body,
+        on the context's device.
+
+        Raises:
+            MessageRejected: missing tensors, wrong shapes, non-finite values or variances that
+                are not positive.
+        """
+        R = self.body_size(config.body)
+        tensors = broadcast.tensors
+        if set(tensors) != {"mean", "variance"}:
+            raise MessageRejected(f"{self.name} broadcast must hold mean and variance, got "
+                                  f"{sorted(tensors)}")
+        mean, variance = tensors["mean"], tensors["variance"]
+        if mean.shape != (R,) or variance.shape != (R,):
+            raise MessageRejected(f"broadcast mean {tuple(mean.shape)} / variance "
+                                  f"{tuple(variance.shape)} do not match this client's body of "
+                                  f"{R} parameters")
+        if not bool(torch.isfinite(mean).all() & torch.isfinite(variance).all()
+                    & (variance > 0).all()):
+            raise MessageRejected("broadcast mean must be finite and variances finite and > 0")
+        device = self.context.device
+        return mean.to(device, torch.float32), variance.to(device, torch.float32)
+
+    def model_at(self, config: ClientConfig, state: ClientState, mean: Tensor) -> nn.Module:
+        """The client's network with its body set to ``mean`` and its head from ``state``."""
+        model = self.client_model(config, state)
+        with torch.no_grad():
+            vector_to_parameters(mean.to(torch.float32), model.body.parameters())
+        return model
+
+    def map_objective(self, model: nn.Module, mean: Tensor, variance: Tensor, n: int):
+        """Per-sample loss of the local MAP: ``CE + prior_penalty(body, mean, variance) / n``
+        (its batch mean is the spec's §2.3b objective); plain CE with ``prior_in_map=False``."""
+
+        def objective(output: Tensor, labels: Tensor) -> Tensor:
+            loss = cross_entropy_per_sample(output, labels)
+            if not self.prior_in_map:
+                return loss
+            theta = torch.cat([p.reshape(-1) for p in model.body.parameters()])
+            return loss + prior_penalty(theta, mean, variance) / n
+
+        return objective
+
+    def local_map(self, model: nn.Module, data: ClientData, mean: Tensor, variance: Tensor,
+                  generator: torch.Generator) -> None:
+        """Step 1: train the body in place under the broadcast prior, the head frozen."""
+        lr = self.context.training.lr if self.local_lr is None else self.local_lr
+        training = replace(self.context.training, lr=lr, reset_optimizer_each_epoch=False)
+        train_plain(model, data.train_x, data.train_y,
+                    self.map_objective(model, mean, variance, data.num_train), training,
+                    generator=generator, trainable=lambda name: name.startswith("body."))
+
+    def curvature_batches(self, data: ClientData) -> list[tuple[Tensor, Tensor]]:
+        """The client's training set in chunks of ``curvature_batch`` rows (the GGN is summed
+        over all of it)."""
+        step = self.curvature_batch
+        return [(data.train_x[i : i + step], data.train_y[i : i + step])
+                for i in range(0, data.num_train, step)]
+
+    def choose_subnet(self, model: nn.Module, batches: list, variance: Tensor,
+                      rule: str = "diag_laplace") -> Tensor | None:
+        """Step 2: the |S| body entries of largest diagonal-Laplace variance (``rule=
+        "global_var"``: of largest ``g``); None for ``posterior="diag_all"``."""
+        if not self.sends_subnet:
+            return None
+        model.head.requires_grad_(False)  # the index space is the body
+        prior = variance.to(torch.float64).reciprocal()
+        S = self.subnet_count()
+        if rule == "global_var":
+            return rank_by_variance(torch.zeros_like(prior), prior, S,
+                                    filter_zero_curvature=False)
+        return select_subnet(model, batches, S, prior,
+                             filter_zero_curvature=self.filter_zero_curvature)
+
+    def laplace(self, model: nn.Module, batches: list, variance: Tensor,
+                subnet: Tensor | None) -> Posterior:
+        """Step 3: the Laplace posterior at the model's current body (head frozen)."""
+        model.head.requires_grad_(False)
+        prior = variance.to(torch.float64).reciprocal()
+        if subnet is None:
+            return fit_diagonal_laplace(model, batches, prior)
+        structure = "diag" if self.posterior_kind == "subnet_diag" else "full"
+        return fit_subnet_laplace(model, batches, subnet, prior, hessian_structure=structure)
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """Warm start, local MAP, subnet selection, Laplace, upload (module docstring)."""
+        mean, variance = self.received(config, broadcast)
+        model = self.model_at(config, state, mean)
+        self.local_map(model, data, mean, variance, generator)
+        batches = self.curvature_batches(data)
+        subnet = self.choose_subnet(model, batches, variance)
+        posterior = self.laplace(model, batches, variance, subnet)
+        return model_state(model), self.upload(config, data, broadcast.header.round, model,
+                                               posterior)
+
+    def upload(self, config: ClientConfig, data: ClientData, round: int, model: nn.Module,
+               posterior: Posterior) -> Message:
+        """Step 4: the message (means, stds zero outside the subnet, subnet, sample count)."""
+        tensors = {"mean": body_vector(model).to(torch.float32),
+                   "std": posterior.marginal_std_full().to(torch.float32),
+                   "num_samples": num_samples_tensor(data.num_train)}
+        if isinstance(posterior, SubnetLaplacePosterior):
+            tensors["subnet"] = posterior.subnet_indices.to(torch.int32)
+        return self.up_message(round, config.client_id, tensors)
+
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """Body at the global mean, head fine-tuned, subnet selected and Laplace refitted."""
+        mean, variance = self.received(config, broadcast)
+        model = self.model_at(config, state, mean)
+        if self.finetune_epochs > 0:
+            training = LocalTraining(epochs=self.finetune_epochs, lr=self.finetune_lr,
+                                     batch_size=self.context.training.batch_size,
+                                     reset_optimizer_each_epoch=False)
+            train_plain(model, data.train_x, data.train_y, cross_entropy_per_sample, training,
+                        generator=generator, trainable=lambda name: name.startswith("head."))
+        batches = self.curvature_batches(data)
+        subnet = self.choose_subnet(model, batches, variance, self.eval_selection)
+        posterior = self.laplace(model, batches, variance, subnet)
+        kept = {f"{POSTERIOR_PREFIX}{k}": v.detach().clone()
+                for k, v in posterior.state_dict().items() if k != "mean"}
+        return {**model_state(model), **kept, PERSONALIZED: torch.ones(1, dtype=torch.bool)}
+
+    def personal_posterior(self, config: ClientConfig, state: ClientState) -> Posterior:
+        """The posterior a personalized state holds, bound to the client's network."""
+        model = self.client_model(config, state)
+        model.head.requires_grad_(False)
+        entries = {k[len(POSTERIOR_PREFIX):]: v for k, v in state.items()
+                   if k.startswith(POSTERIOR_PREFIX)}
+        entries["mean"] = body_vector(model)
+        if "ggn_diagonal" in entries:
+            return DiagonalLaplacePosterior.from_state_dict(entries, model=model)
+        return SubnetLaplacePosterior.from_state_dict(entries, model=model)
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        """GLM predictive and MAP plug-in of a personalized client; before personalisation,
+        the softmax of the global mean with the client's head under both keys."""
+        if PERSONALIZED not in state:
+            mean, _ = self.received(config, broadcast)
+            logits = batched_apply(self.model_at(config, state, mean), x)
+            probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
+            return {PREDICTIVE: probs, MAP_PLUGIN: probs}
+        posterior = self.personal_posterior(config, state)
+        generator = None
+        if self.predictive == "glm_mc":
+            device = posterior.mean.device
+            generator = torch.Generator(device).manual_seed(
+                derived_seed(self.context.seed, 29, config.client_id))
+        predictive = posterior.predict_proba(x, self.predictive, n_samples=self.mc_samples,
+                                             generator=generator,
+                                             chunk_size=self.curvature_batch)
+        plugin = posterior.predict_proba(x, "map", chunk_size=self.curvature_batch)
+        return {PREDICTIVE: predictive.to("cpu", torch.float64),
+                MAP_PLUGIN: plugin.to("cpu", torch.float64)}
+
+    def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
+        """Client ``config``'s posterior over the body (subnet Laplace, or diagonal for
+        FedSI-Fac) at (global mean, fine-tuned head): ``sample(n)`` draws (n, |R|) body vectors,
+        ``predict_proba(x, method)`` the predictives.
+
+        Raises:
+            ConfigError: the client has not personalized (it holds no posterior before).
+        """
+        if PERSONALIZED not in state:
+            raise ConfigError(f"client {config.client_id} has not personalized: {self.name} "
+                              "fits a client's posterior in personalize() after training")
+        return self.personal_posterior(config, state)
+
+
+class FedSIFac(FedSI):
+    """FedSI-Fac: FedSI with a diagonal GGN Laplace over every body parameter (all stds
+    sent; spec §6.1 item 11)."""
+
+    name: ClassVar[str] = "fedsi-fac"
+    default_posterior: ClassVar[str] = "diag_all"
+

@@ -1,0 +1,234 @@
+"""A diagonal GGN linearised-Laplace posterior over all trainable parameters (FedSI-Fac).
+
+``q(theta) = N(mean, diag(v))`` with ``v_r = 1 / (diag GGN_r + prior_precision_r)``, the GGN
+summed over the data (:func:`inference.subnet.diagonal_ggn`). The predictive linearises the
+network at ``mean`` (GLM): the logit variance of output o is ``sum_r J_or(x)^2 v_r``, computed
+from the Jacobian of *all* trainable parameters in chunks of rows with the subnet engine
+(:class:`inference.subnet.SubnetJacobian` over every index, the columns scaled by ``sqrt(v)``),
+never a (P, P) matrix. Same index space, model handling and predictive methods as
+:class:`inference.subnet.SubnetLaplacePosterior` (``"glm_probit"``, ``"glm_mc"``, ``"map"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from inference.errors import InvalidInputError, NumericalError
+from inference.inputs import as_network_inputs
+from inference.subnet.diagonal import diagonal_ggn
+from inference.subnet.jacobian import SubnetJacobian
+from inference.subnet.memory import check_memory
+from inference.subnet.parameters import (
+    check_prior_precision,
+    flat_trainable_parameters,
+    trainable_slots,
+)
+from inference.subnet.posterior import DEFAULT_CHUNK_BYTES, PredictiveMethod
+from inference.subnet.training_mode import eval_mode
+
+__all__ = ["DiagonalLaplacePosterior", "fit_diagonal_laplace"]
+
+_METHODS = ("glm_probit", "glm_mc", "map")
+_STATE_KEYS = ("mean", "ggn_diagonal", "prior_precision", "n_data")
+
+
+def fit_diagonal_laplace(
+    model: nn.Module,
+    loader: Iterable,
+    prior_precision: float | Tensor = 1.0,
+    *,
+    max_memory_bytes: int | None = None,
+) -> DiagonalLaplacePosterior:
+    """Diagonal GGN Laplace over every trainable parameter, at the model's current parameters.
+
+    Args:
+        model: returns (B, C) logits; evaluated in eval mode.
+        loader: yields ``(X, y)``; the GGN diagonal is summed over all of it.
+        prior_precision: scalar or (P,) per-parameter prior precision, > 0.
+        max_memory_bytes: memory budget override for the preflight.
+
+    Returns:
+        :class:`DiagonalLaplacePosterior` holding a reference to ``model``.
+    """
+    n_params = sum(s.numel for s in trainable_slots(model))
+    prior = check_prior_precision(prior_precision, n_params)
+    diag = diagonal_ggn(model, loader, max_memory_bytes=max_memory_bytes)
+    mean = flat_trainable_parameters(model)
+    return DiagonalLaplacePosterior(mean, diag, prior.to(mean.device), model=model)
+
+
+class DiagonalLaplacePosterior:
+    """Factorised Gaussian over all trainable parameters.
+
+    Args:
+        mean: (P,) MAP (model dtype and device).
+        ggn_diagonal: (P,) diagonal of the likelihood GGN (no prior), >= 0.
+        prior_precision: (P,) prior precisions, > 0.
+        model: the network the mean belongs to (for :meth:`predict_proba`).
+        n_data: number of data points the GGN was summed over (recorded).
+    """
+
+    kind: ClassVar[str] = "diagonal_laplace"
+
+    def __init__(
+        self,
+        mean: Tensor,
+        ggn_diagonal: Tensor,
+        prior_precision: Tensor,
+        model: nn.Module | None = None,
+        n_data: int = 0,
+    ) -> None:
+        if mean.dim() != 1 or not mean.dtype.is_floating_point:
+            raise InvalidInputError(f"mean must be a flat float vector, got {tuple(mean.shape)}")
+        P, device = mean.numel(), mean.device
+        ggn = ggn_diagonal.detach().to(device, torch.float64).reshape(-1)
+        prior = prior_precision.detach().to(device, torch.float64).reshape(-1)
+        if ggn.numel() != P or prior.numel() != P:
+            raise InvalidInputError(
+                f"ggn_diagonal {tuple(ggn_diagonal.shape)} and prior_precision "
+                f"{tuple(prior_precision.shape)} must both have {P} entries (one per parameter)"
+            )
+        if not bool(torch.isfinite(prior).all() & (prior > 0).all()):
+            raise InvalidInputError("prior_precision must be finite and > 0 everywhere")
+        if not bool(torch.isfinite(ggn).all() & torch.isfinite(mean).all()):
+            raise NumericalError("mean or GGN diagonal contains non-finite values")
+        self._mean = mean.detach()
+        self._ggn = ggn.clamp_min(0.0)  # rounding can leave -1e-20 on zero-curvature entries
+        self._prior_precision = prior
+        self._variance = 1.0 / (self._ggn + prior)
+        self.n_data = int(n_data)
+        self._model = model
+        self._engine: SubnetJacobian | None = None
+
+    @property
+    def mean(self) -> Tensor:
+        """(P,) posterior mean (the MAP)."""
+        return self._mean
+
+    @property
+    def n_params(self) -> int:
+        return self._mean.numel()
+
+    @property
+    def variance(self) -> Tensor:
+        """(P,) float64 marginal variances ``1 / (diag GGN + prior precision)``."""
+        return self._variance
+
+    @property
+    def ggn_diagonal(self) -> Tensor:
+        """(P,) float64 likelihood GGN diagonal."""
+        return self._ggn
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """(P,) float64 prior precisions."""
+        return self._prior_precision
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model
+
+    def marginal_std_full(self) -> Tensor:
+        """(P,) marginal standard deviations (all > 0), in the mean's dtype."""
+        return self._variance.sqrt().to(self._mean.dtype)
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """``n`` parameter vectors (n, P) drawn from ``N(mean, diag(v))``."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"n must be a positive int, got {n!r}")
+        z = torch.randn(n, self.n_params, dtype=torch.float64, device=self._mean.device,
+                        generator=generator)
+        return (self._mean.to(torch.float64) + z * self._variance.sqrt()).to(self._mean.dtype)
+
+    def _jacobian(self) -> SubnetJacobian:
+        if self._model is None:
+            raise InvalidInputError("this posterior holds no model: pass model=... to predict")
+        if self._engine is None:
+            every = torch.arange(self.n_params, dtype=torch.int64)
+            self._engine = SubnetJacobian(self._model, every, self._mean)
+        return self._engine
+
+    @torch.no_grad()
+    def predict_proba(
+        self,
+        inputs: Tensor,
+        method: PredictiveMethod | None = None,
+        *,
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        max_memory_bytes: int | None = None,
+    ) -> Tensor:
+        """Predictive class probabilities (B, C); see the module docstring for the methods.
+
+        ``"glm_mc"`` draws ``n_samples`` weight-space samples ``delta = sqrt(v) z`` once and
+        averages ``softmax(f + J delta)`` over them.
+        """
+        method = "glm_probit" if method is None else method
+        if method not in _METHODS:
+            raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise InvalidInputError(f"n_samples must be a positive int, got {n_samples!r}")
+        x = as_network_inputs(inputs, self._mean.dtype).to(self._mean.device)
+        engine = self._jacobian()
+        std = self._variance.sqrt().to(self._mean.dtype)
+        deltas = None
+        if method == "glm_mc":
+            deltas = torch.randn(self.n_params, n_samples, dtype=torch.float64,
+                                 device=self._mean.device, generator=generator)
+            deltas = deltas.to(self._mean.dtype)  # scaled by sqrt(v) inside the Jacobian
+        rows = self._chunk_rows(x, engine, chunk_size, n_samples, max_memory_bytes)
+        out = []
+        with eval_mode(self._model):
+            for start in range(0, x.shape[0], rows):
+                chunk = x[start : start + rows]
+                if method == "map":
+                    out.append(torch.softmax(engine.logits(chunk), dim=-1))
+                    continue
+                Jt, logits = engine(chunk, column_scale=std)  # (P, C, B): J^T sqrt(v)
+                P, C, B = Jt.shape
+                if method == "glm_probit":
+                    f_var = Jt.square().sum(0).T  # (B, C)
+                    kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
+                    out.append(torch.softmax(kappa * logits, dim=-1))
+                else:
+                    f = (deltas.T @ Jt.reshape(P, C * B)).reshape(-1, C, B).transpose(1, 2)
+                    out.append(torch.softmax(logits.unsqueeze(0) + f, dim=-1).mean(0))
+        return torch.cat(out)
+
+    def _chunk_rows(self, x: Tensor, engine: SubnetJacobian, chunk_size: int | None,
+                    n_samples: int, max_memory_bytes: int | None) -> int:
+        with eval_mode(self._model):
+            C = engine.logits(x[:1]).shape[1]
+        itemsize = self._mean.element_size()
+        per_row = sum(engine.workspace_bytes(1, C).values()) + 2 * C * n_samples * itemsize
+        if chunk_size is None:
+            chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_memory({"Jacobian chunk of all parameters": per_row * chunk_size},
+                     device=self._mean.device, max_memory_bytes=max_memory_bytes,
+                     advice="Pass a smaller chunk_size or predict on fewer inputs at once.")
+        return chunk_size
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Tensors only: ``mean, ggn_diagonal, prior_precision, n_data``."""
+        return {"mean": self._mean, "ggn_diagonal": self._ggn,
+                "prior_precision": self._prior_precision,
+                "n_data": torch.tensor(self.n_data, dtype=torch.int64)}
+
+    @classmethod
+    def from_state_dict(
+        cls, state: Mapping[str, Tensor], model: nn.Module | None = None
+    ) -> DiagonalLaplacePosterior:
+        """Rebuild from :meth:`state_dict`, binding ``model``."""
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise InvalidInputError(f"state is missing {missing} (expected {list(_STATE_KEYS)})")
+        return cls(state["mean"], state["ggn_diagonal"], state["prior_precision"], model=model,
+                   n_data=int(state["n_data"]))
