@@ -29,6 +29,9 @@ from bayesfl.strategies.fedproto import FedProto
 from bayesfl.strategies.fedrep import FedRep, FedRep1
 from bayesfl.strategies.fedsi import FedSI, FedSIFac
 from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
+from bayesfl.strategies.fedpa import FedPA
+from bayesfl.strategies.fedpop import FedPop
+from bayesfl.strategies.pfedbayes import PFedBayes
 from bayesfl.strategies.local_only import LocalOnly
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -36,6 +39,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     for cls in (CoLearn, FederatedDistillation,
                 FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
                 FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto, FedAvgFT, LocalOnly)
+    + (PFedBayes, FedPA, FedPop)
     + (FedSI, FedSIFac)
 }
 """Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
@@ -102,6 +106,9 @@ __all__ = [
     "FederatedDistillation",
     "LGFedAvg",
     "LGFedAvg2",
+    "FedPA",
+    "FedPop",
+    "PFedBayes",
     "LocalOnly",
     "RoundPlan",
     "ServerState",

@@ -1,0 +1,382 @@
+"""FedPA (Al-Shedivat, Gillenwater, Xing & Rostamizadeh, ICLR 2021, "Federated Learning via
+Posterior Averaging"): the global posterior mode from local posteriors' means and covariances.
+
+**Idea.** With a flat prior the global posterior is the product of the clients' local
+posteriors; if they are Gaussian, ``N(mu_k, Sigma_k)``, its mode is the precision-weighted mean
+``mu = (sum_k Sigma_k^-1)^-1 sum_k Sigma_k^-1 mu_k``, the minimiser of
+``Q(theta) = 1/2 sum_k (theta - mu_k)^T Sigma_k^-1 (theta - mu_k)``. The server never forms it
+in one go: every client uploads ``Delta_k = Sigma_k^-1 (mu_k - theta)`` at the current global
+``theta``, and the server treats the (weighted) mean of the deltas as a negative
+pseudo-gradient of Q and takes a server step, ``theta <- theta + server_lr * mean_k Delta_k``
+(with optional heavy-ball momentum), whose fixed point is exactly ``mu`` for uniform weights.
+On a linear-Gaussian (least-squares) model with exact local posteriors that fixed point is the
+global least-squares solution (tests/bayesfl/strategies/test_fedpa.py checks both the product
+and the iteration).
+
+**Client (IASG).** A client starts from the broadcast ``theta`` and runs plain SGD
+(``client_lr``, the run's batch size) for the run's local epochs. The average of the iterates of
+one epoch is one approximate posterior sample (iterate-averaged SGD, Mandt et al. 2017); epochs
+before ``burn_in_epochs`` (at least the first) give none. From ``l`` samples with mean
+``mu_hat`` and sample covariance ``S`` the client forms the shrinkage estimate
+``Sigma_hat = rho_l I + (1 - rho_l) S``, ``rho_l = 1 / (1 + (l - 1) rho)``, and computes
+``Delta = Sigma_hat^-1 (mu_hat - theta)`` without forming any d x d matrix by the paper's dynamic
+program (:func:`posterior_delta`: O(l^2 d), checked against the explicit solve as the authors'
+test does). With no sample (``burn_in_rounds`` not reached yet, or too few epochs) the client
+sends the FedAvg delta, last iterate minus ``theta``, as the reference code does.
+
+**Posterior and predictions.** FedPA estimates only the mode of the global posterior. For a
+posterior predictive the client uses ``N(theta, Sigma_swag)``: the broadcast mode with the
+covariance of its own IASG samples of its last round in SWAG's form (Maddox et al. 2019):
+``1/2 (diag(s^2) + D^T D / (l - 1))``, ``D`` the samples' deviations from their mean
+(:class:`~bayesfl.strategies.network_posterior.NetworkGaussian`). This is our choice, not the
+paper's: with no samples (l = 0) the covariance is zero and the predictive equals the plug-in.
+Headline: the MC average over ``mc_samples`` (32) draws; ``map_plugin``: softmax at ``theta``.
+
+**Defaults** (the paper tunes them per data set): ``client_lr = 0.05``, ``rho = 1`` (the
+reference's default shrinkage), ``burn_in_epochs = 1``, ``burn_in_rounds = 0``,
+``server_lr = 1``, ``server_momentum = 0``, deltas weighted by sample counts (the reference's
+default client weight).
+
+**What an upload must satisfy**: a sample count >= 1, not above the client's first declared one
+nor ``screening_ratio`` (10) times the round's median, and a delta norm within
+``screening_ratio`` times the round's median (schema: names, shapes, float32, finite).
+
+Registry name: ``fedpa``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    MAP_PLUGIN,
+    NUM_SAMPLES_SPEC,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
+    ServerState,
+    Strategy,
+    StrategyContext,
+    derived_seed,
+    model_state,
+    num_samples_tensor,
+    option_integer,
+    option_number,
+)
+from bayesfl.strategies.network_posterior import (
+    NetworkGaussian,
+    count_problems,
+    flatten,
+    parameter_layout,
+    unflatten,
+)
+from bayesfl.strategies.networks import ClassifierNet
+from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+
+DELTA, MOMENTUM = "delta.", "momentum."
+SAMPLES = "iasg.samples"
+"""Client-state key: the (l, P) IASG samples of the client's last round (SWAG covariance)."""
+
+
+def shrinkage_weight(num_samples: int, rho: float) -> float:
+    """``rho_l = 1 / (1 + (l - 1) rho)``, the weight of the identity in the shrinkage estimate."""
+    return 1.0 / (1.0 + (num_samples - 1) * rho)
+
+
+def posterior_delta(theta: Tensor, samples: Sequence[Tensor], rho: float) -> Tensor:
+    """``Sigma_hat^-1 (mu_hat - theta)`` for flat samples ``samples`` (l of (P,)) by the FedPA
+    dynamic program (paper §4, Appendix C): O(l^2 P) time, O(l P) memory, in float64.
+
+    ``Sigma_hat = rho_l I + (1 - rho_l) S`` with ``S`` the unbiased sample covariance and
+    ``rho_l = 1 / (1 + (l - 1) rho)``; for l = 1 it is the identity. The recursion keeps
+    ``Delta_n`` and, per sample, ``v_k = S_{k-1}'^-1 u_k`` (``u_k`` the k-th sample's deviation
+    from the mean of the previous ones) with ``v_k . u_k``, each new sample being a rank-one
+    (Sherman-Morrison) update of the previous inverse.
+
+    Args:
+        theta: (P,) the point the delta is taken from (the broadcast global parameters).
+        samples: l >= 1 flat samples (P,).
+        rho: the shrinkage coefficient >= 0.
+    Returns:
+        (P,) float64.
+    """
+    if len(samples) == 0:
+        raise ConfigError("posterior_delta needs at least one sample")
+    theta = theta.to(torch.float64)
+    mean = samples[0].to(torch.float64).clone()
+    delta = mean - theta
+    vs: list[Tensor] = []
+    dots: list[float] = []
+    for count, raw in enumerate(samples[1:], start=2):
+        sample = raw.to(torch.float64)
+        scaled = delta / (1 + (count - 2) * rho)
+        u = sample - mean
+        mean = mean + u / count
+        v = u.clone()
+        for k, (vk, dot) in enumerate(zip(vs, dots, strict=True), start=2):
+            gamma = rho * (k - 1) / k
+            v = v - gamma * float(vk @ u) / (1 + gamma * dot) * vk
+        dot_vu = float(v @ u)
+        vs.append(v)
+        dots.append(dot_vu)
+        gamma = rho * (count - 1) / count
+        coeff = 1 - gamma * (count * float(scaled @ u) + dot_vu) / (1 + gamma * dot_vu)
+        delta = (scaled + coeff * v / count) * (1 + (count - 1) * rho)
+    return delta
+
+
+def server_step(
+    params: Mapping[str, Tensor],
+    deltas: Sequence[Mapping[str, Tensor]],
+    weights: Tensor,
+    lr: float,
+    momentum: float = 0.0,
+    buffers: Mapping[str, Tensor] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """One FedPA server step: ``m <- momentum m + sum_k w_k Delta_k``, ``theta <- theta + lr m``
+    (``m`` the weighted mean delta without momentum). Weights are normalised here.
+
+    Returns: (new params, new momentum buffers), float64 computations cast back to each
+    parameter's dtype."""
+    w = weights.to(torch.float64) / weights.to(torch.float64).sum()
+    new, new_buffers = {}, {}
+    for name, old in params.items():
+        stacked = torch.stack([d[name].to(torch.float64) for d in deltas])
+        step = (w.view(-1, *[1] * old.dim()) * stacked).sum(0)
+        if momentum > 0:
+            previous = (buffers or {}).get(name)
+            if previous is not None:
+                step = momentum * previous.to(torch.float64) + step
+            new_buffers[name] = step.to(old.dtype)
+        new[name] = (old.to(torch.float64) + lr * step).to(old.dtype)
+    return new, new_buffers
+
+
+def swag_gaussian(model: nn.Module, theta: Tensor, samples: Tensor, *, n_samples: int,
+                  input_shape: tuple[int, ...] | None) -> NetworkGaussian:
+    """``N(theta, 1/2 (diag(s^2) + D^T D / (l - 1)))`` from (l, P) samples (SWAG's form);
+    zero covariance for l = 0, diagonal only for l = 1 (whose variance is zero too)."""
+    samples = samples.to(torch.float64)
+    size = theta.shape[0]
+    if samples.shape[0] < 2:
+        return NetworkGaussian(model, theta, torch.zeros(size, dtype=theta.dtype),
+                               n_samples=n_samples, input_shape=input_shape)
+    deviations = samples - samples.mean(0)
+    variance = 0.5 * deviations.square().mean(0)
+    factor = deviations / (2 * (samples.shape[0] - 1)) ** 0.5
+    return NetworkGaussian(model, theta, variance.to(theta.dtype), factor.to(theta.dtype),
+                           n_samples=n_samples, input_shape=input_shape)
+
+
+class FedPA(Strategy):
+    """FedPA: IASG local posteriors, precision-weighted deltas, a server step (module docstring).
+
+    Args:
+        client_lr: SGD learning rate of local training (IASG).
+        rho: shrinkage coefficient of the covariance estimate (>= 0; 0 gives FedAvg's delta).
+        burn_in_epochs: local epochs before the first sample (at least 1, as the reference).
+        burn_in_rounds: rounds that send FedAvg deltas before posterior averaging starts.
+        server_lr: server step size.
+        server_momentum: heavy-ball momentum of the server step in [0, 1).
+        weighted: weight the deltas by sample counts (else uniformly: the exact product of
+            the local posteriors).
+        mc_samples: draws of the Monte Carlo predictive.
+        screening_ratio: reject uploads whose delta norm or sample count exceeds this many
+            times the round's median (None: no screening).
+    """
+
+    name = "fedpa"
+    is_posterior = True
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        client_lr: float = 0.05,
+        rho: float = 1.0,
+        burn_in_epochs: int = 1,
+        burn_in_rounds: int = 0,
+        server_lr: float = 1.0,
+        server_momentum: float = 0.0,
+        weighted: bool = True,
+        mc_samples: int = 32,
+        screening_ratio: float | None = 10.0,
+    ) -> None:
+        super().__init__(context)
+        if len(set(context.bodies)) != 1:
+            raise ConfigError("fedpa averages every parameter of the network: use one body "
+                              f"spec for all clients, got {sorted(set(context.bodies))}")
+        self.client_lr = option_number(self.name, "client_lr", client_lr, minimum=1e-12)
+        self.rho = option_number(self.name, "rho", rho)
+        self.burn_in_epochs = option_integer(self.name, "burn_in_epochs", burn_in_epochs, 1)
+        self.burn_in_rounds = option_integer(self.name, "burn_in_rounds", burn_in_rounds, 0)
+        self.server_lr = option_number(self.name, "server_lr", server_lr, minimum=1e-12)
+        self.server_momentum = option_number(self.name, "server_momentum", server_momentum)
+        if self.server_momentum >= 1:
+            raise ConfigError(f"fedpa server_momentum must be in [0, 1), got {server_momentum!r}")
+        if not isinstance(weighted, bool):
+            raise ConfigError(f"fedpa weighted must be true or false, got {weighted!r}")
+        self.weighted = weighted
+        self.mc_samples = option_integer(self.name, "mc_samples", mc_samples, 1)
+        self.screening_ratio = None if screening_ratio is None else option_number(
+            self.name, "screening_ratio", screening_ratio, minimum=1.0)
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return ClassifierNet(body, self.feature_dim, self.num_classes)
+
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        spec = self.context.bodies[0]
+        model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def parameters(self, state: ServerState) -> dict[str, Tensor]:
+        return {k: v for k, v in state.items()
+                if not k.startswith(DECLARED) and not k.startswith(MOMENTUM)}
+
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return self.parameters(state)
+
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        schema = {DELTA + k: TensorSpec(tuple(v.shape), torch.float32)
+                  for k, v in self.parameters(state).items()}
+        schema["num_samples"] = NUM_SAMPLES_SPEC
+        return schema
+
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """Sample counts (:func:`count_problems`) and the delta norm within
+        ``screening_ratio`` times the round's median."""
+        norms = torch.tensor([
+            sum(float(v.to(torch.float64).square().sum()) for k, v in m.tensors.items()
+                if k.startswith(DELTA)) ** 0.5 for m in messages], dtype=torch.float64)
+        return first_reasons(count_problems(plan, messages, self.screening_ratio),
+                             screening_reasons(norms, self.screening_ratio, "delta norm"))
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """:func:`server_step` with the uploads' deltas."""
+        if not uploads:
+            return state
+        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
+        weights = torch.tensor([float(n) if self.weighted else 1.0 for n in counts])
+        params = self.parameters(state)
+        deltas = [{k: m.tensors[DELTA + k] for k in params} for m in uploads]
+        buffers = {k[len(MOMENTUM):]: v for k, v in state.items() if k.startswith(MOMENTUM)}
+        new, new_buffers = server_step(params, deltas, weights, self.server_lr,
+                                       self.server_momentum, buffers)
+        new.update({MOMENTUM + k: v for k, v in new_buffers.items()})
+        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
+        return new
+
+    # ==== client half ======================================================================
+    def init_client(self, config: ClientConfig) -> ClientState:
+        state = super().init_client(config)
+        size = sum(p.numel() for p in self.template(config.body).parameters())
+        state[SAMPLES] = torch.zeros(0, size)
+        return state
+
+    def _global_model(self, config: ClientConfig, state: ClientState,
+                      broadcast: Message) -> nn.Module:
+        model = self.client_model(config, state)
+        params = dict(model.named_parameters())
+        if set(broadcast.tensors) != set(params):
+            raise MessageRejected("fedpa broadcast names do not match this client's network")
+        with torch.no_grad():
+            for name, p in params.items():
+                value = broadcast.tensors[name]
+                if value.shape != p.shape:
+                    raise MessageRejected(f"broadcast {name!r} has shape {tuple(value.shape)}, "
+                                          f"expected {tuple(p.shape)}")
+                p.copy_(value)
+        return model
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """IASG from the broadcast parameters, then the posterior delta (module docstring)."""
+        model = self._global_model(config, state, broadcast)
+        layout = parameter_layout(model)
+        theta = flatten(dict(model.named_parameters()), layout).detach().clone()
+        samples, last = self.iasg(model, data, generator, broadcast.header.round)
+        if samples:
+            delta = posterior_delta(theta, samples, self.rho)
+        else:
+            delta = last.to(torch.float64) - theta.to(torch.float64)
+        tensors = {DELTA + k: v.to(torch.float32) for k, v in unflatten(delta, layout).items()}
+        tensors["num_samples"] = num_samples_tensor(data.num_train)
+        new_state = model_state(model)
+        stacked = torch.stack(samples) if samples else torch.zeros(0, theta.shape[0])
+        new_state[SAMPLES] = stacked.to(torch.float32)
+        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+
+    def iasg(self, model: nn.Module, data: ClientData, generator: torch.Generator,
+             round: int) -> tuple[list[Tensor], Tensor]:
+        """Local SGD; returns the per-epoch iterate averages that count as samples and the
+        last iterate (flat)."""
+        layout = parameter_layout(model)
+        params = [p for _, p in model.named_parameters()]
+        optimizer = torch.optim.SGD(params, lr=self.client_lr)
+        training = self.context.training
+        n, x, y = data.num_train, data.train_x, data.train_y
+        sampling = round >= self.burn_in_rounds
+        samples: list[Tensor] = []
+        model.train()
+        for epoch in range(training.epochs):
+            total, steps = None, 0
+            order = torch.randperm(n, generator=generator).to(x.device)
+            for start in range(0, n, training.batch_size):
+                idx = order[start : start + training.batch_size]
+                loss = F.cross_entropy(model(x[idx]), y[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                flat = flatten(dict(model.named_parameters()), layout).detach().to(torch.float64)
+                total = flat if total is None else total + flat
+                steps += 1
+            if sampling and epoch >= self.burn_in_epochs and steps:
+                samples.append(total / steps)
+        last = flatten(dict(model.named_parameters()), layout).detach()
+        return samples, last
+
+    def posterior(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> NetworkGaussian:
+        """``N(theta, Sigma_swag)``: the broadcast mode with the SWAG covariance of this
+        client's last IASG samples (module docstring)."""
+        model = self._global_model(config, state, broadcast)
+        theta = flatten(dict(model.named_parameters()), parameter_layout(model)).detach()
+        return swag_gaussian(model, theta, state[SAMPLES], n_samples=self.mc_samples,
+                             input_shape=self.context.input_shape or None)
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        post = self.posterior(config, state, broadcast)
+        generator = torch.Generator().manual_seed(
+            derived_seed(self.context.seed, broadcast.header.round, config.client_id, 19))
+        plug = post.predict_proba(x, "map").cpu()
+        if post.factor is None and not bool((post.variance > 0).any()):
+            return {PREDICTIVE: plug, MAP_PLUGIN: plug}
+        return {PREDICTIVE: post.predict_proba(x, "mc", generator=generator).cpu(),
+                MAP_PLUGIN: plug}
+
+
+__all__ = ["FedPA", "posterior_delta", "server_step", "shrinkage_weight", "swag_gaussian"]

@@ -1,0 +1,375 @@
+"""FedPop (Kotelevskii, Vono, Durmus & Moulines, NeurIPS 2022, "FedPop: A Bayesian Approach
+for Personalised Federated Learning"): a shared deterministic body, a personal Bayesian head.
+
+**Model.** Every client k shares the body ``phi`` and a population prior over personal heads,
+``z_k ~ N(m, s^2 I)`` (``m`` (C, d + 1), bias column first, ``s`` a scalar), both learned by the
+federation; given its head, client k's labels follow ``softmax(z_k [1, phi(x)])``.
+
+**Round** (the paper's Algorithm 1 with Gaussian prior and a linear head). Client k receives
+``phi``, ``m`` and ``s``, computes its training features, and draws its head from the personal
+posterior ``p(z_k | D_k, phi, m, s)`` with SGLD (:mod:`inference.sgld`: Laplace-preconditioned
+Welling-Teh steps started at the posterior mode; ``sgld_burn_in`` steps, then ``sgld_samples``
+draws one every ``sgld_thinning`` steps). Holding the draws fixed, it then trains ``phi``, ``m``
+and ``log s`` for the run's local epochs with Adam on the Monte Carlo estimate of the negative
+log joint, per mini-batch ``mean_draws CE(z [1, phi(x)], y) - mean_draws log N(z; m, s^2) / n_k``,
+and uploads ``phi``, ``m`` and ``s``. The server averages them, weighted by sample counts.
+
+**Predictions.** Client k averages the softmax over its head draws on the global body's features
+(headline; :class:`inference.EnsemblePosterior`) and reports the softmax of the draws' mean head
+as ``map_plugin``. During training the draws a client evaluates with are those of its last round
+(sampled under that round's body); after the last round every client (also one that never
+trained) draws ``final_samples`` heads under the final body (``personalize``), and the final
+metrics use those.
+
+**Choices the paper leaves open, as options with their defaults.** The prior's initial mean 0
+and std ``prior_std_init = 1``; a scalar prior std; ``sgld_step_size = 0.05`` (the Laplace
+preconditioner's default of :mod:`inference.sgld`), ``sgld_burn_in = 100``, ``sgld_samples =
+20``, ``sgld_thinning = 5`` per round and ``final_samples = 100`` (thinning 10 after 200 steps
+of burn-in) after training; full-batch gradients (clients of the FedSI regime hold 250
+images). The body and prior use the run's Adam learning rate (FedSI paper: 1e-3 for the
+baselines).
+
+**What an upload must satisfy** (besides the schema: names, shapes, float32, finite): a sample
+count >= 1, not above the client's first declared one nor ``screening_ratio`` (10) times the
+round's median; a prior std within ``[PRIOR_STD_FLOOR, PRIOR_STD_CEILING]`` (zero or negative
+std rejected); a body update norm within ``screening_ratio`` times the round's median.
+
+Registry name: ``fedpop``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.posterior import ClientPosterior
+from bayesfl.strategies.base import (
+    MAP_PLUGIN,
+    NUM_SAMPLES_SPEC,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
+    ServerState,
+    Strategy,
+    StrategyContext,
+    model_state,
+    num_samples_tensor,
+    option_integer,
+    option_number,
+)
+from bayesfl.strategies.network_posterior import count_problems, difference_norms
+from bayesfl.strategies.networks import batched_apply
+from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+from inference.ensemble import EnsemblePosterior
+from inference.laplace_head import find_mode
+from inference.linear_model import augment_with_bias
+from inference.options import Likelihood
+from inference.sgld import SGLDConfig, laplace_covariance_factor, linear_head_gradients, run_sgld
+
+BODY = "body."
+PRIOR_MEAN, PRIOR_STD = "prior.mean", "prior.std"
+DRAWS = "head.draws"
+"""Client-state key: the (S, C, d + 1) head draws the client predicts with."""
+PRIOR_STD_FLOOR = 1e-3
+PRIOR_STD_CEILING = 1e3
+
+
+def sample_heads(
+    inputs: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    prior_mean: Tensor,
+    prior_std: float,
+    *,
+    burn_in: int,
+    num_samples: int,
+    thinning: int,
+    step_size: float = 0.05,
+    num_chains: int = 1,
+    seed: int = 0,
+) -> Tensor:
+    """Draws of a softmax head's posterior under the prior ``N(prior_mean, prior_std^2 I)``.
+
+    Laplace-preconditioned full-batch SGLD (:func:`inference.sgld.run_sgld`) from the mode.
+
+    Args:
+        inputs: (N, m + 1) float64 bias-augmented features.
+        labels: (N,) int64 labels in [0, C).
+        prior_mean: (C, m + 1) the prior mean.
+        prior_std: the prior standard deviation s > 0.
+    Returns:
+        (num_chains * num_samples, C, m + 1) float64 draws, chain by chain.
+    """
+    shape = (num_classes, inputs.shape[1])
+    mean = prior_mean.to(torch.float64).reshape(-1)
+    precision = 1.0 / prior_std**2
+    mode = find_mode(inputs, labels, num_classes, precision, mean, start=mean.clone())
+    factor = laplace_covariance_factor(mode, inputs, num_classes, precision, Likelihood.SOFTMAX,
+                                       1.0)
+    config = SGLDConfig(step_size, num_samples, burn_in, thinning, "laplace",
+                        covariance_factor=factor)
+    n = inputs.shape[0]
+
+    def grad_fn(params: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+        lik = linear_head_gradients(params, inputs[index], labels[index], num_classes,
+                                    Likelihood.SOFTMAX, 1.0)
+        return -precision * (params - mean) + (n / index.shape[0]) * lik, lik / index.shape[0]
+
+    generator = torch.Generator(device=inputs.device).manual_seed(seed)
+    draws = run_sgld(grad_fn, mode.expand(num_chains, -1), config, n, n, generator)
+    return draws.reshape(-1, *shape)
+
+
+class FedPop(Strategy):
+    """FedPop: shared body, population prior, SGLD personal heads (module docstring).
+
+    Args:
+        prior_std_init: initial prior std s.
+        sgld_step_size, sgld_burn_in, sgld_samples, sgld_thinning: the per-round chain.
+        final_samples: draws of the chain run after training (thinning 10, burn-in 200).
+        weighted: weight the server average by sample counts.
+        screening_ratio: reject uploads whose body update norm or sample count exceeds this
+            many times the round's median (None: no screening).
+    """
+
+    name = "fedpop"
+    is_posterior = True
+    personalizes = True
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        prior_std_init: float = 1.0,
+        sgld_step_size: float = 0.05,
+        sgld_burn_in: int = 100,
+        sgld_samples: int = 20,
+        sgld_thinning: int = 5,
+        final_samples: int = 100,
+        weighted: bool = True,
+        screening_ratio: float | None = 10.0,
+    ) -> None:
+        super().__init__(context)
+        if len(set(context.bodies)) != 1:
+            raise ConfigError("fedpop shares the body: use one body spec for all clients, got "
+                              f"{sorted(set(context.bodies))}")
+        self.prior_std_init = option_number(self.name, "prior_std_init", prior_std_init,
+                                            minimum=PRIOR_STD_FLOOR)
+        self.sgld_step_size = option_number(self.name, "sgld_step_size", sgld_step_size,
+                                            minimum=1e-12)
+        self.sgld_burn_in = option_integer(self.name, "sgld_burn_in", sgld_burn_in, 0)
+        self.sgld_samples = option_integer(self.name, "sgld_samples", sgld_samples, 1)
+        self.sgld_thinning = option_integer(self.name, "sgld_thinning", sgld_thinning, 1)
+        self.final_samples = option_integer(self.name, "final_samples", final_samples, 1)
+        if not isinstance(weighted, bool):
+            raise ConfigError(f"fedpop weighted must be true or false, got {weighted!r}")
+        self.weighted = weighted
+        self.screening_ratio = None if screening_ratio is None else option_number(
+            self.name, "screening_ratio", screening_ratio, minimum=1.0)
+
+    @property
+    def head_shape(self) -> tuple[int, int]:
+        return (self.num_classes, self.feature_dim + 1)
+
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        spec = self.context.bodies[0]
+        body = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
+        state = {BODY + n: p.detach().clone() for n, p in body.named_parameters()}
+        state[PRIOR_MEAN] = torch.zeros(self.head_shape)
+        state[PRIOR_STD] = torch.tensor([self.prior_std_init])
+        return state
+
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return {k: v for k, v in state.items() if not k.startswith(DECLARED)}
+
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        schema = {k: TensorSpec(tuple(v.shape), torch.float32)
+                  for k, v in self.broadcast_tensors(state, round).items()}
+        schema["num_samples"] = NUM_SAMPLES_SPEC
+        return schema
+
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """Sample counts, the prior std within [PRIOR_STD_FLOOR, PRIOR_STD_CEILING], the body
+        update norm within ``screening_ratio`` times the round's median."""
+        body = {k: k for k in plan.state if k.startswith(BODY)}
+        return first_reasons(
+            count_problems(plan, messages, self.screening_ratio),
+            [prior_std_problem(m) for m in messages],
+            screening_reasons(difference_norms(plan.state, messages, body),
+                              self.screening_ratio, "body update norm"))
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """The (weighted) mean of the bodies, prior means and prior stds."""
+        if not uploads:
+            return state
+        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
+        w = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
+                         dtype=torch.float64)
+        w = w / w.sum()
+        new = {}
+        for key, old in self.broadcast_tensors(state, round).items():
+            stacked = torch.stack([m.tensors[key].to(torch.float64) for m in uploads])
+            new[key] = (w.view(-1, *[1] * old.dim()) * stacked).sum(0).to(old.dtype)
+        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
+        return new
+
+    # ==== client half ======================================================================
+    def init_client(self, config: ClientConfig) -> ClientState:
+        state = super().init_client(config)
+        state[DRAWS] = torch.zeros(1, *self.head_shape)  # the prior mean until it trains
+        return state
+
+    def _received(self, config: ClientConfig, state: ClientState,
+                  broadcast: Message) -> tuple[nn.Module, Tensor, float]:
+        """(the client's network with the global body, prior mean (C, d+1), prior std)."""
+        body = self.client_model(config, state)
+        params = dict(body.named_parameters())
+        expected = {BODY + n for n in params} | {PRIOR_MEAN, PRIOR_STD}
+        if set(broadcast.tensors) != expected:
+            raise MessageRejected("fedpop broadcast names do not match this client's body")
+        with torch.no_grad():
+            for name, p in params.items():
+                value = broadcast.tensors[BODY + name]
+                if value.shape != p.shape:
+                    raise MessageRejected(f"broadcast {BODY + name!r} has shape "
+                                          f"{tuple(value.shape)}, expected {tuple(p.shape)}")
+                p.copy_(value)
+        mean = broadcast.tensors[PRIOR_MEAN]
+        if tuple(mean.shape) != self.head_shape:
+            raise MessageRejected(f"broadcast prior mean has shape {tuple(mean.shape)}, "
+                                  f"expected {self.head_shape}")
+        std = float(broadcast.tensors[PRIOR_STD].item())
+        if not PRIOR_STD_FLOOR <= std <= PRIOR_STD_CEILING:
+            raise MessageRejected(f"broadcast prior std {std:g} out of range")
+        return body, mean.to(self.context.device), std
+
+    def _draw(self, body: nn.Module, data: ClientData, mean: Tensor, std: float, seed: int,
+              final: bool) -> Tensor:
+        inputs = augment_with_bias(batched_apply(body, data.train_x).to(torch.float64))
+        if final:
+            burn_in, samples, thinning = 200, self.final_samples, 10
+        else:
+            burn_in, samples, thinning = self.sgld_burn_in, self.sgld_samples, self.sgld_thinning
+        return sample_heads(inputs, data.train_y, self.num_classes, mean, std, burn_in=burn_in,
+                            num_samples=samples, thinning=thinning,
+                            step_size=self.sgld_step_size, seed=seed)
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """SGLD head draws under the global body, then local Adam epochs on the body and the
+        prior with the draws fixed (module docstring); uploads body and prior."""
+        body, mean, std = self._received(config, state, broadcast)
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        draws = self._draw(body, data, mean, std, seed, final=False)
+        prior_mean = mean.clone().to(torch.float32).requires_grad_(True)
+        log_std = torch.tensor(math.log(std), requires_grad=True)
+        self._train(body, draws.to(torch.float32), prior_mean, log_std, data, generator)
+        new_state = model_state(body)
+        new_state[DRAWS] = draws.to(torch.float32)
+        tensors = {BODY + n: p for n, p in body.named_parameters()}
+        tensors[PRIOR_MEAN] = prior_mean
+        tensors[PRIOR_STD] = log_std.exp().reshape(1)
+        tensors["num_samples"] = num_samples_tensor(data.num_train)
+        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+
+    def _train(self, body: nn.Module, draws: Tensor, prior_mean: Tensor, log_std: Tensor,
+               data: ClientData, generator: torch.Generator) -> None:
+        training = self.context.training
+        params = [*body.parameters(), prior_mean, log_std]
+        optimizer = torch.optim.Adam(params, lr=training.lr, betas=training.betas,
+                                     eps=training.eps)
+        n, x, y = data.num_train, data.train_x, data.train_y
+        body.train()
+        for _ in range(training.epochs):
+            order = torch.randperm(n, generator=generator).to(x.device)
+            for start in range(0, n, training.batch_size):
+                idx = order[start : start + training.batch_size]
+                loss = self.local_loss(body(x[idx]), y[idx], draws, prior_mean, log_std, n)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+
+    @staticmethod
+    def local_loss(features: Tensor, labels: Tensor, draws: Tensor, prior_mean: Tensor,
+                   log_std: Tensor, n: int) -> Tensor:
+        """``mean_draws CE(z [1, f], y) - mean_draws log N(z; m, s^2 I) / n`` for features f
+        (B, d), draws (S, C, d + 1)."""
+        inputs = augment_with_bias(features)
+        logits = torch.einsum("bp,scp->sbc", inputs, draws)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                              labels.repeat(draws.shape[0]))
+        size = draws[0].numel()
+        variance = torch.exp(2 * log_std)
+        log_prior = (-0.5 * (draws - prior_mean).square().sum((1, 2)) / variance
+                     - size * log_std - 0.5 * size * math.log(2 * math.pi)).mean()
+        return nll - log_prior / n
+
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """``final_samples`` head draws under the final global body and prior."""
+        body, mean, std = self._received(config, state, broadcast)
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        new_state = model_state(body)
+        new_state[DRAWS] = self._draw(body, data, mean, std, seed, final=True).to(torch.float32)
+        return new_state
+
+    def _heads(self, config: ClientConfig, state: ClientState,
+               broadcast: Message) -> tuple[nn.Module, EnsemblePosterior]:
+        body, mean, _ = self._received(config, state, broadcast)
+        draws = state[DRAWS].to(torch.float64)
+        if not bool(draws.any()):  # never trained: the prior mean
+            draws = mean.to(torch.float64)[None]
+        return body, EnsemblePosterior(draws, n_data=0)
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        body, heads = self._heads(config, state, broadcast)
+        features = batched_apply(body, x).to(torch.float64)
+        return {PREDICTIVE: heads.predict_proba(features, "mc").cpu(),
+                MAP_PLUGIN: heads.predict_proba(features, "map").cpu()}
+
+    def posterior(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> ClientPosterior:
+        """Client k's head draws behind the global body (``sample(n)``: (n, C, d + 1) heads;
+        ``predict_proba`` takes inputs)."""
+        body, heads = self._heads(config, state, broadcast)
+        return ClientPosterior(body, heads, "mc", input_shape=self.context.input_shape or None)
+
+
+def prior_std_problem(message: Message) -> str | None:
+    """None if the upload's prior std is within [PRIOR_STD_FLOOR, PRIOR_STD_CEILING]."""
+    std = float(message.tensors[PRIOR_STD].to(torch.float64).item())
+    if not PRIOR_STD_FLOOR <= std <= PRIOR_STD_CEILING:
+        return (f"prior std {std:.4g} outside [{PRIOR_STD_FLOOR:g}, {PRIOR_STD_CEILING:g}] "
+                "(a variance must be positive and bounded)")
+    return None
+

@@ -1,0 +1,361 @@
+"""pFedBayes (Zhang, Li, Li, Zhang & Tao, ICML 2022, "Personalized Federated Learning via
+Variational Bayesian Inference"): mean-field variational inference over the whole network.
+
+Every client k keeps a personal posterior ``q_k(w) = N(mu_k, diag(sigma_k^2))`` over every
+parameter of its network (body and head), ``sigma = softplus(rho)``. The server keeps a global
+distribution ``z = N(mu_g, diag(sigma_g^2))`` of the same form. In a round, client k receives
+``z``, copies it into a *localized global* ``z_k`` and, for every mini-batch of its local
+epochs:
+
+1. takes ``personal_steps`` (5) Adam steps on its personal posterior, minimising
+   ``-(1/B) sum_batch log p(y | x, w) + zeta KL(q_k || z_k) / n_k`` with one reparameterised
+   draw ``w = mu_k + sigma_k * eps`` per step (``z_k`` held fixed);
+2. takes one Adam step on ``z_k``, minimising ``zeta KL(q_k || z_k) / n_k`` (``q_k`` fixed),
+
+and uploads ``z_k`` (its ``mu`` and ``rho``). The server sets ``z`` to the (sample-count
+weighted) mean of the uploaded parameters, mixed with the old one by ``beta``:
+``z <- (1 - beta) z + beta mean_k z_k``. ``zeta`` sets how far a personal posterior may move
+away from the global one (larger: less personal). This is the loop of the authors' code as
+ported to PFLlib (``clientpFedBayes``); the KL is the closed form of
+:func:`diagonal_gaussian_kl`.
+
+**Choices the papers leave open, as options with their defaults.** ``zeta = 10`` (the FedSI
+paper's); Adam with the run's learning rate (the FedSI paper runs pFedBayes at ``lr = 1e-4``,
+Adam for all baselines: pass ``lr=1e-4`` to the run; the option ``lr`` overrides the run's),
+``global_lr`` (default: the personal rate) for the localized global, ``personal_steps = 5``
+(the reference code's inner loop), ``rho_init = -3`` (the reference code's ``rho_offset``:
+``sigma = softplus(-3) = 0.049``), the initial means are the network's own initialisation (the
+same for every strategy of this package; the reference draws N(0, 0.1^2)), ``beta = 1``
+(plain averaging), ``weighted = True`` (weights n_k, as PFLlib's server). Predictions use the
+personal posterior: ``mc_samples`` (32) draws averaged in probability space (headline), and the
+softmax at the personal mean ``mu_k`` as ``map_plugin``. The draws are seeded from the run seed,
+the round and the client, so an evaluation is reproducible.
+
+**What an upload must satisfy** (besides the schema: names, shapes, float32, finite): a sample
+count >= 1, not above the client's first declared one nor ``screening_ratio`` (10) times the
+round's median; every ``softplus(rho)`` within ``[SIGMA_FLOOR, SIGMA_CEILING]`` (a zero or
+absurdly large variance is rejected with the parameter's name); and a mean update
+``||mu_k - mu_g||`` within ``screening_ratio`` times the round's median.
+
+Registry name: ``pfedbayes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.base import (
+    MAP_PLUGIN,
+    MODEL_PREFIX,
+    NUM_SAMPLES_SPEC,
+    PREDICTIVE,
+    ClientConfig,
+    ClientState,
+    RoundPlan,
+    ServerState,
+    Strategy,
+    StrategyContext,
+    derived_seed,
+    num_samples_tensor,
+    option_integer,
+    option_number,
+)
+from bayesfl.strategies.network_posterior import (
+    NetworkGaussian,
+    count_problems,
+    difference_norms,
+    flatten,
+)
+from bayesfl.strategies.networks import ClassifierNet
+from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+
+MU, RHO = "mu.", "rho."
+SIGMA_FLOOR = 1e-6
+"""Smallest posterior standard deviation an upload may carry (softplus(rho) >= 1e-6, i.e.
+rho >= -13.8; the reference initialises rho at -3 and the KL to the global keeps it near)."""
+SIGMA_CEILING = 100.0
+"""Largest posterior standard deviation an upload may carry (a weight std of 100 makes every
+draw of the network meaningless)."""
+
+
+def diagonal_gaussian_kl(mu_q: Tensor, sigma_q: Tensor, mu_p: Tensor, sigma_p: Tensor) -> Tensor:
+    """``KL(N(mu_q, diag sigma_q^2) || N(mu_p, diag sigma_p^2))``, summed over all entries:
+    ``sum log(sigma_p / sigma_q) + (sigma_q^2 + (mu_q - mu_p)^2) / (2 sigma_p^2) - 1/2``.
+
+    Args: four tensors of one shape (any), standard deviations > 0. Returns a scalar."""
+    ratio = (sigma_q / sigma_p).square()
+    return 0.5 * (ratio - ratio.log() + (mu_q - mu_p).square() / sigma_p.square() - 1.0).sum()
+
+
+def softplus_std(rho: Tensor) -> Tensor:
+    """``sigma = log(1 + exp(rho))``, the parameterisation of the reference code."""
+    return F.softplus(rho)
+
+
+class PFedBayes(Strategy):
+    """pFedBayes: a personal mean-field Gaussian posterior per client (module docstring).
+
+    Args:
+        zeta: weight of the KL to the global distribution (FedSI paper: 10).
+        lr: Adam learning rate of the personal posterior (None: the run's; FedSI paper:
+            1e-4).
+        global_lr: Adam learning rate of the localized global (None: the personal one).
+        personal_steps: personal updates per mini-batch before one global update (5).
+        rho_init: initial ``rho`` of every standard deviation, personal and global (-3).
+        beta: server mixing of the new average into the old global (1: replace).
+        weighted: weight the server average by sample counts.
+        mc_samples: draws of the Monte Carlo predictive (32).
+        screening_ratio: reject uploads whose mean update norm or sample count exceeds this
+            many times the round's median (None: no screening).
+    """
+
+    name = "pfedbayes"
+    is_posterior = True
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        zeta: float = 10.0,
+        lr: float | None = None,
+        global_lr: float | None = None,
+        personal_steps: int = 5,
+        rho_init: float = -3.0,
+        beta: float = 1.0,
+        weighted: bool = True,
+        mc_samples: int = 32,
+        screening_ratio: float | None = 10.0,
+    ) -> None:
+        super().__init__(context)
+        if len(set(context.bodies)) != 1:
+            raise ConfigError("pfedbayes averages every parameter of the network: use one body "
+                              f"spec for all clients, got {sorted(set(context.bodies))}")
+        self.zeta = option_number(self.name, "zeta", zeta)
+        self.lr = context.training.lr if lr is None else option_number(
+            self.name, "lr", lr, minimum=1e-12)
+        self.global_lr = self.lr if global_lr is None else option_number(
+            self.name, "global_lr", global_lr, minimum=1e-12)
+        self.personal_steps = option_integer(self.name, "personal_steps", personal_steps, 1)
+        self.rho_init = option_number(self.name, "rho_init", rho_init, minimum=-13.0)
+        self.beta = option_number(self.name, "beta", beta)
+        if not 0 < self.beta <= 1:
+            raise ConfigError(f"pfedbayes beta must be in (0, 1], got {beta!r}")
+        if not isinstance(weighted, bool):
+            raise ConfigError(f"pfedbayes weighted must be true or false, got {weighted!r}")
+        self.weighted = weighted
+        self.mc_samples = option_integer(self.name, "mc_samples", mc_samples, 1)
+        self.screening_ratio = None if screening_ratio is None else option_number(
+            self.name, "screening_ratio", screening_ratio, minimum=1.0)
+
+    def build_model(self, body: nn.Module) -> nn.Module:
+        return ClassifierNet(body, self.feature_dim, self.num_classes)
+
+    def names(self, body: str) -> list[str]:
+        """The parameter names of a client network, in flat order."""
+        return [n for n, _ in self.template(body).named_parameters()]
+
+    # ==== server half ======================================================================
+    def init(self) -> ServerState:
+        """The global distribution: means from the initial network of the run's body spec,
+        every ``rho`` at ``rho_init``."""
+        spec = self.context.bodies[0]
+        model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
+        state = {}
+        for name, p in model.named_parameters():
+            state[MU + name] = p.detach().clone()
+            state[RHO + name] = torch.full_like(p, self.rho_init)
+        return state
+
+    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
+        return {k: v for k, v in state.items() if not k.startswith(DECLARED)}
+
+    def upload_schema(self, state: ServerState, round: int) -> Schema:
+        schema = {k: TensorSpec(tuple(v.shape), torch.float32)
+                  for k, v in self.broadcast_tensors(state, round).items()}
+        schema["num_samples"] = NUM_SAMPLES_SPEC
+        return schema
+
+    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
+        """Sample counts (:func:`count_problems`), standard deviations within
+        [SIGMA_FLOOR, SIGMA_CEILING], and the mean update norm within ``screening_ratio`` times
+        the round's median."""
+        means = {k: k for k in plan.state if k.startswith(MU)}
+        return first_reasons(
+            count_problems(plan, messages, self.screening_ratio),
+            [sigma_problem(m) for m in messages],
+            screening_reasons(difference_norms(plan.state, messages, means),
+                              self.screening_ratio, "mean update norm"))
+
+    def aggregate(
+        self,
+        state: ServerState,
+        uploads: Sequence[Message],
+        round: int,
+        generator: torch.Generator,
+    ) -> ServerState:
+        """``z <- (1 - beta) z + beta * mean_k z_k`` for every ``mu`` and ``rho``."""
+        if not uploads:
+            return state
+        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
+        w = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
+                         dtype=torch.float64)
+        w = w / w.sum()
+        new = {}
+        for key, old in self.broadcast_tensors(state, round).items():
+            stacked = torch.stack([m.tensors[key].to(torch.float64) for m in uploads])
+            mean = (w.view(-1, *[1] * old.dim()) * stacked).sum(0)
+            mixed = (1 - self.beta) * old.to(torch.float64) + self.beta * mean
+            new[key] = mixed.to(old.dtype)
+        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
+        return new
+
+    # ==== client half ======================================================================
+    def init_client(self, config: ClientConfig) -> ClientState:
+        """The personal posterior starts as the global one: the initial network's parameters
+        as means (``model.<name>``) and ``rho.<name>`` at ``rho_init``."""
+        state = super().init_client(config)
+        for name in self.names(config.body):
+            state[RHO + name] = torch.full_like(state[MODEL_PREFIX + name], self.rho_init)
+        return state
+
+    def _received(self, body: str, broadcast: Message) -> tuple[dict, dict]:
+        """(means, rhos) of the broadcast global, checked against this client's network."""
+        template = dict(self.template(body).named_parameters())
+        expected = {p + n for n in template for p in (MU, RHO)}
+        if set(broadcast.tensors) != expected:
+            raise MessageRejected("pfedbayes broadcast names do not match this client's "
+                                  "network parameters")
+        device = self.context.device
+        out: tuple[dict, dict] = ({}, {})
+        for name, p in template.items():
+            for part, prefix in zip(out, (MU, RHO), strict=True):
+                value = broadcast.tensors[prefix + name]
+                if value.shape != p.shape:
+                    raise MessageRejected(f"broadcast {prefix + name!r} has shape "
+                                          f"{tuple(value.shape)}, expected {tuple(p.shape)}")
+                part[name] = value.to(device=device, dtype=p.dtype)
+        return out
+
+    def fit(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> tuple[ClientState, Message]:
+        """Local epochs of alternating personal / localized-global updates (module docstring);
+        uploads the localized global."""
+        names = self.names(config.body)
+        mu = {n: state[MODEL_PREFIX + n].clone().requires_grad_(True) for n in names}
+        rho = {n: state[RHO + n].clone().requires_grad_(True) for n in names}
+        g_mu, g_rho = self._received(config.body, broadcast)
+        g_mu = {n: v.clone().requires_grad_(True) for n, v in g_mu.items()}
+        g_rho = {n: v.clone().requires_grad_(True) for n, v in g_rho.items()}
+        self._train(self.template(config.body), (mu, rho), (g_mu, g_rho), data, generator)
+        new_state = dict(state)
+        for n in names:
+            new_state[MODEL_PREFIX + n] = mu[n].detach().clone()
+            new_state[RHO + n] = rho[n].detach().clone()
+        tensors = {MU + n: g_mu[n] for n in names} | {RHO + n: g_rho[n] for n in names}
+        tensors["num_samples"] = num_samples_tensor(data.num_train)
+        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+
+    def _train(self, model: nn.Module, personal: tuple[dict, dict], local_global: tuple[dict, dict],
+               data: ClientData, generator: torch.Generator) -> None:
+        mu, rho = personal
+        g_mu, g_rho = local_global
+        training = self.context.training
+        opt_personal = torch.optim.Adam([*mu.values(), *rho.values()], lr=self.lr,
+                                        betas=training.betas, eps=training.eps)
+        opt_global = torch.optim.Adam([*g_mu.values(), *g_rho.values()], lr=self.global_lr,
+                                      betas=training.betas, eps=training.eps)
+        n = data.num_train
+        x, y = data.train_x, data.train_y
+        for _ in range(training.epochs):
+            order = torch.randperm(n, generator=generator).to(x.device)
+            for start in range(0, n, training.batch_size):
+                idx = order[start : start + training.batch_size]
+                for _ in range(self.personal_steps):
+                    loss = self.personal_loss(model, mu, rho, g_mu, g_rho, x[idx], y[idx], n,
+                                              generator)
+                    opt_personal.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt_personal.step()
+                loss = self.global_loss(mu, rho, g_mu, g_rho, n)
+                opt_global.zero_grad(set_to_none=True)
+                loss.backward()
+                opt_global.step()
+
+    def personal_loss(self, model: nn.Module, mu: dict, rho: dict, g_mu: dict, g_rho: dict,
+                      x: Tensor, y: Tensor, n: int, generator: torch.Generator) -> Tensor:
+        """``mean NLL of one reparameterised draw + zeta KL(q || z_k) / n`` (z_k fixed)."""
+        weights = {}
+        for name in mu:
+            eps = torch.randn(mu[name].shape, generator=generator, dtype=mu[name].dtype)
+            weights[name] = mu[name] + softplus_std(rho[name]) * eps.to(mu[name].device)
+        nll = F.cross_entropy(functional_call(model, weights, (x,)), y)
+        return nll + self.zeta * self.kl(mu, rho, detached(g_mu), detached(g_rho)) / n
+
+    def global_loss(self, mu: dict, rho: dict, g_mu: dict, g_rho: dict, n: int) -> Tensor:
+        """``zeta KL(q || z_k) / n`` with the personal posterior fixed."""
+        return self.zeta * self.kl(detached(mu), detached(rho), g_mu, g_rho) / n
+
+    @staticmethod
+    def kl(mu: dict, rho: dict, g_mu: dict, g_rho: dict) -> Tensor:
+        """``KL(N(mu, softplus(rho)^2) || N(g_mu, softplus(g_rho)^2))`` over every parameter."""
+        return sum(diagonal_gaussian_kl(mu[n], softplus_std(rho[n]), g_mu[n],
+                                        softplus_std(g_rho[n])) for n in mu)
+
+    def posterior(
+        self, config: ClientConfig, state: ClientState, broadcast: Message
+    ) -> NetworkGaussian:
+        """Client ``config``'s personal posterior ``N(mu_k, diag softplus(rho_k)^2)`` over its
+        whole network (``sample(n)``: flat (n, P) draws; ``predict_proba`` takes inputs)."""
+        names = self.names(config.body)
+        mean = flatten({n: state[MODEL_PREFIX + n] for n in names}, self._layout(config.body))
+        std = flatten({n: softplus_std(state[RHO + n]) for n in names}, self._layout(config.body))
+        return NetworkGaussian(self.template(config.body), mean, std.square(),
+                               method="mc", n_samples=self.mc_samples,
+                               input_shape=self.context.input_shape or None)
+
+    def _layout(self, body: str):
+        return [(n, p.shape) for n, p in self.template(body).named_parameters()]
+
+    def predict(
+        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
+    ) -> dict[str, Tensor]:
+        """MC predictive of the personal posterior (headline) and its mean's softmax."""
+        post = self.posterior(config, state, broadcast)
+        generator = torch.Generator().manual_seed(
+            derived_seed(self.context.seed, broadcast.header.round, config.client_id, 17))
+        return {PREDICTIVE: post.predict_proba(x, "mc", generator=generator).cpu(),
+                MAP_PLUGIN: post.predict_proba(x, "map").cpu()}
+
+
+def detached(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.detach() for k, v in tensors.items()}
+
+
+def sigma_problem(message: Message) -> str | None:
+    """None if every ``softplus(rho)`` of an upload is within [SIGMA_FLOOR, SIGMA_CEILING]."""
+    for key, value in message.tensors.items():
+        if not key.startswith(RHO):
+            continue
+        sigma = softplus_std(value.to(torch.float64))
+        low, high = float(sigma.min()), float(sigma.max())
+        if low < SIGMA_FLOOR:
+            return (f"{key}: posterior std softplus(rho) = {low:.3g} is below {SIGMA_FLOOR:g} "
+                    "(zero variance)")
+        if high > SIGMA_CEILING:
+            return (f"{key}: posterior std softplus(rho) = {high:.3g} is above "
+                    f"{SIGMA_CEILING:g}")
+    return None

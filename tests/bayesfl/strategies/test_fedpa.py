@@ -1,0 +1,168 @@
+"""FedPA: the dynamic-programming delta against the explicit shrinkage solve (the authors'
+test), linear-Gaussian exactness, a digits run, poisoned uploads rejected."""
+
+import numpy as np
+import pytest
+import torch
+from strategy_helpers import generators, run_round, wire
+
+from bayesfl.simulate import simulate
+from bayesfl.strategies.fedpa import (
+    DELTA,
+    posterior_delta,
+    server_step,
+    shrinkage_weight,
+    swag_gaussian,
+)
+from inference.gaussian import GaussianPosterior, GaussianTerm, combine
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 8])
+@pytest.mark.parametrize("rho", [1.0, 5.0])
+def test_dynamic_program_delta_is_the_explicit_shrinkage_solve(count, rho):
+    # the authors' test_update_delta_posterior_avg: Delta = (rho_l I + (1 - rho_l) S)^-1
+    # (mean - theta) with S the unbiased sample covariance (np.cov), rho_l = 1/(1 + (l-1) rho)
+    g = torch.Generator().manual_seed(count)
+    theta = torch.randn(6, generator=g, dtype=F64)
+    samples = [theta + torch.randn(6, generator=g, dtype=F64) for _ in range(count)]
+    ours = posterior_delta(theta, samples, rho).numpy()
+    stacked = torch.stack(samples).numpy()
+    weight = shrinkage_weight(count, rho)
+    covariance = weight * np.eye(6) + ((1 - weight) * np.cov(stacked.T) if count > 1 else 0)
+    expected = np.linalg.solve(covariance, stacked.mean(0) - theta.numpy())
+    # a float64 rank-one recursion against one LU solve of a 6 x 6 matrix (condition < 1e3)
+    np.testing.assert_allclose(ours, expected, rtol=1e-10, atol=1e-12)
+
+
+def linear_gaussian_clients(sizes=(30, 12, 45, 20), dim=5, seed=0):
+    """Per client: (X_k, y_k) of one linear model y = X w + N(0, 1), and the exact local
+    posterior under a flat prior: precision X_k^T X_k, mean its least-squares solution."""
+    g = np.random.default_rng(seed)
+    w = g.normal(size=dim)
+    clients = []
+    for n in sizes:
+        x = g.normal(size=(n, dim)) + g.normal(size=dim)  # clients differ in their inputs
+        y = x @ w + g.normal(size=n)
+        precision = x.T @ x
+        clients.append((x, y, np.linalg.solve(precision, x.T @ y), precision))
+    return clients
+
+
+def exact_samples(mean, covariance, count, seed):
+    """``count`` points whose sample mean is ``mean`` and whose unbiased sample covariance is
+    ``covariance`` exactly (the local posterior's moments with no Monte Carlo error)."""
+    g = np.random.default_rng(seed)
+    centred = g.normal(size=(count, mean.shape[0]))
+    centred -= centred.mean(0)
+    q, _ = np.linalg.qr(centred)  # orthonormal columns, each orthogonal to the ones vector
+    return mean + np.sqrt(count - 1) * q @ np.linalg.cholesky(covariance).T
+
+
+def test_precision_weighted_combination_of_exact_local_posteriors_is_global_least_squares():
+    clients = linear_gaussian_clients()
+    x = np.concatenate([c[0] for c in clients])
+    y = np.concatenate([c[1] for c in clients])
+    least_squares = np.linalg.lstsq(x, y, rcond=None)[0]
+    # inference.combine: prior + sum of likelihood terms; a 1e-12 prior precision shifts the
+    # mean by ~1e-12 relative (X^T X has eigenvalues ~10-100)
+    prior = GaussianTerm.isotropic(5, 1e-12)
+    posts = [GaussianPosterior(prior, GaussianTerm("full", torch.from_numpy(p @ m),
+                                                   dense=torch.from_numpy(p)), (5,))
+             for _, _, m, p in clients]
+    np.testing.assert_allclose(combine(posts).mean.numpy(), least_squares, rtol=1e-9, atol=1e-10)
+
+
+def test_federated_posterior_averaging_converges_to_global_least_squares():
+    clients = linear_gaussian_clients()
+    x = np.concatenate([c[0] for c in clients])
+    y = np.concatenate([c[1] for c in clients])
+    least_squares = np.linalg.lstsq(x, y, rcond=None)[0]
+    # every client's IASG "samples" carry its exact posterior moments (6 points, the fewest
+    # with a full-rank covariance in 5 dimensions); rho = 1e9 makes the shrinkage weight
+    # 2e-10, so Sigma_hat = Sigma_k to ~1e-9 relative
+    samples = [torch.from_numpy(exact_samples(m, np.linalg.inv(p), 6, k))
+               for k, (_, _, m, p) in enumerate(clients)]
+    eigenvalues = np.linalg.eigvalsh(sum(p for *_, p in clients))
+    # the mean delta is (X^T y - X^T X theta) / K: gradient descent on a quadratic, whose best
+    # step 2K / (lambda_min + lambda_max) contracts by (kappa - 1) / (kappa + 1) per round
+    lr = 2 * len(clients) / (eigenvalues[0] + eigenvalues[-1])
+    rate = (eigenvalues[-1] - eigenvalues[0]) / (eigenvalues[-1] + eigenvalues[0])
+    assert rate < 0.85
+    theta = {"w": torch.zeros(5, dtype=F64)}
+    for _ in range(150):
+        # Delta_k = Sigma_hat_k^-1 (mu_hat_k - theta): the client's delta from its samples,
+        # taken at the current server parameters
+        deltas = [{"w": posterior_delta(theta["w"], list(s), 1e9)} for s in samples]
+        theta, _ = server_step(theta, deltas, torch.ones(len(clients)), lr)
+    # the fixed point is sum_k Sigma_k^-1 (mu_k - theta) = 0, i.e. X^T X theta = X^T y; after
+    # 150 rounds the contraction leaves < 0.85^150 = 3e-11 of the start's error, and the
+    # shrinkage's ~1e-9 relative bias remains
+    np.testing.assert_allclose(theta["w"].numpy(), least_squares, rtol=1e-7, atol=1e-8)
+    # FedAvg's deltas (rho = 0: Sigma_hat = I) converge to the unweighted mean of local
+    # solutions instead, which is not the least-squares solution here
+    fedavg = np.mean([m for _, _, m, _ in clients], axis=0)
+    assert np.abs(fedavg - least_squares).max() > 1e-3
+
+
+def test_server_momentum_accumulates_the_mean_delta():
+    params = {"w": torch.zeros(3, dtype=F64)}
+    deltas = [{"w": torch.tensor([1.0, 2.0, 3.0], dtype=F64)},
+              {"w": torch.tensor([3.0, 2.0, 1.0], dtype=F64)}]
+    new, buffers = server_step(params, deltas, torch.tensor([1.0, 3.0]), 0.5, 0.9)
+    mean = torch.tensor([2.5, 2.0, 1.5], dtype=F64)  # weights 1/4, 3/4
+    torch.testing.assert_close(new["w"], 0.5 * mean, rtol=0, atol=1e-15)
+    again, _ = server_step(new, deltas, torch.tensor([1.0, 3.0]), 0.5, 0.9, buffers)
+    torch.testing.assert_close(again["w"], new["w"] + 0.5 * (0.9 * mean + mean), rtol=0,
+                               atol=1e-15)
+
+
+def test_swag_covariance_is_half_diagonal_plus_low_rank():
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(2, 2)  # 6 parameters
+    samples = torch.randn(4, 6, generator=g, dtype=F64)
+    post = swag_gaussian(model, torch.zeros(6, dtype=F64), samples, n_samples=4,
+                         input_shape=(2,))
+    deviations = samples - samples.mean(0)
+    expected = 0.5 * (torch.diag(deviations.square().mean(0)) + deviations.T @ deviations / 3)
+    actual = torch.diag(post.variance) + post.factor.T @ post.factor
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+    draws = post.sample(20000, torch.Generator().manual_seed(1))
+    # 20,000 draws: the empirical covariance is within a few percent of the largest entry
+    assert (torch.cov(draws.T) - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+def test_three_rounds_on_digits_with_five_clients():
+    result = simulate("fedpa", "digits", clients=5, rounds=3, seed=0, progress=False,
+                      local_epochs=3, batch_size=64, threads=1,
+                      strategy_options={"mc_samples": 4, "client_lr": 0.1})
+    s = result.summary
+    assert s["rejected_uploads"] == 0
+    assert s["accuracy"] > 0.3, s["accuracy"]  # one global model on 2-class shards; chance 0.1
+    assert "map_plugin" in s
+    post = result.posterior(1)
+    assert post.factor is not None and post.factor.shape[0] == 2  # epochs 1, 2 are samples
+    assert post.sample(3).shape == (3, post.mean.shape[0])
+
+
+@pytest.mark.parametrize(("poison", "reason"), [
+    (lambda t: {k: v * 1e4 if k.startswith(DELTA) else v for k, v in t.items()}, "delta norm"),
+    (lambda t: {**t, "num_samples": torch.tensor([10**9])}, "num_samples"),
+    (lambda t: {**t, "num_samples": torch.tensor([0])}, "num_samples must be >= 1"),
+    (lambda t: {k: v.fill_(float("nan")) if k.startswith(DELTA) else v for k, v in t.items()},
+     "finite"),
+])
+def test_a_poisoned_upload_is_rejected_with_a_reason(build, poison, reason):
+    strategy, clients, state = build("fedpa", client_lr=0.05)
+    state, _ = run_round(strategy, clients, state, 1)
+    plan = strategy.configure(state, 2)
+    ups = []
+    for c, g in zip(clients, generators(clients, 2), strict=True):
+        _, up = strategy.fit(c.config, c.state, c.data, wire(plan.broadcast), g)
+        ups.append(wire(up))
+    tensors = {k: v.clone() for k, v in ups[0].tensors.items()}
+    bad = strategy.up_message(2, 0, poison(tensors))
+    verdicts = strategy.validate_uploads(plan, [bad, *ups[1:]], [0, 1, 2])
+    assert verdicts[0] is not None and reason in verdicts[0], verdicts[0]
+    assert verdicts[1:] == [None, None]
