@@ -8,7 +8,7 @@ import torch
 from strategy_helpers import NUM_CLASSES, network_output, run_round, wire
 
 from bayesfl.errors import MessageRejected
-from bayesfl.messages import Message, encode
+from bayesfl.messages import Message
 from bayesfl.simulate import simulate
 from bayesfl.strategies.fd import distillation_terms, teacher_logits
 
@@ -77,4 +77,3 @@ def test_fd_runs_on_digits_and_uploads_c_by_c_floats():
     assert 0 < header < 1024
     # chance is 0.1 (standard error 0.014 on 450 test digits); FD learns well above it
     assert result.summary["accuracy"] > 0.3
-    _ = encode

@@ -1,0 +1,184 @@
+"""CoLearn (representation sharing) against IL, FL, FD, FedProto and FedLog in the CoLearn
+paper's MNIST setting (Berdoz et al. 2022, Table 1), scaled to this machine.
+
+Setting: ``mnist-5k`` (5,000 real MNIST digits), 1,200 training images split over N = 2, 5
+and 10 clients (``labels:10:train=120/N``: every client holds every class with 120/N
+training images each, i.e. an IID split balanced per class), LeNet5-like bodies (d' = 84),
+1 local epoch of Adam (lr 1e-3, batch 16) per round as in the paper. The paper reports every
+client's personal model on the full 10k test set; here every client is scored on the same
+*common* test set, the 3,800 mnist-5k images no client trains on (the clients' own held-out
+samples, 5 per class, only feed the simulator's per-round log). Metrics: mean over clients
+of accuracy, ECE (15 bins) and NLL on the common test set, and uplink bytes per client per
+round (encoded messages, headers included; round 0 uploads of CoLearn's bootstrap and
+FedLog's statistics counted). Mean +- standard error over seeds.
+
+Methods: ``colearn`` (defaults: lam_kd 10 on the mean squared distance, lam_disc 1, n_avg
+10, M = 1), ``il`` = ``local-only`` (no communication), ``fl`` = ``fedavg`` (whole network
+averaged), ``fd`` (per-class mean logits), ``fedproto``, ``fedlog``. Also a heterogeneous run
+(clients alternate ``lenet5`` / ``cnn:16-32``, both d' = 84) for the methods that allow it,
+and ablations at N = 5: the spec-literal KD (``kd_reduction="sum"``), no disc term, no KD
+term.
+
+The paper's figures (100 rounds, 10k test set) are printed beside ours; ratios against IL
+and FL (the named peers) are measured in the same run. Last line: JSON.
+
+Usage: ``python bench/colearn.py [--rounds 10] [--seeds 3] [--quick]`` (``--quick``: 1 seed,
+3 rounds, N = 5 only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
+# calibration package: use the repository root instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bayesfl.data.datasets import load_dataset  # noqa: E402
+from bayesfl.simulate import simulate  # noqa: E402
+from calibration.accumulator import Accumulator  # noqa: E402
+
+PAPER = {  # Table 1, MNIST, average client test accuracy (%) after 100 rounds
+    "colearn": {2: 94.19, 5: 90.63, 10: 82.07},
+    "fl": {2: 92.64, 5: 86.79, 10: 70.06},
+    "il": {2: 91.46, 5: 85.26, 10: 72.86},
+    "fd": {2: 94.45, 5: 90.55, 10: 77.90},
+}
+METHODS = {
+    "colearn": dict(strategy="colearn"),
+    "il": dict(strategy="local-only"),
+    "fl": dict(strategy="fedavg"),
+    "fd": dict(strategy="fd"),
+    "fedproto": dict(strategy="fedproto"),
+    "fedlog": dict(strategy="fedlog"),
+}
+HETEROGENEOUS = ("colearn", "il", "fd", "fedproto")
+HETERO_BODY = "lenet5,cnn:16-32"
+COMMON = dict(dataset="mnist-5k", feature_dim=84, local_epochs=1, lr=1e-3, batch_size=16,
+              progress=False, threads=1)
+TRAIN_IMAGES = 1200
+ABLATIONS = {"colearn, KD summed over d' (spec-literal)": {"kd_reduction": "sum"},
+             "colearn without the disc term (lam_disc = 0)": {"lam_disc": 0.0},
+             "colearn without the KD term (lam_kd = 0)": {"lam_kd": 0.0}}
+
+
+def common_test(result, dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images no client trains on (every client is scored on all of them)."""
+    used = np.concatenate([c.data.train_indices for c in result.clients])
+    assert len(used) == TRAIN_IMAGES == len(np.unique(used))
+    rest = np.setdiff1d(np.arange(len(dataset.y)), used)
+    return dataset.x[rest], dataset.y[rest]
+
+
+def score(result, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """Mean over clients of accuracy, ECE and NLL on (x, y)."""
+    per_client = []
+    for k in range(len(result.clients)):
+        probs = result.predict_proba(k, x)
+        per_client.append(Accumulator(15).update(probs, y).compute())
+    return {m: statistics.fmean(c[m] for c in per_client) for m in ("accuracy", "ece", "nll")}
+
+
+def run(method: str, n: int, seed: int, rounds: int, dataset, body: str = "lenet5",
+        options: dict | None = None) -> dict[str, float]:
+    config = dict(METHODS[method])
+    result = simulate(clients=n, partition=f"labels:10:train={TRAIN_IMAGES // (10 * n)}:test=5",
+                      rounds=rounds, seed=seed, body=body, **COMMON, **config,
+                      strategy_options=options or {})
+    x, y = common_test(result, dataset)
+    out = score(result, x, y)
+    upload_rounds = len(result.metrics)  # round 0 included where a strategy has one
+    out["bytes_up_per_client_round"] = result.summary["bytes_up"] / (n * upload_rounds)
+    out["rejected"] = result.summary["rejected_uploads"]
+    return out
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return mean, se
+
+
+def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
+    out = {}
+    for key in ("accuracy", "ece", "nll", "bytes_up_per_client_round"):
+        out[key], out[key + "_se"] = mean_se([r[key] for r in runs])
+    out["rejected"] = sum(r["rejected"] for r in runs)
+    return out
+
+
+def table(rows: dict[str, dict[int, dict[str, float]]], ns: list[int]) -> str:
+    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B / client / round |",
+             "|---|---|---|---|---|---|"]
+    for label, by_n in rows.items():
+        for n in ns:
+            if n not in by_n:
+                continue
+            r = by_n[n]
+            paper = PAPER.get(label, {}).get(n)
+            lines.append(
+                f"| {label} | {n} | {100 * r['accuracy']:.2f} ± {100 * r['accuracy_se']:.2f}"
+                f" ({paper if paper is not None else '-'}) | {r['ece']:.3f} | {r['nll']:.3f} | "
+                f"{r['bytes_up_per_client_round']:,.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 seed, 3 rounds, N = 5 only")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
+    rounds, seeds, ns = args.rounds, args.seeds, [2, 5, 10]
+    if args.quick:
+        rounds, seeds, ns = 3, 1, [5]
+    dataset = load_dataset("mnist-5k", seed=0)
+    start = time.perf_counter()
+    rows: dict[str, dict[int, dict[str, float]]] = {}
+    for label in METHODS:
+        rows[label] = {}
+        for n in ns:
+            rows[label][n] = summarise([run(label, n, s, rounds, dataset) for s in range(seeds)])
+            print(f"{label} N={n}: {rows[label][n]['accuracy']:.4f} "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    hetero_n = ns[-1]
+    hetero = {}
+    for label in HETEROGENEOUS:
+        hetero[f"{label} (lenet5 / cnn:16-32)"] = {hetero_n: summarise(
+            [run(label, hetero_n, s, rounds, dataset, body=HETERO_BODY) for s in range(seeds)])}
+    ablation_n = 5 if 5 in ns else ns[0]
+    ablation = {label: {ablation_n: summarise(
+        [run("colearn", ablation_n, s, rounds, dataset, options=options)
+         for s in range(seeds)])} for label, options in ABLATIONS.items()}
+    seconds = time.perf_counter() - start
+    print(f"mnist-5k, {TRAIN_IMAGES} training images split over N clients, {rounds} rounds "
+          f"(paper: 100), 1 local epoch, Adam 1e-3, batch 16, {seeds} seed(s); every client "
+          f"scored on the {len(dataset.y) - TRAIN_IMAGES} common test images\n")
+    print(table(rows, ns))
+    print(f"\nHeterogeneous bodies (N = {hetero_n}):\n")
+    print(table(hetero, [hetero_n]))
+    print("\nAblation:\n")
+    print(table(ablation, [ablation_n]))
+    gaps = {n: {"colearn_minus_il": rows["colearn"][n]["accuracy"] - rows["il"][n]["accuracy"],
+                "colearn_minus_fl": rows["colearn"][n]["accuracy"] - rows["fl"][n]["accuracy"],
+                "colearn_minus_fd": rows["colearn"][n]["accuracy"] - rows["fd"][n]["accuracy"],
+                "fl_over_colearn_uplink": rows["fl"][n]["bytes_up_per_client_round"]
+                / rows["colearn"][n]["bytes_up_per_client_round"]} for n in ns}
+    print(f"\n{seconds:.0f} s")
+    print(json.dumps({"bench": "colearn", "rounds": rounds, "seeds": seeds, "clients": ns,
+                      "seconds": round(seconds, 1), "rows": rows, "heterogeneous": hetero,
+                      "ablation": ablation, "gaps": gaps}))
+
+
+if __name__ == "__main__":
+    main()
