@@ -74,6 +74,11 @@ class SimulationConfig:
     ``"temperature"`` (or ``"temperature:FRACTION"``) holds out that share of each
     client's training data and fits one temperature over all clients' held-out data.
 
+    ``novel_fraction`` holds out that share of the clients (``round(fraction x clients)``, at
+    least one when > 0, drawn from the seed) from training: they never fit, only personalise
+    after the last round (strategies that do; the others evaluate the global model), and their
+    metrics are reported apart (``summary["novel"]``; FedSI's §IV-E experiment).
+
     Raises:
         ConfigError: a value of the wrong type or out of range (module docstring), an unknown
             strategy, or a body string without a spec.
@@ -97,6 +102,7 @@ class SimulationConfig:
     device: str = "cpu"
     authenticate: bool = False
     calibrate: str | None = None
+    novel_fraction: float = 0.0
     strategy_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +145,7 @@ _FLOATS: dict[str, tuple[Any, str]] = {
     "lr": (lambda v: 0.0 < v < math.inf, "a finite number > 0"),
     "fraction": (lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
     "test_fraction": (lambda v: 0.0 < v < 1.0, "a number in (0, 1)"),
+    "novel_fraction": (lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
 }
 _STRINGS = ("strategy", "dataset", "partition", "body", "device")
 _BOOLS = ("batched", "authenticate")

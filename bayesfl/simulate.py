@@ -14,7 +14,10 @@ on with the others — aggregates, sends the evaluation broadcast (``configure_e
 lets every client evaluate itself into calibration accumulators and merges them (per client
 and pooled), appends a line to ``metrics.jsonl`` and checkpoints atomically. After the last
 round, strategies that personalise (FedBABU) do so once, and the final evaluation uses the
-personalised states.
+personalised states. With ``novel_fraction``, that share of the clients is held out of
+training (never sampled, never fitted, not in the round metrics): after the last round they
+personalise like the others (or, for strategies that do not personalise, evaluate the global
+model) and their metrics go to ``summary["novel"]``.
 
 Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
 ``manifest.json`` (config, seed, versions, git hash), ``partition.txt`` / ``partition.json``
@@ -111,6 +114,8 @@ class SimulationResult:
         personalized: client id -> personalized state (strategies that personalise), used
             for predictions instead of the trained state.
         calibration: the final calibration step (``calibrate``), or None.
+        novel: the ids of the novel clients (``novel_fraction``): never trained, personalised
+            at the end, reported under ``summary["novel"]``.
     """
 
     config: SimulationConfig
@@ -123,6 +128,7 @@ class SimulationResult:
     evaluation_broadcast: Message
     personalized: dict[int, ClientState] = field(default_factory=dict)
     calibration: CalibrationOutcome | None = None
+    novel: tuple[int, ...] = ()
 
     def client_state(self, client_id: int) -> ClientState:
         """Client ``client_id``'s final state (personalized where the strategy does that).
@@ -207,7 +213,7 @@ def simulate(
             its run resumes only with the same data.
         **options: the other :class:`SimulationConfig` fields (body, feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
-            strategy_options, dataset_options).
+            novel_fraction, strategy_options, dataset_options).
 
     Raises:
         ConfigError: unknown names or options, values of the wrong type or out of range
@@ -305,6 +311,23 @@ def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> 
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
 
 
+def novel_clients(num_clients: int, fraction: float, seed: int) -> list[int]:
+    """The sorted ids of the novel clients: none for ``fraction == 0``, else
+    ``max(1, round(fraction * num_clients))`` drawn without replacement from the seed.
+
+    Raises:
+        ConfigError: the fraction leaves no client to train.
+    """
+    if fraction <= 0:
+        return []
+    k = max(1, round_half_up(fraction * num_clients))
+    if k >= num_clients:
+        raise ConfigError(f"novel_fraction {fraction} holds out {k} of {num_clients} clients: "
+                          "none would be left to train; use a smaller fraction or more clients")
+    rng = np.random.default_rng([seed, 17])
+    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
 def round_half_up(x: float) -> int:
     return int(np.floor(x + 0.5))
 
@@ -329,6 +352,8 @@ class _Run:
         # fingerprint: a run resumes only with the data it started with
         self.data_identity = dataset_identity(self.dataset, custom=data is not None)
         self.identity = {**config.to_dict(), "data": self.data_identity}
+        if config.novel_fraction == 0:  # runs without novel clients keep their fingerprints
+            del self.identity["novel_fraction"]
         self.fingerprint = config_fingerprint(self.identity)
         # the checkpoint to resume is read and compared before the data are partitioned or a
         # model is built: a foreign one fails at once, naming the settings that differ
@@ -350,6 +375,9 @@ class _Run:
             self.clients.append(SimulatedClient(client_config, self._on_device(d),
                                                 self.client_half.init_client(client_config)))
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
+        # novel clients (novel_fraction) never train: rounds sample and evaluate the others
+        self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
+        self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
         self.state = self.server.init()
         self.broadcast_hook: BroadcastHook | None = None
         self.threads = torch.get_num_threads()
@@ -388,6 +416,9 @@ class _Run:
         bar = tqdm(total=config.rounds + 1 - self.first_round, initial=first - self.first_round,
                    disable=not progress, unit="round",
                    desc=f"{config.strategy} on {config.dataset}", leave=False)
+        description = self.server.describe()  # e.g. a FedPart schedule
+        if description and progress and first == self.first_round:
+            tqdm.write(description)
         last_eval: RoundEvaluation | None = None
         for r in range(first, config.rounds + 1):
             t0 = time.perf_counter()
@@ -417,20 +448,28 @@ class _Run:
                 last_eval = None
             if last_eval is None:  # personalised, or resumed a finished run: evaluate once
                 last_eval = merge_evaluations(self.executor.evaluate(
-                    self.clients, broadcast, n_bins=config.n_bins, keep_probs=True,
+                    self.training_clients, broadcast, n_bins=config.n_bins, keep_probs=True,
                     states=personalized or None))
+            novel_eval = None
+            if self.novel:  # never trained: personalised above (if the strategy does) or not
+                novel_eval = merge_evaluations(self.executor.evaluate(
+                    [self.clients[i] for i in self.novel], broadcast, n_bins=config.n_bins,
+                    keep_probs=False, states=personalized or None))
         seconds = self.seconds_before + time.perf_counter() - start
         summary = build_summary(config, metrics, last_eval, seconds)
         summary["personalized"] = bool(personalized)
         summary["data"] = self.data_identity
         summary["threads"] = self.threads
+        if novel_eval is not None:
+            summary["novel"] = {"clients": list(self.novel), **novel_eval.headline(),
+                                "per_client": novel_eval.per_client}
         summary.update(self.server.server_metrics(self.state))
         calibration = self._calibrate(broadcast, personalized, summary)
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
         return SimulationResult(config, summary, metrics, self.run_dir, self.state,
                                 self.clients, self.client_half, broadcast, personalized,
-                                calibration)
+                                calibration, tuple(self.novel))
 
     def _calibrate(self, broadcast: Message, personalized: dict[int, ClientState],
                    summary: dict[str, Any]) -> CalibrationOutcome | None:
@@ -439,7 +478,8 @@ class _Run:
         if self.calibration is None:
             return None
         with torch.random.fork_rng(devices=self._rng_devices()):
-            outcome = calibrate_run(self.client_half, self.clients, self.held_out, broadcast,
+            outcome = calibrate_run(self.client_half, self.training_clients, self.held_out,
+                                    broadcast,
                                     spec=self.calibration, n_bins=self.config.n_bins,
                                     states=personalized or None, keys=self.keys)
         summary["calibration"] = outcome.summary(summary)
@@ -451,7 +491,9 @@ class _Run:
     def _round(self, r: int, upload_hook: UploadHook | None) -> tuple[dict, RoundEvaluation]:
         config, server = self.config, self.server
         torch.manual_seed(derived_seed(config.seed, r))
-        participants = sample_clients(config.clients, config.fraction, config.seed, r)
+        training_ids = [c.client_id for c in self.training_clients]
+        participants = [training_ids[i] for i in
+                        sample_clients(len(training_ids), config.fraction, config.seed, r)]
         plan = server.configure(self.state, r)
         down_bytes = encode(plan.broadcast, key=self.server_key)
         if self.broadcast_hook is not None:
@@ -529,6 +571,7 @@ class _Run:
             "seconds_evaluation": t_eval,
         }
         record.update(server.server_metrics(self.state))
+        record.update(server.compute_metrics(plan, accepted))  # e.g. analytic local FLOPs
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
         return record, evaluation
@@ -537,7 +580,8 @@ class _Run:
         """Every client's evaluation of the server state after round ``r``: the encoded
         evaluation broadcast and the merged evaluation."""
         eval_bytes = encode(self.server.configure_evaluation(self.state, r), key=self.server_key)
-        evaluations = self.executor.evaluate(self.clients, decode(eval_bytes, key=self.server_key),
+        evaluations = self.executor.evaluate(self.training_clients,
+                                             decode(eval_bytes, key=self.server_key),
                                              n_bins=self.config.n_bins,
                                              keep_probs=r == self.config.rounds)
         return eval_bytes, merge_evaluations(evaluations)
@@ -644,7 +688,7 @@ class _Run:
             "scheme": self.config.partition, "counts": counts.tolist(),
             "train_sizes": [c.data.num_train for c in self.clients],
             "test_sizes": [c.data.num_test for c in self.clients],
-            "bodies": [c.body_spec for c in self.clients]}) + "\n")
+            "bodies": [c.body_spec for c in self.clients], "novel": list(self.novel)}) + "\n")
 
     def _write_results(self, summary: dict, metrics: list[dict], last: RoundEvaluation) -> None:
         from bayesfl.plots import plot_accuracy, plot_reliability

@@ -66,14 +66,19 @@ filter_zero_curvature   True                 rank zero-curvature entries last; F
 eval_selection          "diag_laplace"       selection at personalisation: diagonal-Laplace
                                              variance at (mu, phi_fin), or "global_var" (rank by
                                              g alone) (A6)
-finetune_epochs         5                    head fine-tuning epochs (A7)
-finetune_lr             1e-3                 head fine-tuning Adam lr (A7)
+finetune_epochs         10                   head fine-tuning epochs (A7; see below)
+finetune_lr             1e-2                 head fine-tuning Adam lr (A7; see below)
 predictive              "glm_probit"         "glm_probit" (Eq. 19) or "glm_mc" (§3.2)
 mc_samples              100                  weight-space draws of "glm_mc"
 screening_ratio         10.0                 reject an upload whose ||mean - mu|| exceeds this
                                              many times the round's median (None: off)
 curvature_batch         256                  rows per curvature / Jacobian chunk (memory only)
 ======================  ===================  ===================================================
+
+Fine-tuning defaults: the spec's range is 5-10 epochs at lr 1e-3 to 1e-2 (§2.5). Measured on
+digits (5 clients, ``shards:2``, body ``mlp``, feature_dim 16, 3 rounds, batch 64): 5 epochs
+at 1e-3 left the random head nearly untouched (accuracy 0.15), 5 at 1e-2 gave 0.88 and 10 at
+1e-2 gave 0.92 (NLL 0.63 -> 0.42), hence 10 at 1e-2.
 
 The Laplace runs every round (A11: ``laplace_every = 1``, the paper's schedule; no option).
 
@@ -103,7 +108,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
@@ -196,7 +201,7 @@ def aggregate_gaussians(
     """
     stochastic = stds > 0
     anyone = stochastic.any(0)
-    w = weights.view(-1, 1)
+    w = weights.to(means.dtype).view(-1, 1)
     if rule == "product":
         precision = torch.where(stochastic, stds.square().reciprocal(),
                                 prior_variance.reciprocal().expand_as(stds))
@@ -247,8 +252,8 @@ class FedSI(Strategy):
         head_init: str = "shared",
         filter_zero_curvature: bool = True,
         eval_selection: str = "diag_laplace",
-        finetune_epochs: int = 5,
-        finetune_lr: float = 1e-3,
+        finetune_epochs: int = 10,
+        finetune_lr: float = 1e-2,
         predictive: str = "glm_probit",
         mc_samples: int = 100,
         screening_ratio: float | None = 10.0,
@@ -464,13 +469,17 @@ class FedSI(Strategy):
                     & (variance > 0).all()):
             raise MessageRejected("broadcast mean must be finite and variances finite and > 0")
         device = self.context.device
-        return mean.to(device, torch.float32), variance.to(device, torch.float32)
+        return (mean.to(device, torch.float32, copy=True),
+                variance.to(device, torch.float32, copy=True))
 
     def model_at(self, config: ClientConfig, state: ClientState, mean: Tensor) -> nn.Module:
         """The client's network with its body set to ``mean`` and its head from ``state``."""
         model = self.client_model(config, state)
-        with torch.no_grad():
-            vector_to_parameters(mean.to(torch.float32), model.body.parameters())
+        offset = 0
+        with torch.no_grad():  # copies: the parameters must not alias ``mean`` (the prior mean)
+            for p in model.body.parameters():
+                p.copy_(mean[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
         return model
 
     def map_objective(self, model: nn.Module, mean: Tensor, variance: Tensor, n: int):

@@ -15,6 +15,7 @@ Index space everywhere: the flattened trainable parameters (``requires_grad=True
 """
 
 from inference.subnet.diagonal import diagonal_ggn
+from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
 from inference.subnet.fit import fit_subnet_laplace, subnet_ggn
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import available_memory_bytes, check_memory
@@ -23,11 +24,13 @@ from inference.subnet.posterior import SubnetLaplacePosterior
 from inference.subnet.selection import rank_by_variance, select_subnet
 
 __all__ = [
+    "DiagonalLaplacePosterior",
     "SubnetJacobian",
     "SubnetLaplacePosterior",
     "available_memory_bytes",
     "check_memory",
     "diagonal_ggn",
+    "fit_diagonal_laplace",
     "fit_subnet_laplace",
     "flat_trainable_parameters",
     "rank_by_variance",

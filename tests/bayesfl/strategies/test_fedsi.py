@@ -1,0 +1,262 @@
+"""FedSI and FedSI-Fac (spec fedsi.md): uploads, the server rules, the prior term, upload
+screening, and short runs through the simulator and the CLI."""
+
+import json
+
+import pytest
+import torch
+from strategy_helpers import generators, run_round, wire
+
+from bayesfl.cli import main
+from bayesfl.messages import Message
+from bayesfl.simulate import simulate
+from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
+from bayesfl.strategies.fedsi import aggregate_gaussians, body_vector, prior_penalty
+from inference.subnet import DiagonalLaplacePosterior, SubnetLaplacePosterior, select_subnet
+
+# digits, 5 clients, small local work: the CI runs of FedSI and FedSI-Fac
+DIGITS = dict(dataset="digits", clients=5, partition="shards:2", seed=0, body="mlp",
+              feature_dim=16, local_epochs=1, batch_size=64, progress=False)
+
+
+def test_upload_std_is_zero_exactly_outside_the_subnet_the_client_selected(build):
+    strategy, clients, state = build("fedsi", subnet_fraction=0.1)
+    state, uploads = run_round(strategy, clients, state, 1)
+    S = strategy.subnet_count()
+    assert S == 9  # floor(0.1 * 92): mlp:8 body on 6 inputs, feature_dim 4
+    prior = 1.0 / strategy.broadcast_tensors(strategy.init(), 1)["variance"].double()
+    for client, upload in zip(clients, uploads, strict=True):
+        std, subnet = upload.tensors["std"], upload.tensors["subnet"].long()
+        assert subnet.numel() == S
+        inside = torch.zeros_like(std, dtype=torch.bool)
+        inside[subnet] = True
+        assert bool((std[~inside] == 0).all()) and bool((std[inside] > 0).all())
+        # the declared subnet is what selection picks at the client's MAP (its new state)
+        model = strategy.client_model(client.config, client.state)
+        model.head.requires_grad_(False)
+        assert torch.equal(upload.tensors["mean"], body_vector(model))
+        again = select_subnet(model, strategy.curvature_batches(client.data), S, prior)
+        assert torch.equal(again, subnet)
+
+
+def test_fedsi_fac_uploads_a_positive_std_for_every_body_parameter(build):
+    strategy, clients, state = build("fedsi-fac")
+    _, uploads = run_round(strategy, clients, state, 1)
+    for upload in uploads:
+        assert "subnet" not in upload.tensors
+        std = upload.tensors["std"].double()
+        # a diagonal Laplace variance is 1 / (diag GGN + 1/alpha) <= alpha
+        assert bool((std > 0).all()) and bool((std <= 1e-2 * (1 + 1e-6)).all())
+
+
+# Hand-made uploads: 3 clients, 4 body entries; alpha = 1e-2 (above every uploaded variance,
+# so the clamp does not act). Expected values are worked by hand in the comments.
+MEANS = torch.tensor([[1.0, 1.0, 1.0, 4.0], [4.0, 2.0, 2.0, 0.0], [2.0, 4.0, 6.0, 2.0]],
+                     dtype=torch.float64)
+STDS = torch.tensor([[0.05, 0.0, 0.0, 0.0], [0.05, 0.02, 0.0, 0.0], [0.0, 0.04, 0.0, 0.0]],
+                    dtype=torch.float64)
+ALPHA = 1e-2
+THIRDS = torch.full((3,), 1 / 3, dtype=torch.float64)
+
+
+def test_paper_rule_averages_means_and_stds_with_zeros_and_resets_to_alpha():
+    mean, variance = aggregate_gaussians(MEANS, STDS, THIRDS,
+                                         torch.full((4,), ALPHA), rule="mean_std", alpha=ALPHA,
+                                         floor=1e-12)
+    # means: (1+4+2)/3, (1+2+4)/3, (1+2+6)/3, (4+0+2)/3
+    assert torch.allclose(mean, torch.tensor([7 / 3, 7 / 3, 3.0, 2.0], dtype=torch.float64))
+    # stds averaged with the zeros: (0.05+0.05+0)/3, (0+0.02+0.04)/3; nobody -> alpha
+    expected = torch.tensor([(0.1 / 3) ** 2, 0.02**2, ALPHA, ALPHA], dtype=torch.float64)
+    assert torch.allclose(variance, expected, rtol=1e-12, atol=0)
+    # the order of the uploads does not matter
+    perm = torch.tensor([2, 0, 1])
+    again = aggregate_gaussians(MEANS[perm], STDS[perm], THIRDS,
+                                torch.full((4,), ALPHA), rule="mean_std", alpha=ALPHA,
+                                floor=1e-12)
+    assert torch.allclose(again[0], mean) and torch.allclose(again[1], variance)
+
+
+def test_product_rule_weighs_by_precision_and_multiplies_the_stochastic_gaussians():
+    mean, variance = aggregate_gaussians(MEANS, STDS, torch.full((3,), 1 / 3),
+                                         torch.full((4,), ALPHA), rule="product", alpha=ALPHA,
+                                         floor=1e-12)
+    # entry 0: precisions 400, 400 and (deterministic: 1/alpha) 100:
+    #   mean (400*1 + 400*4 + 100*2) / 900 = 2200/900, variance 1/(400+400)
+    # entry 1: precisions 100 (deterministic), 2500, 625:
+    #   mean (100*1 + 2500*2 + 625*4) / 3225 = 7600/3225, variance 1/(2500+625)
+    # entries 2, 3: nobody stochastic: the plain mean and alpha
+    assert torch.allclose(mean, torch.tensor([2200 / 900, 7600 / 3225, 3.0, 2.0],
+                                             dtype=torch.float64), rtol=1e-12, atol=0)
+    assert torch.allclose(variance, torch.tensor([1 / 800, 1 / 3125, ALPHA, ALPHA],
+                                                 dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_variances_are_clamped_to_the_floor_and_alpha():
+    stds = torch.tensor([[1e-9, 0.5], [1e-9, 0.5]], dtype=torch.float64)
+    _, variance = aggregate_gaussians(torch.zeros(2, 2, dtype=torch.float64), stds,
+                                      torch.full((2,), 0.5), torch.full((2,), 1e-4),
+                                      rule="mean_var", alpha=1e-4, floor=1e-12)
+    assert variance.tolist() == [1e-12, 1e-4]
+
+
+def _honest_uploads(build, **options):
+    strategy, clients, state = build("fedsi", subnet_fraction=0.1, **options)
+    plan = strategy.configure(state, 1)
+    down = wire(plan.broadcast)
+    ups = [wire(strategy.fit(c.config, c.state, c.data, down, g)[1])
+           for c, g in zip(clients, generators(clients, 1), strict=True)]
+    return strategy, plan, ups
+
+
+def test_the_server_aggregate_is_the_paper_rule_of_what_it_received(build):
+    strategy, plan, ups = _honest_uploads(build)
+    new = strategy.aggregate(plan.state, ups, 1, torch.Generator())
+    means = torch.stack([u.tensors["mean"].double() for u in ups])
+    stds = torch.stack([u.tensors["std"].double() for u in ups])
+    expected = stds.mean(0).square()
+    expected = torch.where(expected > 0, expected, torch.full_like(expected, 1e-4))
+    assert torch.allclose(new["mean"].double(), means.mean(0).float().double())
+    assert torch.allclose(new["variance"], expected.clamp(1e-12, 1e-4), rtol=1e-12, atol=0)
+
+
+def _forged(upload, **tensors):
+    return Message(upload.header, {**upload.tensors, **tensors})
+
+
+def test_poisoned_uploads_are_rejected_with_their_reason(build):
+    strategy, plan, ups = _honest_uploads(build)
+    assert strategy.validate_uploads(plan, ups, [0, 1, 2]) == [None, None, None]
+    honest = ups[0]
+    std, subnet = honest.tensors["std"].clone(), honest.tensors["subnet"]
+    outside = next(i for i in range(std.numel()) if i not in set(subnet.tolist()))
+    leak = std.clone()
+    leak[outside] = 1e-3
+    inflated = std.clone()
+    inflated[subnet[0]] = 1.0  # prior std is 1e-2
+    negative = std.clone()
+    negative[subnet[0]] = -std[subnet[0]]
+    zero_inside = std.clone()
+    zero_inside[subnet[0]] = 0.0
+    cases = {
+        "outside the declared subnet": _forged(honest, std=leak),
+        "above the broadcast prior std": _forged(honest, std=inflated),
+        "negative standard deviations": _forged(honest, std=negative),
+        "inside the declared subnet": _forged(honest, std=zero_inside),
+        "not sorted and unique": _forged(honest, subnet=subnet.flip(0)),
+        "expected (9)": _forged(honest, subnet=subnet[:-1]),
+        "num_samples must be >= 1": _forged(honest, num_samples=torch.tensor([0])),
+    }
+    for reason, forged in cases.items():
+        verdict = strategy.validate_uploads(plan, [forged, ups[1], ups[2]], [0, 1, 2])
+        assert verdict[0] is not None and reason in verdict[0], (reason, verdict[0])
+        assert verdict[1:] == [None, None]
+
+
+def test_the_prior_term_uses_the_broadcast_variances(build):
+    strategy, clients, state = build("fedsi")
+    g = torch.Generator().manual_seed(5)
+    R = state["mean"].numel()
+    state["variance"] = torch.exp(torch.empty(R, dtype=torch.float64).uniform_(-9, -2,
+                                                                            generator=g))
+    down = wire(strategy.configure(state, 1).broadcast)
+    mean, variance = strategy.received(clients[0].config, down)
+    assert torch.equal(variance, state["variance"].float())  # what crossed the wire
+    model = strategy.model_at(clients[0].config, clients[0].state, mean)
+    with torch.no_grad():  # move the body away from the prior mean
+        for p in model.body.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    data, n = clients[0].data, clients[0].data.num_train
+    objective = strategy.map_objective(model, mean, variance, n)
+    x, y = data.train_x[:5], data.train_y[:5]
+    with_prior = torch.autograd.grad(objective(model(x), y).mean(),
+                                     list(model.body.parameters()))
+    plain = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y),
+                                list(model.body.parameters()))
+    prior_grad = torch.cat([(a - b).reshape(-1) for a, b in zip(with_prior, plain, strict=True)])
+    theta = body_vector(model)
+    by_hand = (theta - mean) / variance / n
+    assert float(by_hand.abs().max()) > 1.0  # the body really is away from the prior mean
+    # float32 gradients of terms up to ~1e4: relative 1e-4 covers the rounding
+    assert torch.allclose(prior_grad, by_hand, rtol=1e-4, atol=1e-6)
+    assert float(prior_penalty(theta, mean, variance)) == pytest.approx(
+        0.5 * float(((theta - mean).double() ** 2 / variance.double()).sum()), rel=1e-5)
+
+
+def test_the_broadcast_variances_change_the_local_map_only_through_the_prior(build):
+    strategy, clients, state = build("fedsi")
+    off = make_strategy("fedsi", strategy.context, prior_in_map=False)
+    g = torch.Generator().manual_seed(2)
+    R = state["mean"].numel()
+    other = {**state, "variance": torch.empty(R, dtype=torch.float64).uniform_(1e-4, 1e-2,
+                                                                               generator=g)}
+    c = clients[0]
+
+    def local_mean(strat, server_state):
+        down = wire(strat.configure(server_state, 1).broadcast)
+        new_state, up = strat.fit(c.config, c.state, c.data, down,
+                                  torch.Generator().manual_seed(0))
+        # the head never changes during training (phi^0 stays)
+        assert torch.equal(new_state["model.head.weight"], c.state["model.head.weight"])
+        return up.tensors["mean"]
+
+    assert not torch.equal(local_mean(strategy, state), local_mean(strategy, other))
+    assert torch.equal(local_mean(off, state), local_mean(off, other))
+
+
+@pytest.mark.parametrize("name, kind", [("fedsi", SubnetLaplacePosterior),
+                                        ("fedsi-fac", DiagonalLaplacePosterior)])
+def test_three_rounds_on_digits(name, kind):
+    result = simulate(name, rounds=3, **DIGITS)
+    s = result.summary
+    assert [m["round"] for m in result.metrics] == [1, 2, 3]
+    assert all(m["accepted"] == 5 and not m["rejections"] for m in result.metrics)
+    assert s["personalized"] and 0.5 < s["accuracy"] <= 1.0
+    assert MAP_PLUGIN in s and s["nll"] > 0
+    post = result.posterior(1)
+    assert isinstance(post, kind)
+    R = 64 * 16 + 16
+    assert post.sample(3).shape == (3, R)
+    client = result.clients[1]
+    x = client.data.test_x
+    probs = result.predict_proba(1, x)
+    assert torch.allclose(probs, post.predict_proba(x).double(), atol=1e-6)
+    both = result.strategy.predict(client.config, result.client_state(1),
+                                   result.evaluation_broadcast, x)
+    assert torch.allclose(both[MAP_PLUGIN], post.predict_proba(x, "map").double(), atol=1e-6)
+    assert torch.allclose(both[PREDICTIVE].sum(1), torch.ones(x.shape[0], dtype=torch.float64))
+    if name == "fedsi":
+        assert post.n_subnet == int(0.05 * R)
+        assert 0 < result.metrics[-1]["fedsi_stochastic_fraction"] < 1
+
+
+def test_unknown_options_are_refused():
+    from strategy_helpers import context
+
+    from bayesfl.errors import ConfigError
+
+    for bad in ({"aggregation": "median"}, {"posterior": "full"}, {"subnet_fraction": 0.0},
+                {"prior_var": 1e-4, "variance_floor": 1e-3}, {"head_init": "random"}):
+        with pytest.raises(ConfigError):
+            make_strategy("fedsi", context(), **bad)
+
+
+def test_per_client_heads_differ_and_shared_heads_agree(build):
+    _, clients, _ = build("fedsi", head_init="per_client")
+    heads = [c.state["model.head.weight"] for c in clients]
+    assert not torch.equal(heads[0], heads[1])
+    _, clients, _ = build("fedsi")
+    assert torch.equal(clients[0].state["model.head.weight"], clients[1].state["model.head.weight"])
+
+
+def test_cli_runs_fedsi_with_novel_clients(tmp_path):
+    out = tmp_path / "run"
+    code = main(["run", "--strategy", "fedsi", "--dataset", "digits", "--clients", "5",
+                 "--rounds", "2", "--body", "mlp", "--feature-dim", "16", "--local-epochs", "1",
+                 "--batch-size", "64", "--novel-fraction", "0.2", "--no-progress",
+                 "--option", "finetune_epochs=2", "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == "fedsi" and len(summary["per_client"]) == 4
+    assert len(summary["novel"]["clients"]) == 1 and "ece" in summary["novel"]
+    assert (out / "metrics.jsonl").exists() and (out / "manifest.json").exists()
+
