@@ -22,8 +22,10 @@ term.
 The paper's figures (100 rounds, 10k test set) are printed beside ours; ratios against IL
 and FL (the named peers) are measured in the same run. Last line: JSON.
 
-Usage: ``python bench/colearn.py [--rounds 10] [--seeds 3] [--quick]`` (``--quick``: 1 seed,
-3 rounds, N = 5 only).
+Usage: ``python bench/colearn.py [--rounds 10] [--seeds 3] [--quick] [--cache runs.json]
+[--budget SECONDS]`` (``--quick``: 1 seed, 3 rounds, N = 5 only; ``--cache`` keeps finished
+runs so a second call continues; ``--budget`` starts no run after that many seconds). Runs go
+seed by seed, N = 10 first.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ METHODS = {
     "fedproto": dict(strategy="fedproto"),
     "fedlog": dict(strategy="fedlog"),
 }
-HETEROGENEOUS = ("colearn", "il", "fd", "fedproto")
+HETEROGENEOUS = ("colearn", "il", "fd")
 HETERO_BODY = "lenet5,cnn:16-32"
 COMMON = dict(dataset="mnist-5k", feature_dim=84, local_epochs=1, lr=1e-3, batch_size=16,
               progress=False, threads=1)
@@ -117,8 +119,8 @@ def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def table(rows: dict[str, dict[int, dict[str, float]]], ns: list[int]) -> str:
-    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B / client / round |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B / client / round | seeds |",
+             "|---|---|---|---|---|---|---|"]
     for label, by_n in rows.items():
         for n in ns:
             if n not in by_n:
@@ -128,8 +130,23 @@ def table(rows: dict[str, dict[int, dict[str, float]]], ns: list[int]) -> str:
             lines.append(
                 f"| {label} | {n} | {100 * r['accuracy']:.2f} ± {100 * r['accuracy_se']:.2f}"
                 f" ({paper if paper is not None else '-'}) | {r['ece']:.3f} | {r['nll']:.3f} | "
-                f"{r['bytes_up_per_client_round']:,.0f} |")
+                f"{r['bytes_up_per_client_round']:,.0f} | {r['seeds']} |")
     return "\n".join(lines)
+
+
+def plan(ns: list[int], seeds: int) -> list[tuple[str, str, int, int, str, dict]]:
+    """Every run as (group, label, N, seed, body, options), seed-major and N = 10 first, so
+    that an interrupted bench has every method at the first seeds (the cache keeps them)."""
+    runs = []
+    hetero_n, ablation_n = ns[-1], (5 if 5 in ns else ns[0])
+    for seed in range(seeds):
+        for n in sorted(ns, reverse=True):
+            runs += [("rows", label, n, seed, "lenet5", {}) for label in METHODS]
+        runs += [("heterogeneous", label, hetero_n, seed, HETERO_BODY, {})
+                 for label in HETEROGENEOUS]
+        runs += [("ablation", label, ablation_n, seed, "lenet5", options)
+                 for label, options in ABLATIONS.items()]
+    return runs
 
 
 def main() -> None:
@@ -137,47 +154,59 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 seed, 3 rounds, N = 5 only")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="JSON file of finished runs: kept runs are not run again")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds after which no new run starts (the table reports the "
+                             "finished ones and their seed counts)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
     rounds, seeds, ns = args.rounds, args.seeds, [2, 5, 10]
     if args.quick:
         rounds, seeds, ns = 3, 1, [5]
     dataset = load_dataset("mnist-5k", seed=0)
+    cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     start = time.perf_counter()
-    rows: dict[str, dict[int, dict[str, float]]] = {}
-    for label in METHODS:
-        rows[label] = {}
-        for n in ns:
-            rows[label][n] = summarise([run(label, n, s, rounds, dataset) for s in range(seeds)])
-            print(f"{label} N={n}: {rows[label][n]['accuracy']:.4f} "
-                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-    hetero_n = ns[-1]
-    hetero = {}
-    for label in HETEROGENEOUS:
-        hetero[f"{label} (lenet5 / cnn:16-32)"] = {hetero_n: summarise(
-            [run(label, hetero_n, s, rounds, dataset, body=HETERO_BODY) for s in range(seeds)])}
-    ablation_n = 5 if 5 in ns else ns[0]
-    ablation = {label: {ablation_n: summarise(
-        [run("colearn", ablation_n, s, rounds, dataset, options=options)
-         for s in range(seeds)])} for label, options in ABLATIONS.items()}
+    for group, label, n, seed, body, options in plan(ns, seeds):
+        key = f"{group}|{label}|{n}|{seed}|{rounds}"
+        if key in cache:
+            continue
+        if time.perf_counter() - start > args.budget:
+            break
+        method = "colearn" if group == "ablation" else label
+        cache[key] = run(method, n, seed, rounds, dataset, body=body, options=options)
+        print(f"{key}: {cache[key]['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+        if args.cache:
+            args.cache.write_text(json.dumps(cache))
     seconds = time.perf_counter() - start
+    grouped: dict[str, dict[str, dict[int, list[dict]]]] = {}
+    for key, value in cache.items():
+        group, label, n, _, r = key.split("|")
+        if int(r) == rounds and int(n) in ns:
+            grouped.setdefault(group, {}).setdefault(label, {}).setdefault(int(n), []).append(
+                value)
+    tables = {g: {label: {n: {**summarise(v), "seeds": len(v)} for n, v in by_n.items()}
+                  for label, by_n in rows.items()} for g, rows in grouped.items()}
     print(f"mnist-5k, {TRAIN_IMAGES} training images split over N clients, {rounds} rounds "
-          f"(paper: 100), 1 local epoch, Adam 1e-3, batch 16, {seeds} seed(s); every client "
-          f"scored on the {len(dataset.y) - TRAIN_IMAGES} common test images\n")
-    print(table(rows, ns))
-    print(f"\nHeterogeneous bodies (N = {hetero_n}):\n")
-    print(table(hetero, [hetero_n]))
-    print("\nAblation:\n")
-    print(table(ablation, [ablation_n]))
-    gaps = {n: {"colearn_minus_il": rows["colearn"][n]["accuracy"] - rows["il"][n]["accuracy"],
-                "colearn_minus_fl": rows["colearn"][n]["accuracy"] - rows["fl"][n]["accuracy"],
-                "colearn_minus_fd": rows["colearn"][n]["accuracy"] - rows["fd"][n]["accuracy"],
-                "fl_over_colearn_uplink": rows["fl"][n]["bytes_up_per_client_round"]
-                / rows["colearn"][n]["bytes_up_per_client_round"]} for n in ns}
+          f"(paper: 100), 1 local epoch, Adam 1e-3, batch 16, up to {seeds} seed(s); every "
+          f"client scored on the {len(dataset.y) - TRAIN_IMAGES} common test images\n")
+    titles = {"rows": "", "heterogeneous": "\nHeterogeneous bodies (lenet5 / cnn:16-32):\n",
+              "ablation": "\nAblations:\n"}
+    for group, title in titles.items():
+        if group in tables:
+            print(title + table(tables[group], ns))
+    rows = tables.get("rows", {})
+    gaps = {}
+    for n in ns:
+        if all(n in rows.get(m, {}) for m in ("colearn", "il", "fl", "fd")):
+            gaps[n] = {f"colearn_minus_{m}": rows["colearn"][n]["accuracy"] - rows[m][n]["accuracy"]
+                       for m in ("il", "fl", "fd")}
+            gaps[n]["fl_over_colearn_uplink"] = (rows["fl"][n]["bytes_up_per_client_round"]
+                                                 / rows["colearn"][n]["bytes_up_per_client_round"])
     print(f"\n{seconds:.0f} s")
     print(json.dumps({"bench": "colearn", "rounds": rounds, "seeds": seeds, "clients": ns,
-                      "seconds": round(seconds, 1), "rows": rows, "heterogeneous": hetero,
-                      "ablation": ablation, "gaps": gaps}))
+                      "seconds": round(seconds, 1), **tables, "gaps": gaps}))
 
 
 if __name__ == "__main__":
