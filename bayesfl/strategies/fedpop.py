@@ -23,11 +23,13 @@ metrics use those.
 
 **Choices the paper leaves open, as options with their defaults.** The prior's initial mean 0
 and std ``prior_std_init = 1``; a scalar prior std; ``sgld_step_size = 0.05`` (the Laplace
-preconditioner's default of :mod:`inference.sgld`), ``sgld_burn_in = 100``, ``sgld_samples =
-20``, ``sgld_thinning = 5`` per round and ``final_samples = 100`` (thinning 10 after 200 steps
-of burn-in) after training; full-batch gradients (clients of the FedSI regime hold 250
-images). The body and prior use the run's Adam learning rate (FedSI paper: 1e-3 for the
-baselines).
+preconditioner's default of :mod:`inference.sgld`), ``sgld_burn_in = 50``, ``sgld_samples =
+20``, ``sgld_thinning = 3`` per round (110 steps, about three autocorrelation times ``2 / 0.05``
+of the preconditioned chain: the draws only feed a Monte Carlo gradient and the next round's
+predictions) and ``final_samples = 100`` (thinning 5 after 100 steps of burn-in) after
+training; Newton's search for the mode starts at the client's last mode; full-batch
+gradients (clients of the FedSI regime hold 250 images). The body and prior use the run's
+Adam learning rate (FedSI paper: 1e-3 for the baselines).
 
 **What an upload must satisfy** (besides the schema: names, shapes, float32, finite): a sample
 count >= 1, not above the client's first declared one nor ``screening_ratio`` (10) times the
@@ -78,6 +80,9 @@ BODY = "body."
 PRIOR_MEAN, PRIOR_STD = "prior.mean", "prior.std"
 DRAWS = "head.draws"
 """Client-state key: the (S, C, d + 1) head draws the client predicts with."""
+MODE = "head.mode"
+"""Client-state key: the (C (d + 1),) posterior mode of its last chain (where the next
+round's search for the mode starts)."""
 PRIOR_STD_FLOOR = 1e-3
 PRIOR_STD_CEILING = 1e3
 
@@ -95,7 +100,8 @@ def sample_heads(
     step_size: float = 0.05,
     num_chains: int = 1,
     seed: int = 0,
-) -> Tensor:
+    start: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Draws of a softmax head's posterior under the prior ``N(prior_mean, prior_std^2 I)``.
 
     Laplace-preconditioned full-batch SGLD (:func:`inference.sgld.run_sgld`) from the mode.
@@ -105,13 +111,17 @@ def sample_heads(
         labels: (N,) int64 labels in [0, C).
         prior_mean: (C, m + 1) the prior mean.
         prior_std: the prior standard deviation s > 0.
+        start: (C (m + 1),) where Newton's search for the mode starts (default: the prior
+            mean); the objective is strictly convex, so it changes the iterations only.
     Returns:
-        (num_chains * num_samples, C, m + 1) float64 draws, chain by chain.
+        (num_chains * num_samples, C, m + 1) float64 draws, chain by chain, and the mode
+        (C (m + 1),) float64.
     """
     shape = (num_classes, inputs.shape[1])
     mean = prior_mean.to(torch.float64).reshape(-1)
     precision = 1.0 / prior_std**2
-    mode = find_mode(inputs, labels, num_classes, precision, mean, start=mean.clone())
+    start = mean.clone() if start is None else start.to(torch.float64).reshape(-1)
+    mode = find_mode(inputs, labels, num_classes, precision, mean, start=start)
     factor = laplace_covariance_factor(mode, inputs, num_classes, precision, Likelihood.SOFTMAX,
                                        1.0)
     config = SGLDConfig(step_size, num_samples, burn_in, thinning, "laplace",
@@ -125,7 +135,7 @@ def sample_heads(
 
     generator = torch.Generator(device=inputs.device).manual_seed(seed)
     draws = run_sgld(grad_fn, mode.expand(num_chains, -1), config, n, n, generator)
-    return draws.reshape(-1, *shape)
+    return draws.reshape(-1, *shape), mode
 
 
 class FedPop(Strategy):
@@ -134,7 +144,7 @@ class FedPop(Strategy):
     Args:
         prior_std_init: initial prior std s.
         sgld_step_size, sgld_burn_in, sgld_samples, sgld_thinning: the per-round chain.
-        final_samples: draws of the chain run after training (thinning 10, burn-in 200).
+        final_samples: draws of the chain run after training (thinning 5, burn-in 100).
         weighted: weight the server average by sample counts.
         screening_ratio: reject uploads whose body update norm or sample count exceeds this
             many times the round's median (None: no screening).
@@ -150,9 +160,9 @@ class FedPop(Strategy):
         *,
         prior_std_init: float = 1.0,
         sgld_step_size: float = 0.05,
-        sgld_burn_in: int = 100,
+        sgld_burn_in: int = 50,
         sgld_samples: int = 20,
-        sgld_thinning: int = 5,
+        sgld_thinning: int = 3,
         final_samples: int = 100,
         weighted: bool = True,
         screening_ratio: float | None = 10.0,
@@ -232,6 +242,7 @@ class FedPop(Strategy):
     def init_client(self, config: ClientConfig) -> ClientState:
         state = super().init_client(config)
         state[DRAWS] = torch.zeros(1, *self.head_shape)  # the prior mean until it trains
+        state[MODE] = torch.zeros(math.prod(self.head_shape), dtype=torch.float64)
         return state
 
     def _received(self, config: ClientConfig, state: ClientState,
@@ -259,15 +270,19 @@ class FedPop(Strategy):
         return body, mean.to(self.context.device), std
 
     def _draw(self, body: nn.Module, data: ClientData, mean: Tensor, std: float, seed: int,
-              final: bool) -> Tensor:
+              final: bool, state: ClientState) -> tuple[Tensor, Tensor]:
+        """(draws (S, C, d + 1), mode) of the client's head under ``body`` and the prior,
+        the search for the mode started at the client's last one."""
+        start = state.get(MODE)
         inputs = augment_with_bias(batched_apply(body, data.train_x).to(torch.float64))
         if final:
-            burn_in, samples, thinning = 200, self.final_samples, 10
+            burn_in, samples, thinning = 100, self.final_samples, 5
         else:
             burn_in, samples, thinning = self.sgld_burn_in, self.sgld_samples, self.sgld_thinning
         return sample_heads(inputs, data.train_y, self.num_classes, mean, std, burn_in=burn_in,
                             num_samples=samples, thinning=thinning,
-                            step_size=self.sgld_step_size, seed=seed)
+                            step_size=self.sgld_step_size, seed=seed,
+                            start=None if start is None or not bool(start.any()) else start)
 
     def fit(
         self,
@@ -281,12 +296,13 @@ class FedPop(Strategy):
         prior with the draws fixed (module docstring); uploads body and prior."""
         body, mean, std = self._received(config, state, broadcast)
         seed = int(torch.randint(2**62, (1,), generator=generator))
-        draws = self._draw(body, data, mean, std, seed, final=False)
+        draws, mode = self._draw(body, data, mean, std, seed, final=False, state=state)
         prior_mean = mean.clone().to(torch.float32).requires_grad_(True)
         log_std = torch.tensor(math.log(std), requires_grad=True)
         self._train(body, draws.to(torch.float32), prior_mean, log_std, data, generator)
         new_state = model_state(body)
         new_state[DRAWS] = draws.to(torch.float32)
+        new_state[MODE] = mode
         tensors = {BODY + n: p for n, p in body.named_parameters()}
         tensors[PRIOR_MEAN] = prior_mean
         tensors[PRIOR_STD] = log_std.exp().reshape(1)
@@ -336,9 +352,8 @@ class FedPop(Strategy):
         """``final_samples`` head draws under the final global body and prior."""
         body, mean, std = self._received(config, state, broadcast)
         seed = int(torch.randint(2**62, (1,), generator=generator))
-        new_state = model_state(body)
-        new_state[DRAWS] = self._draw(body, data, mean, std, seed, final=True).to(torch.float32)
-        return new_state
+        draws, mode = self._draw(body, data, mean, std, seed, final=True, state=state)
+        return model_state(body) | {DRAWS: draws.to(torch.float32), MODE: mode}
 
     def _heads(self, config: ClientConfig, state: ClientState,
                broadcast: Message) -> tuple[nn.Module, EnsemblePosterior]:
