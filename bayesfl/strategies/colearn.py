@@ -71,9 +71,18 @@ are skipped (§6.8). Each term is a batch mean.
   :mod:`bayesfl.strategies.personal`.
 - ``relay_pool=None``: how many observation sets the relay forwards (None: all of the
   round's accepted ones); at least ``m_down + 1`` so every client finds a peer's.
+- ``kd_target="server"``: the KD target is the server's global prototype; ``"peers"`` is
+  the paper's untested peer-to-peer proxy (§1.6): the mean, per class, of the relayed
+  observation sets the client may draw from (its own excluded), so a pure relay suffices.
 - ``max_norm=1e4``: uploads with a prototype or observation of larger L2 norm are rejected.
 - ``screening_ratio=10``: an upload whose total count exceeds ``ratio`` times the round's
   median total is rejected (a client inflating its weight); None disables it.
+
+**Logged**: each client state keeps its last round's mean CE, KD and disc terms
+(``loss.*``, :func:`bayesfl.strategies.personal.loss_log`); the server reports
+``prototype_drift`` (mean L2 change of the global prototypes in the last round, over the
+classes uploaded) and ``prototype_spread`` (mean distance between the global prototypes of
+two classes; near 0 means the shared feature space has collapsed) with every round's metrics.
 
 Heterogeneous d' (§6.15) is out of scope: the run's ``feature_dim`` is every body's width.
 Prediction is the client's own network (softmax of its classifier).
@@ -201,6 +210,21 @@ def select_observations(
     return obs, available
 
 
+def peer_prototypes(pool: Tensor, present: Tensor, sources: Tensor,
+                    client_id: int) -> tuple[Tensor, Tensor]:
+    """The peer-to-peer KD target (§1.6): per class, the mean of the relayed observation sets
+    (S, C, d) of the other clients that hold the class.
+
+    Returns:
+        prototypes (C, d) float32 (zero rows where no peer holds the class) and their
+        presence (C,) float32.
+    """
+    weights = ((present > 0) & (sources != client_id)[:, None]).to(torch.float64)  # (S, C)
+    total = weights.sum(0)
+    mean = (weights[:, :, None] * pool.to(torch.float64)).sum(0) / total.clamp_min(1)[:, None]
+    return mean.to(torch.float32), (total > 0).to(torch.float32)
+
+
 class CoLearn(PersonalStrategy):
     """CoLearn: personal networks aligned through shared class prototypes and relayed
     observation sets (module docstring).
@@ -209,7 +233,7 @@ class CoLearn(PersonalStrategy):
         context: classes, d', local training (the paper: 1 epoch, Adam 1e-3, batch 16),
             rounds, device, seed, bodies.
         lam_kd, lam_disc, n_avg, m_up, m_down, tau_disc, statistics, bootstrap, synchronous,
-            peer, weighting, neg_reduction, kd_reduction, eps, relay_pool, max_norm,
+            peer, weighting, neg_reduction, kd_reduction, eps, relay_pool, kd_target, max_norm,
             screening_ratio, independent_init, keep_optimizer: module docstring.
     """
 
@@ -220,6 +244,7 @@ class CoLearn(PersonalStrategy):
     PEER: ClassVar[tuple[str, ...]] = ("one", "mix")
     WEIGHTING: ClassVar[tuple[str, ...]] = ("count", "uniform")
     REDUCTION: ClassVar[tuple[str, ...]] = ("sum", "mean")
+    KD_TARGET: ClassVar[tuple[str, ...]] = ("server", "peers")
 
     def __init__(
         self,
@@ -240,6 +265,7 @@ class CoLearn(PersonalStrategy):
         kd_reduction: str = "mean",
         eps: float = 1e-7,
         relay_pool: int | None = None,
+        kd_target: str = "server",
         max_norm: float = 1e4,
         screening_ratio: float | None = 10.0,
         independent_init: bool = True,
@@ -266,7 +292,8 @@ class CoLearn(PersonalStrategy):
                 ("bootstrap", bootstrap, self.BOOTSTRAP), ("peer", peer, self.PEER),
                 ("weighting", weighting, self.WEIGHTING),
                 ("neg_reduction", neg_reduction, self.REDUCTION),
-                ("kd_reduction", kd_reduction, self.REDUCTION)):
+                ("kd_reduction", kd_reduction, self.REDUCTION),
+                ("kd_target", kd_target, self.KD_TARGET)):
             if value not in valid:
                 raise ConfigError(f"colearn {option} must be one of {', '.join(valid)}; "
                                   f"got {value!r}")
@@ -278,7 +305,7 @@ class CoLearn(PersonalStrategy):
         self.statistics, self.bootstrap, self.peer = statistics, bootstrap, peer
         self.weighting, self.neg_reduction, self.kd_reduction = (weighting, neg_reduction,
                                                                  kd_reduction)
-        self.synchronous = True
+        self.synchronous, self.kd_target = True, kd_target
         # the bootstrap upload is a round 0 that the transport runs with every client
         self.init_round = bootstrap == "upload"  # type: ignore[misc]
 
@@ -295,13 +322,15 @@ class CoLearn(PersonalStrategy):
         if self.bootstrap != "random":
             return {"prototypes": torch.zeros(C, d), "counts": torch.zeros(C, dtype=torch.float64),
                     "pool": torch.zeros(0, C, d), "pool_present": torch.zeros(0, C),
-                    "pool_sources": torch.zeros(0, dtype=torch.int64)}
+                    "pool_sources": torch.zeros(0, dtype=torch.int64),
+                    "drift": torch.zeros(1, dtype=torch.float64)}
         g = torch.Generator().manual_seed(derived_seed(self.context.seed, 31))
         sets = self.context.clients * self.m_up
         return {"prototypes": torch.rand(C, d, generator=g),
                 "counts": torch.ones(C, dtype=torch.float64),
                 "pool": torch.rand(sets, C, d, generator=g), "pool_present": torch.ones(sets, C),
-                "pool_sources": torch.full((sets,), -1, dtype=torch.int64)}
+                "pool_sources": torch.full((sets,), -1, dtype=torch.int64),
+                "drift": torch.zeros(1, dtype=torch.float64)}
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
         return {"prototypes": state["prototypes"],
@@ -379,8 +408,19 @@ class CoLearn(PersonalStrategy):
         order = torch.randperm(len(pool), generator=generator)
         if self.relay_pool is not None:
             order = order[: self.relay_pool]
+        moved = (prototypes - state["prototypes"]).to(torch.float64).norm(dim=-1)[held]
         return {"prototypes": prototypes, "counts": new_counts, "pool": pool[order],
-                "pool_present": present[order], "pool_sources": sources[order]}
+                "pool_present": present[order], "pool_sources": sources[order],
+                "drift": moved.mean().reshape(1)}
+
+    def server_metrics(self, state: ServerState) -> dict[str, float]:
+        """``prototype_drift`` (last round's mean L2 move of the uploaded classes' global
+        prototypes) and ``prototype_spread`` (mean pairwise L2 distance between the global
+        prototypes of the classes held; 0 with fewer than two)."""
+        held = state["prototypes"][state["counts"] > 0].to(torch.float64)
+        k = len(held)
+        spread = float(torch.pdist(held).mean()) if k > 1 else 0.0
+        return {"prototype_drift": float(state["drift"].item()), "prototype_spread": spread}
 
     # ==== client half ======================================================================
     def fit(
@@ -420,7 +460,11 @@ class CoLearn(PersonalStrategy):
         obs, available = select_observations(
             t["observations"], t["observations_present"], t["observation_sources"],
             config.client_id, self.m_down, generator, peer=self.peer)
-        return {"prototypes": t["prototypes"].to(device), "present": t["present"].to(device),
+        prototypes, present = t["prototypes"], t["present"]
+        if self.kd_target == "peers":
+            prototypes, present = peer_prototypes(t["observations"], t["observations_present"],
+                                                  t["observation_sources"], config.client_id)
+        return {"prototypes": prototypes.to(device), "present": present.to(device),
                 "observations": obs.to(device), "available": available.to(device)}
 
     def _terms(self, targets: dict[str, Tensor], model: nn.Module, x: Tensor, y: Tensor,
@@ -466,4 +510,4 @@ def model_floats(model: nn.Module) -> int:
 
 
 __all__ = ["CoLearn", "contrastive_terms", "model_floats", "observation_sets",
-           "select_observations", "upload_floats"]
+           "peer_prototypes", "select_observations", "upload_floats"]

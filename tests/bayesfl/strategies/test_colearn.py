@@ -15,6 +15,7 @@ from bayesfl.strategies import StrategyContext, make_strategy
 from bayesfl.strategies.colearn import (
     contrastive_terms,
     observation_sets,
+    peer_prototypes,
     select_observations,
     upload_floats,
 )
@@ -221,7 +222,8 @@ def test_colearn_runs_three_rounds_on_digits_with_two_architectures():
 
 
 @pytest.mark.parametrize("options", [
-    dict(bootstrap="skip", statistics="running"), dict(bootstrap="random", peer="mix"),
+    dict(bootstrap="skip", statistics="running"),
+    dict(bootstrap="random", peer="mix", kd_target="peers"),
     dict(weighting="uniform", kd_reduction="sum", neg_reduction="mean", m_up=2, m_down=2,
          keep_optimizer=False, independent_init=False, relay_pool=3)])
 def test_every_option_trains_without_nan(build, options):
@@ -245,3 +247,23 @@ def test_adam_state_is_kept_across_rounds(build):
     run_round(strategy, clients, state, 2)
     assert [float(c.state["optim.step"]) for c in clients] == [2 * s for s in steps]
     assert all(c.state["optim.exp_avg_sq.head.weight"].abs().sum() > 0 for c in clients)
+
+
+def test_peer_prototypes_average_the_other_clients_sets():
+    pool = torch.tensor([[[1.0], [2.0]], [[3.0], [0.0]], [[5.0], [6.0]]])
+    present = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    protos, held = peer_prototypes(pool, present, torch.tensor([0, 1, 2]), 2)
+    assert protos.flatten().tolist() == [2.0, 2.0] and held.tolist() == [1.0, 1.0]
+    protos, held = peer_prototypes(pool[:1], present[:1], torch.tensor([0]), 0)
+    assert held.tolist() == [0.0, 0.0] and protos.abs().sum() == 0
+
+
+def test_server_reports_prototype_drift_and_spread(build):
+    strategy, clients, state = build("colearn", bootstrap="skip")
+    new, _ = run_round(strategy, clients, state, 1)
+    metrics = strategy.server_metrics(new)
+    p = new["prototypes"].double()
+    pairs = [(p[i] - p[j]).norm() for i in range(3) for j in range(i + 1, 3)]
+    assert abs(metrics["prototype_spread"] - float(sum(pairs) / 3)) < 1e-9
+    # from the empty state every class moved by its prototype's norm
+    assert abs(metrics["prototype_drift"] - float(p.norm(dim=1).mean())) < 1e-9
