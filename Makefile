@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# laplace-torch needs torchvision; this pair loads together on the CPU machines we run on.
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,flower]'
 	touch $(STAMP)
 
 demo: $(STAMP)

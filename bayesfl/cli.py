@@ -156,6 +156,17 @@ def _parser() -> argparse.ArgumentParser:
         "Ctrl-C stops a run and prints the command that resumes it.")
     run.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="TOML file with settings (keys: the flag names below)")
+    _add_settings(run)
+    commands.add_parser("strategies", help="list strategies and their options")
+    from bayesfl.flower.command import add_parser as add_flower_parser
+
+    add_flower_parser(commands, _add_settings)
+    return parser
+
+
+def _add_settings(run: argparse.ArgumentParser) -> None:
+    """Every setting of :data:`SETTINGS` as a flag of ``run`` (``bayesfl run``, ``bayesfl
+    flower``)."""
     types = {"str": str, "int": int, "float": float, "path": Path}
     for s in SETTINGS:
         flags = [f"--{name}" for name in s.names]
@@ -171,8 +182,6 @@ def _parser() -> argparse.ArgumentParser:
         else:
             run.add_argument(*flags, dest=s.target, type=types[s.kind], default=None,
                              metavar=s.names[0].replace("-", "_").upper(), help=s.help)
-    commands.add_parser("strategies", help="list strategies and their options")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "strategies":
             return _list_strategies()
+        if args.command == "flower":
+            from bayesfl.flower.command import run_flower
+
+            return run_flower(args)
         return _run(args, argv)
     except (BayesFLError, InferenceError, CalibrationError, OSError) as err:
         print(f"bayesfl: error: {_one_line(err)}", file=sys.stderr)

@@ -1,0 +1,121 @@
+"""``bayesfl flower``: one experiment on a Flower deployment on this machine, end to end.
+
+Starts a SuperLink and one SuperNode per client on 127.0.0.1
+(:class:`~bayesfl.flower.local.LocalFederation`), submits the example app
+(``examples/flower_app``, or ``--app DIR``) with the experiment as its run config, waits for
+the run's final status (``flwr ls``, not ``flwr run``'s exit code), prints the summary and
+stops every process it started. The flags are those of ``bayesfl run`` plus the deployment's
+(``--min-replies``, ``--round-timeout``, ``--evaluate-every``, ``--timeout``, ``--app``,
+``--keep``). Exit codes: 0 the run completed; 1 it failed (the SuperLink's log tail is
+printed); 2 bad usage or flwr not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shlex
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from bayesfl.errors import ConfigError
+
+_DEPLOYMENT_FLAGS = (
+    ("--min-replies", int, "min-replies",
+     "fewest accepted uploads a round aggregates, else it is skipped (0: all); default 1"),
+    ("--round-timeout", float, "round-timeout",
+     "seconds a step waits for replies; default 600"),
+    ("--evaluate-every", int, "evaluate-every",
+     "evaluate every this many rounds (and after the last); default 1"),
+)
+
+
+def add_parser(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The ``flower`` subcommand: ``bayesfl run``'s flags (``add_settings``) and the
+    deployment's."""
+    flower = commands.add_parser(
+        "flower", help="run an experiment on a local Flower deployment (SuperLink + one "
+        "SuperNode per client on 127.0.0.1)", allow_abbrev=False,
+        description="Run a federated experiment on Flower on this machine: a SuperLink and "
+        "one SuperNode per client on 127.0.0.1, the example app, the final status from "
+        "`flwr ls`. Needs the extra: pip install 'bayesfl[flower]'.")
+    flower.add_argument("--config", type=Path, metavar="FILE.toml",
+                        help="TOML file with settings (keys: the flag names)")
+    add_settings(flower)
+    for flag, kind, _, text in _DEPLOYMENT_FLAGS:
+        flower.add_argument(flag, type=kind, default=None, help=text)
+    flower.add_argument("--app", type=Path, default=None,
+                        help="the Flower app folder to run; default examples/flower_app")
+    flower.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds to wait for the run's final status; default 3600")
+    flower.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="keep the deployment's FLWR_HOME and logs in DIR")
+
+
+def run_flower(args: argparse.Namespace) -> int:
+    """Run the experiment of ``args`` on a local deployment; the exit code."""
+    from bayesfl.cli import read_config, settings_from_flags
+
+    if importlib.util.find_spec("flwr") is None:
+        raise ConfigError("Flower is not installed: pip install 'bayesfl[flower]' (flwr 1.41)")
+    from bayesfl.flower.local import EXAMPLE_APP, LocalFederation
+
+    settings = read_config(args.config) if args.config is not None else {}
+    settings.update(settings_from_flags(args))
+    settings.pop("progress", None)
+    out = Path(settings.pop("out", None) or
+               f"runs/flower_{settings.get('strategy', 'fedlog')}_"
+               f"{settings.get('dataset', 'digits')}_seed{settings.get('seed', 0)}")
+    config = run_config(settings, out.resolve())
+    for _, _, key, _ in _DEPLOYMENT_FLAGS:
+        value = getattr(args, key.replace("-", "_"))
+        if value is not None:
+            config[key] = value
+    nodes = int(config.get("clients", 20))
+    app = args.app or EXAMPLE_APP
+    print(f"bayesfl: starting a SuperLink and {nodes} SuperNodes on 127.0.0.1", flush=True)
+    with LocalFederation(nodes, workdir=args.keep) as fed:
+        status = fed.run(config, app=app, timeout=args.timeout)
+        if not status.completed:
+            print(f"bayesfl: Flower run {status.run_id} ended as {status.status} "
+                  f"({status.details}); SuperLink log tail:\n"
+                  f"{fed.log('superlink')[-3000:]}", file=sys.stderr)
+            return 1
+    summary = json.loads((out / "summary.json").read_text())
+    print(f"{summary['strategy']} on {summary['dataset']} over Flower ({nodes} SuperNodes, "
+          f"run {status.run_id}, {status.seconds:.0f} s): accuracy {summary['accuracy']:.4f}, "
+          f"ECE {summary['ece']:.4f}, NLL {summary['nll']:.4f}, bytes up "
+          f"{summary['bytes_up']:,}, down {summary['bytes_down']:,}, "
+          f"{len(summary['events'])} event(s)")
+    print(f"results in {out}")
+    return 0
+
+
+def run_config(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    """``bayesfl run`` settings (SimulationConfig fields and run keywords) as the example
+    app's run config (flat; options as one ``KEY=VALUE ...`` string each)."""
+    config: dict[str, Any] = {"out": str(out)}
+    for target, value in settings.items():
+        if value is None:
+            continue
+        if target in ("strategy_options", "dataset_options"):
+            key = "option" if target == "strategy_options" else "dataset-option"
+            config[key] = " ".join(f"{k}={shlex.quote(_literal(v))}" for k, v in value.items())
+        else:
+            config[target.replace("_", "-")] = value
+    return config
+
+
+def _literal(value: Any) -> str:
+    """A TOML literal of an option value (what :func:`bayesfl.cli.parse_options` reads)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+__all__ = ["add_parser", "run_config", "run_flower"]

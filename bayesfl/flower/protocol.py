@@ -1,0 +1,278 @@
+"""What the bayesfl ServerApp and ClientApp say to each other inside Flower messages.
+
+Every step is one Flower message type (:data:`FIT`, :data:`EVALUATE`, :data:`PERSONALIZE`,
+and :data:`INFO`, which asks a node which client it is). A message's content is one
+``ConfigRecord`` under :data:`RECORD` that carries a bayesfl message as **bytes**
+(:func:`bayesfl.messages.encode`: safetensors plus a JSON header, digest or HMAC; never a
+pickle) beside a few scalars (the round, flags); replies add a ``MetricRecord`` of timings under
+:data:`TIMING`. The bytes counted for communication are those of the bayesfl message, as in
+the simulator; Flower's own framing is on top.
+
+The run configuration is Flower's run config (``[tool.flwr.app.config]`` in the app's
+``pyproject.toml``, overridden with ``flwr run --run-config``): the keys are the flags of
+``bayesfl run`` (``strategy``, ``dataset``, ``clients``, ``partition``, ``rounds``, ``seed``,
+``body``, ``lr``, ...), strategy and data set options as ``option.NAME`` and
+``dataset-option.NAME`` (a TOML table ``[tool.flwr.app.config.option]``) or as one string of
+``KEY=VALUE`` pairs (``option = "alpha=0.01 prior=2.0"``: Flower's ``--run-config`` overrides
+only keys the app's ``pyproject.toml`` lists), and the keys of :class:`FlowerOptions` for the
+deployment. ``out = ""`` and ``threads = 0`` mean "not set".
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+from bayesfl.config import SimulationConfig, check_threads, describe
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message, TensorSpec, decode, validate
+from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation, Strategy
+from calibration.accumulator import Accumulator
+from calibration.errors import CalibrationError
+
+RECORD = "bayesfl"
+"""Key of the ConfigRecord that carries a step's bytes and scalars."""
+TIMING = "timing"
+"""Key of the MetricRecord of a reply's timings (seconds)."""
+
+INFO = "query.info"
+FIT = "train.fit"
+PERSONALIZE = "train.personalize"
+EVALUATE = "evaluate.evaluate"
+
+MAX_EVALUATION_BYTES = 4 * 2**20
+"""Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
+predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to spare."""
+
+_RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress")
+_OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
+_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate")
+
+
+@dataclass(frozen=True)
+class FlowerOptions:
+    """How the ServerApp drives the federation (run-config keys with ``-`` for ``_``).
+
+    Attributes:
+        out: the server's run directory (a path on the SuperLink's machine); None writes
+            nothing.
+        resume: continue the run whose checkpoint is in ``out``.
+        force: start again in a non-empty ``out`` (the files a run writes are replaced).
+        threads: torch threads of every ClientApp and of the ServerApp (None: the
+            simulator's default).
+        min_replies: the fewest accepted uploads a round aggregates; a round with fewer is
+            skipped (its state kept) and logged. 0 means all sampled clients.
+        round_timeout: seconds a step waits for its replies; a node that has not answered
+            by then is logged and left out of the step.
+        min_nodes: nodes the run waits for before it starts (0: ``clients``).
+        node_wait: seconds it waits for them; it starts with those it has after that.
+        poll_interval: seconds between two polls of the SuperLink for replies.
+        evaluate_every: evaluate after every this many rounds (and always after the last).
+    """
+
+    out: str | None = None
+    resume: bool = False
+    force: bool = False
+    threads: int | None = None
+    min_replies: int = 1
+    round_timeout: float = 600.0
+    min_nodes: int = 0
+    node_wait: float = 120.0
+    poll_interval: float = 0.2
+    evaluate_every: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("min_replies", "min_nodes"):
+            _check(name, getattr(self, name), int, low=0)
+        _check("evaluate_every", self.evaluate_every, int, low=1)
+        for name in ("round_timeout", "node_wait", "poll_interval"):
+            _check(name, getattr(self, name), float, low=0.0)
+        if self.poll_interval <= 0 or self.round_timeout <= 0:
+            raise ConfigError("round-timeout and poll-interval must be > 0 seconds")
+        if self.resume and self.force:
+            raise ConfigError("resume and force contradict each other; pass one")
+
+
+_FLOWER_KEYS = {f.name.replace("_", "-"): f.name for f in fields(FlowerOptions)}
+
+
+def _check(name: str, value: Any, kind: type, low: float) -> None:
+    ok = not isinstance(value, bool) and (
+        isinstance(value, int) if kind is int else isinstance(value, int | float))
+    if not ok or (kind is float and not math.isfinite(value)) or value < low:
+        raise ConfigError(f"run config {name.replace('_', '-')} must be a "
+                          f"{'whole' if kind is int else 'finite'} number >= {low}, got "
+                          f"{describe(value)}")
+
+
+def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, FlowerOptions]:
+    """The experiment and the deployment options from Flower's (flat) run config.
+
+    Keys: the flags of ``bayesfl run`` (``-`` or ``_``), ``option.NAME`` /
+    ``dataset-option.NAME`` for options, and :class:`FlowerOptions`'s fields.
+
+    Raises:
+        ConfigError: an unknown key (with the valid ones), a value of the wrong type, or a
+            setting the Flower adapter does not support (``calibrate``, ``authenticate``).
+    """
+    from bayesfl.cli import settings_from_mapping
+
+    raw: dict[str, Any] = {}
+    flower: dict[str, Any] = {}
+    for key, value in run_config.items():
+        name = str(key).strip().replace("_", "-")
+        head, dot, rest = name.partition(".")
+        if dot:  # a flattened table: option.alpha -> {"option": {"alpha": ...}}
+            table = raw.setdefault(head, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"run config: {head} is given both as a value and a table")
+            table[rest] = value
+        elif name in _FLOWER_KEYS and name not in ("out", "resume", "force", "threads"):
+            flower[_FLOWER_KEYS[name]] = value
+        elif name in _OPTION_KEYS and isinstance(value, str):
+            # a string of KEY=VALUE pairs: what `flwr run --run-config` can override
+            pairs = shlex.split(value)
+            if pairs:
+                raw[name] = pairs
+        elif name in _UNSET_WHEN_EMPTY and value in ("", 0):
+            continue  # the app's pyproject lists every key; "" / 0 means not set
+        else:
+            raw[name] = value
+    settings = settings_from_mapping(raw, source="run config")
+    for name in _RUN_KEYWORDS:
+        if name in settings and name != "progress":
+            flower[name] = settings.pop(name)
+        settings.pop("progress", None)
+    if "out" in flower:
+        flower["out"] = str(flower["out"])
+    if flower.get("threads") is not None:
+        flower["threads"] = check_threads(flower["threads"])
+    config = SimulationConfig(**settings)
+    if config.calibrate is not None:
+        raise ConfigError("calibrate is not supported on Flower yet (it needs held-out data "
+                          "from every client in one step); run it in the simulator")
+    if config.authenticate:
+        raise ConfigError("authenticate is not supported by the Flower adapter: use Flower's "
+                          "TLS and SuperNode authentication (flower-superlink "
+                          "--enable-supernode-auth) instead")
+    return config, FlowerOptions(**flower)
+
+
+# ---- records ------------------------------------------------------------------------------
+def pack(data: bytes | None = None, *, timing: Mapping[str, float] | None = None,
+         **scalars: int | float | str | bool) -> RecordDict:
+    """A Flower RecordDict carrying bayesfl bytes ``data`` and ``scalars`` (and timings)."""
+    values: dict[str, Any] = dict(scalars)
+    if data is not None:
+        values["message"] = bytes(data)
+    content = RecordDict({RECORD: ConfigRecord(values)})
+    if timing:
+        content[TIMING] = MetricRecord({k: float(v) for k, v in timing.items()})
+    return content
+
+
+def unpack(content: RecordDict, *, max_bytes: int | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The bayesfl bytes and scalars of a RecordDict built by :func:`pack`.
+
+    Raises:
+        MessageRejected: no bayesfl record, no bytes, or more bytes than ``max_bytes``
+            (checked before anything is parsed).
+    """
+    try:
+        record = content.config_records[RECORD]
+    except (KeyError, AttributeError) as err:
+        raise MessageRejected(f"not a bayesfl reply: no {RECORD!r} config record") from err
+    values = dict(record)
+    data = values.pop("message", None)
+    if not isinstance(data, bytes):
+        raise MessageRejected(f"the {RECORD!r} record carries no message bytes "
+                              f"(got {type(data).__name__})")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise MessageRejected(f"oversized message: {len(data)} bytes > limit {max_bytes}")
+    return data, values
+
+
+def timings(content: RecordDict) -> dict[str, float]:
+    """The timing metrics of a reply (empty when it has none)."""
+    record = content.metric_records.get(TIMING)
+    return {} if record is None else {k: float(v) for k, v in record.items()
+                                      if isinstance(v, int | float)}
+
+
+def scalar(values: Mapping[str, Any], name: str, kind: type) -> Any:
+    """``values[name]`` checked to be of ``kind`` (bool is not an int here).
+
+    Raises:
+        MessageRejected: missing or of another type.
+    """
+    value = values.get(name)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise MessageRejected(f"field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+# ---- evaluation replies -------------------------------------------------------------------
+def evaluation_tensors(evaluation: Evaluation) -> dict[str, torch.Tensor]:
+    """A client's calibration accumulator states as named tensors ``KEY.STATE``."""
+    return {f"{key}.{name}": t.to("cpu")
+            for key, acc in evaluation.accumulators.items()
+            for name, t in acc.state_dict().items()}
+
+
+def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: int,
+                    n_bins: int, num_test: int, key: bytes | None = None) -> Evaluation:
+    """A client's evaluation from its encoded reply, validated.
+
+    Checks: the bytes (:func:`bayesfl.messages.decode`, bounded), the header (strategy,
+    round, sender, direction up), the predictive keys (the headline, and the MAP plug-in for
+    posterior strategies), each accumulator state (:meth:`Accumulator.from_state_dict`), its
+    number of bins and its sample count (the client's test-set size, as it declared it).
+
+    Raises:
+        MessageRejected: with the reason.
+    """
+    message = decode(data, max_bytes=MAX_EVALUATION_BYTES, key=key)
+    _check_header(message, strategy, round, client_id)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in message.tensors.items():
+        head, _, rest = name.partition(".")
+        groups.setdefault(head, {})[rest] = tensor
+    expected = {PREDICTIVE, MAP_PLUGIN} if strategy.is_posterior else {PREDICTIVE}
+    if set(groups) != expected:
+        raise MessageRejected(f"evaluation holds predictives {sorted(groups)}, expected "
+                              f"{sorted(expected)}", client_id=client_id)
+    accumulators = {}
+    for key_, state in groups.items():
+        try:
+            acc = Accumulator.from_state_dict(state)
+        except CalibrationError as err:
+            raise MessageRejected(f"evaluation {key_!r}: {err}", client_id=client_id) from err
+        if acc.n_bins != n_bins or acc.count != num_test:
+            raise MessageRejected(f"evaluation {key_!r} has {acc.n_bins} bins and "
+                                  f"{acc.count} samples, expected {n_bins} bins and the "
+                                  f"client's {num_test} test samples", client_id=client_id)
+        accumulators[key_] = acc
+    return Evaluation(client_id, accumulators)
+
+
+def _check_header(message: Message, strategy: Strategy, round: int, client_id: int) -> None:
+    """The header fields of an evaluation reply (its tensors are checked as accumulator
+    states: any names, shapes and dtypes pass this schema)."""
+    schema = {k: TensorSpec(tuple(t.shape), t.dtype, finite=False)
+              for k, t in message.tensors.items()}
+    validate(message, schema, strategy=strategy.name, round=round, client_id=client_id,
+             direction="up")
+
+
+def describe_error(error: Any) -> str:
+    """A Flower ``Error`` as one line (its code and reason)."""
+    reason = " ".join(str(getattr(error, "reason", "") or "").split())
+    return f"Flower error {getattr(error, 'code', '?')}: {reason[:500]}"
+
+

@@ -1,0 +1,197 @@
+"""bayesfl on Flower: a real SuperLink and SuperNodes on 127.0.0.1 against the simulator.
+
+The integration tests start ``flower-superlink`` and three ``flower-supernode`` processes
+(each in its own process group, stopped in a fixture whatever happens), submit the example
+app with ``flwr run`` and read the final status with ``flwr ls``. The server's final state
+(from its checkpoint) and pooled ECE (from summary.json) must equal the embedded simulator's
+for the same config, seeds and partition. Every step costs Flower a fresh ClientApp process
+(Python, torch and bayesfl imported again), so the runs evaluate only after the last round.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, RecordDict
+from safetensors.torch import load_file
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.flower.local import LocalFederation
+from bayesfl.flower.protocol import (
+    evaluation_tensors,
+    pack,
+    parse_run_config,
+    read_evaluation,
+    unpack,
+)
+from bayesfl.simulate import simulate
+from bayesfl.strategies import make_strategy
+from bayesfl.strategies.base import PREDICTIVE, Evaluation, StrategyContext
+from calibration.accumulator import Accumulator
+
+TAMPER_APP = Path(__file__).parent / "flower_tamper_app"
+EXPERIMENT = {"dataset": "digits", "clients": 3, "partition": "iid", "seed": 0,
+              "local-epochs": 1}
+# generous: three ClientApp processes each import torch on a loaded 2-core machine
+DEPLOYMENT = {"threads": 1, "round-timeout": 400.0, "node-wait": 300.0, "evaluate-every": 100}
+RUN_TIMEOUT = 900.0
+
+
+@pytest.fixture(scope="module")
+def federation():
+    with LocalFederation(3, start_timeout=300.0) as fed:
+        yield fed
+
+
+def run_on_flower(fed: LocalFederation, out: Path, strategy: str, rounds: int,
+                  app: Path | None = None, **extra: Any) -> dict[str, Any]:
+    config = {**EXPERIMENT, **DEPLOYMENT, "strategy": strategy, "rounds": rounds,
+              "out": str(out), **extra}
+    kwargs = {} if app is None else {"app": app}
+    status = fed.run(config, timeout=RUN_TIMEOUT, **kwargs)
+    assert status.completed, (status.status, status.details, fed.log("superlink")[-4000:])
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_in_simulator(strategy: str, rounds: int) -> Any:
+    return simulate(strategy, rounds=rounds, clients=3, partition="iid", seed=0,
+                    local_epochs=1, progress=False, batched=False, threads=1)
+
+
+def server_state(out: Path) -> dict[str, torch.Tensor]:
+    tensors = load_file(out / "checkpoint.safetensors")
+    return {k[len("server/"):]: v for k, v in tensors.items() if k.startswith("server/")}
+
+
+def assert_matches_simulator(out: Path, summary: dict[str, Any], strategy: str,
+                             rounds: int) -> None:
+    sim = run_in_simulator(strategy, rounds)
+    flower = server_state(out)
+    assert sorted(flower) == sorted(sim.state)
+    for name, tensor in sim.state.items():
+        # the same float32 operations in the same order on both sides: equal up to float
+        # rounding of a differently laid-out batch at most (1e-6 on O(1) values)
+        torch.testing.assert_close(flower[name], tensor.cpu(), rtol=0, atol=1e-6,
+                                   msg=f"server tensor {name!r}")
+    # pooled metrics merge the same accumulator sums (float64): equal to 1e-12
+    for key in ("ece", "accuracy", "accuracy_pooled", "nll", "brier"):
+        assert summary[key] == pytest.approx(sim.summary[key], abs=1e-12), key
+    assert summary["bytes_up"] == sim.summary["bytes_up"]
+    assert summary["bytes_down"] == sim.summary["bytes_down"]
+
+
+# ---- without a deployment ------------------------------------------------------------------
+def test_run_config_maps_to_the_simulator_config():
+    config, options = parse_run_config({
+        "strategy": "fedavg", "clients": 4, "option": "", "dataset-option.n": 100,
+        "out": "", "threads": 0, "min-replies": 2, "round-timeout": 5.0})
+    assert (config.strategy, config.clients, config.dataset_options) == ("fedavg", 4,
+                                                                         {"n": 100})
+    assert options.out is None and options.threads is None and options.min_replies == 2
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_run_config({"strateggy": "fedlog"})
+    with pytest.raises(ConfigError, match="round-timeout"):
+        parse_run_config({"round-timeout": -1.0})
+    with pytest.raises(ConfigError, match="authenticate"):
+        parse_run_config({"authenticate": True})
+
+
+def test_records_carry_bytes_and_refuse_oversize():
+    data, values = unpack(pack(b"\x00" * 100, round=3))
+    assert data == b"\x00" * 100 and values == {"round": 3}
+    with pytest.raises(MessageRejected, match="oversized"):
+        unpack(pack(b"\x00" * 100), max_bytes=99)
+    with pytest.raises(MessageRejected, match="no 'bayesfl'"):
+        unpack(RecordDict({"other": ConfigRecord({"message": b""})}))
+
+
+def test_evaluation_reply_is_checked():
+    context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(5,), clients=2)
+    strategy = make_strategy("fedavg", context)
+    probs = torch.softmax(torch.randn(7, 3, dtype=torch.float64), 1)
+    acc = Accumulator(15).update(probs, torch.randint(0, 3, (7,)))
+    tensors = evaluation_tensors(Evaluation(1, {PREDICTIVE: acc}))
+    from bayesfl.messages import encode
+
+    good = encode(strategy.up_message(2, 1, tensors))
+    got = read_evaluation(strategy, good, round=2, client_id=1, n_bins=15, num_test=7)
+    assert got.accumulators[PREDICTIVE].compute() == acc.compute()
+    with pytest.raises(MessageRejected, match="8 test samples"):
+        read_evaluation(strategy, good, round=2, client_id=1, n_bins=15, num_test=8)
+    with pytest.raises(MessageRejected, match="client_id"):
+        read_evaluation(strategy, good, round=2, client_id=0, n_bins=15, num_test=7)
+    bad = dict(tensors)
+    bad[f"{PREDICTIVE}.bin_correct_counts"] = tensors[f"{PREDICTIVE}.bin_counts"] + 1
+    with pytest.raises(MessageRejected, match="exceed"):
+        read_evaluation(strategy, encode(strategy.up_message(2, 1, bad)), round=2,
+                        client_id=1, n_bins=15, num_test=7)
+
+
+# ---- on a loopback deployment ----------------------------------------------------------------
+@pytest.mark.flower
+def test_fedlog_on_flower_equals_the_simulator(federation, tmp_path):
+    summary = run_on_flower(federation, tmp_path / "run", "fedlog", 3)
+    assert summary["transport"] == "flower" and summary["events"] == []
+    assert_matches_simulator(tmp_path / "run", summary, "fedlog", 3)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "reliability.png").stat().st_size > 0
+
+
+@pytest.mark.flower
+@pytest.mark.slow
+def test_fedavg_on_flower_equals_the_simulator(federation, tmp_path):
+    summary = run_on_flower(federation, tmp_path / "run", "fedavg", 2)
+    assert_matches_simulator(tmp_path / "run", summary, "fedavg", 2)
+
+
+@pytest.mark.flower
+@pytest.mark.slow
+def test_an_invalid_upload_is_rejected_and_the_run_goes_on(federation, tmp_path):
+    summary = run_on_flower(federation, tmp_path / "run", "fedlog", 2, app=TAMPER_APP,
+                            **{"evaluate-every": 1})
+    assert summary["rejected_uploads"] == 1
+    (rejection,) = summary["rejections"]
+    assert rejection["round"] == 1 and rejection["client_id"] == 1
+    assert "non-finite" in rejection["reason"]
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accepted"] for r in records] == [3, 2, 3]
+
+
+@pytest.mark.flower
+@pytest.mark.slow
+def test_a_supernode_killed_mid_run_is_logged_and_the_run_completes(tmp_path):
+    out = tmp_path / "run"
+    with LocalFederation(3, start_timeout=300.0) as fed:
+        def kill_after_round_one() -> None:
+            deadline = time.monotonic() + RUN_TIMEOUT
+            metrics = out / "metrics.jsonl"
+            while time.monotonic() < deadline:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                    fed.kill_node(2)
+                    return
+                time.sleep(0.5)
+
+        killer = threading.Thread(target=kill_after_round_one, daemon=True)
+        killer.start()
+        # the dead node's messages wait round-timeout at most (Flower notices a SIGKILLed
+        # node after two missed heartbeats, ~60 s)
+        summary = run_on_flower(fed, out, "fedlog", 3, **{"round-timeout": 120.0})
+        killer.join(timeout=5)
+    events = [e for e in summary["events"] if e["client_id"] == 2]
+    assert events, summary["events"]
+    assert all(e["round"] >= 2 for e in events if "round" in e)
+    records = [json.loads(line) for line in out.joinpath("metrics.jsonl").read_text()
+               .splitlines()]
+    assert records[-1]["accepted"] == 2 and records[0]["accepted"] == 3
+    assert [c["client_id"] for c in summary["per_client"]] == [0, 1]
