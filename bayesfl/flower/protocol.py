@@ -119,7 +119,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
 
     Raises:
         ConfigError: an unknown key (with the valid ones), a value of the wrong type, or a
-            setting the Flower adapter does not support (``calibrate``, ``authenticate``).
+            setting the Flower adapter does not support (``calibrate``, ``authenticate``,
+            ``novel-fraction``).
     """
     from bayesfl.cli import settings_from_mapping
 
@@ -157,6 +158,9 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
     if config.calibrate is not None:
         raise ConfigError("calibrate is not supported on Flower yet (it needs held-out data "
                           "from every client in one step); run it in the simulator")
+    if getattr(config, "novel_fraction", 0):
+        raise ConfigError("novel-fraction is not supported on Flower yet (every SuperNode "
+                          "takes part in training); run novel clients in the simulator")
     if config.authenticate:
         raise ConfigError("authenticate is not supported by the Flower adapter: use Flower's "
                           "TLS and SuperNode authentication (flower-superlink "

@@ -283,7 +283,9 @@ class FlowerServer:
         messages = [Message(content, dst_node_id=node, message_type=message_type,
                             group_id=str(round), ttl=timeout + 60.0)
                     for node, content in (requests[c] for c in ids)]
-        pushed = list(self.grid.push_messages(messages))
+        pushed = list(self.grid.push_messages(messages)) if messages else []
+        if len(pushed) != len(ids):  # the SuperLink refused the batch (e.g. too large)
+            pushed = [None] * len(ids)
         pending: dict[str, int] = {}
         for cid, mid in zip(ids, pushed, strict=True):
             if mid:

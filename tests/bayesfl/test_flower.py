@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, RecordDict
 from safetensors.torch import load_file
 
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.flower.local import LocalFederation
+from bayesfl.flower.local import LocalFederation, _start_time
 from bayesfl.flower.protocol import (
     evaluation_tensors,
     pack,
@@ -67,6 +67,12 @@ def run_in_simulator(strategy: str, rounds: int) -> Any:
                     local_epochs=1, progress=False, batched=False, threads=1)
 
 
+def make_strategy_class(name: str) -> type:
+    from bayesfl.strategies import STRATEGIES
+
+    return STRATEGIES[name]
+
+
 def server_state(out: Path) -> dict[str, torch.Tensor]:
     tensors = load_file(out / "checkpoint.safetensors")
     return {k[len("server/"):]: v for k, v in tensors.items() if k.startswith("server/")}
@@ -87,6 +93,35 @@ def assert_matches_simulator(out: Path, summary: dict[str, Any], strategy: str,
         assert summary[key] == pytest.approx(sim.summary[key], abs=1e-12), key
     assert summary["bytes_up"] == sim.summary["bytes_up"]
     assert summary["bytes_down"] == sim.summary["bytes_down"]
+
+
+def listening_addresses(pids: set[int]) -> set[str]:
+    """``ip:port`` of every TCP socket in LISTEN state that one of ``pids`` holds (Linux)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            links = [str(f.readlink()) for f in fd_dir.iterdir()]
+        except OSError:
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                address, port = cols[1].split(":")
+                ip = (".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                      if width == 8 else address)
+                found.add(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def federation_pids(fed: LocalFederation) -> set[int]:
+    from bayesfl.flower.local import _descendants
+
+    roots = {p.pid for p in [fed.superlink, *fed.supernodes] if p is not None}
+    return roots | {d for r in roots for d in _descendants(r)}
 
 
 # ---- without a deployment ------------------------------------------------------------------
@@ -140,6 +175,10 @@ def test_evaluation_reply_is_checked():
 @pytest.mark.flower
 def test_fedlog_on_flower_equals_the_simulator(federation, tmp_path):
     summary = run_on_flower(federation, tmp_path / "run", "fedlog", 3)
+    # nothing the deployment started listens beyond loopback
+    addresses = listening_addresses(federation_pids(federation))
+    assert len(addresses) >= 4 and all(a.startswith("127.0.0.1:") for a in addresses), \
+        addresses
     assert summary["transport"] == "flower" and summary["events"] == []
     assert_matches_simulator(tmp_path / "run", summary, "fedlog", 3)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -149,9 +188,13 @@ def test_fedlog_on_flower_equals_the_simulator(federation, tmp_path):
 
 @pytest.mark.flower
 @pytest.mark.slow
-def test_fedavg_on_flower_equals_the_simulator(federation, tmp_path):
-    summary = run_on_flower(federation, tmp_path / "run", "fedavg", 2)
-    assert_matches_simulator(tmp_path / "run", summary, "fedavg", 2)
+@pytest.mark.parametrize("strategy", ["fedavg", "fedsi"])
+def test_other_strategies_on_flower_equal_the_simulator(federation, tmp_path, strategy):
+    # fedsi personalises after training: the personalize step and the evaluation of the
+    # personalised states run on the nodes
+    summary = run_on_flower(federation, tmp_path / "run", strategy, 2)
+    assert summary["personalized"] == make_strategy_class(strategy).personalizes
+    assert_matches_simulator(tmp_path / "run", summary, strategy, 2)
 
 
 @pytest.mark.flower
@@ -188,6 +231,9 @@ def test_a_supernode_killed_mid_run_is_logged_and_the_run_completes(tmp_path):
         # node after two missed heartbeats, ~60 s)
         summary = run_on_flower(fed, out, "fedlog", 3, **{"round-timeout": 120.0})
         killer.join(timeout=5)
+        pids = federation_pids(fed) | {fed.supernodes[2].pid}
+    # stopped on leaving the block: every process it started and their descendants
+    assert not [pid for pid in pids if _start_time(pid) is not None]
     events = [e for e in summary["events"] if e["client_id"] == 2]
     assert events, summary["events"]
     assert all(e["round"] >= 2 for e in events if "round" in e)
