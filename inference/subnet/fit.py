@@ -178,6 +178,9 @@ def subnet_ggn(
                 _preflight_fit(engine, C, rows, max_memory_bytes)
                 ggn = torch.zeros(S, S, dtype=torch.float64, device=mean.device)
             for start in range(0, X.shape[0], rows):
+                if not diagonal_only and factored_ggn(engine, X[start : start + rows], ggn,
+                                                      checks, y[start : start + rows]):
+                    continue
                 # J^T M with Lambda = M M^T: the chunk's GGN is one Gram matrix.
                 JtM, logits = engine(X[start : start + rows], output_vectors=_hessian_sqrt)
                 checks.update(logits, y[start : start + rows])
@@ -188,6 +191,67 @@ def subnet_ggn(
                     ggn += (JtM @ JtM.T).to(torch.float64)
     checks.finish()
     return 0.5 * (ggn + ggn.T), checks.n_data
+
+
+FACTORED_GGN = True
+"""Use :func:`factored_ggn` where it applies (False: the Gram of the full subnet Jacobian;
+tests compare the two)."""
+
+
+def factored_ggn(engine: SubnetJacobian, X: Tensor, ggn: Tensor, checks: BatchChecks,
+                 y: Tensor) -> bool:
+    """Add the chunk's GGN to ``ggn`` by the Linear-layer factorisation; False if it does not
+    apply (nothing added).
+
+    With ``J[b, o, s] = G_o[b, u_s] A[b, s]`` (:meth:`SubnetJacobian.linear_factors`) and
+    ``Lambda = M M^T``, ``H[s, t] = sum_b A[b, s] A[b, t] Gamma[b, u_s, u_t]`` where
+    ``Gamma[b] = sum_k g_k g_k^T`` (U x U, ``g_k`` the unit gradients of ``M[:, k]``). Each run
+    of positions of one unit u is then one product ``A[:, run]^T (A * Gamma[:, u, unit])``
+    over the positions from the run on (the upper triangle; mirrored at the end): about
+    ``S^2 B`` flops against ``C S^2 B`` for the Gram of ``J^T M``.
+    """
+    if not (FACTORED_GGN and engine.factorable):
+        return False
+    plan = _unit_runs(engine)
+    if plan is None:
+        return False
+    factors = engine.linear_factors(X, output_vectors=_hessian_sqrt)
+    if factors is None:
+        return False
+    A, G, logits = factors
+    checks.update(logits, y)
+    runs, present, unit = plan
+    G = G.index_select(2, present)  # (K, B, U)
+    gamma = torch.einsum("kbu,kbv->buv", G, G)  # (B, U, U)
+    upper = torch.zeros_like(ggn, dtype=A.dtype)
+    for start, end, u in runs:
+        weighted = A[:, start:] * gamma[:, u, unit[start:]]
+        upper[start:end, start:] = A[:, start:end].T @ weighted
+    upper = upper.to(torch.float64)
+    ggn += upper.triu() + upper.triu(1).T
+    return True
+
+
+def _unit_runs(engine: SubnetJacobian) -> tuple[list, Tensor, Tensor] | None:
+    """``(runs, present units, compact unit of every position)`` (cached on the engine);
+    None if the positions form more than ``MAX_RUNS`` runs of one unit."""
+    cached = getattr(engine, "_ggn_runs", False)
+    if cached is not False:
+        return cached
+    unit, _ = engine.units()
+    present, compact = torch.unique(unit.cpu(), return_inverse=True)
+    breaks = (torch.nonzero(compact[1:] != compact[:-1]).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, compact.numel()]
+    plan = None
+    if len(starts) <= MAX_RUNS:
+        runs = [(a, e, int(compact[a])) for a, e in zip(starts, ends, strict=True)]
+        device = engine.mean.device
+        plan = (runs, present.to(device), compact.to(device))
+    engine._ggn_runs = plan  # type: ignore[attr-defined]
+    return plan
+
+
+MAX_RUNS = 4096
 
 
 def _hessian_sqrt(logits: Tensor) -> Tensor:

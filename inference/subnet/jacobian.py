@@ -140,6 +140,72 @@ class SubnetJacobian:
             )
         return plan
 
+    @property
+    def factorable(self) -> bool:
+        """Whether :meth:`linear_factors` applies: every subnet entry sits in an ``nn.Linear``
+        weight or bias (no Conv2d, no generic parameter)."""
+        return not self.generic and all(isinstance(g.slot.module, nn.Linear) for g in self.fast)
+
+    def units(self) -> tuple[Tensor, int]:
+        """``(unit (S,) int64, U)``: the output unit of its layer each subnet entry feeds, as
+        one id over all subnet layers (weight and bias entries of one unit share it); layers
+        are numbered in the order :meth:`linear_factors` stacks their gradients."""
+        modules = list({id(g.slot.module): g.slot.module for g in self.fast}.values())
+        offset, total = {}, 0
+        for module in modules:
+            offset[id(module)] = total
+            total += module.out_features
+        unit = torch.empty(self.n_subnet, dtype=torch.int64, device=self.mean.device)
+        for g in self.fast:
+            unit[g.positions] = offset[id(g.slot.module)] + g.rows
+        return unit, total
+
+    def linear_factors(
+        self, x: Tensor, output_vectors: Callable | None = None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The factorisation ``J[b, o, s] = G[o, b, unit[s]] * A[b, s]`` of the subnet Jacobian
+        when every entry is in a Linear layer called once on a 2-D input (else None).
+
+        For a weight entry (h, j) of a Linear layer, ``A[b, s]`` is the layer's input j and
+        ``G[o, b, h]`` the derivative of logit o w.r.t. the layer's output h; for a bias entry
+        ``A = 1``. Computing ``G`` takes the same C vector-Jacobian products as the Jacobian.
+
+        ``output_vectors`` maps the detached logits to K output-space vectors (K, B, C) as in
+        :meth:`__call__`; ``G`` then holds ``v_k^T d logits / d output`` instead of one row per
+        logit.
+
+        Returns:
+            ``(A (B, S), G (K, B, U), logits (B, C))``, K = C by default, units as in
+            :meth:`units`; None when the factorisation does not apply.
+        """
+        if not self.factorable:
+            return None
+        params = functional_parameters(self.slots, self.mean, self._fast_names)
+        with torch.enable_grad(), ActivationCapture(self._modules) as capture:
+            logits = functional_call(self.model, params, (x,))
+        logits = check_logits(logits, x.shape[0])
+        B, C = logits.shape
+        modules = {id(g.slot.module): g.slot.module for g in self.fast}
+        calls = {key: capture.records[key] for key in modules}
+        if any(len(c) != 1 or c[0][0].reshape(B, -1).shape[1] != m.in_features
+               for key, c in calls.items() for m in [modules[key]]):
+            return None  # a layer called twice, never, or on (B, T, in) inputs
+        if output_vectors is None:
+            basis = torch.eye(C, dtype=logits.dtype, device=logits.device)
+            vectors = basis.unsqueeze(1).expand(C, B, C)
+        else:
+            vectors = output_vectors(logits.detach())
+        outputs = [calls[key][0][1] for key in modules]
+        grads = output_vjps(logits, outputs, vectors)
+        K = vectors.shape[0]
+        G = torch.cat([g.reshape(K, B, -1) for g in grads], dim=2).to(logits.dtype)
+        A = logits.new_ones(B, self.n_subnet)
+        for g in self.fast:
+            if g.slot.role == "weight":
+                inputs = calls[id(g.slot.module)][0][0].detach().reshape(B, -1)
+                A[:, g.positions] = inputs.index_select(1, g.cols).to(logits.dtype)
+        return A, G, logits.detach()
+
     def logits(self, x: Tensor) -> Tensor:
         """(B, C) logits at ``mean``, without any Jacobian."""
         params = functional_parameters(self.slots, self.mean, set())

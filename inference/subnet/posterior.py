@@ -43,6 +43,10 @@ _METHODS = ("glm_probit", "glm_mc", "map")
 _STATE_KEYS = ("mean", "subnet_indices", "ggn", "prior_precision", "prior_mean", "n_data")
 # Working memory one predictive chunk may take by default (Jacobian + its float64 solve).
 DEFAULT_CHUNK_BYTES = 512 * 2**20
+# Working memory of the factored predictive's (rows, units, S) block, per sub-chunk.
+FACTOR_CHUNK_BYTES = 32 * 2**20
+# More runs of one unit than this (e.g. unsorted indices) and the factored path is not used.
+MAX_SEGMENTS = 4096
 
 
 class SubnetLaplacePosterior:
@@ -125,6 +129,8 @@ class SubnetLaplacePosterior:
         self._solve_factor_T = chol_eq.T.contiguous().to(mean.dtype)
         self._solve_scale = scale.reciprocal().to(mean.dtype)
         self._model: nn.Module | None = None
+        self._inverse_factor: Tensor | None = None  # L^{-1}, for the factored predictive
+        self._inv_chol_eq: Tensor | None = None
         self._jacobian: SubnetJacobian | None = None
         self._n_classes: int | None = None
         if model is not None:
@@ -186,11 +192,17 @@ class SubnetLaplacePosterior:
         """(S, S) float64 posterior covariance ``precision^{-1}``."""
         return torch.cholesky_inverse(self._chol_eq) / torch.outer(self._scale, self._scale)
 
+    def _inverse_chol_eq(self) -> Tensor:
+        """(S, S) float64 ``L_eq^{-1}`` (lower triangular), computed once (S^3 / 3 flops) and
+        shared by the marginal variances and the factored predictive."""
+        if self._inv_chol_eq is None:
+            eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._scale.device)
+            self._inv_chol_eq = torch.linalg.solve_triangular(self._chol_eq, eye, upper=False)
+        return self._inv_chol_eq
+
     def marginal_variance_subnet(self) -> Tensor:
         """(S,) float64 ``diag(covariance)``: column sums of squares of ``L_eq^{-1}``, / ``D^2``."""
-        eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._scale.device)
-        inv_chol = torch.linalg.solve_triangular(self._chol_eq, eye, upper=False)
-        return inv_chol.square().sum(0) / self._scale.square()
+        return self._inverse_chol_eq().square().sum(0) / self._scale.square()
 
     def marginal_std_full(self) -> Tensor:
         """(P,) marginal standard deviations, zero outside the subnet (FedSI's upload).
@@ -313,6 +325,12 @@ class SubnetLaplacePosterior:
     ) -> Tensor:
         if method == "map":
             return torch.softmax(engine.logits(x), dim=-1)
+        if method == "glm_probit" and self.factored:
+            factored = self._factored_variance(engine, x)
+            if factored is not None:
+                f_var, logits = factored
+                kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
+                return torch.softmax(kappa * logits, dim=-1)
         # D^{-1} J^T, (S, C, B): the equilibration scale is folded into the Jacobian engine.
         Jt_eq, logits = engine(x, column_scale=self._solve_scale)
         S, C, B = Jt_eq.shape
@@ -332,6 +350,64 @@ class SubnetLaplacePosterior:
         f_samples = (deltas.T @ Jt_eq).reshape(-1, C, B).transpose(1, 2)  # (n, B, C)
         probs = torch.softmax(logits.unsqueeze(0) + f_samples, dim=-1)
         return probs.mean(0)
+
+    factored: bool = True
+    """Use the factored GLM-probit variance where it applies (:meth:`_factored_variance`);
+    False forces the triangular solve on the full subnet Jacobian (tests compare the two)."""
+
+    def _segments(self, engine: SubnetJacobian) -> list[tuple[int, int, int]] | None:
+        """Maximal runs ``(start, end, unit)`` of consecutive subnet positions feeding one
+        output unit (cached on the engine); None when there are more than ``MAX_SEGMENTS``."""
+        cached = getattr(engine, "_fedsi_segments", False)
+        if cached is not False:
+            return cached
+        unit, _ = engine.units()
+        present, unit = torch.unique(unit.cpu(), return_inverse=True)  # only units in the subnet
+        breaks = torch.nonzero(unit[1:] != unit[:-1]).flatten() + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*breaks.tolist(), unit.numel()]
+        segments = None
+        if len(starts) <= MAX_SEGMENTS:
+            segments = [(a, e, int(unit[a])) for a, e in zip(starts, ends, strict=True)]
+        engine._fedsi_segments = segments  # type: ignore[attr-defined]
+        engine._fedsi_units = present.to(engine.mean.device)  # type: ignore[attr-defined]
+        return segments
+
+    def _factored_variance(self, engine: SubnetJacobian, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Linearised logit variances (B, C) and logits by the Linear-layer factorisation.
+
+        When every subnet entry is in a Linear layer, ``J[b, o, s] = G[o, b, u_s] A[b, s]``
+        (:meth:`SubnetJacobian.linear_factors`), so ``L^{-1} J_o^T = sum_u G[o, b, u] V[u, b]``
+        with ``V[u, b, r] = sum_{s in unit u} (L^{-1})[r, s] A[b, s]``: one pass of the
+        triangular ``L^{-1}`` per input instead of one per (input, output). Cost per input
+        about ``S^2`` (half of it, ``L^{-1}`` being triangular) plus ``C U S``, against
+        ``C S^2`` for the solve. Returns None where the factorisation does not apply.
+        """
+        if not engine.factorable:
+            return None
+        segments = self._segments(engine)
+        if segments is None:
+            return None
+        factors = engine.linear_factors(x)
+        if factors is None:
+            return None
+        A, G, logits = factors
+        if self._inverse_factor is None:  # L^{-1} = L_eq^{-1} D^{-1}, in the model dtype
+            self._inverse_factor = (self._inverse_chol_eq() / self._scale).to(self._mean.dtype)
+        R, S = self._inverse_factor, self.n_subnet
+        G = G.index_select(2, engine._fedsi_units)  # (C, B, U): the subnet's units only
+        B, U = x.shape[0], G.shape[2]
+        rows = max(1, min(B, FACTOR_CHUNK_BYTES // (U * S * A.element_size())))
+        block = A.new_empty(rows, U, S)  # reused: fresh large buffers cost page faults
+        f_var = []
+        for i in range(0, B, rows):
+            a = A[i : i + rows]
+            V = block[: a.shape[0]].zero_()
+            for start, end, u in segments:
+                V[:, u, start:] += a[:, start:end] @ R[start:, start:end].T
+            W = torch.bmm(G[:, i : i + rows].permute(1, 0, 2).contiguous(), V)  # (b, C, S)
+            f_var.append(W.square().sum(-1))
+        return torch.cat(f_var), logits
 
     def _predict_chunk_rows(
         self, x: Tensor, chunk_size: int | None, n_samples: int, max_memory_bytes: int | None

