@@ -40,6 +40,10 @@ Objective = Callable[[object, Tensor], Tensor]
 ParameterFilter = Callable[[str], bool]
 """``trainable(parameter_name) -> bool``: which parameters local training updates."""
 
+Penalty = Callable[[dict[str, Tensor]], Tensor]
+"""``penalty(trainable parameters by name) -> scalar`` added to every mini-batch loss (e.g.
+FedProx's proximal term); under :func:`train_stacked` it sees one client's parameters."""
+
 
 @dataclass(frozen=True)
 class LocalTraining:
@@ -80,16 +84,19 @@ def train_plain(
     *,
     generator: torch.Generator,
     trainable: ParameterFilter | None = None,
+    penalty: Penalty | None = None,
 ) -> None:
     """Train ``model`` in place on ``(x (N, ...), y (N,))`` with mini-batch Adam.
 
     Only parameters selected by ``trainable`` (default: all) are updated; the others are
-    frozen for the duration of the call. The mini-batch loss is the mean of the objective's
-    per-sample losses.
+    frozen for the duration of the call (``requires_grad=False``, so backpropagation stops at
+    the first trainable layer). The mini-batch loss is the mean of the objective's per-sample
+    losses, plus ``penalty`` of the trainable parameters if given.
     """
     trainable = trainable or _all_parameters
     named = list(model.named_parameters())
     params = [p for name, p in named if trainable(name)]
+    train_names = [name for name, _ in named if trainable(name)]
     if not params or config.epochs == 0:
         return
     flags = {name: p.requires_grad for name, p in named}
@@ -108,6 +115,8 @@ def train_plain(
             for start in range(0, n, config.batch_size):
                 idx = order[start : start + config.batch_size]
                 loss = objective(model(x[idx]), y[idx]).mean()
+                if penalty is not None:
+                    loss = loss + penalty(dict(zip(train_names, params, strict=True)))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -238,6 +247,7 @@ def train_stacked(
     *,
     generators: Sequence[torch.Generator],
     trainable: ParameterFilter | None = None,
+    penalty: Penalty | None = None,
 ) -> None:
     """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
@@ -255,7 +265,7 @@ def train_stacked(
         return
     if has_running_stats(template):
         _train_each(template, parameters, buffers, xs, ys, objective, config,
-                    generators=generators, trainable=trainable)
+                    generators=generators, trainable=trainable, penalty=penalty)
         return
     trainable = trainable or _all_parameters
     template.train()
@@ -278,7 +288,8 @@ def train_stacked(
 
     def client_loss(tp, fp, bufs, xb, yb, mb):
         out = functional_call(template, ({**tp, **fp}, bufs), (xb,))
-        return (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
+        loss = (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
+        return loss if penalty is None else loss + penalty(tp)
 
     grads_of = vmap(grad(client_loss))
     # Every client takes a step at every step iff all have the same number of batches; then
@@ -333,13 +344,15 @@ def _train_each(
     *,
     generators: Sequence[torch.Generator],
     trainable: ParameterFilter | None,
+    penalty: Penalty | None,
 ) -> None:
     """:func:`train_stacked` of a template with running statistics: :func:`train_plain` on a
     copy per client; parameters written back in place, buffer entries replaced."""
     model = copy.deepcopy(template)
     for p, b, x, y, g in zip(parameters, buffers, xs, ys, generators, strict=True):
         model.load_state_dict({**p, **b}, strict=True)
-        train_plain(model, x, y, objective, config, generator=g, trainable=trainable)
+        train_plain(model, x, y, objective, config, generator=g, trainable=trainable,
+                    penalty=penalty)
         with torch.no_grad():
             for name, value in model.named_parameters():
                 p[name].copy_(value)

@@ -25,6 +25,8 @@ from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
 from bayesfl.strategies.fedper import FedPer
+from bayesfl.strategies.fedpart import FedPart, FedProxPart
+from bayesfl.strategies.fedprox import FedProx
 from bayesfl.strategies.fedproto import FedProto
 from bayesfl.strategies.fedrep import FedRep, FedRep1
 from bayesfl.strategies.fedsi import FedSI, FedSIFac
@@ -41,6 +43,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
                 FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto, FedAvgFT, LocalOnly)
     + (PFedBayes, FedPA, FedPop)
     + (FedSI, FedSIFac)
+    + (FedProx, FedPart, FedProxPart)
 }
 """Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
 their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
@@ -97,7 +100,10 @@ __all__ = [
     "FedLogC",
     "FedLogCentralDP",
     "FedLogLocalDP",
+    "FedPart",
     "FedPer",
+    "FedProx",
+    "FedProxPart",
     "FedProto",
     "FedRep",
     "FedRep1",

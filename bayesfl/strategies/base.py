@@ -293,6 +293,17 @@ class Strategy:
         summary (default none; DP strategies report their noise-to-signal)."""
         return {}
 
+    def compute_metrics(self, plan: RoundPlan, uploads: Sequence[Message]) -> dict[str, float]:
+        """Analytic compute of the local training behind this round's (schema-valid) uploads,
+        which the transport adds to the round's metrics (default none; the parameter-averaging
+        family reports ``flops_local``)."""
+        return {}
+
+    def describe(self) -> str | None:
+        """Text the transport shows at the start of a run (default none; a FedPart schedule
+        prints its layer groups and rounds)."""
+        return None
+
     # ==== client half ======================================================================
     def build_model(self, body: nn.Module) -> nn.Module:
         """The client network around a body (default: the body itself)."""

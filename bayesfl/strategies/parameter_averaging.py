@@ -29,6 +29,27 @@ update ``w_c - w_global`` to that L2 norm; default None); ``screening_ratio`` (d
 reject an upload whose update norm or sample count exceeds 10x the round's median, with the
 reason in metrics.jsonl). A client's ``num_samples`` may not exceed its first declared one.
 
+**Schedules** (every strategy of this family): ``schedule="fedpart"`` (or a dict with kind
+``"fedpart"`` and its options, :mod:`bayesfl.strategies.fedpart_schedule`) trains one layer
+group (:mod:`bayesfl.layer_groups`, of the shared parameters) per partial round: its
+parameters (and statistics) are the round's upload schema, the broadcast carries the groups
+changed since the previous round (``downlink="changed"``) or everything (``"full"``),
+everything else is frozen on the client (``requires_grad=False``: bit-identical, no
+gradient, backpropagation stops at the first trainable group) and only the uploaded names are
+averaged. Personal parameters (FedPer, FedRep, ...) keep training as their strategy says.
+
+**Normalisation statistics** (``bn_stats``): ``"aggregate"`` (default) shares the running
+mean and variance of every BatchNorm layer whose parameters are shared: uploaded with them,
+averaged with the same weights (never clipped or screened), broadcast and used by every
+client's evaluation; in a partial round the frozen groups' statistics are restored after
+local training (their layers still normalise with batch statistics, as in the paper's code).
+``"local"`` (the FedPart paper's code, FedBN-like) never sends them: each client keeps and
+evaluates with its own.
+
+**Compute** (:meth:`ParameterAveraging.compute_metrics`): the analytic FLOPs of the round's
+local training (:mod:`bayesfl.flops`: forward over every layer, backward from the output down
+to the first trainable one), from each upload's sample count and the local epochs.
+
 Each module's docstring gives the source of its weighting. With the FedLog paper's shard
 partitions every client holds the same number of samples, so weighted and unweighted means
 coincide there; they differ under Dirichlet or unequal partitions.
@@ -41,15 +62,17 @@ body is personal, e.g. ``lg-fedavg`` with its one global layer, the head).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.flops import step_flops
+from bayesfl.layer_groups import LayerGroup, describe_groups, is_statistic, layer_groups
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
     NUM_SAMPLES_SPEC,
@@ -66,6 +89,12 @@ from bayesfl.strategies.base import (
     num_samples_tensor,
     stacked_tensors,
     with_parameters,
+)
+from bayesfl.strategies.fedpart_schedule import (
+    FULL,
+    SCHEDULE_OPTIONS,
+    FedPartSchedule,
+    schedule_from_option,
 )
 from bayesfl.strategies.networks import (
     ClassifierNet,
@@ -91,6 +120,13 @@ from bayesfl.training import (
     train_stacked,
 )
 
+SYNCED = "sync.round"
+"""Client-state key of a scheduled strategy: the round whose broadcast the client last
+received (a ``downlink="changed"`` broadcast is complete only for a client synced the round
+before)."""
+BN_STATS = ("aggregate", "local")
+DOWNLINKS = ("changed", "full")
+
 PERSONALIZED = "personalized"
 """Client-state key set by :meth:`~bayesfl.strategies.base.Strategy.personalize`: the client
 then predicts with its own parameters only (not the broadcast's shared ones)."""
@@ -112,6 +148,10 @@ class ParameterAveraging(Strategy):
             (norm bounding, Sun et al. 2019); None: no clipping.
         screening_ratio: reject uploads whose update norm or sample count exceeds this many
             times the round's median; None: no screening.
+        schedule: None (every round trains and sends every shared parameter), ``"fedpart"``
+            or ``{"kind": "fedpart", **options}`` (module docstring).
+        bn_stats: ``"aggregate"`` or ``"local"`` BatchNorm running statistics (module
+            docstring).
     """
 
     weighted: ClassVar[bool] = True
@@ -125,12 +165,140 @@ class ParameterAveraging(Strategy):
         trim_fraction: float = 0.1,
         norm_bound: float | None = None,
         screening_ratio: float | None = 10.0,
+        schedule: str | dict[str, Any] | None = None,
+        bn_stats: str = "aggregate",
     ) -> None:
         super().__init__(context)
         check_robust_options(aggregation, trim_fraction, norm_bound, screening_ratio)
         self.aggregation, self.trim_fraction = aggregation, float(trim_fraction)
         self.norm_bound = None if norm_bound is None else float(norm_bound)
         self.screening_ratio = None if screening_ratio is None else float(screening_ratio)
+        if bn_stats not in BN_STATS:
+            raise ConfigError(f"{self.name} bn_stats must be one of {BN_STATS}, got "
+                              f"{bn_stats!r}")
+        self.bn_stats = bn_stats
+        self.schedule_options = schedule_from_option(schedule)
+        options = self.schedule_options or {}
+        self.downlink = options.get("downlink", "changed")
+        if self.downlink not in DOWNLINKS:
+            raise ConfigError(f"fedpart downlink must be one of {DOWNLINKS}, got "
+                              f"{self.downlink!r}")
+        self._groups: dict[str, list[LayerGroup]] = {}
+        self._flops: dict[tuple[str, frozenset[str]], int] = {}
+        if self.schedule_options is not None:  # fail at construction on bad options
+            self.schedule()
+
+    # ==== schedule, groups, statistics (both halves) =======================================
+    def shared_statistics(self, body: str) -> frozenset[str]:
+        """Running-statistic names of the BatchNorm layers whose parameters are shared
+        (``bn_stats="aggregate"``; none with ``"local"``)."""
+        if self.bn_stats != "aggregate":
+            return frozenset()
+        template, shared = self.template(body), self.shared_names(body)
+        return frozenset(b for g in layer_groups(template) for b in g.buffers
+                         if set(g.parameters) <= shared)
+
+    def groups(self, body: str) -> list[LayerGroup]:
+        """The layer groups of the shared parameters (and statistics) of body ``body``."""
+        if body not in self._groups:
+            options = self.schedule_options or {}
+            shared, stats = self.shared_names(body), self.shared_statistics(body)
+            params = dict(self.template(body).named_parameters())
+            out = []
+            for g in layer_groups(self.template(body),
+                                  prefixes=options.get("group_prefixes"),
+                                  min_group_size=options.get("min_group_size", 0)):
+                kept = tuple(n for n in g.parameters if n in shared)
+                if kept:
+                    out.append(LayerGroup(g.name, kept, tuple(b for b in g.buffers
+                                                             if b in stats),
+                                          sum(params[n].numel() for n in kept), g.kind))
+            self._groups[body] = out
+        return self._groups[body]
+
+    def schedule(self) -> FedPartSchedule | None:
+        """The run's schedule (its G from the first body's groups), or None."""
+        if self.schedule_options is None:
+            return None
+        options = {k: v for k, v in self.schedule_options.items() if k in SCHEDULE_OPTIONS}
+        schedule = FedPartSchedule(len(self.groups(self.context.bodies[0])),
+                                   seed=self.context.seed, **options)
+        if schedule.total_rounds is not None and self.context.rounds > schedule.total_rounds:
+            raise ConfigError(f"{self.name}: {self.context.rounds} rounds exceed the schedule's "
+                              f"{schedule.cycles} cycle(s) of {schedule.total_rounds} rounds")
+        return schedule
+
+    def group_at(self, round: int) -> int:
+        """The 0-based layer group trained in ``round``, or ``FULL`` (every round without a
+        schedule; round 0 and earlier too)."""
+        schedule = self.schedule()
+        return FULL if schedule is None or round < 1 else schedule.group_at(round)
+
+    def round_names(self, body: str, round: int) -> frozenset[str]:
+        """What a client of body ``body`` trains and uploads in ``round``: the shared
+        parameters and statistics of the round's group (all of them in a FULL round)."""
+        g = self.group_at(round)
+        if g == FULL:
+            return self.shared_names(body) | self.shared_statistics(body)
+        return frozenset(self.groups(body)[g].names)
+
+    def broadcast_names(self, body: str, round: int) -> frozenset[str]:
+        """What the broadcast of ``round`` carries: everything shared, or with
+        ``downlink="changed"`` in a partial round after a partial round, the groups of this
+        round and the one before (the clients hold the latter only as their local values)."""
+        if self.downlink == "full" or round <= 1 or FULL in (self.group_at(round),
+                                                             self.group_at(round - 1)):
+            return self.shared_names(body) | self.shared_statistics(body)
+        return self.round_names(body, round) | self.round_names(body, round - 1)
+
+    def describe(self) -> str | None:
+        """The schedule of the run and the layer groups, as text (None without a schedule)."""
+        schedule = self.schedule()
+        if schedule is None:
+            return None
+        groups = self.groups(self.context.bodies[0])
+        return (f"{self.name}: layer groups of {self.context.bodies[0]!r} (shared "
+                f"parameters)\n{describe_groups(groups)}\n"
+                + schedule.describe(self.context.rounds, [g.name for g in groups]))
+
+    def compute_metrics(self, plan: RoundPlan, uploads: Sequence[Message]) -> dict[str, float]:
+        """Analytic FLOPs of the local training behind ``uploads`` (module docstring):
+        ``flops_local`` = sum over uploads of samples x epochs x FLOPs per sample of each
+        training phase with the round's trainable set."""
+        total = 0
+        for m in uploads:
+            body = self.context.client_config(m.header.client_id).body
+            n = int(m.tensors["num_samples"].item())
+            for trainable, phase in self._round_phases(body, plan.round):
+                total += n * phase.epochs * self._step_flops(body, trainable)
+        return {"flops_local": float(total)}
+
+    def _step_flops(self, body: str, trainable: Callable[[str], bool]) -> int:
+        names = frozenset(n for n, _ in self.template(body).named_parameters() if trainable(n))
+        key = (body, names)
+        if key not in self._flops:
+            self._flops[key] = step_flops(self.template(body), self.context.input_shape,
+                                          names.__contains__).total
+        return self._flops[key]
+
+    def _round_phases(
+        self, body: str, round: int
+    ) -> list[tuple[ParameterFilter, LocalTraining]]:
+        """:meth:`phases` restricted to the round's group: a shared parameter trains only if
+        the round sends it (personal parameters as the strategy says)."""
+        shared = self.shared_names(body)
+        active = self.round_names(body, round)
+        out = []
+        for trainable, phase in self.phases(shared):
+            def allowed(name: str, trainable: ParameterFilter = trainable) -> bool:
+                return trainable(name) and (name in active or name not in shared)
+            out.append((allowed, phase))
+        return out
+
+    def penalty(self, anchor: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor] | None:
+        """A term added to every local mini-batch loss, given the round's global values
+        ``anchor`` (default none; FedProx's proximal term)."""
+        return None
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         """Names of the parameters of ``model`` that the server averages (default: all)."""
@@ -160,8 +328,8 @@ class ParameterAveraging(Strategy):
         shared = []
         for spec in specs:
             model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
-            names = self.shared_parameters(model)
-            shared.append({k: v.detach().clone() for k, v in model.named_parameters()
+            names = self.shared_parameters(model) | self.shared_statistics(spec)
+            shared.append({k: v.detach().clone() for k, v in model.state_dict().items()
                            if k in names})
         first = shared[0]
         for spec, other in zip(specs[1:], shared[1:], strict=True):
@@ -173,11 +341,21 @@ class ParameterAveraging(Strategy):
         return first
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        return shared_state(state)
+        if self.schedule_options is None:
+            return shared_state(state)
+        names = self.broadcast_names(self.context.bodies[0], round)
+        return {k: v for k, v in shared_state(state).items() if k in names}
+
+    def configure_evaluation(self, state: ServerState, round: int) -> Message:
+        """Every shared value: clients evaluate the whole global model."""
+        return self.down_message(round, shared_state(state))
 
     def upload_schema(self, state: ServerState, round: int) -> Schema:
+        shared = shared_state(state)
+        names = set(shared) if self.schedule_options is None else self.round_names(
+            self.context.bodies[0], round)
         schema = {name: TensorSpec(tuple(t.shape), torch.float32)
-                  for name, t in shared_state(state).items()}
+                  for name, t in shared.items() if name in names}
         schema["num_samples"] = NUM_SAMPLES_SPEC
         return schema
 
@@ -213,10 +391,13 @@ class ParameterAveraging(Strategy):
         weights = weights / weights.sum()
         params = shared_state(state)
         scales = norm_scales(update_norms(params, uploads), self.norm_bound)
-        new = {}
-        for name, old in params.items():
+        new = dict(params)  # what the round does not send stays exactly as it was
+        for name in uploads[0].tensors:
+            if name == "num_samples":
+                continue
+            old = params[name]
             stacked = torch.stack([m.tensors[name].to(torch.float64) for m in uploads])
-            if self.norm_bound is not None:
+            if self.norm_bound is not None and not is_statistic(name):
                 start = old.to(torch.float64)
                 shape = (-1,) + (1,) * old.dim()
                 stacked = start + scales.view(shape) * (stacked - start)
@@ -226,18 +407,30 @@ class ParameterAveraging(Strategy):
         return new
 
     # ==== client half ======================================================================
+    def init_client(self, config: ClientConfig) -> ClientState:
+        """The initial network, plus (under a schedule) the round the client last synced:
+        0, as every client starts from the global initial values."""
+        state = super().init_client(config)
+        if self.schedule_options is not None:
+            state[SYNCED] = torch.tensor([0], dtype=torch.int64)
+        return state
+
     def shared_names(self, body: str) -> frozenset[str]:
         """The shared parameter names of a client network of body spec ``body`` (the client
         computes them from its own network, not from the server)."""
         return self.shared_parameters(self.template(body))
 
-    def _received(self, body: str, broadcast: Message) -> dict[str, Tensor]:
-        """The broadcast's shared parameters, checked against this client's network."""
-        template = dict(self.template(body).named_parameters())
-        shared = self.shared_names(body)
+    def _received(
+        self, body: str, broadcast: Message, expected: frozenset[str] | None = None
+    ) -> dict[str, Tensor]:
+        """The broadcast's shared values, checked against this client's network: exactly
+        ``expected`` (default: every shared parameter and statistic)."""
+        template = self.template(body).state_dict()
+        shared = expected if expected is not None else (self.shared_names(body)
+                                                        | self.shared_statistics(body))
         if set(broadcast.tensors) != shared:
             raise MessageRejected(f"broadcast names {sorted(broadcast.tensors)[:4]}... do not "
-                                  f"match this client's shared parameters {sorted(shared)[:4]}...")
+                                  f"match this client's shared values {sorted(shared)[:4]}...")
         for name, value in broadcast.tensors.items():
             if value.shape != template[name].shape:
                 raise MessageRejected(f"broadcast {name!r} has shape {tuple(value.shape)}, this "
@@ -247,21 +440,37 @@ class ParameterAveraging(Strategy):
                 for k, v in broadcast.tensors.items()}
 
     def global_model(
-        self, config: ClientConfig, state: ClientState, broadcast: Message
+        self, config: ClientConfig, state: ClientState, broadcast: Message,
+        expected: frozenset[str] | None = None,
     ) -> nn.Module:
-        """The client's network with the broadcast's global shared parameters loaded."""
+        """The client's network with the broadcast's global shared values loaded."""
         model = self.client_model(config, state)
-        params = dict(model.named_parameters())
+        values = model.state_dict()  # shares storage with the model's tensors
         with torch.no_grad():
-            for name, value in self._received(config.body, broadcast).items():
-                params[name].copy_(value)
+            for name, value in self._received(config.body, broadcast, expected).items():
+                values[name].copy_(value)
         return model
 
     def _upload(self, config: ClientConfig, data: ClientData, round: int,
-                params: dict[str, Tensor]) -> Message:
-        tensors = {k: params[k] for k in sorted(self.shared_names(config.body))}
+                values: dict[str, Tensor]) -> Message:
+        tensors = {k: values[k] for k in sorted(self.round_names(config.body, round))}
         tensors["num_samples"] = num_samples_tensor(data.num_train)
         return self.up_message(round, config.client_id, tensors)
+
+    def _fit_broadcast(self, config: ClientConfig, state: ClientState,
+                       broadcast: Message) -> frozenset[str]:
+        """The names a fit broadcast must carry; ConfigError if a ``downlink="changed"``
+        broadcast cannot complete this client's model (it missed the previous round)."""
+        round = broadcast.header.round
+        expected = self.broadcast_names(config.body, round)
+        full = self.shared_names(config.body) | self.shared_statistics(config.body)
+        synced = int(state[SYNCED].item()) if SYNCED in state else None
+        if expected != full and synced != round - 1:
+            raise ConfigError(f"{self.name} with downlink='changed' needs every client in "
+                              f"every round: client {config.client_id} last synced in round "
+                              f"{synced}, this is round {round}; use downlink='full' with "
+                              f"partial participation")
+        return expected
 
     def fit(
         self,
@@ -271,14 +480,24 @@ class ParameterAveraging(Strategy):
         broadcast: Message,
         generator: torch.Generator,
     ) -> tuple[ClientState, Message]:
-        """Load the global shared parameters, train (phases), upload the shared ones."""
-        model = self.global_model(config, state, broadcast)
-        for trainable, phase in self.phases(self.shared_names(config.body)):
+        """Load the global shared values, train (phases, restricted to the round's group),
+        upload the round's names; frozen statistics are restored (``bn_stats="aggregate"``)."""
+        round = broadcast.header.round
+        expected = self._fit_broadcast(config, state, broadcast)
+        model = self.global_model(config, state, broadcast, expected)
+        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+        keep = self.shared_statistics(config.body) - self.round_names(config.body, round)
+        kept = {k: v.clone() for k, v in model.state_dict().items() if k in keep}
+        penalty = self.penalty(anchor)
+        for trainable, phase in self._round_phases(config.body, round):
             train_plain(model, data.train_x, data.train_y, self.objective, phase,
-                        generator=generator, trainable=trainable)
-        upload = self._upload(config, data, broadcast.header.round,
-                              dict(model.named_parameters()))
-        return model_state(model), upload
+                        generator=generator, trainable=trainable, penalty=penalty)
+        model.load_state_dict(kept, strict=False)
+        upload = self._upload(config, data, round, model.state_dict())
+        new_state = model_state(model)
+        if self.schedule_options is not None:
+            new_state[SYNCED] = torch.tensor([round], dtype=torch.int64)
+        return new_state, upload
 
     def fit_group(
         self,
@@ -288,17 +507,21 @@ class ParameterAveraging(Strategy):
         broadcast: Message,
         generators: Sequence[torch.Generator],
     ) -> list[tuple[ClientState, Message]]:
-        """:meth:`fit` of same-body clients with one vmapped training per phase."""
+        """:meth:`fit` of same-body clients with one vmapped training per phase (one by one
+        under a schedule or for a body with BatchNorm statistics)."""
         body = check_one_body(configs)
+        if self.schedule_options is not None or self.shared_statistics(body):
+            return super().fit_group(configs, states, datas, broadcast, generators)
         template = self.template(body)
         params, buffers = stacked_tensors(template, states)
         received = self._received(body, broadcast)
         for p in params:
             p.update({k: v.clone() for k, v in received.items()})
         xs, ys = [d.train_x for d in datas], [d.train_y for d in datas]
+        penalty = self.penalty({k: v.clone() for k, v in received.items()})
         for trainable, phase in self.phases(self.shared_names(body)):
             train_stacked(template, params, buffers, xs, ys, self.objective, phase,
-                          generators=generators, trainable=trainable)
+                          generators=generators, trainable=trainable, penalty=penalty)
         round = broadcast.header.round
         # buffers too: a body with batch-norm statistics has them updated by training
         return [(with_parameters(s, {**b, **p}), self._upload(c, d, round, p))
@@ -342,9 +565,13 @@ def shared_state(state: ServerState) -> dict[str, Tensor]:
 
 
 def update_norms(params: ServerState, messages: Sequence[Message]) -> Tensor:
-    """(K,) float64: the L2 norm of each upload's shared parameters minus ``params``."""
+    """(K,) float64: the L2 norm of each upload's shared parameters minus ``params`` (over
+    the parameters the uploads carry; normalisation statistics are not updates)."""
     norms = torch.zeros(len(messages), dtype=torch.float64)
+    sent = set(messages[0].tensors) if messages else set()
     for name, old in params.items():
+        if name not in sent or is_statistic(name):
+            continue
         start = old.detach().to("cpu", torch.float64)
         for k, m in enumerate(messages):
             norms[k] += (m.tensors[name].to(torch.float64) - start).square().sum()

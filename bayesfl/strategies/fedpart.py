@@ -1,0 +1,75 @@
+"""FedPart (Wang et al., NeurIPS 2024, "Why Go Full? Elevating Federated Learning Through
+Partial Network Updates"; spec fedpart.md): each round trains and sends one layer group
+(:mod:`bayesfl.layer_groups`) while the rest of the network stays frozen at the global values,
+following the schedule of :mod:`bayesfl.strategies.fedpart_schedule` (warm-up FULL rounds,
+then shallow-to-deep sweeps of R rounds per group, F FULL rounds at the start of each later
+cycle).
+
+Two registry entries carry the schedule by name with flat options: ``fedpart`` (FedAvg +
+FedPart) and ``fedprox-part`` (FedProx + FedPart); any other parameter-averaging strategy takes
+it with its ``schedule`` option. What a partial round does is the parameter-averaging
+machinery's (:class:`~bayesfl.strategies.parameter_averaging.ParameterAveraging`): only the
+active group is broadcast (with the group of the round before, which the clients hold only as
+their local values), trained, uploaded and averaged; frozen parameters have
+``requires_grad=False``, so backpropagation stops at the first trainable group, and stay
+bit-identical; BatchNorm running statistics follow the ``bn_stats`` option (default
+``"aggregate"``: the trained group's statistics are uploaded and averaged, the frozen groups'
+are restored after local training, so the evaluated global model has coherent statistics).
+
+Options: ``rounds_per_group`` (R, 2), ``full_rounds_per_cycle`` (F, 5), ``warmup_rounds``
+(5), ``cycles`` (None: until the run ends), ``order`` (``seq``, ``rev``, ``random``,
+``random-perm``), ``group_prefixes`` (manual groups), ``min_group_size`` (merge small groups),
+``downlink`` (``"changed"``: the groups changed since the previous round, exact when every
+client takes part in every round; ``"full"``: the whole model every round).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bayesfl.errors import ConfigError
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.fedavg import FedAvg
+from bayesfl.strategies.fedpart_schedule import SCHEDULE_OPTIONS
+from bayesfl.strategies.fedprox import FedProx
+
+
+class _PartMixin:
+    """Flat FedPart options turned into the ``schedule`` option of a parameter-averaging
+    strategy."""
+
+    def __init__(
+        self,
+        context: StrategyContext,
+        *,
+        rounds_per_group: int = 2,
+        full_rounds_per_cycle: int = 5,
+        warmup_rounds: int = 5,
+        cycles: int | None = None,
+        order: str = "seq",
+        group_prefixes: list[str] | None = None,
+        min_group_size: int = 0,
+        downlink: str = "changed",
+        **options: Any,
+    ) -> None:
+        if "schedule" in options:
+            raise ConfigError(f"{type(self).name} sets its own schedule; give its options "  # type: ignore[attr-defined]
+                              f"({', '.join(SCHEDULE_OPTIONS)}) directly")
+        schedule = {"kind": "fedpart", "rounds_per_group": rounds_per_group,
+                    "full_rounds_per_cycle": full_rounds_per_cycle,
+                    "warmup_rounds": warmup_rounds, "cycles": cycles, "order": order,
+                    "group_prefixes": group_prefixes, "min_group_size": min_group_size,
+                    "downlink": downlink}
+        super().__init__(context, schedule=schedule, **options)  # type: ignore[call-arg]
+
+
+class FedPart(_PartMixin, FedAvg):
+    """FedAvg with the FedPart schedule (module docstring)."""
+
+    name = "fedpart"
+
+
+class FedProxPart(_PartMixin, FedProx):
+    """FedProx with the FedPart schedule (module docstring)."""
+
+    name = "fedprox-part"

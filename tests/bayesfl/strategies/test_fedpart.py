@@ -1,0 +1,280 @@
+"""FedPart: the schedule, partial rounds for real (uploads, frozen parameters, backward,
+bytes), FedProx under the schedule, and resume mid-cycle."""
+
+import json
+
+import pytest
+import torch
+from strategy_helpers import Client, make_client_data, wire
+from torch import nn
+
+from bayesfl.errors import ConfigError
+from bayesfl.layer_groups import layer_groups
+from bayesfl.messages import Message, encode
+from bayesfl.simulate import simulate
+from bayesfl.strategies import StrategyContext, make_strategy
+from bayesfl.strategies.fedpart_schedule import FULL, FedPartSchedule
+from bayesfl.strategies.parameter_averaging import SYNCED
+from bayesfl.training import LocalTraining, train_plain
+
+BODY = "resnet8:4-4-8"  # BatchNorm body, two conv shortcuts, 10 groups with its head
+SHAPE = (64,)           # flat 8x8 images
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny networks: one intra-op thread is fastest (and fair to a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def paper_map(r, G=10, R=2, F=5):
+    """Spec fedpart.md §1.3's pseudo-code, written independently: 0-indexed t = r - 1."""
+    s = (r - 1) % (F + R * G)
+    return FULL if s < F else (s - F) // R
+
+
+def test_schedule_round_to_group_map_of_the_papers_resnet8_defaults():
+    schedule = FedPartSchedule(10, rounds_per_group=2, full_rounds_per_cycle=5,
+                               warmup_rounds=5, cycles=5)
+    assert schedule.total_rounds == 125  # spec: L = 25, C = 5, T = 125
+    got = [schedule.group_at(r) for r in range(1, 126)]
+    assert got == [paper_map(r) for r in range(1, 126)]
+    assert got[:7] == [FULL] * 5 + [0, 0] and got[23:31] == [9, 9] + [FULL] * 5 + [0]
+    assert schedule.upload_fraction() == pytest.approx(7 / 25)  # the paper's 28%
+    with pytest.raises(ConfigError, match="past the schedule"):
+        schedule.group_at(126)
+
+
+def test_ablation_schedule_runs_sweeps_back_to_back_and_orders_differ():
+    ablation = FedPartSchedule(10, rounds_per_group=2, full_rounds_per_cycle=0,
+                               warmup_rounds=5)
+    # spec §1.3: the cycle ends fall at r = 25, 45, 65
+    assert [ablation.group_at(r) for r in (25, 26, 45, 46, 65)] == [9, 0, 9, 0, 9]
+    rev = FedPartSchedule(10, order="rev")
+    assert [rev.group_at(r) for r in (6, 7, 8, 25)] == [9, 9, 8, 0]
+    perm = FedPartSchedule(10, order="random-perm", seed=3)
+    sweep = [perm.group_at(r) for r in range(6, 26, 2)]
+    assert sorted(sweep) == list(range(10)) and sweep != list(range(10))
+    uniform = FedPartSchedule(10, order="random", seed=3)
+    draws = [uniform.group_at(r) for r in range(6, 26)]
+    assert draws == [FedPartSchedule(10, order="random", seed=3).group_at(r)
+                     for r in range(6, 26)]  # a pure function of round and seed
+    assert len(set(draws)) > 3
+    with pytest.raises(ConfigError, match="order"):
+        FedPartSchedule(10, order="shuffle")
+
+
+def context(rounds=12, clients=3):
+    return StrategyContext(3, 8, LocalTraining(epochs=1, lr=1e-2, batch_size=8), rounds=rounds,
+                           input_shape=SHAPE, bodies=(BODY,), clients=clients)
+
+
+OPTIONS = dict(warmup_rounds=1, full_rounds_per_cycle=1, rounds_per_group=1)
+
+
+def make(name="fedpart", clients=3, **options):
+    strategy = make_strategy(name, context(clients=clients), **{**OPTIONS, **options})
+    people = []
+    for k in range(clients):
+        config = strategy.context.client_config(k)
+        data = make_client_data(k, 10, 4, seed=k)
+        data.train_x = torch.randn(10, 64, generator=torch.Generator().manual_seed(k))
+        data.test_x = torch.randn(4, 64, generator=torch.Generator().manual_seed(50 + k))
+        people.append(Client(config, data, strategy.init_client(config)))
+    return strategy, people, strategy.init()
+
+
+def play(strategy, clients, state, r):
+    """One round as a transport plays it; returns (plan, new state, uploads, new states)."""
+    plan = strategy.configure(state, r)
+    down = wire(plan.broadcast)
+    ups = []
+    for c in clients:
+        c.state, up = strategy.fit(c.config, c.state, c.data, down,
+                                   torch.Generator().manual_seed(100 * r + c.config.client_id))
+        ups.append(wire(up))
+    assert strategy.validate_uploads(plan, ups, [c.config.client_id for c in clients]) \
+        == [None] * len(ups)
+    return plan, strategy.aggregate(state, ups, r, torch.Generator()), ups
+
+
+def test_partial_uploads_hold_exactly_the_active_group_and_the_rest_stays():
+    strategy, clients, state = make()
+    groups = strategy.groups(BODY)
+    assert len(groups) == 10 and groups[-1].name == "head"
+    plan, state, ups = play(strategy, clients, state, 1)  # FULL
+    assert set(ups[0].tensors) == set(state) - {k for k in state if k.startswith("declared")} \
+        | {"num_samples"}
+    for r in range(2, 6):  # partial rounds on groups 1..4
+        g = groups[strategy.group_at(r)]
+        before = dict(state)
+        plan, state, ups = play(strategy, clients, state, r)
+        for up in ups:
+            assert set(up.tensors) == set(g.names) | {"num_samples"}
+        assert set(plan.upload_schema) == set(g.names) | {"num_samples"}
+        for name, value in before.items():  # the server changes only the group it got
+            if name not in g.names and not name.startswith("declared"):
+                assert torch.equal(state[name], value), name
+        assert any(not torch.equal(state[n], before[n]) for n in g.parameters)
+    # a full upload in a partial round breaks that round's schema
+    full = {k: torch.zeros_like(v) for k, v in state.items() if not k.startswith("declared")}
+    full["num_samples"] = torch.tensor([10])
+    plan = strategy.configure(state, 6)
+    bad = wire(Message(ups[0].header.__class__(strategy.name, 6, 0, "up"), full))
+    assert strategy.validate_uploads(plan, [bad], [0])[0] is not None
+
+
+def test_the_broadcast_carries_the_groups_changed_since_the_previous_round():
+    strategy, clients, state = make()
+    for r in (1, 2, 3):
+        _, state, _ = play(strategy, clients, state, r)
+    names = set(strategy.configure(state, 4).broadcast.tensors)
+    groups = strategy.groups(BODY)
+    assert names == set(groups[1].names) | set(groups[2].names)  # round 3's and round 4's
+    full = make(downlink="full")[0]
+    assert set(full.configure(state, 4).broadcast.tensors) == set(strategy.configure(
+        state, 1).broadcast.tensors)
+    # a client that missed round 3 cannot complete its model from a changed-only broadcast
+    clients[0].state = {**clients[0].state, SYNCED: torch.tensor([1])}
+    with pytest.raises(ConfigError, match="downlink='full'"):
+        strategy.fit(clients[0].config, clients[0].state, clients[0].data,
+                     wire(strategy.configure(state, 4).broadcast), torch.Generator())
+
+
+def test_frozen_parameters_and_statistics_stay_bit_identical_on_the_client():
+    strategy, clients, state = make()
+    _, state, _ = play(strategy, clients, state, 1)
+    r = 5  # group 4: stage-2 conv1 + bn1 (mid network)
+    g = strategy.groups(BODY)[strategy.group_at(r)]
+    assert g.name == "body.layers.1.0.conv1"
+    c = clients[0]
+    broadcast = wire(strategy.configure(state, r).broadcast)
+    c.state[SYNCED] = torch.tensor([r - 1])
+    start = strategy.global_model(c.config, c.state, broadcast, frozenset(broadcast.tensors))
+    start = {"model." + k: v.clone() for k, v in start.state_dict().items()}
+    new, _ = strategy.fit(c.config, c.state, c.data, broadcast, torch.Generator())
+    changed = {k[len("model."):] for k, v in start.items() if not torch.equal(new[k], v)}
+    # trained: the group's parameters and statistics, plus the counters BatchNorm keeps
+    assert changed - set(g.names) <= {k for k in changed if k.endswith("num_batches_tracked")}
+    assert set(g.parameters) <= changed
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_backward_of_a_partial_round_touches_no_frozen_parameter():
+    strategy, clients, _ = make()
+    model = strategy.client_model(clients[0].config, clients[0].state)
+    g = strategy.groups(BODY)[3]  # stage-2 conv1 + bn1
+    fired = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d | nn.Linear | nn.BatchNorm2d):
+            module.register_full_backward_hook(lambda m, gi, go, name=name: fired.append(name))
+    data = clients[0].data
+    train_plain(model, data.train_x, data.train_y, nn.functional.cross_entropy,
+                LocalTraining(epochs=1, batch_size=10), generator=torch.Generator(),
+                trainable=set(g.parameters).__contains__)
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in g.parameters)
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in g.parameters)
+    modules = set(fired)
+    # nothing shallower than the group, nor the stage-2 shortcut (its input is stage 1's)
+    shallow = {"body.pre_conv", "body.pre_bn", "body.layers.0.0.conv1", "body.layers.0.0.bn1",
+               "body.layers.0.0.conv2", "body.layers.0.0.bn2",
+               "body.layers.1.0.downsample.0", "body.layers.1.0.downsample.1"}
+    assert not modules & shallow
+    assert {"body.layers.1.0.conv1", "body.layers.1.0.conv2", "head"} <= modules
+
+
+def test_fedprox_part_trains_the_group_with_the_proximal_term():
+    prox, clients, state = make("fedprox-part", mu=0.0)
+    avg, twins, state2 = make("fedpart")
+    for r in (1, 2):  # mu = 0 is FedAvg exactly
+        _, state, _ = play(prox, clients, state, r)
+        _, state2, _ = play(avg, twins, state2, r)
+    assert all(torch.equal(state[k], state2[k]) for k in state)
+    strong, clients, s = make("fedprox-part", mu=1e4)
+    _, s, _ = play(strong, clients, s, 1)
+    _, moved, _ = play(strong, clients, s, 2)
+    _, free, _ = play(avg, twins, s, 2)
+    names = strong.groups(BODY)[0].parameters
+
+    def step(a):
+        return sum((a[n] - s[n]).norm() for n in names)
+
+    # a strong proximal term holds the group near w_t; Adam's steps are about lr whatever the
+    # gradient, so the weights oscillate about w_t instead of staying on it: 3x, not 100x
+    assert step(moved) < step(free) / 3
+    anchor = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    w = {"a": torch.tensor([2.0, 0.0]), "b": torch.tensor([0.5]), "c": torch.tensor([9.0])}
+    value = strong.penalty(anchor)(w)
+    assert value.item() == pytest.approx(0.5 * 1e4 * (1.0 + 4.0))  # c has no anchor
+    with pytest.raises(ConfigError, match="sets its own schedule"):
+        make_strategy("fedpart", context(), schedule="fedpart")
+
+
+def test_fedavg_takes_the_schedule_as_an_option():
+    a = make_strategy("fedavg", context(), schedule={"kind": "fedpart", **OPTIONS})
+    b = make_strategy("fedpart", context(), **OPTIONS)
+    assert [a.group_at(r) for r in range(1, 13)] == [b.group_at(r) for r in range(1, 13)]
+    with pytest.raises(ConfigError, match="unknown fedpart schedule option"):
+        make_strategy("fedavg", context(), schedule={"kind": "fedpart", "R": 2})
+
+
+RUN = dict(dataset="gaussian_mixture", clients=3, partition="iid", rounds=8, seed=4,
+           body="resnet8:4-4-8", feature_dim=8, local_epochs=1, batch_size=16, lr=1e-2,
+           progress=False, dataset_options={"num_classes": 3, "dim": 16, "n": 150},
+           strategy_options={**OPTIONS, "order": "random-perm"})
+
+
+def numbers(records):
+    if isinstance(records, dict):
+        return {k: numbers(v) for k, v in records.items() if not k.startswith("seconds")}
+    if isinstance(records, list):
+        return [numbers(r) for r in records]
+    return records
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fedpart")
+    return simulate("fedpart", out=out, **RUN), out
+
+
+def test_bytes_of_a_round_are_the_groups_serialized_size(full_run):
+    result, _ = full_run
+    run_context = StrategyContext(3, 8, rounds=8, input_shape=(16,), bodies=(BODY,),
+                                  clients=3, seed=4)
+    strategy = make_strategy("fedpart", run_context, **RUN["strategy_options"])
+    template = strategy.template(BODY)
+    for record in result.metrics:
+        r = record["round"]
+        g = strategy.group_at(r)
+        groups = layer_groups(template)
+        names = [n for grp in groups for n in grp.names] if g == FULL else \
+            list(strategy.groups(BODY)[g].names)
+        values = template.state_dict()
+        expected = []
+        for cid in record["participants"]:
+            tensors = {n: torch.zeros_like(values[n]) for n in names}
+            tensors["num_samples"] = torch.tensor([1])
+            expected.append(len(encode(strategy.up_message(r, cid, tensors))))
+        assert record["bytes_up_per_client"] == expected, r
+        assert record["flops_local"] > 0
+
+
+def test_resume_mid_cycle_gives_identical_results(full_run, tmp_path):
+    result, _ = full_run
+
+    def stop(r, record):
+        if r == 5:  # inside the first sweep (warm-up 1, full 1, R = 1, G = 10)
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate("fedpart", out=tmp_path, round_callback=stop, **RUN)
+    resumed = simulate("fedpart", out=tmp_path, resume=True, **RUN)
+    assert numbers(resumed.metrics) == numbers(result.metrics)
+    read = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert numbers(read) == numbers(result.metrics)
+    for k, v in result.state.items():
+        assert torch.equal(resumed.state[k], v), k
