@@ -500,11 +500,11 @@ class _Run:
             self.broadcast_hook(r, down_bytes)
         # what the clients see is what crossed the wire
         received = decode(down_bytes, key=self.server_key)
-        t_local = time.perf_counter()
+        t_local, cpu_local = time.perf_counter(), time.process_time()
         gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))
                 for cid in participants}
         uploads = self.executor.fit([self.clients[i] for i in participants], received, gens)
-        t_local = time.perf_counter() - t_local
+        t_local, cpu_local = time.perf_counter() - t_local, time.process_time() - cpu_local
         bytes_up: list[int] = []
         floats_up = 0
         reasons: dict[int, str] = {}  # client id -> why its upload was rejected
@@ -568,6 +568,9 @@ class _Run:
             "floats_down": plan.broadcast.num_elements * len(participants),
             "per_client": evaluation.per_client,
             "seconds_local_updates": t_local,
+            # CPU time of this process (all its threads): the compute itself, unlike the wall
+            # time, does not grow when other processes share the machine
+            "seconds_local_updates_cpu": cpu_local,
             "seconds_evaluation": t_eval,
         }
         record.update(server.server_metrics(self.state))
