@@ -82,8 +82,10 @@ from bayesfl.strategies.networks import ClassifierNet
 from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
 
 DELTA, MOMENTUM = "delta.", "momentum."
-SAMPLES = "iasg.samples"
-"""Client-state key: the (l, P) IASG samples of the client's last round (SWAG covariance)."""
+SAMPLES, COUNT = "iasg.samples", "iasg.count"
+"""Client-state keys: the IASG samples of the client's last round, (L, P) with L the most a
+round can give (its first ``iasg.count`` rows hold them), for the SWAG covariance; the shapes
+stay fixed (a checkpoint restores client states by their initial layout)."""
 
 
 def shrinkage_weight(num_samples: int, rho: float) -> float:
@@ -282,10 +284,16 @@ class FedPA(Strategy):
         return new
 
     # ==== client half ======================================================================
+    @property
+    def max_samples(self) -> int:
+        """The most IASG samples one round gives: one per epoch from ``burn_in_epochs`` on."""
+        return max(0, self.context.training.epochs - self.burn_in_epochs)
+
     def init_client(self, config: ClientConfig) -> ClientState:
         state = super().init_client(config)
         size = sum(p.numel() for p in self.template(config.body).parameters())
-        state[SAMPLES] = torch.zeros(0, size)
+        state[SAMPLES] = torch.zeros(self.max_samples, size)
+        state[COUNT] = torch.zeros(1, dtype=torch.int64)
         return state
 
     def _global_model(self, config: ClientConfig, state: ClientState,
@@ -323,8 +331,11 @@ class FedPA(Strategy):
         tensors = {DELTA + k: v.to(torch.float32) for k, v in unflatten(delta, layout).items()}
         tensors["num_samples"] = num_samples_tensor(data.num_train)
         new_state = model_state(model)
-        stacked = torch.stack(samples) if samples else torch.zeros(0, theta.shape[0])
-        new_state[SAMPLES] = stacked.to(torch.float32)
+        stacked = torch.zeros(self.max_samples, theta.shape[0])
+        if samples:
+            stacked[: len(samples)] = torch.stack(samples).to(torch.float32)
+        new_state[SAMPLES] = stacked
+        new_state[COUNT] = torch.tensor([len(samples)], dtype=torch.int64)
         return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
 
     def iasg(self, model: nn.Module, data: ClientData, generator: torch.Generator,
@@ -363,7 +374,8 @@ class FedPA(Strategy):
         client's last IASG samples (module docstring)."""
         model = self._global_model(config, state, broadcast)
         theta = flatten(dict(model.named_parameters()), parameter_layout(model)).detach()
-        return swag_gaussian(model, theta, state[SAMPLES], n_samples=self.mc_samples,
+        samples = state[SAMPLES][: int(state[COUNT].item())]
+        return swag_gaussian(model, theta, samples, n_samples=self.mc_samples,
                              input_shape=self.context.input_shape or None)
 
     def predict(

@@ -241,7 +241,9 @@ class FedPop(Strategy):
     # ==== client half ======================================================================
     def init_client(self, config: ClientConfig) -> ClientState:
         state = super().init_client(config)
-        state[DRAWS] = torch.zeros(1, *self.head_shape)  # the prior mean until it trains
+        # all zeros: never trained, predicts with the prior mean (the shape stays fixed: a
+        # checkpoint restores client states by their initial layout)
+        state[DRAWS] = torch.zeros(self.sgld_samples, *self.head_shape)
         state[MODE] = torch.zeros(math.prod(self.head_shape), dtype=torch.float64)
         return state
 
