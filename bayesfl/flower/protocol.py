@@ -73,7 +73,8 @@ class FlowerOptions:
         min_nodes: nodes the run waits for before it starts (0: ``clients``).
         node_wait: seconds it waits for them; it starts with those it has after that.
         poll_interval: seconds between two polls of the SuperLink for replies.
-        evaluate_every: evaluate after every this many rounds (and always after the last).
+        evaluate_every: evaluate after every this many rounds, counted from the first
+            (FedLog's round 0 included), and always after the last.
     """
 
     out: str | None = None

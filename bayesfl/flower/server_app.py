@@ -395,7 +395,7 @@ class FlowerServer:
         every = self.options.evaluate_every
         evaluation = None
         eval_bytes, eval_sent, eval_step = b"", 0, Exchange()
-        if r == config.rounds or (r - self.first_round) % every == 0:
+        if r == config.rounds or (r - self.first_round + 1) % every == 0:
             eval_bytes, evaluation, eval_step, eval_events = self.evaluate(r)
             eval_sent = len(eval_step.replies) + len(eval_step.events)
             events += eval_events
