@@ -26,10 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+# `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
+# calibration package: the repository root goes there instead
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bayesfl.flower.local import LocalFederation
-from bayesfl.simulate import simulate
+import torch  # noqa: E402
+
+from bayesfl.flower.local import LocalFederation  # noqa: E402
+from bayesfl.simulate import simulate  # noqa: E402
 
 EXPERIMENT = {"dataset": "digits", "clients": 3, "partition": "iid", "seed": 0}
 
