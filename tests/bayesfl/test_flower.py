@@ -241,3 +241,24 @@ def test_a_supernode_killed_mid_run_is_logged_and_the_run_completes(tmp_path):
                .splitlines()]
     assert records[-1]["accepted"] == 2 and records[0]["accepted"] == 3
     assert [c["client_id"] for c in summary["per_client"]] == [0, 1]
+
+
+def test_the_example_app_lists_every_key_bayesfl_flower_sends():
+    # `flwr run --run-config` refuses keys the app's pyproject.toml does not list: every
+    # setting of `bayesfl run` and every deployment flag must be there, and the listed
+    # defaults must parse
+    import tomllib
+
+    from bayesfl.cli import SETTINGS
+    from bayesfl.flower.command import _DEPLOYMENT_FLAGS, run_config
+    from bayesfl.flower.local import EXAMPLE_APP
+
+    listed = tomllib.loads((EXAMPLE_APP / "pyproject.toml").read_text())
+    listed = listed["tool"]["flwr"]["app"]["config"]
+    values = {"str": "x", "int": 1, "float": 0.5, "path": "p", "options": {"a": 1},
+              "switch": True, "toggle": True}
+    settings = {s.target: values[s.kind] for s in SETTINGS if s.target != "progress"}
+    sent = set(run_config(settings, Path("/tmp/out"))) | {f[2] for f in _DEPLOYMENT_FLAGS}
+    assert sent - set(listed) == set()
+    config, options = parse_run_config(listed)
+    assert (config.strategy, config.clients, options.out) == ("fedlog", 3, None)
