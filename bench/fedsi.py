@@ -250,6 +250,9 @@ def main() -> None:
     parser.add_argument("--subnet", type=int, default=3925)
     parser.add_argument("--test", type=int, default=2500)
     parser.add_argument("--round-clients", type=int, default=10)
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="laplace-torch backends to time, comma-separated (default all "
+                        "three; each predictive takes minutes)")
     parser.add_argument("--random", action="store_true", help="random inputs, not mnist-5k")
     parser.add_argument("--quick", action="store_true", help="smoke run: 250 test inputs, "
                         "3 clients in the round, AsdlGGN only")
@@ -270,7 +273,7 @@ def main() -> None:
         if "error" in ours:
             raise SystemExit(f"our fit failed: {ours['error']}")
         peers = {}
-        for name in PEERS[:1] if args.quick else PEERS:
+        for name in PEERS[:1] if args.quick else args.peers.split(","):
             peers[name] = run_child(args, name, path)
         # the same comparison at prior precision 1, where the predictive is not the MAP
         weak_ours = run_child(args, "ours", path, weak_prior=True)
