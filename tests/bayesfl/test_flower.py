@@ -173,6 +173,7 @@ def test_evaluation_reply_is_checked():
 
 # ---- on a loopback deployment ----------------------------------------------------------------
 @pytest.mark.flower
+@pytest.mark.slow  # a minute on an idle 2-core machine, several under load
 def test_fedlog_on_flower_equals_the_simulator(federation, tmp_path):
     summary = run_on_flower(federation, tmp_path / "run", "fedlog", 3)
     # nothing the deployment started listens beyond loopback
