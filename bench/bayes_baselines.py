@@ -11,7 +11,7 @@ NLL, uplink bytes of the run, mean ± standard error over seeds. The last line i
 and each method's accuracy and NLL ratio to FedPer).
 
 Usage: ``python bench/bayes_baselines.py [--seeds 3] [--rounds 20] [--epochs 5]
-[--methods fedper,pfedbayes-1e-4,...]``.
+[--methods fedper,pfedbayes-1e-4,...] [--dataset digits --partition labels:5 --feature-dim 50]``.
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--dataset", default=COMMON["dataset"],
+                        help="e.g. digits (64-pixel images, far cheaper) on a loaded machine")
+    parser.add_argument("--partition", default=COMMON["partition"])
+    parser.add_argument("--feature-dim", type=int, default=COMMON["feature_dim"])
     args = parser.parse_args()
+    COMMON.update(dataset=args.dataset, partition=args.partition, feature_dim=args.feature_dim)
     torch.set_num_threads(1)
-    data = load_dataset("mnist-5k")
+    data = load_dataset(args.dataset)
     rows: dict[str, dict[str, Any]] = {}
     for label in [m.strip() for m in args.methods.split(",") if m.strip()]:
         strategy, options, lr = METHODS[label]
