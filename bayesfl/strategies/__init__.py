@@ -24,26 +24,29 @@ from bayesfl.strategies.fd import FederatedDistillation
 from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.fedbabu import FedBABU
 from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
-from bayesfl.strategies.fedper import FedPer
+from bayesfl.strategies.fedpa import FedPA
 from bayesfl.strategies.fedpart import FedPart, FedProxPart
-from bayesfl.strategies.fedprox import FedProx
+from bayesfl.strategies.fedper import FedPer
+from bayesfl.strategies.fedpop import FedPop
 from bayesfl.strategies.fedproto import FedProto
+from bayesfl.strategies.fedprox import FedProx
 from bayesfl.strategies.fedrep import FedRep, FedRep1
 from bayesfl.strategies.fedsi import FedSI, FedSIFac
 from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
-from bayesfl.strategies.fedpa import FedPA
-from bayesfl.strategies.fedpop import FedPop
-from bayesfl.strategies.pfedbayes import PFedBayes
 from bayesfl.strategies.local_only import LocalOnly
+from bayesfl.strategies.pfedbayes import PFedBayes
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
-    for cls in (CoLearn, FederatedDistillation,
-                FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep,
-                FedRep1, LGFedAvg, LGFedAvg2, FedBABU, FedProto, FedAvgFT, LocalOnly)
-    + (PFedBayes, FedPA, FedPop)
-    + (FedSI, FedSIFac)
-    + (FedProx, FedPart, FedProxPart)
+    for cls in (
+        # the FedLog family (posterior strategies), then the FedLog paper's baselines
+        FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep, FedRep1,
+        LGFedAvg, LGFedAvg2, FedBABU, FedProto,
+        # FedSI and the FedSI paper's baselines, Bayesian and not
+        FedSI, FedSIFac, LocalOnly, FedAvgFT, PFedBayes, FedPop, FedPA,
+        # partial updates (FedPart), representation sharing (CoLearn)
+        FedProx, FedPart, FedProxPart, CoLearn, FederatedDistillation,
+    )
 }
 """Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
 their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
@@ -100,11 +103,13 @@ __all__ = [
     "FedLogC",
     "FedLogCentralDP",
     "FedLogLocalDP",
+    "FedPA",
     "FedPart",
     "FedPer",
+    "FedPop",
+    "FedProto",
     "FedProx",
     "FedProxPart",
-    "FedProto",
     "FedRep",
     "FedRep1",
     "FedSI",
@@ -112,10 +117,8 @@ __all__ = [
     "FederatedDistillation",
     "LGFedAvg",
     "LGFedAvg2",
-    "FedPA",
-    "FedPop",
-    "PFedBayes",
     "LocalOnly",
+    "PFedBayes",
     "RoundPlan",
     "ServerState",
     "Strategy",
