@@ -523,6 +523,23 @@ def option_integer(strategy: str, option: str, value: object, minimum: int = 0) 
     return value
 
 
+def sample_counts(messages: Sequence[Message]) -> list[int]:
+    """The uploads' declared sample counts (their ``num_samples`` entries)."""
+    return [int(m.tensors["num_samples"].item()) for m in messages]
+
+
+def client_weights(counts: Sequence[int], weighted: bool) -> Tensor:
+    """(K,) float64 aggregation weights summing to 1: ``n_k / n`` (``weighted``) or ``1 / K``."""
+    weights = torch.tensor([float(n) if weighted else 1.0 for n in counts], dtype=torch.float64)
+    return weights / weights.sum()
+
+
+def weighted_mean(messages: Sequence[Message], name: str, weights: Tensor) -> Tensor:
+    """float64 ``sum_k weights[k] * messages[k].tensors[name]``."""
+    stacked = torch.stack([m.tensors[name].to(torch.float64) for m in messages])
+    return (weights.view(-1, *[1] * (stacked.dim() - 1)) * stacked).sum(0)
+
+
 def num_samples_problem(message: Message) -> str | None:
     """None if the upload's sample count is >= 1, else the reason."""
     n = int(message.tensors["num_samples"].item())

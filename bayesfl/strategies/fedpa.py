@@ -65,11 +65,13 @@ from bayesfl.strategies.base import (
     ServerState,
     Strategy,
     StrategyContext,
+    client_weights,
     derived_seed,
     model_state,
     num_samples_tensor,
     option_integer,
     option_number,
+    sample_counts,
 )
 from bayesfl.strategies.network_posterior import (
     NetworkGaussian,
@@ -272,8 +274,8 @@ class FedPA(Strategy):
         """:func:`server_step` with the uploads' deltas."""
         if not uploads:
             return state
-        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
-        weights = torch.tensor([float(n) if self.weighted else 1.0 for n in counts])
+        counts = sample_counts(uploads)
+        weights = client_weights(counts, self.weighted)
         params = self.parameters(state)
         deltas = [{k: m.tensors[DELTA + k] for k in params} for m in uploads]
         buffers = {k[len(MOMENTUM):]: v for k, v in state.items() if k.startswith(MOMENTUM)}

@@ -62,10 +62,13 @@ from bayesfl.strategies.base import (
     ServerState,
     Strategy,
     StrategyContext,
+    client_weights,
     model_state,
     num_samples_tensor,
     option_integer,
     option_number,
+    sample_counts,
+    weighted_mean,
 )
 from bayesfl.strategies.network_posterior import count_problems, difference_norms
 from bayesfl.strategies.networks import batched_apply
@@ -227,14 +230,11 @@ class FedPop(Strategy):
         """The (weighted) mean of the bodies, prior means and prior stds."""
         if not uploads:
             return state
-        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
-        w = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
-                         dtype=torch.float64)
-        w = w / w.sum()
+        counts = sample_counts(uploads)
+        w = client_weights(counts, self.weighted)
         new = {}
         for key, old in self.broadcast_tensors(state, round).items():
-            stacked = torch.stack([m.tensors[key].to(torch.float64) for m in uploads])
-            new[key] = (w.view(-1, *[1] * old.dim()) * stacked).sum(0).to(old.dtype)
+            new[key] = weighted_mean(uploads, key, w).to(old.dtype)
         new.update(declarations(state, [m.header.client_id for m in uploads], counts))
         return new
 

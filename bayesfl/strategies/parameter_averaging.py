@@ -84,9 +84,11 @@ from bayesfl.strategies.base import (
     Strategy,
     StrategyContext,
     check_one_body,
+    client_weights,
     model_state,
     num_samples_problem,
     num_samples_tensor,
+    sample_counts,
     stacked_tensors,
     with_parameters,
 )
@@ -385,10 +387,8 @@ class ParameterAveraging(Strategy):
         after norm bounding if set, plus the ledger of declared sample counts."""
         if not uploads:
             return state
-        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
-        weights = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
-                               dtype=torch.float64)
-        weights = weights / weights.sum()
+        counts = sample_counts(uploads)
+        weights = client_weights(counts, self.weighted)
         params = shared_state(state)
         scales = norm_scales(update_norms(params, uploads), self.norm_bound)
         new = dict(params)  # what the round does not send stays exactly as it was

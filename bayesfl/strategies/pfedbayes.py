@@ -63,10 +63,13 @@ from bayesfl.strategies.base import (
     ServerState,
     Strategy,
     StrategyContext,
+    client_weights,
     derived_seed,
     num_samples_tensor,
     option_integer,
     option_number,
+    sample_counts,
+    weighted_mean,
 )
 from bayesfl.strategies.network_posterior import (
     NetworkGaussian,
@@ -204,14 +207,11 @@ class PFedBayes(Strategy):
         """``z <- (1 - beta) z + beta * mean_k z_k`` for every ``mu`` and ``rho``."""
         if not uploads:
             return state
-        counts = [int(m.tensors["num_samples"].item()) for m in uploads]
-        w = torch.tensor([float(n) if self.weighted else 1.0 for n in counts],
-                         dtype=torch.float64)
-        w = w / w.sum()
+        counts = sample_counts(uploads)
+        w = client_weights(counts, self.weighted)
         new = {}
         for key, old in self.broadcast_tensors(state, round).items():
-            stacked = torch.stack([m.tensors[key].to(torch.float64) for m in uploads])
-            mean = (w.view(-1, *[1] * old.dim()) * stacked).sum(0)
+            mean = weighted_mean(uploads, key, w)
             mixed = (1 - self.beta) * old.to(torch.float64) + self.beta * mean
             new[key] = mixed.to(old.dtype)
         new.update(declarations(state, [m.header.client_id for m in uploads], counts))
