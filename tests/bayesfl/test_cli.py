@@ -370,6 +370,7 @@ def readme_run_commands(text: str) -> list[list[str]]:
     """The arguments of every `bayesfl run` line in the README's bash blocks."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        block = block.replace("\\\n", " ")  # a shell line continued with a backslash
         for line in block.splitlines():
             words = shlex.split(line, comments=True)
             if words[:2] == ["bayesfl", "run"]:
