@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.inputs import as_network_inputs
+from inference.subnet.dense import cholesky_overwrite, symmetric_part, triangular_inverse
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory
 from inference.subnet.parameters import check_subnet_indices, trainable_slots
@@ -95,7 +96,7 @@ class SubnetLaplacePosterior:
         self._mean = mean.detach()
         self._indices = idx
         self._indices_device = idx.to(device)
-        self._ggn = 0.5 * (ggn + ggn.T)
+        self._ggn = symmetric_part(ggn)
         self._prior_precision = prior_precision
         self._prior_mean = prior_mean
         self.n_data = int(n_data)
@@ -108,26 +109,15 @@ class SubnetLaplacePosterior:
                 "prior_precision must be finite and > 0, and prior_mean finite, on every subnet "
                 "entry"
             )
-        if not bool(torch.isfinite(self._mean).all() & torch.isfinite(self._ggn).all()):
+        # the sum of the GGN is finite iff every entry is (one pass, not isfinite's three)
+        if not bool(torch.isfinite(self._mean).all() & torch.isfinite(self._ggn.sum())):
             raise NumericalError("mean or GGN contains non-finite values")
-        precision = self._ggn + torch.diag(prior_precision)
-        # Factorise the Jacobi-equilibrated precision D^{-1} P D^{-1} (unit diagonal), whose
-        # condition number is far smaller when prior precisions span many orders of magnitude
-        # (FedSI's 1/g); then L = D L_eq. The predictive solves with L_eq in the model dtype.
-        scale = precision.diagonal().sqrt()
-        chol_eq, info = torch.linalg.cholesky_ex(precision / torch.outer(scale, scale))
-        if int(info) != 0:
-            raise NumericalError(
-                f"the subnet posterior precision is not positive definite (Cholesky failed at "
-                f"column {int(info)}); increase prior_precision"
-            )
-        del precision
-        # Stored: L_eq (float64), D (float64), and L_eq^T, D^{-1} in the model dtype for the
-        # predictive; precision, L and the covariance are rebuilt from them on demand.
-        self._chol_eq = chol_eq
-        self._scale = scale
-        self._solve_factor_T = chol_eq.T.contiguous().to(mean.dtype)
-        self._solve_scale = scale.reciprocal().to(mean.dtype)
+        self._scale, self._chol_eq = _equilibrated_cholesky(self._ggn, prior_precision)
+        # Stored: L_eq (float64, column-major as LAPACK returns it), D (float64), and L_eq^T,
+        # D^{-1} in the model dtype for the predictive; precision, L and the covariance are
+        # rebuilt from them on demand.
+        self._solve_factor_T = self._chol_eq.T.to(mean.dtype, memory_format=torch.contiguous_format)
+        self._solve_scale = self._scale.reciprocal().to(mean.dtype)
         self._model: nn.Module | None = None
         self._inverse_factor: Tensor | None = None  # L^{-1}, for the factored predictive
         self._inv_chol_eq: Tensor | None = None
@@ -196,13 +186,13 @@ class SubnetLaplacePosterior:
         """(S, S) float64 ``L_eq^{-1}`` (lower triangular), computed once (S^3 / 3 flops) and
         shared by the marginal variances and the factored predictive."""
         if self._inv_chol_eq is None:
-            eye = torch.eye(self.n_subnet, dtype=torch.float64, device=self._scale.device)
-            self._inv_chol_eq = torch.linalg.solve_triangular(self._chol_eq, eye, upper=False)
+            self._inv_chol_eq = triangular_inverse(self._chol_eq)
         return self._inv_chol_eq
 
     def marginal_variance_subnet(self) -> Tensor:
         """(S,) float64 ``diag(covariance)``: column sums of squares of ``L_eq^{-1}``, / ``D^2``."""
-        return self._inverse_chol_eq().square().sum(0) / self._scale.square()
+        column_norms = torch.linalg.vector_norm(self._inverse_chol_eq(), dim=0)
+        return (column_norms / self._scale).square()
 
     def marginal_std_full(self) -> Tensor:
         """(P,) marginal standard deviations, zero outside the subnet (FedSI's upload).
@@ -484,3 +474,31 @@ class SubnetLaplacePosterior:
             model=model,
             n_data=int(state["n_data"]),
         )
+
+
+def _equilibrated_cholesky(ggn: Tensor, prior_precision: Tensor) -> tuple[Tensor, Tensor]:
+    """``(D, L_eq)`` with ``D = sqrt(diag(precision))`` and ``L_eq L_eq^T = D^{-1} precision
+    D^{-1}`` (unit diagonal), ``precision = ggn + diag(prior_precision)``; float64.
+
+    Equilibration keeps the factor well conditioned when prior precisions span many orders of
+    magnitude (FedSI's 1/g). The scaled matrix is built in one temporary (no S x S outer
+    product or diagonal matrix) that the factorisation then overwrites.
+    """
+    diagonal = ggn.diagonal() + prior_precision
+    not_positive = torch.nonzero(~(diagonal > 0)).flatten()  # a PD matrix has a positive diagonal
+    info = int(not_positive[0]) + 1 if not_positive.numel() else 0
+    if info == 0:
+        scale = diagonal.sqrt()
+        inv = scale.reciprocal()
+        equilibrated = ggn * inv.unsqueeze(1)
+        equilibrated *= inv
+        equilibrated.diagonal().copy_(diagonal * inv * inv)
+        chol_eq, info = cholesky_overwrite(equilibrated)
+        if info == 0 and not bool(torch.isfinite(chol_eq.diagonal()).all()):
+            info = 1 + int(torch.nonzero(~torch.isfinite(chol_eq.diagonal()))[0])
+    if info != 0:
+        raise NumericalError(
+            f"the subnet posterior precision is not positive definite (Cholesky failed at "
+            f"column {info}); increase prior_precision"
+        )
+    return scale, chol_eq
