@@ -396,7 +396,7 @@ class SubnetLaplacePosterior:
             for start, end, u in segments:
                 V[:, u, start:] += a[:, start:end] @ R[start:, start:end].T
             W = torch.bmm(G[:, i : i + rows].permute(1, 0, 2).contiguous(), V)  # (b, C, S)
-            f_var.append(W.square().sum(-1))
+            f_var.append(torch.linalg.vector_norm(W, dim=-1).square())  # one pass, no temporary
         return torch.cat(f_var), logits
 
     def _predict_chunk_rows(
