@@ -10,7 +10,7 @@ to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,8 +103,14 @@ class ClientExecutor:
         clients: Sequence[SimulatedClient],
         broadcast: Message,
         generators: Mapping[int, torch.Generator],
+        on_client: Callable[[int], None] | None = None,
     ) -> dict[int, ClientState]:
-        """Every client's personalized state (the clients' own states are left as they are)."""
-        return {c.client_id: self.strategy.personalize(c.config, c.state, c.data, broadcast,
-                                                       generators[c.client_id])
-                for c in clients}
+        """Every client's personalized state (the clients' own states are left as they are);
+        ``on_client(client_id)`` after each (progress)."""
+        states = {}
+        for c in clients:
+            states[c.client_id] = self.strategy.personalize(c.config, c.state, c.data, broadcast,
+                                                            generators[c.client_id])
+            if on_client is not None:
+                on_client(c.client_id)
+        return states

@@ -444,7 +444,12 @@ class _Run:
                 gens = {c.client_id: torch.Generator().manual_seed(
                     derived_seed(config.seed, _PERSONALIZE_KEY, c.client_id))
                     for c in self.clients}
-                personalized = self.executor.personalize(self.clients, broadcast, gens)
+                # personalisation can take as long as the rounds (FedSI refits every
+                # client's Laplace): a bar of its own, one step per client
+                with tqdm(total=len(self.clients), disable=not progress, unit="client",
+                          desc=f"{config.strategy}: personalising", leave=False) as bar:
+                    personalized = self.executor.personalize(
+                        self.clients, broadcast, gens, on_client=lambda _: bar.update(1))
                 last_eval = None
             if last_eval is None:  # personalised, or resumed a finished run: evaluate once
                 last_eval = merge_evaluations(self.executor.evaluate(

@@ -310,3 +310,13 @@ def test_a_run_leaves_the_callers_global_rng_where_it_was():
     torch.manual_seed(1234)
     simulate("fedavg", **SMALL)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_personalisation_shows_its_own_progress_one_step_per_client(capsys):
+    # FedSI's personalisation (a Laplace refit per client) can outlast the rounds: the user
+    # sees it advance client by client, not a finished round bar and then silence
+    simulate("fedavg-ft", **{**SMALL, "rounds": 1, "progress": True})
+    err = capsys.readouterr().err
+    assert "fedavg-ft: personalising" in err and "6/6" in err
+    simulate("fedavg-ft", **{**SMALL, "rounds": 1, "progress": False})
+    assert "personalising" not in capsys.readouterr().err
