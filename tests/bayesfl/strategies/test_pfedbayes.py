@@ -1,4 +1,5 @@
-"""pFedBayes: the KL term against closed forms, a digits run, poisoned uploads rejected."""
+"""pFedBayes: the KL term against closed forms, the draws' spread against the reference code's,
+a digits run, poisoned uploads rejected."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from strategy_helpers import generators, run_round, wire
 from torch.distributions import Normal, kl_divergence
 
 from bayesfl.simulate import simulate
-from bayesfl.strategies.base import MODEL_PREFIX
+from bayesfl.strategies.base import MAP_PLUGIN, MODEL_PREFIX, PREDICTIVE
 from bayesfl.strategies.pfedbayes import MU, RHO, diagonal_gaussian_kl, softplus_std
 
 F64 = torch.float64
@@ -65,6 +66,56 @@ def test_client_objective_holds_zeta_times_the_kl_over_n(build):
     nll = torch.nn.functional.cross_entropy(torch.func.functional_call(model, mu, (x,)), y)
     kl = strategy.global_loss(mu, tiny, g_mu, g_rho, n)
     torch.testing.assert_close(personal, nll + kl, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("epsilon_std", [1e-3, 1.0])
+def test_the_personal_loss_draws_mu_plus_epsilon_std_softplus_rho_eps(build, epsilon_std):
+    strategy, clients, state = build("pfedbayes", epsilon_std=epsilon_std, rho_init=-1.0)
+    c = clients[0]
+    names = strategy.names(c.config.body)
+    mu = {n: c.state[MODEL_PREFIX + n] for n in names}
+    rho = {n: c.state[RHO + n] for n in names}
+    g_mu = {n: state[MU + n] + 0.05 for n in names}
+    g_rho = {n: state[RHO + n] - 0.5 for n in names}
+    x, y, n = c.data.train_x, c.data.train_y, c.data.num_train
+    model = strategy.template(c.config.body)
+    loss = strategy.personal_loss(model, mu, rho, g_mu, g_rho, x, y, n,
+                                  torch.Generator().manual_seed(5))
+    # independent recomputation: the same N(0, 1) stream, parameter by parameter
+    g = torch.Generator().manual_seed(5)
+    weights = {k: mu[k] + epsilon_std * torch.log1p(torch.exp(rho[k]))
+               * torch.randn(mu[k].shape, generator=g) for k in names}
+    nll = torch.nn.functional.cross_entropy(torch.func.functional_call(model, weights, (x,)), y)
+    kl = sum(kl_divergence(Normal(mu[k], torch.log1p(torch.exp(rho[k]))),
+                           Normal(g_mu[k], torch.log1p(torch.exp(g_rho[k])))).sum()
+             for k in names)
+    # float32 network and KL of ~100 terms: agreement to float32 rounding
+    torch.testing.assert_close(loss, nll + strategy.zeta * kl / n, rtol=1e-5, atol=1e-6)
+
+
+def test_default_draws_spread_as_the_reference_codes(build):
+    # the reference code draws eps ~ N(0, 0.001^2) (torch.normal(0, 0.001)) and starts rho at
+    # -3: its weights spread by 0.001 * softplus(-3) = 4.859e-5. The paper's eps ~ N(0, 1) with
+    # that rho spreads them by 0.049, 1000 times more (the under-confident predictive).
+    strategy, clients, _ = build("pfedbayes")
+    c = clients[0]
+    post = strategy.posterior(c.config, c.state, wire(strategy.configure(strategy.init(),
+                                                                         1).broadcast))
+    expected = 1e-3 * float(torch.nn.functional.softplus(torch.tensor(-3.0, dtype=F64)))
+    assert expected == pytest.approx(4.8587e-5, rel=1e-4)
+    torch.testing.assert_close(post.variance.double().sqrt(),
+                               torch.full_like(post.variance, expected).double(),
+                               rtol=1e-6, atol=0)  # float32 softplus(-3) times 1e-3
+    draws = post.sample(400, torch.Generator().manual_seed(0))
+    spread = (draws - post.mean).double().std()
+    # 400 x P (~100) normal draws: the sample std is within 1 % of the true one (its relative
+    # standard error is 1 / sqrt(2 * 40,000) = 0.35 %)
+    assert float(spread) == pytest.approx(expected, rel=0.01)
+    # so the Monte Carlo predictive is the plug-in up to ~1e-4 in probability
+    x = c.data.test_x
+    probs = strategy.predict(c.config, c.state, wire(strategy.configure(strategy.init(),
+                                                                        1).broadcast), x)
+    assert float((probs[PREDICTIVE] - probs[MAP_PLUGIN]).abs().max()) < 1e-3
 
 
 def test_the_uploaded_global_moves_towards_the_personal_posterior(build):
