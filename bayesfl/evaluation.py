@@ -40,13 +40,19 @@ class PredictiveMetrics:
         per_client = [{"client_id": cid, **_typed(metrics)}
                       for cid, metrics in zip(ids, Accumulator.compute_each(accumulators),
                                               strict=True)]
-        pooled = _typed(Accumulator.merged(accumulators).compute())
-        return cls(per_client, {k: pooled[k] for k in METRICS})
+        merged = Accumulator.merged(accumulators)
+        pooled = _typed(merged.compute())
+        state = merged.state_dict()
+        # mean top-class probability: beside accuracy it says which way a model miscalibrates
+        confidence = float(state["bin_confidence_sums"].sum()) / float(state["bin_counts"].sum())
+        return cls(per_client, {**{k: pooled[k] for k in METRICS}, "confidence": confidence})
 
     def headline(self) -> dict[str, float]:
         """``accuracy`` = mean over clients of client test accuracy (the papers' number);
-        ``accuracy_pooled`` and the calibration metrics over the pooled test samples; the
-        client means of ECE and NLL named as such."""
+        ``accuracy_pooled`` and the calibration metrics over the pooled test samples;
+        ``confidence``, the pooled mean top-class probability (above ``accuracy_pooled``:
+        over-confident, below: under-confident); the client means of ECE and NLL named as
+        such."""
         n = len(self.per_client)
         mean = {k: sum(c[k] for c in self.per_client) / n for k in METRICS}
         return {
@@ -56,6 +62,7 @@ class PredictiveMetrics:
             "mce": self.pooled["mce"],
             "brier": self.pooled["brier"],
             "nll": self.pooled["nll"],
+            "confidence": self.pooled["confidence"],
             "ece_client_mean": mean["ece"],
             "nll_client_mean": mean["nll"],
             "accuracy_client_min": min(c["accuracy"] for c in self.per_client),
@@ -94,7 +101,8 @@ class RoundEvaluation:
         out: dict[str, Any] = self.predictives[PREDICTIVE].headline()
         if MAP_PLUGIN in self.predictives:
             plugin = self.predictives[MAP_PLUGIN].headline()
-            out[MAP_PLUGIN] = {k: plugin[k] for k in ("accuracy", "accuracy_pooled", *METRICS)}
+            out[MAP_PLUGIN] = {k: plugin[k] for k in ("accuracy", "accuracy_pooled", *METRICS,
+                                                      "confidence")}
         return out
 
 

@@ -320,3 +320,15 @@ def test_personalisation_shows_its_own_progress_one_step_per_client(capsys):
     assert "fedavg-ft: personalising" in err and "6/6" in err
     simulate("fedavg-ft", **{**SMALL, "rounds": 1, "progress": False})
     assert "personalising" not in capsys.readouterr().err
+
+
+def test_summary_confidence_is_the_mean_top_class_probability_of_the_saved_predictions(tmp_path):
+    import numpy as np
+
+    result = simulate("fedlog", out=tmp_path, **SMALL)
+    saved = np.load(tmp_path / "predictions.npz")
+    expected = saved["probs"].max(axis=1).mean()
+    # the accumulator sums the same float64 maxima bin by bin: equal to summation rounding
+    assert result.summary["confidence"] == pytest.approx(expected, rel=1e-12)
+    plugin = result.summary["map_plugin"]["confidence"]
+    assert 0.25 <= plugin <= 1.0  # 4 classes: a top-class probability is at least 1/4
