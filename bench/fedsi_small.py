@@ -17,7 +17,8 @@ held by its prior variance of 1e-4, is not (see the README). Figures are final-r
 means. Novel clients (the paper's §IV-E, Fig. 5 only): a second run of FedSI and
 FedAvg-FT with 2 of the 10 clients held out of training; they personalise at the end.
 
-Metrics: accuracy (mean client accuracy), ECE, MCE (15 equal-width bins, pooled over every
+Metrics: accuracy (mean client accuracy), confidence (mean top-class probability, pooled:
+below the accuracy means under-confident), ECE, MCE (15 equal-width bins, pooled over every
 client's test set), Brier (multi-class, sum over classes), NLL (nats), total uplink bytes as
 serialised. Mean ± standard error over ``--seeds`` (default 3) seeds. Posterior methods are
 scored with their posterior predictive; their own MAP plug-in is a second row.
@@ -91,7 +92,7 @@ PAPER: dict[str, dict[str, float]] = {
     "FedSI-Fac": {"accuracy": 91.96, "ece": 0.045, "mce": 0.249, "brier": 0.131},
     "FedSI": {"accuracy": 93.98, "ece": 0.040, "mce": 0.242, "brier": 0.101},
 }
-KEYS = ("accuracy", "ece", "mce", "brier", "nll")
+KEYS = ("accuracy", "ece", "mce", "brier", "nll", "confidence")
 NOVEL = ("FedSI", "FedAvg-FT")
 NOVEL_FRACTION = 0.2
 
@@ -131,12 +132,13 @@ def paper_cell(label: str) -> str:
 
 
 def print_table(table: dict[str, dict[str, list[float]]]) -> None:
-    print("| method | accuracy (%) | ECE | MCE | Brier | NLL | uplink bytes | paper: acc % / "
-          "ECE / MCE / Brier |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| method | accuracy (%) | confidence (%) | ECE | MCE | Brier | NLL | uplink bytes | "
+          "paper: acc % / ECE / MCE / Brier |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, v in table.items():
         up = "–" if not v.get("bytes_up") else f"{statistics.fmean(v['bytes_up']):,.0f}"
-        print(f"| {label} | {cell(v['accuracy'], 2, 100)} | {cell(v['ece'], 4)} | "
+        print(f"| {label} | {cell(v['accuracy'], 2, 100)} | {cell(v['confidence'], 2, 100)} | "
+              f"{cell(v['ece'], 4)} | "
               f"{cell(v['mce'], 3)} | {cell(v['brier'], 4)} | {cell(v['nll'], 3)} | {up} | "
               f"{paper_cell(label)} |")
 

@@ -55,11 +55,19 @@ def test_the_page_shows_own_model_and_error_examples():
     assert any("missing.npz" in c for c in commands)
 
 
+@pytest.fixture(scope="module")
+def page_files(tmp_path_factory):
+    """The directory where the page's Python block has written its files (run once: each
+    interpreter that imports scikit-learn and torch costs seconds)."""
+    where = tmp_path_factory.mktemp("page")
+    subprocess.run([sys.executable, "-c", blocks("python")[0]], cwd=where, check=True)
+    return where
+
+
 @pytest.mark.parametrize(("command", "expected"), console_runs(), ids=lambda v: str(v)[:40])
-def test_command_on_the_page_prints_what_the_page_shows(tmp_path, command, expected):
-    subprocess.run([sys.executable, "-c", blocks("python")[0]], cwd=tmp_path, check=True)
+def test_command_on_the_page_prints_what_the_page_shows(page_files, command, expected):
     args = shlex.split(command)[1:]
-    done = subprocess.run([sys.executable, "-m", "calibration", *args], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "calibration", *args], cwd=page_files,
                           capture_output=True, text=True, timeout=120)
     actual = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert len(actual) == len(expected), actual
