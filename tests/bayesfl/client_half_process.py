@@ -1,11 +1,13 @@
-"""A client half on its own, as a separate process runs it: ``python client_half_process.py DIR``.
+"""Client halves on their own, as a separate process runs them:
+``python client_half_process.py DIR [DIR ...]``.
 
 ``DIR`` holds what a real client would have and nothing else: ``config.json`` (the run
 configuration and the client's id), ``data.safetensors`` (its train/test tensors) and
 ``broadcast_<round>.bin`` (the encoded broadcasts it received). The process builds the strategy
 from the run configuration, initialises its own state (``init_client``), runs ``fit`` on each
 broadcast in turn and writes each encoded upload to ``upload_<round>.bin``. No server object,
-no simulator: only these bytes.
+no simulator: only these bytes. Several directories are run one after the other, each from the
+global RNG state the process started with (as if each had a process of its own).
 """
 
 from __future__ import annotations
@@ -47,4 +49,6 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    for name in sys.argv[1:]:
+        with torch.random.fork_rng():
+            main(Path(name))

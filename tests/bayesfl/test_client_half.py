@@ -47,7 +47,11 @@ def test_a_client_half_in_another_process_sends_the_simulators_uploads(strategy,
                    "test_y": d.test_y}, folder / "data.safetensors")
         for r, data in broadcasts.items():
             (folder / f"broadcast_{r}.bin").write_bytes(data)
-        subprocess.run([sys.executable, str(SCRIPT), str(folder)], check=True, timeout=300)
+    # one process for every client (an interpreter that imports torch costs seconds)
+    folders = [str(tmp_path / f"client{c.client_id}") for c in result.clients]
+    subprocess.run([sys.executable, str(SCRIPT), *folders], check=True, timeout=300)
+    for client in result.clients:
+        folder = tmp_path / f"client{client.client_id}"
         for r in broadcasts:
             # the same upload, bit for bit (the encoded bytes may differ only in the order of
             # safetensors' metadata keys, which its writer does not fix)
