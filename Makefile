@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m bayesfl.demo
 
+# Two pytest workers (pytest-xdist): the Flower deployments and notebook kernels wait on
+# other processes much of the time, and the CPU-bound tests take one core each.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
