@@ -6,9 +6,15 @@ The FedSI small regime of ``bench/fedsi_small.py`` (its ``COMMON`` settings: ``m
 (1e-4 is far from converged at this machine's round counts), FedPop and FedPA at their
 defaults, and FedPer (one local layer, lr 1e-3) as the named peer measured in the same run.
 Per method: final-round client-mean accuracy, pooled ECE, MCE, Brier and NLL of the headline
-predictive (the posterior predictive for the Bayesian ones), the MAP plug-in's accuracy and
-NLL, uplink bytes of the run, mean ± standard error over seeds. The last line is JSON (rows
-and each method's accuracy and NLL ratio to FedPer).
+predictive (the posterior predictive for the Bayesian ones), the MAP plug-in's accuracy, ECE
+and NLL, the pooled mean confidence (top probability) of the predictive and of the plug-in
+beside the pooled accuracy (confidence below accuracy: under-confident), uplink bytes of the
+run, mean ± standard error over seeds. The last line is JSON (rows and each method's accuracy
+and NLL ratio to FedPer).
+
+Variants beside the defaults: ``pfedbayes-paper-eps`` draws with the paper's ``eps ~ N(0, I)``
+(``epsilon_std = 1``) instead of the reference code's ``N(0, 0.001^2)``; ``fedpa-paper-delta``
+uploads the paper's unnormalised ``Delta`` (``normalize_delta = False``) with ``server_lr = 1``.
 
 Usage: ``python bench/bayes_baselines.py [--seeds 3] [--rounds 20] [--epochs 5]
 [--methods fedper,pfedbayes-1e-4,...] [--dataset digits --partition labels:5 --feature-dim 50]``.
@@ -33,6 +39,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.data.datasets import load_dataset  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
+from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE  # noqa: E402
 
 COMMON = dict(dataset="mnist-5k", clients=10, partition="labels:5:train=50", body="mlp",
               feature_dim=100, batch_size=50, progress=False, threads=1)
@@ -40,10 +47,30 @@ METHODS: dict[str, tuple[str, dict[str, Any], float]] = {
     "fedper": ("fedper", {"local_layers": 1}, 1e-3),
     "pfedbayes-1e-4": ("pfedbayes", {}, 1e-4),
     "pfedbayes-1e-3": ("pfedbayes", {}, 1e-3),
+    "pfedbayes-paper-eps": ("pfedbayes", {"epsilon_std": 1.0}, 1e-3),
     "fedpop": ("fedpop", {}, 1e-3),
     "fedpa": ("fedpa", {}, 1e-3),
+    "fedpa-paper-delta": ("fedpa", {"normalize_delta": False}, 1e-3),
 }
 KEYS = ("accuracy", "ece", "mce", "brier", "nll")
+
+
+def confidences(result: Any) -> dict[str, float]:
+    """Pooled mean top probability of the predictive and the plug-in, and pooled accuracy."""
+    top, plug_top, hits = [], [], []
+    for client in result.clients:
+        cid = client.config.client_id
+        x, y = client.data.test_x, client.data.test_y.cpu()
+        probs = result.strategy.predict(client.config, result.client_state(cid),
+                                        result.evaluation_broadcast, x)
+        headline = probs[PREDICTIVE]
+        plug = probs.get(MAP_PLUGIN, headline)
+        top.append(headline.max(-1).values)
+        plug_top.append(plug.max(-1).values)
+        hits.append((headline.argmax(-1) == y).double())
+    return {"confidence": float(torch.cat(top).mean()),
+            "plugin_confidence": float(torch.cat(plug_top).mean()),
+            "pooled_accuracy": float(torch.cat(hits).mean())}
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -71,12 +98,16 @@ def main() -> None:
         runs = []
         for seed in range(args.seeds):
             start = time.perf_counter()
-            s = simulate(strategy, rounds=args.rounds, seed=seed, local_epochs=args.epochs,
-                         lr=lr, strategy_options=options, data=data, **COMMON).summary
+            result = simulate(strategy, rounds=args.rounds, seed=seed,
+                              local_epochs=args.epochs, lr=lr, strategy_options=options,
+                              data=data, **COMMON)
+            s = result.summary
             plug = s.get("map_plugin", s)
             runs.append({**{k: float(s[k]) for k in KEYS}, "bytes_up": float(s["bytes_up"]),
                          "plugin_accuracy": float(plug["accuracy"]),
+                         "plugin_ece": float(plug["ece"]),
                          "plugin_nll": float(plug["nll"]),
+                         **confidences(result),
                          "seconds": time.perf_counter() - start})
             print(f"{label:15s} seed {seed}: " + " ".join(
                 f"{k} {v:.4f}" for k, v in runs[-1].items() if k != "bytes_up"), flush=True)
@@ -84,7 +115,9 @@ def main() -> None:
         r = rows[label]
         print(f"| {label} | {100 * r['accuracy'][0]:.2f} ± {100 * r['accuracy'][1]:.2f} | "
               + " | ".join(f"{r[k][0]:.4f} ± {r[k][1]:.4f}" for k in KEYS[1:])
-              + f" | {100 * r['plugin_accuracy'][0]:.2f} / {r['plugin_nll'][0]:.4f} | "
+              + f" | {100 * r['plugin_accuracy'][0]:.2f} / {r['plugin_ece'][0]:.4f} / "
+              f"{r['plugin_nll'][0]:.4f} | {r['confidence'][0]:.3f} / "
+              f"{r['plugin_confidence'][0]:.3f} / {r['pooled_accuracy'][0]:.3f} | "
               f"{r['bytes_up'][0]:,.0f} |", flush=True)
     peer = rows.get("fedper")
     ratios = ({m: {"accuracy": r["accuracy"][0] / peer["accuracy"][0],
