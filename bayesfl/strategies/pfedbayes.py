@@ -18,7 +18,10 @@ weighted) mean of the uploaded parameters, mixed with the old one by ``beta``:
 ``z <- (1 - beta) z + beta mean_k z_k``. ``zeta`` sets how far a personal posterior may move
 away from the global one (larger: less personal). This is the loop of the authors' code as
 ported to PFLlib (``clientpFedBayes``); the KL is the closed form of
-:func:`diagonal_gaussian_kl`.
+:func:`diagonal_gaussian_kl`. Its weight is the paper's objective (the client's whole NLL plus
+``zeta`` KL) per data point; the code lineage weighs it otherwise against a batch-*summed* NLL
+(PFLlib: ``zeta KL / n_k``, a KL B times weaker than ours; AllenBeau/pFedBayes:
+``zeta KL / local_epochs``). Under Adam only this ratio matters; we keep the paper's.
 
 **The noise scale of the draws (``epsilon_std``).** The paper writes the draw as
 ``mu + softplus(rho) * eps`` with ``eps ~ N(0, I)``; the code behind its numbers (the pFedBayes
