@@ -23,23 +23,23 @@ ported to PFLlib (``clientpFedBayes``); the KL is the closed form of
 (PFLlib: ``zeta KL / n_k``, a KL B times weaker than ours; AllenBeau/pFedBayes:
 ``zeta KL / local_epochs``). Under Adam only this ratio matters; we keep the paper's.
 
-**The noise scale of the draws (``epsilon_std``).** The paper writes the draw as
-``mu + softplus(rho) * eps`` with ``eps ~ N(0, I)``; the code behind its numbers (the pFedBayes
-code as ported to PFLlib, the only implementation the FedSI comparison can have run) draws
-``eps ~ N(0, 0.001^2 I)`` in training *and* at test time, while its KL uses ``softplus(rho)``
-and its ``rho`` starts at -3. The weights it trains and predicts with therefore spread by
-``0.001 * softplus(-3) = 4.9e-5``, not 0.049. We follow the code: ``epsilon_std = 0.001``
-scales every draw (training and the predictive's ``posterior``), the KL stays the reference's
-(on ``softplus(rho)``, so ``zeta`` keeps the mean coupling the paper tuned). ``epsilon_std = 1``
-is the paper's formula with the code's ``rho``: its draws then spread by 0.049 on every weight,
-2.4 times the RMS of the 784-100 layer's initial weights (0.02); neither 25 nor 100 local
-epochs shrink ``sigma`` (measured at lr 1e-3: 0.0486 -> 0.049-0.052), so the predictive's
-spread is set by ``rho_init``: after 5 rounds x 5 epochs it is less confident than its own
-plug-in (ECE 0.066 vs 0.014, 3 seeds), after 20 x 5, once the means have grown, about as
-well calibrated (seeds 0 / 1: ECE 0.016 / 0.022 vs 0.018 / 0.017, NLL 0.190 / 0.185 vs
-0.191 / 0.183; README, Bayesian baselines). With the default the Monte Carlo predictive
-is the plug-in up to Monte Carlo noise: the reference's pFedBayes is a point network with a KL
-coupling to the global one, whose posterior adds no measurable spread.
+**The noise scale of the draws (``epsilon_std``).** The paper writes the draw as ``mu +
+softplus(rho) * eps`` with ``eps ~ N(0, I)``; every implementation we found (PFLlib's ``pBNN``,
+AllenBeau/pFedBayes and their copies, the likely source of the FedSI paper's pFedBayes figures)
+draws ``eps ~ N(0, 0.001^2 I)`` in training *and* at test time, while its KL uses
+``softplus(rho)`` and its ``rho`` starts at -3. The weights it trains and predicts with
+therefore spread by ``0.001 * softplus(-3) = 4.9e-5``, not 0.049. We follow the code:
+``epsilon_std = 0.001`` scales every draw (training and the predictive's ``posterior``), the KL
+stays the reference's (on ``softplus(rho)``, so ``zeta`` keeps the mean coupling the paper
+tuned). ``epsilon_std = 1`` is the paper's formula with the code's ``rho``: its draws then
+spread by 0.049 on every weight, 2.4 times the RMS of the 784-100 layer's initial weights
+(0.02); neither 25 nor 100 local epochs shrink ``sigma`` (measured at lr 1e-3: 0.0486 ->
+0.049-0.052), so the predictive's spread is set by ``rho_init``: after 5 rounds x 5 epochs it is
+less confident than its own plug-in (ECE 0.066 vs 0.014, 3 seeds), after 20 x 5, once the means
+have grown, about as well calibrated (seeds 0 / 1: ECE 0.016 / 0.022 vs 0.018 / 0.017, NLL 0.190
+/ 0.185 vs 0.191 / 0.183; README, Bayesian baselines). With the default the Monte Carlo
+predictive is the plug-in up to Monte Carlo noise: the reference's pFedBayes is a point network
+with a KL coupling to the global one, whose posterior adds no measurable spread.
 
 **Choices the papers leave open, as options with their defaults.** ``zeta = 10`` (the FedSI
 paper's); Adam with the run's learning rate (the FedSI paper runs pFedBayes at ``lr = 1e-4``,
