@@ -446,8 +446,10 @@ class _Run:
                     for c in self.clients}
                 # personalisation can take as long as the rounds (FedSI refits every
                 # client's Laplace): a bar of its own, one step per client
+                # (mininterval 0: every client's step is shown, they are seconds apart)
                 with tqdm(total=len(self.clients), disable=not progress, unit="client",
-                          desc=f"{config.strategy}: personalising", leave=False) as bar:
+                          desc=f"{config.strategy}: personalising", leave=False,
+                          mininterval=0) as bar:
                     personalized = self.executor.personalize(
                         self.clients, broadcast, gens, on_client=lambda _: bar.update(1))
                 last_eval = None
