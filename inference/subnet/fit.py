@@ -225,7 +225,7 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
     """
     if not (FACTORED_GGN and engine.factorable):
         return None
-    plan = _unit_runs(engine)
+    plan = engine.unit_runs()
     if plan is None:
         return None
     factors = engine.linear_factors(X, output_vectors=_hessian_sqrt)
@@ -233,7 +233,7 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
         return None
     A, G, logits = factors
     checks.update(logits, y)
-    runs, present, unit = plan
+    runs, present, unit = plan.runs, plan.present, plan.compact
     G = G.index_select(2, present)  # (K, B, U)
     gamma = torch.einsum("kbu,kbv->buv", G, G)  # (B, U, U)
     S = A.shape[1]
@@ -244,26 +244,6 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
     return mirror_upper_(upper)
 
 
-def _unit_runs(engine: SubnetJacobian) -> tuple[list, Tensor, Tensor] | None:
-    """``(runs, present units, compact unit of every position)`` (cached on the engine);
-    None if the positions form more than ``MAX_RUNS`` runs of one unit."""
-    cached = getattr(engine, "_ggn_runs", False)
-    if cached is not False:
-        return cached
-    unit, _ = engine.units()
-    present, compact = torch.unique(unit.cpu(), return_inverse=True)
-    breaks = (torch.nonzero(compact[1:] != compact[:-1]).flatten() + 1).tolist()
-    starts, ends = [0, *breaks], [*breaks, compact.numel()]
-    plan = None
-    if len(starts) <= MAX_RUNS:
-        runs = [(a, e, int(compact[a])) for a, e in zip(starts, ends, strict=True)]
-        device = engine.mean.device
-        plan = (runs, present.to(device), compact.to(device))
-    engine._ggn_runs = plan  # type: ignore[attr-defined]
-    return plan
-
-
-MAX_RUNS = 4096
 
 
 def _hessian_sqrt(logits: Tensor) -> Tensor:

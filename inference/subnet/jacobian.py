@@ -55,6 +55,24 @@ class _GenericGroup:
     positions: Tensor
 
 
+
+MAX_UNIT_RUNS = 4096
+"""More runs of one unit than this and the factored paths are not used."""
+
+
+@dataclass(frozen=True)
+class UnitRuns:
+    """Subnet positions grouped by the output unit they feed.
+
+    runs: ``(start, end, u)`` per maximal run of consecutive positions of one unit, ``u`` its
+        compact id; present: (U,) the units that occur (ids of :meth:`SubnetJacobian.units`),
+        on the engine's device; compact: (S,) the compact id of every position, same device.
+    """
+
+    runs: list[tuple[int, int, int]]
+    present: Tensor
+    compact: Tensor
+
 class SubnetJacobian:
     """Callable computing ``(J_S, logits)`` for a batch, linearised at a flat parameter vector.
 
@@ -68,6 +86,7 @@ class SubnetJacobian:
 
     def __init__(self, model: nn.Module, subnet_indices: Tensor, mean: Tensor) -> None:
         self.model = model
+        self._unit_runs: UnitRuns | bool | None = False  # False: not computed yet
         self.slots = trainable_slots(model)
         n_params = sum(s.numel for s in self.slots)
         if mean.dim() != 1 or mean.numel() != n_params:
@@ -159,6 +178,22 @@ class SubnetJacobian:
         for g in self.fast:
             unit[g.positions] = offset[id(g.slot.module)] + g.rows
         return unit, total
+
+    def unit_runs(self) -> UnitRuns | None:
+        """Maximal runs of consecutive subnet positions feeding one output unit (computed once);
+        None when there are more than ``MAX_UNIT_RUNS`` (e.g. unsorted indices), where the
+        factored GGN and predictive would loop too long."""
+        if self._unit_runs is False:
+            unit, _ = self.units()
+            present, compact = torch.unique(unit.cpu(), return_inverse=True)
+            breaks = (torch.nonzero(compact[1:] != compact[:-1]).flatten() + 1).tolist()
+            starts, ends = [0, *breaks], [*breaks, compact.numel()]
+            self._unit_runs = None
+            if len(starts) <= MAX_UNIT_RUNS:
+                runs = [(a, e, int(compact[a])) for a, e in zip(starts, ends, strict=True)]
+                device = self.mean.device
+                self._unit_runs = UnitRuns(runs, present.to(device), compact.to(device))
+        return self._unit_runs
 
     def linear_factors(
         self, x: Tensor, output_vectors: Callable | None = None

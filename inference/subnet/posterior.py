@@ -46,8 +46,6 @@ _STATE_KEYS = ("mean", "subnet_indices", "ggn", "prior_precision", "prior_mean",
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Working memory of the factored predictive's (rows, units, S) block, per sub-chunk.
 FACTOR_CHUNK_BYTES = 32 * 2**20
-# More runs of one unit than this (e.g. unsorted indices) and the factored path is not used.
-MAX_SEGMENTS = 4096
 
 
 class SubnetLaplacePosterior:
@@ -345,24 +343,6 @@ class SubnetLaplacePosterior:
     """Use the factored GLM-probit variance where it applies (:meth:`_factored_variance`);
     False forces the triangular solve on the full subnet Jacobian (tests compare the two)."""
 
-    def _segments(self, engine: SubnetJacobian) -> list[tuple[int, int, int]] | None:
-        """Maximal runs ``(start, end, unit)`` of consecutive subnet positions feeding one
-        output unit (cached on the engine); None when there are more than ``MAX_SEGMENTS``."""
-        cached = getattr(engine, "_fedsi_segments", False)
-        if cached is not False:
-            return cached
-        unit, _ = engine.units()
-        present, unit = torch.unique(unit.cpu(), return_inverse=True)  # only units in the subnet
-        breaks = torch.nonzero(unit[1:] != unit[:-1]).flatten() + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), unit.numel()]
-        segments = None
-        if len(starts) <= MAX_SEGMENTS:
-            segments = [(a, e, int(unit[a])) for a, e in zip(starts, ends, strict=True)]
-        engine._fedsi_segments = segments  # type: ignore[attr-defined]
-        engine._fedsi_units = present.to(engine.mean.device)  # type: ignore[attr-defined]
-        return segments
-
     def _factored_variance(self, engine: SubnetJacobian, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """Linearised logit variances (B, C) and logits by the Linear-layer factorisation.
 
@@ -375,8 +355,8 @@ class SubnetLaplacePosterior:
         """
         if not engine.factorable:
             return None
-        segments = self._segments(engine)
-        if segments is None:
+        plan = engine.unit_runs()
+        if plan is None:
             return None
         factors = engine.linear_factors(x)
         if factors is None:
@@ -385,7 +365,7 @@ class SubnetLaplacePosterior:
         if self._inverse_factor is None:  # L^{-1} = L_eq^{-1} D^{-1}, in the model dtype
             self._inverse_factor = (self._inverse_chol_eq() / self._scale).to(self._mean.dtype)
         R, S = self._inverse_factor, self.n_subnet
-        G = G.index_select(2, engine._fedsi_units)  # (C, B, U): the subnet's units only
+        G = G.index_select(2, plan.present)  # (C, B, U): the subnet's units only
         B, U = x.shape[0], G.shape[2]
         rows = max(1, min(B, FACTOR_CHUNK_BYTES // (U * S * A.element_size())))
         block = A.new_empty(rows, U, S)  # reused: fresh large buffers cost page faults
@@ -393,7 +373,7 @@ class SubnetLaplacePosterior:
         for i in range(0, B, rows):
             a = A[i : i + rows]
             V = block[: a.shape[0]].zero_()
-            for start, end, u in segments:
+            for start, end, u in plan.runs:
                 V[:, u, start:] += a[:, start:end] @ R[start:, start:end].T
             W = torch.bmm(G[:, i : i + rows].permute(1, 0, 2).contiguous(), V)  # (b, C, S)
             f_var.append(torch.linalg.vector_norm(W, dim=-1).square())  # one pass, no temporary
