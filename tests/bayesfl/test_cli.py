@@ -332,23 +332,47 @@ def test_ctrl_c_prints_the_exact_resume_command_and_exits_130(tmp_path, capsys, 
     assert numbers(out) == numbers(full)
 
 
+# The child runs the real CLI; the only addition is a round callback that, after round 3 is
+# checkpointed, writes a marker and waits. The test signals only once the marker exists, so the
+# SIGINT always lands mid-run (37 rounds remain) whatever the machine's load: no wall-clock guess.
+INTERRUPTIBLE_CLI = """
+import importlib, sys, time
+from pathlib import Path
+
+engine = importlib.import_module("bayesfl.simulate")  # the module: bayesfl.simulate is the function
+real_simulate, marker = engine.simulate, Path(sys.argv[1])
+
+def wait_after_round_3(r, record):
+    if r == 3:
+        marker.write_text("3")
+        time.sleep(600)  # the SIGINT interrupts this sleep
+
+def simulate(*args, **kwargs):
+    return real_simulate(*args, round_callback=wait_after_round_3, **kwargs)
+
+engine.simulate = simulate
+from bayesfl.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow
 def test_sigint_to_a_real_process_leaves_a_resumable_run(tmp_path):
-    """The real thing: SIGINT to `python -m bayesfl run` mid-run; then the printed command."""
-    out = tmp_path / "run"
+    """The real thing: SIGINT to a `bayesfl run` process mid-run; then the printed command."""
+    out, marker = tmp_path / "run", tmp_path / "round-3-done"
     args = ["run", *TINY, "--rounds", "40", "--out", str(out)]
-    process = subprocess.Popen([sys.executable, "-m", "bayesfl", *args], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 3:
-            break
+    process = subprocess.Popen([sys.executable, "-c", INTERRUPTIBLE_CLI, str(marker), *args],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 300  # only a bound on a hung child; never reached normally
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert marker.exists(), process.communicate(timeout=60)[1]
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
     assert "Traceback" not in err and err.strip().count("\n") == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 4  # rounds 0-3: stopped in 3
     words = shlex.split(err.split("continue the run with: ")[1])
     assert main(words[1:]) == 0
     full = tmp_path / "full"
