@@ -215,7 +215,8 @@ class FedPA(Strategy):
         client_lr: SGD learning rate of local training (IASG).
         rho: shrinkage coefficient of the covariance estimate (>= 0; 0 gives FedAvg's delta).
         burn_in_epochs: local epochs before the first sample (at least 1, as the reference).
-        burn_in_rounds: rounds that send FedAvg deltas before posterior averaging starts.
+        burn_in_rounds: rounds that send FedAvg deltas before posterior averaging starts
+            (rounds 1..b draw no IASG sample; 0: every round samples).
         server_lr: server step size.
         server_momentum: heavy-ball momentum of the server step in [0, 1).
         normalize_delta: upload ``rho_l Delta`` (FedAvg's step where the samples do not
@@ -384,7 +385,7 @@ class FedPA(Strategy):
         optimizer = torch.optim.SGD(params, lr=self.client_lr)
         training = self.context.training
         n, x, y = data.num_train, data.train_x, data.train_y
-        sampling = round >= self.burn_in_rounds
+        sampling = round > self.burn_in_rounds  # rounds count from 1: b rounds draw none
         samples: list[Tensor] = []
         model.train()
         for epoch in range(training.epochs):

@@ -19,6 +19,7 @@ from bayesfl.strategies.fedpa import (
     shrinkage_weight,
     swag_gaussian,
 )
+from bayesfl.training import LocalTraining
 from inference.gaussian import GaussianPosterior, GaussianTerm, combine
 
 F64 = torch.float64
@@ -233,3 +234,141 @@ def test_poisoned_uploads_are_rejected_with_a_reason(build):
         verdicts = strategy.validate_uploads(plan, [bad, *ups[1:]], [0, 1, 2])
         assert verdicts[0] is not None and reason in verdicts[0], verdicts[0]
         assert verdicts[1:] == [None, None]
+
+
+# ---- rounds without samples, burn-in and every documented option ----------------------------
+def fit_one(strategy, r=1, client=0, state=None):
+    """Client ``client``'s fit in round ``r`` from the server ``state`` (default: init):
+    (client, broadcast as received, new client state, upload as received)."""
+    c = make_clients(strategy)[client]
+    down = wire(strategy.configure(strategy.init() if state is None else state, r).broadcast)
+    new_state, upload = strategy.fit(c.config, c.state, c.data, down, generators([c], r)[0])
+    return c, down, new_state, wire(upload)
+
+
+def flat_delta(strategy, c, upload):
+    names = [n for n, _ in strategy.template(c.config.body).named_parameters()]
+    return torch.cat([upload.tensors[DELTA + n].reshape(-1) for n in names])
+
+
+@pytest.mark.parametrize("burn_in_rounds, counts", [(0, [2, 2]), (1, [0, 2]), (2, [0, 0])])
+def test_burn_in_rounds_b_means_rounds_1_to_b_draw_no_iasg_sample(burn_in_rounds, counts):
+    # 3 local epochs, burn_in_epochs 1: a sampling round gives 2 samples (epochs 2 and 3);
+    # rounds count from 1, so burn_in_rounds = 1 must leave round 1 without samples
+    strategy = make_strategy("fedpa", context(epochs=3), burn_in_rounds=burn_in_rounds)
+    clients, state = make_clients(strategy), strategy.init()
+    seen = []
+    for r in (1, 2):
+        state, _ = run_round(strategy, clients, state, r)
+        seen.append([int(c.state[COUNT].item()) for c in clients])
+    assert seen == [[k] * len(clients) for k in counts]
+
+
+@pytest.mark.parametrize("why", ["burn_in_rounds", "too few epochs"])
+def test_without_samples_the_upload_is_the_last_iterate_minus_the_broadcast(why):
+    # no IASG sample (a burn-in round, or epochs <= burn_in_epochs): the FedAvg delta, last
+    # iterate minus theta, as the reference code sends; its sign makes a lone client's server
+    # step (server_lr 1) land on that client's last iterate
+    options = {"burn_in_rounds": 1} if why == "burn_in_rounds" else {"burn_in_epochs": 2}
+    strategy = make_strategy("fedpa", context(epochs=2), **options)
+    _, down, new_state, upload = fit_one(strategy)
+    assert int(new_state[COUNT].item()) == 0
+    for name, theta in down.tensors.items():
+        last = new_state["model." + name]
+        assert not torch.equal(last, theta)  # the client moved
+        # float64 difference of the same two float32 tensors, cast to float32: identical
+        assert torch.equal(upload.tensors[DELTA + name],
+                           (last.double() - theta.double()).float()), name
+    new = strategy.aggregate(strategy.init(), [upload], 1, torch.Generator())
+    for name in down.tensors:
+        # theta + 1 * (last - theta) in float64, cast back: last up to float32 rounding
+        torch.testing.assert_close(new[name], new_state["model." + name], rtol=0, atol=1e-6)
+
+
+def test_client_lr_is_the_step_of_local_sgd():
+    # one full-batch epoch and no sample (burn_in_rounds 1): the upload is one SGD step,
+    # -client_lr * grad CE(theta), with the gradient computed here independently
+    training = LocalTraining(epochs=1, lr=1e-2, batch_size=64)
+    strategy = make_strategy("fedpa", context(training=training), client_lr=0.3,
+                             burn_in_rounds=1)
+    c, down, _, upload = fit_one(strategy)
+    model = strategy.template(c.config.body)
+    params = {n: down.tensors[n].clone().requires_grad_(True) for n, _ in
+              model.named_parameters()}
+    loss = torch.nn.functional.cross_entropy(
+        torch.func.functional_call(model, params, (c.data.train_x,)), c.data.train_y)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    for (name, _), grad in zip(params.items(), grads, strict=True):
+        # float32 forward/backward over the same 12 samples in another order: rounding only
+        torch.testing.assert_close(upload.tensors[DELTA + name], -0.3 * grad, rtol=1e-5,
+                                   atol=1e-7)
+
+
+def test_burn_in_epochs_rho_and_normalize_delta_shape_the_upload():
+    # 4 epochs with burn_in_epochs 2: 2 samples (epochs 3, 4); the upload is the paper's
+    # Delta (normalize_delta False) with rho = 3, from those samples
+    strategy = make_strategy("fedpa", context(epochs=4), burn_in_epochs=2, rho=3.0,
+                             normalize_delta=False)
+    c, down, new_state, upload = fit_one(strategy)
+    assert int(new_state[COUNT].item()) == 2 and new_state[SAMPLES].shape[0] == 2
+    samples = list(new_state[SAMPLES].to(F64))
+    names = [n for n, _ in strategy.template(c.config.body).named_parameters()]
+    theta = torch.cat([down.tensors[n].reshape(-1) for n in names]).to(F64)
+    delta = flat_delta(strategy, c, upload).to(F64)
+    # from the stored float32 samples; 1 / rho_l = 4 amplifies their rounding (~1e-7)
+    expected = client_delta(theta, samples, 3.0, normalize=False)
+    torch.testing.assert_close(delta, expected, rtol=1e-4, atol=1e-5)
+    # the options matter: rho 1 or the normalised upload are far from it (off the samples'
+    # span: 4x, 2x and 1x the samples' mean step)
+    step = off_span(samples[0] / 2 + samples[1] / 2 - theta, torch.stack(samples))
+    assert step.norm() > 1e-3
+    torch.testing.assert_close(off_span(delta, torch.stack(samples)), 4 * step, rtol=1e-4,
+                               atol=1e-5)
+    for other in (client_delta(theta, samples, 1.0, normalize=False),
+                  client_delta(theta, samples, 3.0)):
+        assert (other - expected).norm() > 0.5 * step.norm()
+
+
+def hand_uploads(strategy, values=(1.0, 4.0), counts=(1, 3)):
+    """Uploads whose deltas are constant: client k's every entry ``values[k]``."""
+    params = strategy.parameters(strategy.init())
+    return [strategy.up_message(1, k, {**{DELTA + n: torch.full_like(p, v)
+                                          for n, p in params.items()},
+                                       "num_samples": torch.tensor([n])})
+            for k, (v, n) in enumerate(zip(values, counts, strict=True))]
+
+
+@pytest.mark.parametrize("weighted, mean", [(True, 3.25), (False, 2.5)])
+def test_server_lr_momentum_and_weighting_of_the_aggregate(weighted, mean):
+    # deltas 1 (n = 1) and 4 (n = 3): weighted mean (1 + 12) / 4 = 3.25, uniform 2.5;
+    # server_lr 0.5, momentum 0.5: round 1 moves 0.5 * mean, round 2 0.5 * (0.5 mean + mean)
+    strategy = make_strategy("fedpa", context(), server_lr=0.5, server_momentum=0.5,
+                             weighted=weighted)
+    start = strategy.init()
+    ups = hand_uploads(strategy)
+    one = strategy.aggregate(start, ups, 1, torch.Generator())
+    two = strategy.aggregate(one, ups, 2, torch.Generator())
+    for name, theta in strategy.parameters(start).items():
+        # exact: binary fractions added in float64 and cast like the strategy does
+        assert torch.equal(one[name], (theta.double() + 0.5 * mean).float()), name
+        assert torch.equal(two[name], (one[name].double() + 0.5 * 1.5 * mean).float()), name
+
+
+def test_mc_samples_is_the_number_of_draws_of_the_predictive():
+    strategy = make_strategy("fedpa", context(epochs=4), mc_samples=7)
+    c, down, new_state, _ = fit_one(strategy)
+    post = strategy.posterior(c.config, new_state, down)
+    assert post.n_samples == 7 and post.factor.shape[0] == 3  # 3 samples: epochs 2-4
+
+
+@pytest.mark.parametrize("ratio, rejected", [(None, []), (2.0, [2]), (10.0, [])])
+def test_screening_ratio_bounds_the_delta_norm_against_the_rounds_median(ratio, rejected):
+    # delta norms in proportion 1 : 1 : 3 (constant deltas 1, 1, 3), equal sample counts:
+    # 3 is more than 2x the median and less than 10x
+    strategy = make_strategy("fedpa", context(), screening_ratio=ratio)
+    plan = strategy.configure(strategy.init(), 1)
+    ups = hand_uploads(strategy, (1.0, 1.0, 3.0), (5, 5, 5))
+    verdicts = strategy.validate_uploads(plan, [wire(u) for u in ups], [0, 1, 2])
+    assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
+    if rejected:
+        assert "delta norm" in verdicts[2]
