@@ -181,6 +181,15 @@ def test_honest_replies_satisfy_the_bounds_at_every_temperature(s):
     (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, 1e9, 0],
                                                                             dtype=torch.float64)},
      "first derivative"),
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, -1e9, 0],
+                                                                            dtype=torch.float64)},
+     "first derivative"),
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, 0, 1e9],
+                                                                            dtype=torch.float64)},
+     "second derivative"),
+    (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([1e9, 0, 0],
+                                                                            dtype=torch.float64)},
+     "summed NLL"),
     (lambda t: {**t, "nll_derivatives": t["nll_derivatives"] + torch.tensor([0.0, 0, -1e9],
                                                                             dtype=torch.float64)},
      "second derivative"),
@@ -207,6 +216,58 @@ def test_a_tampered_reply_drops_its_client_and_the_rest_still_get_their_pooled_t
     pooled = fit_temperature(torch.cat([p for p, _ in rest]), torch.cat([y for _, y in rest]),
                              from_logits=False)
     assert outcome.fit.temperature == pytest.approx(pooled.temperature, rel=1e-11)
+
+
+# at s = log T = 0 the floored log-probabilities' spread is w = -log(1e-12) = 12 log 10 per
+# sample; the bounds for n = 2 samples and C = 4 classes, worked by hand
+W = 12 * math.log(10)
+BOUNDS = {  # index into (nll_sum, d1, d2): (lower, upper)
+    0: (0.0, 2 * (W + math.log(4))),
+    1: (-2 * W, 2 * W),
+    2: (-2 * W, 2 * (W * W / 4 + W)),
+}
+HONEST = (1.0, 0.5, 0.25)  # well inside every range
+
+
+@pytest.mark.parametrize("index, name", [(0, "summed NLL"), (1, "first derivative"),
+                                         (2, "second derivative")])
+def test_each_bound_of_a_reply_holds_on_both_sides(index, name):
+    # a value 1e-6 (relative) inside either bound passes, 1e-6 outside is refused: the slack,
+    # 1e-9 n (1 + w^2) = 1.5e-6, is far below 1e-6 of bounds of order 10-800 (the lower NLL
+    # bound 0 is tested at -1e-3 and 0)
+    low, high = BOUNDS[index]
+
+    def problem(value):
+        values = list(HONEST)
+        values[index] = value
+        return reply_problem(NLLDerivatives(0.0, *values, 2), 4, None)
+
+    assert problem(high * (1 - 1e-6)) is None
+    assert name in problem(high * (1 + 1e-6))
+    if low == 0.0:
+        assert problem(0.0) is None and name in problem(-1e-3)
+    else:
+        assert problem(low * (1 - 1e-6)) is None
+        assert name in problem(low * (1 + 1e-6))
+
+
+def test_the_bounds_scale_with_the_proposed_temperature():
+    # at T = 2 (s = log 2) the spread halves: a first derivative of 1.5 w (n = 2) is honest
+    # at T = 1 and refused at T = 2, whose bound is n w / 2 = w
+    point = dict(nll_sum=1.0, d1=-1.5 * W, d2=0.0, count=2)
+    assert reply_problem(NLLDerivatives(0.0, **point), 4, None) is None
+    assert "first derivative" in reply_problem(NLLDerivatives(math.log(2.0), **point), 4, None)
+
+
+def test_bounds_limit_the_searched_temperature():
+    # the pooled optimum lies above 1.5 (2.5x sharpened predictives); searched in [0.5, 1.2]
+    # the fit stops at the upper bound and says so
+    data = client_probabilities(2, [13, 40, 7])
+    free = federated_temperature_search(temperature_clients(data), 4)
+    capped = federated_temperature_search(temperature_clients(data), 4, bounds=(0.5, 1.2))
+    assert free.fit.temperature > 1.5 and free.fit.at_bound is None
+    assert capped.fit.temperature == 1.2 and capped.fit.at_bound == "upper"
+    assert capped.fit.bounds == (0.5, 1.2)
 
 
 def test_a_sample_count_that_changes_between_proposals_is_rejected():
