@@ -168,6 +168,84 @@ def test_evaluation_reply_is_checked():
                         client_id=1, n_bins=15, num_test=7)
 
 
+class InProcessGrid:
+    """A Grid whose nodes (node id 100 + client id) answer fit requests in this process with
+    the strategy's client half; records the bayesfl bytes pushed to each client."""
+
+    def __init__(self, server, nodes):
+        self.server, self.nodes = server, nodes
+        self.pushed: dict[int, int] = {}
+        self.uploaded: dict[int, int] = {}
+        self.replies: dict[str, Any] = {}
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, messages):
+        from types import SimpleNamespace
+
+        from bayesfl.messages import decode, encode
+
+        ids = []
+        for message in messages:
+            cid = message.metadata.dst_node_id - 100
+            data, values = unpack(message.content)
+            self.pushed[cid] = len(data)
+            strategy = self.server.strategy
+            config = strategy.context.client_config(cid)
+            _, upload = strategy.fit(config, strategy.init_client(config),
+                                     self.server.setup.client_data[cid], decode(data),
+                                     torch.Generator().manual_seed(cid))
+            up = encode(upload)
+            self.uploaded[cid] = len(up)
+            mid = f"m{len(self.replies)}"
+            self.replies[mid] = SimpleNamespace(
+                content=pack(up, round=values["round"]), has_error=lambda: False,
+                metadata=SimpleNamespace(reply_to_message_id=mid))
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in ids if i in self.replies]
+
+
+@pytest.mark.parametrize("connected", [6, 5])
+def test_a_flower_round_counts_bytes_for_the_sampled_clients_it_sent_to(connected, monkeypatch):
+    # fraction 0.5 of 6 clients: 3 sampled; the broadcast goes to each sampled client that
+    # has a node (all of them, or all but the first sampled one) and nobody else
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from bayesfl.flower.server_app import FlowerServer
+    from bayesfl.simulate import sample_clients
+
+    for key in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, key, 1)
+    run_config = {"strategy": "fedavg", "dataset": "gaussian_mixture", "clients": 6,
+                  "partition": "iid", "rounds": 3, "seed": 3, "body": "mlp:8",
+                  "feature-dim": 4, "local-epochs": 1, "fraction": 0.5, "evaluate-every": 100,
+                  "dataset-option.n": 120, "dataset-option.num_classes": 3,
+                  "dataset-option.dim": 5}
+    server = FlowerServer(None, run_config)
+    sampled = sample_clients(6, 0.5, seed=3, round=1)
+    assert len(sampled) == 3
+    missing = [] if connected == 6 else sampled[:1]
+    server.nodes = {cid: 100 + cid for cid in range(6) if cid not in missing}
+    server.grid = grid = InProcessGrid(server, server.nodes.values())
+    record, evaluation = server.round(1)
+    assert evaluation is None  # round 1 of 3, evaluate-every 100: no evaluation step
+    sent = [cid for cid in sampled if cid not in missing]
+    assert record["participants"] == sampled and sorted(grid.pushed) == sent
+    down = set(grid.pushed.values())
+    assert len(down) == 1 and record["bytes_down_per_client"] == down.pop()
+    assert record["bytes_down"] == len(sent) * record["bytes_down_per_client"]
+    assert record["bytes_up_per_client"] == [grid.uploaded.get(cid, 0) for cid in sampled]
+    assert record["bytes_up"] == sum(grid.uploaded.values())
+    params = sum(p.numel() for p in server.strategy.template("mlp:8").parameters())
+    assert record["floats_down"] == len(sent) * params
+    assert record["floats_up"] == len(sent) * (params + 1)
+    assert record["accepted"] == len(sent)
+
+
 # ---- on a loopback deployment ----------------------------------------------------------------
 # Two deployments carry every check: each Flower step starts a fresh ClientApp process per node
 # (torch and bayesfl imported again), so a run costs minutes on a busy 2-core machine.

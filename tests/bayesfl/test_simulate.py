@@ -162,6 +162,36 @@ def test_client_sampling_is_seeded_and_respects_the_fraction():
     assert sample_clients(10, 1.0, seed=1, round=5) == list(range(10))
 
 
+def test_partial_participation_counts_the_bytes_of_the_sampled_clients_only():
+    # fraction 0.5 of 6 clients: 3 sampled per round; each is sent the round's broadcast once
+    # and each sends one upload, so the round's bytes are 3 broadcasts and those 3 uploads
+    down, up = {}, {}
+
+    def on_broadcast(r, data):
+        down[r] = len(data)
+
+    def on_upload(r, cid, data):
+        up[r, cid] = len(data)
+        return data
+
+    result = simulate("fedavg", broadcast_hook=on_broadcast, upload_hook=on_upload,
+                      **{**SMALL, "fraction": 0.5})
+    params = sum(t.numel() for k, t in result.clients[0].state.items()
+                 if k.startswith("model."))
+    for m in result.metrics:
+        r, sampled = m["round"], m["participants"]
+        assert sampled == sample_clients(6, 0.5, seed=3, round=r) and len(sampled) == 3
+        assert sorted(cid for rr, cid in up if rr == r) == sampled  # nobody else was asked
+        assert m["bytes_down_per_client"] == down[r]
+        assert m["bytes_down"] == 3 * down[r]
+        assert m["bytes_up_per_client"] == [up[r, cid] for cid in sampled]
+        assert m["bytes_up"] == sum(up[r, cid] for cid in sampled)
+        # FedAvg sends every parameter down and every parameter plus the count up
+        assert m["floats_down"] == 3 * params and m["floats_up"] == 3 * (params + 1)
+    assert result.summary["bytes_down"] == 3 * sum(down.values())
+    assert result.summary["bytes_up"] == sum(up.values())
+
+
 def test_bad_settings_are_config_errors():
     with pytest.raises(ConfigError, match="valid names"):
         simulate("fedsgd", **SMALL)
