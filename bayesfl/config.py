@@ -116,9 +116,14 @@ class SimulationConfig:
         if not self.body_specs:
             raise ConfigError(f"body must name at least one body spec, got {self.body!r}; "
                               "e.g. 'mlp:200' or 'mlp:200,mlp:100-100'")
+        from bayesfl.data.datasets import check_dataset_options, dataset_key
         from bayesfl.strategies import strategy_options
 
         strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
+        key = dataset_key(self.dataset)
+        if key is not None:  # other names label data passed in (simulate(data=...))
+            # checked here, before a run directory is prepared; kept as given (fingerprints)
+            check_dataset_options(key, self.dataset_options)
 
     @property
     def body_specs(self) -> list[str]:

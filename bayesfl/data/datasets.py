@@ -33,16 +33,19 @@
   shapes (1, 28, 28) and (3, 32, 32).
 
 Every data set is pooled; clients and their train/test splits come from
-:func:`bayesfl.data.clients.make_clients`.
+:func:`bayesfl.data.clients.make_clients`. Options are checked for their type and lower bound
+(:func:`check_dataset_options`; a run does so when its configuration is built) before anything
+is generated or read: ``n = "many"`` or ``n = 300.0`` is a :class:`ConfigError` naming the option.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,15 +129,51 @@ def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options
         ConfigError: an unknown name or option (the message lists the valid ones).
         DataError: files that are absent and may not be downloaded, or a failed download.
     """
-    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
-    if key not in _LOADERS:
+    key = dataset_key(name)
+    if key is None:
         raise ConfigError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
-    loader, valid_options = _LOADERS[key]
+    loader, _ = _LOADERS[key]
+    return loader(seed=seed, root=root, **check_dataset_options(key, options))
+
+
+def dataset_key(name: Any) -> str | None:
+    """The :data:`DATASETS` key ``name`` spells (case, ``-`` or ``_`` alike), or None."""
+    key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
+    return key if key in _LOADERS else None
+
+
+def check_dataset_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` of the data set ``name`` (a :data:`DATASETS` key), each checked for its
+    type and lower bound (:data:`_OPTION_KINDS`) before anything is generated or read; the
+    loaders check what depends on several options (``n >= num_classes``).
+
+    Raises:
+        ConfigError: an unknown option (the message lists the valid ones) or a value of the
+            wrong type or below its bound (the message names the option and the value).
+    """
+    from bayesfl.config import check_integer, check_number, describe
+
+    _, valid_options = _LOADERS[name]
     unknown = sorted(set(options) - set(valid_options))
     if unknown:
         allowed = ", ".join(valid_options) if valid_options else "none"
-        raise ConfigError(f"unknown option(s) {unknown} for dataset {key!r}; valid: {allowed}")
-    return loader(seed=seed, root=root, **options)
+        raise ConfigError(f"unknown option(s) {unknown} for dataset {name!r}; valid: {allowed}")
+    checked = {}
+    for option, value in options.items():
+        kind, low = _OPTION_KINDS[option]
+        label = f"dataset {name!r} option {option}"
+        if kind == "int" or (kind == "int or None" and value is not None):
+            value = check_integer(label, value, low, None)
+        elif kind == "number":
+            value = check_number(label, value)
+            if not low <= value < math.inf:
+                raise ConfigError(f"{label} must be a finite number >= {low:g}, got {value!r}")
+        elif kind == "bool" and not isinstance(value, bool):
+            raise ConfigError(f"{label} must be true or false, got {describe(value)}")
+        elif kind == "str" and not isinstance(value, str):
+            raise ConfigError(f"{label} must be a string, got {describe(value)}")
+        checked[option] = value
+    return checked
 
 
 def _load_digits(*, seed: int, root: str | None) -> Dataset:
@@ -284,6 +323,19 @@ def _torchvision_split(
     y = torch.as_tensor(np.asarray(data.targets), dtype=torch.int64)
     return x, y
 
+
+# option -> (kind, lowest value of a number): what check_dataset_options accepts, so that a
+# TOML string or a float where a count is expected is refused by name, not met by a loader
+_OPTION_KINDS: dict[str, tuple[str, float]] = {
+    "num_classes": ("int", 2),
+    "dim": ("int", 1),
+    "n": ("int", 1),
+    "separation": ("number", 0.0),
+    "num_samples": ("int", 10),
+    "download": ("bool", 0),
+    "split": ("str", 0),
+    "max_samples": ("int or None", 1),
+}
 
 _LOADERS: dict[str, tuple[Callable[..., Dataset], tuple[str, ...]]] = {
     "digits": (_load_digits, ()),

@@ -175,6 +175,19 @@ def test_bad_toml_values_name_the_file_and_the_key(tmp_path, capsys, toml, expec
     assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("where", ["toml", "flag"])
+def test_a_dataset_option_of_the_wrong_type_is_a_one_line_error(tmp_path, capsys, where):
+    config = tmp_path / "run.toml"
+    config.write_text('strategy = "fedavg"\ndataset = "gaussian_mixture"\nclients = 4\n'
+                      + ('[dataset_options]\nn = "many"\n' if where == "toml" else ""))
+    flags = ["--dataset-option", "n=many"] if where == "flag" else []
+    assert main(["run", "--config", str(config), "--out", str(tmp_path / "x"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == ("bayesfl: error: dataset 'gaussian_mixture' option n must be an integer, "
+                   "got 'many' (a string)\n")
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize(("content", "expected"), [
     (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "is not a text file (not UTF-8"),
     (b"\x00\x01\x02rounds = 1", "is not valid TOML"),

@@ -69,6 +69,38 @@ def test_values_out_of_range_are_refused_with_the_number(field, value, expected)
         SimulationConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"n": "many"}, "dataset 'gaussian_mixture' option n must be an integer, got 'many' "
+                        "(a string)"),
+        ({"n": 300.0}, "option n must be an integer, got 300.0 (a float)"),
+        ({"dim": True}, "option dim must be an integer, got True (a boolean)"),
+        ({"num_classes": 1}, "option num_classes must be >= 2, got 1"),
+        ({"separation": "far"}, "option separation must be a number, got 'far' (a string)"),
+        ({"separation": -1}, "option separation must be a finite number >= 0, got -1.0"),
+        ({"classes": 3}, "unknown option(s) ['classes'] for dataset 'gaussian_mixture'"),
+    ],
+)
+def test_dataset_options_of_the_wrong_type_are_refused_before_anything_is_loaded(
+        options, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        SimulationConfig(dataset="gaussian_mixture", dataset_options=options)
+    # the same through simulate(), before a run directory is prepared or data generated
+    from bayesfl.simulate import simulate
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        simulate("fedavg", dataset="gaussian_mixture", dataset_options=options)
+
+
+def test_dataset_options_are_kept_as_given():
+    config = SimulationConfig(dataset="gaussian-mixture", dataset_options={"n": np.int64(300),
+                                                                           "separation": 3})
+    assert config.dataset_options == {"n": 300, "separation": 3}  # fingerprints unchanged
+    # a name that is not a known data set labels data passed in: its options are not checked
+    assert SimulationConfig(dataset="custom", dataset_options={"n": "x"}).dataset == "custom"
+
+
 def test_per_client_calibration_tables_are_bounded():
     clients = MAX_BIN_CELLS // MAX_BINS + 1
     with pytest.raises(ConfigError, match="clients x n_bins"):

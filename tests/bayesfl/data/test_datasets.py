@@ -155,6 +155,15 @@ def test_unknown_option_is_a_config_error_listing_the_valid_options():
         load_dataset("digits", download=True)
 
 
+def test_an_option_of_the_wrong_type_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match=r"option n must be an integer, got 'many' \(a string"):
+        load_dataset("gaussian_mixture", n="many")
+    with pytest.raises(ConfigError, match="option download must be true or false"):
+        load_dataset("mnist", download="yes")
+    with pytest.raises(ConfigError, match="option max_samples must be >= 1"):
+        load_dataset("mnist", max_samples=0)
+
+
 def test_dataset_rejects_inconsistent_arrays():
     with pytest.raises(DataError, match="float32"):
         Dataset("bad", torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.int64),
