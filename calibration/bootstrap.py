@@ -48,7 +48,8 @@ def bootstrap_ece(
     """Percentile bootstrap ``(1 - alpha)`` interval for the ECE.
 
     Samples are resampled with replacement ``n_boot`` times from a ``torch.Generator`` seeded
-    with ``seed`` on the input's device, so a call is reproducible on the same device. The bin
+    with ``seed`` (an integer in ``[0, 2**63)``) on the input's device, so a call is
+    reproducible on the same device. The bin
     edges are those of the full data (for ``"quantile"`` binning they are not re-estimated per
     resample). The estimate is the ECE of the full data, not the bootstrap mean.
     """
@@ -96,11 +97,14 @@ def _alpha(alpha: Any) -> float:
 
 
 def _seed(seed: Any) -> int:
-    """``seed`` as an int accepted by ``torch.Generator.manual_seed``, or InvalidInputError."""
+    """``seed`` as an int in ``[0, 2**63)``, or InvalidInputError. Seeds are non-negative, as
+    everywhere in the project (a run's seed, NumPy's generators): torch would take
+    -1 as 2**64 - 1, so two spellings of one stream, and a typo would go unnoticed."""
     try:
         value = operator.index(seed)
     except TypeError:
         raise InvalidInputError(f"seed must be an integer; got {seed!r}") from None
-    if isinstance(seed, bool) or not -(2**63) <= value < 2**64:
-        raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64); got {seed!r}")
+    if isinstance(seed, bool) or not 0 <= value < 2**63:
+        raise InvalidInputError(f"seed must be an integer in [0, 2**63) (seeds are "
+                                f"non-negative, as NumPy's); got {seed!r}")
     return value

@@ -45,3 +45,12 @@ def test_interval_is_ordered_and_inside_the_unit_interval():
 def test_bad_bootstrap_settings_are_refused(kwargs):
     with pytest.raises(InvalidInputError):
         bootstrap_ece(*data(), **kwargs)
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**63, 2**64 - 1])
+def test_a_seed_outside_0_to_2_63_is_refused_as_run_seeds_are(seed):
+    # torch would take -1 as 2**64 - 1: two spellings of one stream, and a typo unnoticed
+    with pytest.raises(InvalidInputError, match=r"seed must be an integer in \[0, 2\*\*63\).*"
+                                                rf"got {seed}$"):
+        bootstrap_ece(*data(), n_boot=10, seed=seed)
+    assert bootstrap_ece(*data(), n_boot=10, seed=2**63 - 1).low >= 0.0  # the largest accepted
