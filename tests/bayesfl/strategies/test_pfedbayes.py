@@ -4,12 +4,14 @@ a digits run, poisoned uploads rejected."""
 import numpy as np
 import pytest
 import torch
-from strategy_helpers import generators, run_round, wire
+from strategy_helpers import context, generators, make_clients, run_round, wire
 from torch.distributions import Normal, kl_divergence
 
 from bayesfl.simulate import simulate
+from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import MAP_PLUGIN, MODEL_PREFIX, PREDICTIVE
 from bayesfl.strategies.pfedbayes import MU, RHO, diagonal_gaussian_kl, softplus_std
+from bayesfl.training import LocalTraining
 
 F64 = torch.float64
 
@@ -174,3 +176,133 @@ def test_poisoned_uploads_are_rejected_with_a_reason(build):
         verdicts = strategy.validate_uploads(plan, [wire(bad), *ups[1:]], [0, 1, 2])
         assert verdicts[0] is not None and reason in verdicts[0], verdicts[0]
         assert verdicts[1:] == [None, None]
+
+
+# ---- mini-batches smaller than the data set, and every documented option --------------------
+def test_a_mini_batch_loss_weighs_the_kl_by_the_clients_whole_sample_count(build):
+    # the paper's objective per data point: the batch's mean NLL plus zeta KL / n with n the
+    # client's training-set size (20), not the batch's (5)
+    strategy, clients, state = build("pfedbayes", zeta=3.0)
+    c = clients[1]
+    assert c.data.num_train == 20
+    names = strategy.names(c.config.body)
+    mu = {k: c.state[MODEL_PREFIX + k] + 0.05 for k in names}
+    rho = {k: torch.full_like(c.state[RHO + k], -30.0) for k in names}  # sigma ~ 1e-13: w = mu
+    g_mu = {k: state[MU + k] for k in names}
+    g_rho = {k: state[RHO + k] for k in names}
+    model = strategy.template(c.config.body)
+    x, y = c.data.train_x[:5], c.data.train_y[:5]
+    loss = strategy.personal_loss(model, mu, rho, g_mu, g_rho, x, y, 20,
+                                  torch.Generator().manual_seed(0))
+    nll = torch.nn.functional.cross_entropy(torch.func.functional_call(model, mu, (x,)), y)
+    kl = sum(kl_divergence(Normal(mu[k], softplus_std(rho[k])),
+                           Normal(g_mu[k], softplus_std(g_rho[k]))).sum() for k in names)
+    # the KL of ~100 float32 terms is ~1e4 (sigma 1e-13 against 0.049): relative 1e-5
+    torch.testing.assert_close(loss, nll + 3.0 * kl / 20, rtol=1e-5, atol=1e-6)
+    assert float(3.0 * kl / 5 - 3.0 * kl / 20) > 1.0  # a batch-size weight would be far off
+
+
+def test_local_training_passes_the_clients_sample_count_to_every_batch_loss(build):
+    # 20 samples in batches of 5, 2 epochs, personal_steps 2: per epoch 4 batches of 2
+    # personal updates and one global update each; every loss gets n = 20
+    strategy, clients, state = build("pfedbayes", personal_steps=2)
+    calls = {"personal": [], "global": []}
+    personal, global_ = strategy.personal_loss, strategy.global_loss
+
+    def spy_personal(model, mu, rho, g_mu, g_rho, x, y, n, generator):
+        calls["personal"].append((len(y), n))
+        return personal(model, mu, rho, g_mu, g_rho, x, y, n, generator)
+
+    def spy_global(mu, rho, g_mu, g_rho, n):
+        calls["global"].append(n)
+        return global_(mu, rho, g_mu, g_rho, n)
+
+    strategy.personal_loss, strategy.global_loss = spy_personal, spy_global
+    c = clients[1]
+    strategy.fit(c.config, c.state, c.data, wire(strategy.configure(state, 1).broadcast),
+                 generators([c], 1)[0])
+    assert calls["personal"] == [(5, 20)] * 16 and calls["global"] == [20] * 8
+
+
+def test_lr_and_global_lr_are_the_adam_steps_of_the_personal_and_localized_global():
+    # one full batch, one personal step and one global step: Adam's first step moves every
+    # entry by lr * g / (|g| + 1e-8), so the largest move is the learning rate itself
+    training = LocalTraining(epochs=1, lr=1e-2, batch_size=64)
+    strategy = make_strategy("pfedbayes", context(training=training), lr=0.02,
+                             global_lr=0.003, personal_steps=1)
+    c = make_clients(strategy)[1]
+    down = wire(strategy.configure(strategy.init(), 1).broadcast)
+    new_state, upload = strategy.fit(c.config, c.state, c.data, down, torch.Generator())
+    names = strategy.names(c.config.body)
+
+    def largest(a, b):
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in names)
+
+    mu0 = {k: c.state[MODEL_PREFIX + k] for k in names}
+    moved = largest({k: new_state[MODEL_PREFIX + k] for k in names}, mu0)
+    global_moved = largest({k: upload.tensors[MU + k] for k in names},
+                           {k: down.tensors[MU + k] for k in names})
+    # float32 parameters of O(1): rounding ~1e-7 on steps of 1e-3 to 1e-2
+    assert moved == pytest.approx(0.02, rel=1e-4)
+    assert global_moved == pytest.approx(0.003, rel=1e-4)
+
+
+def test_rho_init_starts_every_global_and_personal_rho():
+    strategy = make_strategy("pfedbayes", context(), rho_init=-1.5)
+    state, c = strategy.init(), make_clients(strategy)[0]
+    rhos = [v for k, v in state.items() if k.startswith(RHO)]
+    rhos += [v for k, v in c.state.items() if k.startswith(RHO)]
+    assert len(rhos) == 2 * len(strategy.names(c.config.body))
+    assert all(bool((r == -1.5).all()) for r in rhos)
+
+
+def test_epsilon_std_and_mc_samples_shape_the_predictive_posterior():
+    strategy = make_strategy("pfedbayes", context(), epsilon_std=0.5, mc_samples=6)
+    c = make_clients(strategy)[0]
+    post = strategy.posterior(c.config, c.state,
+                              wire(strategy.configure(strategy.init(), 1).broadcast))
+    expected = 0.5 * float(torch.nn.functional.softplus(torch.tensor(-3.0, dtype=F64)))
+    # float32 softplus(-3) times 0.5
+    torch.testing.assert_close(post.variance.double().sqrt(),
+                               torch.full_like(post.variance, expected).double(), rtol=1e-6,
+                               atol=0)
+    assert post.n_samples == 6
+
+
+def hand_uploads(strategy, values=(1.0, 4.0), counts=(1, 3)):
+    """Uploads whose every mean and rho is ``values[k]`` for client k."""
+    tensors = strategy.broadcast_tensors(strategy.init(), 1)
+    return [strategy.up_message(1, k, {**{name: torch.full_like(t, v)
+                                          for name, t in tensors.items()},
+                                       "num_samples": torch.tensor([n])})
+            for k, (v, n) in enumerate(zip(values, counts, strict=True))]
+
+
+@pytest.mark.parametrize("weighted, mean", [(True, 3.25), (False, 2.5)])
+def test_beta_mixes_the_weighted_or_plain_mean_into_the_old_global(weighted, mean):
+    # values 1 (n = 1) and 4 (n = 3): weighted mean (1 + 12) / 4 = 3.25, plain 2.5; beta 0.25
+    strategy = make_strategy("pfedbayes", context(), beta=0.25, weighted=weighted)
+    start = strategy.init()
+    new = strategy.aggregate(start, hand_uploads(strategy), 1, torch.Generator())
+    for name, old in strategy.broadcast_tensors(start, 1).items():
+        # binary fractions combined in float64 and cast, as the strategy does: exact
+        assert torch.equal(new[name], (0.75 * old.double() + 0.25 * mean).float()), name
+
+
+@pytest.mark.parametrize("ratio, rejected", [(None, []), (2.0, [2]), (10.0, [])])
+def test_screening_ratio_bounds_the_mean_update_norm_against_the_rounds_median(ratio,
+                                                                               rejected):
+    # every mean moved by 1, 1 and 3 from the broadcast: norms in proportion 1 : 1 : 3
+    strategy = make_strategy("pfedbayes", context(), screening_ratio=ratio)
+    state = strategy.init()
+    plan = strategy.configure(state, 1)
+    ups = []
+    for k, shift in enumerate((1.0, 1.0, 3.0)):
+        tensors = {name: t + shift if name.startswith(MU) else t.clone()
+                   for name, t in strategy.broadcast_tensors(state, 1).items()}
+        ups.append(wire(strategy.up_message(1, k, {**tensors,
+                                                   "num_samples": torch.tensor([5])})))
+    verdicts = strategy.validate_uploads(plan, ups, [0, 1, 2])
+    assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
+    if rejected:
+        assert "mean update norm" in verdicts[2]
