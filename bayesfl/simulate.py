@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, MessageRe
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
-from bayesfl.messages import KeyRing, Message, decode, encode
+from bayesfl.messages import KeyRing, Message, TensorSpec, decode, encode
 from bayesfl.run_directory import (
     CHECKPOINT_NAME,
     METRICS_NAME,
@@ -298,6 +298,53 @@ def non_finite_problem(state: ServerState) -> str | None:
                 not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             return f"{name!r} has {bad} non-finite value(s) of {tensor.numel()}"
+    return None
+
+
+def server_state_problem(loaded: ServerState, fresh: ServerState) -> str | None:
+    """How a resumed server state departs from ``fresh``, the state a new run of the same
+    configuration starts from; None if it fits (a checkpoint's digest has no key, so a forged
+    or buggy one is checked here rather than met by a shape error in the next round).
+
+    Every tensor of the fresh state must be there with its dtype and shape (a tensor that starts
+    empty may have grown along its empty axes: CoLearn's pool), and every floating tensor must
+    be finite. Tensors a strategy adds as it runs (per-client ledgers and caches, momentum
+    buffers) have no counterpart in the fresh state: :func:`cached_upload_problem` checks the
+    copies of uploads among them.
+    """
+    for name, start in fresh.items():
+        if name not in loaded:
+            return f"server tensor {name!r} is missing"
+        tensor = loaded[name]
+        if tensor.dtype != start.dtype:
+            return f"server tensor {name!r} is {tensor.dtype}, this run's is {start.dtype}"
+        grown = tensor.dim() == start.dim() and all(
+            a == b or b == 0 for a, b in zip(tensor.shape, start.shape, strict=True))
+        if not grown:
+            return (f"server tensor {name!r} has shape {tuple(tensor.shape)}, this run's has "
+                    f"{tuple(start.shape)}")
+    problem = non_finite_problem(loaded)
+    return None if problem is None else f"server tensor {problem}"
+
+
+def cached_upload_problem(loaded: ServerState, schema: Mapping[str, TensorSpec],
+                          num_clients: int) -> str | None:
+    """The first server tensor named ``PREFIX/<client id>/<upload tensor>`` (a copy of a
+    client's upload the strategy keeps, e.g. FedLog's latest statistics) whose client is not one
+    of this run's or whose dtype or shape does not fit the upload schema; None if all fit."""
+    for name, tensor in loaded.items():
+        parts = name.split("/")
+        if len(parts) != 3 or parts[2] not in schema:
+            continue
+        spec = schema[parts[2]]
+        if not parts[1].isdigit() or int(parts[1]) >= num_clients:
+            return f"server tensor {name!r} names no client of this run (0 to {num_clients - 1})"
+        fits = tensor.dtype == spec.dtype and tensor.dim() == len(spec.shape) and all(
+            want is None or size == want for size, want in zip(tensor.shape, spec.shape,
+                                                               strict=True))
+        if not fits:
+            return (f"server tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, an "
+                    f"upload's {parts[2]!r} is {spec.dtype} {tuple(spec.shape)}")
     return None
 
 
@@ -650,6 +697,11 @@ class _Run:
             raise CheckpointError(foreign.format(f"elapsed seconds {seconds!r}"))
         try:
             state = {k: tensors[f"server/{k}"].to(self.device) for k in meta["server_keys"]}
+            problem = (server_state_problem(state, self.state) or cached_upload_problem(
+                state, self.server.upload_schema(self.state, min(last + 1, rounds)),
+                len(self.clients)))
+            if problem is not None:
+                raise ValueError(problem)
             client_states = [self._restored_client_state(c, tensors) for c in self.clients]
             rng = tensors["rng/torch"]
             log = tensors[_METRICS_TENSOR]

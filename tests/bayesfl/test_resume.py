@@ -10,6 +10,7 @@ what differs and what to do.
 import importlib
 import json
 import os
+import shutil
 import struct
 
 import pytest
@@ -152,6 +153,70 @@ def test_a_client_state_of_the_wrong_shape_is_refused(cut):
     tensors[name] = torch.zeros(3)
     save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
     with pytest.raises(CheckpointError, match="client 0's tensors differ from its layout"):
+        simulate("fedavg", out=cut, resume=True, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def fedlog_cut(tmp_path_factory):
+    """A FedLog run stopped after round 1 (its server state holds the head, the summed
+    statistics and every client's latest statistics); tests forge copies of it."""
+    out = tmp_path_factory.mktemp("fedlog") / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        simulate("fedlog", out=out, round_callback=stop_after(1), **SMALL)
+    return out
+
+
+def _forge_server_tensor(run_dir, name, change):
+    """Re-sign the checkpoint in ``run_dir`` with server tensor ``name`` replaced by
+    ``change(tensor)`` (a digest-valid forgery: the digest has no key)."""
+    path = run_dir / CHECKPOINT_NAME
+    fingerprint = _fingerprint(run_dir)
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    tensors[f"server/{name}"] = change(tensors[f"server/{name}"])
+    save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
+
+
+def _nan_first(tensor):
+    tensor = tensor.clone()
+    tensor.view(-1)[0] = float("nan")
+    return tensor
+
+
+@pytest.mark.parametrize(("name", "change", "expected"), [
+    ("head", lambda t: torch.zeros(t.shape[0] + 1, t.shape[1]),
+     "server tensor 'head' has shape (5, 9), this run's has (4, 9)"),
+    ("head", lambda t: t.double(), "server tensor 'head' is torch.float64, this run's is "
+                                   "torch.float32"),
+    ("statistics", _nan_first, "server tensor 'statistics' has 1 non-finite value(s) of 36"),
+    ("latest/1/statistics", lambda t: torch.zeros(3), "server tensor 'latest/1/statistics' is "
+     "torch.float32 (3,), an upload's 'statistics' is torch.float32 (4, 9)"),
+    ("latest/9/statistics", lambda t: t, "server tensor 'latest/9/statistics' names no client "
+                                         "of this run (0 to 3)"),
+])
+def test_a_server_state_that_a_fresh_run_could_not_have_is_refused_naming_the_tensor(
+        fedlog_cut, tmp_path, name, change, expected):
+    out = tmp_path / "fedlog"
+    shutil.copytree(fedlog_cut, out)
+    if name == "latest/9/statistics":  # an entry for a client this run does not have
+        path, fingerprint = out / CHECKPOINT_NAME, _fingerprint(out)
+        tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+        tensors["server/latest/9/statistics"] = tensors["server/latest/1/statistics"]
+        meta["server_keys"] = [*meta["server_keys"], "latest/9/statistics"]
+        save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
+    else:
+        _forge_server_tensor(out, name, change)
+    with pytest.raises(CheckpointError, match="not written by this run") as info:
+        simulate("fedlog", out=out, resume=True, **SMALL)
+    assert expected in str(info.value) and "--force" in str(info.value)
+
+
+def test_a_missing_server_tensor_is_named(cut):
+    path, fingerprint = cut / CHECKPOINT_NAME, _fingerprint(cut)
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    name = meta["server_keys"][0]
+    save_checkpoint(path, {k: v for k, v in tensors.items() if k != f"server/{name}"},
+                    {**meta, "server_keys": meta["server_keys"][1:]}, fingerprint=fingerprint)
+    with pytest.raises(CheckpointError, match=f"server tensor '{name}' is missing"):
         simulate("fedavg", out=cut, resume=True, **SMALL)
 
 
