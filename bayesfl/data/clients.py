@@ -4,10 +4,18 @@ Each client's test set follows its own training label distribution (as FedLog an
 for every class the client holds, about ``test_fraction`` of its samples go to test. The split
 is by largest remainder, so a client with n samples gets ``max(1, round(n * test_fraction))``
 test samples (at most n - 1), and a class keeps at least one training sample whenever possible.
+
+A ``test_fraction`` that starves a client is refused (:class:`ConfigError`): when a client
+would train on fewer samples than the classes it holds *and* on fewer than it tests on, the
+test share, not the partition, took its training data (``test_fraction=0.999`` leaves one
+training sample to a client of 450); the message names the client and the largest
+``test_fraction`` that leaves every client a training sample per class or at least half its
+data. A small client that merely cannot spare a test sample for every class is accepted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,7 +74,8 @@ def make_clients(
             (0, 1); ignored by a scheme that fixes the split (``labels:K:train=N``).
 
     Raises:
-        ConfigError: a bad scheme or ``test_fraction``.
+        ConfigError: a bad scheme or ``test_fraction``, or a ``test_fraction`` that leaves a
+            client starved of training data (module docstring).
         DataError: more clients than samples, an empty client, or a client too small to hold
             both a training and a test sample.
     """
@@ -75,9 +84,11 @@ def make_clients(
     labels = dataset.y.numpy()
     scheme = partition if isinstance(partition, PartitionScheme) else \
         PartitionScheme.parse(partition)
+    splits = _splits(labels, num_clients, scheme, seed, test_fraction)
+    if not scheme.fixes_split:  # a fixed split ignores test_fraction
+        check_training_shares(labels, splits, test_fraction)
     clients = []
-    for client_id, (train_idx, test_idx) in enumerate(
-            _splits(labels, num_clients, scheme, seed, test_fraction)):
+    for client_id, (train_idx, test_idx) in enumerate(splits):
         clients.append(ClientData(
             client_id=client_id,
             train_x=dataset.x[train_idx], train_y=dataset.y[train_idx],
@@ -88,6 +99,37 @@ def make_clients(
 
 
 _partition = partition  # the argument of make_clients shadows the function's name
+
+
+def check_training_shares(
+    labels: np.ndarray, splits: list[tuple[np.ndarray, np.ndarray]], test_fraction: float
+) -> None:
+    """Refuse a ``test_fraction`` that starves a client (module docstring): one that trains on
+    fewer samples than the classes it holds and on fewer than it tests on.
+
+    Raises:
+        ConfigError: naming the first such client, how many there are, and the largest
+            ``test_fraction`` (two decimals) that leaves each of them a training sample per
+            class or at least half its data.
+    """
+    starved = []  # (client, training samples, classes held, test samples)
+    for client_id, (train, test) in enumerate(splits):
+        held = len(np.unique(labels[np.concatenate([train, test])]))
+        if len(train) < held and len(train) < len(test):
+            starved.append((client_id, len(train), held, len(test)))
+    if not starved:
+        return
+    # test_fraction <= m / n caps the test set at m, leaving n - m to train: m = n - classes
+    # gives every class a training sample, m = n // 2 half the data
+    largest = min(max(n_train + n_test - held, (n_train + n_test) // 2) / (n_train + n_test)
+                  for _, n_train, held, n_test in starved)
+    client_id, n_train, held, n_test = starved[0]
+    raise ConfigError(
+        f"test_fraction {test_fraction:g} leaves client {client_id} with {n_train} training "
+        f"sample(s) for the {held} classes it holds ({n_train + n_test} samples, {n_test} for "
+        f"testing; {len(starved)} of {len(splits)} clients are as short), too few to learn "
+        f"its classes from; use test_fraction <= {math.floor(largest * 100) / 100:g} (the "
+        "default is 0.25)")
 
 
 def _splits(

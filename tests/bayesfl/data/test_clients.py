@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bayesfl.data.clients import make_clients, stratified_split
+from bayesfl.data.clients import check_training_shares, make_clients, stratified_split
 from bayesfl.data.datasets import Dataset, load_dataset
 from bayesfl.errors import ConfigError, DataError
 
@@ -109,3 +109,27 @@ def test_property_stratified_split_is_a_partition_with_proportional_class_shares
     quota = counts * total_test / len(y)
     test_counts = np.array([np.sum(y[test] == c) for c in classes])
     assert np.all((test_counts >= np.floor(quota)) & (test_counts <= np.ceil(quota)))
+
+
+def test_a_test_fraction_that_starves_the_clients_is_a_config_error(digits):
+    # 0.999 of 450 samples leaves one to train on for ten classes: no model learns from that
+    with pytest.raises(ConfigError) as info:
+        make_clients(digits, 4, "iid", seed=0, test_fraction=0.999)
+    assert str(info.value) == (
+        "test_fraction 0.999 leaves client 0 with 1 training sample(s) for the 10 classes it "
+        "holds (450 samples, 449 for testing; 4 of 4 clients are as short), too few to learn "
+        "its classes from; use test_fraction <= 0.97 (the default is 0.25)")
+    # the suggested fraction is accepted, and leaves every client a sample of every class
+    for c in make_clients(digits, 4, "iid", seed=0, test_fraction=0.97):
+        assert set(c.train_y.tolist()) == set(range(10))
+
+
+def test_a_small_client_that_cannot_spare_a_test_sample_per_class_is_accepted():
+    # 3 samples of 3 classes: the one test sample takes a class's only training sample, but
+    # the partition, not test_fraction, left it short (it trains on 2, more than it tests on)
+    labels = np.array([0, 1, 2, 0, 1, 2])
+    check_training_shares(labels, [(np.array([0, 1]), np.array([2])),
+                                   (np.array([3, 4]), np.array([5]))], 0.25)
+    with pytest.raises(ConfigError, match="leaves client 1 with 1 training sample"):
+        check_training_shares(labels, [(np.array([0, 1]), np.array([2])),
+                                       (np.array([3]), np.array([4, 5]))], 0.6)
