@@ -329,6 +329,7 @@ def pooled_held_out_predictive(result):
     return torch.cat(probs), torch.cat(labels)
 
 
+@pytest.mark.trained
 def test_a_fedlog_run_with_temperature_scaling_reports_both_figures_and_the_steps_bytes(
         tmp_path):
     result = simulate("fedlog", calibrate="temperature", out=tmp_path, **SMALL)

@@ -70,6 +70,7 @@ def _poison(round_, client_id, data):
     return encode(Message(msg.header, t))
 
 
+@pytest.mark.trained
 def test_poisoned_uploads_are_rejected_logged_and_the_run_finishes(tmp_path):
     result = simulate("fedlog", out=tmp_path, upload_hook=_poison, **{**SMALL, "rounds": 3})
     metrics = read_metrics(tmp_path)
@@ -130,6 +131,7 @@ def test_corrupt_or_foreign_checkpoints_give_clear_errors(tmp_path):
         simulate("fedlog", out=tmp_path, resume=True, **config)
 
 
+@pytest.mark.trained
 def test_batched_and_plain_training_give_the_same_run(tmp_path):
     batched = simulate("fedlog", batched=True, **SMALL)
     plain = simulate("fedlog", batched=False, **SMALL)
@@ -137,6 +139,7 @@ def test_batched_and_plain_training_give_the_same_run(tmp_path):
     assert batched.summary["accuracy"] == pytest.approx(plain.summary["accuracy"], abs=0.02)
 
 
+@pytest.mark.trained
 def test_heterogeneous_bodies_run_and_learn():
     result = simulate("fedlog", **{**SMALL, "body": "mlp:16,mlp:8-8", "rounds": 3})
     assert result.summary["accuracy"] > 0.7
@@ -222,6 +225,7 @@ def test_strategies_run_on_every_available_device(device, strategy):
 
 
 @pytest.mark.parametrize("body", ["mlp:16", "mlp:16,mlp:8-8"])
+@pytest.mark.trained
 def test_batched_evaluation_equals_the_per_client_evaluation(body):
     from bayesfl.evaluation import merge_evaluations
     from bayesfl.executor import ClientExecutor
@@ -316,6 +320,7 @@ def test_fedbabu_personalizes_once_after_training_and_predicts_with_it(tmp_path)
 
 
 @pytest.mark.parametrize("strategy", ["fedlog", "fedlog-dp-local", "fedavg", "fedproto"])
+@pytest.mark.trained
 def test_batched_uploads_equal_the_per_client_uploads(strategy):
     result = simulate(strategy, **{**SMALL, "rounds": 0 if strategy.startswith("fedlog") else 1})
     s, clients = result.strategy, result.clients

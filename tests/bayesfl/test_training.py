@@ -70,6 +70,7 @@ def test_frozen_parameters_are_untouched_in_both_paths():
         assert all(p.requires_grad for p in m.parameters())
 
 
+@pytest.mark.trained
 def test_training_reduces_the_loss():
     xs, ys = _client_data([40])
     model = _mlp(0)

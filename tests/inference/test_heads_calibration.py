@@ -18,7 +18,7 @@ from torch import nn
 from calibration.metrics import ece, nll
 from inference.factory import fit_head
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.trained]
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,7 @@ def fit_regression(**options):
 
 
 @pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
+@pytest.mark.trained
 def test_linear_regression_means_are_exact_and_variances_are_the_mean_field_optimum(guide):
     truth, post = fit_regression(batch_size=None, guide=guide)
     assert isinstance(post, GaussianPosterior) and post.structure.value == "diag"
@@ -68,6 +69,7 @@ def test_linear_regression_means_are_exact_and_variances_are_the_mean_field_opti
     assert (post.marginal_variance()[0] <= 1.05 * truth.covariance.diagonal()).all()
 
 
+@pytest.mark.trained
 def test_minibatch_likelihood_is_rescaled_by_n_over_batch():
     truth, post = fit_regression(batch_size=10)  # N = 40: an unscaled ELBO would give ×4
     ratio = post.marginal_variance()[0] * truth.precision.diagonal()
@@ -76,6 +78,7 @@ def test_minibatch_likelihood_is_rescaled_by_n_over_batch():
     assert ((post.mean - truth.mean) / sd).abs().max() < 0.3
 
 
+@pytest.mark.trained
 def test_softmax_regression_means_near_truth_and_variances_under_dispersed():
     truth = softmax_regression()
     post = fit_mfvi_head(truth.features, truth.labels, 2, batch_size=None,
@@ -198,6 +201,7 @@ def mean_field_deviation(post: GaussianPosterior, precision: float, prior_mean: 
 
 @pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
 @pytest.mark.parametrize(("precision", "prior_mean"), [(1.0, 0.0), (25.0, 0.3)])
+@pytest.mark.trained
 def test_fit_is_the_exact_mean_field_optimum(guide, precision, prior_mean):
     data = logistic_data()
     post = fit_mfvi_head(data.features, data.labels, 2, guide=guide, prior_precision=precision,
@@ -216,6 +220,7 @@ def test_fit_is_the_exact_mean_field_optimum(guide, precision, prior_mean):
 
 
 @pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
+@pytest.mark.trained
 def test_a_strong_prior_holds_the_means_at_the_prior_mean(guide):
     # Issue 12's reproduction: prior sd 0.01 (λ = 1e4). The optimum's means are ≤ 0.0012 and
     # its sds 0.0100. Measured (5 seeds): within 0.24 sds and 0.08 nats of the optimum (Adam's
@@ -259,6 +264,7 @@ def test_prior_standard_deviation_is_one_over_root_precision(precision):
     torch.testing.assert_close(site["fn"].log_prob(weight).double(), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.trained
 def test_gaussian_likelihood_at_precision_25_gives_exact_means_and_inverse_diagonal_variances():
     # Closed form at λ = 25 with the data as informative as the prior (σ = 2): the mean-field
     # optimum has the exact posterior mean and variances 1 / Λᵢᵢ. A 1/λ prior scale gives
@@ -311,6 +317,7 @@ def test_elbo_optimal_precision_maximises_the_exact_elbo_over_the_precision():
 
 
 @pytest.mark.parametrize("guide", ["auto_normal", "auto_diagonal_normal"])
+@pytest.mark.trained
 def test_empirical_bayes_finds_the_joint_optimum_of_the_elbo(guide):
     data = logistic_data()
     precision, optimum = empirical_bayes_optimum()  # λ ≈ 2.80 (13-number L-BFGS)

@@ -87,6 +87,7 @@ def test_closed_form_head_gradient_matches_autograd(likelihood):
     ("batch_size", "preconditioner", "step_size"),
     [(None, "none", None), (10, "none", None), (10, "rmsprop", 2e-4)],
 )
+@pytest.mark.trained
 def test_linear_regression_sample_moments_match_the_closed_form(batch_size, preconditioner,
                                                                  step_size):
     truth = linear_regression()
@@ -110,6 +111,7 @@ def test_linear_regression_sample_moments_match_the_closed_form(batch_size, prec
 
 @pytest.mark.parametrize("preconditioner", ["none", "laplace"])
 @pytest.mark.parametrize(("precision", "prior_mean"), [(25.0, 0.0), (0.04, 0.0), (25.0, 0.5)])
+@pytest.mark.trained
 def test_prior_precision_other_than_one_gives_the_closed_form_posterior(precision, prior_mean,
                                                                          preconditioner):
     # At λ = 1 a prior gradient of −λ(θ − μ₀), −√λ(θ − μ₀) or −(θ − μ₀)/λ are the same; at
@@ -141,6 +143,7 @@ def exact_log_evidence(truth, precision: float) -> float:
         torch.zeros(len(truth.targets), dtype=F64), covariance).log_prob(truth.targets))
 
 
+@pytest.mark.trained
 def test_default_prior_precision_maximises_the_evidence_and_the_chains_sample_its_posterior():
     # Gaussian likelihood: the evidence is exact in closed form, so the borrowed Laplace
     # evidence's maximiser is checked against scipy's maximisation of the exact one.
@@ -184,6 +187,7 @@ def test_prior_precision_choices_sgld_cannot_make_are_rejected(value, match):
                       prior_precision=value, num_samples=2, burn_in=0)
 
 
+@pytest.mark.trained
 def test_softmax_regression_sample_moments_match_the_exact_posterior():
     truth = softmax_regression()
     chains = 32
@@ -269,6 +273,7 @@ def test_laplace_covariance_factor_is_the_inverse_autograd_hessian():
     torch.testing.assert_close(factor @ factor.T, torch.linalg.inv(hessian), atol=1e-12, rtol=0)
 
 
+@pytest.mark.trained
 def test_laplace_preconditioned_minibatch_chain_matches_the_closed_form():
     truth = gaussian_regression(25.0)
     chains = 16
@@ -283,6 +288,7 @@ def test_laplace_preconditioned_minibatch_chain_matches_the_closed_form():
     assert (var_error <= 4 * var_se[0] + 0.06 * truth.covariance.diagonal()).all(), var_error
 
 
+@pytest.mark.trained
 def test_laplace_preconditioned_softmax_moments_match_the_exact_posterior():
     truth = softmax_regression()
     chains = 16

@@ -67,6 +67,7 @@ def test_poisoned_and_parameter_uploads_are_rejected(build):
             strategy.validate_upload(plan, wire(Message(ups[0].header, tensors)), 0)
 
 
+@pytest.mark.trained
 def test_fd_runs_on_digits_and_uploads_c_by_c_floats():
     result = simulate("fd", "digits", clients=5, partition="iid", rounds=3, seed=0,
                       progress=False, body="mlp:64", feature_dim=32, local_epochs=1,

@@ -197,6 +197,7 @@ def test_swag_covariance_is_half_diagonal_plus_low_rank():
     assert (torch.cov(draws.T) - expected).abs().max() < 0.05 * expected.abs().max()
 
 
+@pytest.mark.trained
 def test_three_rounds_on_digits_with_five_clients():
     result = simulate("fedpa", "digits", clients=5, rounds=3, seed=0, progress=False,
                       local_epochs=5, batch_size=64, threads=1,

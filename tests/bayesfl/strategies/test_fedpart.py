@@ -186,6 +186,7 @@ def test_backward_of_a_partial_round_touches_no_frozen_parameter():
     assert {"body.layers.1.0.conv1", "body.layers.1.0.conv2", "head"} <= modules
 
 
+@pytest.mark.trained
 def test_fedprox_part_trains_the_group_with_the_proximal_term():
     prox, clients, state = make("fedprox-part", mu=0.0)
     avg, twins, state2 = make("fedpart")

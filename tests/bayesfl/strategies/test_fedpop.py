@@ -40,6 +40,7 @@ def exact_moments(inputs, labels, shift, std, grid_size=401):
 
 
 @pytest.mark.usefixtures("single_intra_op_thread")
+@pytest.mark.trained
 def test_sgld_head_draws_have_the_exact_posterior_moments():
     truth = softmax_regression()
     inputs = torch.cat([torch.ones(truth.features.shape[0], 1, dtype=F64), truth.features], 1)
@@ -78,6 +79,7 @@ def test_local_loss_is_the_monte_carlo_negative_log_joint():
     torch.testing.assert_close(ours, nll.mean() - log_prior.mean() / 50, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.trained
 def test_three_rounds_on_digits_with_five_clients():
     result = simulate("fedpop", "digits", clients=5, rounds=3, seed=0, progress=False,
                       local_epochs=1, batch_size=64, threads=1,

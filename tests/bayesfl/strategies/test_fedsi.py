@@ -205,6 +205,7 @@ def test_the_broadcast_variances_change_the_local_map_only_through_the_prior(bui
 
 @pytest.mark.parametrize("name, kind", [("fedsi", SubnetLaplacePosterior),
                                         ("fedsi-fac", DiagonalLaplacePosterior)])
+@pytest.mark.trained
 def test_three_rounds_on_digits(name, kind):
     result = simulate(name, rounds=3, **DIGITS)
     s = result.summary

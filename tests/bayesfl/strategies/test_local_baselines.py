@@ -48,6 +48,7 @@ def test_local_only_trains_exactly_as_a_client_alone_would(build):
                                torch.softmax(alone(x).double(), dim=1))
 
 
+@pytest.mark.trained
 def test_fedavg_ft_trains_as_fedavg_then_fine_tunes_the_whole_network(build):
     ft, ft_clients, ft_state = build("fedavg-ft", finetune_epochs=3)
     avg, avg_clients, avg_state = build("fedavg")
@@ -87,6 +88,7 @@ def test_fedavg_ft_defaults_to_the_local_epochs_and_validates_its_options(build)
 
 
 @pytest.mark.parametrize("name", ["local-only", "fedavg-ft"])
+@pytest.mark.trained
 def test_runs_3_rounds_on_digits_with_5_clients(tmp_path, name):
     result = simulate(name, dataset="digits", clients=5, partition="shards:2", rounds=3, seed=0,
                       body="mlp:32", feature_dim=16, local_epochs=1, batch_size=16, lr=1e-2,

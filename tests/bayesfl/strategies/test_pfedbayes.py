@@ -138,6 +138,7 @@ def test_the_uploaded_global_moves_towards_the_personal_posterior(build):
     assert kl_to(upload.tensors) < kl_to(state)
 
 
+@pytest.mark.trained
 def test_three_rounds_on_digits_with_five_clients():
     result = simulate("pfedbayes", "digits", clients=5, rounds=3, seed=0, progress=False,
                       local_epochs=1, batch_size=32, threads=1,
