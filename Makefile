@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bayesfl-installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-trained lint bench mutation
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,18 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
+# The tests that assert figures of trained models; .ci/run reruns them under another
+# ATEN_CPU_CAPABILITY (README, Development) to catch a figure that holds on one CPU only.
+test-trained: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist worksteal -m trained
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+# Mutation testing of one module with its covering tests (tools/mutation.py; mutmut, one worker;
+# tens of minutes, so not part of `test`): make mutation MODULE=bayesfl/strategies/fedpa.py
+mutation: $(STAMP)
+	$(PY) tools/mutation.py $(MODULE)
