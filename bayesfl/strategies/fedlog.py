@@ -113,6 +113,7 @@ from inference.conjugate import (
     privacy_signal_to_noise,
     privatize,
 )
+from inference.conjugate.privacy import SWAMPED_RATIO
 from inference.conjugate.statistics import checked_batch
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -120,6 +121,11 @@ PREDICTIVES = ("mc", "probit", "map")
 ABSENT_CLIENTS = ("latest", "omit")
 STATISTICS_AGGREGATIONS = ("sum", "median")
 _CACHE = "latest/"
+
+MOST_SAMPLES = 1e9
+"""More samples than any data set a run holds (a billion, beyond in-memory data). A prior
+pseudo-count (``prior_nu``) above it outweighs every statistic, and DP noise that swamps the
+statistics of this many samples per class swamps any: both are refused as out of range."""
 
 
 # ==== parts: privacy placement ===============================================================
@@ -329,7 +335,8 @@ class FedLog(Strategy):
 
     Args:
         context: the run configuration.
-        prior_nu: the conjugate prior's nu (chi = 0); the paper's default is 1.
+        prior_nu: the conjugate prior's nu (chi = 0), a pseudo-count of samples in
+            ``[0, MOST_SAMPLES]``; the paper's default is 1.
         upload_dtype: "float32" (the paper's accounting) or "float64" for the statistic.
         absent_clients: ``"latest"`` (sum every client's latest statistics, default) or
             ``"omit"`` (this round's participants only); see the module docstring.
@@ -377,8 +384,13 @@ class FedLog(Strategy):
         if upload_dtype not in _DTYPES:
             raise ConfigError(f"upload_dtype must be one of {sorted(_DTYPES)}, got "
                               f"{upload_dtype!r}")
-        if not (isinstance(prior_nu, int | float) and math.isfinite(prior_nu) and prior_nu >= 0):
-            raise ConfigError(f"prior_nu must be a finite number >= 0, got {prior_nu!r}")
+        if isinstance(prior_nu, bool) or not isinstance(prior_nu, int | float) \
+                or not 0 <= prior_nu <= MOST_SAMPLES:
+            raise ConfigError(
+                f"prior_nu must be a number in [0, {MOST_SAMPLES:g}], got {prior_nu!r}: it is "
+                "the prior's pseudo-count of samples (1, the paper's, weighs as one sample), and "
+                "a prior worth more samples than any data set flattens the head to uniform "
+                "probabilities")
         if absent_clients not in ABSENT_CLIENTS:
             raise ConfigError(f"absent_clients must be one of {', '.join(ABSENT_CLIENTS)}; "
                               f"got {absent_clients!r}")
@@ -708,7 +720,9 @@ class _FedLogDP(FedLog):
 
     Args:
         epsilon, delta: the privacy budget: of the whole run (all rounds + the init round) with
-            ``accountant="k_round"``, of each release with ``accountant="single"``.
+            ``accountant="k_round"``, of each release with ``accountant="single"``. An epsilon
+            whose noise would swamp even :data:`MOST_SAMPLES` samples per class is refused,
+            naming the smallest usable one (``epsilon=1e-300`` overflowed every upload).
         clip: the feature bound b; features are clamped to [-b, b] (after the body's ReLU).
         accountant: ``"k_round"`` (v2 composition, default) or ``"single"`` (v1, per release).
         noise_aware: whether the predictive accounts for the known noise (see above).
@@ -752,8 +766,53 @@ class _FedLogDP(FedLog):
         self.sigma = gaussian_sigma(self.epsilon, self.delta, rounds=releases,
                                     feature_dim=context.feature_dim, bound=self.clip,
                                     composition=accountant)
+        self._check_budget(context, releases)  # before any model is built
         self._noise_warned = False
         super().__init__(context, **options)
+
+    def _noise_to_signal(self, context: StrategyContext, sigma: float) -> float:
+        """Noise-to-signal of the summed statistic with :data:`MOST_SAMPLES` samples per class
+        (every client's release summed under local DP): the least noise ``sigma`` can mean."""
+        if not math.isfinite(sigma):
+            return math.inf
+        return privacy_signal_to_noise(
+            sigma, MOST_SAMPLES, feature_dim=context.feature_dim, bound=self.clip,
+            clients=context.clients,
+            placement="central" if self.placement.sends_num_samples else "local").noise_to_signal
+
+    def _check_budget(self, context: StrategyContext, releases: int) -> None:
+        """Refuse an epsilon whose noise swamps the statistics of any data set (noise-to-signal
+        above 1 even at :data:`MOST_SAMPLES` samples per class): every model would be chance
+        level, and a tiny epsilon overflows the uploads so that every one is rejected. The
+        message gives the smallest epsilon out of that range (found by bisection: sigma falls
+        as epsilon grows); the noise-to-signal warning covers the budgets above it."""
+        if self._noise_to_signal(context, self.sigma) <= SWAMPED_RATIO:
+            return
+
+        def sigma(epsilon: float) -> float:
+            return gaussian_sigma(epsilon, self.delta, rounds=releases,
+                                  feature_dim=context.feature_dim, bound=self.clip,
+                                  composition=self.accountant)
+
+        low, high = math.log(self.epsilon), math.log(1e6)
+        for _ in range(100):
+            middle = (low + high) / 2
+            if self._noise_to_signal(context, sigma(math.exp(middle))) > SWAMPED_RATIO:
+                low = middle
+            else:
+                high = middle
+        step = 10.0 ** (math.floor(math.log10(math.exp(high))) - 1)
+        smallest = math.ceil(math.exp(high) / step) * step  # two digits, rounded up: accepted
+        # a float32 upload holds noise up to ~3e38: beyond, every local-DP upload is rejected
+        overflow = (" (and its uploads would overflow float32 and all be rejected)"
+                    if not self.placement.sends_num_samples and self.sigma > 1e37 else "")
+        raise ConfigError(
+            f"{self.name} epsilon={self.epsilon:g} is out of range: its Gaussian noise (sigma "
+            f"{self.sigma:.3g} per cell of each release, delta {self.delta:g}, {releases} "
+            f"releases) is larger than the statistics of even {MOST_SAMPLES:g} samples per "
+            f"class, so every model would be chance level{overflow}; use epsilon >= "
+            f"{smallest:.2g} for this run (a warning tells when the noise still degrades "
+            "the model; budgets of 0.1 to 10 are usual)")
 
     def make_privacy(self) -> NoPrivacy:
         return self.placement(self.sigma, self.clip)

@@ -220,6 +220,10 @@ def test_a_config_that_is_not_a_regular_file_is_named_so(tmp_path, capsys):
         (["--strategy", "fedlog-dp-local", "--option", "clip=inf"],
          "strategy_options clip=inf: an option value must be a finite number"),
         (["--strategy", "fedlog-dp-local", "--option", "clip=-1"], "DP needs epsilon > 0"),
+        (["--strategy", "fedlog-dp-local", "--option", "epsilon=1e-300"],
+         "fedlog-dp-local epsilon=1e-300 is out of range"),
+        (["--strategy", "fedlog", "--option", "prior_nu=1e300"],
+         "prior_nu must be a number in [0, 1e+09], got 1e+300"),
         (["--resume", "--force"], "resume and force contradict each other"),
     ],
 )

@@ -3,6 +3,7 @@ the posterior predictive, variants."""
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -524,6 +525,32 @@ def test_dp_budget_options_must_be_finite_numbers_in_range(options):
     for name in ("fedlog-dp-local", "fedlog-dp-central"):
         with pytest.raises(ConfigError, match=r"finite number|DP needs"):
             make_strategy(name, context(), **options)
+
+
+@pytest.mark.parametrize("name", ["fedlog-dp-local", "fedlog-dp-central"])
+def test_an_epsilon_whose_noise_swamps_any_data_set_is_refused_with_the_smallest_usable(name):
+    from strategy_helpers import context
+
+    # epsilon 1e-300: sigma ~1e301, every local-DP upload overflowed float32 and was rejected
+    with pytest.raises(ConfigError, match=rf"{name} epsilon=1e-300 is out of range: its "
+                       r"Gaussian noise \(sigma .*e\+301 per cell.*larger than the statistics "
+                       r"of even 1e\+09 samples per class") as info:
+        make_strategy(name, context(), epsilon=1e-300)
+    assert ("overflow float32" in str(info.value)) == (name == "fedlog-dp-local")
+    smallest = float(re.search(r"use epsilon >= (\S+) for this run", str(info.value))[1])
+    make_strategy(name, context(), epsilon=smallest)  # the bound it names is accepted
+    with pytest.raises(ConfigError, match="out of range"):
+        make_strategy(name, context(), epsilon=smallest / 1.1)
+
+
+@pytest.mark.parametrize("value", [1e300, 2e9, -1.0, float("nan"), float("inf"), True, "1"])
+def test_prior_nu_must_lie_between_0_and_a_billion_pseudo_samples(value):
+    from strategy_helpers import context
+
+    with pytest.raises(ConfigError, match=r"prior_nu must be a number in \[0, 1e\+09\], got "
+                                          r".*pseudo-count of samples"):
+        make_strategy("fedlog", context(), prior_nu=value)
+    assert make_strategy("fedlog", context(), prior_nu=1e9).prior_nu == 1e9
 
 
 # ---- DP: noise against signal, and the noise-aware posterior ----------------------------------
