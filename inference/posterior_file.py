@@ -145,7 +145,7 @@ def save_posterior(posterior: Posterior, path: str | os.PathLike, *, key: bytes 
     state = {name: tensor.detach().to("cpu", copy=True).contiguous()
              for name, tensor in posterior.state_dict().items()}
     for name, tensor in state.items():
-        if (tensor.is_floating_point() or tensor.is_complex()) and not torch.isfinite(tensor).all():
+        if _non_finite_count(tensor):
             raise InvalidInputError(
                 f"the posterior's {name!r} holds NaN or infinite values, so it could not be "
                 "loaded back; refit it (inference.check(posterior) finds such problems)."
@@ -411,16 +411,29 @@ def _verify_digest(state: Mapping[str, Tensor], kind: str, stored: str, key: byt
                                  f"stored: {reason}. Use an intact copy or save it again.")
 
 
+def _non_finite_count(tensor: Tensor) -> int:
+    """How many NaN or infinite values ``tensor`` holds (0 for integer and bool tensors).
+
+    ``torch.isfinite`` is not implemented for most float8 dtypes (a file may hold any dtype
+    safetensors stores, NaN included), so those are widened to float32 first, which keeps
+    every NaN a NaN.
+    """
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return 0
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        tensor = tensor.to(torch.float32)
+    return int((~torch.isfinite(tensor)).sum())
+
+
 def _check_finite(state: Mapping[str, Tensor], path: Path) -> None:
     for name in sorted(state):
         tensor = state[name]
-        if tensor.is_floating_point() or tensor.is_complex():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                raise PosteriorFileError(
-                    f"{path}: {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()}; "
-                    "no posterior has them. Refit and save it again."
-                )
+        bad = _non_finite_count(tensor)
+        if bad:
+            raise PosteriorFileError(
+                f"{path}: {name!r} holds {bad} NaN or infinite value(s) of {tensor.numel()}; "
+                "no posterior has them. Refit and save it again."
+            )
     count = state.get("n_data")
     if count is not None and (count.numel() != 1 or count.is_floating_point()
                               or int(count.reshape(-1)[0]) < 0):

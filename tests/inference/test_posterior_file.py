@@ -304,6 +304,22 @@ def test_metadata_from_another_schema_version(saved):
         load_posterior(path)
 
 
+@pytest.mark.parametrize("dtype", [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
+    # torch.isfinite is not implemented for these: the check widens them first
+    torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+])
+def test_nan_draws_of_an_ensemble_are_refused_whatever_their_dtype(tmp_path, dtype):
+    from tests.inference.test_posterior import ensemble_posterior
+
+    samples = ensemble_posterior().samples.to(dtype)
+    samples[3, 1, 2] = float("nan")  # one draw of an SGLD chain that diverged
+    forge(tmp_path / "e", {"samples": samples, "n_data": torch.tensor(5)}, "ensemble")
+    with pytest.raises(PosteriorFileError, match=r"'samples' holds 1 NaN or infinite value\(s\) "
+                                                 r"of 240; no posterior has them"):
+        load_posterior(tmp_path / "e")
+
+
 def test_files_of_the_previous_format_need_allow_legacy(tmp_path):
     post = head_posterior()
     path = tmp_path / "v1.safetensors"
