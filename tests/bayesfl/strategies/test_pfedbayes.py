@@ -145,8 +145,10 @@ def test_three_rounds_on_digits_with_five_clients():
                       strategy_options={"lr": 3e-3, "mc_samples": 4, "personal_steps": 2})
     s = result.summary
     assert s["rejected_uploads"] == 0
-    assert s["accuracy"] > 0.5, s["accuracy"]  # 10 classes: chance is 0.1
-    assert "map_plugin" in s and s["map_plugin"]["accuracy"] > 0.5
+    # learning, on any CPU: over seeds 0-4 the predictive and the plug-in ended at 0.65-0.83
+    # (sd 0.07); chance is 0.1. 0.4 is far outside what rounding can move a run
+    assert s["accuracy"] > 0.4, s["accuracy"]
+    assert "map_plugin" in s and s["map_plugin"]["accuracy"] > 0.4
     post = result.posterior(2)
     draws = post.sample(3, torch.Generator().manual_seed(0))
     assert draws.shape == (3, post.mean.shape[0]) and not torch.equal(draws[0], draws[1])
