@@ -49,14 +49,24 @@ def rejections(metrics):
             for rej in m["rejections"]]
 
 
+def lose_the_poisoners_uploads(r, cid, data):
+    return data[:100] if cid == POISONER else data  # truncated in transit: rejected as corrupt
+
+
+# What a rejection can promise is the run without the poisoner: the poisoned run must be that
+# run exactly. Both runs take the same code path, so the equality holds under any CPU's
+# rounding; a margin to the *clean* run would not: losing one client's data moves accuracy by
+# seed noise (FedAvg, Dirichlet 0.5, seeds 0-4: clean 0.915-0.944 against 0.916-0.946 without
+# client 3, |difference| up to 0.031; on an AVX-512 CPU seed 0 gave 0.936 vs 0.915).
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "change", "reason", "setting"), [
-    ("fedavg", scaled_parameters, "update norm", {"partition": "dirichlet:0.5", "lr": 1e-2}),
-    ("fedlog", huge_feature_sums, "feature sums exceed the feature bound", {}),
+@pytest.mark.trained
+@pytest.mark.parametrize(("strategy", "change", "reason", "setting", "floor"), [
+    ("fedavg", scaled_parameters, "update norm", {"partition": "dirichlet:0.5", "lr": 1e-2}, 0.85),
+    ("fedlog", huge_feature_sums, "feature sums exceed the feature bound", {}, 0.9),
 ])
-def test_a_poisoned_client_is_rejected_and_accuracy_stays_within_0_02(tmp_path, strategy,
-                                                                      change, reason, setting):
-    clean = simulate(strategy, **RUN, **setting)
+def test_a_poisoned_client_is_rejected_and_the_run_is_the_run_without_its_uploads(
+        tmp_path, strategy, change, reason, setting, floor):
+    lost = simulate(strategy, **RUN, **setting, upload_hook=lose_the_poisoners_uploads)
     poisoned = simulate(strategy, **RUN, **setting, out=tmp_path / "run",
                         upload_hook=poisoner(change))
     rounds = [m["round"] for m in poisoned.metrics]
@@ -67,18 +77,24 @@ def test_a_poisoned_client_is_rejected_and_accuracy_stays_within_0_02(tmp_path, 
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["rejections"][0]["reason"] for line in lines] == \
         [why for _, _, why in found]
-    assert abs(poisoned.summary["accuracy"] - clean.summary["accuracy"]) <= 0.02
-    assert clean.summary["accuracy"] > 0.9  # a model worth protecting
+    assert poisoned.summary["accuracy"] == lost.summary["accuracy"]
+    assert poisoned.summary["nll"] == lost.summary["nll"]
+    for name, value in lost.state.items():
+        if not name.startswith("declared/"):
+            assert torch.equal(poisoned.state[name], value), name
+    # a model worth protecting. The floor is far below the spread over seeds 0-4 and two CPU
+    # kernel sets (FedAvg 0.916-0.946, FedLog 0.98): it catches a broken run, not rounding
+    assert poisoned.summary["accuracy"] > floor
 
 
 @pytest.mark.slow
+@pytest.mark.trained
 def test_under_shards_a_rejected_poisoner_costs_exactly_what_losing_its_data_costs():
     # With FedAvg on shards:2 one client holds a quarter of two classes, so leaving its data
     # out alone costs ~0.08 accuracy after 4 rounds: no defence can get within 0.02 of the
     # clean run there. What a defence can do is make the poisoned run the run without the
     # poisoner: here bit-identical to one whose uploads are lost in transit.
-    lost = simulate("fedavg", **RUN, upload_hook=lambda r, cid, data: data[:100]
-                    if cid == POISONER else data)
+    lost = simulate("fedavg", **RUN, upload_hook=lose_the_poisoners_uploads)
     poisoned = simulate("fedavg", **RUN, upload_hook=poisoner(scaled_parameters))
     assert poisoned.summary["accuracy"] == lost.summary["accuracy"]
     assert poisoned.summary["nll"] == lost.summary["nll"]
