@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from strategy_helpers import FEATURE_DIM, NUM_CLASSES, run_round, wire
+from strategy_helpers import FEATURE_DIM, NUM_CLASSES, make_clients, run_round, wire
+from strategy_helpers import context as strategy_context
 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, encode
@@ -19,7 +20,9 @@ from bayesfl.strategies.colearn import (
     select_observations,
     upload_floats,
 )
-from bayesfl.strategies.personal import loss_log
+from bayesfl.strategies.networks import batched_apply
+from bayesfl.strategies.personal import class_means, loss_log
+from bayesfl.training import LocalTraining
 
 
 def test_relay_input_and_output_hold_only_feature_space_tensors_of_declared_shapes(build):
@@ -203,6 +206,7 @@ def test_options_are_validated():
             make_strategy("colearn", context, **bad)
 
 
+@pytest.mark.trained
 def test_colearn_runs_three_rounds_on_digits_with_two_architectures():
     result = simulate("colearn", "digits", clients=5, partition="iid", rounds=3, seed=0,
                       progress=False, body="mlp:64,cnn:8", feature_dim=32, local_epochs=1,
@@ -216,9 +220,10 @@ def test_colearn_runs_three_rounds_on_digits_with_two_architectures():
         assert m["floats_up"] == 5 * (floats + 10)  # features plus the C counts
         assert all(b > 4 * floats for b in m["bytes_up_per_client"])
     assert torch.isfinite(result.state["prototypes"]).all()
-    # learning, not noise: chance is 0.1 and its standard error on the 450 test digits is
-    # 0.014, so 0.17 is 5 of them above (measured 0.24: the cnn:8 clients learn slowly)
-    assert result.summary["accuracy"] > 0.17
+    # learning, not noise, on any CPU: chance is 0.1 and its standard error on the 450 test
+    # digits is 0.014, so 0.15 is 3.5 of them above; over seeds 0-4 the run ended at 0.24-0.39
+    # (sd 0.06; the cnn:8 clients learn slowly), so 0.15 is 3 sd below their mean
+    assert result.summary["accuracy"] > 0.15
 
 
 @pytest.mark.parametrize("options", [
@@ -267,3 +272,255 @@ def test_server_reports_prototype_drift_and_spread(build):
     assert abs(metrics["prototype_spread"] - float(sum(pairs) / 3)) < 1e-9
     # from the empty state every class moved by its prototype's norm
     assert abs(metrics["prototype_drift"] - float(p.norm(dim=1).mean())) < 1e-9
+
+
+# ---- the loss terms by hand, and every documented option --------------------------------------
+class GivenFeatures(torch.nn.Module):
+    """A stand-in client network: input rows are indices into fixed ``features`` (B, d), the
+    head a fixed linear map (no bias)."""
+
+    def __init__(self, features, weight):
+        super().__init__()
+        self.features = features
+        self.head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(weight)
+
+    def forward(self, x):
+        f = self.features[x.long().flatten()]
+        return self.head(f), f
+
+
+FEATURES = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]])
+LABELS = torch.tensor([0, 1, 2])
+HEAD = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 1.0]])
+TARGETS = {
+    "prototypes": torch.tensor([[1.0, 0.0], [5.0, 5.0], [1.0, 1.0]]),
+    "present": torch.tensor([1.0, 0.0, 1.0]),  # class 1 has no global prototype
+    "observations": torch.tensor([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]]),  # one set (m_down 1)
+    "available": torch.tensor([[True, True, False]]),  # the set lacks class 2
+}
+
+
+def terms_of(**options):
+    context = StrategyContext(num_classes=3, feature_dim=2, input_shape=(1,), clients=3)
+    strategy = make_strategy("colearn", context, **options)
+    model = GivenFeatures(FEATURES, HEAD)
+    parts, features = strategy._terms(TARGETS, model, torch.arange(3.0)[:, None], LABELS,
+                                      torch.Generator())
+    assert torch.equal(features, FEATURES)
+    return {k: v.detach() for k, v in parts.items()}
+
+
+@pytest.mark.parametrize("kd_reduction, kd", [("mean", [2.0, 0.0, 2.0]),
+                                              ("sum", [4.0, 0.0, 4.0])])
+def test_kd_term_is_the_distance_to_the_global_prototype_and_zero_for_an_absent_class(
+        kd_reduction, kd):
+    # sample 0: |(1, 2) - (1, 0)|^2 = 4 -> 4 / d' = 2; sample 2: |(3, 1) - (1, 1)|^2 = 4;
+    # sample 1's class has no global prototype: no term (its stale row (5, 5) would give 50)
+    parts = terms_of(kd_reduction=kd_reduction)
+    assert parts["kd"].tolist() == kd
+    logits = FEATURES @ HEAD.T
+    torch.testing.assert_close(parts["ce"], torch.nn.functional.cross_entropy(
+        logits, LABELS, reduction="none"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("option", [{"tau_disc": 2.0}, {"eps": 0.45},
+                                    {"neg_reduction": "mean"}])
+def test_the_disc_term_takes_the_temperature_clamp_and_negative_reduction_options(option):
+    # the disc term is contrastive_terms (checked by hand above) of the client's logits and
+    # its head's logits of the drawn set, with the options; each option changes it here
+    parts, default = terms_of(**option), terms_of()
+    logits, observed = FEATURES @ HEAD.T, TARGETS["observations"] @ HEAD.T
+    settings = {"tau": option.get("tau_disc", 1.0), "eps": option.get("eps", 1e-7),
+                "neg_reduction": option.get("neg_reduction", "sum")}
+    expected = contrastive_terms(logits, observed[[0, 0, 0]], LABELS,
+                                 TARGETS["available"][[0, 0, 0]], **settings)
+    torch.testing.assert_close(parts["disc"], expected, rtol=1e-6, atol=1e-7)
+    assert (parts["disc"] - default["disc"]).abs().max() > 1e-3
+
+
+def full_batch(**options):
+    """CoLearn on one full batch per round (one Adam step), after the bootstrap round 0."""
+    training = LocalTraining(epochs=1, lr=1e-2, batch_size=64)
+    strategy = make_strategy("colearn", strategy_context(training=training), **options)
+    clients = make_clients(strategy)
+    state = strategy.init()
+    if strategy.init_round:
+        state, _ = run_round(strategy, clients, state, 0)
+    return strategy, clients, state
+
+
+def test_the_local_loss_is_ce_plus_lam_kd_kd_plus_lam_disc_disc():
+    # Adam's first moment after one step is 0.1 * the gradient (beta1 0.9): the gradient of
+    # the batch mean of ce + 2.5 kd + 0.5 disc, the terms computed here from the same targets
+    strategy, clients, state = full_batch(lam_kd=2.5, lam_disc=0.5)
+    c = clients[1]
+    down = wire(strategy.configure(state, 1).broadcast)
+    model = strategy.client_model(c.config, c.state)
+    targets = strategy._targets(c.config, down, torch.Generator().manual_seed(7))
+    assert targets["present"].sum() == 3 and targets["available"].all()
+    parts, _ = strategy._terms(targets, model, c.data.train_x, c.data.train_y,
+                               torch.Generator())
+    loss = (parts["ce"] + 2.5 * parts["kd"] + 0.5 * parts["disc"]).mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    new_state, _ = strategy.fit(c.config, c.state, c.data, down,
+                                torch.Generator().manual_seed(7))
+    for (name, _), grad in zip(model.named_parameters(), grads, strict=True):
+        # float32 gradients of the same batch in another order: rounding only
+        torch.testing.assert_close(new_state[f"optim.exp_avg.{name}"], 0.1 * grad, rtol=1e-4,
+                                   atol=1e-8)
+    # the logged terms are their unweighted means over the (one) batch
+    for term in ("ce", "kd", "disc"):
+        assert loss_log(new_state)[term] == pytest.approx(float(parts[term].detach().mean()),
+                                                         rel=1e-5)
+
+
+def test_running_statistics_are_the_features_of_the_last_epoch_as_trained_on():
+    # one full-batch epoch: "running" uploads the features computed before the only step
+    # (the initial network's), "final" those of an extra pass after it
+    for statistics in ("running", "final"):
+        strategy, clients, state = full_batch(statistics=statistics, bootstrap="skip")
+        c = clients[1]
+        before = batched_apply(strategy.client_model(c.config, c.state), c.data.train_x)[1]
+        new_state, up = strategy.fit(c.config, c.state, c.data,
+                                     wire(strategy.configure(state, 1).broadcast),
+                                     torch.Generator())
+        after = batched_apply(strategy.client_model(c.config, new_state), c.data.train_x)[1]
+        features = before if statistics == "running" else after
+        protos, counts = class_means(features, c.data.train_y, NUM_CLASSES)
+        assert torch.equal(up.tensors["counts"], counts)
+        # the same rows through the same network, in another batch order: float32 rounding
+        torch.testing.assert_close(up.tensors["prototypes"], protos.float(), rtol=1e-5,
+                                   atol=1e-6)
+        assert (before - after).abs().max() > 1e-4  # the step did change the features
+
+
+def test_n_avg_sets_how_many_samples_an_observation_averages(build):
+    # round 0 uploads statistics of the initial network: with n_avg = 1 each observation is
+    # one class-c feature row exactly; with the default 10, a mean of several rows
+    for n_avg, single in ((1, True), (10, False)):
+        strategy, clients, state = build("colearn", n_avg=n_avg)
+        c = clients[1]  # 20 samples: at least 2 of each class
+        features = batched_apply(strategy.client_model(c.config, c.state), c.data.train_x)[1]
+        _, up = strategy.fit(c.config, c.state, c.data,
+                             wire(strategy.configure(state, 0).broadcast), torch.Generator())
+        for k in range(NUM_CLASSES):
+            rows = features[c.data.train_y == k]
+            assert len(rows) >= 2
+            is_row = any(torch.equal(up.tensors["observations"][0, k], r) for r in rows)
+            assert is_row is single, (n_avg, k)
+
+
+def test_m_up_and_m_down_set_the_observation_sets_sent_and_drawn(build):
+    strategy, clients, state = build("colearn", m_up=2, m_down=3)
+    state, ups = run_round(strategy, clients, state, 0)
+    assert all(u.tensors["observations"].shape == (2, NUM_CLASSES, FEATURE_DIM) for u in ups)
+    assert state["pool"].shape[0] == 2 * len(clients)
+    down = wire(strategy.configure(state, 1).broadcast)
+    targets = strategy._targets(clients[0].config, down, torch.Generator())
+    assert targets["observations"].shape == (3, NUM_CLASSES, FEATURE_DIM)
+
+
+def relay_broadcast(strategy):
+    """A round-1 broadcast by hand: global prototypes all 7; four relayed sets, set j (from
+    client j) holding the value j + 1 for every class."""
+    C, d = NUM_CLASSES, FEATURE_DIM
+    return wire(strategy.down_message(1, {
+        "prototypes": torch.full((C, d), 7.0), "present": torch.ones(C),
+        "observations": torch.arange(1.0, 5.0)[:, None, None].expand(4, C, d).clone(),
+        "observations_present": torch.ones(4, C),
+        "observation_sources": torch.arange(4)}))
+
+
+@pytest.mark.parametrize("peer", ["one", "mix"])
+def test_peer_one_draws_a_set_from_one_peer_and_mix_each_class_from_its_own(build, peer):
+    strategy, clients, _ = build("colearn", m_down=20, peer=peer)
+    targets = strategy._targets(clients[0].config, relay_broadcast(strategy),
+                                torch.Generator().manual_seed(0))
+    draws = targets["observations"][:, :, 0]  # (20, C): the sender of each class's row, + 1
+    assert set(draws.flatten().tolist()) <= {2.0, 3.0, 4.0}  # never client 0's own set
+    one_sender = [len(set(row.tolist())) == 1 for row in draws]
+    assert all(one_sender) if peer == "one" else not all(one_sender)
+
+
+@pytest.mark.parametrize("kd_target, value", [("server", 7.0), ("peers", 3.0)])
+def test_kd_target_is_the_servers_prototype_or_the_mean_of_the_peers_sets(build, kd_target,
+                                                                         value):
+    # client 0's peers relay sets of value 2, 3 and 4: their mean is 3
+    strategy, clients, _ = build("colearn", kd_target=kd_target)
+    targets = strategy._targets(clients[0].config, relay_broadcast(strategy),
+                                torch.Generator())
+    assert torch.equal(targets["prototypes"], torch.full((NUM_CLASSES, FEATURE_DIM), value))
+    assert targets["present"].tolist() == [1.0] * NUM_CLASSES
+
+
+def hand_upload(strategy, client_id, counts, value):
+    """An honest-looking upload: every present class's prototype and observation ``value``."""
+    counts = torch.tensor(counts)
+    rows = (counts > 0).float()[:, None].expand(NUM_CLASSES, FEATURE_DIM) * value
+    return wire(strategy.up_message(1, client_id, {"prototypes": rows.clone(),
+                                                   "observations": rows[None].clone(),
+                                                   "counts": counts}))
+
+
+@pytest.mark.parametrize("weighting, class0", [("count", 4.0), ("uniform", 3.0)])
+def test_weighting_of_the_global_prototypes(build, weighting, class0):
+    # class 0: client 0 (count 1, value 1) and client 1 (count 3, value 5): count-weighted
+    # (1 + 15) / 4 = 4, uniform (1 + 5) / 2 = 3; classes 1 and 2 have one holder each
+    strategy, _, state = build("colearn", weighting=weighting)
+    ups = [hand_upload(strategy, 0, [1, 0, 2], 1.0), hand_upload(strategy, 1, [3, 2, 0], 5.0)]
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    assert new["prototypes"][:, 0].tolist() == [class0, 5.0, 1.0]
+    assert new["counts"].tolist() == [4.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("options, rejected", [({}, []), ({"max_norm": 9.0}, [1])])
+def test_max_norm_bounds_every_feature_rows_norm(build, options, rejected):
+    # value 5 in each of the d' = 4 entries: a row of norm 10 (the other client's: 2)
+    strategy, _, state = build("colearn", **options)
+    plan = strategy.configure(state, 1)
+    ups = [hand_upload(strategy, 0, [2, 2, 1], 1.0), hand_upload(strategy, 1, [2, 2, 1], 5.0)]
+    verdicts = strategy.validate_uploads(plan, ups, [0, 1])
+    assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
+    if rejected:
+        assert "max_norm" in verdicts[1]
+
+
+@pytest.mark.parametrize("ratio, rejected", [(None, []), (2.0, [2]), (10.0, [])])
+def test_screening_ratio_bounds_a_clients_total_count_against_the_rounds_median(build, ratio,
+                                                                               rejected):
+    # total counts 5, 5 and 20: 20 is more than 2x the median 5 and less than 10x
+    strategy, _, state = build("colearn", screening_ratio=ratio)
+    plan = strategy.configure(state, 1)
+    ups = [hand_upload(strategy, k, counts, 1.0)
+           for k, counts in enumerate(([2, 2, 1], [1, 2, 2], [10, 5, 5]))]
+    verdicts = strategy.validate_uploads(plan, ups, [0, 1, 2])
+    assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
+
+
+def test_bootstrap_random_starts_from_random_prototypes_and_a_pool_of_unknown_senders(build):
+    strategy, clients, state = build("colearn", bootstrap="random", m_up=2)
+    assert strategy.init_round is False
+    C, d = NUM_CLASSES, FEATURE_DIM
+    protos = state["prototypes"]
+    assert protos.shape == (C, d) and bool((protos > 0).all() and (protos < 1).all())
+    assert state["counts"].tolist() == [1.0] * C
+    assert state["pool"].shape == (2 * len(clients), C, d)  # clients x m_up sets
+    assert state["pool_sources"].tolist() == [-1] * 2 * len(clients)
+    skip = build("colearn", bootstrap="skip")[2]
+    assert skip["pool"].shape[0] == 0 and skip["counts"].sum() == 0
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_independent_init_draws_each_clients_network_from_its_own_seed(build, independent):
+    _, clients, _ = build("colearn", independent_init=independent)
+    a, b = (c.state["model.head.weight"] for c in clients[:2])  # same body spec
+    assert torch.equal(a, b) is not independent
+
+
+def test_without_keep_optimizer_no_adam_state_is_kept(build):
+    strategy, clients, state = build("colearn", keep_optimizer=False, bootstrap="skip")
+    assert not any(k.startswith("optim.") for k in clients[0].state)
+    run_round(strategy, clients, state, 1)
+    assert not any(k.startswith("optim.") for c in clients for k in c.state)
