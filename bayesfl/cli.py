@@ -81,7 +81,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("feature-dim",), "feature_dim", "int",
             "output width d of every body, at most 16384; default 50"),
     Setting(("local-epochs",), "local_epochs", "int", "local epochs per round; default 5"),
-    Setting(("lr",), "lr", "float", "local Adam learning rate; default 1e-3"),
+    Setting(("lr",), "lr", "float", "local Adam learning rate, in (0, 1]; default 1e-3"),
     Setting(("batch-size",), "batch_size", "int",
             "local mini-batch size (larger than a client's data: full batch); default 10"),
     Setting(("fraction",), "fraction", "float",

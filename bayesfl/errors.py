@@ -1,6 +1,7 @@
-"""Exceptions raised by the federation layer.
+"""Exceptions raised by the federation layer, and the warnings it gives.
 
 Every error subclasses :class:`BayesFLError`; configuration problems are also ``ValueError``.
+Every warning subclasses :class:`BayesFLWarning` (a ``UserWarning``: shown by default).
 """
 
 
@@ -28,3 +29,14 @@ class MessageRejected(BayesFLError):  # noqa: N818 - a rejection the run survive
 
 class CheckpointError(BayesFLError):
     """A checkpoint that is missing, corrupt, or belongs to another run configuration."""
+
+
+class BayesFLWarning(UserWarning):
+    """Base class of every warning of :mod:`bayesfl`: something the run survives, but whose
+    results depend on it."""
+
+
+class LocalTrainingWarning(BayesFLWarning):
+    """A client's local training stopped early because its loss became NaN or infinite (a
+    learning rate too large for the data, or inputs with extreme values); the message says
+    where, and what became of the client's round."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,13 @@ from bayesfl.config import (
 from bayesfl.data.clients import ClientData, make_clients
 from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
-from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, MessageRejected
+from bayesfl.errors import (
+    BayesFLError,
+    CheckpointError,
+    ConfigError,
+    LocalTrainingWarning,
+    MessageRejected,
+)
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
@@ -84,7 +91,7 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
 )
-from bayesfl.training import LocalTraining
+from bayesfl.training import LocalTraining, watch_divergence
 from calibration.errors import CalibrationError
 from inference.errors import InferenceError
 
@@ -427,6 +434,7 @@ class _Run:
         self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
         self.state = self.server.init()
         self.broadcast_hook: BroadcastHook | None = None
+        self.divergence_warned = False
         self.threads = torch.get_num_threads()
         self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
 
@@ -557,13 +565,22 @@ class _Run:
         t_local, cpu_local = time.perf_counter(), time.process_time()
         gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))
                 for cid in participants}
-        uploads = self.executor.fit([self.clients[i] for i in participants], received, gens)
+        before = {cid: self.clients[cid].state for cid in participants}
+        with watch_divergence() as diverged:
+            uploads = self.executor.fit([self.clients[i] for i in participants], received, gens)
         t_local, cpu_local = time.perf_counter() - t_local, time.process_time() - cpu_local
         bytes_up: list[int] = []
         floats_up = 0
         reasons: dict[int, str] = {}  # client id -> why its upload was rejected
         received_up: list[tuple[int, Message]] = []
         for cid, upload in zip(participants, uploads, strict=True):
+            stop = diverged.get(id(gens[cid]))
+            if stop is not None:  # a client that knows its training failed sends nothing
+                reasons[cid] = f"upload not sent: {stop}"
+                self.clients[cid].state = before[cid]  # its round is undone, not half-kept
+                bytes_up.append(0)
+                self._warn_divergence(r, cid, stop)
+                continue
             data = encode(upload, key=self.client_key(cid))
             floats_up += upload.num_elements
             if upload_hook is not None:
@@ -632,6 +649,17 @@ class _Run:
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
         return record, evaluation
+
+    def _warn_divergence(self, r: int, client_id: int, reason: str) -> None:
+        """Warn, once per run, that a client's local training stopped on a non-finite loss."""
+        if self.divergence_warned:
+            return
+        self.divergence_warned = True
+        warnings.warn(
+            f"round {r}, client {client_id}: {reason}. Its upload was not sent and it keeps "
+            "its state from before the round; the run goes on. Every such client is listed "
+            "under 'rejections' in metrics.jsonl (this warning is given once per run).",
+            LocalTrainingWarning, stacklevel=2)
 
     def _evaluate(self, r: int) -> tuple[bytes, RoundEvaluation]:
         """Every client's evaluation of the server state after round ``r``: the encoded

@@ -18,21 +18,31 @@ client's mini-batch order does not depend on which path trained it.
 An *objective* maps a module's output and the labels of a mini-batch to per-sample losses of
 shape ``(B,)``; it may close over tensors that are constant during local training (a frozen
 global head, global class means, prototypes).
+
+**A loss that becomes non-finite** (NaN or infinite: a learning rate too large for the data,
+inputs with extreme values) stops that client's training before the step it would poison: its
+parameters stay those of the last finite mini-batch, and the other clients of a batched group
+train on unchanged. The client is identified by its generator: inside
+:func:`watch_divergence` (what the simulator does) the reason is recorded for the caller, who
+decides what becomes of the client's round; elsewhere a :class:`LocalTrainingWarning` says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import math
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad_and_value, vmap
 
-from bayesfl.errors import ConfigError
+from bayesfl.errors import ConfigError, LocalTrainingWarning
 
 Objective = Callable[[object, Tensor], Tensor]
 """``objective(model_output, labels) -> per-sample losses (B,)``."""
@@ -75,6 +85,37 @@ def _all_parameters(_: str) -> bool:
     return True
 
 
+# the records of the innermost watch_divergence block: id(generator) -> why training stopped
+_DIVERGED: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "bayesfl_diverged", default=None)
+
+
+@contextlib.contextmanager
+def watch_divergence() -> Iterator[dict[int, str]]:
+    """Within the block, a client whose training stops on a non-finite loss is recorded, not
+    warned about: the dict yielded maps ``id(generator)`` of that client's generator (the one
+    its training was given) to the reason, for the caller to act on."""
+    records: dict[int, str] = {}
+    token = _DIVERGED.set(records)
+    try:
+        yield records
+    finally:
+        _DIVERGED.reset(token)
+
+
+def _stopped(generator: torch.Generator, loss: float, epoch: int, step: int,
+             config: LocalTraining) -> None:
+    """Record (inside :func:`watch_divergence`) or warn that a client's training stopped."""
+    reason = (f"local training loss became {loss} at epoch {epoch + 1} of {config.epochs}, "
+              f"mini-batch {step + 1}, and training stopped there; lower the learning rate "
+              f"(lr {config.lr:g}) or check the client's inputs for extreme values")
+    records = _DIVERGED.get()
+    if records is None:
+        warnings.warn(reason, LocalTrainingWarning, stacklevel=3)
+    else:
+        records.setdefault(id(generator), reason)
+
+
 def train_plain(
     model: nn.Module,
     x: Tensor,
@@ -91,7 +132,8 @@ def train_plain(
     Only parameters selected by ``trainable`` (default: all) are updated; the others are
     frozen for the duration of the call (``requires_grad=False``, so backpropagation stops at
     the first trainable layer). The mini-batch loss is the mean of the objective's per-sample
-    losses, plus ``penalty`` of the trainable parameters if given.
+    losses, plus ``penalty`` of the trainable parameters if given. A non-finite loss stops the
+    training before its step (module docstring).
     """
     trainable = trainable or _all_parameters
     named = list(model.named_parameters())
@@ -112,11 +154,14 @@ def train_plain(
                     params, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False
                 )
             order = torch.randperm(n, generator=generator).to(x.device)
-            for start in range(0, n, config.batch_size):
+            for step, start in enumerate(range(0, n, config.batch_size)):
                 idx = order[start : start + config.batch_size]
                 loss = objective(model(x[idx]), y[idx]).mean()
                 if penalty is not None:
                     loss = loss + penalty(dict(zip(train_names, params, strict=True)))
+                if not bool(torch.isfinite(loss)):  # its gradient would poison every weight
+                    _stopped(generator, float(loss.detach()), epoch, step, config)
+                    return
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -251,7 +296,10 @@ def train_stacked(
 ) -> None:
     """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
-    used). The trained values are written into the ``parameters[k]`` tensors in place.
+    used). The trained values are written into the ``parameters[k]`` tensors in place. A
+    client whose loss becomes non-finite stops there (module docstring): its parameters are
+    no longer updated, while the others train on (the masked Adam takes over from the fused
+    one, same formula).
 
     The objective must be the same function for every client (constants it closes over are
     shared). Buffers are carried along read-only (no batch-norm statistics updates), except
@@ -291,14 +339,15 @@ def train_stacked(
         loss = (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
         return loss if penalty is None else loss + penalty(tp)
 
-    grads_of = vmap(grad(client_loss))
+    grads_of = vmap(grad_and_value(client_loss))
     # Every client takes a step at every step iff all have the same number of batches; then
     # one fused torch Adam over the stacked tensors is exactly per-client Adam (it is
     # elementwise, with one shared step count). Otherwise a masked Adam skips idle clients.
     uniform = len({math.ceil(n / config.batch_size) for n in sizes}) == 1
     b1, b2 = config.betas
     state: _AdamState | torch.optim.Adam | None = None
-    for _ in range(config.epochs):
+    stopped = torch.zeros(len(per_model), dtype=torch.bool, device=device)
+    for epoch in range(config.epochs):
         if state is None:
             state = (
                 torch.optim.Adam(list(train_p.values()), lr=config.lr, betas=config.betas,
@@ -312,15 +361,26 @@ def train_stacked(
         for s in range(steps):
             cols = slice(s * config.batch_size, (s + 1) * config.batch_size)
             ib, mb = index[:, cols], mask[:, cols]
-            g = grads_of(train_p, frozen_p, stacked_buffers, X[rows, ib], Y[rows, ib], mb)
+            g, losses = grads_of(train_p, frozen_p, stacked_buffers, X[rows, ib], Y[rows, ib],
+                                 mb)
+            finite = torch.isfinite(losses)
+            if not bool(finite.all()):  # rare: stop those clients, the others go on
+                for k in torch.nonzero(~finite & ~stopped).flatten().tolist():
+                    _stopped(generators[k], float(losses[k]), epoch, s, config)
+                stopped |= ~finite
+                if isinstance(state, torch.optim.Adam):  # fused Adam cannot leave rows out
+                    state = _AdamState.from_torch(state, train_p, len(per_model), device)
+            if bool(stopped.any()):  # zero rows: 0 * NaN would still poison the moments
+                g = {n: v.masked_fill(stopped.view((-1,) + (1,) * (v.dim() - 1)), 0.0)
+                     for n, v in g.items()}
             with torch.no_grad():
                 if isinstance(state, torch.optim.Adam):
                     for n, p in train_p.items():
                         p.grad = g[n]
                     state.step()
                 else:
-                    state.step(train_p, g, mb.sum(dim=1) > 0, lr=config.lr, b1=b1, b2=b2,
-                               eps=config.eps)
+                    state.step(train_p, g, (mb.sum(dim=1) > 0) & ~stopped, lr=config.lr,
+                               b1=b1, b2=b2, eps=config.eps)
     with torch.no_grad():
         for k, p in enumerate(per_model):
             for n in train_names:
@@ -381,6 +441,20 @@ class _AdamState:
         m = {n: torch.zeros_like(p) for n, p in params.items()}
         v = {n: torch.zeros_like(p) for n, p in params.items()}
         return cls(m, v, torch.zeros(k, device=device, dtype=torch.float64))
+
+    @classmethod
+    def from_torch(cls, optimizer: torch.optim.Adam, params: dict[str, Tensor], k: int,
+                   device: torch.device) -> _AdamState:
+        """The state of a ``torch.optim.Adam`` over the stacked ``params`` (one shared step
+        count), to go on with per-client masking."""
+        state = cls.zeros(params, k, device)
+        for n, p in params.items():
+            saved = optimizer.state.get(p)
+            if saved:  # absent before the first step
+                state.m[n].copy_(saved["exp_avg"])
+                state.v[n].copy_(saved["exp_avg_sq"])
+                state.t.fill_(float(saved["step"]))
+        return state
 
     def step(
         self,

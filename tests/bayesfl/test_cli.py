@@ -224,6 +224,7 @@ def test_a_config_that_is_not_a_regular_file_is_named_so(tmp_path, capsys):
          "fedlog-dp-local epsilon=1e-300 is out of range"),
         (["--strategy", "fedlog", "--option", "prior_nu=1e300"],
          "prior_nu must be a number in [0, 1e+09], got 1e+300"),
+        (["--lr", "1e10"], "lr must be at most 1, got 1e+10"),
         (["--resume", "--force"], "resume and force contradict each other"),
     ],
 )

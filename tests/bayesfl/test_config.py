@@ -56,6 +56,9 @@ def test_values_of_the_wrong_type_are_refused_by_name(field, value, expected):
         ("local_epochs", -1, "local_epochs must be >= 0"),
         ("lr", float("inf"), "lr must be a finite number > 0, got inf"),
         ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
+        ("lr", 1e10, "lr must be at most 1, got 1e+10: Adam moves every weight by about lr per "
+                     "step"),
+        ("lr", 1.5, "lr must be at most 1, got 1.5"),
         ("fraction", 0.0, "fraction must be a number in (0, 1]"),
         ("fraction", float("nan"), "fraction must be a number in (0, 1]"),
         ("test_fraction", 1.0, "test_fraction must be a number in (0, 1)"),

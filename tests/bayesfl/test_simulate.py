@@ -1,6 +1,7 @@
 """The embedded simulator: outputs, rejection of poisoned uploads, resume, batching."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -214,6 +215,34 @@ def test_bad_settings_are_config_errors():
         simulate("fedavg", **{**SMALL, "rounds": 1}).posterior(0)
 
 
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_client_whose_training_loss_becomes_non_finite_is_stopped_and_the_run_goes_on(batched):
+    import warnings
+
+    from bayesfl.data.datasets import Dataset, load_dataset
+    from bayesfl.errors import LocalTrainingWarning
+
+    pooled = load_dataset("gaussian_mixture", num_classes=4, dim=10, n=320, separation=4.0)
+    x = pooled.x.clone()
+    x[pooled.y == 3] = 3e38  # one class's inputs overflow the logits: its holder's loss is inf
+    data = Dataset("custom", x, pooled.y, 4, (10,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = simulate("fedavg", data=data, batched=batched,
+                          **{**SMALL, "clients": 4, "partition": "shards:1"})
+    said = [w for w in caught if issubclass(w.category, LocalTrainingWarning)]
+    assert len(said) == 1  # once per run, though it happens every round
+    assert re.match(r"round 1, client \d: local training loss became (nan|inf) at epoch 1 of 1, "
+                    r"mini-batch \d+, and training stopped there; lower the learning rate \(lr "
+                    r"0.01\) .*Its upload was not sent and it keeps its state from before the "
+                    r"round; the run goes on", str(said[0].message))
+    for m in result.metrics:  # every round: that client rejected with the reason, others in
+        (rejection,) = m["rejections"]
+        assert rejection["reason"].startswith("upload not sent: local training loss became")
+        assert m["accepted"] == 3 and m["bytes_up_per_client"].count(0) == 1
+    assert result.summary["rejected_uploads"] == len(result.metrics)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,12 +1,13 @@
 """Local training: the batched (vmap) path equals the plain per-client loop."""
 
 import copy
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from bayesfl.errors import ConfigError
+from bayesfl.errors import ConfigError, LocalTrainingWarning
 from bayesfl.training import (
     LocalTraining,
     architecture_key,
@@ -14,6 +15,7 @@ from bayesfl.training import (
     train_batched,
     train_plain,
     train_stacked,
+    watch_divergence,
 )
 
 
@@ -53,6 +55,51 @@ def test_batched_training_equals_plain_loop_with_unequal_client_sizes(reset, siz
         for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
             # float32 rounding over 15 Adam steps; parameters are O(1)
             torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=name)
+
+
+_STOPPED = r"local training loss became (?:nan|inf) (at epoch \d of 3, mini-batch \d+)"
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[10, 9, 6],  # fused Adam over the stack until the client stops, then the masked one
+     [7, 23, 12]],  # masked Adam throughout
+)
+def test_a_client_whose_loss_becomes_non_finite_stops_there_and_the_others_train_on(sizes):
+    xs, ys = _client_data(sizes)
+    xs[1][4] = float("inf")  # one sample that makes the loss of its mini-batch non-finite
+    config = LocalTraining(epochs=3, lr=1e-2, batch_size=5)
+    plain = [_mlp(k) for k in range(3)]
+    batched = copy.deepcopy(plain)
+    with watch_divergence() as plain_stops:
+        for k, model in enumerate(plain):
+            train_plain(model, xs[k], ys[k], _ce, config,
+                        generator=torch.Generator().manual_seed(100 + k))
+    gens = [torch.Generator().manual_seed(100 + k) for k in range(3)]
+    with watch_divergence() as batched_stops:
+        train_batched(batched, xs, ys, _ce, config, generators=gens)
+    assert list(batched_stops) == [id(gens[1])]  # the caller knows whose training stopped
+    (plain_reason,), (batched_reason,) = plain_stops.values(), batched_stops.values()
+    # both paths stop client 1 at the same mini-batch, before the step it would poison
+    assert re.match(_STOPPED, plain_reason)[1] == re.match(_STOPPED, batched_reason)[1]
+    assert "lower the learning rate (lr 0.01)" in batched_reason
+    for a, b in zip(plain, batched, strict=True):
+        for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            assert bool(torch.isfinite(pb).all()), name
+            torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_outside_a_watch_a_non_finite_loss_is_a_warning_and_the_model_is_left_as_it_was():
+    xs, ys = _client_data([6])
+    model = _mlp(0)
+    before = copy.deepcopy(model)
+    config = LocalTraining(epochs=1, lr=1e-2, batch_size=6)
+    with pytest.warns(LocalTrainingWarning, match=r"loss became (nan|inf) at epoch 1 of 1, "
+                                                  r"mini-batch 1, and training stopped there"):
+        train_plain(model, xs[0] * float("inf"), ys[0], _ce, config,
+                    generator=torch.Generator().manual_seed(0))
+    for pa, pb in zip(model.parameters(), before.parameters(), strict=True):
+        assert torch.equal(pa, pb) and pa.requires_grad
 
 
 def test_frozen_parameters_are_untouched_in_both_paths():
