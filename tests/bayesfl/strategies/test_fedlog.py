@@ -109,6 +109,7 @@ def test_round_zero_does_not_train_and_later_rounds_only_train_the_body(build):
     assert not torch.equal(head, state["head"])  # new statistics, new head
 
 
+@pytest.mark.trained
 def test_training_improves_fedlog_training_accuracy(build):
     strategy, clients, state = build("fedlog", sizes=(30, 30, 30))
     state, _ = run_round(strategy, clients, state, 0)
@@ -143,6 +144,7 @@ def test_map_plugin_is_softmax_of_the_map_head_times_augmented_features(build):
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.trained
 def test_batched_client_updates_match_the_plain_loop(build):
     strategy, clients, state = build("fedlog")
     state, _ = run_round(strategy, clients, state, 0)
@@ -627,6 +629,7 @@ def test_noise_aware_must_be_true_or_false():
         make_strategy("fedlog-dp-local", context(), noise_aware="yes")
 
 
+@pytest.mark.trained
 def test_a_dp_run_on_digits_reports_its_noise_to_signal_and_warns_only_when_swamped():
     import warnings
 
