@@ -211,7 +211,9 @@ def test_three_rounds_on_digits(name, kind):
     s = result.summary
     assert [m["round"] for m in result.metrics] == [1, 2, 3]
     assert all(m["accepted"] == 5 and not m["rejections"] for m in result.metrics)
-    assert s["personalized"] and 0.5 < s["accuracy"] <= 1.0
+    # learning, on any CPU: over seeds 0-4 both methods ended at 0.67-0.89 (sd 0.08); chance is
+    # 0.1, so 0.3 is far outside what rounding (which moves a run as a seed does) can reach
+    assert s["personalized"] and 0.3 < s["accuracy"] <= 1.0
     assert MAP_PLUGIN in s and s["nll"] > 0
     post = result.posterior(1)
     assert isinstance(post, kind)
@@ -261,3 +263,246 @@ def test_cli_runs_fedsi_with_novel_clients(tmp_path):
     assert len(summary["novel"]["clients"]) == 1 and "ece" in summary["novel"]
     assert (out / "metrics.jsonl").exists() and (out / "manifest.json").exists()
 
+
+
+# ---- personalisation's selection, and every documented option ---------------------------------
+def spread_variances(state, seed=5):
+    """``state`` with distinct broadcast variances in [0.5, 1] (no ties to rank; large enough
+    that the clients' curvature reorders them)."""
+    R = state["mean"].numel()
+    g = torch.Generator().manual_seed(seed)
+    return {**state, "variance": torch.empty(R, dtype=torch.float64).uniform_(0.5, 1.0,
+                                                                             generator=g)}
+
+
+def personalized(strategy, client, state):
+    down = wire(strategy.configure_evaluation(state, 1))
+    return strategy.personalize(client.config, client.state, client.data, down,
+                                torch.Generator().manual_seed(0)), down
+
+
+def test_global_var_selection_at_personalisation_takes_the_largest_broadcast_variances(build):
+    # eval_selection="global_var" ranks by g alone: the subnet is the |S| entries of largest
+    # broadcast variance, whatever the client's curvature; the default ranks by the
+    # diagonal-Laplace variance 1 / (diag GGN + 1/g) at (mu, phi_fin)
+    strategy, clients, state = build("fedsi", prior_var=1.0, subnet_size=6,
+                                     eval_selection="global_var")
+    state = spread_variances(state)
+    new, _ = personalized(strategy, clients[1], state)
+    largest = torch.topk(state["variance"].float(), 6).indices.sort().values
+    assert torch.equal(new["posterior.subnet_indices"], largest)
+    default = make_strategy("fedsi", strategy.context, prior_var=1.0, subnet_size=6)
+    other, _ = personalized(default, clients[1], state)
+    model = default.client_model(clients[1].config, other)
+    model.head.requires_grad_(False)
+    expected = select_subnet(model, default.curvature_batches(clients[1].data), 6,
+                             1.0 / state["variance"].float().double())
+    assert torch.equal(other["posterior.subnet_indices"], expected)
+    assert not torch.equal(expected, largest)
+
+
+def full_batch_context(lr=1e-2):
+    from strategy_helpers import context
+
+    from bayesfl.training import LocalTraining
+
+    return context(training=LocalTraining(epochs=1, lr=lr, batch_size=64))
+
+
+@pytest.mark.parametrize("local_lr, step", [(3e-3, 3e-3), (None, 2e-2)])
+def test_local_lr_is_the_adam_step_of_the_local_map(local_lr, step):
+    # one full batch, one Adam step from theta = mu (where the prior term's gradient is 0):
+    # every body entry moves by lr * g / (|g| + 1e-8), the largest by lr itself; None takes
+    # the run's lr (here 2e-2)
+    from strategy_helpers import make_clients
+
+    strategy = make_strategy("fedsi", full_batch_context(lr=2e-2), local_lr=local_lr)
+    c = make_clients(strategy)[1]
+    state = strategy.init()
+    _, up = strategy.fit(c.config, c.state, c.data, wire(strategy.configure(state, 1).broadcast),
+                         torch.Generator())
+    moved = float((up.tensors["mean"].double() - state["mean"].double()).abs().max())
+    assert moved == pytest.approx(step, rel=1e-4)  # float32 parameters of O(1)
+
+
+def test_finetune_epochs_and_lr_are_the_heads_adam_steps_at_personalisation():
+    # a full batch: finetune_epochs 1 is one Adam step of the head (largest move finetune_lr),
+    # 0 leaves the head at phi^0
+    from strategy_helpers import make_clients
+
+    for epochs, step in ((1, 4e-3), (0, 0.0)):
+        strategy = make_strategy("fedsi", full_batch_context(), finetune_epochs=epochs,
+                                 finetune_lr=4e-3)
+        c = make_clients(strategy)[1]
+        new, _ = personalized(strategy, c, strategy.init())
+        moved = float((new["model.head.weight"] - c.state["model.head.weight"]).abs().max())
+        assert moved == pytest.approx(step, rel=1e-4, abs=0)
+
+
+def test_prior_var_is_the_initial_variance_the_reset_value_and_the_upper_clamp(build):
+    strategy, clients, state = build("fedsi", prior_var=1e-3, subnet_size=3)
+    assert bool((state["variance"] == 1e-3).all())
+    _, uploads = run_round(strategy, clients, dict(state), 1)
+    new = strategy.aggregate(state, uploads, 1, torch.Generator())
+    chosen = torch.zeros_like(new["variance"], dtype=torch.bool)
+    for u in uploads:
+        chosen[u.tensors["subnet"].long()] = True
+    assert bool((new["variance"][~chosen] == 1e-3).all())  # nobody made them stochastic
+    assert bool((new["variance"][chosen] < 1e-3).all())
+
+
+def test_subnet_size_overrides_the_fraction(build):
+    strategy, clients, state = build("fedsi", subnet_size=5, subnet_fraction=0.5)
+    assert strategy.subnet_count() == 5
+    _, uploads = run_round(strategy, clients, state, 1)
+    assert all(u.tensors["subnet"].numel() == 5 for u in uploads)
+    assert all(int((u.tensors["std"] > 0).sum()) == 5 for u in uploads)
+
+
+def test_subnet_diag_is_the_diagonal_laplace_on_the_subnet(build):
+    # the same client, MAP and subnet under three posteriors: subnet_diag's stds are the
+    # diagonal Laplace's (FedSI-Fac's) on the subnet; the full subnet covariance's marginals
+    # are at least as large ([A^-1]_rr >= 1 / A_rr for positive definite A), larger somewhere.
+    # prior variance 1e3: the GGN, not the prior, shapes the posterior (stds 10-30 against
+    # the prior's 32)
+    options = dict(prior_var=1e3)
+    strategy, clients, state = build("fedsi", subnet_size=8, posterior="subnet_diag", **options)
+    context = strategy.context
+    c = clients[1]
+    down = wire(strategy.configure(state, 1).broadcast)
+
+    def upload(s):
+        return s.fit(c.config, c.state, c.data, down, torch.Generator().manual_seed(4))[1]
+
+    diag = upload(strategy)
+    full = upload(make_strategy("fedsi", context, subnet_size=8, **options))
+    every = upload(make_strategy("fedsi-fac", context, **options))
+    subnet = diag.tensors["subnet"].long()
+    assert torch.equal(full.tensors["subnet"].long(), subnet)
+    assert torch.equal(diag.tensors["mean"], every.tensors["mean"])
+    # float32 stds from float64 curvature: rounding only
+    torch.testing.assert_close(diag.tensors["std"][subnet], every.tensors["std"][subnet],
+                               rtol=1e-5, atol=0)
+    assert bool((full.tensors["std"][subnet] >= diag.tensors["std"][subnet] * (1 - 1e-5)).all())
+    assert bool((full.tensors["std"][subnet] > diag.tensors["std"][subnet] * 1.1).any())
+
+
+@pytest.mark.parametrize("options, mean0, variance", [
+    # the hand-made uploads above (alpha 1e-2); counts 1, 1, 2
+    ({"aggregation": "mean_std"}, 7 / 3, [(0.1 / 3) ** 2, 0.02**2, ALPHA, ALPHA]),
+    ({"aggregation": "mean_var"}, 7 / 3, [0.005 / 3, 0.002 / 3, ALPHA, ALPHA]),
+    # over the clients that chose the entry: (0.05^2 + 0.05^2) / 2, (0.02^2 + 0.04^2) / 2
+    ({"aggregation": "mean_nonzero"}, 7 / 3, [0.0025, 0.001, ALPHA, ALPHA]),
+    ({"aggregation": "product"}, 2200 / 900, [1 / 800, 1 / 3125, ALPHA, ALPHA]),
+    # n_i weights 1/4, 1/4, 1/2: mean (1 + 4 + 2 * 2) / 4, stds (0.05 + 0.05) / 4 and
+    # (0.02 + 2 * 0.04) / 4
+    ({"weights": "n_i"}, 9 / 4, [0.025**2, 0.025**2, ALPHA, ALPHA]),
+    # the floor 1e-3 lifts entry 1's 0.02^2 = 4e-4 (and entry 0's 1.1e-3 stays)
+    ({"variance_floor": 1e-3}, 7 / 3, [(0.1 / 3) ** 2, 1e-3, ALPHA, ALPHA]),
+])
+def test_the_server_applies_its_aggregation_weights_and_floor_options(options, mean0, variance):
+    from strategy_helpers import context
+
+    strategy = make_strategy("fedsi", context(), prior_var=ALPHA, **options)
+    state = {"mean": torch.zeros(4), "variance": torch.full((4,), ALPHA, dtype=torch.float64)}
+    ups = [strategy.up_message(1, k, {"mean": MEANS[k].float(), "std": STDS[k].float(),
+                                      "num_samples": torch.tensor([n])})
+           for k, n in enumerate((1, 1, 2))]
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    assert float(new["mean"][0]) == pytest.approx(mean0, rel=1e-6)  # float32 means
+    # float32 stds (relative rounding 6e-8), squared and combined in float64
+    torch.testing.assert_close(new["variance"], torch.tensor(variance, dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+
+
+def test_moment_matching_gives_the_mixtures_variance():
+    # mixture of N(m_k, s_k^2) with weights 1/3: mean(s^2 + m^2) - mean(m)^2;
+    # entry 0: (0.0025 + 1 + 0.0025 + 16 + 4) / 3 - 49/9; entry 1: (1 + 4.0004 + 16.0016) / 3
+    # - 49/9; entries 2 and 3 nobody chose: alpha (10, above the mixture variances)
+    _, variance = aggregate_gaussians(MEANS, STDS, THIRDS, torch.full((4,), 10.0),
+                                      rule="moment_match", alpha=10.0, floor=1e-12)
+    expected = [21.005 / 3 - 49 / 9, 21.002 / 3 - 49 / 9, 10.0, 10.0]
+    torch.testing.assert_close(variance, torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_filter_zero_curvature_ranks_entries_without_curvature_last_or_first(build):
+    # a dead hidden unit (zero weights in, bias -10: its ReLU never fires) has zero GGN on its
+    # 7 incoming and 4 outgoing weights; at equal prior variance their diagonal-Laplace
+    # variance is the largest, 1 / (0 + 1/g), so the paper's literal rule (False) picks them
+    # first and the default ranks them last
+    from inference.subnet.diagonal_posterior import fit_diagonal_laplace
+
+    for keep in (True, False):
+        strategy, clients, state = build("fedsi", subnet_size=6, filter_zero_curvature=keep)
+        c = clients[1]
+        model = strategy.model_at(c.config, c.state, state["mean"])
+        first = next(m for m in model.body.modules() if isinstance(m, torch.nn.Linear))
+        with torch.no_grad():
+            first.weight[0].zero_()
+            first.bias[0] = -10.0
+        model.head.requires_grad_(False)
+        batches = strategy.curvature_batches(c.data)
+        variance = state["variance"].float()
+        ggn = fit_diagonal_laplace(model, batches, 1.0 / variance.double()).state_dict()
+        flat = ggn["ggn_diagonal"]
+        dead = set(torch.nonzero(flat <= 1e-12 * flat.max()).flatten().tolist())
+        assert len(dead) >= 11
+        subnet = set(strategy.choose_subnet(model, batches, variance).tolist())
+        assert subnet <= dead if not keep else not subnet & dead
+
+
+def test_glm_mc_predictive_draws_mc_samples_weights():
+    from strategy_helpers import make_clients
+
+    from bayesfl.strategies.base import derived_seed
+
+    strategy = make_strategy("fedsi", full_batch_context(), predictive="glm_mc", mc_samples=5,
+                             finetune_epochs=1)
+    c = make_clients(strategy)[1]
+    new, down = personalized(strategy, c, strategy.init())
+    x = c.data.test_x
+    got = strategy.predict(c.config, new, down, x)
+    post = strategy.personal_posterior(c.config, new)
+
+    def mc(n):
+        g = torch.Generator().manual_seed(derived_seed(strategy.context.seed, 29, 1))
+        return post.predict_proba(x, "glm_mc", n_samples=n, generator=g).double()
+
+    assert torch.equal(got[PREDICTIVE], mc(5))
+    assert not torch.equal(mc(5), mc(100))
+    probit = make_strategy("fedsi", strategy.context, finetune_epochs=1)
+    plain = probit.predict(c.config, new, down, x)[PREDICTIVE]
+    assert torch.equal(plain, post.predict_proba(x, "glm_probit").double())
+
+
+@pytest.mark.parametrize("ratio, rejected", [(None, []), (2.0, [2]), (10.0, [])])
+def test_screening_ratio_bounds_the_means_distance_to_the_broadcast_mean(build, ratio,
+                                                                        rejected):
+    # every mean entry moved by 1, 1 and 3: distances in proportion 1 : 1 : 3
+    strategy, _, state = build("fedsi", subnet_size=2, screening_ratio=ratio)
+    plan = strategy.configure(state, 1)
+    std = torch.zeros_like(state["mean"])
+    std[:2] = 1e-3  # inside the declared subnet, below the prior std 1e-2
+    ups = [wire(strategy.up_message(1, k, {
+        "mean": state["mean"] + shift, "std": std, "subnet": torch.tensor([0, 1],
+                                                                         dtype=torch.int32),
+        "num_samples": torch.tensor([5])})) for k, shift in enumerate((1.0, 1.0, 3.0))]
+    verdicts = strategy.validate_uploads(plan, ups, [0, 1, 2])
+    assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
+    if rejected:
+        assert "distance of the mean" in verdicts[2]
+
+
+def test_curvature_batch_chunks_the_training_set_without_changing_the_upload(build):
+    strategy, clients, state = build("fedsi", curvature_batch=3)
+    c = clients[1]  # 20 samples
+    batches = strategy.curvature_batches(c.data)
+    assert [len(y) for _, y in batches] == [3] * 6 + [2]
+    assert torch.equal(torch.cat([x for x, _ in batches]), c.data.train_x)
+    down = wire(strategy.configure(state, 1).broadcast)
+    ups = [s.fit(c.config, c.state, c.data, down, torch.Generator().manual_seed(1))[1]
+           for s in (strategy, make_strategy("fedsi", strategy.context))]
+    assert torch.equal(ups[0].tensors["subnet"], ups[1].tensors["subnet"])
+    # GGN sums over 7 chunks or 1: float64 summation order only
+    torch.testing.assert_close(ups[0].tensors["std"], ups[1].tensors["std"], rtol=1e-6, atol=0)
