@@ -67,6 +67,31 @@ def test_ablation_schedule_runs_sweeps_back_to_back_and_orders_differ():
         FedPartSchedule(10, order="shuffle")
 
 
+def test_random_perm_draws_a_fresh_permutation_of_the_groups_every_cycle():
+    # W = F = 1, R = 2, G = 8: cycle c's sweep is rounds 2 + 17c + (0..15), two per group;
+    # every sweep visits each group once, in its own order (8! orders: no two of these six
+    # cycles share one), and the schedule is a pure function of round and seed
+    schedule = FedPartSchedule(8, rounds_per_group=2, full_rounds_per_cycle=1, warmup_rounds=1,
+                               order="random-perm", seed=11)
+    sweeps = []
+    for cycle in range(6):
+        start = 2 + 17 * cycle
+        assert schedule.group_at(start - 1) == FULL
+        groups = [schedule.group_at(r) for r in range(start, start + 16)]
+        assert groups[::2] == groups[1::2]  # R = 2 rounds on each group
+        assert sorted(groups[::2]) == list(range(8))
+        sweeps.append(tuple(groups[::2]))
+    assert len(set(sweeps)) == 6
+    again = FedPartSchedule(8, rounds_per_group=2, full_rounds_per_cycle=1, warmup_rounds=1,
+                            order="random-perm", seed=11)
+    assert [again.group_at(r) for r in range(1, 103)] == [schedule.group_at(r)
+                                                          for r in range(1, 103)]
+    other = FedPartSchedule(8, rounds_per_group=2, full_rounds_per_cycle=1, warmup_rounds=1,
+                            order="random-perm", seed=12)
+    assert [other.group_at(r) for r in range(1, 103)] != [schedule.group_at(r)
+                                                          for r in range(1, 103)]
+
+
 def context(rounds=12, clients=3):
     return StrategyContext(3, 8, LocalTraining(epochs=1, lr=1e-2, batch_size=8), rounds=rounds,
                            input_shape=SHAPE, bodies=(BODY,), clients=clients)
@@ -160,6 +185,101 @@ def test_frozen_parameters_and_statistics_stay_bit_identical_on_the_client():
     # trained: the group's parameters and statistics, plus the counters BatchNorm keeps
     assert changed - set(g.names) <= {k for k in changed if k.endswith("num_batches_tracked")}
     assert set(g.parameters) <= changed
+
+
+def statistics(values):
+    """The BatchNorm running statistics among ``values`` (a state or a message's tensors)."""
+    return {k: v for k, v in values.items() if k.endswith(("running_mean", "running_var"))}
+
+
+def test_a_full_round_uploads_every_statistic_and_the_server_averages_them():
+    strategy, clients, state = make()
+    stats = statistics(state)
+    assert len(stats) == 18  # 9 BatchNorm layers, running mean and variance each
+    plan, new, ups = play(strategy, clients, state, 1)
+    assert set(statistics(plan.broadcast.tensors)) == set(stats)
+    for name, old in stats.items():
+        sent = [u.tensors[name] for u in ups]
+        assert all(not torch.equal(t, old) for t in sent), name  # trained on every client
+        # FedAvg's weights n_c, 10 each: the float64 mean of the uploads, cast to float32
+        torch.testing.assert_close(new[name], torch.stack([t.double() for t in sent]).mean(0)
+                                   .float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("r", [2, 4])  # group 0 (body.pre_bn), group 2 (stage-1 bn2)
+def test_a_partial_round_trains_uploads_and_averages_only_its_groups_statistics(r):
+    # bn_stats="aggregate": the group's statistics are trained, uploaded and averaged; every
+    # other statistic moves during local training too (its layer still normalises with
+    # batch statistics) but is restored to the global value, and the server keeps it
+    strategy, clients, state = make()
+    for previous in range(1, r):
+        _, state, _ = play(strategy, clients, state, previous)
+    g = strategy.groups(BODY)[strategy.group_at(r)]
+    assert len(g.buffers) == 2
+    _, new, ups = play(strategy, clients, state, r)
+    frozen = set(statistics(state)) - set(g.buffers)
+    for c, up in zip(clients, ups, strict=True):
+        assert set(statistics(up.tensors)) == set(g.buffers)
+        for name in g.buffers:
+            assert not torch.equal(up.tensors[name], state[name]), name
+            assert torch.equal(c.state["model." + name], up.tensors[name]), name
+        for name in frozen:
+            assert torch.equal(c.state["model." + name], state[name]), name
+    for name in g.buffers:
+        torch.testing.assert_close(new[name], torch.stack([u.tensors[name].double()
+                                                           for u in ups]).mean(0).float(),
+                                   rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(new[name], state[name]) for name in frozen)
+
+
+def test_with_local_statistics_none_travels_and_each_client_evaluates_with_its_own():
+    # bn_stats="local" (the FedPart paper's code, FedBN-like)
+    strategy, clients, state = make(bn_stats="local")
+    assert not statistics(state)
+    plan, state, ups = play(strategy, clients, state, 1)
+    assert not statistics(plan.broadcast.tensors)
+    assert all(not statistics(u.tensors) for u in ups)
+    evaluation = wire(strategy.configure_evaluation(state, 1))
+    assert not statistics(evaluation.tensors)
+    name = "model.body.pre_bn.running_mean"
+    assert not torch.equal(clients[0].state[name], clients[1].state[name])
+    x = clients[0].data.test_x
+    for c in clients[:2]:
+        model = strategy.global_model(c.config, c.state, evaluation).eval()
+        with torch.no_grad():
+            expected = torch.softmax(model(x).double(), dim=-1)
+        # the same float32 network, vmapped or not: rounding only
+        torch.testing.assert_close(strategy.predict(c.config, c.state, evaluation, x)
+                                   ["predictive"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_flat_schedule_options_shape_the_round_to_group_map():
+    # W = 2 FULL rounds, then G = 10 groups deep to shallow, R = 3 rounds each (rounds
+    # 3-32), then cycle 2: F = 1 FULL round (33) and the sweep again (34-63); 2 cycles
+    strategy = make_strategy("fedpart", context(), warmup_rounds=2, full_rounds_per_cycle=1,
+                             rounds_per_group=3, cycles=2, order="rev")
+    assert [strategy.group_at(r) for r in range(1, 13)] == [FULL, FULL, 9, 9, 9, 8, 8, 8,
+                                                            7, 7, 7, 6]
+    assert [strategy.group_at(r) for r in (32, 33, 34, 63)] == [0, FULL, 9, 0]
+    assert strategy.schedule().total_rounds == 63
+    with pytest.raises(ConfigError, match="past the schedule"):
+        strategy.group_at(64)
+
+
+def test_group_prefixes_and_min_group_size_define_the_groups():
+    manual = make_strategy("fedpart", context(), **OPTIONS,
+                           group_prefixes=["body.pre_conv", "body.pre_bn", "body.layers",
+                                           "head"])
+    groups = manual.groups(BODY)
+    assert [g.name for g in groups] == ["body.pre_conv", "body.pre_bn", "body.layers", "head"]
+    assert groups[0].buffers == ()
+    assert groups[1].buffers == ("body.pre_bn.running_mean", "body.pre_bn.running_var")
+    assert manual.schedule().num_groups == 4 and manual.group_at(4) == 2
+    merged = make_strategy("fedpart", context(), **OPTIONS, min_group_size=200)
+    sizes = [g.numel for g in merged.groups(BODY)]
+    # 204 | 152 + 152 | 152 + 152 | 24 + 304 | 592 | 48 + 27 merged into the one before
+    assert sizes == [204, 304, 304, 328, 667]
+    assert merged.schedule().num_groups == 5
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
