@@ -232,6 +232,28 @@ def test_a_partial_round_trains_uploads_and_averages_only_its_groups_statistics(
     assert all(torch.equal(new[name], state[name]) for name in frozen)
 
 
+def test_norm_bound_clips_a_partial_rounds_parameter_updates_but_never_its_statistics():
+    # norm_bound 1e-3: each upload's update of the group's parameters (its norm over them
+    # alone) is scaled to 1e-3 before the mean; the statistics are averaged as sent
+    strategy, clients, state = make(norm_bound=1e-3)
+    _, state, _ = play(strategy, clients, state, 1)
+    g = strategy.groups(BODY)[strategy.group_at(2)]
+    _, new, ups = play(strategy, clients, state, 2)
+    old = {n: state[n].double() for n in g.parameters}
+    norms = [sum(float((u.tensors[n].double() - old[n]).square().sum()) for n in old) ** 0.5
+             for u in ups]
+    assert min(norms) > 1e-2  # every client's update is clipped
+    for n in g.parameters:
+        clipped = [old[n] + 1e-3 / norm * (u.tensors[n].double() - old[n])
+                   for u, norm in zip(ups, norms, strict=True)]
+        # float64 clipping and mean, cast to float32 (equal counts: equal weights)
+        torch.testing.assert_close(new[n], torch.stack(clipped).mean(0).float(), rtol=1e-6,
+                                   atol=1e-7)
+    for n in g.buffers:
+        torch.testing.assert_close(new[n], torch.stack([u.tensors[n].double() for u in ups])
+                                   .mean(0).float(), rtol=1e-6, atol=1e-7)
+
+
 def test_with_local_statistics_none_travels_and_each_client_evaluates_with_its_own():
     # bn_stats="local" (the FedPart paper's code, FedBN-like)
     strategy, clients, state = make(bn_stats="local")
