@@ -124,7 +124,8 @@ def federation_pids(fed: LocalFederation) -> set[int]:
 # ---- without a deployment ------------------------------------------------------------------
 def test_run_config_maps_to_the_simulator_config():
     config, options = parse_run_config({
-        "strategy": "fedavg", "clients": 4, "option": "", "dataset-option.n": 100,
+        "strategy": "fedavg", "dataset": "gaussian_mixture", "clients": 4, "option": "",
+        "dataset-option.n": 100,
         "out": "", "threads": 0, "min-replies": 2, "round-timeout": 5.0})
     assert (config.strategy, config.clients, config.dataset_options) == ("fedavg", 4,
                                                                          {"n": 100})
