@@ -20,9 +20,13 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist): the Flower deployments and notebook kernels wait on
 # other processes much of the time, and the CPU-bound tests take one core each.
+# The tests run in a random order (pytest-randomly), a new one each time: the seed is printed
+# first, and `make test SEED=N` repeats an order.
+SEED := $(or $(SEED),$(shell od -An -N4 -tu4 /dev/urandom | tr -d ' '))
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	@echo "test order: pytest-randomly seed $(SEED) ('make test SEED=$(SEED)' repeats it)"
+	$(PY) -m pytest -q -n 2 --dist worksteal --randomly-seed=$(SEED)
 
 # The tests that assert figures of trained models; .ci/run reruns them under another
 # ATEN_CPU_CAPABILITY (README, Development) to catch a figure that holds on one CPU only.
