@@ -61,9 +61,20 @@ EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.toml"
 PACKAGES = ("bayesfl", "inference", "calibration")
 LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml")
 
-# Modules whose covering tests are not (only) tests/<mirror path>/test_<name>.py.
+# Modules whose covering tests are not (only) tests/<mirror path>/test_<name>.py: pytest
+# arguments (files, node ids, or options such as -m "not slow" as two items).
+_SPLITS = ["tests/bayesfl/strategies/test_layer_splits.py"]
 COVERING_TESTS: dict[str, list[str]] = {
     "bayesfl/strategies/fedpart_schedule.py": ["tests/bayesfl/strategies/test_fedpart.py"],
+    "bayesfl/strategies/fedavg.py": ["tests/bayesfl/strategies/test_parameter_averaging.py",
+                                     "tests/bayesfl/strategies/test_local_baselines.py"],
+    "bayesfl/strategies/local_only.py": ["tests/bayesfl/strategies/test_local_baselines.py"],
+    "bayesfl/strategies/fedper.py": _SPLITS,
+    "bayesfl/strategies/fedrep.py": _SPLITS,
+    "bayesfl/strategies/lg_fedavg.py": _SPLITS,
+    "bayesfl/strategies/fedbabu.py": _SPLITS,
+    # the ServerApp's round over an in-process grid; the real deployments take minutes each
+    "bayesfl/flower/server_app.py": ["tests/bayesfl/test_flower.py", "-m", "not flower"],
 }
 
 # mutmut exit-code verdicts, grouped for the score.
@@ -107,6 +118,8 @@ def prepare(workdir: Path, module: str, tests: list[str], keep: bool) -> None:
             link.unlink()
         link.symlink_to(ROOT / name)
     (workdir / "setup.cfg").write_text(setup_cfg(module, tests))
+    if not keep:  # the report's line numbers refer to the source that was mutated
+        shutil.copy2(ROOT / module, workdir / "source.py")
 
 
 def run_mutmut(workdir: Path, names: list[str]) -> None:
@@ -171,16 +184,20 @@ def load_equivalents(module: str) -> dict[str, dict[str, str]]:
 
 
 def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -> dict:
+    meta_path = Path("mutants") / f"{module}.meta"
+    if not (workdir / meta_path).exists():
+        raise SystemExit(f"no results in {workdir / meta_path}: run without --report first")
     os.chdir(workdir)  # mutmut's helpers read setup.cfg and mutants/ from the cwd
     from mutmut.stats import status_by_exit_code
 
-    meta_path = Path("mutants") / f"{module}.meta"
-    if not meta_path.exists():
-        raise SystemExit(f"no results in {workdir / meta_path}: run without --report first")
     exit_codes = json.loads(meta_path.read_text())["exit_code_by_key"]
-    def_lines = function_lines((ROOT / module).read_text())
+    source = workdir / "source.py"
+    def_lines = function_lines((source if source.exists() else ROOT / module).read_text())
     prefix = module[: -len(".py")].replace("/", ".") + "."
     equivalents = load_equivalents(module)
+    previous = workdir / "report.json"
+    if wall_s is None and previous.exists():  # --report: the wall time of the run it reports
+        wall_s = json.loads(previous.read_text()).get("wall_s")
 
     counts: dict[str, int] = {}
     survivors, equivalent, stale, missing = [], [], [], []
@@ -261,10 +278,6 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -
             for s, st, ch in survivors
         ],
     }
-    if wall_s is None:
-        previous = workdir / "report.json"
-        if previous.exists():
-            summary["wall_s"] = json.loads(previous.read_text()).get("wall_s")
     (workdir / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -290,10 +303,11 @@ def main(argv=None) -> int:
             and (ROOT / module).is_file()):
         parser.error(f"{args.module}: not a module of {', '.join(PACKAGES)}")
     tests = args.tests or covering_tests(module)
-    absent = [t for t in tests if not (ROOT / t).exists()]
-    if absent:
-        parser.error(f"covering tests {absent} do not exist: pass --tests, or add {module} "
-                     "to COVERING_TESTS in tools/mutation.py")
+    files = [t.split("::")[0] for t in tests if t.startswith("tests/")]
+    absent = [t for t in files if not (ROOT / t).exists()]
+    if not files or absent:
+        parser.error(f"covering tests {absent or tests} do not exist: pass --tests, or add "
+                     f"{module} to COVERING_TESTS in tools/mutation.py")
     workdir = WORK / module[: -len(".py")].replace("/", ".")
 
     wall_s = None
