@@ -7,6 +7,7 @@ import pytest
 import torch
 from strategy_helpers import context, generators, make_clients, run_round, wire
 
+from bayesfl.errors import ConfigError
 from bayesfl.simulate import simulate
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.fedpa import (
@@ -378,3 +379,43 @@ def test_screening_ratio_bounds_the_delta_norm_against_the_rounds_median(ratio, 
     assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
     if rejected:
         assert "delta norm" in verdicts[2]
+
+
+def test_the_options_default_to_the_papers_settings():
+    strategy = make_strategy("fedpa", context())
+    assert (strategy.client_lr, strategy.rho, strategy.burn_in_epochs, strategy.burn_in_rounds,
+            strategy.server_lr, strategy.server_momentum, strategy.normalize_delta,
+            strategy.weighted, strategy.mc_samples, strategy.screening_ratio) == (
+        0.05, 1.0, 1, 0, 1.0, 0.0, True, True, 32, 10.0)
+
+
+@pytest.mark.parametrize("option, lowest, bad, message", [
+    ("client_lr", 1e-12, 0.0, r"fedpa client_lr must be a finite number >= 1e-12, got 0\.0"),
+    ("rho", 0.0, -0.5, r"fedpa rho must be a finite number >= 0, got -0\.5"),
+    ("burn_in_epochs", 1, 0, r"fedpa burn_in_epochs must be an integer >= 1, got 0"),
+    ("burn_in_rounds", 0, -1, r"fedpa burn_in_rounds must be an integer >= 0, got -1"),
+    ("server_lr", 1e-12, 0.0, r"fedpa server_lr must be a finite number >= 1e-12, got 0\.0"),
+    ("server_momentum", 0.0, -0.5,
+     r"fedpa server_momentum must be a finite number >= 0, got -0\.5"),
+    ("server_momentum", 0.999, 1.0, r"fedpa server_momentum must be in \[0, 1\), got 1\.0"),
+    ("normalize_delta", False, 1, r"fedpa normalize_delta must be true or false, got 1"),
+    ("weighted", False, 0, r"fedpa weighted must be true or false, got 0"),
+    ("mc_samples", 1, 0, r"fedpa mc_samples must be an integer >= 1, got 0"),
+    ("mc_samples", 1, 2.0, r"fedpa mc_samples must be an integer >= 1, got 2\.0"),
+    ("screening_ratio", 1.0, 0.5, r"fedpa screening_ratio must be a finite number >= 1, "
+                                  r"got 0\.5"),
+    ("screening_ratio", None, "2", r"fedpa screening_ratio must be a finite number >= 1, "
+                                   r"got '2'"),
+])
+def test_each_option_accepts_its_bound_and_rejects_what_lies_beyond(option, lowest, bad,
+                                                                     message):
+    assert getattr(make_strategy("fedpa", context(), **{option: lowest}), option) == lowest
+    with pytest.raises(ConfigError, match=message):
+        make_strategy("fedpa", context(), **{option: bad})
+
+
+def test_one_body_spec_for_all_clients():
+    with pytest.raises(ConfigError, match=r"fedpa averages every parameter of the network: "
+                                          r"use one body spec for all clients, "
+                                          r"got \['mlp:16', 'mlp:8'\]"):
+        make_strategy("fedpa", context(bodies=("mlp:8", "mlp:16", "mlp:8")))

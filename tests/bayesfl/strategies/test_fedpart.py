@@ -13,7 +13,7 @@ from bayesfl.layer_groups import layer_groups
 from bayesfl.messages import Message, encode
 from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
-from bayesfl.strategies.fedpart_schedule import FULL, FedPartSchedule
+from bayesfl.strategies.fedpart_schedule import FULL, FedPartSchedule, schedule_from_option
 from bayesfl.strategies.parameter_averaging import SYNCED
 from bayesfl.training import LocalTraining, train_plain
 
@@ -90,6 +90,99 @@ def test_random_perm_draws_a_fresh_permutation_of_the_groups_every_cycle():
                             order="random-perm", seed=12)
     assert [other.group_at(r) for r in range(1, 103)] != [schedule.group_at(r)
                                                           for r in range(1, 103)]
+
+
+@pytest.mark.parametrize("name, low", [("num_groups", 1), ("rounds_per_group", 1),
+                                       ("full_rounds_per_cycle", 0), ("warmup_rounds", 0)])
+def test_each_count_option_is_an_integer_at_or_above_its_bound(name, low):
+    given = {"num_groups": 3, name: low}
+    assert getattr(FedPartSchedule(**given), name) == low  # the bound itself is accepted
+    for bad in (low - 1, True, False, float(low + 1), str(low + 1)):
+        with pytest.raises(ConfigError,
+                           match=rf"fedpart {name} must be an integer >= {low}, got {bad!r}"):
+            FedPartSchedule(**{**given, name: bad})
+
+
+def test_cycles_is_none_or_an_integer_at_least_one():
+    assert FedPartSchedule(3, cycles=None).total_rounds is None
+    assert FedPartSchedule(3, cycles=1).total_rounds == 5 + 6  # W + G R
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ConfigError,
+                           match=rf"fedpart cycles must be an integer >= 1 or None, got {bad!r}"):
+            FedPartSchedule(3, cycles=bad)
+    with pytest.raises(ConfigError, match=r"fedpart order must be one of .*'random-perm'.*"
+                                          r"got 'shuffle'"):
+        FedPartSchedule(3, order="shuffle")
+
+
+def test_position_is_the_cycle_and_sweep_slot_of_a_one_based_round():
+    # W = 2, G = 3, R = 2, F = 1: cycle 0 is rounds 1-8, cycle 1 rounds 9-15, cycle 2 16-22
+    schedule = FedPartSchedule(3, rounds_per_group=2, full_rounds_per_cycle=1, warmup_rounds=2,
+                               cycles=3)
+    sweep = [0, 0, 1, 1, 2, 2]
+    assert [schedule.position(r) for r in range(1, 23)] == (
+        [(0, None)] * 2 + [(0, j) for j in sweep] + [(1, None)] + [(1, j) for j in sweep]
+        + [(2, None)] + [(2, j) for j in sweep])
+    for bad in (0, -3, True, 2.0):
+        with pytest.raises(ConfigError, match=rf"fedpart rounds are 1-based integers, "
+                                              rf"got {bad!r}"):
+            schedule.position(bad)
+    with pytest.raises(ConfigError, match=r"round 23 is past the schedule's 3 cycle\(s\) "
+                                          r"\(22 rounds\)"):
+        schedule.position(23)
+
+
+def test_random_orders_are_pinned_per_seed_and_random_draws_each_round_afresh():
+    # a run's schedule is a pure function of (seed, round): these values must not change
+    # between versions, or a resumed run would train other groups than it started with
+    def draws(order, seed):
+        schedule = FedPartSchedule(4, rounds_per_group=1, full_rounds_per_cycle=0,
+                                   warmup_rounds=0, order=order, seed=seed)
+        return [schedule.group_at(r) for r in range(1, 13)]
+
+    assert draws("random", 5) == [2, 1, 1, 2, 3, 0, 3, 1, 1, 3, 2, 2]  # repeats within a sweep
+    assert draws("random-perm", 5) == [2, 3, 0, 1, 2, 0, 3, 1, 0, 3, 1, 2]  # a perm per sweep
+    assert draws("random", 6) != draws("random", 5)
+    assert draws("random-perm", 6) != draws("random-perm", 5)
+
+
+def test_describe_lists_the_schedule_one_line_per_block():
+    schedule = FedPartSchedule(3, rounds_per_group=2, full_rounds_per_cycle=1, warmup_rounds=2,
+                               cycles=2)
+    assert schedule.describe(15, ["a", "b", "c"]) == "\n".join([
+        "FedPart schedule: G=3 groups, R=2, F=1, warm-up=2, cycles=2, order=seq",
+        "  rounds 1-2: FULL",
+        "  rounds 3-4: group 1 (a)",
+        "  rounds 5-6: group 2 (b)",
+        "  rounds 7-8: group 3 (c)",
+        "  rounds 9: FULL",
+        "  rounds 10-11: group 1 (a)",
+        "  rounds 12-13: group 2 (b)",
+        "  rounds 14-15: group 3 (c)"])
+    # a run that ends mid-block ends its last line there; no names, no parentheses
+    assert schedule.describe(10).splitlines()[1:] == [
+        "  rounds 1-2: FULL", "  rounds 3-4: group 1", "  rounds 5-6: group 2",
+        "  rounds 7-8: group 3", "  rounds 9: FULL", "  rounds 10: group 1"]
+    assert schedule.describe(1).splitlines()[1:] == ["  rounds 1: FULL"]
+
+
+def test_schedule_option_is_none_fedpart_or_a_fedpart_dict_of_known_options():
+    assert schedule_from_option(None) is None
+    assert schedule_from_option("fedpart") == {"kind": "fedpart"}
+    given = {"kind": "fedpart", "rounds_per_group": 1, "full_rounds_per_cycle": 0,
+             "warmup_rounds": 3, "cycles": 2, "order": "rev", "group_prefixes": ["head"],
+             "min_group_size": 10, "downlink": "full"}
+    got = schedule_from_option(given)
+    assert got == given and got is not given
+    for bad in ("fedavg", {"kind": "fedavg"}, {"rounds_per_group": 1}, ["fedpart"], 3):
+        with pytest.raises(ConfigError, match=r"schedule must be None, 'fedpart' or a dict "
+                                              r"with kind 'fedpart'.*got "):
+            schedule_from_option(bad)
+    with pytest.raises(ConfigError, match=r"unknown fedpart schedule option\(s\) \['R', "
+                                          r"'seed'\]; valid: rounds_per_group, "
+                                          r"full_rounds_per_cycle, warmup_rounds, cycles, "
+                                          r"order, group_prefixes, min_group_size, downlink"):
+        schedule_from_option({"kind": "fedpart", "seed": 1, "R": 2})
 
 
 def context(rounds=12, clients=3):
