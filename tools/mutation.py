@@ -3,6 +3,7 @@
     python tools/mutation.py bayesfl/strategies/fedpa.py          # or: make mutation MODULE=...
     python tools/mutation.py bayesfl/calibrate.py --tests tests/bayesfl/test_calibrate.py
     python tools/mutation.py bayesfl/strategies/fedpa.py --retest  # after writing tests
+    python tools/mutation.py bayesfl/simulate.py --sample 80 --seed 0  # a random sample
 
 What it does, for MODULE:
 
@@ -37,6 +38,12 @@ Each run starts afresh (mutmut would otherwise keep the verdicts of unchanged fu
 when the tests changed). ``--resume`` continues an interrupted run; ``--retest`` reruns only
 the mutants the last run did not kill, against the current tests.
 
+``--sample N`` tests N mutants drawn uniformly at random without replacement (``--seed``)
+from the module's mutants less the listed equivalents, for modules too large to run whole: the
+report gives killed / N and a 95% Wilson interval for the module's score. The sample is kept
+in the work directory (``sample.json``), so ``--retest``, ``--resume`` and ``--report`` apply
+to it; a run without ``--sample`` forgets it.
+
 Not part of ``make test``: a module takes tens of minutes (the scores, commands and wall times
 are in docs/development.md, section "Mutation testing").
 """
@@ -47,7 +54,9 @@ import argparse
 import ast
 import difflib
 import json
+import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -83,6 +92,40 @@ TIMEOUT = {"timeout"}
 CRASHED = {"segfault"}
 SURVIVED = {"survived"}
 NO_TESTS = {"no tests"}
+
+
+def sample_names(names: list[str], size: int, seed: int) -> list[str]:
+    """``size`` of ``names`` drawn uniformly without replacement, the same for the same seed
+    whatever the order of ``names``; in mutmut's order (function, then number)."""
+    population = sorted(set(names), key=natural)
+    chosen = random.Random(seed).sample(population, min(size, len(population)))
+    return sorted(chosen, key=natural)
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval for a binomial proportion (95% for z = 1.96)."""
+    if trials <= 0:
+        return (0.0, 1.0)
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    spread = math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    half = z * spread / (1 + z * z / trials)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def module_mutants(workdir: Path, module: str) -> list[str]:
+    """Every mutant mutmut makes of MODULE, by full name, from mutmut's own generator (it
+    reads setup.cfg from the cwd, hence the work directory)."""
+    from mutmut.mutation.file_mutation import mutate_file_contents
+
+    prefix = module[: -len(".py")].replace("/", ".") + "."
+    cwd = Path.cwd()
+    os.chdir(workdir)
+    try:
+        names = mutate_file_contents(module, (ROOT / module).read_text()).mutant_names
+    finally:
+        os.chdir(cwd)
+    return [prefix + n for n in names]
 
 
 def covering_tests(module: str) -> list[str]:
@@ -183,7 +226,8 @@ def load_equivalents(module: str) -> dict[str, dict[str, str]]:
     return table
 
 
-def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -> dict:
+def report(workdir: Path, module: str, tests: list[str], wall_s: float | None,
+           sample: dict | None = None) -> dict:
     meta_path = Path("mutants") / f"{module}.meta"
     if not (workdir / meta_path).exists():
         raise SystemExit(f"no results in {workdir / meta_path}: run without --report first")
@@ -191,6 +235,8 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -
     from mutmut.stats import status_by_exit_code
 
     exit_codes = json.loads(meta_path.read_text())["exit_code_by_key"]
+    if sample is not None:
+        exit_codes = {k: exit_codes.get(k) for k in sample["names"]}
     source = workdir / "source.py"
     def_lines = function_lines((source if source.exists() else ROOT / module).read_text())
     prefix = module[: -len(".py")].replace("/", ".") + "."
@@ -216,7 +262,7 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -
                 continue
             stale.append(short)
         survivors.append((short, status, changes))
-    missing = [k for k in equivalents if prefix + k not in exit_codes]
+    missing = [] if sample else [k for k in equivalents if prefix + k not in exit_codes]
     killed_listed = [
         k for k in equivalents
         if prefix + k in exit_codes
@@ -229,13 +275,19 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -
     skipped = counts.get("skipped", 0)
     denominator = total - len(equivalent) - skipped - unknown
     score = detected / denominator if denominator else float("nan")
+    interval = wilson_interval(detected, denominator) if sample else None
 
     print()
     print(f"Mutation score of {module} with {' '.join(tests)}")
+    if sample:
+        print(f"  a random sample: {total} of {sample['population']} mutants (less listed "
+              f"equivalents), seed {sample['seed']}")
     print(f"  killed {detected} / (total {total} - equivalent {len(equivalent)}"
           + (f" - skipped {skipped}" if skipped else "")
           + (f" - not checked {unknown}" if unknown else "")
-          + f") = {100 * score:.1f}%")
+          + f") = {100 * score:.1f}%"
+          + (f", 95% interval {100 * interval[0]:.1f}-{100 * interval[1]:.1f}%"
+             if interval else ""))
     detail = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
     print(f"  verdicts: {detail}; equivalent (listed) {len(equivalent)}"
           + (f"; wall time {wall_s / 60:.1f} min" if wall_s is not None else ""))
@@ -271,6 +323,9 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None) -
         "not_checked": unknown,
         "total": total,
         "score": score,
+        "sample": None if sample is None else {
+            "size": total, "seed": sample["seed"], "population": sample["population"],
+            "ci95": interval},
         "wall_s": wall_s,
         "survivors": [
             {"mutant": s, "status": st, "line": ch[0][0] if ch else None,
@@ -296,6 +351,9 @@ def main(argv=None) -> int:
     mode.add_argument("--retest", action="store_true",
                       help="rerun only the mutants the last run did not kill")
     mode.add_argument("--report", action="store_true", help="only print the last run's results")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="test N mutants drawn at random (less listed equivalents)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     args = parser.parse_args(argv)
 
     module = Path(args.module).resolve().relative_to(ROOT).as_posix()
@@ -309,24 +367,40 @@ def main(argv=None) -> int:
         parser.error(f"covering tests {absent or tests} do not exist: pass --tests, or add "
                      f"{module} to COVERING_TESTS in tools/mutation.py")
     workdir = WORK / module[: -len(".py")].replace("/", ".")
+    fresh = not (args.resume or args.retest or args.report)
+    if args.sample is not None and (not fresh or args.sample < 1):
+        parser.error("--sample N (N >= 1) starts a fresh run; --retest/--resume/--report "
+                     "reuse the last run's sample")
+    sample_path = workdir / "sample.json"
+    if fresh:
+        sample_path.unlink(missing_ok=True)
+    sample = json.loads(sample_path.read_text()) if sample_path.exists() else None
 
     wall_s = None
     if not args.report:
-        names: list[str] = []
-        if args.retest:
+        names: list[str] = []  # none: every mutant (without --resume: every unchecked one)
+        if args.retest or (args.resume and sample):
             meta = workdir / "mutants" / f"{module}.meta"
             if not meta.exists():
-                parser.error("--retest: no earlier run of this module")
+                parser.error("--retest/--resume: no earlier run of this module")
             codes = json.loads(meta.read_text())["exit_code_by_key"]
-            names = [k for k, v in codes.items() if v in (0, 33)]  # survived, no tests
+            wanted = (0, 33) if args.retest else (None,)  # survived, no tests / not checked
+            names = [k for k in (sample["names"] if sample else codes) if codes.get(k) in wanted]
             if not names:
-                print("no surviving mutants to retest")
-        prepare(workdir, module, tests, keep=args.resume or args.retest)
-        if names or not args.retest:
+                print("no mutants to " + ("retest" if args.retest else "resume"))
+        prepare(workdir, module, tests, keep=not fresh)
+        if args.sample is not None:
+            prefix = module[: -len(".py")].replace("/", ".") + "."
+            population = [n for n in module_mutants(workdir, module)
+                          if n.removeprefix(prefix) not in load_equivalents(module)]
+            names = sample_names(population, args.sample, args.seed)
+            sample = {"seed": args.seed, "population": len(population), "names": names}
+            sample_path.write_text(json.dumps(sample, indent=1) + "\n")
+        if names or fresh or (args.resume and not sample):  # else: nothing left to run
             start = time.monotonic()
             run_mutmut(workdir, names)
             wall_s = time.monotonic() - start
-    report(workdir, module, tests, wall_s)
+    report(workdir, module, tests, wall_s, sample)
     return 0
 
 
