@@ -49,9 +49,10 @@ NEWTON_MAX_PARAMETERS = 3000
 
 def negative_log_posterior(
     flat_weight: Tensor, inputs: Tensor, targets: Tensor, num_outputs: int,
-    prior_precision: float, prior_mean: float, likelihood: Likelihood, noise_std: float,
+    prior_precision: float, prior_mean: float | Tensor, likelihood: Likelihood, noise_std: float,
 ) -> Tensor:
-    """``−log p(y | W) − log p(W)`` up to a constant, for ``inputs (N, m + 1)`` (scalar)."""
+    """``−log p(y | W) − log p(W)`` up to a constant, for ``inputs (N, m + 1)`` (scalar);
+    ``prior_mean`` is a number or a flat ``(C (m + 1),)`` tensor."""
     weight = flat_weight.reshape(num_outputs, inputs.shape[1])
     logits = inputs @ weight.T
     if likelihood is Likelihood.SOFTMAX:
@@ -142,7 +143,7 @@ def _lbfgs(objective, start: Tensor, max_iter: int, tol: float) -> Tensor:
 
 def find_mode(
     inputs: Tensor, targets: Tensor, num_outputs: int, prior_precision: float,
-    prior_mean: float = 0.0, likelihood: Likelihood | str = Likelihood.SOFTMAX,
+    prior_mean: float | Tensor = 0.0, likelihood: Likelihood | str = Likelihood.SOFTMAX,
     noise_std: float = 1.0, solver: MapSolver | str | None = None, max_iter: int = 100,
     tol: float = 1e-12,
     start: Tensor | None = None,
@@ -166,7 +167,9 @@ def find_mode(
     d = num_outputs * inputs.shape[1]
     solver = MapSolver.parse(solver or ("newton" if d <= NEWTON_MAX_PARAMETERS else "lbfgs"),
                              "solver")
-    if start is None:
+    if start is None and isinstance(prior_mean, Tensor):
+        start = prior_mean.to(device=inputs.device, dtype=torch.float64).reshape(-1).clone()
+    elif start is None:
         start = torch.full((d,), float(prior_mean), dtype=torch.float64, device=inputs.device)
 
     def objective(theta: Tensor) -> Tensor:
@@ -187,7 +190,7 @@ def fit_laplace_head(
     num_classes: int,
     *,
     prior_precision: float | PriorPrecisionMethod | str = PriorPrecisionMethod.MARGLIK,
-    prior_mean: float = 0.0,
+    prior_mean: float | Tensor = 0.0,
     structure: CovarianceStructure | str = CovarianceStructure.FULL,
     rank: int = 20,
     solver: MapSolver | str | None = None,
@@ -236,7 +239,9 @@ def fit_laplace_head(
         num_classes: ``C`` (use 1 for ``likelihood="gaussian"``).
         prior_precision: ``λ > 0`` of the isotropic prior ``N(prior_mean, I/λ)``, or
             ``"marglik"`` / ``"validation"`` (see above).
-        prior_mean: ``μ₀``, the prior mean of every weight.
+        prior_mean: ``μ₀``, the prior mean: one number for every weight, or a tensor of the
+            head's shape ``(C, m + 1)`` (bias column first, or flat ``(C (m + 1),)``), e.g. a
+            federation's global head as the prior of a client's own.
         structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal);
             the evidence maximised is that of this structure's own precision.
         rank: ``r ≥ 1`` of the low-rank structure (capped at ``d = C (m + 1)``).
@@ -270,6 +275,7 @@ def fit_laplace_head(
     method = _prior_precision_method(prior_precision)
     inputs, targets = training_tensors(features, labels, num_classes, likelihood, noise_std,
                                        torch.float64)
+    prior_mean = _prior_mean(prior_mean, num_classes * inputs.shape[1], inputs.device)
     approximation = GaussianApproximation.parse(approximation, "approximation")
     if likelihood is Likelihood.GAUSSIAN:  # the Laplace posterior is exact
         approximation = GaussianApproximation.LAPLACE
@@ -299,6 +305,21 @@ def fit_laplace_head(
 _GRID_DENSITY = {PriorPrecisionMethod.MARGLIK: 1, PriorPrecisionMethod.VALIDATION: 5}
 
 
+def _prior_mean(value: float | Tensor, dim: int, device: torch.device) -> float | Tensor:
+    """A number as it is; a tensor as a flat float64 ``(dim,)`` on ``device`` (it must hold
+    ``dim`` finite values)."""
+    if not isinstance(value, Tensor):
+        return value
+    if value.numel() != dim or not value.is_floating_point():
+        raise InvalidInputError(
+            f"a tensor prior_mean must hold one float per head weight, {dim} (shape (C, m + 1), "
+            f"bias column first); got shape {tuple(value.shape)} of {value.dtype}.")
+    flat = value.detach().to(device=device, dtype=torch.float64).reshape(-1)
+    if not bool(torch.isfinite(flat).all()):
+        raise InvalidInputError("prior_mean contains NaN or inf.")
+    return flat
+
+
 def _prior_precision_method(value: object) -> PriorPrecisionMethod | None:
     """The selection method named by ``value``, or ``None`` for a valid positive number."""
     if isinstance(value, str):
@@ -316,7 +337,8 @@ class _LaplaceFit:
     prior precision (each mode warm-started from the last one found) and the criteria the
     prior precision is chosen by."""
 
-    def __init__(self, inputs: Tensor, targets: Tensor, num_classes: int, prior_mean: float,
+    def __init__(self, inputs: Tensor, targets: Tensor, num_classes: int,
+                 prior_mean: float | Tensor,
                  structure: CovarianceStructure, rank: int, solver: MapSolver | str | None,
                  likelihood: Likelihood, noise_std: float, max_iter: int) -> None:
         self.inputs, self.targets, self.num_classes = inputs, targets, num_classes
@@ -415,8 +437,9 @@ def _predictive_nll(posterior: GaussianPosterior, features: Tensor, targets: Ten
 
 
 def laplace_posterior(
-    mode: Tensor, inputs: Tensor, num_classes: int, prior_precision: float, prior_mean: float,
-    structure: CovarianceStructure, rank: int, likelihood: Likelihood, noise_std: float,
+    mode: Tensor, inputs: Tensor, num_classes: int, prior_precision: float,
+    prior_mean: float | Tensor, structure: CovarianceStructure, rank: int,
+    likelihood: Likelihood, noise_std: float,
 ) -> GaussianPosterior:
     """The Laplace posterior ``N(W*, (λI + H)⁻¹)`` at a flat float64 ``mode`` for bias-augmented
     ``inputs (N, m + 1)``, with the likelihood term ``(H, H W* + λ(W* − μ₀))`` in ``structure``
@@ -431,7 +454,8 @@ def laplace_posterior(
 
 def gaussian_head_posterior(
     mean: Tensor, curvature: Tensor, input_shape: tuple[int, int], num_classes: int,
-    prior_precision: float, prior_mean: float, structure: CovarianceStructure, rank: int,
+    prior_precision: float, prior_mean: float | Tensor, structure: CovarianceStructure,
+    rank: int,
 ) -> GaussianPosterior:
     """``N(mean, (λI + K)⁻¹)`` over a ``(C, m + 1)`` head with the likelihood term
     ``(K, K mean + λ(mean − μ₀))`` in ``structure``: ``K`` is a ``(d, d)`` curvature (the
