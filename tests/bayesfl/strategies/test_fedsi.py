@@ -506,3 +506,82 @@ def test_curvature_batch_chunks_the_training_set_without_changing_the_upload(bui
     assert torch.equal(ups[0].tensors["subnet"], ups[1].tensors["subnet"])
     # GGN sums over 7 chunks or 1: float64 summation order only
     torch.testing.assert_close(ups[0].tensors["std"], ups[1].tensors["std"], rtol=1e-6, atol=0)
+
+
+# ---- defaults, refusals and checks the mutation sample found untested (issue 27) -------------
+def test_built_directly_every_option_has_its_documented_default():
+    # make_strategy passes every option, so only a direct construction sees the signature's
+    # defaults: the values of the module docstring's table
+    from strategy_helpers import context
+
+    from bayesfl.strategies.fedsi import FedSI, FedSIFac
+
+    s = FedSI(context())
+    assert (s.prior_var, s.subnet_fraction, s.subnet_size, s.posterior_kind) == (
+        1e-4, 0.05, None, "subnet_full")
+    assert (s.aggregation, s.weights, s.variance_floor, s.prior_in_map, s.local_lr) == (
+        "mean_std", "uniform", 1e-12, True, 1e-2)
+    assert (s.head_init, s.filter_zero_curvature, s.eval_selection) == (
+        "shared", True, "diag_laplace")
+    assert (s.finetune_lr, s.predictive, s.mc_samples) == (1e-2, "glm_probit", 100)
+    assert (s.screening_ratio, s.curvature_batch) == (10.0, 256)
+    assert FedSIFac(context()).posterior_kind == "diag_all"
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("prior_var", -1.0, "fedsi prior_var must be a finite number >= 0, got -1.0"),
+    ("subnet_size", 0, "fedsi subnet_size must be an integer >= 1, got 0"),
+    ("weights", "sqrt", "fedsi weights must be one of uniform, n_i; got 'sqrt'"),
+    ("eval_selection", "random",
+     "fedsi eval_selection must be one of diag_laplace, global_var; got 'random'"),
+    ("screening_ratio", 0.5, "fedsi screening_ratio must be a finite number >= 1, got 0.5"),
+    ("curvature_batch", 0, "fedsi curvature_batch must be an integer >= 1, got 0"),
+])
+def test_a_refused_option_is_named_with_what_it_must_be(option, value, message):
+    import re
+
+    from strategy_helpers import context
+
+    from bayesfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        make_strategy("fedsi", context(), **{option: value})
+
+
+def test_body_size_counts_the_parameters_of_the_body_spec_asked_for(build):
+    strategy, _, _ = build("fedsi")  # bodies on 6 inputs to feature_dim 4
+    assert strategy.body_size() == 6 * 8 + 8 + 8 * 4 + 4  # the run's mlp:8
+    assert strategy.body_size("mlp:16") == 6 * 16 + 16 + 16 * 4 + 4
+
+
+def test_a_broadcast_variance_of_zero_is_refused(build):
+    from bayesfl.errors import MessageRejected
+
+    strategy, clients, state = build("fedsi")
+    variance = state["variance"].clone()
+    variance[3] = 0.0
+    down = wire(strategy.configure({**state, "variance": variance}, 1).broadcast)
+    with pytest.raises(MessageRejected, match="variances finite and > 0"):
+        strategy.received(clients[0].config, down)
+
+
+def test_the_posterior_before_personalisation_is_refused_saying_when_it_is_fitted(build):
+    from bayesfl.errors import ConfigError
+
+    strategy, clients, state = build("fedsi")
+    down = wire(strategy.configure_evaluation(state, 1))
+    with pytest.raises(ConfigError, match=r"^client 0 has not personalized: fedsi fits a "
+                       r"client's posterior in personalize\(\) after training$"):
+        strategy.posterior(clients[0].config, clients[0].state, down)
+
+
+def test_a_client_may_not_declare_more_samples_than_in_its_first_accepted_upload(build):
+    strategy, plan, ups = _honest_uploads(build)  # clients of 12, 20 and 7 samples
+    state = strategy.aggregate(plan.state, ups, 1, torch.Generator())
+    # the round-1 variances kept, so that the round-1 stds stay below the prior std
+    state["variance"] = plan.state["variance"]
+    again = [wire(strategy.up_message(2, k, {**u.tensors, "num_samples": torch.tensor([n])}))
+             for k, (u, n) in enumerate(zip(ups, (12, 21, 6), strict=True))]
+    verdicts = strategy.validate_uploads(strategy.configure(state, 2), again, [0, 1, 2])
+    assert verdicts == [None, "num_samples 21 exceeds the 20 this client declared in its first "
+                        "accepted upload", None]
