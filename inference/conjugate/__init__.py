@@ -6,10 +6,12 @@ head (:func:`solve_map`), a structured Laplace approximation, NUTS draws and pre
 probabilities. :func:`compactness_loss` is FedLog-C's client-side term; :mod:`.privacy` holds the
 Gaussian mechanism for statistics and the check that its noise does not swamp them;
 :class:`NoisyConjugatePosterior` is the posterior of noisy statistics with the noise accounted
-for (:mod:`.noise_aware`).
+for (:mod:`.noise_aware`). :func:`evidence_feature_scale` chooses the feature scale by the model's
+log evidence of summed statistics (:mod:`.evidence`: federated type-II maximum likelihood).
 """
 
 from inference.conjugate.compactness import ClassMeans, compactness_loss
+from inference.conjugate.evidence import evidence_feature_scale, log_evidence
 from inference.conjugate.laplace import ConjugateLaplace
 from inference.conjugate.noise_aware import NoiseAwareLaplace, NoisyConjugatePosterior
 from inference.conjugate.posterior import ConjugatePosterior
@@ -38,8 +40,10 @@ __all__ = [
     "SufficientStatistics",
     "clip_features",
     "compactness_loss",
+    "evidence_feature_scale",
     "gaussian_sigma",
     "l2_sensitivity",
+    "log_evidence",
     "map_gradient",
     "map_objective",
     "privacy_signal_to_noise",
