@@ -113,6 +113,7 @@ from inference.conjugate import (
     privacy_signal_to_noise,
     privatize,
 )
+from inference.conjugate.evidence import evidence_feature_scale
 from inference.conjugate.privacy import SWAMPED_RATIO
 from inference.conjugate.statistics import checked_batch
 
@@ -120,6 +121,8 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PREDICTIVES = ("mc", "probit", "map")
 ABSENT_CLIENTS = ("latest", "omit")
 STATISTICS_AGGREGATIONS = ("sum", "median")
+EVIDENCE = "evidence"
+SQUARE_SUM_SPEC = TensorSpec((1,), torch.float64)
 _CACHE = "latest/"
 
 MOST_SAMPLES = 1e9
@@ -277,13 +280,18 @@ class StatisticsBroadcast:
         self.alpha = alpha
 
     def tensors(self, state: ServerState, dtype: torch.dtype) -> dict[str, Tensor]:
-        return {"statistics": state["statistics"].to(dtype),
-                "num_samples": state["num_samples"].to(torch.float64)}
+        tensors = {"statistics": state["statistics"].to(dtype),
+                   "num_samples": state["num_samples"].to(torch.float64)}
+        if "feature_scale" in state:  # feature_scale="evidence": the server's choice
+            tensors["feature_scale"] = state["feature_scale"]
+        return tensors
 
     def training_target(self, message: Message, strategy: FedLog) -> HeadObjective:
         table = message.tensors["statistics"].to(torch.float64)
         n = float(message.tensors["num_samples"].item())
-        head = strategy.solve_head(table, n, privatized=True).to(torch.float32)
+        head = strategy.solve_head(table, n, privatized=True,
+                                   feature_scale=strategy.broadcast_scale(message)
+                                   ).to(torch.float32)
         device = strategy.context.device
         if not (self.alpha > 0 and n > 0):
             return HeadObjective(head.to(device))
@@ -348,6 +356,12 @@ class FedLog(Strategy):
             clean statistics only), see the module docstring.
         sample_screening_ratio: reject a ``num_samples`` above this many times the round's
             median (None: no screening).
+        feature_scale: the model's feature scale s (the posterior is that of ``[1, s phi]``,
+            :class:`inference.ConjugatePosterior`): a number > 0 (1, the paper's, default) or
+            ``"evidence"``: the server chooses s every round by maximising the conjugate
+            model's log evidence of the summed statistics (federated type-II maximum
+            likelihood; each upload then carries ``square_sum``, one float64); see the module
+            docstring. Not an option of the DP variants (s = 1).
     """
 
     name: ClassVar[str] = "fedlog"
@@ -366,8 +380,11 @@ class FedLog(Strategy):
         feature_bound: float = 1000.0,
         statistics_aggregation: str = "sum",
         sample_screening_ratio: float | None = 100.0,
+        feature_scale: float | str = 1.0,
     ) -> None:
         super().__init__(context)
+        self.feature_scale = checked_feature_scale(feature_scale)
+        self.evidence = self.feature_scale == EVIDENCE
         check_robust_options("mean", 0.0, None, sample_screening_ratio)
         if not (isinstance(feature_bound, int | float) and not isinstance(feature_bound, bool)
                 and 0 < feature_bound < math.inf):
@@ -411,6 +428,10 @@ class FedLog(Strategy):
         if statistics_aggregation == "median" and not self.privacy.sends_num_samples:
             raise ConfigError("statistics_aggregation='median' needs exact class counts; "
                               "local-DP uploads are noisy: use 'sum'")
+        if self.evidence and statistics_aggregation == "median":
+            raise ConfigError("feature_scale='evidence' needs the sum of the clients' squared "
+                              "feature norms, which statistics_aggregation='median' does not "
+                              "screen: use statistics_aggregation='sum' or a number")
 
     def make_privacy(self) -> NoPrivacy:
         """The privacy placement part (FedLog: none)."""
@@ -426,25 +447,33 @@ class FedLog(Strategy):
     # ==== server half ======================================================================
     def init(self) -> ServerState:
         C, m = self.num_classes, self.m
-        return {
+        state = {
             "head": torch.zeros(C, m, dtype=torch.float32),
             "statistics": torch.zeros(C, m, dtype=torch.float64),
             "num_samples": torch.zeros(1, dtype=torch.float64),
             "privatized": torch.zeros(1, dtype=torch.bool),
         }
+        if self.evidence:
+            state["feature_scale"] = torch.ones(1, dtype=torch.float64)
+        return state
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
         return self.broadcast.tensors(state, self.upload_dtype)
 
     def upload_schema(self, state: ServerState, round: int) -> Schema:
-        return self.privacy.schema(self.num_classes, self.m, self.upload_dtype)
+        schema = self.privacy.schema(self.num_classes, self.m, self.upload_dtype)
+        if self.evidence:
+            schema["square_sum"] = SQUARE_SUM_SPEC
+        return schema
 
     def configure_evaluation(self, state: ServerState, round: int) -> Message:
         """The federated posterior's parameters: the summed statistic (float64), its count
         and whether it is privatized (clients build the conjugate posterior from them)."""
-        return self.down_message(round, {"statistics": state["statistics"],
-                                         "num_samples": state["num_samples"],
-                                         "privatized": state["privatized"]})
+        tensors = {"statistics": state["statistics"], "num_samples": state["num_samples"],
+                   "privatized": state["privatized"]}
+        if "feature_scale" in state:
+            tensors["feature_scale"] = state["feature_scale"]
+        return self.down_message(round, tensors)
 
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
         """The privacy placement's invariants of the statistics, then (clean counts) the
@@ -456,6 +485,9 @@ class FedLog(Strategy):
         ids = [m.header.client_id for m in messages]
         return first_reasons(
             self.privacy.problems(tables, n),
+            (square_sum_problems(tables, torch.cat([m.tensors["square_sum"] for m in messages]),
+                                 self.privacy.bound)
+             if self.evidence else [None] * len(messages)),
             declared_problems(plan.state, ids, n.tolist()),
             screening_reasons(n.to(torch.float64), self.sample_screening_ratio, "num_samples"),
         )
@@ -488,10 +520,17 @@ class FedLog(Strategy):
         privatized = total.privatized or self.broadcast.solves_locally
         if self.broadcast.solves_locally:  # clients solve from the wire-dtype table: match it
             table = table.to(self.upload_dtype).to(torch.float64)
-        head = self.solve_head(table, count, privatized=privatized).to(torch.float32)
+        scale = self.feature_scale
+        if self.evidence:
+            square_sum = float(torch.cat([cache[f"{_CACHE}{i}/square_sum"] for i in ids]).sum())
+            scale = self.choose_feature_scale(table, count, square_sum)
+        head = self.solve_head(table, count, privatized=privatized,
+                               feature_scale=scale).to(torch.float32)
         new = {"head": head, "statistics": table,
                "num_samples": torch.tensor([count], dtype=torch.float64),
                "privatized": torch.tensor([privatized])}
+        if self.evidence:
+            new["feature_scale"] = torch.tensor([scale], dtype=torch.float64)
         if self.absent_clients == "latest":
             new.update(cache)
         if self.privacy.sends_num_samples:
@@ -499,11 +538,24 @@ class FedLog(Strategy):
                                     [int(u.tensors["num_samples"].item()) for u in uploads]))
         return new
 
-    def solve_head(self, table: Tensor, n: float, *, privatized: bool) -> Tensor:
-        """Posterior MAP head W (C, m) float64 of the summed statistic ``table`` with count
-        ``n`` under the prior chi = 0, ``nu`` (exact solver)."""
+    def solve_head(self, table: Tensor, n: float, *, privatized: bool,
+                   feature_scale: float | None = None) -> Tensor:
+        """Posterior MAP head W (C, m) float64 (of body features) of the summed statistic
+        ``table`` with count ``n`` under the prior chi = 0, ``nu`` (exact solver), with
+        ``feature_scale`` (None: the fixed option, 1 under ``"evidence"``)."""
+        if feature_scale is None:
+            feature_scale = 1.0 if self.evidence else float(self.feature_scale)
         stats = SufficientStatistics(table.to(torch.float64), round(n), privatized=privatized)
-        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats).map()
+        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats,
+                                  feature_scale=feature_scale).map()
+
+    def choose_feature_scale(self, table: Tensor, n: float, square_sum: float) -> float:
+        """The feature scale of largest log evidence (:func:`inference.conjugate.evidence.
+        evidence_feature_scale`) of the summed ``table`` (count ``n``) and the summed squared
+        feature norms ``square_sum``, under this strategy's prior."""
+        stats = SufficientStatistics(table.to(torch.float64), round(n))
+        return evidence_feature_scale(stats, square_sum,
+                                      prior=ConjugatePrior(nu=self.prior_nu)).value
 
     # ==== client half ======================================================================
     def fit(
@@ -522,8 +574,11 @@ class FedLog(Strategy):
             train_plain(model, data.train_x, data.train_y,
                         self.broadcast.training_target(broadcast, self), self.context.training,
                         generator=generator)
-        table = self.client_statistics(data, batched_apply(model, data.train_x)).cpu()
-        return model_state(model), self._upload(config, data, round, table, generator)
+        features = batched_apply(model, data.train_x)
+        table = self.client_statistics(data, features).cpu()
+        square_sum = (self.square_sums([data], features).cpu() if self.evidence else None)
+        return model_state(model), self._upload(config, data, round, table, generator,
+                                                square_sum)
 
     def fit_group(
         self,
@@ -545,16 +600,28 @@ class FedLog(Strategy):
                           self.context.training, generators=generators)
         features = forward_stacked_tensors(template, params, buffers, xs)
         tables = self.batch_statistics(datas, features).cpu()
-        return [(with_parameters(s, p), self._upload(c, d, round, t, g))
-                for c, s, p, d, t, g in zip(configs, states, params, datas, tables, generators,
-                                            strict=True)]
+        squares = (self.square_sums(datas, features).cpu() if self.evidence
+                   else [None] * len(datas))
+        return [(with_parameters(s, p), self._upload(c, d, round, t, g, q))
+                for c, s, p, d, t, g, q in zip(configs, states, params, datas, tables,
+                                               generators, squares, strict=True)]
 
     def _upload(
         self, config: ClientConfig, data: ClientData, round: int, table: Tensor,
-        generator: torch.Generator,
+        generator: torch.Generator, square_sum: Tensor | None = None,
     ) -> Message:
         tensors = self.privacy.release(table, data.num_train, self.upload_dtype, generator)
+        if square_sum is not None:
+            tensors["square_sum"] = square_sum.reshape(1).to(torch.float64)
         return self.up_message(round, config.client_id, tensors)
+
+    def square_sums(self, datas: Sequence[ClientData], features: Tensor) -> Tensor:
+        """``Q_k = sum_i ||phi_i||^2`` (K,) float64 of K clients' training ``features``
+        (concatenated client after client), clamped at the feature bound as the statistics
+        are: the one number of the evidence that the statistics do not hold."""
+        squares = self.bounded(features.to(torch.float64)).pow(2).sum(dim=1)
+        sizes = [d.num_train for d in datas]
+        return torch.stack([part.sum() for part in squares.split(sizes)])
 
     def bounded(self, features: Tensor) -> Tensor:
         """``features`` clamped at the feature bound B (non-finite values left for the
@@ -624,7 +691,22 @@ class FedLog(Strategy):
             return None
         privatized = bool(broadcast.tensors["privatized"].any())
         stats = SufficientStatistics(table, round(n), privatized=privatized)
-        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats)
+        return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats,
+                                  feature_scale=self.broadcast_scale(broadcast))
+
+    def broadcast_scale(self, broadcast: Message) -> float:
+        """The feature scale a broadcast carries (``"evidence"``), else the fixed option
+        (1 before the first aggregation of an ``"evidence"`` run)."""
+        scale = broadcast.tensors.get("feature_scale")
+        if scale is not None:
+            return float(scale.item())
+        return 1.0 if self.evidence else float(self.feature_scale)
+
+    def server_metrics(self, state: ServerState) -> dict[str, float]:
+        """``feature_scale``: the scale the server chose (``feature_scale="evidence"``)."""
+        if "feature_scale" not in state:
+            return {}
+        return {"feature_scale": float(state["feature_scale"].item())}
 
     def predict(
         self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
@@ -745,6 +827,10 @@ class _FedLogDP(FedLog):
         if "feature_bound" in options:
             raise ConfigError(f"{self.name} bounds features by its clip ({clip}); set clip, "
                               "not feature_bound")
+        if options.pop("feature_scale", 1.0) != 1.0:
+            raise ConfigError(f"{self.name} keeps feature_scale = 1: the evidence needs every "
+                              "client's squared feature norms, a release its privacy budget "
+                              "does not cover")
         for option, value in (("epsilon", epsilon), ("delta", delta), ("clip", clip)):
             if isinstance(value, bool) or not isinstance(value, int | float) \
                     or not math.isfinite(value):
@@ -898,6 +984,46 @@ class _FedLogDP(FedLog):
         return NoisyConjugatePosterior(
             posterior.prior, posterior.statistics, noise_variance,
             count_from_noise=not self.privacy.sends_num_samples)
+
+
+def checked_feature_scale(value: object) -> float | str:
+    """FedLog's ``feature_scale`` option: a finite number > 0 (as a float) or ``"evidence"``.
+
+    Raises:
+        ConfigError: anything else, with what is accepted.
+    """
+    if value == EVIDENCE:
+        return EVIDENCE
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"feature_scale must be a finite number > 0 (1 is the paper's model) "
+                          f"or {EVIDENCE!r} (chosen by the server from the summed statistics), "
+                          f"got {value!r}")
+    return float(value)
+
+
+def square_sum_problems(tables: Tensor, square_sums: Tensor, bound: float) -> list[str | None]:
+    """Invariants of K uploads' ``square_sum`` Q (K,) float64 beside their clean ``tables``
+    (K, C, m) float64: per upload None or the first violated one of: Q finite; Q at least
+    ``sum_y ||S_y||^2 / n_y`` over the feature columns (Cauchy-Schwarz: a class's squared
+    norms sum to at least its count times its squared mean); Q at most ``n d B^2``."""
+    counts = tables[:, :, 0]
+    sums = tables[:, :, 1:]
+    least = (sums.pow(2).sum(2) / counts.clamp(min=1)).sum(1)
+    most = counts.sum(1) * sums.shape[2] * bound**2
+    reasons: list[str | None] = []
+    for q, low, high in zip(square_sums.tolist(), least.tolist(), most.tolist(), strict=True):
+        if not math.isfinite(q):
+            reasons.append(f"square_sum is {q}, not a finite number")
+        elif q < low * (1 - 1e-6):  # float32 statistics: 6e-8 relative rounding per entry
+            reasons.append(f"square_sum {q:.6g} is below {low:.6g}, the least the feature sums "
+                           "allow (sum over classes of |S_y|^2 / n_y)")
+        elif q > high * (1 + 1e-6):
+            reasons.append(f"square_sum {q:.6g} exceeds {high:.6g}: num_samples x feature "
+                           f"dimension x the feature bound {bound:g} squared")
+        else:
+            reasons.append(None)
+    return reasons
 
 
 def median_class_means(tables: Tensor) -> Tensor:

@@ -1,0 +1,206 @@
+"""FedLog's feature scale: a fixed s, or s chosen by the server from the summed statistics and
+squared feature norms by the conjugate model's evidence (federated type-II maximum likelihood)
+— equal to the choice on the pooled data, checked against a brute-force grid."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from strategy_helpers import (
+    NUM_CLASSES,
+    evaluation_broadcast,
+    network_output,
+    predict,
+    run_round,
+    wire,
+)
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message
+from bayesfl.strategies import MAP_PLUGIN
+from inference.conjugate import (
+    ConjugatePosterior,
+    ConjugatePrior,
+    SufficientStatistics,
+    evidence_feature_scale,
+    log_evidence,
+)
+
+
+def pooled(strategy, clients):
+    """The pooled training features (float64) and labels of the clients' current bodies."""
+    features = torch.cat([network_output(strategy, c) for c in clients]).double()
+    return features, torch.cat([c.data.train_y for c in clients])
+
+
+def brute_force_scale(features, labels, grid):
+    """The grid point of largest evidence of the scaled pooled features ``s phi`` (their own
+    table and squared norms, plus the Jacobian ``n d log s`` to the body's units)."""
+    n, d = features.shape
+    values = []
+    for s in grid:
+        x = s * features
+        stats = SufficientStatistics.from_features(x, labels, NUM_CLASSES)
+        values.append(log_evidence(stats, float(x.pow(2).sum())) + n * d * math.log(s))
+    return int(np.argmax(values))
+
+
+def trained(build, **options):
+    """A FedLog strategy and its clients after the init round and one trained round."""
+    strategy, clients, state = build("fedlog", **options)
+    state, _ = run_round(strategy, clients, state, 0)
+    state, ups = run_round(strategy, clients, state, 1)
+    return strategy, clients, state, ups
+
+
+def test_the_paper_scale_1_is_the_default_and_uploads_no_square_sum(build):
+    strategy, _, state, ups = trained(build)
+    assert strategy.feature_scale == 1.0
+    assert set(ups[0].tensors) == {"statistics", "num_samples"}
+    assert "feature_scale" not in state
+    assert "feature_scale" not in evaluation_broadcast(strategy, state, 1).tensors
+
+
+def test_evidence_uploads_carry_the_square_sum_of_the_clients_training_features(build):
+    strategy, clients, state, ups = trained(build, feature_scale="evidence")
+    assert "square_sum" in strategy.upload_schema(state, 1)
+    for c, u in zip(clients, ups, strict=True):
+        q = u.tensors["square_sum"]
+        assert q.dtype == torch.float64 and q.shape == (1,)
+        expected = network_output(strategy, c).double().pow(2).sum()
+        torch.testing.assert_close(q[0], expected, rtol=1e-12, atol=0)
+
+
+def test_the_servers_scale_is_the_pooled_datas_evidence_choice_and_a_grids_argmax(build):
+    strategy, clients, state, _ = trained(build, feature_scale="evidence",
+                                          upload_dtype="float64")
+    features, labels = pooled(strategy, clients)
+    stats = SufficientStatistics.from_features(features, labels, NUM_CLASSES)
+    choice = evidence_feature_scale(stats, float(features.pow(2).sum()))
+    scale = float(state["feature_scale"])
+    # federated = pooled: the summed tables and square sums are the pooled ones (float64 sums
+    # in another order: 1e-12 relative), so the search lands on the same s to Brent's 1e-6
+    assert scale == pytest.approx(choice.value, rel=1e-5)
+    grid = np.exp(np.linspace(math.log(scale / 20), math.log(scale * 20), 601))  # 1% apart
+    best = brute_force_scale(features, labels, grid)
+    assert 0 < best < len(grid) - 1
+    assert grid[best - 1] <= scale <= grid[best + 1]
+    # the head is the MAP of the summed statistics at that scale
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=scale).map()
+    torch.testing.assert_close(state["head"].double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
+    assert strategy.server_metrics(state) == {"feature_scale": scale}
+
+
+def test_an_absent_client_counts_with_its_latest_square_sum(build):
+    strategy, clients, state = build("fedlog", feature_scale="evidence")
+    state, ups0 = run_round(strategy, clients, state, 0)
+    state, ups1 = run_round(strategy, clients[:2], state, 1)  # client 2 does not upload
+    latest = [ups1[0], ups1[1], ups0[2]]
+    tables = torch.stack([u.tensors["statistics"] for u in latest]).double()
+    n = sum(int(u.tensors["num_samples"]) for u in latest)
+    q = sum(float(u.tensors["square_sum"]) for u in latest)
+    stats = SufficientStatistics.sum_tables(tables, n)
+    assert float(state["feature_scale"]) == evidence_feature_scale(stats, q).value
+    assert torch.equal(state["latest/2/square_sum"], ups0[2].tensors["square_sum"])
+
+
+def test_clients_evaluate_with_the_posterior_at_the_broadcast_scale(build):
+    strategy, clients, state, _ = trained(build, feature_scale="evidence")
+    broadcast = evaluation_broadcast(strategy, state, 1)
+    scale = float(broadcast.tensors["feature_scale"])
+    assert scale == float(state["feature_scale"]) and scale != 1.0
+    c = clients[1]
+    posterior = strategy.posterior(c.config, c.state, broadcast)
+    assert posterior.head.feature_scale == scale
+    feats = network_output(strategy, c, c.data.test_x).double()
+    phi = torch.cat([torch.ones(len(feats), 1, dtype=torch.float64), feats], 1)
+    W = strategy.solve_head(state["statistics"], float(state["num_samples"]), privatized=False,
+                            feature_scale=scale)
+    probs = predict(strategy, c, state, c.data.test_x, 1, key=MAP_PLUGIN)
+    torch.testing.assert_close(probs, torch.softmax(phi @ W.T, 1), atol=1e-12, rtol=0)
+
+
+def test_fit_group_uploads_the_square_sums_fit_uploads(build):
+    strategy, clients, state = build("fedlog", feature_scale="evidence")
+    state, _ = run_round(strategy, clients, state, 0)
+    twins = copy.deepcopy(clients)
+    _, plain = run_round(strategy, clients, state, 0, batched=False)
+    _, batch = run_round(strategy, twins, state, 0, batched=True)
+    for a, b in zip(plain, batch, strict=True):
+        torch.testing.assert_close(a.tensors["square_sum"], b.tensors["square_sum"],
+                                   rtol=1e-12, atol=0)
+
+
+def test_fedlog_c_clients_rebuild_the_servers_head_at_the_broadcast_scale(build):
+    strategy, clients, state = build("fedlog-c", feature_scale="evidence")
+    state, _ = run_round(strategy, clients, state, 0)
+    down = wire(strategy.configure(state, 1).broadcast)
+    assert torch.equal(down.tensors["feature_scale"], state["feature_scale"])
+    target = strategy.broadcast.training_target(down, strategy)
+    head = torch.cat([target.bias[:, None], target.weight], 1)
+    torch.testing.assert_close(head, state["head"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_fixed_scale_gives_the_map_and_posterior_of_that_scale(build):
+    strategy, clients, state, _ = trained(build, feature_scale=0.25)
+    assert "feature_scale" not in state
+    stats = SufficientStatistics(state["statistics"], round(float(state["num_samples"])))
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=0.25).map()
+    torch.testing.assert_close(state["head"].double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
+    c = clients[0]
+    posterior = strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, state, 1))
+    assert posterior.head.feature_scale == 0.25
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, None, "evidance", "1"])
+def test_a_feature_scale_that_is_no_positive_number_nor_evidence_is_a_config_error(build, value):
+    with pytest.raises(ConfigError, match=r"feature_scale must be a finite number > 0 .* or "
+                                          r"'evidence'.*got"):
+        build("fedlog", feature_scale=value)
+
+
+@pytest.mark.parametrize("name", ["fedlog-dp-local", "fedlog-dp-central"])
+def test_dp_variants_keep_scale_1(build, name):
+    with pytest.raises(ConfigError, match=r"keeps feature_scale = 1.*privacy budget"):
+        build(name, feature_scale="evidence")
+    with pytest.raises(ConfigError, match="keeps feature_scale = 1"):
+        build(name, feature_scale=0.5)
+    strategy, _, _ = build(name, feature_scale=1.0)
+    assert strategy.feature_scale == 1.0
+
+
+def test_evidence_with_median_statistics_is_a_config_error(build):
+    with pytest.raises(ConfigError, match="statistics_aggregation='sum'"):
+        build("fedlog", feature_scale="evidence", statistics_aggregation="median")
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda q, t: q * 0.5, "below"),  # fewer squares than the class means allow
+        (lambda q, t: q.fill_(float("nan")), "non-finite"),  # the schema's finiteness check
+        (lambda q, t: q + 1e9, "exceeds"),  # above n d B^2 with B = 10
+        (lambda q, t: q.float(), "dtype"),
+    ],
+)
+def test_invalid_square_sums_are_rejected_with_a_reason(build, change, reason):
+    strategy, clients, state = build("fedlog", feature_scale="evidence", feature_bound=10.0)
+    plan = strategy.configure(state, 0)
+    _, ups = run_round(strategy, clients, state, 0)
+    tensors = ups[0].tensors
+    bad = wire(Message(ups[0].header, {**tensors,
+                                       "square_sum": change(tensors["square_sum"].clone(),
+                                                            tensors)}))
+    with pytest.raises(MessageRejected, match=reason):
+        strategy.validate_upload(plan, bad, 0)
+
+
+def test_an_evidence_upload_without_its_square_sum_is_rejected(build):
+    strategy, clients, state = build("fedlog", feature_scale="evidence")
+    plan = strategy.configure(state, 0)
+    _, ups = run_round(strategy, clients, state, 0)
+    tensors = {k: v for k, v in ups[0].tensors.items() if k != "square_sum"}
+    with pytest.raises(MessageRejected, match="square_sum"):
+        strategy.validate_upload(plan, wire(Message(ups[0].header, tensors)), 0)
