@@ -355,6 +355,12 @@ def cached_upload_problem(loaded: ServerState, schema: Mapping[str, TensorSpec],
     return None
 
 
+def round_view(strategy: Strategy) -> dict[str, str]:
+    """``{"round_view": ...}`` for a round record where the strategy evaluates rounds other
+    than by its final predictive (:attr:`Strategy.round_view`), else nothing."""
+    return {} if strategy.round_view is None else {"round_view": strategy.round_view}
+
+
 def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
     """The sorted client ids taking part in ``round``: all when ``fraction == 1`` or in the
     init round 0, else ``max(1, round(fraction * num_clients))`` drawn without replacement."""
@@ -630,6 +636,7 @@ class _Run:
             "accepted": len(accepted),
             "rejections": rejections,
             **evaluation.headline(),
+            **round_view(self.server),
             "bytes_up": int(sum(bytes_up)),
             "bytes_down": len(down_bytes) * len(participants),
             "bytes_up_per_client": bytes_up,

@@ -56,6 +56,46 @@ FedProx's proximal term); under :func:`train_stacked` it sees one client's param
 
 
 @dataclass(frozen=True)
+class GaussianProx:
+    """A diagonal Gaussian term ``0.5 * sum_r precision_r * (theta_r - mean_r)^2`` of the
+    mini-batch loss, applied *exactly* after each Adam step rather than through its gradient.
+
+    ``mean`` and ``precision`` map trainable parameter names to tensors of their shapes;
+    ``precision`` is per sample (a prior's precision divided by the client's n, as in a
+    batch-mean objective). After Adam's step, each parameter ``theta`` becomes the minimiser
+    of ``0.5 * (theta - z)^2 / eta + 0.5 * precision * (theta - mean)^2`` where ``z`` is the
+    Adam iterate and ``eta = lr / (sqrt(v_hat) + eps)`` the step size Adam gave that entry:
+
+        theta = (z + eta * precision * mean) / (1 + eta * precision)
+
+    Why: Adam normalises every coordinate's step to about ``lr``. When the Gaussian is stiff
+    (a prior std ``1 / sqrt(n * precision)`` at or below ``lr``, e.g. FedSI's prior variance
+    1e-4 with Adam at 1e-2), its gradient makes Adam oscillate around the prior mean with an
+    amplitude of ``lr`` and ends the round *farther* from the optimum than it started (FedSI on
+    MNIST: objective 2.33 -> 3.86, exact MAP 2.26). The proximal step is stable for any
+    precision, and its fixed point satisfies ``precision * (theta - mean) = -grad`` — the
+    stationarity condition of the full objective (the MAP).
+    """
+
+    mean: dict[str, Tensor]
+    precision: dict[str, Tensor]
+
+    def apply(self, optimizer: torch.optim.Adam, named: Sequence[tuple[str, Tensor]],
+              config: LocalTraining) -> None:
+        """The exact proximal step of every parameter in ``named`` after ``optimizer.step()``."""
+        beta2 = config.betas[1]
+        with torch.no_grad():
+            for name, p in named:
+                if name not in self.precision:
+                    continue
+                state = optimizer.state[p]
+                bias_correction2 = 1 - beta2 ** float(state["step"])
+                denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(config.eps)
+                shrink = (config.lr * self.precision[name]) / denom  # eta * precision
+                p.add_(shrink * self.mean[name]).div_(1 + shrink)
+
+
+@dataclass(frozen=True)
 class LocalTraining:
     """Hyperparameters of one client's local training in one round.
 
@@ -126,19 +166,24 @@ def train_plain(
     generator: torch.Generator,
     trainable: ParameterFilter | None = None,
     penalty: Penalty | None = None,
+    prox: GaussianProx | None = None,
+    after_epoch: Callable[[int], None] | None = None,
 ) -> None:
     """Train ``model`` in place on ``(x (N, ...), y (N,))`` with mini-batch Adam.
 
     Only parameters selected by ``trainable`` (default: all) are updated; the others are
     frozen for the duration of the call (``requires_grad=False``, so backpropagation stops at
     the first trainable layer). The mini-batch loss is the mean of the objective's per-sample
-    losses, plus ``penalty`` of the trainable parameters if given. A non-finite loss stops the
-    training before its step (module docstring).
+    losses, plus ``penalty`` of the trainable parameters if given, plus ``prox``'s Gaussian
+    term, which is applied exactly after each step (:class:`GaussianProx`). A non-finite loss
+    stops the training before its step (module docstring). ``after_epoch(epochs_done)`` is
+    called after each complete epoch (early stopping reads the model there).
     """
     trainable = trainable or _all_parameters
     named = list(model.named_parameters())
     params = [p for name, p in named if trainable(name)]
     train_names = [name for name, _ in named if trainable(name)]
+    trained = list(zip(train_names, params, strict=True))
     if not params or config.epochs == 0:
         return
     flags = {name: p.requires_grad for name, p in named}
@@ -165,6 +210,10 @@ def train_plain(
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                if prox is not None:
+                    prox.apply(optimizer, trained, config)
+            if after_epoch is not None:
+                after_epoch(epoch + 1)
     finally:
         for name, p in named:
             p.requires_grad_(flags[name])

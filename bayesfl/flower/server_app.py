@@ -71,6 +71,7 @@ from bayesfl.simulate import (
     _SERVER_KEY,
     build_summary,
     non_finite_problem,
+    round_view,
     run_setup,
     sample_clients,
 )
@@ -401,6 +402,7 @@ class FlowerServer:
             events += eval_events
             record.update(evaluation.headline() if evaluation is not None
                           else {"accuracy": None})
+            record.update(round_view(self.strategy))
             if evaluation is not None:
                 record["per_client"] = evaluation.per_client
         record.update({

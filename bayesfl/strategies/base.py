@@ -197,6 +197,10 @@ class Strategy:
     """Whether :meth:`personalize` does anything (the transport skips it otherwise)."""
     is_posterior: ClassVar[bool] = False
     """Whether :meth:`posterior` returns an :mod:`inference` posterior."""
+    round_view: ClassVar[str | None] = None
+    """What the figures of rounds before personalisation measure, where that is not the
+    strategy's final predictive (the round records of ``metrics.jsonl`` carry it as
+    ``round_view``); None: the same predictive."""
 
     def __init__(self, context: StrategyContext) -> None:
         self.context = context

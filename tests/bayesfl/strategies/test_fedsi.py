@@ -313,16 +313,47 @@ def full_batch_context(lr=1e-2):
 def test_local_lr_is_the_adam_step_of_the_local_map(local_lr, step):
     # one full batch, one Adam step from theta = mu (where the prior term's gradient is 0):
     # every body entry moves by lr * g / (|g| + 1e-8), the largest by lr itself; None takes
-    # the run's lr (here 2e-2)
+    # the run's lr (here 2e-2). The paper's solver: the prior inside Adam's gradient.
     from strategy_helpers import make_clients
 
-    strategy = make_strategy("fedsi", full_batch_context(lr=2e-2), local_lr=local_lr)
+    strategy = make_strategy("fedsi", full_batch_context(lr=2e-2), local_lr=local_lr,
+                             map_solver="adam")
     c = make_clients(strategy)[1]
     state = strategy.init()
     _, up = strategy.fit(c.config, c.state, c.data, wire(strategy.configure(state, 1).broadcast),
                          torch.Generator())
     moved = float((up.tensors["mean"].double() - state["mean"].double()).abs().max())
     assert moved == pytest.approx(step, rel=1e-4)  # float32 parameters of O(1)
+
+
+@pytest.mark.parametrize("prior_var", [1e-4, 1e-2])
+def test_the_proximal_map_solver_applies_the_prior_exactly_after_each_adam_step(prior_var):
+    # One full batch, one step from theta = mu. Adam's step is s = lr g / (|g| + eps) (g the
+    # CE gradient at mu: m_hat = g, sqrt(v_hat) = |g|); its step size eta = lr / (|g| + eps);
+    # the prior N(mu, prior_var) per sample has precision b = 1 / (n prior_var). The exact
+    # proximal step puts theta - mu = -s / (1 + eta b).
+    from strategy_helpers import make_clients
+
+    lr = 1e-2
+    strategy = make_strategy("fedsi", full_batch_context(lr=lr), prior_var=prior_var)
+    c = make_clients(strategy)[1]
+    state = strategy.init()
+    mean = state["mean"].float()
+    model = strategy.model_at(c.config, c.state, mean)
+    loss = torch.nn.functional.cross_entropy(model(c.data.train_x), c.data.train_y)
+    g = torch.cat([t.reshape(-1) for t in torch.autograd.grad(
+        loss, list(model.body.parameters()))]).double()
+    eta = lr / (g.abs() + 1e-8)
+    b = 1.0 / (c.data.num_train * prior_var)
+    expected = -(lr * g / (g.abs() + 1e-8)) / (1 + eta * b)
+    _, up = strategy.fit(c.config, c.state, c.data, wire(strategy.configure(state, 1).broadcast),
+                         torch.Generator())
+    moved = up.tensors["mean"].double() - state["mean"].double()
+    # float32 parameters of O(0.1-1): their spacing, ~1e-8, bounds the error of a move
+    assert torch.allclose(moved, expected, rtol=0, atol=5e-7)
+    # the stiff prior (1e-4: b = 1e4 / n) holds the move far below Adam's lr; the weak one not
+    assert (float(moved.abs().max()) < lr / 2) == (prior_var == 1e-4)
+
 
 
 def test_finetune_epochs_and_lr_are_the_heads_adam_steps_at_personalisation():
@@ -332,7 +363,7 @@ def test_finetune_epochs_and_lr_are_the_heads_adam_steps_at_personalisation():
 
     for epochs, step in ((1, 4e-3), (0, 0.0)):
         strategy = make_strategy("fedsi", full_batch_context(), finetune_epochs=epochs,
-                                 finetune_lr=4e-3)
+                                 finetune_lr=4e-3, finetune_stop="fixed")
         c = make_clients(strategy)[1]
         new, _ = personalized(strategy, c, strategy.init())
         moved = float((new["model.head.weight"] - c.state["model.head.weight"]).abs().max())
