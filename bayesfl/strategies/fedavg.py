@@ -7,6 +7,11 @@ Algorithm 1 does (n = the participating clients' total).
 
 ``fedavg-ft`` (:class:`FedAvgFT`) adds local fine-tuning after training (the FedSI paper's
 FedAvg-FT baseline).
+
+``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`; both): each client fits that head
+posterior on its own features after training (FedAvg-FT: after fine-tuning), the Laplace prior
+centred on the global head, and predicts with it; the plug-in is reported beside it as
+``map_plugin``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ class FedAvgFT(FedAvg):
         context: the run configuration.
         finetune_epochs: fine-tuning epochs (None: the local training's epochs).
         finetune: ``"all"`` (default) or ``"head"`` (the last layer only).
-        options: FedAvg's robust options.
+        options: FedAvg's options (robust aggregation, schedule, ``head``: after fine-tuning,
+            a head posterior on the fine-tuned network's features, its Laplace prior centred
+            on the global head).
     """
 
     name = "fedavg-ft"
@@ -64,6 +71,9 @@ class FedAvgFT(FedAvg):
         broadcast: Message,
         generator: torch.Generator,
     ) -> ClientState:
-        """Fine-tune the global network on the client's training data."""
-        return fine_tune(self, config, state, data, broadcast, generator,
-                         epochs=self.finetune_epochs, scope=self.finetune)
+        """Fine-tune the global network on the client's training data. With ``head``,
+        then the head posterior on the fine-tuned network's features (prior mean: the global
+        head)."""
+        tuned = fine_tune(self, config, state, data, broadcast, generator,
+                          epochs=self.finetune_epochs, scope=self.finetune)
+        return self.with_head_posterior(config, state, tuned, data, broadcast)

@@ -18,6 +18,11 @@ grid-searched them): ``finetune_epochs = 1`` and ``finetune = "head"``. The pape
 fine-tunes "the head" for personalisation, hence ``"head"`` (``"all"`` fine-tunes body and head
 together, the other choice FedBABU discusses). One epoch, at the local learning rate and batch
 size.
+
+``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after fine-tuning, each client
+fits that head posterior on its fine-tuned network's training features (the Laplace prior
+centred on the shared initial head, its precision by evidence) and predicts with it; the
+fine-tuned network's softmax is reported beside it as ``map_plugin``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class FedBABU(ParameterAveraging):
         context: classes, feature dimension, local training, rounds, device, seed.
         finetune_epochs: epochs of fine-tuning in :meth:`personalize` (0: none).
         finetune: what personalisation fine-tunes: ``"head"`` (default) or ``"all"``.
+        options: the family's options (:class:`~bayesfl.strategies.parameter_averaging.
+            ParameterAveraging`), among them ``head``: after fine-tuning, a head posterior on
+            the fine-tuned network's features, its Laplace prior centred on the initial head.
     """
 
     name = "fedbabu"
@@ -62,6 +70,10 @@ class FedBABU(ParameterAveraging):
     def phases(self, shared: frozenset[str]) -> list[tuple[ParameterFilter, LocalTraining]]:
         return [(shared.__contains__, self.context.training)]
 
+    def has_global_head(self, body: str) -> bool:
+        """The head is never trained: every client holds the same initial one."""
+        return True
+
     def personalize(
         self,
         config: ClientConfig,
@@ -70,6 +82,9 @@ class FedBABU(ParameterAveraging):
         broadcast: Message,
         generator: torch.Generator,
     ) -> ClientState:
-        """Fine-tune the global body and the client's (initial) head on its training data."""
-        return fine_tune(self, config, state, data, broadcast, generator,
-                         epochs=self.finetune_epochs, scope=self.finetune)
+        """Fine-tune the global body and the client's (initial) head on its training data; with
+        ``head``, then the head posterior on the fine-tuned network's features (prior mean:
+        the initial head every client shares)."""
+        tuned = fine_tune(self, config, state, data, broadcast, generator,
+                          epochs=self.finetune_epochs, scope=self.finetune)
+        return self.with_head_posterior(config, state, tuned, data, broadcast)

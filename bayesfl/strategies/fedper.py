@@ -6,6 +6,11 @@ Layers: the FedLog paper runs FedPer with the **last two layers local** (spec fe
 §5.1: it uploads "everything except the last two FC layers"; 5280 of the MNIST CNN's 21840
 floats), so ``local_layers`` defaults to 2. ``local_layers=1`` keeps only the head personal.
 
+``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+that head posterior on its own body's training features (the head is personal: a zero-centred
+Laplace prior, its precision by evidence) and predicts with it; FedPer's own network is
+reported beside it as ``map_plugin``.
+
 Aggregation: weighted by the clients' sample counts. FedPer trains its base layers with
 FedAvg's server step (Arivazhagan et al. 2019), and FedAvg weights by n_c / n. (The FedRep code
 base, which also runs FedPer, uses equal weights on MNIST/CIFAR; with the FedLog paper's

@@ -11,6 +11,11 @@ layers** local, as FedPer does -- registry name ``fedrep``, ``local_layers=2``; 
 "FedRep 1" with one local layer (the head, as in the original FedRep paper) -- registry name
 ``fedrep-1``, ``local_layers=1``.
 
+``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+that head posterior on its own body's training features (personal head: a zero-centred Laplace
+prior, its precision by evidence) and predicts with it; the plug-in is reported beside it as
+``map_plugin``.
+
 Aggregation: unweighted mean over the participating clients. FedRep's Algorithm 1 sets the new
 representation to (1/|I^t|) sum_i phi_i, and its code weights every client by 1 on MNIST and
 CIFAR (``lens = np.ones(num_users)``; sample counts only for the LEAF data sets).

@@ -7,6 +7,11 @@ Layers (spec fedlog.md §8): the FedLog paper compares "LG-FedAvg 1" (one global
 head; 510 floats of the MNIST CNN) -- registry name ``lg-fedavg``, ``global_layers=1`` -- and
 "LG-FedAvg 2" (two global layers; 16560 floats) -- ``lg-fedavg-2``, ``global_layers=2``.
 
+``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+that head posterior on its own body's training features (the head is global: the Laplace prior
+is centred on it, its precision by evidence) and predicts with it; the plug-in is reported
+beside it as ``map_plugin``.
+
 Aggregation: unweighted mean over the participating clients, as LG-FedAvg's code does
 (``main_lg.py`` sums the global layers of the m sampled clients and divides by m).
 """

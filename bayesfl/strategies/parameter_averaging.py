@@ -50,6 +50,15 @@ evaluates with its own.
 local training (:mod:`bayesfl.flops`: forward over every layer, backward from the output down
 to the first trainable one), from each upload's sample count and the local epochs.
 
+**Probabilistic head** (every strategy of this family; :mod:`bayesfl.strategies.
+probabilistic_head`): ``head`` = None (default: the plug-in network, as the papers do) or an
+``inference.fit_head`` kind, ``"laplace"``, ``"conjugate"``, ``"mfvi"`` or ``"sgld"``. After
+training (FedBABU and FedAvg-FT after their fine-tuning) each client fits that head posterior on
+its own body's training features, with the global head as the Laplace prior's mean where the
+strategy has one (``head_prior="global"``; ``"zero"`` centres it at zero), and predicts with its
+posterior predictive; the strategy then reports its plug-in beside it as ``map_plugin``.
+``head_options``: options of ``fit_head`` (a table).
+
 Each module's docstring gives the source of its weighting. With the FedLog paper's shard
 partitions every client holds the same number of samples, so weighted and unweighted means
 coincide there; they differ under Dirichlet or unequal partitions.
@@ -75,6 +84,7 @@ from bayesfl.flops import step_flops
 from bayesfl.layer_groups import LayerGroup, describe_groups, is_statistic, layer_groups
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
+    MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
@@ -103,6 +113,15 @@ from bayesfl.strategies.networks import (
     cross_entropy_per_sample,
     last_layers,
     layer_parameter_names,
+)
+from bayesfl.strategies.probabilistic_head import (
+    ProbabilisticHead,
+    fallback_reason,
+    head_features,
+    head_from_options,
+    head_parameters,
+    head_posterior,
+    with_head_posterior,
 )
 from bayesfl.strategies.robust import (
     DECLARED,
@@ -154,6 +173,11 @@ class ParameterAveraging(Strategy):
             or ``{"kind": "fedpart", **options}`` (module docstring).
         bn_stats: ``"aggregate"`` or ``"local"`` BatchNorm running statistics (module
             docstring).
+        head: None (the plug-in network) or the ``inference.fit_head`` kind of the head
+            posterior each client fits when it personalises (module docstring).
+        head_prior: ``"global"`` (the Laplace prior centred on the global head where the
+            strategy has one) or ``"zero"``.
+        head_options: ``fit_head`` options of the head posterior (a table).
     """
 
     weighted: ClassVar[bool] = True
@@ -169,8 +193,16 @@ class ParameterAveraging(Strategy):
         screening_ratio: float | None = 10.0,
         schedule: str | dict[str, Any] | None = None,
         bn_stats: str = "aggregate",
+        head: str | None = None,
+        head_prior: str = "global",
+        head_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(context)
+        self.head: ProbabilisticHead | None = head_from_options(self.name, head, head_prior,
+                                                                head_options)
+        if self.head is not None:  # every client personalises; evaluations carry both
+            self.personalizes = True
+            self.is_posterior = True
         check_robust_options(aggregation, trim_fraction, norm_bound, screening_ratio)
         self.aggregation, self.trim_fraction = aggregation, float(trim_fraction)
         self.norm_bound = None if norm_bound is None else float(norm_bound)
@@ -527,6 +559,70 @@ class ParameterAveraging(Strategy):
         return [(with_parameters(s, {**b, **p}), self._upload(c, d, round, p))
                 for c, s, p, b, d in zip(configs, states, params, buffers, datas, strict=True)]
 
+    # ==== probabilistic head (module docstring) ==========================================
+    def personalize(
+        self,
+        config: ClientConfig,
+        state: ClientState,
+        data: ClientData,
+        broadcast: Message,
+        generator: torch.Generator,
+    ) -> ClientState:
+        """Without a probabilistic head: unchanged (the transport does not call it). With one:
+        the network the client predicts with (the global shared values and its own personal
+        ones), kept as its own, plus its head posterior (:meth:`with_head_posterior`)."""
+        if self.head is None:
+            return state
+        own = {**self._predict_parameters(config, state, broadcast),
+               PERSONALIZED: torch.ones(1, dtype=torch.bool)}
+        return self.with_head_posterior(config, state, own, data, broadcast)
+
+    def has_global_head(self, body: str) -> bool:
+        """Whether every client of body ``body`` holds the same head (the head is shared);
+        FedBABU's never-trained head counts too."""
+        return last_layers(self.template(body), 1) <= self.shared_names(body)
+
+    def with_head_posterior(
+        self,
+        config: ClientConfig,
+        trained: ClientState,
+        personalized: ClientState,
+        data: ClientData,
+        broadcast: Message,
+    ) -> ClientState:
+        """``personalized`` plus the head posterior fitted on the features of its network
+        (none without a ``head``): the prior mean is the global head of the client's
+        ``trained`` state and the ``broadcast`` where the strategy has one."""
+        if self.head is None:
+            return personalized
+        prior_mean = None
+        if self.has_global_head(config.body):
+            prior_mean = head_parameters(self.global_model(config, trained, broadcast))
+        return with_head_posterior(self.head, personalized,
+                                   self.client_model(config, personalized), data,
+                                   self.num_classes, config.client_id, prior_mean)
+
+    def head_posterior(self, state: ClientState) -> Any:
+        """The head posterior in a personalised ``state``, or None."""
+        return None if self.head is None else head_posterior(self.head, state)
+
+    def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
+        """The client's head posterior behind its own body (``head`` set, personalised):
+        ``predict_proba`` takes inputs, ``sample`` draws heads (C, d + 1)."""
+        from bayesfl.posterior import ClientPosterior
+
+        if self.head is None:
+            return super().posterior(config, state, broadcast)
+        posterior = self.head_posterior(state)
+        if posterior is None:
+            why = fallback_reason(state)
+            raise ConfigError(f"client {config.client_id} has no {self.head.kind} head "
+                              "posterior: " + ("its fit failed (" + why + ")" if why else
+                                               "it is fitted when the client personalises"))
+        model = self.client_model(config, self._predict_parameters(config, state, broadcast))
+        return ClientPosterior(model.body, posterior, self.head.method,
+                               input_shape=self.context.input_shape or None)
+
     def _predict_parameters(
         self, config: ClientConfig, state: ClientState, broadcast: Message
     ) -> ClientState:
@@ -555,7 +651,19 @@ class ParameterAveraging(Strategy):
         params, buffers = stacked_tensors(template, states)
         logits = forward_stacked_tensors(template, params, buffers, xs)
         probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
-        return [{PREDICTIVE: p} for p in probs.split([int(x.shape[0]) for x in xs])]
+        plugins = probs.split([int(x.shape[0]) for x in xs])
+        if self.head is None:
+            return [{PREDICTIVE: p} for p in plugins]
+        out = []
+        for config, state, x, plugin in zip(configs, states, xs, plugins, strict=True):
+            posterior = self.head_posterior(state)
+            if posterior is None:  # not personalised yet, or its fit failed
+                out.append({PREDICTIVE: plugin, MAP_PLUGIN: plugin})
+                continue
+            features = head_features(self.client_model(config, state), x)
+            out.append({PREDICTIVE: self.head.predict(posterior, features).cpu(),
+                        MAP_PLUGIN: plugin})
+        return out
 
 
 def shared_state(state: ServerState) -> dict[str, Tensor]:

@@ -1,0 +1,220 @@
+"""A probabilistic head on any federated body (``head=KIND``): last-layer Laplace, made federated.
+
+After federated training (and for a novel client that never trained) a client of a strategy
+that takes this option freezes the network it would predict with, computes its body's features
+on its own training split and fits ``inference.fit_head(KIND, features, labels, C,
+**head_options)`` on them. From then on it predicts with that posterior's predictive
+(:data:`~bayesfl.strategies.base.PREDICTIVE`) and reports its network's softmax, the
+strategy's plug-in, beside it (:data:`~bayesfl.strategies.base.MAP_PLUGIN`): with the same seed,
+a run with ``head=KIND`` trains exactly as one without, so its ``map_plugin`` figures are the
+plain strategy's. Rounds before personalisation have no head posterior: both keys hold the
+plug-in.
+
+=============  ========================================  ==========================  ===========
+``head``       posterior (``inference.fit_head``)        predictive method           prior mean
+=============  ========================================  ==========================  ===========
+``laplace``    KL-optimal Gaussian from the Laplace one  ``centred_probit``          global head
+               (full precision, λ by evidence)                                       or 0
+``conjugate``  FedLog's conjugate head                   ``probit``                  (its prior)
+``mfvi``       mean-field Gaussian (pyro SVI)            ``centred_probit``          0
+``sgld``       SGLD ensemble                             ``mc``                      0
+=============  ========================================  ==========================  ===========
+
+**Prior.** Where the strategy has a global head (one every client shares: the averaged head of
+FedAvg(-FT) and LG-FedAvg, FedBABU's never-trained initial head) the Laplace head's prior is
+centred on it (``head_prior="global"``, the default), and its precision is chosen by the
+client's own evidence (``prior_precision="marglik"``): the evidence decides how far the client's
+head may move from the federation's. A personal head (FedPer, FedRep) has no global
+counterpart: the prior is centred at zero, as with ``head_prior="zero"``. The client's trained
+(or fine-tuned) head is not reused as the mode: ``fit_head`` refits the mode on the same
+features under the prior, so the predictive is exactly ``fit_head``'s (measured on S1:
+FedPer's own trained head is far sharper than the evidence's MAP, and centring the prior on it
+gave a worse NLL than centring it at zero; ``docs`` and the issue 25 report give the figures).
+The other kinds' fitters take only a number as the prior mean: they keep their own priors.
+
+**Settings.** ``head_options`` go to ``fit_head`` unchanged (e.g. ``{"structure": "lowrank",
+"rank": 50}`` for a head too large for a full precision, ``{"prior_precision": 1.0}``), checked
+when the strategy is built. The Laplace default is ``structure="full"``: ``"diag"``'s
+KL-optimal solver fails with a NumericalError on about a third of plain inputs (issue 26).
+
+**Failures.** A fit that fails for one client (an :class:`inference.errors.InferenceError`: no
+convergence, degenerate features; a failed factorisation) does not stop the run: that client
+predicts with its plug-in, says why in a :class:`HeadFitWarning`, and keeps the reason in its
+state (:func:`fallback_reason`).
+
+**State.** The head posterior is tensors in the client state (its ``state_dict()`` under
+``head_posterior.``): a personalised state round-trips through safetensors (checkpoints, a
+Flower ClientApp's ``Context.state``) and is rebuilt by the kind's posterior class.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bayesfl.data.clients import ClientData
+from bayesfl.errors import BayesFLWarning, ConfigError
+from bayesfl.strategies.base import ClientState
+from bayesfl.strategies.networks import batched_apply
+from inference.errors import InferenceError
+from inference.posterior import Posterior, posterior_class
+
+HEAD_KINDS = ("laplace", "conjugate", "mfvi", "sgld")
+"""The ``head`` option's values: the ``inference.fit_head`` kinds fitted on fixed features."""
+HEAD_PRIORS = ("global", "zero")
+PREDICTIVE_METHODS = {"laplace": "centred_probit", "conjugate": "probit",
+                      "mfvi": "centred_probit", "sgld": "mc"}
+"""The posterior predictive each kind reports (the conjugate head's own default is its MAP
+plug-in, hence ``probit``)."""
+POSTERIOR_KINDS = {"laplace": "gaussian", "conjugate": "conjugate", "mfvi": "gaussian",
+                   "sgld": "ensemble"}
+"""The registered posterior class (:func:`inference.posterior.posterior_class`) of each kind."""
+GLOBAL_PRIOR_KINDS = frozenset({"laplace"})
+"""Kinds whose fitter takes a tensor prior mean (the global head)."""
+RESERVED_OPTIONS = frozenset({"prior_mean", "threads"})
+
+HEAD_PREFIX = "head_posterior."
+"""Client-state prefix of the head posterior's ``state_dict()``."""
+FALLBACK = "head_fallback.reason"
+"""Client-state key of a client whose fit failed: the reason, UTF-8 bytes as uint8."""
+
+
+class HeadFitWarning(BayesFLWarning):
+    """A client's head posterior could not be fitted; it predicts with its plug-in (the message
+    says which client and why)."""
+
+
+@dataclass(frozen=True)
+class ProbabilisticHead:
+    """The ``head``, ``head_prior`` and ``head_options`` of a strategy, validated.
+
+    Attributes:
+        kind: one of :data:`HEAD_KINDS`.
+        prior: ``"global"`` (centre a Laplace prior on the global head where there is one) or
+            ``"zero"``.
+        options: keyword options of ``inference.fit_head`` (checked).
+    """
+
+    kind: str
+    prior: str = "global"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return PREDICTIVE_METHODS[self.kind]
+
+    def fit(self, features: Tensor, labels: Tensor, num_classes: int,
+            prior_mean: Tensor | None = None) -> Posterior:
+        """``inference.fit_head(kind, features, labels, num_classes, **options)``, with
+        ``prior_mean`` (a ``(C, m + 1)`` head, bias column first) where the kind takes one and
+        ``head_prior="global"``; torch's current thread count."""
+        from inference import fit_head
+
+        options = dict(self.options)
+        if prior_mean is not None and self.prior == "global" and self.kind in GLOBAL_PRIOR_KINDS:
+            options["prior_mean"] = prior_mean.to(torch.float64)
+        return fit_head(self.kind, features, labels, num_classes,
+                        threads=torch.get_num_threads(), **options)
+
+    def predict(self, posterior: Posterior, features: Tensor) -> Tensor:
+        """The posterior predictive (B, C) float64 of ``features`` (B, m)."""
+        return posterior.predict_proba(features.to(torch.float64),
+                                       method=self.method).to(torch.float64)
+
+
+def head_from_options(strategy: str, head: object, prior: object = "global",
+                      options: object = None) -> ProbabilisticHead | None:
+    """The validated head option of ``strategy`` (None: no probabilistic head).
+
+    Raises:
+        ConfigError: an unknown kind or prior, options that are not a table, an option
+            ``fit_head(kind)`` does not take or a bad value (the inference layer's message).
+    """
+    if head is None:
+        if options:
+            raise ConfigError(f"{strategy} head_options need a head: set head to one of "
+                              f"{HEAD_KINDS}")
+        return None
+    if head not in HEAD_KINDS:
+        raise ConfigError(f"{strategy} head must be one of {HEAD_KINDS} (or None for the "
+                          f"plain plug-in), got {head!r}")
+    if prior not in HEAD_PRIORS:
+        raise ConfigError(f"{strategy} head_prior must be one of {HEAD_PRIORS}, got {prior!r}")
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{strategy} head_options must be a table of fit_head options, got "
+                          f"{options!r}")
+    reserved = sorted(RESERVED_OPTIONS & set(options))
+    if reserved:
+        raise ConfigError(f"{strategy} head_options may not set {reserved}: the prior mean is "
+                          f"set by head_prior, the threads by the run")
+    from inference.factory import checked_options, fitting_function
+    from inference.options import HeadKind
+
+    kind = HeadKind.parse(head, "head")
+    try:
+        checked = checked_options(kind, fitting_function(kind), dict(options))
+    except InferenceError as err:
+        raise ConfigError(f"{strategy} head_options: {err}") from None
+    return ProbabilisticHead(str(head), str(prior), checked)
+
+
+def head_features(model: nn.Module, x: Tensor) -> Tensor:
+    """The features (B, m) float64 the head of ``model`` (a ClassifierNet) sees."""
+    return batched_apply(model.body, x).to(torch.float64)
+
+
+def head_parameters(model: nn.Module) -> Tensor:
+    """The linear head of ``model`` as one (C, m + 1) float64 table, bias column first (the
+    layout of :mod:`inference`'s heads)."""
+    head = model.head
+    return torch.cat([head.bias.detach()[:, None], head.weight.detach()], 1).to(torch.float64)
+
+
+def with_head_posterior(
+    head: ProbabilisticHead,
+    state: ClientState,
+    model: nn.Module,
+    data: ClientData,
+    num_classes: int,
+    client_id: int,
+    prior_mean: Tensor | None = None,
+) -> ClientState:
+    """``state`` (the client's personalised network ``model``) plus the head posterior fitted
+    on its training features; if the fit fails, plus the reason instead (and a
+    :class:`HeadFitWarning`)."""
+    state = {k: v for k, v in state.items()
+             if not k.startswith(HEAD_PREFIX) and k != FALLBACK}
+    try:
+        posterior = head.fit(head_features(model, data.train_x), data.train_y, num_classes,
+                             prior_mean)
+        tensors = posterior.state_dict()
+    except (InferenceError, torch.linalg.LinAlgError) as err:
+        reason = f"{type(err).__name__}: {err}"
+        warnings.warn(f"client {client_id}: the {head.kind} head posterior could not be "
+                      f"fitted ({reason}); it predicts with its plug-in", HeadFitWarning,
+                      stacklevel=2)
+        return {**state, FALLBACK: torch.tensor(list(reason.encode()), dtype=torch.uint8)}
+    return {**state, **{HEAD_PREFIX + k: v.detach().clone() for k, v in tensors.items()}}
+
+
+def head_posterior(head: ProbabilisticHead, state: ClientState) -> Posterior | None:
+    """The head posterior kept in ``state``, or None (not personalised yet, or the fit
+    failed)."""
+    n = len(HEAD_PREFIX)
+    tensors = {k[n:]: v for k, v in state.items() if k.startswith(HEAD_PREFIX)}
+    if not tensors:
+        return None
+    return posterior_class(POSTERIOR_KINDS[head.kind]).from_state_dict(tensors)
+
+
+def fallback_reason(state: ClientState) -> str | None:
+    """Why the client's head posterior could not be fitted, or None."""
+    reason = state.get(FALLBACK)
+    return None if reason is None else bytes(reason.tolist()).decode()
