@@ -524,3 +524,68 @@ def test_without_keep_optimizer_no_adam_state_is_kept(build):
     assert not any(k.startswith("optim.") for k in clients[0].state)
     run_round(strategy, clients, state, 1)
     assert not any(k.startswith("optim.") for c in clients for k in c.state)
+
+
+# ---- behaviour the mutation sample found untested (issue 27) ----------------------------------
+def test_mean_negative_reduction_divides_each_sample_by_its_own_negatives():
+    # uniform logits give h = <(1/3, 1/3, 1/3), p_t> = 1/3 for every observation: a positive
+    # costs -log(1/3) = log 3, a negative -log(2/3) = log 1.5. Sample 0 has both negatives,
+    # sample 1 one: each mean is over that sample's own negatives, log 1.5 for both
+    available = torch.tensor([[True, True, True], [True, True, False]])
+    got = contrastive_terms(torch.zeros(2, 3, dtype=torch.float64),
+                            torch.rand(2, 3, 3, dtype=torch.float64), torch.tensor([0, 1]),
+                            available, neg_reduction="mean")
+    expected = math.log(3) + math.log(1.5)
+    torch.testing.assert_close(got, torch.tensor([expected, expected], dtype=torch.float64),
+                               rtol=1e-12, atol=0)
+
+
+def test_observation_sets_draw_from_the_given_generator_only():
+    # the same generator seed gives the same sets whatever the global random state (rows
+    # 2^i: every pair of rows has its own mean)
+    features = (2.0 ** torch.arange(10, dtype=torch.float64))[:, None].expand(10, 4)
+    labels = torch.zeros(10, dtype=torch.int64)
+    sets = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(7)
+        sets.append(observation_sets(features, labels, 1, 3, 2, generator)[0])
+    assert torch.equal(sets[0], sets[1])
+
+
+def test_drawn_observations_are_the_pools_values_in_its_dtype():
+    # a float64 pool of values float32 cannot hold: the drawn set is the peer's set exactly
+    pool = torch.full((2, 3, 2), 0.1, dtype=torch.float64)
+    obs, available = select_observations(pool, torch.ones(2, 3), torch.tensor([0, 1]), 0, 1,
+                                         torch.Generator().manual_seed(0))
+    assert obs.dtype == torch.float64 and torch.equal(obs[0], pool[1])
+    assert available.all()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("m_up", 0, "colearn m_up must be an integer >= 1, got 0"),
+    ("eps", 0.5, "colearn eps must lie in (0, 0.5), got 0.5"),
+    ("neg_reduction", "max", "colearn neg_reduction must be one of sum, mean; got 'max'"),
+    ("kd_target", "clients", "colearn kd_target must be one of server, peers; got 'clients'"),
+])
+def test_a_refused_option_is_named_with_what_it_must_be(option, value, message):
+    import re
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        make_strategy("colearn", strategy_context(), **{option: value})
+
+
+@pytest.mark.parametrize("bootstrap", ["skip", "random"])
+def test_the_server_state_keeps_its_entries_dtypes_and_shapes_across_a_round(build, bootstrap):
+    # what a checkpoint is checked against on resume: the state of a fresh run. Only the
+    # relay pool's length (the round's observation sets) may change
+    strategy, _, state = build("colearn", bootstrap=bootstrap)
+    assert strategy.server_metrics(state)["prototype_drift"] == 0.0
+    ups = [hand_upload(strategy, 0, [1, 0, 2], 1.0), hand_upload(strategy, 1, [3, 2, 0], 5.0)]
+    new = strategy.aggregate(state, ups, 1, torch.Generator())
+    assert new.keys() == state.keys()
+    for key, tensor in state.items():
+        assert new[key].dtype == tensor.dtype, key
+        assert new[key].shape[1:] == tensor.shape[1:], key
+        if not key.startswith("pool"):
+            assert new[key].shape == tensor.shape, key
