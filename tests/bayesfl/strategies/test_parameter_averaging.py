@@ -206,7 +206,8 @@ def test_unknown_names_and_options_list_the_valid_ones():
     ctx = StrategyContext(num_classes=3, feature_dim=4)
     with pytest.raises(ConfigError, match="valid names: " + ", ".join(STRATEGIES)):
         make_strategy("fedsgd", ctx)
-    with pytest.raises(ConfigError, match="valid: aggregation, bn_stats, head_epochs"):
+    with pytest.raises(ConfigError, match="valid: aggregation, bn_stats, head, head_epochs, "
+                                          "head_options, head_prior, local_layers"):
         make_strategy("fedrep", ctx, head_epoch=3)
 
 
