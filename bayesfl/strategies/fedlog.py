@@ -91,6 +91,7 @@ Registry names: ``fedlog``, ``fedlog-c``, ``fedlog-dp-local``, ``fedlog-dp-centr
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -143,6 +144,7 @@ from inference.conjugate import (
 from inference.conjugate.evidence import evidence_feature_scale
 from inference.conjugate.privacy import SWAMPED_RATIO
 from inference.conjugate.statistics import checked_batch
+from inference.errors import InferenceError
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 PREDICTIVES = ("mc", "probit", "map")
@@ -550,7 +552,8 @@ class FedLog(Strategy):
         scale = self.feature_scale
         if self.evidence:
             square_sum = float(torch.cat([cache[f"{_CACHE}{i}/square_sum"] for i in ids]).sum())
-            scale = self.choose_feature_scale(table, count, square_sum)
+            scale = self.choose_feature_scale(table, count, square_sum,
+                                              float(state["feature_scale"].item()))
         head = self.solve_head(table, count, privatized=privatized,
                                feature_scale=scale).to(torch.float32)
         new = {"head": head, "statistics": table,
@@ -576,13 +579,21 @@ class FedLog(Strategy):
         return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats,
                                   feature_scale=feature_scale).map()
 
-    def choose_feature_scale(self, table: Tensor, n: float, square_sum: float) -> float:
+    def choose_feature_scale(self, table: Tensor, n: float, square_sum: float,
+                             previous: float = 1.0) -> float:
         """The feature scale of largest log evidence (:func:`inference.conjugate.evidence.
         evidence_feature_scale`) of the summed ``table`` (count ``n``) and the summed squared
-        feature norms ``square_sum``, under this strategy's prior."""
+        feature norms ``square_sum``, under this strategy's prior. Should the search fail (a
+        non-finite evidence), the round keeps ``previous`` and a ``RuntimeWarning`` says why:
+        the run goes on with the scale it had."""
         stats = SufficientStatistics(table.to(torch.float64), round(n))
-        return evidence_feature_scale(stats, square_sum,
-                                      prior=ConjugatePrior(nu=self.prior_nu)).value
+        try:
+            return evidence_feature_scale(stats, square_sum,
+                                          prior=ConjugatePrior(nu=self.prior_nu)).value
+        except InferenceError as error:
+            warnings.warn(f"feature_scale='evidence': no scale chosen this round ({error}); "
+                          f"keeping s = {previous:g}", RuntimeWarning, stacklevel=2)
+            return previous
 
     # ==== client half ======================================================================
     def fit(
@@ -1019,7 +1030,7 @@ def checked_feature_scale(value: object) -> float | str:
     Raises:
         ConfigError: anything else, with what is accepted.
     """
-    if value == EVIDENCE:
+    if isinstance(value, str) and value == EVIDENCE:
         return EVIDENCE
     if isinstance(value, bool) or not isinstance(value, int | float) \
             or not (math.isfinite(value) and value > 0):

@@ -225,3 +225,20 @@ def test_on_digits_the_evidence_scale_beats_the_papers_scale_1():
     assert all("feature_scale" in record for record in evidence.metrics)
     assert summary["nll"] <= paper["nll"] - 0.01
     assert summary["accuracy"] >= paper["accuracy"] - 0.005
+
+
+def test_a_failed_evidence_search_keeps_the_previous_scale_and_warns(build, monkeypatch):
+    import bayesfl.strategies.fedlog as fedlog
+    from inference.errors import NumericalError
+
+    strategy, clients, state = build("fedlog", feature_scale="evidence")
+    state, _ = run_round(strategy, clients, state, 0)
+    previous = float(state["feature_scale"])
+
+    def failing(*args, **kwargs):
+        raise NumericalError("the evidence criterion is nan at feature_scale = 1")
+
+    monkeypatch.setattr(fedlog, "evidence_feature_scale", failing)
+    with pytest.warns(RuntimeWarning, match="no scale chosen this round.*keeping s"):
+        state, _ = run_round(strategy, clients, state, 1)
+    assert float(state["feature_scale"]) == previous
