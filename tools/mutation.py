@@ -388,6 +388,11 @@ def main(argv=None) -> int:
             names = [k for k in (sample["names"] if sample else codes) if codes.get(k) in wanted]
             if not names:
                 print("no mutants to " + ("retest" if args.retest else "resume"))
+        snapshot = workdir / "source.py"
+        if not fresh and snapshot.exists() and snapshot.read_text() != (ROOT / module).read_text():
+            print(f"WARNING: {module} changed since the run: mutmut mutates the changed functions "
+                  "afresh, so their mutant names may now name other mutants (compare "
+                  f"{snapshot}; a worktree at the mutated version avoids this)")
         prepare(workdir, module, tests, keep=not fresh)
         if args.sample is not None:
             prefix = module[: -len(".py")].replace("/", ".") + "."
