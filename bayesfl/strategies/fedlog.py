@@ -42,9 +42,9 @@ upload carries ``square_sum`` (Q of the client's clamped training features, floa
 8 bytes more per upload), validated against the table (at least ``sum_y ||S_y||^2 / n_y`` by
 Cauchy-Schwarz, at most ``n d B^2``) and cached like the statistics for absent clients. The
 server keeps s in its state (reported as ``feature_scale`` in every round's metrics), solves
-the head at s, and sends s with the evaluation broadcast (and with FedLog-C's statistics).
-DP variants keep s = 1 (Q would be a release outside the privacy budget). Measured (final
-round, seeds 0, 1, 2):
+the head at s, and sends s with the evaluation broadcast. DP variants keep s = 1 (Q would be a
+release outside the privacy budget); FedLog-C takes a fixed s only (:class:`FedLogC`).
+Measured (final round, seeds 0, 1, 2):
 
 * digits, 10 clients, ``shards:2``, 8 rounds: s = 14.0, 14.9, 14.2 (these bodies' features are
   small for the model, s = 1 is underconfident); NLL 0.103, 0.308, 0.115 -> 0.062, 0.276,
@@ -309,11 +309,8 @@ class StatisticsBroadcast:
         self.alpha = alpha
 
     def tensors(self, state: ServerState, dtype: torch.dtype) -> dict[str, Tensor]:
-        tensors = {"statistics": state["statistics"].to(dtype),
-                   "num_samples": state["num_samples"].to(torch.float64)}
-        if "feature_scale" in state:  # feature_scale="evidence": the server's choice
-            tensors["feature_scale"] = state["feature_scale"]
-        return tensors
+        return {"statistics": state["statistics"].to(dtype),
+                "num_samples": state["num_samples"].to(torch.float64)}
 
     def training_target(self, message: Message, strategy: FedLog) -> HeadObjective:
         table = message.tensors["statistics"].to(torch.float64)
@@ -798,6 +795,12 @@ class FedLog(Strategy):
 class FedLogC(FedLog):
     """FedLog-C: broadcast the statistic, local MAP solve, compactness loss.
 
+    A fixed ``feature_scale`` applies (every client solves the MAP at it); ``"evidence"`` is
+    refused: the compactness loss shrinks the training features' within-class spread by design
+    (S1 of issue 25, seed 0: 0.0027 a coordinate, the test features' 0.023), so the evidence of
+    the training statistics overstates s (10), and training against that head lost accuracy
+    (0.903 -> 0.855) and NLL (0.53 -> 3.39).
+
     Args:
         alpha: weight of the compactness term (not reported in the paper; default 0.01).
     """
@@ -807,6 +810,12 @@ class FedLogC(FedLog):
     def __init__(self, context: StrategyContext, *, alpha: float = 0.01, **options) -> None:
         if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha >= 0):
             raise ConfigError(f"fedlog-c alpha must be a finite value >= 0, got {alpha!r}")
+        if isinstance(options.get("feature_scale"), str) \
+                and options["feature_scale"] == EVIDENCE:
+            raise ConfigError("fedlog-c takes a fixed feature_scale, not 'evidence': its "
+                              "compactness loss shrinks the training features' within-class "
+                              "spread, so their evidence overstates the scale (use fedlog for "
+                              "'evidence')")
         self.alpha = float(alpha)
         super().__init__(context, **options)
 

@@ -133,14 +133,25 @@ def test_fit_group_uploads_the_square_sums_fit_uploads(build):
                                    rtol=1e-12, atol=0)
 
 
-def test_fedlog_c_clients_rebuild_the_servers_head_at_the_broadcast_scale(build):
-    strategy, clients, state = build("fedlog-c", feature_scale="evidence")
+def test_fedlog_c_clients_rebuild_the_servers_head_at_a_fixed_scale(build):
+    strategy, clients, state = build("fedlog-c", feature_scale=0.3)
     state, _ = run_round(strategy, clients, state, 0)
     down = wire(strategy.configure(state, 1).broadcast)
-    assert torch.equal(down.tensors["feature_scale"], state["feature_scale"])
+    assert set(down.tensors) == {"statistics", "num_samples"}
     target = strategy.broadcast.training_target(down, strategy)
     head = torch.cat([target.bias[:, None], target.weight], 1)
     torch.testing.assert_close(head, state["head"], rtol=1e-6, atol=1e-6)
+    table = down.tensors["statistics"].double()
+    stats = SufficientStatistics(table, round(float(down.tensors["num_samples"])),
+                                 privatized=True)
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=0.3).map()
+    torch.testing.assert_close(head.double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
+
+
+def test_fedlog_c_refuses_the_evidence_scale(build):
+    with pytest.raises(ConfigError, match="fedlog-c takes a fixed feature_scale, not "
+                                          "'evidence'"):
+        build("fedlog-c", feature_scale="evidence")
 
 
 def test_a_fixed_scale_gives_the_map_and_posterior_of_that_scale(build):
