@@ -22,7 +22,10 @@ determine (``Q`` is the only term in which the data enter beyond ``T``).
 of :class:`~inference.conjugate.ConjugateLaplace` in closed form (matrix determinant lemma):
 ``log det H = D log N + sum_y [k log(p_y / 2) + log(1 + 2 ||v_y||^2)] - log gamma``. The prior's
 normaliser ``Z(chi, nu)`` does not depend on ``s``: :func:`log_evidence` leaves it out (it
-compares feature scales, not priors).
+compares feature scales, not priors). Its error is ``O(1/N)`` (tested against quadrature). On a
+FedLog run of issue 25's S1 (C = 10, k = 101, n = 2,500) importance sampling from the Laplace
+Gaussian (20,000 draws, log-weight sd 1.8) moved ``log Z`` by less than 0.1 nat at s = 0.4, 1
+and 1.1, where the evidence of scales 10% apart differs by about 500 nats.
 
 :func:`evidence_feature_scale` maximises the evidence over ``log s``
 (:func:`inference.hyperparameters.search_log_space`). What it measures is how well an
