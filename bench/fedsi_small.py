@@ -33,8 +33,10 @@ Usage: ``python bench/fedsi_small.py [--seeds 3] [--rounds 5] [--epochs 5]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
@@ -110,10 +112,87 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, se
 
 
-def run(label: str, seed: int, args: argparse.Namespace, data: Any, **extra: Any) -> dict:
+_DATA: Any = None
+
+
+def run(label: str, seed: int, rounds: int, epochs: int, device: str,
+        novel: bool = False) -> dict:
+    """One run's record: the summary's figures, the per-round accuracy, the wall time."""
+    global _DATA
+    torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
+    if _DATA is None:
+        _DATA = load_dataset("mnist-5k")
     strategy, options, lr = METHODS[label]
-    return simulate(strategy, rounds=args.rounds, seed=seed, local_epochs=args.epochs, lr=lr,
-                    strategy_options=options, data=data, **COMMON, **extra).summary
+    curve: list[float] = []
+    t0 = time.perf_counter()
+    summary = simulate(strategy, rounds=rounds, seed=seed, local_epochs=epochs, lr=lr,
+                       strategy_options=options, data=_DATA, device=device,
+                       round_callback=lambda r, record: curve.append(float(record["accuracy"])),
+                       **({"novel_fraction": NOVEL_FRACTION} if novel else {}), **COMMON).summary
+    keep = {k: float(summary[k]) for k in (*KEYS, "bytes_up")}
+    if "map_plugin" in summary:
+        keep["map_plugin"] = {k: float(summary["map_plugin"][k]) for k in KEYS}
+    if novel:
+        keep["novel_accuracy"] = float(summary["novel"]["accuracy"])
+    return {"label": label, "seed": seed, "rounds": rounds, "epochs": epochs, "novel": novel,
+            "options": options, "summary": keep, "curve": curve,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def cache_key(record: dict) -> tuple:
+    return (record["label"], record["seed"], record["rounds"], record["epochs"],
+            record["novel"], json.dumps(record["options"], sort_keys=True))
+
+
+def read_cache(path: Path | None) -> dict[tuple, dict]:
+    """The finished runs of a cache file (JSON lines; a torn last line is ignored)."""
+    if path is None or not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[cache_key(record)] = record
+    return out
+
+
+def run_all(jobs_list: list[tuple], args: argparse.Namespace) -> dict[tuple, dict]:
+    """Every (label, seed, novel) run, from the cache where it is there, else run (in
+    ``args.jobs`` processes) and appended to the cache as it finishes."""
+    cache_path = Path(args.cache) if args.cache else None
+    done = read_cache(cache_path)
+    todo = []
+    for label, seed, novel in jobs_list:
+        key = (label, seed, args.rounds, args.epochs, novel,
+               json.dumps(METHODS[label][1], sort_keys=True))
+        if key not in done:
+            todo.append((label, seed, args.rounds, args.epochs, args.device, novel))
+    if done:
+        print(f"{len(jobs_list) - len(todo)} of {len(jobs_list)} runs from {cache_path}",
+              flush=True)
+
+    def finished(record: dict) -> None:
+        done[cache_key(record)] = record
+        s = record["summary"]
+        print(f"{record['label']:12s} seed {record['seed']}{' novel' if record['novel'] else ''}: "
+              f"accuracy {s['accuracy']:.4f} ECE {s['ece']:.4f} NLL {s['nll']:.4f} "
+              f"({record['seconds']:.0f} s)", flush=True)
+        if cache_path is not None:
+            with cache_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    if args.jobs <= 1:
+        for job in todo:
+            finished(run(*job))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(run, *job) for job in todo]
+            for future in concurrent.futures.as_completed(futures):
+                finished(future.result())
+    return done
 
 
 def collect(summary: dict, rows: dict[str, list[float]], plugin: dict[str, list[float]]) -> None:
@@ -160,6 +239,12 @@ def main() -> None:
                         "table; the variant rows in parentheses on request)")
     parser.add_argument("--novel-seeds", type=int, default=None,
                         help="seeds of the novel-client runs (default: --seeds)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs in parallel processes (one torch thread each)")
+    parser.add_argument("--device", default="cpu", help="torch device of every run")
+    parser.add_argument("--cache", default=None,
+                        help="JSON-lines file of finished runs: read first (those runs are not "
+                        "repeated), each new run appended as it ends")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1 seed, 2 rounds of 1 epoch")
     args = parser.parse_args()
@@ -173,30 +258,30 @@ def main() -> None:
     if missing:
         print(f"not registered in this build, skipped: {', '.join(missing)}", flush=True)
     wanted = [m for m in wanted if m not in missing]
-    torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
-    data = load_dataset("mnist-5k")
     start = time.perf_counter()
+    novel_seeds = args.seeds if args.novel_seeds is None else args.novel_seeds
+    jobs_list = [(label, seed, False) for label in wanted for seed in range(args.seeds)]
+    jobs_list += [(label, seed, True) for label in wanted if label in NOVEL
+                  for seed in range(novel_seeds)]
+    done = run_all(jobs_list, args)
     table: dict[str, dict[str, list[float]]] = {}
     novel: dict[str, list[float]] = {}
+    curves: dict[str, list[list[float]]] = {}
     for label in wanted:
         rows = {k: [] for k in (*KEYS, "bytes_up")}
         plugin = {k: [] for k in KEYS}
+        options = json.dumps(METHODS[label][1], sort_keys=True)
         for seed in range(args.seeds):
-            t0 = time.perf_counter()
-            summary = run(label, seed, args, data)
-            collect(summary, rows, plugin)
-            print(f"{label:12s} seed {seed}: accuracy {summary['accuracy']:.4f} "
-                  f"ECE {summary['ece']:.4f} NLL {summary['nll']:.4f} "
-                  f"bytes up {summary['bytes_up']:,} ({time.perf_counter() - t0:.0f} s)",
-                  flush=True)
+            record = done[(label, seed, args.rounds, args.epochs, False, options)]
+            collect(record["summary"], rows, plugin)
+            curves.setdefault(label, []).append(record["curve"])
         table[label] = rows
         if plugin["accuracy"]:
             table[f"{label} (MAP plug-in)"] = plugin
         if label in NOVEL:
-            novel_seeds = args.seeds if args.novel_seeds is None else args.novel_seeds
             for seed in range(novel_seeds):
-                summary = run(label, seed, args, data, novel_fraction=NOVEL_FRACTION)
-                novel.setdefault(label, []).append(float(summary["novel"]["accuracy"]))
+                record = done[(label, seed, args.rounds, args.epochs, True, options)]
+                novel.setdefault(label, []).append(record["summary"]["novel_accuracy"])
     print(f"\nmnist-5k, 10 clients x 5 labels (sliding window), 50 training images per label "
           f"per client, MLP 784-100-10, {args.rounds} rounds x {args.epochs} local epochs, "
           f"{args.seeds} seed(s); mean ± standard error over seeds\n")
@@ -212,6 +297,13 @@ def main() -> None:
         for label, v in table.items()}
     for label, values in novel.items():
         figures[label]["novel_accuracy"] = statistics.fmean(values)
+    if args.rounds >= 5:
+        print("\nper-round accuracy (mean over seeds) after rounds 1, 5, 15, 30 where run:\n")
+        marks = [r for r in (1, 5, 15, 30) if r <= args.rounds]
+        for label, runs in curves.items():
+            means = [statistics.fmean(c[r - 1] for c in runs) for r in marks]
+            cells = (f"{r}: {m:.3f}" for r, m in zip(marks, means, strict=True))
+            print(f"- {label}: " + ", ".join(cells))
     figures["_run"] = {"rounds": args.rounds, "epochs": args.epochs, "seeds": args.seeds,
                        "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(figures))

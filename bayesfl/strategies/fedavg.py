@@ -47,6 +47,9 @@ class FedAvgFT(FedAvg):
         context: the run configuration.
         finetune_epochs: fine-tuning epochs (None: the local training's epochs).
         finetune: ``"all"`` (default) or ``"head"`` (the last layer only).
+        finetune_stop: ``"heldout_nll"`` (default): run as many of the ``finetune_epochs`` as
+            minimise the NLL of a held-out 20% of the training data, then that many on all
+            of it; ``"fixed"``: all of them (:mod:`bayesfl.strategies.finetuning`).
         options: FedAvg's options (robust aggregation, schedule, ``head``: after fine-tuning,
             a head posterior on the fine-tuned network's features, its Laplace prior centred
             on the global head).
@@ -57,11 +60,12 @@ class FedAvgFT(FedAvg):
 
     def __init__(
         self, context: StrategyContext, *, finetune_epochs: int | None = None,
-        finetune: str = "all", **options: Any,
+        finetune: str = "all", finetune_stop: str = "heldout_nll", **options: Any,
     ) -> None:
         super().__init__(context, **options)
         epochs = context.training.epochs if finetune_epochs is None else finetune_epochs
-        self.finetune_epochs, self.finetune = check_finetuning(self.name, epochs, finetune)
+        self.finetune_epochs, self.finetune, self.finetune_stop = check_finetuning(
+            self.name, epochs, finetune, finetune_stop)
 
     def personalize(
         self,
@@ -75,5 +79,6 @@ class FedAvgFT(FedAvg):
         then the head posterior on the fine-tuned network's features (prior mean: the global
         head)."""
         tuned = fine_tune(self, config, state, data, broadcast, generator,
-                          epochs=self.finetune_epochs, scope=self.finetune)
+                          epochs=self.finetune_epochs, scope=self.finetune,
+                          stop=self.finetune_stop)
         return self.with_head_posterior(config, state, tuned, data, broadcast)

@@ -27,16 +27,27 @@ fine-tuned network's softmax is reported beside it as ``map_plugin``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
-from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
+from bayesfl.strategies.base import (
+    ClientConfig,
+    ClientState,
+    Evaluation,
+    StrategyContext,
+    derived_seed,
+)
 from bayesfl.strategies.finetuning import check_finetuning, fine_tune
-from bayesfl.strategies.parameter_averaging import ParameterAveraging, all_but_last_layers
+from bayesfl.strategies.parameter_averaging import (
+    PERSONALIZED,
+    ParameterAveraging,
+    all_but_last_layers,
+)
 from bayesfl.training import LocalTraining, ParameterFilter
 
 
@@ -47,6 +58,8 @@ class FedBABU(ParameterAveraging):
         context: classes, feature dimension, local training, rounds, device, seed.
         finetune_epochs: epochs of fine-tuning in :meth:`personalize` (0: none).
         finetune: what personalisation fine-tunes: ``"head"`` (default) or ``"all"``.
+        finetune_stop: ``"heldout_nll"`` (default): as many of the ``finetune_epochs`` as
+            minimise the NLL of a held-out 20% of the training data; ``"fixed"``: all.
         options: the family's options (:class:`~bayesfl.strategies.parameter_averaging.
             ParameterAveraging`), among them ``head``: after fine-tuning, a head posterior on
             the fine-tuned network's features, its Laplace prior centred on the initial head.
@@ -55,14 +68,16 @@ class FedBABU(ParameterAveraging):
     name = "fedbabu"
     weighted = True
     personalizes = True
+    round_view: ClassVar[str | None] = (
+        "each client personalised as it would be now (fine-tuned from the global body)")
 
     def __init__(
         self, context: StrategyContext, *, finetune_epochs: int = 1, finetune: str = "head",
-        **options: Any,
+        finetune_stop: str = "heldout_nll", **options: Any,
     ) -> None:
         super().__init__(context, **options)
-        self.finetune_epochs, self.finetune = check_finetuning(self.name, finetune_epochs,
-                                                               finetune)
+        self.finetune_epochs, self.finetune, self.finetune_stop = check_finetuning(
+            self.name, finetune_epochs, finetune, finetune_stop)
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:
         return all_but_last_layers(model, 1, self.name)
@@ -86,5 +101,27 @@ class FedBABU(ParameterAveraging):
         ``head``, then the head posterior on the fine-tuned network's features (prior mean:
         the initial head every client shares)."""
         tuned = fine_tune(self, config, state, data, broadcast, generator,
-                          epochs=self.finetune_epochs, scope=self.finetune)
+                          epochs=self.finetune_epochs, scope=self.finetune,
+                          stop=self.finetune_stop)
         return self.with_head_posterior(config, state, tuned, data, broadcast)
+
+    def evaluate_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        *,
+        n_bins: int = 15,
+        keep_probs: bool = False,
+    ) -> list[Evaluation]:
+        """Rounds before personalisation evaluate each client personalised as it would be if
+        training stopped now (:meth:`personalize` on a copy, its own generator per client and
+        round), not the global body with the untrained initial head: the figures show what a
+        user would get (:attr:`round_view`). The clients' states are left untouched."""
+        viewed = [state if PERSONALIZED in state else self.personalize(
+                      config, state, data, broadcast, torch.Generator().manual_seed(derived_seed(
+                          self.context.seed, 37, config.client_id, broadcast.header.round)))
+                  for config, state, data in zip(configs, states, datas, strict=True)]
+        return super().evaluate_group(configs, viewed, datas, broadcast, n_bins=n_bins,
+                                      keep_probs=keep_probs)

@@ -10,8 +10,10 @@ then trains the head again from its starting point on *all* the training data fo
 epochs (so no sample is lost to the choice). ``stop="fixed"`` trains ``max_epochs`` on all of
 it, the older protocol.
 
-The head is trained on features computed once (the body is frozen): cheap enough to run every
-round (:mod:`bayesfl.strategies.fedsi`'s per-round view).
+:func:`tune_head` trains a head on features computed once (the body is frozen): cheap enough
+to run every round (:mod:`bayesfl.strategies.fedsi`'s per-round view).
+:func:`fine_tune_stopped` is the same rule for any module and any of its parameters (FedBABU,
+FedAvg-FT: :mod:`bayesfl.strategies.finetuning`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from bayesfl.errors import ConfigError
-from bayesfl.strategies.networks import cross_entropy_per_sample
-from bayesfl.training import LocalTraining, train_plain
+from bayesfl.strategies.networks import batched_apply, cross_entropy_per_sample
+from bayesfl.training import LocalTraining, Objective, ParameterFilter, train_plain
 
 HEAD_STOPS = ("heldout_nll", "fixed")
 
@@ -63,38 +65,52 @@ class HeadTuning:
                              reset_optimizer_each_epoch=False)
 
 
-@torch.no_grad()
-def mean_nll(head: nn.Module, features: Tensor, labels: Tensor) -> float:
-    """Mean negative log-likelihood (nats) of ``labels`` (n,) under ``head(features)``."""
-    return float(cross_entropy_per_sample(head(features).to(torch.float64), labels).mean())
+def mean_nll(module: nn.Module, x: Tensor, labels: Tensor) -> float:
+    """Mean negative log-likelihood (nats) of ``labels`` (n,) under ``module(x)``'s logits
+    (eval mode, no gradients)."""
+    logits = batched_apply(module, x)
+    return float(cross_entropy_per_sample(logits.to(torch.float64), labels).mean())
 
 
 def tune_head(head: nn.Module, features: Tensor, labels: Tensor, tuning: HeadTuning,
               generator: torch.Generator) -> int:
-    """Fine-tune ``head`` in place on ``features`` (n, d) and ``labels`` (n,); returns the
-    number of epochs of the final training on all rows (module docstring).
+    """Fine-tune ``head`` in place on ``features`` (n, d) and ``labels`` (n,) by
+    cross-entropy; returns the number of epochs of the final training on all rows (module
+    docstring). :func:`fine_tune_stopped` with the head as the module."""
+    return fine_tune_stopped(head, features, labels, cross_entropy_per_sample, tuning,
+                             generator)
+
+
+def fine_tune_stopped(module: nn.Module, x: Tensor, labels: Tensor, objective: Objective,
+                      tuning: HeadTuning, generator: torch.Generator,
+                      trainable: ParameterFilter | None = None) -> int:
+    """Train ``module``'s ``trainable`` parameters in place on ``(x (n, ...), labels (n,))``
+    by the per-sample ``objective``, for a number of epochs chosen by held-out NLL
+    (``tuning.stop``; module docstring); returns that number.
 
     With fewer than two rows, or ``stop="fixed"``, it trains ``max_epochs`` on all rows. Ties
-    in held-out NLL go to the fewest epochs.
+    in held-out NLL go to the fewest epochs. The held-out NLL is the cross-entropy of the
+    module's logits, whatever the objective.
     """
     n = labels.shape[0]
     if tuning.stop == "fixed" or n < 2 or tuning.max_epochs == 0:
-        train_plain(head, features, labels, cross_entropy_per_sample,
-                    tuning.training(tuning.max_epochs), generator=generator)
+        train_plain(module, x, labels, objective, tuning.training(tuning.max_epochs),
+                    generator=generator, trainable=trainable)
         return tuning.max_epochs
-    start = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    start = {k: v.detach().clone() for k, v in module.state_dict().items()}
     held = min(n - 1, max(1, math.floor(tuning.heldout_fraction * n)))
     order = torch.randperm(n, generator=generator).to(labels.device)
     held_idx, fit_idx = order[:held], order[held:]
-    nlls = [mean_nll(head, features[held_idx], labels[held_idx])]
+    nlls = [mean_nll(module, x[held_idx], labels[held_idx])]
 
     def record(_: int) -> None:
-        nlls.append(mean_nll(head, features[held_idx], labels[held_idx]))
+        nlls.append(mean_nll(module, x[held_idx], labels[held_idx]))
 
-    train_plain(head, features[fit_idx], labels[fit_idx], cross_entropy_per_sample,
-                tuning.training(tuning.max_epochs), generator=generator, after_epoch=record)
+    train_plain(module, x[fit_idx], labels[fit_idx], objective,
+                tuning.training(tuning.max_epochs), generator=generator, trainable=trainable,
+                after_epoch=record)
     best_epochs = min(range(len(nlls)), key=nlls.__getitem__)  # the first of equal minima
-    head.load_state_dict(start)
-    train_plain(head, features, labels, cross_entropy_per_sample,
-                tuning.training(best_epochs), generator=generator)
+    module.load_state_dict(start)
+    train_plain(module, x, labels, objective, tuning.training(best_epochs),
+                generator=generator, trainable=trainable)
     return best_epochs

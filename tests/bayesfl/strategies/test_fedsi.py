@@ -616,3 +616,30 @@ def test_a_client_may_not_declare_more_samples_than_in_its_first_accepted_upload
     verdicts = strategy.validate_uploads(strategy.configure(state, 2), again, [0, 1, 2])
     assert verdicts == [None, "num_samples 21 exceeds the 20 this client declared in its first "
                         "accepted upload", None]
+
+
+def test_rounds_are_evaluated_with_a_head_fine_tuned_on_the_global_body(build):
+    # phi^0 is frozen until personalisation: the round's figures come from the head each
+    # client would fine-tune now on the global mean (plug-in under both keys), not phi^0
+    from strategy_helpers import evaluation_broadcast
+
+    from bayesfl.strategies.base import derived_seed
+
+    strategy, clients, state = build("fedsi", subnet_size=3, finetune_epochs=5,
+                                     finetune_stop="fixed")
+    state, _ = run_round(strategy, clients, state, 1)
+    broadcast = evaluation_broadcast(strategy, state, 1)
+    mean = broadcast.tensors["mean"].float()
+    evaluations = strategy.evaluate_group([c.config for c in clients],
+                                          [c.state for c in clients],
+                                          [c.data for c in clients], broadcast, keep_probs=True)
+    for c, e in zip(clients, evaluations, strict=True):
+        g = torch.Generator().manual_seed(derived_seed(strategy.context.seed, 31,
+                                                       c.config.client_id, 1))
+        model = strategy.fine_tuned(c.config, c.state, c.data, mean, g)
+        expected = torch.softmax(model(c.data.test_x).double(), dim=-1)
+        torch.testing.assert_close(e.probs[PREDICTIVE], expected)
+        torch.testing.assert_close(e.probs[MAP_PLUGIN], expected)
+        frozen = strategy.predict(c.config, c.state, broadcast, c.data.test_x)[PREDICTIVE]
+        assert not torch.allclose(e.probs[PREDICTIVE], frozen)
+    assert "fine-tuned" in strategy.round_view

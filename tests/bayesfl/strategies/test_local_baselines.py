@@ -50,7 +50,7 @@ def test_local_only_trains_exactly_as_a_client_alone_would(build):
 
 @pytest.mark.trained
 def test_fedavg_ft_trains_as_fedavg_then_fine_tunes_the_whole_network(build):
-    ft, ft_clients, ft_state = build("fedavg-ft", finetune_epochs=3)
+    ft, ft_clients, ft_state = build("fedavg-ft", finetune_epochs=3, finetune_stop="fixed")
     avg, avg_clients, avg_state = build("fedavg")
     ft_state, _ = run_round(ft, ft_clients, ft_state, 1)
     avg_state, _ = run_round(avg, avg_clients, avg_state, 1)

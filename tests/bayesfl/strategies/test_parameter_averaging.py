@@ -103,7 +103,7 @@ def _personalize(strategy, client, state, seed=5, r=1):
 
 
 def test_fedbabu_personalize_fine_tunes_a_copy_that_predicts_with_its_own_parameters(build):
-    strategy, clients, state = build("fedbabu")
+    strategy, clients, state = build("fedbabu", finetune_stop="fixed")  # its one epoch
     state, _ = run_round(strategy, clients, state, 1)
     c = clients[0]
     before = copy.deepcopy(c.state)
@@ -212,11 +212,13 @@ def test_unknown_names_and_options_list_the_valid_ones():
 
 
 def test_fedbabu_can_fine_tune_the_whole_network_to_personalize(build):
-    strategy, clients, state = build("fedbabu", finetune="all", finetune_epochs=2)
+    strategy, clients, state = build("fedbabu", finetune="all", finetune_epochs=2,
+                                     finetune_stop="fixed")
     state, _ = run_round(strategy, clients, state, 1)
     c = clients[0]
     before = copy.deepcopy(c.state)
-    head_only = make_strategy("fedbabu", strategy.context, finetune_epochs=2)
+    head_only = make_strategy("fedbabu", strategy.context, finetune_epochs=2,
+                              finetune_stop="fixed")
     every, head = _personalize(strategy, c, state), _personalize(head_only, c, state)
     x = c.data.test_x
     broadcast = evaluation_broadcast(strategy, state, 1)
@@ -240,3 +242,49 @@ def test_fedbabu_can_fine_tune_the_whole_network_to_personalize(build):
 def test_numeric_strategy_options_of_the_wrong_type_are_config_errors(name, options):
     with pytest.raises(ConfigError, match=f"{name} .* must be"):
         make_strategy(name, StrategyContext(num_classes=3, feature_dim=4), **options)
+
+
+@pytest.mark.parametrize("name", ["fedbabu", "fedavg-ft"])
+def test_fine_tuning_stops_by_heldout_nll_by_default_and_fixed_runs_every_epoch(build, name):
+    from bayesfl.strategies.finetuning import fine_tune
+
+    strategy, clients, state = build(name, finetune_epochs=3)
+    assert strategy.finetune_stop == "heldout_nll"
+    state, _ = run_round(strategy, clients, state, 1)
+    c = clients[0]
+    broadcast = evaluation_broadcast(strategy, state, 1)
+    for stop in ("heldout_nll", "fixed"):
+        chosen = make_strategy(name, strategy.context, finetune_epochs=3, finetune_stop=stop)
+        mine = chosen.personalize(c.config, c.state, c.data, broadcast,
+                                  torch.Generator().manual_seed(3))
+        plain = fine_tune(chosen, c.config, c.state, c.data, broadcast,
+                          torch.Generator().manual_seed(3), epochs=3, scope=chosen.finetune,
+                          stop=stop)
+        for k in plain:
+            torch.testing.assert_close(mine[k], plain[k], rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="finetune_stop must be one of"):
+        make_strategy(name, strategy.context, finetune_stop="early")
+
+
+def test_fedbabu_rounds_are_evaluated_as_personalised_now_not_with_the_initial_head(build):
+    # before personalisation, each client's figures are those of personalize() run now on a
+    # copy (its own generator per client and round); the clients' states are not changed
+    from bayesfl.strategies.base import derived_seed
+
+    strategy, clients, state = build("fedbabu", finetune_epochs=2, finetune_stop="fixed")
+    state, _ = run_round(strategy, clients, state, 1)
+    broadcast = evaluation_broadcast(strategy, state, 1)
+    before = [copy.deepcopy(c.state) for c in clients]
+    evaluations = strategy.evaluate_group([c.config for c in clients],
+                                          [c.state for c in clients],
+                                          [c.data for c in clients], broadcast, keep_probs=True)
+    for c, kept, e in zip(clients, before, evaluations, strict=True):
+        assert all(torch.equal(c.state[k], kept[k]) for k in kept)
+        seed = derived_seed(strategy.context.seed, 37, c.config.client_id, 1)
+        g = torch.Generator().manual_seed(seed)
+        personal = strategy.personalize(c.config, c.state, c.data, broadcast, g)
+        expected = strategy.predict(c.config, personal, broadcast, c.data.test_x)[PREDICTIVE]
+        torch.testing.assert_close(e.probs[PREDICTIVE], expected, rtol=0, atol=0)
+        initial_head = strategy.predict(c.config, c.state, broadcast, c.data.test_x)[PREDICTIVE]
+        assert not torch.allclose(e.probs[PREDICTIVE], initial_head)
+    assert strategy.round_view is not None
