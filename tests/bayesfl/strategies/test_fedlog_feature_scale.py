@@ -218,7 +218,7 @@ def test_an_evidence_upload_without_its_square_sum_is_rejected(build):
 
 
 @pytest.mark.trained
-def test_on_digits_the_evidence_scale_beats_the_papers_scale_1():
+def test_on_digits_the_evidence_scale_is_far_above_1_and_loses_nothing_against_it():
     from bayesfl.simulate import simulate
 
     common = dict(dataset="digits", clients=10, partition="shards:2", rounds=8, seed=0,
@@ -226,15 +226,16 @@ def test_on_digits_the_evidence_scale_beats_the_papers_scale_1():
     paper = simulate("fedlog", **common).summary
     evidence = simulate("fedlog", strategy_options={"feature_scale": "evidence"}, **common)
     summary = evidence.summary
-    # Measured, seeds 0, 1, 2: s = 14.0, 14.9, 14.2 (the trained bodies' features are small
-    # for the model's within-class sd 1/sqrt 2, so s = 1 is underconfident); NLL 0.103 -> 0.062,
-    # 0.308 -> 0.276, 0.115 -> 0.015 (gaps 0.041, 0.032, 0.100); accuracy 0.9886 -> 0.9977,
-    # 0.9821 -> 0.9866, 0.9933 -> 0.9978. The bounds keep several times the spread over seeds
-    # as room for another CPU's rounding: s in [5, 50], an NLL gap of at least 0.01, and no
-    # accuracy lost beyond one test sample in 200.
+    # Measured (final round): native AVX CPU, seeds 0, 1, 2: s = 14.0, 14.9, 14.2, NLL (s = 1
+    # -> evidence) 0.103 -> 0.062, 0.308 -> 0.276, 0.115 -> 0.015, accuracy never lower;
+    # ATEN_CPU_CAPABILITY=default, seeds 0-3: s = 12.6, 13.3, 14.4, 10.6, NLL 0.076 -> 0.077,
+    # 0.359 -> 0.133, 0.064 -> 0.038, 0.087 -> 0.062, accuracy never lower. The NLL gain is
+    # not robust to rounding (seed 0: -0.041 on one CPU, +0.001 on the other), so the test
+    # asserts what held on both: s in [5, 50] (seen 10.6-14.9), the NLL at most 0.02 above
+    # s = 1's (seen at most 0.0013 above) and no accuracy lost beyond one image in 200.
     assert 5.0 <= summary["feature_scale"] <= 50.0
     assert all("feature_scale" in record for record in evidence.metrics)
-    assert summary["nll"] <= paper["nll"] - 0.01
+    assert summary["nll"] <= paper["nll"] + 0.02
     assert summary["accuracy"] >= paper["accuracy"] - 0.005
 
 
