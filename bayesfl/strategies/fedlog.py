@@ -52,7 +52,7 @@ Measured (final round, seeds 0, 1, 2):
   (``ATEN_CPU_CAPABILITY=default``, seeds 0-3) s = 10.6-14.4, NLL 0.076, 0.359, 0.064, 0.087
   -> 0.077, 0.133, 0.038, 0.062, accuracy never lower.
 * mnist-5k, 10 clients, ``labels:5:train=50``, ``mlp``, 5 epochs, 30 rounds (issue 25's S1):
-  s = 1.1-1.2; NLL 1.06, 1.22, 1.22 -> 0.98, 0.98, 0.87; accuracy 0.919, 0.908, 0.921 ->
+  s = 1.13, 1.07, 1.16; NLL 1.06, 1.22, 1.22 -> 0.98, 0.98, 0.87; accuracy 0.919, 0.908, 0.921 ->
   0.920, 0.917, 0.926. It does not cure this over-confidence: the bodies fit their 250
   training images (training NLL ~0 at s = 1), whose features have the model's within-class
   variance (0.46 a coordinate against 1/2, seed 0), so the evidence keeps s near 1; test
