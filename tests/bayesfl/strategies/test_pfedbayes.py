@@ -309,3 +309,82 @@ def test_screening_ratio_bounds_the_mean_update_norm_against_the_rounds_median(r
     assert [k for k, v in enumerate(verdicts) if v is not None] == rejected
     if rejected:
         assert "mean update norm" in verdicts[2]
+
+
+# ---- behaviour the mutation sample found untested (issue 27) ----------------------------------
+@pytest.mark.parametrize("option, value, message", [
+    ("zeta", -1.0, "pfedbayes zeta must be a finite number >= 0, got -1.0"),
+    ("global_lr", 0.0, "pfedbayes global_lr must be a finite number >= 1e-12, got 0.0"),
+    ("rho_init", -20.0, "pfedbayes rho_init must be a finite number >= -13, got -20.0"),
+    ("epsilon_std", 0.0, "pfedbayes epsilon_std must be a finite number >= 1e-12, got 0.0"),
+    ("mc_samples", 0, "pfedbayes mc_samples must be an integer >= 1, got 0"),
+    ("screening_ratio", 0.5, "pfedbayes screening_ratio must be a finite number >= 1, got 0.5"),
+])
+def test_a_refused_option_is_named_with_what_it_must_be(option, value, message):
+    import re
+
+    from bayesfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        make_strategy("pfedbayes", context(), **{option: value})
+
+
+def test_a_broadcast_tensor_of_the_wrong_shape_is_refused_naming_it(build):
+    from bayesfl.errors import MessageRejected
+
+    strategy, clients, state = build("pfedbayes")
+    name = strategy.names(clients[0].config.body)[0]  # the first layer's weight, (8, 6)
+    down = wire(strategy.configure(state, 1).broadcast)
+    tensors = {**down.tensors, MU + name: torch.zeros(3, 6)}
+    bad = wire(strategy.down_message(1, tensors))
+    with pytest.raises(MessageRejected, match=rf"^broadcast '{MU + name}' has shape \(3, 6\), "
+                       r"expected \(8, 6\)$"):
+        strategy.fit(clients[0].config, clients[0].state, clients[0].data, bad,
+                     torch.Generator())
+
+
+def test_one_step_moves_the_personal_rho_by_the_lr_too():
+    # Adam's first step moves every entry with a gradient by about lr: the personal rho is
+    # trained alongside the personal mean (one full batch, one personal step)
+    training = LocalTraining(epochs=1, lr=1e-2, batch_size=64)
+    strategy = make_strategy("pfedbayes", context(training=training), lr=0.02,
+                             personal_steps=1)
+    c = make_clients(strategy)[1]
+    down = wire(strategy.configure(strategy.init(), 1).broadcast)
+    new_state, _ = strategy.fit(c.config, c.state, c.data, down, torch.Generator())
+    moved = max(float((new_state[RHO + k] - c.state[RHO + k]).abs().max())
+                for k in strategy.names(c.config.body))
+    assert moved == pytest.approx(0.02, rel=1e-3)
+
+
+def test_adam_takes_the_runs_eps_for_both_posteriors():
+    # Adam's first step is lr g / (|g| + eps): with eps = 1e3, far above every gradient here,
+    # no entry moves by more than a thousandth of the lr (with the default 1e-8 the largest
+    # moves by the lr, as the test above checks)
+    training = LocalTraining(epochs=1, lr=1e-2, batch_size=64, eps=1e3)
+    strategy = make_strategy("pfedbayes", context(training=training), lr=0.02,
+                             global_lr=0.02, personal_steps=1)
+    c = make_clients(strategy)[1]
+    down = wire(strategy.configure(strategy.init(), 1).broadcast)
+    new_state, upload = strategy.fit(c.config, c.state, c.data, down, torch.Generator())
+    names = strategy.names(c.config.body)
+    personal = max(float((new_state[MODEL_PREFIX + k] - c.state[MODEL_PREFIX + k]).abs().max())
+                   for k in names)
+    global_ = max(float((upload.tensors[MU + k] - down.tensors[MU + k]).abs().max())
+                  for k in names)
+    assert personal < 0.02e-3 and global_ < 0.02e-3
+
+
+def test_fit_draws_only_from_the_generator_it_is_given(build):
+    # the same generator seed gives the same upload and state whatever the global random state
+    strategy, clients, state = build("pfedbayes")
+    c = clients[1]
+    down = wire(strategy.configure(state, 1).broadcast)
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        runs.append(strategy.fit(c.config, c.state, c.data, down,
+                                 torch.Generator().manual_seed(3)))
+    (state_a, up_a), (state_b, up_b) = runs
+    assert all(torch.equal(up_a.tensors[k], up_b.tensors[k]) for k in up_a.tensors)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
