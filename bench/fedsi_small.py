@@ -73,9 +73,18 @@ METHODS: dict[str, tuple[str, dict[str, Any], float]] = {
     "pFedBayes (lr 1e-3)": ("pfedbayes", {}, 1e-3),
     "FedPop": ("fedpop", {}, 1e-3),
     "FedPA": ("fedpa", {}, 1e-3),
-    "FedSI (prior var 1e-2)": ("fedsi", {"prior_var": 1e-2}, 1e-2),
-    "FedSI (300 head epochs)": ("fedsi", {"finetune_epochs": 300}, 1e-2),
-    "FedSI-Fac (300 head epochs)": ("fedsi-fac", {"finetune_epochs": 300}, 1e-2),
+    "FedPer (Laplace head)": ("fedper", {"local_layers": 1, "head": "laplace"}, 1e-3),
+    "FedAvg-FT (Laplace head)": ("fedavg-ft", {"head": "laplace"}, 1e-3),
+    "FedLog (evidence scale)": ("fedlog", {"feature_scale": "evidence"}, 1e-3),
+    "FedSI (prior var 1e-4)": ("fedsi", {"prior_var": 1e-4}, 1e-2),
+    "FedSI (prior var 1e-3)": ("fedsi", {"prior_var": 1e-3}, 1e-2),
+    "FedSI (prior var 1e-1)": ("fedsi", {"prior_var": 1e-1}, 1e-2),
+    "FedSI (paper recipe)": ("fedsi", {"prior_var": 1e-4, "map_solver": "adam",
+                                       "finetune_stop": "fixed", "finetune_epochs": 10}, 1e-2),
+    "FedSI (300 head epochs)": ("fedsi", {"finetune_epochs": 300, "finetune_stop": "fixed"},
+                                1e-2),
+    "FedSI-Fac (300 head epochs)": ("fedsi-fac", {"finetune_epochs": 300,
+                                                  "finetune_stop": "fixed"}, 1e-2),
 }
 """The MLP has two layers (body Linear(784,100), head Linear(100,10)): FedPer and FedRep keep
 the head personal (``local_layers=1``; their FedLog-paper default of 2 would leave nothing to
@@ -168,7 +177,10 @@ def run_all(jobs_list: list[tuple], args: argparse.Namespace) -> dict[tuple, dic
         key = (label, seed, args.rounds, args.epochs, novel,
                json.dumps(METHODS[label][1], sort_keys=True))
         if key not in done:
-            todo.append((label, seed, args.rounds, args.epochs, args.device, novel))
+            device = args.device
+            if args.cuda_methods and label.split(" (")[0] in args.cuda_methods.split(","):
+                device = "cuda"
+            todo.append((label, seed, args.rounds, args.epochs, device, novel))
     if done:
         print(f"{len(jobs_list) - len(todo)} of {len(jobs_list)} runs from {cache_path}",
               flush=True)
@@ -183,6 +195,9 @@ def run_all(jobs_list: list[tuple], args: argparse.Namespace) -> dict[tuple, dic
             with cache_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    first = [m for m in args.first.split(",") if m]
+    todo.sort(key=lambda job: next((i for i, m in enumerate(first)
+                                    if job[0].split(" (")[0] == m), len(first)))
     if args.jobs <= 1:
         for job in todo:
             finished(run(*job))
@@ -242,6 +257,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs in parallel processes (one torch thread each)")
     parser.add_argument("--device", default="cpu", help="torch device of every run")
+    parser.add_argument("--cuda-methods", default="",
+                        help="comma-separated method names (without their variant in "
+                        "parentheses) that run on cuda whatever --device says")
+    parser.add_argument("--first", default="",
+                        help="comma-separated method names started first (the longest)")
     parser.add_argument("--cache", default=None,
                         help="JSON-lines file of finished runs: read first (those runs are not "
                         "repeated), each new run appended as it ends")

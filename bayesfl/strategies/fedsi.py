@@ -42,7 +42,9 @@ Options (every ambiguity of spec §8 is one, with the spec's recommended default
 ======================  ===================  ===================================================
 option                  default              meaning (spec)
 ======================  ===================  ===================================================
-prior_var               1e-4                 alpha, the base prior *variance* (§1.2, A1)
+prior_var               1e-2                 alpha, the base prior *variance* (§1.2, A1);
+                                             the paper's is 1e-4 (see "The prior's
+                                             variance" below)
 subnet_fraction         0.05                 |S| = floor(fraction |R|), >= 1 (§1.4, A9; 5% MLP)
 subnet_size             None                 an explicit |S| (overrides the fraction)
 posterior               "subnet_full"        "subnet_full" (FedSI), "subnet_diag" (diagonal
@@ -107,6 +109,14 @@ Adam's step on the CE and then solves the prior's term exactly
 (:class:`bayesfl.training.GaussianProx`): same objective, same MAP (2.26095 after the round's
 25 steps), stable for any prior; the same run then rises every round (0.857 -> 0.899 after
 25). ``"adam"`` keeps the paper's literal recipe.
+
+**The prior's variance** (``prior_var``, alpha). The paper sets alpha = 1e-4 (a prior std of
+0.01, precision 1e4 per weight against n = 250 samples): even with the exact local MAP the body
+can move only ~0.06 (L2 over 78,500 weights) per round, and it learns slowly. On S1 (mnist-5k,
+10 clients x 5 labels, 250 images each, 5 epochs a round; seed 7, a subnet of 400, the
+per-round fine-tuned-head accuracy): alpha = 1e-4 went 0.857 -> 0.867 (round 5) -> 0.887
+(15) -> 0.902 (30); alpha = 1e-2 went 0.908 -> 0.927 -> 0.934 -> 0.928, with NLL 0.26
+against 0.30. 1e-2 is therefore the default; 1e-4 stays available as the paper's value.
 
 **Per-round figures** (:meth:`FedSI.evaluate_group`). The client's head is frozen at phi^0
 until personalisation, so evaluating the global body with it measures a random classifier
@@ -280,7 +290,7 @@ class FedSI(Strategy):
         self,
         context: StrategyContext,
         *,
-        prior_var: float = 1e-4,
+        prior_var: float = 1e-2,
         subnet_fraction: float = 0.05,
         subnet_size: int | None = None,
         posterior: str | None = None,

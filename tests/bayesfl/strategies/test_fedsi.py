@@ -46,7 +46,8 @@ def test_fedsi_fac_uploads_a_positive_std_for_every_body_parameter(build):
         assert "subnet" not in upload.tensors
         std = upload.tensors["std"].double()
         # a diagonal Laplace variance is 1 / (diag GGN + 1/alpha) <= alpha
-        assert bool((std > 0).all()) and bool((std <= 1e-2 * (1 + 1e-6)).all())
+        limit = strategy.prior_var ** 0.5 * (1 + 1e-6)
+        assert bool((std > 0).all()) and bool((std <= limit).all())
 
 
 # Hand-made uploads: 3 clients, 4 body entries; alpha = 1e-2 (above every uploaded variance,
@@ -114,9 +115,10 @@ def test_the_server_aggregate_is_the_paper_rule_of_what_it_received(build):
     means = torch.stack([u.tensors["mean"].double() for u in ups])
     stds = torch.stack([u.tensors["std"].double() for u in ups])
     expected = stds.mean(0).square()
-    expected = torch.where(expected > 0, expected, torch.full_like(expected, 1e-4))
+    alpha = strategy.prior_var
+    expected = torch.where(expected > 0, expected, torch.full_like(expected, alpha))
     assert torch.allclose(new["mean"].double(), means.mean(0).float().double())
-    assert torch.allclose(new["variance"], expected.clamp(1e-12, 1e-4), rtol=1e-12, atol=0)
+    assert torch.allclose(new["variance"], expected.clamp(1e-12, alpha), rtol=1e-12, atol=0)
 
 
 def _forged(upload, **tensors):
@@ -549,7 +551,9 @@ def test_built_directly_every_option_has_its_documented_default():
 
     s = FedSI(context())
     assert (s.prior_var, s.subnet_fraction, s.subnet_size, s.posterior_kind) == (
-        1e-4, 0.05, None, "subnet_full")
+        1e-2, 0.05, None, "subnet_full")
+    assert (s.map_solver, s.finetune_epochs, s.head_tuning.stop) == ("proximal", 100,
+                                                                     "heldout_nll")
     assert (s.aggregation, s.weights, s.variance_floor, s.prior_in_map, s.local_lr) == (
         "mean_std", "uniform", 1e-12, True, 1e-2)
     assert (s.head_init, s.filter_zero_curvature, s.eval_selection) == (
