@@ -283,10 +283,14 @@ class FeatureScaleMethod(Option):
     ``Σ log p(y_i | s φ_i, W*(s))``, over ``log s`` (grid, then bounded Brent); training data only.
     ``validation``: the same on held-out ``validation_data`` (an unbiased choice when the body
     was trained on the training set, whose features it separates better than new ones).
+    ``evidence``: maximise the model's own log evidence of the features and labels (type-II
+    maximum likelihood, :mod:`inference.conjugate.evidence`): a function of the statistics and
+    ``Σ ||φ_i||²``, so a federation can compute it from sums.
     """
 
     CONDITIONAL = "conditional"
     VALIDATION = "validation"
+    EVIDENCE = "evidence"
 
 
 class GaussianApproximation(Option):

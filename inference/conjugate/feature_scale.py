@@ -18,6 +18,8 @@ point a decade, then bounded Brent; :mod:`inference.hyperparameters`):
   overconfidence (measured in ``bench/heads_calibration.py``).
 * ``"validation"``: on held-out ``validation_data`` — unbiased, needs data the head did not
   see (and that the body did not train on).
+* ``"evidence"``: the model's own evidence instead (:mod:`inference.conjugate.evidence`, see
+  below): computable from sums, which is what a federation has.
 
 Why not the model's own evidence: the joint (generative) likelihood of the features fixes
 ``s`` so that the isotropic within-class variance matches the features' (``s ≈ 0.7`` on the
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from inference.conjugate.evidence import evidence_feature_scale
 from inference.conjugate.posterior import ConjugatePosterior, Solver
 from inference.conjugate.prior import ConjugatePrior
 from inference.conjugate.statistics import SufficientStatistics
@@ -72,7 +75,8 @@ def fit_conjugate_head(
             ``[0, num_classes)``; num_classes: ``C``.
         prior: hyperparameters (default ``ConjugatePrior()``: chi = 0, nu = 1).
         solver: ``"exact"`` or ``"adam"`` (see :class:`ConjugatePosterior`).
-        feature_scale: ``s > 0``, or ``"conditional"`` / ``"validation"`` (module docstring).
+        feature_scale: ``s > 0``, or ``"conditional"`` / ``"validation"`` / ``"evidence"``
+            (module docstring).
         feature_scale_bounds: ``(lower, upper)`` search interval of ``s``.
         validation_data: ``(features (V, m), labels (V,))`` for ``"validation"``.
 
@@ -90,6 +94,14 @@ def fit_conjugate_head(
     if not isinstance(feature_scale, str):
         return ConjugatePosterior(prior, statistics, solver=solver, feature_scale=feature_scale)
     method = FeatureScaleMethod.parse(feature_scale, "feature_scale")
+    if method is FeatureScaleMethod.EVIDENCE:
+        square_sum = float(features.to(torch.float64).pow(2).sum())
+        choice = evidence_feature_scale(statistics, square_sum, prior=prior,
+                                        bounds=feature_scale_bounds)
+        posterior = ConjugatePosterior(prior, statistics, solver=solver,
+                                       feature_scale=choice.value)
+        posterior.feature_scale_selection = choice
+        return posterior
     if method is FeatureScaleMethod.CONDITIONAL:
         data = (features, labels)
     else:

@@ -126,3 +126,16 @@ def test_privatized_statistics_and_bad_square_sums_are_refused():
             evidence_feature_scale(stats, bad)
     with pytest.raises(InvalidInputError, match="feature_scale"):
         log_evidence(stats, float(x.pow(2).sum()), feature_scale=0.0)
+
+
+def test_the_conjugate_head_takes_the_evidence_scale_as_a_method():
+    from inference.factory import fit_head
+
+    x, y = model_draws(n=600, d=5, C=3, scale=0.4)
+    stats = SufficientStatistics.from_features(x, y, 3)
+    expected = evidence_feature_scale(stats, float(x.pow(2).sum()), prior=ConjugatePrior(nu=2.0),
+                                      bounds=(1e-4, 1e4))
+    head = fit_head("conjugate", x, y, 3, nu=2.0, feature_scale="evidence")
+    assert head.feature_scale == expected.value
+    assert head.feature_scale_selection == expected
+    assert head.feature_scale_selection.summary()["method"] == "evidence"

@@ -156,8 +156,8 @@ def test_fit_head_conjugate_chooses_the_scale_by_default_and_takes_a_number():
     assert fixed.feature_scale == 1.0 and fixed.feature_scale_selection is None
     torch.testing.assert_close(fixed.map(), solve_map(
         SufficientStatistics.from_features(x, y, 3).table, len(y) + 2.0), rtol=0, atol=0)
-    with pytest.raises(InvalidInputError, match="'conditional', 'validation'"):
-        fit_head("conjugate", x, y, 3, feature_scale="evidence")
+    with pytest.raises(InvalidInputError, match="'conditional', 'validation', 'evidence'"):
+        fit_head("conjugate", x, y, 3, feature_scale="marglik")
 
 
 def test_map_objective_of_the_scaled_model_is_maximal_at_the_handed_out_head():
