@@ -206,7 +206,10 @@ def run_all(jobs_list: list[tuple], args: argparse.Namespace) -> dict[tuple, dic
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
             futures = [pool.submit(run, *job) for job in todo]
             for future in concurrent.futures.as_completed(futures):
-                finished(future.result())
+                try:
+                    finished(future.result())
+                except Exception as err:  # one failed run must not lose the others
+                    print(f"a run failed: {type(err).__name__}: {err}", flush=True)
     return done
 
 
@@ -291,8 +294,13 @@ def main() -> None:
         rows = {k: [] for k in (*KEYS, "bytes_up")}
         plugin = {k: [] for k in KEYS}
         options = json.dumps(METHODS[label][1], sort_keys=True)
-        for seed in range(args.seeds):
-            record = done[(label, seed, args.rounds, args.epochs, False, options)]
+        records = [done.get((label, seed, args.rounds, args.epochs, False, options))
+                   for seed in range(args.seeds)]
+        if any(r is None for r in records):
+            print(f"{label}: {sum(r is None for r in records)} of {args.seeds} runs missing; "
+                  "left out of the table", flush=True)
+            continue
+        for record in records:
             collect(record["summary"], rows, plugin)
             curves.setdefault(label, []).append(record["curve"])
         table[label] = rows
@@ -300,8 +308,9 @@ def main() -> None:
             table[f"{label} (MAP plug-in)"] = plugin
         if label in NOVEL:
             for seed in range(novel_seeds):
-                record = done[(label, seed, args.rounds, args.epochs, True, options)]
-                novel.setdefault(label, []).append(record["summary"]["novel_accuracy"])
+                record = done.get((label, seed, args.rounds, args.epochs, True, options))
+                if record is not None:
+                    novel.setdefault(label, []).append(record["summary"]["novel_accuracy"])
     print(f"\nmnist-5k, 10 clients x 5 labels (sliding window), 50 training images per label "
           f"per client, MLP 784-100-10, {args.rounds} rounds x {args.epochs} local epochs, "
           f"{args.seeds} seed(s); mean ± standard error over seeds\n")
