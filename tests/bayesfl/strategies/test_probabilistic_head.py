@@ -261,3 +261,73 @@ def test_flower_evaluation_replies_of_a_head_strategy_carry_both_predictives(bui
                                client_id=c.config.client_id, n_bins=15,
                                num_test=c.data.num_test)
         assert set(read.accumulators) == {PREDICTIVE, MAP_PLUGIN}
+
+
+# ---- whole runs --------------------------------------------------------------------------------
+SMALL = dict(
+    dataset="gaussian_mixture", clients=4, partition="shards:2", rounds=3, seed=3,
+    body="mlp:16", feature_dim=8, local_epochs=1, batch_size=16, lr=1e-2, progress=False,
+    threads=1, dataset_options={"num_classes": 4, "dim": 10, "n": 320, "separation": 4.0},
+)
+HEADLINE = ("accuracy", "ece", "nll", "confidence")
+
+
+def without_times(record):
+    if isinstance(record, dict):
+        return {k: without_times(v) for k, v in record.items() if not k.startswith("seconds")}
+    if isinstance(record, list):
+        return [without_times(r) for r in record]
+    return record
+
+
+def test_a_run_reports_the_head_predictive_with_the_plain_strategys_figures_beside_it():
+    from bayesfl import simulate
+
+    plain = simulate("fedper", strategy_options={"local_layers": 1}, **SMALL).summary
+    head = simulate("fedper", strategy_options={"local_layers": 1, "head": "laplace"},
+                    **SMALL).summary
+    assert head["personalized"] and not plain["personalized"]
+    # same training: the plug-in beside the head predictive is plain FedPer's headline
+    assert {k: head["map_plugin"][k] for k in HEADLINE} == {k: plain[k] for k in HEADLINE}
+    assert head["nll"] != plain["nll"]
+
+
+def test_a_head_run_checkpointed_and_resumed_equals_an_uninterrupted_one(tmp_path):
+    import json
+
+    from bayesfl import simulate
+
+    options = {"strategy_options": {"local_layers": 1, "head": "laplace"}}
+    simulate("fedper", out=tmp_path / "full", **options, **SMALL)
+
+    def stop_after_round_1(r, record):
+        if r == 1:
+            raise KeyboardInterrupt("stopped after round 1")
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate("fedper", out=tmp_path / "cut", round_callback=stop_after_round_1, **options,
+                 **SMALL)
+    simulate("fedper", out=tmp_path / "cut", resume=True, **options, **SMALL)
+    full, cut = ((tmp_path / d / "metrics.jsonl").read_text().splitlines()
+                 for d in ("full", "cut"))
+    assert [without_times(json.loads(line)) for line in cut] == \
+        [without_times(json.loads(line)) for line in full]
+    full, cut = (json.loads((tmp_path / d / "summary.json").read_text())
+                 for d in ("full", "cut"))
+    assert without_times(cut) == without_times(full)
+    assert cut["personalized"] and "map_plugin" in cut
+
+
+@pytest.mark.trained
+def test_a_laplace_head_improves_fedpers_nll_on_digits():
+    """FedPer (personal head) on digits, 5 clients x 2 shards, 3 rounds, features of width 16:
+    the head posterior's NLL over the plug-in's was 0.06-0.22x over seeds 0-4 (0.11 for seed
+    0, accuracy 0.99 vs 0.79: the refitted head converges where 3 rounds leave the network's
+    short), with no failed fit; the bound 0.5x leaves more than twice the worst seed's margin."""
+    from bayesfl import simulate
+
+    summary = simulate("fedper", dataset="digits", clients=5, partition="shards:2", rounds=3,
+                       seed=0, feature_dim=16, progress=False, threads=1,
+                       strategy_options={"local_layers": 1, "head": "laplace"}).summary
+    assert summary["nll"] < 0.5 * summary["map_plugin"]["nll"]
+    assert summary["accuracy"] >= summary["map_plugin"]["accuracy"]
