@@ -26,10 +26,11 @@ centred on it (``head_prior="global"``, the default), and its precision is chose
 client's own evidence (``prior_precision="marglik"``): the evidence decides how far the client's
 head may move from the federation's. A personal head (FedPer, FedRep) has no global
 counterpart: the prior is centred at zero, as with ``head_prior="zero"``. The client's trained
-(or fine-tuned) head is not reused as the mode: ``fit_head`` refits the mode on the same
-features under the prior, so the predictive is exactly ``fit_head``'s (measured on S1:
-FedPer's own trained head is far sharper than the evidence's MAP, and centring the prior on it
-gave a worse NLL than centring it at zero; ``docs`` and the issue 25 report give the figures).
+(or fine-tuned) head is not reused, neither as the mode nor as the prior mean: ``fit_head``
+refits the mode on the same features under the prior, so the predictive is exactly
+``fit_head``'s. (Centring the prior on FedPer's own trained head double-counts the client's
+data: on S1, seed 0, the evidence chose the largest precision of its range, 1e4, for every
+client, so the posterior collapsed onto the trained head and predicted as the plug-in.)
 The other kinds' fitters take only a number as the prior mean: they keep their own priors.
 
 **Settings.** ``head_options`` go to ``fit_head`` unchanged (e.g. ``{"structure": "lowrank",
