@@ -29,8 +29,8 @@ counterpart: the prior is centred at zero, as with ``head_prior="zero"``. The cl
 (or fine-tuned) head is not reused, neither as the mode nor as the prior mean: ``fit_head``
 refits the mode on the same features under the prior, so the predictive is exactly
 ``fit_head``'s. (Centring the prior on FedPer's own trained head double-counts the client's
-data: on S1, seed 0, the evidence chose the largest precision of its range, 1e4, for every
-client, so the posterior collapsed onto the trained head and predicted as the plug-in.)
+data: on S1, seed 0, the evidence chose the largest precision of its range, 1e4, for each
+client measured (7 of 10), so the posterior collapsed onto the trained head: the plug-in.)
 The other kinds' fitters take only a number as the prior mean: they keep their own priors.
 
 **Settings.** ``head_options`` go to ``fit_head`` unchanged (e.g. ``{"structure": "lowrank",
