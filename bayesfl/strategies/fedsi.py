@@ -397,7 +397,7 @@ class FedSI(Strategy):
         if any(s != shapes[0] for s in shapes[1:]):
             raise ConfigError(f"{self.name} shares the whole body: every body spec must have the "
                               f"same parameter shapes, got {specs}")
-        mean = body_vector(models[0]).to(torch.float32)
+        mean = body_vector(models[0]).to("cpu", torch.float32)  # server state lives on the CPU
         return {"mean": mean,
                 "variance": torch.full(mean.shape, self.prior_var, dtype=torch.float64)}
 

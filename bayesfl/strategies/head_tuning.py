@@ -18,6 +18,7 @@ FedAvg-FT: :mod:`bayesfl.strategies.finetuning`).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -76,9 +77,19 @@ def tune_head(head: nn.Module, features: Tensor, labels: Tensor, tuning: HeadTun
               generator: torch.Generator) -> int:
     """Fine-tune ``head`` in place on ``features`` (n, d) and ``labels`` (n,) by
     cross-entropy; returns the number of epochs of the final training on all rows (module
-    docstring). :func:`fine_tune_stopped` with the head as the module."""
-    return fine_tune_stopped(head, features, labels, cross_entropy_per_sample, tuning,
-                             generator)
+    docstring). :func:`fine_tune_stopped` with the head as the module.
+
+    On an accelerator the head is tuned on a CPU copy and copied back: a few thousand steps
+    on a (n, d) head are kernel launches, not arithmetic (on an H200, FedSI's per-round view
+    spent most of a round launching them)."""
+    if features.device.type == "cpu":
+        return fine_tune_stopped(head, features, labels, cross_entropy_per_sample, tuning,
+                                 generator)
+    local = copy.deepcopy(head).cpu()
+    epochs = fine_tune_stopped(local, features.cpu(), labels.cpu(), cross_entropy_per_sample,
+                               tuning, generator)
+    head.load_state_dict(local.state_dict())  # copies onto the head's device
+    return epochs
 
 
 def fine_tune_stopped(module: nn.Module, x: Tensor, labels: Tensor, objective: Objective,
