@@ -330,3 +330,158 @@ def test_the_example_app_lists_every_key_bayesfl_flower_sends():
     assert sent - set(listed) == set()
     config, options = parse_run_config(listed)
     assert (config.strategy, config.clients, options.out) == ("fedlog", 3, None)
+
+
+# ---- the whole ServerApp over an in-process federation (issue 27) ----------------------------
+# The ClientApp's own handlers answer every step in this process, each node keeping its
+# Context.state as a SuperNode does: FlowerServer.run() end to end in seconds, no processes.
+SMALL = {"dataset": "gaussian_mixture", "clients": 3, "partition": "iid", "rounds": 2,
+         "seed": 3, "body": "mlp:8", "feature-dim": 4, "local-epochs": 1,
+         "dataset-option.n": 90, "dataset-option.num_classes": 3, "dataset-option.dim": 5}
+
+
+class InProcessFederation:
+    """A Grid whose nodes (node id 100 + partition id) run the ClientApp's handlers here.
+
+    ``node_configs`` overrides a node's run config (a foreign node); ``silent`` nodes never
+    answer; ``gone`` nodes go offline after their first fit."""
+
+    def __init__(self, run_config, *, node_configs=None, silent=(), gone=()):
+        from flwr.app import Context, RecordDict
+
+        self.contexts = {
+            100 + k: Context(run_id=1, node_id=100 + k,
+                             node_config={"partition-id": k,
+                                          "num-partitions": run_config["clients"]},
+                             state=RecordDict(),
+                             run_config=(node_configs or {}).get(k, run_config))
+            for k in range(run_config["clients"])}
+        self.silent, self.gone, self.offline = set(silent), set(gone), set()
+        self.replies, self.pushed = {}, []
+
+    def get_node_ids(self):
+        return [n for n in self.contexts if n not in self.offline]
+
+    def push_messages(self, messages):
+        from types import SimpleNamespace
+
+        from bayesfl.flower import client_app
+        from bayesfl.flower.protocol import EVALUATE, FIT, INFO, PERSONALIZE
+
+        handlers = {INFO: client_app.info, FIT: client_app.fit,
+                    PERSONALIZE: client_app.personalize, EVALUATE: client_app.evaluate}
+        ids = []
+        for message in messages:
+            node, kind = message.metadata.dst_node_id, message.metadata.message_type
+            self.pushed.append((node, kind))
+            mid = f"m{len(self.pushed)}"
+            ids.append(mid)
+            if node - 100 in self.silent or node in self.offline:
+                continue
+            reply = handlers[kind](message, self.contexts[node])
+            self.replies[mid] = SimpleNamespace(
+                content=reply.content, has_error=lambda: False, error=None,
+                metadata=SimpleNamespace(reply_to_message_id=mid))
+            if kind == FIT and node - 100 in self.gone:
+                self.offline.add(node)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in ids if i in self.replies]
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for key in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has set
+        monkeypatch.setattr(TaskIdentity, key, 1)
+
+
+def serve(run_config, **federation):
+    from bayesfl.flower.server_app import FlowerServer
+
+    server = FlowerServer(None, run_config)
+    server.grid = InProcessFederation(run_config, **federation)
+    return server
+
+
+def test_an_in_process_flower_run_equals_the_simulator(task_identity, tmp_path):
+    out = tmp_path / "run"
+    summary = serve({**SMALL, "strategy": "fedavg", "threads": 1, "out": str(out)}).run()
+    sim = simulate("fedavg", dataset="gaussian_mixture", clients=3, partition="iid", rounds=2,
+                   seed=3, body="mlp:8", feature_dim=4, local_epochs=1, progress=False,
+                   batched=False, threads=1,
+                   dataset_options={"n": 90, "num_classes": 3, "dim": 5})
+    for key in ("ece", "accuracy", "nll", "brier", "bytes_up", "bytes_down", "floats_up",
+                "floats_down"):
+        assert summary[key] == pytest.approx(sim.summary[key], abs=1e-12), key
+    assert summary["transport"] == "flower" and summary["personalized"] is False
+    assert summary["events"] == [] and summary["rejections"] == []
+    assert summary["rejected_uploads"] == 0 and summary["skipped_rounds"] == []
+    assert summary["threads"] == 1
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2]
+    assert [r["accepted"] for r in records] == [3, 3]
+    assert summary["bytes_up"] == sum(r["bytes_up"] for r in records)
+    assert json.loads((out / "summary.json").read_text()) == summary
+    for name in ("manifest.json", "partition.txt", "partition.json", "accuracy.png",
+                 "reliability.png", "checkpoint.safetensors"):
+        assert (out / name).stat().st_size > 0, name
+    partition = json.loads((out / "partition.json").read_text())
+    assert partition["scheme"] == "iid" and partition["bodies"] == ["mlp:8"] * 3
+    assert sum(partition["train_sizes"]) + sum(partition["test_sizes"]) == 90
+    torch.testing.assert_close(server_state(out), sim.state, rtol=0, atol=1e-6)
+
+
+def test_an_in_process_run_resumes_from_its_checkpoint_to_the_same_summary(task_identity,
+                                                                          tmp_path):
+    config = {**SMALL, "strategy": "fedavg", "threads": 1, "out": str(tmp_path / "run")}
+    first = serve(config).run()
+    again = serve({**config, "resume": True})
+    summary = again.run()
+    assert again.resumed_from == 2
+    # no round is run again: only the final evaluation, whose figures are the same
+    for key in ("ece", "accuracy", "nll", "bytes_up", "bytes_down"):
+        assert summary[key] == first[key], key
+    assert [m["round"] for m in again.metrics_log.records] == [1, 2]
+
+
+def test_a_personalizing_strategy_personalizes_every_node_then_evaluates_that(task_identity):
+    server = serve({**SMALL, "strategy": "fedbabu", "rounds": 1})
+    summary = server.run()
+    grid = server.grid
+    kinds = [kind for _, kind in grid.pushed]
+    assert summary["personalized"] is True
+    # discovery, one fit per client, the last round's evaluation, one personalisation each
+    # and the evaluation of the personalised states
+    assert kinds == ["query.info"] * 3 + ["train.fit"] * 3 + ["evaluate.evaluate"] * 3 \
+        + ["train.personalize"] * 3 + ["evaluate.evaluate"] * 3
+
+
+def test_foreign_silent_and_vanishing_nodes_are_logged_and_the_run_goes_on(task_identity):
+    from bayesfl.errors import BayesFLError
+
+    # node 0 runs another seed (its fingerprint differs): refused at discovery; node 1 never
+    # answers (round-timeout 0.2 s); node 2 goes offline after its first fit. Round 1
+    # aggregates node 2's upload alone (min-replies 1); round 2 has nobody left and is skipped
+    config = {**SMALL, "strategy": "fedavg", "round-timeout": 0.2, "node-wait": 0.0,
+              "poll-interval": 0.01}
+    server = serve(config, node_configs={0: {**config, "seed": 4}}, silent={1}, gone={2})
+    with pytest.raises(BayesFLError, match="no client returned an evaluation"):
+        server.run()
+    records = server.metrics_log.records
+    assert [r["accepted"] for r in records] == [1, 0]
+    assert records[1]["skipped"] == ("0 accepted upload(s) < min-replies 1: round skipped, "
+                                     "previous state kept")
+    first, second = ({(e["client_id"], e["node_id"], e["step"], e["reason"])
+                      for e in r["events"]} for r in records)
+    assert (0, 100, "discover", "the node's run fingerprint differs from the server's (other "
+            "settings, data or bayesfl version)") in first
+    assert {e["reason"] for e in records[0]["events"] if e["node_id"] == 101} \
+        == {"no reply within 0.2 s"}
+    assert {(0, None, "fit", "sampled client has no connected node"),
+            (1, None, "fit", "sampled client has no connected node"),
+            (2, 102, "evaluate", "no reply within 0.2 s")} <= first
+    assert (2, 102, "discover", "node went offline") in second
+    assert (2, None, "fit", "sampled client has no connected node") in second
