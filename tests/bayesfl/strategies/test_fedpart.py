@@ -514,3 +514,25 @@ def test_resume_mid_cycle_gives_identical_results(full_run, tmp_path):
     assert numbers(read) == numbers(result.metrics)
     for k, v in result.state.items():
         assert torch.equal(resumed.state[k], v), k
+
+
+# ---- the FedPart strategies built directly (issue 27, mutation survivors) ----------------------
+def test_built_directly_fedpart_runs_the_papers_schedule_defaults():
+    # make_strategy passes every option; built directly, the signature's defaults are the
+    # paper's: R = 2 rounds per group, F = 5 full rounds per cycle, W = 5 warm-up rounds
+    from bayesfl.strategies.fedpart import FedPart
+
+    context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(6,))
+    options = FedPart(context).schedule_options
+    assert (options["rounds_per_group"], options["full_rounds_per_cycle"],
+            options["warmup_rounds"]) == (2, 5, 5)
+
+
+def test_fedpart_refuses_a_schedule_option_naming_its_own_options():
+    context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(6,))
+    # (the list names the schedule's own options; group_prefixes, min_group_size and
+    # downlink, which FedPart also takes flat, are not in it)
+    with pytest.raises(ConfigError, match=r"^fedpart sets its own schedule; give its options "
+                       r"\(rounds_per_group, full_rounds_per_cycle, warmup_rounds, cycles, "
+                       r"order\) directly$"):
+        make_strategy("fedpart", context, schedule="fedpart")
