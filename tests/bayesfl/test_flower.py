@@ -62,9 +62,10 @@ def run_on_flower(fed: LocalFederation, out: Path, strategy: str, rounds: int,
     return json.loads((out / "summary.json").read_text())
 
 
-def run_in_simulator(strategy: str, rounds: int) -> Any:
+def run_in_simulator(strategy: str, rounds: int, **strategy_options: Any) -> Any:
     return simulate(strategy, rounds=rounds, clients=3, partition="iid", seed=0,
-                    local_epochs=1, progress=False, batched=False, threads=1)
+                    local_epochs=1, progress=False, batched=False, threads=1,
+                    strategy_options=strategy_options)
 
 
 def server_state(out: Path) -> dict[str, torch.Tensor]:
@@ -73,8 +74,8 @@ def server_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_matches_simulator(out: Path, summary: dict[str, Any], strategy: str,
-                             rounds: int) -> None:
-    sim = run_in_simulator(strategy, rounds)
+                             rounds: int, **strategy_options: Any) -> None:
+    sim = run_in_simulator(strategy, rounds, **strategy_options)
     flower = server_state(out)
     assert sorted(flower) == sorted(sim.state)
     for name, tensor in sim.state.items():
@@ -268,6 +269,19 @@ def test_fedsi_on_flower_equals_the_simulator(federation, tmp_path):
     # FedSI has no round-0 evaluation (its clients hold no posterior before training)
     assert [json.loads(line)["round"] for line in lines] == [1, 2]
     assert (tmp_path / "run" / "reliability.png").stat().st_size > 0
+
+
+@pytest.mark.flower
+@pytest.mark.slow  # ~2-7 minutes on a 2-core machine, depending on its load
+def test_a_probabilistic_head_on_flower_equals_the_simulator(federation, tmp_path):
+    # head=laplace (issue 25): FedPer's nodes personalise by fitting the head posterior on
+    # their own features, keep it in Context.state (safetensors) and evaluate with it, the
+    # plug-in beside it
+    summary = run_on_flower(federation, tmp_path / "run", "fedper", 2,
+                            option="head=laplace")
+    assert summary["personalized"] is True and "map_plugin" in summary
+    assert summary["nll"] != summary["map_plugin"]["nll"]
+    assert_matches_simulator(tmp_path / "run", summary, "fedper", 2, head="laplace")
 
 
 @pytest.mark.flower
