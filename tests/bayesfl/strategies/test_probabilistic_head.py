@@ -11,7 +11,6 @@ from strategy_helpers import NUM_CLASSES, evaluation_broadcast, run_round
 
 import inference
 from bayesfl.errors import ConfigError
-from bayesfl.flower.protocol import evaluation_tensors, read_evaluation
 from bayesfl.messages import encode
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE
 from bayesfl.strategies.finetuning import fine_tune
@@ -251,6 +250,9 @@ def test_a_fallback_state_round_trips_with_its_reason(build):
 def test_flower_evaluation_replies_of_a_head_strategy_carry_both_predictives(build):
     """The Flower ServerApp reads evaluations of a posterior strategy with both keys: before
     personalisation (plug-in twice) and after."""
+    pytest.importorskip("flwr")  # the flower extra
+    from bayesfl.flower.protocol import evaluation_tensors, read_evaluation
+
     strategy, clients, broadcast = trained(build, "fedper", head="laplace")
     c = clients[0]
     for state in (c.state, personalised(strategy, [c], broadcast)[0]):
