@@ -86,6 +86,10 @@ COVERING_TESTS: dict[str, list[str]] = {
     "bayesfl/flower/server_app.py": ["tests/bayesfl/test_flower.py", "-m", "not flower"],
 }
 
+# A mutant's CPU limit is (its tests' clean time + 1 s) x this x 2 (mutmut's default 15 let a
+# mutant that loops forever in bayesfl/calibrate.py's search hold the core for 15 minutes).
+TIMEOUT_MULTIPLIER = 3
+
 # mutmut exit-code verdicts, grouped for the score.
 KILLED = {"killed", "caught by type check"}
 TIMEOUT = {"timeout"}
@@ -148,6 +152,7 @@ pytest_add_cli_args_test_selection ={lines(tests)}
 pytest_add_cli_args ={lines(["-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider"])}
 process_isolation = forkserver
 use_git_change_detection = false
+timeout_multiplier = {TIMEOUT_MULTIPLIER}
 """
 
 
