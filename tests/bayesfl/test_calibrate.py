@@ -419,3 +419,125 @@ def test_the_cli_flag_runs_the_step(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["calibration"]["calibrated"] is not None
     assert cli_main([*flags[:-4], "--calibrate", "platt", "--out", str(tmp_path / "x")]) == 2
+
+
+# ---- behaviour the mutation sample found untested (issue 27) ----------------------------------
+def test_server_messages_of_the_step_are_sent_by_the_server_id():
+    # every broadcast of a run comes from sender -1, the proposals and the result as well
+    assert proposal_message(3, 0.5).header.client_id == -1
+    assert result_message(3, 2.0).header.client_id == -1
+
+
+def test_a_client_with_fewer_than_two_training_samples_keeps_them_and_the_others_split():
+    # the second client still holds out its share after the first one (1 sample) kept its
+    lone, ten = make_client(0, [1]), make_client(1, [0, 1] * 5)
+    kept, held = hold_out([lone, ten], 0.2, seed=0)
+    assert [c.client_id for c in kept] == [0, 1]
+    assert kept[0].num_train == 1 and list(held) == [1]
+    assert kept[1].num_train == 8 and held[1].size == 2
+
+
+class _BrokenClient(TemperatureClient):
+    def reply(self, proposal):
+        raise ValueError("no held-out data left")
+
+
+def test_a_client_that_fails_to_answer_is_dropped_with_its_reason():
+    data = client_probabilities(6, [30, 20, 25])
+    clients = temperature_clients(data)
+    clients[1] = _BrokenClient(1, clients[1].log_probs, clients[1].labels)
+    outcome = federated_temperature_search(clients, 4)
+    assert outcome.rejections == [{"step": 0, "client_id": 1,
+                                   "reason": "client failed to answer: no held-out data left"}]
+    assert outcome.participants == [0, 2] and outcome.fit is not None
+
+
+def test_a_reply_sent_in_another_clients_name_is_rejected():
+    # client 1's reply re-headed as client 0's: the server checks the sender of each reply
+    data = client_probabilities(6, [30, 20, 25])
+
+    def hook(step, client_id, data_bytes):
+        if client_id != 1:
+            return data_bytes
+        message = decode(data_bytes)
+        header = type(message.header)(message.header.strategy, message.header.round, 0,
+                                      message.header.direction)
+        return encode(Message(header, dict(message.tensors)))
+
+    outcome = federated_temperature_search(temperature_clients(data), 4, upload_hook=hook)
+    assert [r["client_id"] for r in outcome.rejections] == [1]
+    assert "client_id" in outcome.rejections[0]["reason"]
+    assert outcome.participants == [0, 2]
+
+
+def test_a_sample_count_changed_during_the_search_drops_the_client():
+    data = client_probabilities(6, [30, 20, 25])
+
+    def hook(step, client_id, data_bytes):
+        if client_id != 2 or step != 1:
+            return data_bytes
+        message = decode(data_bytes)
+        return encode(Message(message.header, {**message.tensors,
+                                               "num_samples": torch.tensor([24])}))
+
+    outcome = federated_temperature_search(temperature_clients(data), 4, upload_hook=hook)
+    assert outcome.rejections == [{"step": 1, "client_id": 2,
+                                   "reason": "num_samples changed from 25 to 24 during the step"}]
+
+
+def test_a_search_that_cannot_run_reports_why():
+    data = client_probabilities(6, [30])
+    outcome = federated_temperature_search(temperature_clients(data), 4, bounds=(2.0, 1.0))
+    assert outcome.fit is None
+    assert outcome.error == "temperature bounds must satisfy 0 < low < high < inf, got (2.0, 1.0)"
+
+
+def test_each_upper_bound_of_a_reply_is_itself_accepted_slack_included():
+    # at s = 0, n = 2, C = 4: the docstring's bounds, w = -log(1e-12) e^-s, plus the slack
+    # 1e-9 n (1 + w^2), computed as reply_problem states them: the bound itself is accepted,
+    # the next float above it refused
+    w = -math.log(1e-12) * math.exp(-0.0)
+    slack = 1e-9 * 2 * (1.0 + w * w)
+    for index, bound, name in ((0, 2 * (w + math.log(4)) + slack, "summed NLL"),
+                               (2, 2 * (w * w / 4 + w) + slack, "second derivative")):
+        values = list(HONEST)
+        values[index] = bound
+        assert reply_problem(NLLDerivatives(0.0, *values, 2), 4, None) is None, name
+        values[index] = math.nextafter(bound, math.inf)
+        assert name in reply_problem(NLLDerivatives(0.0, *values, 2), 4, None)
+
+
+def test_the_summary_of_the_step_reports_the_fit_and_its_costs():
+    from bayesfl.calibrate import CalibrationOutcome
+
+    data = client_probabilities(3, [20, 30, 40])
+    search = federated_temperature_search(temperature_clients(data), num_classes=4)
+    fit = search.fit
+    summary = CalibrationOutcome(search, None, {}, 0.1).summary({"ece": 0.2, "other": 1})
+    assert summary["temperature"] == fit.temperature
+    assert summary["log_temperature"] == math.log(fit.temperature) == fit.log_temperature
+    assert summary["flat"] is False and summary["at_bound"] is None
+    assert summary["held_out_nll_before"] == fit.nll_at_one > summary["held_out_nll_after"]
+    assert summary["steps"] == search.steps and summary["restarts"] == 0
+    assert summary["uncalibrated"] == {"ece": 0.2} and summary["calibrated"] is None
+    failed = federated_temperature_search([], num_classes=4)
+    empty = CalibrationOutcome(failed, None, {}, 0.1).summary({})
+    assert [empty[k] for k in ("temperature", "log_temperature", "at_bound", "flat",
+                               "held_out_nll_before", "held_out_nll_after")] == [None] * 6
+    assert empty["error"] == failed.error and empty["bounds"] == [0.01, 100.0]
+
+
+def test_an_authenticated_run_signs_the_result_broadcast_with_the_servers_key(monkeypatch):
+    signed = []
+    original = calibrate_module.encode
+
+    def recording(message, key=None):
+        if "temperature" in message.tensors:
+            signed.append(key)
+        return original(message, key=key)
+
+    monkeypatch.setattr(calibrate_module, "encode", recording)
+    keys = KeyRing.generate()
+    monkeypatch.setattr(KeyRing, "generate", staticmethod(lambda: keys))
+    simulate("fedlog", calibrate="temperature", authenticate=True, **SMALL)
+    assert signed == [keys.server_key]
