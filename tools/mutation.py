@@ -68,7 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutation"
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.toml"
 PACKAGES = ("bayesfl", "inference", "calibration")
-LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml")
+LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml", "examples")  # examples: the
+# Flower app whose run-config keys test_flower.py checks
 
 # Modules whose covering tests are not (only) tests/<mirror path>/test_<name>.py: pytest
 # arguments (files, node ids, or options such as -m "not slow" as two items).
@@ -147,7 +148,9 @@ def setup_cfg(module: str, tests: list[str]) -> str:
 [mutmut]
 source_paths ={lines(PACKAGES)}
 only_mutate = {module}
-also_copy = conftest.py
+also_copy =
+    conftest.py
+    examples
 pytest_add_cli_args_test_selection ={lines(tests)}
 pytest_add_cli_args ={lines(["-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider"])}
 process_isolation = forkserver
