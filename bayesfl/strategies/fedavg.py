@@ -10,7 +10,8 @@ FedAvg-FT baseline).
 
 ``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`; both): each client fits that head
 posterior on its own features after training (FedAvg-FT: after fine-tuning), the Laplace prior
-centred on the global head, and predicts with it; the plug-in is reported beside it as
+centred at zero (``head_prior="global"``: on the global head), and predicts with it; the plug-in
+is reported beside it as
 ``map_plugin``.
 """
 
@@ -51,8 +52,7 @@ class FedAvgFT(FedAvg):
             minimise the NLL of a held-out 20% of the training data, then that many on all
             of it; ``"fixed"``: all of them (:mod:`bayesfl.strategies.finetuning`).
         options: FedAvg's options (robust aggregation, schedule, ``head``: after fine-tuning,
-            a head posterior on the fine-tuned network's features, its Laplace prior centred
-            on the global head).
+            a head posterior on the fine-tuned network's features).
     """
 
     name = "fedavg-ft"
@@ -75,9 +75,8 @@ class FedAvgFT(FedAvg):
         broadcast: Message,
         generator: torch.Generator,
     ) -> ClientState:
-        """Fine-tune the global network on the client's training data. With ``head``,
-        then the head posterior on the fine-tuned network's features (prior mean: the global
-        head)."""
+        """Fine-tune the global network on the client's training data; with ``head``, then
+        the head posterior on the fine-tuned network's features."""
         tuned = fine_tune(self, config, state, data, broadcast, generator,
                           epochs=self.finetune_epochs, scope=self.finetune,
                           stop=self.finetune_stop)

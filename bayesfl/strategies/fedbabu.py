@@ -20,8 +20,9 @@ together, the other choice FedBABU discusses). One epoch, at the local learning 
 size.
 
 ``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after fine-tuning, each client
-fits that head posterior on its fine-tuned network's training features (the Laplace prior
-centred on the shared initial head, its precision by evidence) and predicts with it; the
+fits that head posterior on its fine-tuned network's training features (a zero-centred Laplace
+prior by default, ``head_prior="global"`` centres it on the shared initial head; its precision
+by evidence) and predicts with it; the
 fine-tuned network's softmax is reported beside it as ``map_plugin``.
 """
 
@@ -62,7 +63,8 @@ class FedBABU(ParameterAveraging):
             minimise the NLL of a held-out 20% of the training data; ``"fixed"``: all.
         options: the family's options (:class:`~bayesfl.strategies.parameter_averaging.
             ParameterAveraging`), among them ``head``: after fine-tuning, a head posterior on
-            the fine-tuned network's features, its Laplace prior centred on the initial head.
+            the fine-tuned network's features (``head_prior="global"``: its Laplace prior
+            centred on the initial head every client shares).
     """
 
     name = "fedbabu"
@@ -98,8 +100,7 @@ class FedBABU(ParameterAveraging):
         generator: torch.Generator,
     ) -> ClientState:
         """Fine-tune the global body and the client's (initial) head on its training data; with
-        ``head``, then the head posterior on the fine-tuned network's features (prior mean:
-        the initial head every client shares)."""
+        ``head``, then the head posterior on the fine-tuned network's features."""
         tuned = fine_tune(self, config, state, data, broadcast, generator,
                           epochs=self.finetune_epochs, scope=self.finetune,
                           stop=self.finetune_stop)

@@ -8,9 +8,9 @@ head; 510 floats of the MNIST CNN) -- registry name ``lg-fedavg``, ``global_laye
 "LG-FedAvg 2" (two global layers; 16560 floats) -- ``lg-fedavg-2``, ``global_layers=2``.
 
 ``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
-that head posterior on its own body's training features (the head is global: the Laplace prior
-is centred on it, its precision by evidence) and predicts with it; the plug-in is reported
-beside it as ``map_plugin``.
+that head posterior on its own body's training features (a zero-centred Laplace prior by
+default; the head is global, and ``head_prior="global"`` centres the prior on it; its precision
+by evidence) and predicts with it; the plug-in is reported beside it as ``map_plugin``.
 
 Aggregation: unweighted mean over the participating clients, as LG-FedAvg's code does
 (``main_lg.py`` sums the global layers of the m sampled clients and divides by m).

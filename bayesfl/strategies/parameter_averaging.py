@@ -54,8 +54,9 @@ to the first trainable one), from each upload's sample count and the local epoch
 probabilistic_head`): ``head`` = None (default: the plug-in network, as the papers do) or an
 ``inference.fit_head`` kind, ``"laplace"``, ``"conjugate"``, ``"mfvi"`` or ``"sgld"``. After
 training (FedBABU and FedAvg-FT after their fine-tuning) each client fits that head posterior on
-its own body's training features, with the global head as the Laplace prior's mean where the
-strategy has one (``head_prior="global"``; ``"zero"`` centres it at zero), and predicts with its
+its own body's training features, its Laplace prior centred at zero (``head_prior="zero"``,
+the default, chosen by measurement) or on the global head where the strategy has one
+(``"global"``), and predicts with its
 posterior predictive; the strategy then reports its plug-in beside it as ``map_plugin``.
 ``head_options``: options of ``fit_head`` (a table).
 
@@ -175,8 +176,8 @@ class ParameterAveraging(Strategy):
             docstring).
         head: None (the plug-in network) or the ``inference.fit_head`` kind of the head
             posterior each client fits when it personalises (module docstring).
-        head_prior: ``"global"`` (the Laplace prior centred on the global head where the
-            strategy has one) or ``"zero"``.
+        head_prior: ``"zero"`` (a zero-centred Laplace prior) or ``"global"`` (centred on
+            the global head where the strategy has one).
         head_options: ``fit_head`` options of the head posterior (a table).
     """
 
@@ -194,7 +195,7 @@ class ParameterAveraging(Strategy):
         schedule: str | dict[str, Any] | None = None,
         bn_stats: str = "aggregate",
         head: str | None = None,
-        head_prior: str = "global",
+        head_prior: str = "zero",
         head_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(context)
@@ -591,8 +592,9 @@ class ParameterAveraging(Strategy):
         broadcast: Message,
     ) -> ClientState:
         """``personalized`` plus the head posterior fitted on the features of its network
-        (none without a ``head``): the prior mean is the global head of the client's
-        ``trained`` state and the ``broadcast`` where the strategy has one."""
+        (none without a ``head``); with ``head_prior="global"`` the prior mean is the global
+        head of the client's ``trained`` state and the ``broadcast`` where the strategy has
+        one."""
         if self.head is None:
             return personalized
         prior_mean = None

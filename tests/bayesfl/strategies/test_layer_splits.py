@@ -91,7 +91,7 @@ def test_fedrep_phases_train_the_personal_layers_then_the_shared_ones():
 
 ROBUST_DEFAULTS = {"aggregation": "mean", "trim_fraction": 0.1, "norm_bound": None,
                    "screening_ratio": 10.0, "schedule": None, "bn_stats": "aggregate",
-                   "head": None, "head_prior": "global", "head_options": None}
+                   "head": None, "head_prior": "zero", "head_options": None}
 
 
 def test_paper_defaults_of_the_layer_options():

@@ -152,8 +152,8 @@ def prior_mean(strategy, state):
 
 
 @pytest.mark.parametrize("name", ["fedavg-ft", "fedavg", "lg-fedavg"])
-def test_the_prior_mean_is_the_global_head_where_the_strategy_shares_it(build, name):
-    strategy, clients, broadcast = trained(build, name, head="laplace")
+def test_head_prior_global_centres_the_prior_on_the_global_head_the_strategy_shares(build, name):
+    strategy, clients, broadcast = trained(build, name, head="laplace", head_prior="global")
     c = clients[0]
     state = personalised(strategy, [c], broadcast)[0]
     global_head = head_parameters(strategy.global_model(c.config, c.state, broadcast))
@@ -165,16 +165,18 @@ def test_the_prior_mean_is_the_global_head_where_the_strategy_shares_it(build, n
     assert expected.abs().max() > 0.05
 
 
-def test_fedbabu_centres_the_prior_on_the_initial_head_every_client_shares(build):
-    strategy, clients, broadcast = trained(build, "fedbabu", head="laplace")
+def test_fedbabu_head_prior_global_is_the_initial_head_every_client_shares(build):
+    strategy, clients, broadcast = trained(build, "fedbabu", head="laplace", head_prior="global")
     initial = head_parameters(strategy.initial_model(clients[0].config))
     for state in personalised(strategy, clients, broadcast):
         torch.testing.assert_close(prior_mean(strategy, state), initial, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, options", [("fedper", {}), ("fedrep-1", {}),
-                                           ("fedavg-ft", {"head_prior": "zero"})])
-def test_a_personal_head_or_head_prior_zero_centres_the_prior_at_zero(build, name, options):
+@pytest.mark.parametrize("name, options", [
+    ("fedper", {}), ("fedrep-1", {}), ("fedper", {"head_prior": "global"}),  # no global head
+    ("fedavg-ft", {}), ("lg-fedavg", {}), ("fedbabu", {}),  # head_prior="zero", the default
+])
+def test_the_prior_is_zero_centred_by_default_and_for_a_personal_head(build, name, options):
     strategy, clients, broadcast = trained(build, name, head="laplace", **options)
     state = personalised(strategy, clients[:1], broadcast)[0]
     assert prior_mean(strategy, state).abs().max() == 0
