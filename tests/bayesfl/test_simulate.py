@@ -398,3 +398,48 @@ def test_summary_confidence_is_the_mean_top_class_probability_of_the_saved_predi
     assert result.summary["confidence"] == pytest.approx(expected, rel=1e-12)
     plugin = result.summary["map_plugin"]["confidence"]
     assert 0.25 <= plugin <= 1.0  # 4 classes: a top-class probability is at least 1/4
+
+
+# ---- behaviour the mutation sample found untested (issue 27) ----------------------------------
+def test_the_results_clients_keep_their_ids_and_the_partition_file_their_sizes(tmp_path):
+    result = simulate("fedavg", out=tmp_path, **{**SMALL, "rounds": 1})
+    assert [c.data.client_id for c in result.clients] == list(range(6))
+    text = (tmp_path / "partition.json").read_text()
+    assert text.endswith("}\n")
+    partition = json.loads(text)
+    assert partition["train_sizes"] == [c.data.num_train for c in result.clients]
+    assert sum(partition["train_sizes"]) + sum(partition["test_sizes"]) == 480
+
+
+def test_calibrate_holds_out_part_of_every_clients_training_data(tmp_path):
+    plain = simulate("fedavg", **{**SMALL, "rounds": 1})
+    held = simulate("fedavg", calibrate="temperature:0.25", **{**SMALL, "rounds": 1})
+    step = held.summary["calibration"]
+    assert step["held_out_fraction"] == 0.25
+    trained = sum(c.data.num_train for c in held.clients)
+    assert trained + step["held_out_samples"] == sum(c.data.num_train for c in plain.clients)
+    assert step["held_out_samples"] > 0
+
+
+def test_an_authenticated_run_refuses_an_upload_without_its_clients_hmac(monkeypatch):
+    from bayesfl.messages import KeyRing
+
+    keys = KeyRing.generate()
+    monkeypatch.setattr(KeyRing, "generate", staticmethod(lambda: keys))
+
+    def unsigned(round_, client_id, data):  # client 1's upload re-sent with a plain digest
+        if client_id != 1:
+            return data
+        return encode(decode(data, key=keys.client_key(1)))
+
+    result = simulate("fedavg", authenticate=True, upload_hook=unsigned,
+                      **{**SMALL, "rounds": 1})
+    (rejection,) = result.summary["rejections"]
+    assert rejection["client_id"] == 1 and "HMAC" in rejection["reason"]
+
+
+def test_the_rounds_progress_bar_is_cleared_when_the_run_ends(capsys):
+    # the bar of the rounds is transient (leave=False): the run's own output follows it
+    simulate("fedavg", **{**SMALL, "rounds": 1, "progress": True})
+    err = capsys.readouterr().err
+    assert "fedavg on gaussian_mixture" in err and not err.endswith("\n")
