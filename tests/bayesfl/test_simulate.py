@@ -443,3 +443,21 @@ def test_the_rounds_progress_bar_is_cleared_when_the_run_ends(capsys):
     simulate("fedavg", **{**SMALL, "rounds": 1, "progress": True})
     err = capsys.readouterr().err
     assert "fedavg on gaussian_mixture" in err and not err.endswith("\n")
+
+
+def test_the_personalisation_bar_counts_clients(capsys):
+    simulate("fedavg-ft", **{**SMALL, "rounds": 1, "progress": True})
+    assert re.search(r"client/s|s/client", capsys.readouterr().err)
+
+
+def test_a_resumed_state_may_have_grown_along_the_axes_a_fresh_run_starts_empty():
+    # CoLearn's relay pool starts (0, C, d) and holds the round's sets after it: a checkpoint
+    # may hold it grown along that axis, not along one a fresh run starts with a size
+    from bayesfl.simulate import server_state_problem
+
+    fresh = {"pool": torch.zeros(0, 3), "head": torch.zeros(2, 3)}
+    assert server_state_problem({"pool": torch.zeros(5, 3), "head": torch.zeros(2, 3)},
+                                fresh) is None
+    assert server_state_problem({"pool": torch.zeros(5, 3), "head": torch.zeros(4, 3)},
+                                fresh) == ("server tensor 'head' has shape (4, 3), this run's "
+                                           "has (2, 3)")
