@@ -461,3 +461,8 @@ def test_a_resumed_state_may_have_grown_along_the_axes_a_fresh_run_starts_empty(
     assert server_state_problem({"pool": torch.zeros(5, 3), "head": torch.zeros(4, 3)},
                                 fresh) == ("server tensor 'head' has shape (4, 3), this run's "
                                            "has (2, 3)")
+
+
+def test_a_round_record_names_an_aggregation_error_only_when_there_was_one():
+    result = simulate("fedavg", **{**SMALL, "rounds": 1})
+    assert all("aggregate_error" not in m for m in result.metrics)
