@@ -23,19 +23,20 @@ plug-in.
 **Prior.** The Laplace head's prior is centred at zero (``head_prior="zero"``, the default) and
 its precision chosen by the client's own evidence (``prior_precision="marglik"``). Where the
 strategy has a global head (one every client shares: the averaged head of FedAvg(-FT) and
-LG-FedAvg, FedBABU's never-trained initial head) ``head_prior="global"`` centres the prior on
-it instead, letting the evidence decide how far the client's head may move from the
-federation's; a personal head (FedPer, FedRep) has no global counterpart and is always
-zero-centred. Zero is the default by measurement: FedAvg-FT on S1 (below), seed 0, plug-in
-ECE .0442 / NLL .3112; ``head_prior="zero"`` .0130 / .1751; ``"global"`` .0425 / .3167, no
-better than the plug-in (presumably the evidence keeps the head near the global one, as sharp
-as the network's). The client's trained (or fine-tuned) head is not reused, neither as the
-mode nor as the prior mean: ``fit_head`` refits the mode on the same features under the prior,
-so the predictive is exactly ``fit_head``'s. (Centring the prior on FedPer's own trained head
+LG-FedAvg, FedBABU's never-trained initial head) ``head_prior="global"`` centres the prior on it
+instead, letting the evidence decide how far the client's head may move from the federation's; a
+personal head (FedPer, FedRep) has no global counterpart and is always zero-centred. Zero is the
+default by measurement on S1 (below), seed 0, ECE / NLL: FedAvg-FT plug-in .0442 / .3112,
+``head_prior="zero"`` .0130 / .1751, ``"global"`` .0425 / .3167; LG-FedAvg plug-in .0760 /
+.7902, ``"zero"`` .0314 / .2780, ``"global"`` .0724 / .6646. The global prior is barely better
+than the plug-in (presumably the evidence keeps the head near the global one, as sharp as the
+network's). The client's trained (or fine-tuned) head is not reused, neither as the mode nor as
+the prior mean: ``fit_head`` refits the mode on the same features under the prior, so the
+predictive is exactly ``fit_head``'s. (Centring the prior on FedPer's own trained head
 double-counts the client's data: on S1, seed 0, the evidence chose the largest precision of its
 range, 1e4, for each client measured (7 of 10), so the posterior collapsed onto the trained
-head: the plug-in.)
-The other kinds' fitters take only a number as the prior mean: they keep their own priors.
+head: the plug-in.) The other kinds' fitters take only a number as the prior mean: they keep
+their own priors.
 
 **Settings.** ``head_options`` go to ``fit_head`` unchanged (e.g. ``{"structure": "lowrank",
 "rank": 50}`` for a head too large for a full precision, ``{"prior_precision": 1.0}``), checked
