@@ -466,3 +466,9 @@ def test_a_resumed_state_may_have_grown_along_the_axes_a_fresh_run_starts_empty(
 def test_a_round_record_names_an_aggregation_error_only_when_there_was_one():
     result = simulate("fedavg", **{**SMALL, "rounds": 1})
     assert all("aggregate_error" not in m for m in result.metrics)
+
+
+def test_the_summary_names_the_experiment():
+    s = simulate("fedavg", **{**SMALL, "rounds": 1}).summary
+    assert (s["strategy"], s["dataset"], s["partition"], s["clients"], s["rounds"], s["seed"],
+            s["body"]) == ("fedavg", "gaussian_mixture", "shards:2", 6, 1, 3, "mlp:16")
