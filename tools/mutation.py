@@ -83,6 +83,10 @@ COVERING_TESTS: dict[str, list[str]] = {
     "bayesfl/strategies/fedrep.py": _SPLITS,
     "bayesfl/strategies/lg_fedavg.py": _SPLITS,
     "bayesfl/strategies/fedbabu.py": _SPLITS,
+    # the round loop and, in a file of its own, resuming from a checkpoint
+    "bayesfl/simulate.py": ["tests/bayesfl/test_simulate.py",
+                            "tests/bayesfl/test_simulate_novel.py",
+                            "tests/bayesfl/test_resume.py"],
     # the ServerApp's round over an in-process grid; the real deployments take minutes each
     "bayesfl/flower/server_app.py": ["tests/bayesfl/test_flower.py", "-m", "not flower"],
 }
