@@ -354,8 +354,13 @@ def test_ctrl_c_prints_the_exact_resume_command_and_exits_130(tmp_path, capsys, 
 # checkpointed, writes a marker and waits. The test signals only once the marker exists, so the
 # SIGINT always lands mid-run (37 rounds remain) whatever the machine's load: no wall-clock guess.
 INTERRUPTIBLE_CLI = """
-import importlib, sys, time
+import importlib, signal, sys, time
 from pathlib import Path
+
+# Ctrl-C as in a terminal, even when the tests were started from a shell without job control
+# in the background, which makes its children inherit SIGINT ignored (Python then installs no
+# KeyboardInterrupt handler, and the SIGINT below would be lost)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 engine = importlib.import_module("bayesfl.simulate")  # the module: bayesfl.simulate is the function
 real_simulate, marker = engine.simulate, Path(sys.argv[1])
