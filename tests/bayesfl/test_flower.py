@@ -499,3 +499,24 @@ def test_foreign_silent_and_vanishing_nodes_are_logged_and_the_run_goes_on(task_
             (2, 102, "evaluate", "no reply within 0.2 s")} <= first
     assert (2, 102, "discover", "node went offline") in second
     assert (2, None, "fit", "sampled client has no connected node") in second
+
+
+def test_a_node_that_never_answers_skips_every_round_that_needs_all_uploads(task_identity,
+                                                                             tmp_path):
+    # min-replies 3: with node 1 silent no round has enough uploads; the two others still
+    # evaluate, so the run ends with a summary that lists the skipped rounds and the events
+    config = {**SMALL, "strategy": "fedavg", "round-timeout": 0.2, "node-wait": 0.0,
+              "poll-interval": 0.01, "min-replies": 3}
+    summary = serve(config, silent={1}).run()
+    assert summary["skipped_rounds"] == [1, 2]
+    assert {(e["round"], e["node_id"], e["step"], e["reason"]) for e in summary["events"]
+            if e["node_id"] == 101} >= {(1, 101, "discover", "no reply within 0.2 s")}
+    assert [c["client_id"] for c in summary["per_client"]] == [0, 2]
+
+
+def test_a_resumed_run_says_so_in_its_manifest(task_identity, tmp_path):
+    config = {**SMALL, "strategy": "fedavg", "threads": 1, "out": str(tmp_path / "run")}
+    serve(config).run()
+    serve({**config, "resume": True}).run()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["resumed_from_round"] == 2 and manifest["transport"] == "flower"
