@@ -360,7 +360,8 @@ class InProcessFederation:
     ``node_configs`` overrides a node's run config (a foreign node); ``silent`` nodes never
     answer; ``gone`` nodes go offline after their first fit."""
 
-    def __init__(self, run_config, *, node_configs=None, silent=(), gone=()):
+    def __init__(self, run_config, *, node_configs=None, silent=(), gone=(), failing=(),
+                 garbage=()):
         from flwr.app import Context, RecordDict
 
         self.contexts = {
@@ -371,7 +372,8 @@ class InProcessFederation:
                              run_config=(node_configs or {}).get(k, run_config))
             for k in range(run_config["clients"])}
         self.silent, self.gone, self.offline = set(silent), set(gone), set()
-        self.replies, self.pushed = {}, []
+        self.failing, self.garbage = set(failing), set(garbage)  # fit replies: error / junk
+        self.replies, self.pushed, self.groups = {}, [], []
 
     def get_node_ids(self):
         return [n for n in self.contexts if n not in self.offline]
@@ -388,13 +390,19 @@ class InProcessFederation:
         for message in messages:
             node, kind = message.metadata.dst_node_id, message.metadata.message_type
             self.pushed.append((node, kind))
+            self.groups.append((kind, message.metadata.group_id))
             mid = f"m{len(self.pushed)}"
             ids.append(mid)
             if node - 100 in self.silent or node in self.offline:
                 continue
             reply = handlers[kind](message, self.contexts[node])
+            content, error = reply.content, None
+            if kind == FIT and node - 100 in self.garbage:
+                content = pack(b"\x00garbage" * 10, round=int(message.metadata.group_id))
+            if kind == FIT and node - 100 in self.failing:
+                error = SimpleNamespace(code=3, reason="ClientApp raised\n  ValueError")
             self.replies[mid] = SimpleNamespace(
-                content=reply.content, has_error=lambda: False, error=None,
+                content=content, has_error=lambda error=error: error is not None, error=error,
                 metadata=SimpleNamespace(reply_to_message_id=mid))
             if kind == FIT and node - 100 in self.gone:
                 self.offline.add(node)
@@ -520,3 +528,29 @@ def test_a_resumed_run_says_so_in_its_manifest(task_identity, tmp_path):
     serve({**config, "resume": True}).run()
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["resumed_from_round"] == 2 and manifest["transport"] == "flower"
+
+
+def test_failing_junk_and_vanishing_replies_are_logged_with_their_node(task_identity):
+    # one round: node 0's ClientApp raises (a Flower error reply), node 1 uploads junk bytes,
+    # node 2 answers its fit and then goes offline before its evaluation reply (noticed at
+    # the next check of the online nodes, 2 s later); every message carries its round as the
+    # Flower group id
+    config = {**SMALL, "strategy": "fedavg", "rounds": 1, "round-timeout": 10.0,
+              "poll-interval": 0.01}
+    server = serve(config, failing={0}, garbage={1}, gone={2})
+    assert server.discover(wait=True) == []  # all three nodes admitted
+    record, evaluation = server.round(1)
+    events = {(e["client_id"], e["node_id"], e["step"]): e["reason"] for e in record["events"]}
+    assert events[(0, 100, "fit")] == "Flower error 3: ClientApp raised ValueError"
+    assert events[(1, 101, "fit")].startswith("not a bayesfl message")
+    assert events[(2, 102, "evaluate")] == "node went offline before replying"
+    assert record["accepted"] == 1 and evaluation is not None
+    assert [r["client_id"] for r in record["rejections"]] == [1]
+    assert {group for kind, group in server.grid.groups if kind != "query.info"} == {"1"}
+
+
+def test_a_round_record_carries_the_strategys_server_metrics(task_identity):
+    server = serve({**SMALL, "strategy": "colearn", "rounds": 1})
+    server.run()
+    record = server.metrics_log.records[-1]
+    assert record["round"] == 1 and record["prototype_spread"] > 0
