@@ -214,10 +214,19 @@ class LocalFederation:
                 os.killpg(p.pid, signal.SIGKILL)  # the group, whatever is left of it
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+        killed = []
         for pid, started in sorted(self._descendants):
             if _start_time(pid) == started:  # still that process, not a reused pid
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+                killed.append((pid, started))
+        # SIGKILL is delivered asynchronously: on a loaded machine a killed process can stay
+        # listed for a moment after os.kill returns. Wait (bounded) until each is gone, so that
+        # nothing this federation started is alive once stop() returns.
+        deadline = time.monotonic() + 10.0
+        while any(_start_time(pid) == started for pid, started in killed) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.superlink = None
         self.supernodes = []
         if self._tmp is not None:
