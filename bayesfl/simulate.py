@@ -84,6 +84,7 @@ from bayesfl.run_directory import (
 )
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import (
+    PERSONALIZE_SEED_KEY,
     PREDICTIVE,
     ClientState,
     ServerState,
@@ -395,7 +396,6 @@ def round_half_up(x: float) -> int:
 _SERVER_KEY = 2**31 - 1
 _METRICS_TENSOR = "run/metrics.jsonl"
 _CHECKPOINT_FORMAT = 2  # 2: carries metrics.jsonl, the data identity, the first round
-_PERSONALIZE_KEY = 2**31 - 2
 
 
 class _Run:
@@ -503,7 +503,7 @@ class _Run:
         with torch.random.fork_rng(devices=self._rng_devices()):
             if self.client_half.personalizes:
                 gens = {c.client_id: torch.Generator().manual_seed(
-                    derived_seed(config.seed, _PERSONALIZE_KEY, c.client_id))
+                    derived_seed(config.seed, PERSONALIZE_SEED_KEY, c.client_id))
                     for c in self.clients}
                 # personalisation can take as long as the rounds (FedSI refits every
                 # client's Laplace): a bar of its own, one step per client

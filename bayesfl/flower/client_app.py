@@ -45,9 +45,15 @@ from bayesfl.flower.protocol import (
     unpack,
 )
 from bayesfl.messages import DEFAULT_MAX_BYTES, TensorSpec, decode, encode, validate
-from bayesfl.simulate import _PERSONALIZE_KEY, run_setup
+from bayesfl.simulate import run_setup
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import ClientConfig, ClientState, Strategy, derived_seed
+from bayesfl.strategies.base import (
+    PERSONALIZE_SEED_KEY,
+    ClientConfig,
+    ClientState,
+    Strategy,
+    derived_seed,
+)
 
 app = ClientApp()
 
@@ -181,7 +187,7 @@ def personalize(msg: Message, context: Context) -> Message:
     node = node_of(context)
     broadcast, _ = _broadcast(msg, node)
     gen = torch.Generator().manual_seed(
-        derived_seed(node.config.seed, _PERSONALIZE_KEY, node.client_id))
+        derived_seed(node.config.seed, PERSONALIZE_SEED_KEY, node.client_id))
     with torch_threads(check_threads(node.options.threads)), \
             torch.random.fork_rng(devices=_rng_devices(node)):
         state = node.strategy.personalize(node.client, load_state(context, node), node.data,

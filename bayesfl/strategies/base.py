@@ -71,6 +71,12 @@ MAP_PLUGIN = "map_plugin"
 MODEL_PREFIX = "model."
 
 
+PERSONALIZE_SEED_KEY = 2**31 - 2
+"""Key of :func:`derived_seed` for the generator each client personalises with
+(``derived_seed(run seed, PERSONALIZE_SEED_KEY, client id)``): every transport derives it the
+same way, so a Flower node personalises exactly as the simulator's client does."""
+
+
 def derived_seed(seed: int, *keys: int) -> int:
     """A 63-bit seed derived from ``seed`` and integer ``keys`` (numpy SeedSequence)."""
     words = np.random.SeedSequence([seed, *[k % 2**32 for k in keys]]).generate_state(2)
