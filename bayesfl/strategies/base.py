@@ -418,6 +418,12 @@ class Strategy:
         return self.evaluate_group([config], [state], [data], broadcast, n_bins=n_bins,
                                    keep_probs=keep_probs)[0]
 
+    def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
+                    broadcast: Message) -> ClientState:
+        """The state a client is evaluated with (:attr:`round_view`): its own, unless the
+        strategy evaluates rounds before personalisation otherwise. Must not change ``state``."""
+        return state
+
     @torch.no_grad()
     def evaluate_group(
         self,
@@ -429,7 +435,11 @@ class Strategy:
         n_bins: int = 15,
         keep_probs: bool = False,
     ) -> list[Evaluation]:
-        """:meth:`evaluate` of clients that share one body spec (predictions batched)."""
+        """:meth:`evaluate` of clients that share one body spec (predictions batched), each
+        with its :meth:`round_state`."""
+        with torch.enable_grad():  # a round view may train (a head fine-tuned for the round)
+            states = [self.round_state(c, s, d, broadcast)
+                      for c, s, d in zip(configs, states, datas, strict=True)]
         predictions = self.predict_group(configs, states, broadcast, [d.test_x for d in datas])
         labels = torch.cat([d.test_y for d in datas]).cpu()
         sizes = torch.tensor([d.num_test for d in datas])

@@ -28,7 +28,6 @@ fine-tuned network's softmax is reported beside it as ``map_plugin``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -39,7 +38,6 @@ from bayesfl.messages import Message
 from bayesfl.strategies.base import (
     ClientConfig,
     ClientState,
-    Evaluation,
     StrategyContext,
     derived_seed,
 )
@@ -106,23 +104,13 @@ class FedBABU(ParameterAveraging):
                           stop=self.finetune_stop)
         return self.with_head_posterior(config, state, tuned, data, broadcast)
 
-    def evaluate_group(
-        self,
-        configs: Sequence[ClientConfig],
-        states: Sequence[ClientState],
-        datas: Sequence[ClientData],
-        broadcast: Message,
-        *,
-        n_bins: int = 15,
-        keep_probs: bool = False,
-    ) -> list[Evaluation]:
-        """Rounds before personalisation evaluate each client personalised as it would be if
-        training stopped now (:meth:`personalize` on a copy, its own generator per client and
-        round), not the global body with the untrained initial head: the figures show what a
-        user would get (:attr:`round_view`). The clients' states are left untouched."""
-        viewed = [state if PERSONALIZED in state else self.personalize(
-                      config, state, data, broadcast, torch.Generator().manual_seed(derived_seed(
-                          self.context.seed, 37, config.client_id, broadcast.header.round)))
-                  for config, state, data in zip(configs, states, datas, strict=True)]
-        return super().evaluate_group(configs, viewed, datas, broadcast, n_bins=n_bins,
-                                      keep_probs=keep_probs)
+    def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
+                    broadcast: Message) -> ClientState:
+        """Before personalisation, the client personalised as it would be if training stopped
+        now (:meth:`personalize` on a copy, its own generator per client and round), not the
+        global body with the untrained initial head (:attr:`round_view`)."""
+        if PERSONALIZED in state:
+            return state
+        generator = torch.Generator().manual_seed(derived_seed(
+            self.context.seed, 37, config.client_id, broadcast.header.round))
+        return self.personalize(config, state, data, broadcast, generator)

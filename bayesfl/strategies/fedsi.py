@@ -163,7 +163,6 @@ from bayesfl.strategies.base import (
     PREDICTIVE,
     ClientConfig,
     ClientState,
-    Evaluation,
     RoundPlan,
     ServerState,
     Strategy,
@@ -674,34 +673,19 @@ class FedSI(Strategy):
         tune_head(model.head, features, data.train_y, self.head_tuning, generator)
         return model
 
-    def evaluate_group(
-        self,
-        configs: Sequence[ClientConfig],
-        states: Sequence[ClientState],
-        datas: Sequence[ClientData],
-        broadcast: Message,
-        *,
-        n_bins: int = 15,
-        keep_probs: bool = False,
-    ) -> list[Evaluation]:
-        """Before personalisation (every round), each client is evaluated with the head it
-        would fine-tune now on the global mean (:meth:`fine_tuned`; the plug-in, no posterior
-        yet), not with its frozen phi^0, which is at chance: the round's figures show what
-        the body has learnt (:attr:`round_view`)."""
-        mean = None
-        viewed = []
-        for config, state, data in zip(configs, states, datas, strict=True):
-            if PERSONALIZED in state:
-                viewed.append(state)
-                continue
-            if mean is None:
-                mean, _ = self.received(config, broadcast)
-            generator = torch.Generator().manual_seed(derived_seed(
-                self.context.seed, 31, config.client_id, broadcast.header.round))
-            model = self.fine_tuned(config, state, data, mean, generator)
-            viewed.append({**model_state(model), ROUND_VIEW: torch.ones(1, dtype=torch.bool)})
-        return super().evaluate_group(configs, viewed, datas, broadcast, n_bins=n_bins,
-                                      keep_probs=keep_probs)
+    def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
+                    broadcast: Message) -> ClientState:
+        """Before personalisation (every round), the head the client would fine-tune now on
+        the global mean (:meth:`fine_tuned`; the plug-in, no posterior yet), not its frozen
+        phi^0, which is at chance: the round's figures show what the body has learnt
+        (:attr:`round_view`)."""
+        if PERSONALIZED in state:
+            return state
+        mean, _ = self.received(config, broadcast)
+        generator = torch.Generator().manual_seed(derived_seed(
+            self.context.seed, 31, config.client_id, broadcast.header.round))
+        model = self.fine_tuned(config, state, data, mean, generator)
+        return {**model_state(model), ROUND_VIEW: torch.ones(1, dtype=torch.bool)}
 
     def personal_posterior(self, config: ClientConfig, state: ClientState) -> Posterior:
         """The posterior a personalized state holds, bound to the client's network."""
