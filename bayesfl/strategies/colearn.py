@@ -12,7 +12,8 @@ long as d' and the classes agree. Nothing of a network ever leaves its client.
 ``prototypes``     (C, d') float32     ``t_u^c``: mean feature of all class-c samples
 ``observations``   (M_up, C, d') f32   ``t_{u,m}^c``: mean feature of ``min(n_avg, n_u^c)``
                                        random class-c samples, M_up independent draws
-``counts``         (C,) int64          ``n_u^c`` (0: class absent, zero rows, no term)
+``counts``         (C,) int64          ``n_u^c`` (0: class absent, zero rows, no term);
+                                       ``share_counts=False``: 0 / 1 presence only
 =================  ==================  ===================================================
 
 So an upload is ``(1 + M_up) C d'`` floats plus C integers and the message header. Features
@@ -22,11 +23,43 @@ classifier's weights ``W_u`` (C, d') have the prototypes' shape but not their si
 **Server** (a relay and mean calculator; §1.4): the global prototype of class c is the
 count-weighted mean of the uploaded prototypes, ``sum_u n_u^c t_u^c / sum_u n_u^c``
 (``weighting="uniform"``: the plain mean over the clients holding c); a class nobody
-uploaded keeps its previous prototype (or stays absent). The uploaded observation sets go to
-a relay pool, shuffled; the broadcast carries the prototypes, their presence mask and the
-pool with each set's sender id. The contract gives every client the same broadcast, so the
-relay forwards the pool and each client draws its ``M_down`` sets from *peers* (sets it sent
-itself are skipped); ``relay_pool`` caps the pool (downlink ``(relay_pool + 1) C d'``).
+uploaded keeps its previous prototype (or stays absent).
+
+**Downlink** (server -> client, per round; §1.5). The paper's client downloads the global
+prototypes and ``M_down`` observation sets of *peers*: ``(M_down + 1) C d'`` floats.
+
+- ``relay="sets"`` (default, the paper's downlink): the server draws ``M_down`` of the
+  round's observation sets, from distinct senders where it can (``peer="one"``: each set
+  one sender's, a class that sender lacks filled from another holder; ``"mix"``: every class
+  row from its own random holder), and broadcasts them with each *row's* sender id: the
+  prototypes, their presence, the sets (M_down, C, d'), their presence (M_down, C) and
+  senders (M_down, C) -- ``(M_down + 1) C d'`` floats plus ``3 C + M_down C`` small numbers
+  and the header (mnist-5k, N = 5, C = 10, d' = 84: 7.4 kB per client per round against
+  the paper's 6.7 kB). The transport sends every client of a round the same broadcast, so
+  a client never gets a draw of its own: a row the client sent itself is replaced by that
+  row of the set it used last round (which came from a peer: the client keeps it, the
+  ``relay.kept*`` entries of its state); with no such row (its first round) that class's
+  disc term is skipped (§6.8). At N clients, M_down = 1, 1 client in N per round uses a
+  one-round-old set; and every client of a round sees the same M_down peer sets, where the
+  paper's clients draw theirs independently (the round's clients are still contrasted
+  against peers' features; the variety comes from round to round).
+- ``relay="pool"``: the whole pool of the round's observation sets (shuffled; at most
+  ``relay_pool`` of them) with each set's sender, and every client draws its ``M_down`` sets
+  from it, peers only, independently: ``(S + 1) C d'`` floats for S relayed sets (all N M_up
+  by default: 21 kB per client per round at N = 5 on mnist-5k, 3.1x the paper's).
+
+**Privacy of the counts.** The uploaded ``counts`` are each client's label histogram ``n_u^c``,
+which the paper does not send (its server "averages" the prototypes). They serve three things:
+the count-weighted global prototype (§6.7: the mean feature of class c over the federation's
+samples, not over its clients), the presence of a class (count 0: nothing uploaded, no
+term) and the screening of a client that inflates its weight (``screening_ratio``).
+``share_counts=False`` uploads the presence alone (counts clamped to 0 / 1, the server
+rejects larger ones): the label histogram stays on the client (which classes it holds is
+still visible, as it is in the paper from the classes it sends), the global prototype becomes
+the plain mean over the holders (``weighting="count"`` then equals ``"uniform"``: a client
+with 3 samples of a class pulls its prototype as hard as one with 300), and the screening
+becomes moot (no client weighs more than another). The default keeps the counts
+(``share_counts=True``, spec §6.7's recommendation).
 
 **Local objective** (§1.3), per sample ``(x, y)`` with ``s = phi_u(x)``, ``z = tau_u(s)``::
 
@@ -69,11 +102,16 @@ are skipped (§6.8). Each term is a batch mean.
 - ``eps=1e-7`` (§6.11): the clamp of ``h``.
 - ``keep_optimizer=True`` (§6.12) and ``independent_init=True`` (Algorithm 1), see
   :mod:`bayesfl.strategies.personal`.
-- ``relay_pool=None``: how many observation sets the relay forwards (None: all of the
-  round's accepted ones); at least ``m_down + 1`` so every client finds a peer's.
+- ``relay="sets"`` or ``"pool"`` (Downlink above).
+- ``relay_pool=None`` (``relay="pool"`` only): how many observation sets the relay forwards
+  (None: all of the round's accepted ones); at least ``m_down + 1`` so every client finds a
+  peer's.
+- ``share_counts=True``: upload the class counts, or only the classes' presence (Privacy of
+  the counts above).
 - ``kd_target="server"``: the KD target is the server's global prototype; ``"peers"`` is
-  the paper's untested peer-to-peer proxy (§1.6): the mean, per class, of the relayed
-  observation sets the client may draw from (its own excluded), so a pure relay suffices.
+  the paper's untested peer-to-peer proxy (§1.6): the mean, per class, of the observation
+  sets the client uses (``"sets"``: its M_down downloaded ones; ``"pool"``: every relayed
+  set it may draw from, its own excluded), so a pure relay suffices.
 - ``max_norm=1e4``: uploads with a prototype or observation of larger L2 norm are rejected.
 - ``screening_ratio=10``: an upload whose total count exceeds ``ratio`` times the round's
   median total is rejected (a client inflating its weight); None disables it.
@@ -122,6 +160,7 @@ from bayesfl.strategies.networks import PrototypeNet, batched_apply
 from bayesfl.strategies.personal import PersonalStrategy, class_means
 
 UPLOAD_NAMES = ("prototypes", "observations", "counts")
+KEPT, KEPT_AVAILABLE = "relay.kept", "relay.kept_available"
 
 
 def observation_sets(
@@ -217,16 +256,94 @@ def select_observations(
     return obs, available
 
 
+def select_relay(
+    pool: Tensor, present: Tensor, sources: Tensor, m_down: int, generator: torch.Generator,
+    *, peer: str = "one",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The server's ``relay="sets"`` draw: ``m_down`` observation sets out of the round's
+    pool, the same for every client of the round.
+
+    Args:
+        pool: (S, C, d) the round's observation sets; present: (S, C) >0 where a set holds
+            the class; sources: (S,) sender ids.
+        peer: ``"one"`` (each set is one sender's, senders distinct while there are enough;
+            a class that sender lacks filled from a random other holder) or ``"mix"`` (every
+            class row from its own random holder).
+
+    Returns:
+        sets (m_down, C, d), present (m_down, C) float32 and the sender of every row
+        (m_down, C) int64 (-1 where no set holds the class; the random bootstrap's sets are
+        also -1: nobody's own).
+    """
+    _, c, d = pool.shape
+    sets = torch.zeros(m_down, c, d, dtype=pool.dtype)
+    rows_present = torch.zeros(m_down, c)
+    row_sources = torch.full((m_down, c), -1, dtype=torch.int64)
+    holds = present.cpu() > 0
+    if len(pool) == 0:
+        return sets, rows_present, row_sources
+    order = torch.randperm(len(pool), generator=generator).tolist()
+    # distinct senders first, then the remaining sets (more draws than senders)
+    first: dict[int, int] = {}  # sender -> its first set in the shuffled order
+    for j in order:
+        first.setdefault(int(sources[j]), j)
+    distinct = list(first.values())
+    picks = (distinct + [j for j in order if j not in distinct]) * m_down
+    for m in range(m_down):
+        if peer == "one":
+            j = picks[m]
+            sets[m], rows_present[m] = pool[j].cpu(), holds[j].float()
+            row_sources[m] = torch.where(holds[j], sources[j], torch.tensor(-1))
+        for k in torch.nonzero(rows_present[m] == 0).flatten().tolist():
+            holders = torch.nonzero(holds[:, k]).flatten()
+            if peer == "one":  # another sender than the set's own, where one holds it
+                others = holders[sources[holders] != int(sources[picks[m]])]
+                holders = others if len(others) else holders
+            if len(holders):
+                j = int(holders[torch.randint(len(holders), (1,), generator=generator)])
+                sets[m, k], rows_present[m, k] = pool[j, k].cpu(), 1.0
+                row_sources[m, k] = sources[j]
+    return sets, rows_present, row_sources
+
+
+def received_sets(
+    sets: Tensor, present: Tensor, sources: Tensor, client_id: int, kept: Tensor,
+    kept_available: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """A client's ``relay="sets"`` observations: the relayed rows of peers, and where a row
+    is its own, that row of the set it used last round (``kept``, ``kept_available``).
+
+    Args:
+        sets: (M, C, d) relayed sets; present: (M, C) >0 where relayed; sources: (M, C) the
+            sender of each row.
+        client_id: the receiving client.
+        kept: (M, C, d) the client's last used sets; kept_available: (M, C) >0 where usable.
+
+    Returns:
+        observations (M, C, d) in ``sets``' dtype and available (M, C) bool; never a row the
+        client sent itself.
+    """
+    own = (sources.cpu() == client_id) & (present.cpu() > 0)
+    fill = own & (kept_available.cpu() > 0)
+    obs = torch.where(fill[:, :, None], kept.cpu().to(sets.dtype), sets.cpu())
+    available = ((present.cpu() > 0) & ~own) | fill
+    obs = obs * available[:, :, None].to(obs.dtype)  # nothing of its own left in an unused row
+    return obs, available
+
+
 def peer_prototypes(pool: Tensor, present: Tensor, sources: Tensor,
                     client_id: int) -> tuple[Tensor, Tensor]:
     """The peer-to-peer KD target (§1.6): per class, the mean of the relayed observation sets
-    (S, C, d) of the other clients that hold the class.
+    (S, C, d) of the other clients that hold the class (``sources`` (S,) per set, or (S, C)
+    per row).
 
     Returns:
         prototypes (C, d) float32 (zero rows where no peer holds the class) and their
         presence (C,) float32.
     """
-    weights = ((present > 0) & (sources != client_id)[:, None]).to(torch.float64)  # (S, C)
+    if sources.dim() == 1:
+        sources = sources[:, None].expand(present.shape)  # one sender per set
+    weights = ((present > 0) & (sources != client_id)).to(torch.float64)  # (S, C)
     total = weights.sum(0)
     mean = (weights[:, :, None] * pool.to(torch.float64)).sum(0) / total.clamp_min(1)[:, None]
     return mean.to(torch.float32), (total > 0).to(torch.float32)
@@ -240,8 +357,9 @@ class CoLearn(PersonalStrategy):
         context: classes, d', local training (the paper: 1 epoch, Adam 1e-3, batch 16),
             rounds, device, seed, bodies.
         lam_kd, lam_disc, n_avg, m_up, m_down, tau_disc, statistics, bootstrap, synchronous,
-            peer, weighting, neg_reduction, kd_reduction, eps, relay_pool, kd_target, max_norm,
-            screening_ratio, independent_init, keep_optimizer: module docstring.
+            peer, weighting, neg_reduction, kd_reduction, eps, relay, relay_pool, share_counts,
+            kd_target, max_norm, screening_ratio, independent_init, keep_optimizer: module
+            docstring.
     """
 
     name: ClassVar[str] = "colearn"
@@ -252,6 +370,7 @@ class CoLearn(PersonalStrategy):
     WEIGHTING: ClassVar[tuple[str, ...]] = ("count", "uniform")
     REDUCTION: ClassVar[tuple[str, ...]] = ("sum", "mean")
     KD_TARGET: ClassVar[tuple[str, ...]] = ("server", "peers")
+    RELAY: ClassVar[tuple[str, ...]] = ("sets", "pool")
 
     def __init__(
         self,
@@ -271,7 +390,9 @@ class CoLearn(PersonalStrategy):
         neg_reduction: str = "sum",
         kd_reduction: str = "mean",
         eps: float = 1e-7,
+        relay: str = "sets",
         relay_pool: int | None = None,
+        share_counts: bool = True,
         kd_target: str = "server",
         max_norm: float = 1e4,
         screening_ratio: float | None = 10.0,
@@ -300,7 +421,7 @@ class CoLearn(PersonalStrategy):
                 ("weighting", weighting, self.WEIGHTING),
                 ("neg_reduction", neg_reduction, self.REDUCTION),
                 ("kd_reduction", kd_reduction, self.REDUCTION),
-                ("kd_target", kd_target, self.KD_TARGET)):
+                ("kd_target", kd_target, self.KD_TARGET), ("relay", relay, self.RELAY)):
             if value not in valid:
                 raise ConfigError(f"colearn {option} must be one of {', '.join(valid)}; "
                                   f"got {value!r}")
@@ -312,9 +433,25 @@ class CoLearn(PersonalStrategy):
         self.statistics, self.bootstrap, self.peer = statistics, bootstrap, peer
         self.weighting, self.neg_reduction, self.kd_reduction = (weighting, neg_reduction,
                                                                  kd_reduction)
-        self.synchronous, self.kd_target = True, kd_target
+        self.synchronous, self.kd_target, self.relay = True, kd_target, relay
+        if relay_pool is not None and relay != "pool":
+            raise ConfigError(f"colearn relay_pool caps the relayed pool: it needs "
+                              f"relay='pool', got relay={relay!r} (which sends m_down sets)")
+        if not isinstance(share_counts, bool):
+            raise ConfigError(f"colearn share_counts must be true or false, got "
+                              f"{share_counts!r}")
+        self.share_counts = share_counts
         # the bootstrap upload is a round 0 that the transport runs with every client
         self.init_round = bootstrap == "upload"  # type: ignore[misc]
+
+    def init_client(self, config: ClientConfig) -> ClientState:
+        """The personal state plus (``relay="sets"``) the last used observation sets, none
+        yet: ``relay.kept`` (M_down, C, d') and ``relay.kept_available`` (M_down, C)."""
+        state = super().init_client(config)
+        if self.relay == "sets":
+            state[KEPT] = torch.zeros(self.m_down, self.num_classes, self.feature_dim)
+            state[KEPT_AVAILABLE] = torch.zeros(self.m_down, self.num_classes)
+        return state
 
     def build_model(self, body: nn.Module) -> nn.Module:
         return PrototypeNet(body, self.feature_dim, self.num_classes)
@@ -326,17 +463,19 @@ class CoLearn(PersonalStrategy):
     def init(self) -> ServerState:
         """Empty prototypes and pool, or (``bootstrap="random"``) random ones."""
         C, d = self.num_classes, self.feature_dim
+        # the relay's senders: one per set ("pool", (S,)) or one per row ("sets", (M_down, C))
+        per_row = (C,) if self.relay == "sets" else ()
         if self.bootstrap != "random":
             return {"prototypes": torch.zeros(C, d), "counts": torch.zeros(C, dtype=torch.float64),
                     "pool": torch.zeros(0, C, d), "pool_present": torch.zeros(0, C),
-                    "pool_sources": torch.zeros(0, dtype=torch.int64),
+                    "pool_sources": torch.zeros(0, *per_row, dtype=torch.int64),
                     "drift": torch.zeros(1, dtype=torch.float64)}
         g = torch.Generator().manual_seed(derived_seed(self.context.seed, 31))
-        sets = self.context.clients * self.m_up
+        sets = self.m_down if self.relay == "sets" else self.context.clients * self.m_up
         return {"prototypes": torch.rand(C, d, generator=g),
                 "counts": torch.ones(C, dtype=torch.float64),
                 "pool": torch.rand(sets, C, d, generator=g), "pool_present": torch.ones(sets, C),
-                "pool_sources": torch.full((sets,), -1, dtype=torch.int64),
+                "pool_sources": torch.full((sets, *per_row), -1, dtype=torch.int64),
                 "drift": torch.zeros(1, dtype=torch.float64)}
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
@@ -375,6 +514,9 @@ class CoLearn(PersonalStrategy):
         protos, obs = message.tensors["prototypes"], message.tensors["observations"]
         if (counts < 0).any():
             return "negative class counts"
+        if not self.share_counts and (counts > 1).any():
+            return ("class counts above 1 while share_counts is off: upload the classes' "
+                    "presence (0 / 1) only")
         if int(counts.sum()) < 1:
             return "no samples: every class count is 0"
         absent = counts == 0
@@ -395,8 +537,9 @@ class CoLearn(PersonalStrategy):
         round: int,
         generator: torch.Generator,
     ) -> ServerState:
-        """Count-weighted (or uniform) prototypes; the round's observation sets, shuffled,
-        as the next relay pool (at most ``relay_pool``)."""
+        """Count-weighted (or uniform) prototypes; of the round's observation sets, the
+        ``M_down`` relayed ones (``relay="sets"``, :func:`select_relay`) or all of them,
+        shuffled (``"pool"``, at most ``relay_pool``)."""
         if not uploads:
             return state
         counts = torch.stack([u.tensors["counts"].to(torch.float64) for u in uploads])
@@ -412,13 +555,19 @@ class CoLearn(PersonalStrategy):
                              for u in uploads])
         sources = torch.tensor([u.header.client_id for u in uploads for _ in range(self.m_up)],
                                dtype=torch.int64)
+        moved = (prototypes - state["prototypes"]).to(torch.float64).norm(dim=-1)[held]
+        out = {"prototypes": prototypes, "counts": new_counts,
+               "drift": moved.mean().reshape(1)}
+        if self.relay == "sets":
+            sets, sets_present, row_sources = select_relay(pool, present, sources, self.m_down,
+                                                           generator, peer=self.peer)
+            return {**out, "pool": sets, "pool_present": sets_present,
+                    "pool_sources": row_sources}
         order = torch.randperm(len(pool), generator=generator)
         if self.relay_pool is not None:
             order = order[: self.relay_pool]
-        moved = (prototypes - state["prototypes"]).to(torch.float64).norm(dim=-1)[held]
-        return {"prototypes": prototypes, "counts": new_counts, "pool": pool[order],
-                "pool_present": present[order], "pool_sources": sources[order],
-                "drift": moved.mean().reshape(1)}
+        return {**out, "pool": pool[order], "pool_present": present[order],
+                "pool_sources": sources[order]}
 
     def server_metrics(self, state: ServerState) -> dict[str, float]:
         """``prototype_drift`` (last round's mean L2 move of the uploaded classes' global
@@ -445,7 +594,7 @@ class CoLearn(PersonalStrategy):
         if round == 0:
             features = batched_apply(model, data.train_x)[1]
             return state, self._upload(config, data, round, features, generator)
-        targets = self._targets(config, broadcast, generator)
+        targets = self._targets(config, broadcast, generator, state)
         running = torch.zeros(data.num_train, self.feature_dim, device=data.train_x.device)
 
         def collect(idx: Tensor, features: Tensor) -> None:
@@ -458,19 +607,40 @@ class CoLearn(PersonalStrategy):
         else:
             features = running
         new_state = {**model_state(model), **extra}
+        if self.relay == "sets":  # what the client used: its fallback for a row of its own
+            new_state[KEPT] = targets["observations"].detach().to("cpu", torch.float32)
+            new_state[KEPT_AVAILABLE] = targets["available"].to("cpu", torch.float32)
         return new_state, self._upload(config, data, round, features, generator)
 
-    def _targets(self, config: ClientConfig, broadcast: Message,
-                 generator: torch.Generator) -> dict[str, Tensor]:
+    def _targets(self, config: ClientConfig, broadcast: Message, generator: torch.Generator,
+                 state: ClientState | None = None) -> dict[str, Tensor]:
+        """KD prototypes and their presence, the observation sets used and their
+        availability; ``state`` holds the last used sets (``relay="sets"``; None: none)."""
         device = self.context.device
         t = broadcast.tensors
-        obs, available = select_observations(
-            t["observations"], t["observations_present"], t["observation_sources"],
-            config.client_id, self.m_down, generator, peer=self.peer)
         prototypes, present = t["prototypes"], t["present"]
-        if self.kd_target == "peers":
-            prototypes, present = peer_prototypes(t["observations"], t["observations_present"],
-                                                  t["observation_sources"], config.client_id)
+        if self.relay == "sets":
+            sets, sets_present, sources = (t["observations"], t["observations_present"],
+                                           t["observation_sources"])
+            if len(sets) == 0:  # nothing relayed yet (no bootstrap): no set to contrast with
+                sets = torch.zeros(self.m_down, self.num_classes, self.feature_dim)
+                sets_present = torch.zeros(self.m_down, self.num_classes)
+                sources = torch.full((self.m_down, self.num_classes), -1)
+            kept = (state or {}).get(KEPT, torch.zeros_like(sets))
+            kept_available = (state or {}).get(KEPT_AVAILABLE, torch.zeros(sets.shape[:2]))
+            obs, available = received_sets(sets, sets_present, sources, config.client_id,
+                                           kept, kept_available)
+            if self.kd_target == "peers":
+                prototypes, present = peer_prototypes(
+                    obs, available.float(), torch.full(available.shape, -1), config.client_id)
+        else:
+            obs, available = select_observations(
+                t["observations"], t["observations_present"], t["observation_sources"],
+                config.client_id, self.m_down, generator, peer=self.peer)
+            if self.kd_target == "peers":
+                prototypes, present = peer_prototypes(
+                    t["observations"], t["observations_present"], t["observation_sources"],
+                    config.client_id)
         return {"prototypes": prototypes.to(device), "present": present.to(device),
                 "observations": obs.to(device), "available": available.to(device)}
 
@@ -492,6 +662,8 @@ class CoLearn(PersonalStrategy):
     def _upload(self, config: ClientConfig, data: ClientData, round: int, features: Tensor,
                 generator: torch.Generator) -> Message:
         protos, counts = class_means(features, data.train_y, self.num_classes)
+        if not self.share_counts:  # the classes held, not how many samples of each
+            counts = counts.clamp(max=1)
         obs, _ = observation_sets(features, data.train_y, self.num_classes, self.m_up,
                                   self.n_avg, generator)
         return self.up_message(round, config.client_id, {
@@ -511,10 +683,17 @@ def upload_floats(num_classes: int, feature_dim: int, m_up: int = 1) -> int:
     return (1 + m_up) * num_classes * feature_dim
 
 
+def downlink_floats(num_classes: int, feature_dim: int, m_down: int = 1) -> int:
+    """Feature floats of the paper's download per client and round, ``(M_down + 1) C d'``
+    (spec §1.5): the global prototypes and M_down observation sets."""
+    return (m_down + 1) * num_classes * feature_dim
+
+
 def model_floats(model: nn.Module) -> int:
     """Parameter count of a network (what FedAvg would send per client and round)."""
     return int(sum(p.numel() for p in model.parameters()))
 
 
-__all__ = ["CoLearn", "contrastive_terms", "model_floats", "observation_sets",
-           "peer_prototypes", "select_observations", "upload_floats"]
+__all__ = ["CoLearn", "contrastive_terms", "downlink_floats", "model_floats",
+           "observation_sets", "peer_prototypes", "received_sets", "select_observations",
+           "select_relay", "upload_floats"]

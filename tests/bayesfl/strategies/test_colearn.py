@@ -26,7 +26,7 @@ from bayesfl.training import LocalTraining
 
 
 def test_relay_input_and_output_hold_only_feature_space_tensors_of_declared_shapes(build):
-    strategy, clients, state = build("colearn")
+    strategy, clients, state = build("colearn", relay="pool")
     C, d = NUM_CLASSES, FEATURE_DIM
     plan = strategy.configure(state, 1)
     assert {k: tuple(v.shape) for k, v in plan.upload_schema.items()} == {
@@ -200,7 +200,8 @@ def test_upload_bytes_are_the_feature_floats_plus_a_constant_header():
 def test_options_are_validated():
     context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(6,))
     for bad in (dict(lam_kd=-1.0), dict(n_avg=0), dict(bootstrap="never"),
-                dict(synchronous=False), dict(relay_pool=1), dict(eps=0.7),
+                dict(synchronous=False), dict(relay="pool", relay_pool=1), dict(eps=0.7),
+                dict(relay_pool=3), dict(relay="all"), dict(share_counts="no"),
                 dict(neg_reduction="max"), dict(keep_optimizer="yes")):
         with pytest.raises(ConfigError):
             make_strategy("colearn", context, **bad)
@@ -230,7 +231,8 @@ def test_colearn_runs_three_rounds_on_digits_with_two_architectures():
     dict(bootstrap="skip", statistics="running"),
     dict(bootstrap="random", peer="mix", kd_target="peers"),
     dict(weighting="uniform", kd_reduction="sum", neg_reduction="mean", m_up=2, m_down=2,
-         keep_optimizer=False, independent_init=False, relay_pool=3)])
+         keep_optimizer=False, independent_init=False, relay="pool", relay_pool=3),
+    dict(relay="sets", m_down=2, peer="mix", kd_target="peers", share_counts=False)])
 def test_every_option_trains_without_nan(build, options):
     strategy, clients, state = build("colearn", **options)
     assert strategy.init_round is (options.get("bootstrap", "upload") == "upload")
@@ -354,7 +356,7 @@ def full_batch(**options):
 def test_the_local_loss_is_ce_plus_lam_kd_kd_plus_lam_disc_disc():
     # Adam's first moment after one step is 0.1 * the gradient (beta1 0.9): the gradient of
     # the batch mean of ce + 2.5 kd + 0.5 disc, the terms computed here from the same targets
-    strategy, clients, state = full_batch(lam_kd=2.5, lam_disc=0.5)
+    strategy, clients, state = full_batch(lam_kd=2.5, lam_disc=0.5, relay="pool")
     c = clients[1]
     down = wire(strategy.configure(state, 1).broadcast)
     model = strategy.client_model(c.config, c.state)
@@ -413,7 +415,7 @@ def test_n_avg_sets_how_many_samples_an_observation_averages(build):
 
 
 def test_m_up_and_m_down_set_the_observation_sets_sent_and_drawn(build):
-    strategy, clients, state = build("colearn", m_up=2, m_down=3)
+    strategy, clients, state = build("colearn", m_up=2, m_down=3, relay="pool")
     state, ups = run_round(strategy, clients, state, 0)
     assert all(u.tensors["observations"].shape == (2, NUM_CLASSES, FEATURE_DIM) for u in ups)
     assert state["pool"].shape[0] == 2 * len(clients)
@@ -435,7 +437,7 @@ def relay_broadcast(strategy):
 
 @pytest.mark.parametrize("peer", ["one", "mix"])
 def test_peer_one_draws_a_set_from_one_peer_and_mix_each_class_from_its_own(build, peer):
-    strategy, clients, _ = build("colearn", m_down=20, peer=peer)
+    strategy, clients, _ = build("colearn", m_down=20, peer=peer, relay="pool")
     targets = strategy._targets(clients[0].config, relay_broadcast(strategy),
                                 torch.Generator().manual_seed(0))
     draws = targets["observations"][:, :, 0]  # (20, C): the sender of each class's row, + 1
@@ -448,7 +450,7 @@ def test_peer_one_draws_a_set_from_one_peer_and_mix_each_class_from_its_own(buil
 def test_kd_target_is_the_servers_prototype_or_the_mean_of_the_peers_sets(build, kd_target,
                                                                          value):
     # client 0's peers relay sets of value 2, 3 and 4: their mean is 3
-    strategy, clients, _ = build("colearn", kd_target=kd_target)
+    strategy, clients, _ = build("colearn", kd_target=kd_target, relay="pool")
     targets = strategy._targets(clients[0].config, relay_broadcast(strategy),
                                 torch.Generator())
     assert torch.equal(targets["prototypes"], torch.full((NUM_CLASSES, FEATURE_DIM), value))
@@ -500,7 +502,7 @@ def test_screening_ratio_bounds_a_clients_total_count_against_the_rounds_median(
 
 
 def test_bootstrap_random_starts_from_random_prototypes_and_a_pool_of_unknown_senders(build):
-    strategy, clients, state = build("colearn", bootstrap="random", m_up=2)
+    strategy, clients, state = build("colearn", bootstrap="random", m_up=2, relay="pool")
     assert strategy.init_round is False
     C, d = NUM_CLASSES, FEATURE_DIM
     protos = state["prototypes"]
