@@ -34,7 +34,11 @@ from typing import Any
 
 import torch
 
+from bayesfl.calibrate import parse_calibrate
+from bayesfl.checks import check_integer, check_number, describe
+from bayesfl.data.datasets import check_dataset_options, dataset_key
 from bayesfl.errors import ConfigError
+from bayesfl.strategies import strategy_options
 from inference.threads import (  # noqa: F401 - part of this module's API
     MAX_THREADS,
     available_cores,
@@ -95,7 +99,7 @@ class SimulationConfig:
     strategy: str = "fedlog"
     dataset: str = "digits"
     clients: int = 20
-    partition: str = "shards:2"
+    partition: str = "shards"
     rounds: int = 30
     seed: int = 0
     body: str = "mlp:200"
@@ -124,9 +128,6 @@ class SimulationConfig:
         if not self.body_specs:
             raise ConfigError(f"body must name at least one body spec, got {self.body!r}; "
                               "e.g. 'mlp:200' or 'mlp:200,mlp:100-100'")
-        from bayesfl.data.datasets import check_dataset_options, dataset_key
-        from bayesfl.strategies import strategy_options
-
         strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
         key = dataset_key(self.dataset)
         if key is not None:  # other names label data passed in (simulate(data=...))
@@ -180,8 +181,6 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
     """
     label = label or name
     if name == "calibrate":  # None, "temperature" or "temperature:FRACTION"
-        from bayesfl.calibrate import parse_calibrate
-
         parse_calibrate(value)
         return value if value is None else value.strip()
     if name in _INTEGERS:
@@ -230,34 +229,6 @@ def _is_json_value(value: Any, depth: int = 0) -> bool:
     if isinstance(value, Mapping) and depth < 4:
         return all(isinstance(k, str) and _is_json_value(v, depth + 1) for k, v in value.items())
     return False
-
-
-def check_integer(name: str, value: Any, low: int, high: int | None) -> int:
-    """``value`` as a Python int in ``[low, high]`` (bools and floats refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an integer, got {describe(value)}")
-    number = int(value)
-    if number < low or (high is not None and number > high):
-        valid = f">= {low}" if high is None else f"between {low} and {high:,}"
-        raise ConfigError(f"{name} must be {valid}, got {number:,}")
-    return number
-
-
-def check_number(name: str, value: Any) -> float:
-    """``value`` (an int or float, not a bool) as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name} must be a number, got {describe(value)}")
-    return float(value)
-
-
-def describe(value: Any) -> str:
-    """``value`` and its type in words, for error messages (TOML users see these names)."""
-    kinds = {bool: "a boolean", str: "a string", float: "a float", int: "an integer",
-             list: "a list", dict: "a table", type(None): "nothing"}
-    kind = next((v for k, v in kinds.items() if isinstance(value, k)),
-                f"a {type(value).__name__}")
-    text = repr(value)
-    return f"{text if len(text) <= 60 else text[:57] + '...'} ({kind})"
 
 
 # ---- devices -------------------------------------------------------------------------------
@@ -350,7 +321,9 @@ __all__ = [
     "MAX_PARAMETERS",
     "MAX_THREADS",
     "SimulationConfig",
+    "check_integer",
     "check_model_size",
+    "check_number",
     "check_setting",
     "check_threads",
     "default_threads",

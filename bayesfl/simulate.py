@@ -183,7 +183,7 @@ def simulate(
     strategy: str = "fedlog",
     dataset: str | None = None,
     clients: int = 20,
-    partition: str = "shards:2",
+    partition: str = "shards",
     rounds: int = 30,
     seed: int = 0,
     *,

@@ -151,7 +151,7 @@ def check_dataset_options(name: str, options: Mapping[str, Any]) -> dict[str, An
         ConfigError: an unknown option (the message lists the valid ones) or a value of the
             wrong type or below its bound (the message names the option and the value).
     """
-    from bayesfl.config import check_integer, check_number, describe
+    from bayesfl.checks import check_integer, check_number, describe
 
     _, valid_options = _LOADERS[name]
     unknown = sorted(set(options) - set(valid_options))

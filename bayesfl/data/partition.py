@@ -17,6 +17,11 @@ short strings (the CLI flag ``--partition``), parsed by :class:`PartitionScheme`
     clients), and a class's samples are cut into equal random shards, one per client holding it.
     LG-FedAvg lets a client draw the same class twice; here it cannot, so "K classes" holds
     exactly whenever each class has at least as many samples as clients holding it.
+``shards`` (the default of a run)
+    ``shards:2`` where the clients can cover every class with two each (``2 x clients >= C``),
+    else as few as cover them all, ``ceil(C / clients)`` each (``shards:4`` for 10 classes on 3
+    clients, all classes on one client), so the default works for any number of clients. An
+    explicit ``shards:K`` that cannot cover every class is refused instead.
 ``per_class:N`` or ``per_class:N:K``
     Every client gets N samples of each of its classes (FedSI's small/large regimes); with K,
     each client holds K distinct classes chosen as in ``shards:K``, otherwise all classes.
@@ -51,7 +56,8 @@ from bayesfl.errors import ConfigError, DataError
 PARTITION_SCHEMES: dict[str, str] = {
     "iid": "iid (uniform shuffle, equal sizes)",
     "dirichlet": "dirichlet:ALPHA (label skew, ALPHA > 0; smaller is more skewed)",
-    "shards": "shards:K (each client holds K distinct classes)",
+    "shards": "shards:K (each client holds K distinct classes) or shards (2 classes each, "
+              "more where fewer than C/2 clients must cover C classes)",
     "per_class": "per_class:N or per_class:N:K (N samples per class per client, K classes each)",
     "labels": "labels:K[:train=N][:test=M][:random] (K labels per client, sliding window; "
               "N training / M test samples per class per client)",
@@ -107,6 +113,8 @@ class PartitionScheme:
                 alpha = float(args[0])
                 if math.isfinite(alpha) and alpha > 0:
                     return cls("dirichlet", alpha=alpha)
+            if kind == "shards" and not args:  # K = 2, or as many as cover every class
+                return cls("shards")
             if kind == "shards" and len(args) == 1:
                 k = _positive_int(args[0])
                 return cls("shards", classes_per_client=k)
@@ -149,7 +157,8 @@ class PartitionScheme:
         if self.kind == "dirichlet":
             return f"dirichlet:{self.alpha:g}"
         if self.kind == "shards":
-            return f"shards:{self.classes_per_client}"
+            k = self.classes_per_client
+            return "shards" if k is None else f"shards:{k}"
         if self.kind == "per_class":
             suffix = f":{self.classes_per_client}" if self.classes_per_client else ""
             return f"per_class:{self.samples_per_class}{suffix}"
@@ -401,9 +410,11 @@ def _holders_by_class(class_sets: list[np.ndarray]) -> dict[int, list[int]]:
 
 
 def _shards(
-    y: np.ndarray, num_clients: int, classes_per_client: int, rng: np.random.Generator
+    y: np.ndarray, num_clients: int, classes_per_client: int | None, rng: np.random.Generator
 ) -> list[np.ndarray]:
     classes = np.unique(y)
+    if classes_per_client is None:  # plain "shards": 2 each, or as many as cover every class
+        classes_per_client = min(len(classes), max(2, math.ceil(len(classes) / num_clients)))
     if num_clients * classes_per_client < len(classes):
         raise DataError(f"shards:{classes_per_client} with {num_clients} clients covers only "
                         f"{num_clients * classes_per_client} class slots but the labels hold "

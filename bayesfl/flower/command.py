@@ -17,11 +17,12 @@ import importlib.util
 import json
 import shlex
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from bayesfl.errors import ConfigError
+from bayesfl.settings import add_settings, read_config, settings_from_flags
 
 _DEPLOYMENT_FLAGS = (
     ("--min-replies", int, "min-replies",
@@ -33,9 +34,9 @@ _DEPLOYMENT_FLAGS = (
 )
 
 
-def add_parser(commands: Any, add_settings: Callable[[argparse.ArgumentParser], None]) -> None:
-    """The ``flower`` subcommand: ``bayesfl run``'s flags (``add_settings``) and the
-    deployment's."""
+def add_parser(commands: Any) -> None:
+    """The ``flower`` subcommand on ``commands`` (argparse subparsers): ``bayesfl run``'s flags
+    (:func:`bayesfl.settings.add_settings`) and the deployment's."""
     flower = commands.add_parser(
         "flower", help="run an experiment on a local Flower deployment (SuperLink + one "
         "SuperNode per client on 127.0.0.1)", allow_abbrev=False,
@@ -57,8 +58,6 @@ def add_parser(commands: Any, add_settings: Callable[[argparse.ArgumentParser], 
 
 def run_flower(args: argparse.Namespace) -> int:
     """Run the experiment of ``args`` on a local deployment; the exit code."""
-    from bayesfl.cli import read_config, settings_from_flags
-
     if importlib.util.find_spec("flwr") is None:
         raise ConfigError("Flower is not installed: pip install 'bayesfl[flower]' (flwr 1.41)")
     from bayesfl.flower.local import EXAMPLE_APP, LocalFederation
@@ -110,7 +109,7 @@ def run_config(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
 
 
 def _literal(value: Any) -> str:
-    """A TOML literal of an option value (what :func:`bayesfl.cli.parse_options` reads)."""
+    """A TOML literal of an option value (what :func:`bayesfl.settings.parse_options` reads)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

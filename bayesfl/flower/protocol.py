@@ -32,6 +32,7 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from bayesfl.config import SimulationConfig, check_threads, describe
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, TensorSpec, decode, validate
+from bayesfl.settings import settings_from_mapping
 from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation, Strategy
 from calibration.accumulator import Accumulator
 from calibration.errors import CalibrationError
@@ -123,8 +124,6 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             setting the Flower adapter does not support (``calibrate``, ``authenticate``,
             ``novel-fraction``).
     """
-    from bayesfl.cli import settings_from_mapping
-
     raw: dict[str, Any] = {}
     flower: dict[str, Any] = {}
     for key, value in run_config.items():
