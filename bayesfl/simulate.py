@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,21 +52,38 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from bayesfl.calibrate import CalibrationOutcome, calibrate_run, hold_out, parse_calibrate
-from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
+from bayesfl.calibrate import CalibrationOutcome, calibrate_run
+from bayesfl.checkpoint import config_fingerprint, load_checkpoint
 from bayesfl.config import (
     CONFIG_FIELDS,
     SimulationConfig,
-    check_model_size,
     check_threads,
     resolve_device,
     torch_threads,
 )
-from bayesfl.data.clients import ClientData, make_clients
+from bayesfl.data.clients import ClientData
 from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
+    RunSetup,
+    novel_clients,
+    round_half_up,
+    run_setup,
+    sample_clients,
+)
+from bayesfl.engine.state import restore_round, save_round
+from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
+    aggregate_or_keep,
+    build_summary,
+    cached_upload_problem,
+    evaluate_or_revert,
+    non_finite_problem,
+    round_view,
+    screen_uploads,
+    server_state_problem,
+    summary_extras,
+)
 from bayesfl.errors import (
-    BayesFLError,
     CheckpointError,
     ConfigError,
     LocalTrainingWarning,
@@ -75,7 +92,7 @@ from bayesfl.errors import (
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
-from bayesfl.messages import KeyRing, Message, TensorSpec, decode, encode
+from bayesfl.messages import KeyRing, Message, decode, encode
 from bayesfl.run_directory import (
     CHECKPOINT_NAME,
     METRICS_NAME,
@@ -89,12 +106,9 @@ from bayesfl.strategies.base import (
     ClientState,
     ServerState,
     Strategy,
-    StrategyContext,
     derived_seed,
 )
-from bayesfl.training import LocalTraining, watch_divergence
-from calibration.errors import CalibrationError
-from inference.errors import InferenceError
+from bayesfl.training import watch_divergence
 
 UploadHook = Callable[[int, int, bytes], bytes]
 """``hook(round, client_id, encoded_upload) -> bytes actually delivered`` (tests, attacks)."""
@@ -257,147 +271,6 @@ def simulate(
                            round_callback=round_callback)
 
 
-@dataclass
-class RunSetup:
-    """What both halves of a run derive from its configuration and data (:func:`run_setup`).
-
-    Attributes:
-        client_data: every client's data, in client order.
-        held_out: client id -> its held-out calibration data (``calibrate`` only).
-        calibration: the parsed ``calibrate`` step, or None.
-        context: the :class:`StrategyContext` both halves build the strategy from.
-    """
-
-    client_data: list[ClientData]
-    held_out: dict[int, Any]
-    calibration: Any
-    context: StrategyContext
-
-
-def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) -> RunSetup:
-    """The clients' data and the strategy context of a run (the simulator and the Flower
-    adapter share it, so both build the same clients and strategy from the same config)."""
-    check_model_size(config, tuple(dataset.input_shape))  # before any body is built
-    client_data = make_clients(dataset, config.clients, config.partition,
-                               seed=config.seed, test_fraction=config.test_fraction)
-    # calibrate: every client holds out part of its training data, before any training
-    calibration = parse_calibrate(config.calibrate)
-    held_out = {}
-    if calibration is not None:
-        client_data, held_out = hold_out(
-            client_data, calibration.held_out_fraction, config.seed)
-    # a batch larger than every client's training set is full-batch training: clamping it
-    # bounds the batched schedule (clients x batch) by the data, whatever was asked for
-    largest = max(d.num_train for d in client_data)
-    training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
-                             batch_size=max(1, min(config.batch_size, largest)))
-    context = StrategyContext(
-        num_classes=dataset.num_classes, feature_dim=config.feature_dim,
-        training=training, rounds=config.rounds, device=device, seed=config.seed,
-        input_shape=tuple(dataset.input_shape), bodies=tuple(config.body_specs),
-        clients=config.clients)
-    return RunSetup(client_data, held_out, calibration, context)
-
-
-def non_finite_problem(state: ServerState) -> str | None:
-    """The first server-state tensor holding NaN or Inf, described; None if all are finite."""
-    for name, tensor in state.items():
-        if (tensor.is_floating_point() or tensor.is_complex()) and \
-                not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            return f"{name!r} has {bad} non-finite value(s) of {tensor.numel()}"
-    return None
-
-
-def server_state_problem(loaded: ServerState, fresh: ServerState) -> str | None:
-    """How a resumed server state departs from ``fresh``, the state a new run of the same
-    configuration starts from; None if it fits (a checkpoint's digest has no key, so a forged
-    or buggy one is checked here rather than met by a shape error in the next round).
-
-    Every tensor of the fresh state must be there with its dtype and shape (a tensor that starts
-    empty may have grown along its empty axes: CoLearn's pool), and every floating tensor must
-    be finite. Tensors a strategy adds as it runs (per-client ledgers and caches, momentum
-    buffers) have no counterpart in the fresh state: :func:`cached_upload_problem` checks the
-    copies of uploads among them.
-    """
-    for name, start in fresh.items():
-        if name not in loaded:
-            return f"server tensor {name!r} is missing"
-        tensor = loaded[name]
-        if tensor.dtype != start.dtype:
-            return f"server tensor {name!r} is {tensor.dtype}, this run's is {start.dtype}"
-        grown = tensor.dim() == start.dim() and all(
-            a == b or b == 0 for a, b in zip(tensor.shape, start.shape, strict=True))
-        if not grown:
-            return (f"server tensor {name!r} has shape {tuple(tensor.shape)}, this run's has "
-                    f"{tuple(start.shape)}")
-    problem = non_finite_problem(loaded)
-    return None if problem is None else f"server tensor {problem}"
-
-
-def cached_upload_problem(loaded: ServerState, schema: Mapping[str, TensorSpec],
-                          num_clients: int) -> str | None:
-    """The first server tensor named ``PREFIX/<client id>/<upload tensor>`` (a copy of a
-    client's upload the strategy keeps, e.g. FedLog's latest statistics) whose client is not one
-    of this run's or whose dtype or shape does not fit the upload schema; None if all fit."""
-    for name, tensor in loaded.items():
-        parts = name.split("/")
-        if len(parts) != 3 or parts[2] not in schema:
-            continue
-        spec = schema[parts[2]]
-        if not parts[1].isdigit() or int(parts[1]) >= num_clients:
-            return f"server tensor {name!r} names no client of this run (0 to {num_clients - 1})"
-        fits = tensor.dtype == spec.dtype and tensor.dim() == len(spec.shape) and all(
-            want is None or size == want for size, want in zip(tensor.shape, spec.shape,
-                                                               strict=True))
-        if not fits:
-            return (f"server tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, an "
-                    f"upload's {parts[2]!r} is {spec.dtype} {tuple(spec.shape)}")
-    return None
-
-
-def round_view(strategy: Strategy) -> dict[str, str]:
-    """``{"round_view": ...}`` for a round record where the strategy evaluates rounds other
-    than by its final predictive (:attr:`Strategy.round_view`), else nothing."""
-    return {} if strategy.round_view is None else {"round_view": strategy.round_view}
-
-
-def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
-    """The sorted client ids taking part in ``round``: all when ``fraction == 1`` or in the
-    init round 0, else ``max(1, round(fraction * num_clients))`` drawn without replacement."""
-    if fraction >= 1.0 or round == 0:
-        return list(range(num_clients))
-    k = max(1, int(round_half_up(fraction * num_clients)))
-    rng = np.random.default_rng([seed, round, 7])
-    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
-
-
-def novel_clients(num_clients: int, fraction: float, seed: int) -> list[int]:
-    """The sorted ids of the novel clients: none for ``fraction == 0``, else
-    ``max(1, round(fraction * num_clients))`` drawn without replacement from the seed.
-
-    Raises:
-        ConfigError: the fraction leaves no client to train.
-    """
-    if fraction <= 0:
-        return []
-    k = max(1, round_half_up(fraction * num_clients))
-    if k >= num_clients:
-        raise ConfigError(f"novel_fraction {fraction} holds out {k} of {num_clients} clients: "
-                          "none would be left to train; use a smaller fraction or more clients")
-    rng = np.random.default_rng([seed, 17])
-    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
-
-
-def round_half_up(x: float) -> int:
-    return int(np.floor(x + 0.5))
-
-
-_SERVER_KEY = 2**31 - 1
-_METRICS_TENSOR = "run/metrics.jsonl"
-_CHECKPOINT_FORMAT = 2  # 2: carries metrics.jsonl, the data identity, the first round
-
-
 class _Run:
     """One run: setup, the round loop, and the files it writes."""
 
@@ -528,9 +401,7 @@ class _Run:
         summary["personalized"] = bool(personalized)
         summary["data"] = self.data_identity
         summary["threads"] = self.threads
-        if novel_eval is not None:
-            summary["novel"] = {"clients": list(self.novel), **novel_eval.headline(),
-                                "per_client": novel_eval.per_client}
+        summary_extras(summary, novel=self.novel, novel_evaluation=novel_eval)
         summary.update(self.server.server_metrics(self.state))
         calibration = self._calibrate(broadcast, personalized, summary)
         if self.run_dir is not None:
@@ -597,38 +468,18 @@ class _Run:
                                                 key=self.client_key(cid))))
             except MessageRejected as err:
                 reasons[cid] = err.reason
-        verdicts = server.validate_uploads(plan, [m for _, m in received_up],
-                                           [cid for cid, _ in received_up])
-        accepted: list[Message] = []
-        for (cid, message), reason in zip(received_up, verdicts, strict=True):
-            if reason is None:
-                accepted.append(message)
-            else:
-                reasons[cid] = reason
+        accepted = screen_uploads(server, plan, received_up, reasons)
         rejections = [{"client_id": cid, "reason": reasons[cid]}
                       for cid in participants if cid in reasons]
         # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
         # evaluated is dropped with its reason, and the round keeps the previous state.
-        previous, aggregate_error = self.state, None
-        try:
-            server_gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))
-            new_state = server.aggregate(self.state, accepted, r, server_gen)
-            problem = non_finite_problem(new_state)
-            if problem is None:
-                self.state = new_state
-            else:
-                aggregate_error = f"aggregate rejected, previous state kept: {problem}"
-        except (BayesFLError, InferenceError) as err:
-            aggregate_error = f"aggregation failed, previous state kept: {err}"
+        previous = self.state
+        self.state, aggregate_error = aggregate_or_keep(server, self.state, accepted, r,
+                                                        config.seed)
         t_eval = time.perf_counter()
-        try:
-            eval_bytes, evaluation = self._evaluate(r)
-        except (BayesFLError, InferenceError, CalibrationError) as err:
-            if self.state is previous:
-                raise  # the state that was evaluated fine last round: not an upload's doing
-            self.state = previous
-            aggregate_error = f"evaluation of the aggregate failed ({err}); previous state kept"
-            eval_bytes, evaluation = self._evaluate(r)
+        self.state, (eval_bytes, evaluation), reverted = evaluate_or_revert(
+            self.state, previous, lambda state: self._evaluate(r, state))
+        aggregate_error = reverted or aggregate_error
         t_eval = time.perf_counter() - t_eval
         record = {
             "round": r,
@@ -668,10 +519,10 @@ class _Run:
             "under 'rejections' in metrics.jsonl (this warning is given once per run).",
             LocalTrainingWarning, stacklevel=2)
 
-    def _evaluate(self, r: int) -> tuple[bytes, RoundEvaluation]:
-        """Every client's evaluation of the server state after round ``r``: the encoded
-        evaluation broadcast and the merged evaluation."""
-        eval_bytes = encode(self.server.configure_evaluation(self.state, r), key=self.server_key)
+    def _evaluate(self, r: int, state: ServerState) -> tuple[bytes, RoundEvaluation]:
+        """Every training client's evaluation of server state ``state`` after round ``r``:
+        the encoded evaluation broadcast and the merged evaluation."""
+        eval_bytes = encode(self.server.configure_evaluation(state, r), key=self.server_key)
         evaluations = self.executor.evaluate(self.training_clients,
                                              decode(eval_bytes, key=self.server_key),
                                              n_bins=self.config.n_bins,
@@ -684,18 +535,10 @@ class _Run:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _checkpoint(self, r: int, seconds: float) -> None:
-        tensors = {f"server/{k}": v for k, v in self.state.items()}
-        for c in self.clients:
-            tensors.update({f"client/{c.client_id}/{k}": v for k, v in c.state.items()})
-        tensors["rng/torch"] = torch.get_rng_state()
-        # the checkpoint carries metrics.jsonl as it stands after round r: a resume rebuilds
-        # the file (and the summary) from this copy, whatever happened to the file since
-        tensors[_METRICS_TENSOR] = torch.from_numpy(
-            np.frombuffer(bytes(self.metrics_log.text), dtype=np.uint8).copy())
-        meta = {"format": _CHECKPOINT_FORMAT, "round": r, "first_round": self.first_round,
-                "seconds": seconds, "config": self.identity, "server_keys": sorted(self.state)}
-        save_checkpoint(self.run_dir / CHECKPOINT_NAME, tensors, meta,
-                        fingerprint=self.fingerprint)
+        save_round(self.run_dir / CHECKPOINT_NAME, round=r, first_round=self.first_round,
+                   seconds=seconds, identity=self.identity, fingerprint=self.fingerprint,
+                   state=self.state, clients={c.client_id: c.state for c in self.clients},
+                   metrics_text=self.metrics_log.text, transport="simulator")
 
     def _read_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The run directory's checkpoint (None if there is none yet).
@@ -717,42 +560,23 @@ class _Run:
         """
         tensors, meta = self.saved
         self.saved = None
-        last, first, rounds = meta.get("round"), self.first_round, self.config.rounds
-        foreign = (f"checkpoint {path} was not written by this run ({{}}); delete it or start "
-                   "the run again with --force (force=True)")
-        if meta.get("format") != _CHECKPOINT_FORMAT:
-            raise CheckpointError(foreign.format(f"format {meta.get('format')!r}, this version "
-                                                 f"writes {_CHECKPOINT_FORMAT}"))
-        if isinstance(last, bool) or not isinstance(last, int) or not first <= last <= rounds:
-            raise CheckpointError(foreign.format(f"its round is {last!r}, outside this run's "
-                                                 f"rounds {first} to {rounds}"))
-        seconds = meta.get("seconds")
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
-                or not 0 <= seconds < float("inf"):
-            raise CheckpointError(foreign.format(f"elapsed seconds {seconds!r}"))
+        saved = restore_round(path, tensors, meta, first_round=self.first_round,
+                              rounds=self.config.rounds, server=self.server, fresh=self.state,
+                              num_clients=len(self.clients), device=self.device)
         try:
-            state = {k: tensors[f"server/{k}"].to(self.device) for k in meta["server_keys"]}
-            problem = (server_state_problem(state, self.state) or cached_upload_problem(
-                state, self.server.upload_schema(self.state, min(last + 1, rounds)),
-                len(self.clients)))
-            if problem is not None:
-                raise ValueError(problem)
             client_states = [self._restored_client_state(c, tensors) for c in self.clients]
-            rng = tensors["rng/torch"]
-            log = tensors[_METRICS_TENSOR]
-            if rng.dtype != torch.uint8 or log.dtype != torch.uint8 or log.ndim != 1:
-                raise ValueError("rng/metrics tensors are not byte vectors")
-            torch.set_rng_state(rng)
+            torch.set_rng_state(saved.rng)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
-            raise CheckpointError(foreign.format(f"it does not hold this run's state: "
-                                                 f"{err}")) from err
-        self.metrics_log.restore(log.numpy().tobytes(), list(range(first, last + 1)))
-        self.state = state
+            raise CheckpointError(f"checkpoint {path} was not written by this run (it does "
+                                  f"not hold this run's state: {err}); delete it or start the "
+                                  "run again with --force (force=True)") from err
+        self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
+        self.state = saved.state
         for c, client_state in zip(self.clients, client_states, strict=True):
             c.state = client_state
-        self.seconds_before = float(seconds)
-        self.resumed_from = last
-        return last + 1
+        self.seconds_before = saved.seconds
+        self.resumed_from = saved.round
+        return saved.round + 1
 
     def _restored_client_state(self, client: SimulatedClient,
                                tensors: dict[str, torch.Tensor]) -> ClientState:
@@ -797,36 +621,3 @@ class _Run:
         plot_reliability(last.probs, last.labels, self.run_dir / "reliability.png",
                          n_bins=self.config.n_bins,
                          title=f"{self.config.strategy}, final round (pooled)")
-
-
-def build_summary(
-    config: SimulationConfig,
-    metrics: list[dict[str, Any]],
-    last: RoundEvaluation,
-    seconds: float,
-) -> dict[str, Any]:
-    """The summary dict: final-round metrics, best round, byte totals, rejections."""
-    training = [m for m in metrics if m["round"] >= 1] or metrics
-    best = max(training, key=lambda m: m["accuracy"]) if training else None
-    rejections = [{"round": m["round"], **rej} for m in metrics for rej in m["rejections"]]
-    return {
-        "strategy": config.strategy,
-        "dataset": config.dataset,
-        "partition": config.partition,
-        "clients": config.clients,
-        "rounds": config.rounds,
-        "seed": config.seed,
-        "body": config.body,
-        **last.headline(),
-        "per_client": last.per_client,
-        "best_accuracy": best["accuracy"] if best else None,
-        "best_round": best["round"] if best else None,
-        "bytes_up": int(sum(m["bytes_up"] for m in metrics)),
-        "bytes_down": int(sum(m["bytes_down"] for m in metrics)),
-        "bytes_down_evaluation": int(sum(m.get("bytes_down_evaluation", 0) for m in metrics)),
-        "floats_up": int(sum(m["floats_up"] for m in metrics)),
-        "floats_down": int(sum(m["floats_down"] for m in metrics)),
-        "rejected_uploads": len(rejections),
-        "rejections": rejections,
-        "seconds": seconds,
-    }

@@ -1,0 +1,100 @@
+"""What every transport derives from a run's configuration: the clients' data, the strategy
+context, which clients take part in a round and which are novel (held out of training).
+
+The simulator and the Flower ServerApp and ClientApp call the same functions, so the same
+configuration and seed give the same clients, partitions, samples and strategy on any
+transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from bayesfl.calibrate import hold_out, parse_calibrate
+from bayesfl.config import SimulationConfig, check_model_size
+from bayesfl.data.clients import ClientData, make_clients
+from bayesfl.data.datasets import Dataset
+from bayesfl.errors import ConfigError
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.training import LocalTraining
+
+
+@dataclass
+class RunSetup:
+    """What both halves of a run derive from its configuration and data (:func:`run_setup`).
+
+    Attributes:
+        client_data: every client's data, in client order.
+        held_out: client id -> its held-out calibration data (``calibrate`` only).
+        calibration: the parsed ``calibrate`` step, or None.
+        context: the :class:`StrategyContext` both halves build the strategy from.
+    """
+
+    client_data: list[ClientData]
+    held_out: dict[int, Any]
+    calibration: Any
+    context: StrategyContext
+
+
+def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) -> RunSetup:
+    """The clients' data and the strategy context of a run (every transport
+    calls it, so all build the same clients and strategy from the same config)."""
+    check_model_size(config, tuple(dataset.input_shape))  # before any body is built
+    client_data = make_clients(dataset, config.clients, config.partition,
+                               seed=config.seed, test_fraction=config.test_fraction)
+    # calibrate: every client holds out part of its training data, before any training
+    calibration = parse_calibrate(config.calibrate)
+    held_out = {}
+    if calibration is not None:
+        client_data, held_out = hold_out(
+            client_data, calibration.held_out_fraction, config.seed)
+    # a batch larger than every client's training set is full-batch training: clamping it
+    # bounds the batched schedule (clients x batch) by the data, whatever was asked for
+    largest = max(d.num_train for d in client_data)
+    training = LocalTraining(epochs=config.local_epochs, lr=config.lr,
+                             batch_size=max(1, min(config.batch_size, largest)))
+    context = StrategyContext(
+        num_classes=dataset.num_classes, feature_dim=config.feature_dim,
+        training=training, rounds=config.rounds, device=device, seed=config.seed,
+        input_shape=tuple(dataset.input_shape), bodies=tuple(config.body_specs),
+        clients=config.clients)
+    return RunSetup(client_data, held_out, calibration, context)
+
+
+
+def sample_clients(num_clients: int, fraction: float, seed: int, round: int) -> list[int]:
+    """The sorted client ids taking part in ``round``: all when ``fraction == 1`` or in the
+    init round 0, else ``max(1, round(fraction * num_clients))`` drawn without replacement."""
+    if fraction >= 1.0 or round == 0:
+        return list(range(num_clients))
+    k = max(1, int(round_half_up(fraction * num_clients)))
+    rng = np.random.default_rng([seed, round, 7])
+    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def novel_clients(num_clients: int, fraction: float, seed: int) -> list[int]:
+    """The sorted ids of the novel clients: none for ``fraction == 0``, else
+    ``max(1, round(fraction * num_clients))`` drawn without replacement from the seed.
+
+    Raises:
+        ConfigError: the fraction leaves no client to train.
+    """
+    if fraction <= 0:
+        return []
+    k = max(1, round_half_up(fraction * num_clients))
+    if k >= num_clients:
+        raise ConfigError(f"novel_fraction {fraction} holds out {k} of {num_clients} clients: "
+                          "none would be left to train; use a smaller fraction or more clients")
+    rng = np.random.default_rng([seed, 17])
+    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def round_half_up(x: float) -> int:
+    return int(np.floor(x + 0.5))
+
+
+__all__ = ["RunSetup", "novel_clients", "round_half_up", "run_setup", "sample_clients"]
