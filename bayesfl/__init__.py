@@ -6,10 +6,12 @@ simulator (a transport) and the CLI. Depends on :mod:`inference` and :mod:`calib
 """
 
 from bayesfl import data
-from bayesfl.data import load_dataset, make_clients, partition
+from bayesfl.bodies import register_body
+from bayesfl.data import Dataset, load_dataset, make_clients, partition
 from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, DataError, MessageRejected
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.posterior import ClientPosterior
+from bayesfl.run_result import LoadedRun, load_run
 from bayesfl.simulate import SimulationConfig, SimulationResult, simulate
 from bayesfl.strategies import (
     STRATEGIES,
@@ -31,6 +33,8 @@ __all__ = [
     "ClientPosterior",
     "ConfigError",
     "DataError",
+    "Dataset",
+    "LoadedRun",
     "MessageRejected",
     "RoundPlan",
     "SimulatedClient",
@@ -40,8 +44,10 @@ __all__ = [
     "StrategyContext",
     "data",
     "load_dataset",
+    "load_run",
     "make_clients",
     "make_strategy",
     "partition",
+    "register_body",
     "simulate",
 ]

@@ -43,17 +43,46 @@ Spec forms (:data:`BODY_KINDS`):
     flatten (400 on 32x32), Linear(->120)+ReLU, Linear(120->feature_dim)+ReLU (100 in the
     paper). Both use the same padding rule as ``lenet5`` (the originals are valid convs on
     28x28 / 32x32 inputs, which they stay).
+
+Your own body
+    Any ``torch.nn.Module`` mapping a batch (B, *input_shape) to features (B, feature_dim) can
+    be a body. Give it as a *factory*: a zero-argument callable returning a fresh module (a
+    class such as ``MyNet``, or ``lambda: MyNet(64)``), called once per client (and once more,
+    on PyTorch's ``meta`` device, to count its parameters against
+    :data:`bayesfl.config.MAX_PARAMETERS` before anything is allocated). Three ways to name it:
+
+    - ``simulate(body=make_body)``: the callable itself (:func:`body_spec` registers it under
+      ``"module:qualified.name"``, the name the run's config, manifest and checkpoint record);
+    - ``register_body("mynet", make_body)``, then ``body="mynet"`` anywhere a spec string is
+      read: ``simulate``, ``bayesfl run --body mynet``, a TOML config, a Flower run config
+      (the process that builds the bodies must have registered it);
+    - ``"package.module:attribute"`` (e.g. ``--body mypkg.models:make_body``): imported with
+      :func:`bayesfl.user_code.import_object` by whichever process builds a body.
+
+    A factory's module is checked like a built-in body (:func:`build_body`): it must be an
+    ``nn.Module`` with float32 parameters that maps a probe batch of two zero inputs to
+    ``(2, feature_dim)``, and every call must return the same architecture (parameter names
+    and shapes): clients of one spec are trained as one batch, and strategies that average
+    bodies need them alike. A factory that raises, returns something else or fails the probe
+    is a :class:`~bayesfl.errors.ConfigError` naming it. Unlike the built-ins, a user body's
+    features need not be non-negative (CoLearn checks that its pooled features are).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from bayesfl.errors import ConfigError
+from bayesfl.user_code import import_object, is_import_spec
+
+BodyFactory = Callable[[], nn.Module]
+"""A zero-argument callable returning a fresh body module (module docstring, "Your own body")."""
 
 BODY_KINDS: dict[str, str] = {
     "mlp": "mlp or mlp:W1-W2-... (hidden widths, e.g. mlp:200-200)",
@@ -69,21 +98,211 @@ _SAME_PADDING_BELOW = 12
 
 
 def _valid_forms() -> str:
-    return "; ".join(BODY_KINDS.values())
+    return "; ".join([*BODY_KINDS.values(), "a name registered with bayesfl.register_body",
+                      "package.module:attribute naming a body factory"])
+
+
+_REGISTRY: dict[str, BodyFactory] = {}
+"""Registered name -> factory (:func:`register_body`)."""
+_ARCHITECTURES: dict[tuple[str, tuple[int, ...], int], tuple[tuple[str, tuple[int, ...]], ...]] \
+    = {}
+"""(spec, input_shape, feature_dim) -> the parameter and buffer names and shapes of the first
+module a factory built for it: later calls must build the same (:func:`build_body`)."""
+_LOCK = threading.Lock()
+
+
+def register_body(name: str, factory: BodyFactory) -> str:
+    """Make ``factory`` nameable as a body spec: ``body=name`` in :func:`bayesfl.simulate`,
+    ``--body name`` on the command line, ``body = "name"`` in a TOML or Flower run config.
+
+    Registering a name again replaces its factory (re-running a notebook cell works). The
+    registry is per process: a Flower SuperNode or a fresh ``bayesfl run`` must register the
+    name too (import the module that does), or name the factory as
+    ``package.module:attribute`` instead.
+
+    Args:
+        name: the spec string; case-sensitive, no commas (they separate the specs of a run)
+            and no whitespace, and not a built-in kind (``mlp``, ``cnn:...``, ...).
+        factory: a zero-argument callable returning a fresh ``torch.nn.Module`` that maps
+            (B, *input_shape) float32 inputs to (B, feature_dim) features (module docstring).
+
+    Returns:
+        ``name``, so that ``body=register_body("mynet", MyNet)`` reads naturally.
+
+    Raises:
+        ConfigError: a malformed or reserved name, or a factory that is not callable (a module
+            instance is refused: every client needs a fresh one).
+    """
+    if not isinstance(name, str) or not name or any(c.isspace() or c == "," for c in name):
+        raise ConfigError(f"body name must be a non-empty string without commas or whitespace, "
+                          f"got {name!r}")
+    if name.partition(":")[0].lower() in BODY_KINDS:
+        raise ConfigError(f"body name {name!r} would shadow the built-in body kind "
+                          f"{name.partition(':')[0].lower()!r}; choose another name")
+    _check_factory(factory, name)
+    with _LOCK:
+        if _REGISTRY.get(name) is not factory:  # a new factory: its architecture is new too
+            for key in [k for k in _ARCHITECTURES if k[0] == name]:
+                del _ARCHITECTURES[key]
+        _REGISTRY[name] = factory
+    return name
+
+
+def unregister_body(name: str) -> None:
+    """Forget the body registered as ``name`` (nothing happens if there is none)."""
+    with _LOCK:
+        _REGISTRY.pop(name, None)
+        for key in [k for k in _ARCHITECTURES if k[0] == name]:
+            del _ARCHITECTURES[key]
+
+
+def registered_bodies() -> dict[str, str]:
+    """Registered name -> the factory's ``module.qualified_name`` (a copy)."""
+    with _LOCK:
+        return {name: qualified_name(f) for name, f in _REGISTRY.items()}
+
+
+def qualified_name(factory: object) -> str:
+    """``"module:qualified.name"`` of a callable (what a run records for a callable body);
+    ``"module:<lambda>"`` or ``"module:f.<locals>.g"`` for ones that cannot be imported."""
+    module = getattr(factory, "__module__", None) or "?"
+    name = getattr(factory, "__qualname__", None) or type(factory).__qualname__
+    return f"{module}:{name}"
+
+
+def body_spec(body: str | BodyFactory | Sequence[str | BodyFactory]) -> str:
+    """The spec string of ``body``: a string as is; a factory registered under its
+    :func:`qualified_name` (which is returned); a list or tuple of these joined by commas
+    (assigned to clients in turn). This is how ``simulate(body=callable)`` turns a callable
+    into what the run's configuration records.
+
+    A factory that can be imported back by its qualified name (a module-level function or
+    class) can be named in a later process too (``resume``, :func:`bayesfl.load_run`); one that
+    cannot (a lambda, a local function, anything defined in ``__main__`` run as a script) must
+    be registered again there under the same name (:func:`register_body`).
+
+    Raises:
+        ConfigError: something other than a string, a callable or a sequence of them; a module
+            instance instead of a factory.
+    """
+    if isinstance(body, str):
+        return body
+    if isinstance(body, list | tuple):
+        if not body:
+            raise ConfigError("body must name at least one body (got an empty list)")
+        return ",".join(body_spec(item) for item in body)
+    _check_factory(body, "body")
+    return register_body(qualified_name(body), body)
+
+
+def body_provenance(body: str) -> dict[str, dict[str, Any]]:
+    """What a run's manifest records about the user bodies of its ``body`` setting (specs
+    separated by commas): spec -> ``{"factory": "module:qualified.name", "importable": bool,
+    "note": ...}`` for each registered name or ``package.module:attribute`` spec; ``{}`` when
+    every spec is built in.
+
+    A callable cannot be serialised: only its name is recorded. ``importable`` says whether
+    another process can find the factory by its name alone (a module-level function or class
+    outside ``__main__``); if not, resuming the run or :func:`bayesfl.load_run` in a new
+    process needs ``register_body(spec, factory)`` first. Either way the checkpoint's tensors
+    are checked against the rebuilt bodies (names, shapes, dtypes), so a different
+    architecture under the same name is refused, not silently used.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    if not isinstance(body, str):
+        return out
+    for spec in (s.strip() for s in body.split(",") if s.strip()):
+        with _LOCK:
+            factory = _REGISTRY.get(spec)
+        if factory is None and not (is_import_spec(spec)
+                                    and spec.partition(":")[0].lower() not in BODY_KINDS):
+            continue
+        name = qualified_name(factory) if factory is not None else spec
+        importable = factory is None or _importable(factory)
+        out[spec] = {
+            "factory": name, "importable": importable,
+            "note": ("a callable cannot be serialised: the run records its name; resume=True "
+                     "and bayesfl.load_run " + (
+                         f"import it as {name!r}" if importable else
+                         f"need bayesfl.register_body({spec!r}, factory) first in a new "
+                         "process") + "; a different architecture under this name is refused "
+                     "by the checkpoint's layout check")}
+    return out
+
+
+def _importable(factory: object) -> bool:
+    """Whether ``factory`` is what its qualified name imports (outside ``__main__``)."""
+    name = qualified_name(factory)
+    if name.startswith("__main__:") or not is_import_spec(name):
+        return False
+    try:
+        return import_object(name, "body factory") is factory
+    except ConfigError:
+        return False
+
+
+def _check_factory(factory: object, what: str) -> None:
+    if isinstance(factory, nn.Module):
+        raise ConfigError(
+            f"{what}: got a module instance ({type(factory).__name__}); pass a zero-argument "
+            f"factory that returns a fresh module instead (e.g. body={type(factory).__name__} "
+            f"or body=lambda: {type(factory).__name__}(...)): every client needs its own")
+    if not callable(factory):
+        raise ConfigError(f"{what}: a body factory must be a zero-argument callable returning "
+                          f"a torch.nn.Module, got {type(factory).__name__}")
+
+
+def body_factory(spec: str) -> BodyFactory | None:
+    """The factory ``spec`` names (a registered name, or ``package.module:attribute``), or None
+    for a built-in spec.
+
+    Raises:
+        ConfigError: an import spec that cannot be imported, or that names no callable.
+    """
+    if not isinstance(spec, str):
+        return None
+    name = spec.strip()
+    with _LOCK:
+        factory = _REGISTRY.get(name)
+    if factory is not None:
+        return factory
+    if name.partition(":")[0].lower() in BODY_KINDS or not is_import_spec(name):
+        return None
+    imported = import_object(name, "body factory")
+    if isinstance(imported, nn.Module) or not callable(imported):
+        raise ConfigError(f"body factory {name!r} is a {type(imported).__name__}, not a "
+                          "zero-argument callable returning a torch.nn.Module (a function or a "
+                          "class)")
+    return imported  # type: ignore[return-value]
 
 
 def parse_body_spec(spec: str) -> tuple[str, tuple[int, ...]]:
     """Split ``"mlp:200-200"`` into ``("mlp", (200, 200))``.
 
+    A registered name (:func:`register_body`) or a ``package.module:attribute`` spec parses
+    to ``(spec, ())`` (nothing is imported here; :func:`build_body` does that).
+
     Raises:
         ConfigError: listing the valid forms, for an unknown kind or malformed widths.
     """
+    if isinstance(spec, str):
+        name = spec.strip()
+        with _LOCK:
+            registered = name in _REGISTRY
+        if registered or (is_import_spec(name)
+                          and name.partition(":")[0].lower() not in BODY_KINDS):
+            return name, ()
     if not isinstance(spec, str):
         raise ConfigError(f"body spec must be a string, got {type(spec).__name__}; "
                           f"valid forms: {_valid_forms()}")
     kind, _, sizes = spec.strip().partition(":")
     kind = kind.strip().lower()
     if kind not in BODY_KINDS:
+        if "<" in spec and ":" in spec:  # a callable's qualified name (body_spec)
+            raise ConfigError(
+                f"body {spec.strip()!r} names a callable passed as body= in another process "
+                "(a lambda or local function cannot be imported): register it here first with "
+                f"bayesfl.register_body({spec.strip()!r}, factory), or pass the callable again")
         raise ConfigError(f"unknown body kind in spec {spec!r}; valid forms: {_valid_forms()}")
     try:
         widths = tuple(int(w) for w in sizes.split("-")) if sizes.strip() else ()
@@ -101,8 +320,15 @@ def parse_body_spec(spec: str) -> tuple[str, tuple[int, ...]]:
 def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.Module:
     """Build the body described by ``spec`` for inputs of ``input_shape``.
 
+    A user's factory (a registered name or ``package.module:attribute``, module docstring) is
+    called and its module checked: it must be an ``nn.Module`` with float32 parameters, map a
+    probe batch of two zero inputs to ``(2, feature_dim)`` (skipped when built on the ``meta``
+    device, which computes nothing) and have the parameter names and shapes of the first module
+    the factory built for the same input shape and ``feature_dim`` in this process.
+
     Args:
-        spec: e.g. ``"mlp:200-200"`` or ``"cnn:16-32"`` (module docstring).
+        spec: e.g. ``"mlp:200-200"``, ``"cnn:16-32"``, a registered name or
+            ``"package.module:attribute"`` (module docstring).
         input_shape: shape of one input, without the batch dimension.
         feature_dim: number of output features d.
 
@@ -111,8 +337,9 @@ def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.
         features; its parameters are on the CPU in float32 (move it with ``.to(device)``).
 
     Raises:
-        ConfigError: a bad spec, a non-positive ``feature_dim``, or a CNN for an input that is
-            not an image.
+        ConfigError: a bad spec, a non-positive ``feature_dim``, a CNN for an input that is
+            not an image; a user factory that raises, returns no module, or whose module fails
+            the checks above (the message names the factory).
     """
     kind, widths = parse_body_spec(spec)
     shape = tuple(int(s) for s in input_shape)
@@ -121,6 +348,9 @@ def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.
                           f"{input_shape}")
     if not isinstance(feature_dim, int) or feature_dim < 1:
         raise ConfigError(f"feature_dim must be a positive integer, got {feature_dim!r}")
+    factory = body_factory(kind) if not widths else None
+    if factory is not None:
+        return _user_body(kind, factory, shape, feature_dim)
     if kind == "mlp":
         return _mlp(math.prod(shape), widths, feature_dim)
     image = _image_shape(shape, spec)
@@ -133,6 +363,42 @@ def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.
     if kind == "lg-cnn-cifar":
         return _lenet(image, [(6, True), (16, True)], [120, feature_dim])
     return _cnn(image, widths, feature_dim)
+
+
+def _user_body(
+    name: str, factory: BodyFactory, shape: tuple[int, ...], feature_dim: int
+) -> nn.Module:
+    """Call a user's factory and check its module (:func:`build_body`)."""
+    what = f"body factory {name!r}"
+    try:
+        body = factory()
+    except Exception as err:  # whatever the user's code raises, said in one place
+        raise ConfigError(f"{what} raised {type(err).__name__}: {err}; it must build a "
+                          "torch.nn.Module when called with no arguments") from err
+    if not isinstance(body, nn.Module):
+        raise ConfigError(f"{what} returned a {type(body).__name__}, not a torch.nn.Module; "
+                          "it must return a fresh module mapping (B, *input_shape) to "
+                          f"(B, feature_dim={feature_dim})")
+    wrong = sorted({str(p.dtype) for p in body.parameters() if p.dtype != torch.float32})
+    if wrong:
+        raise ConfigError(f"{what} returned a module with {', '.join(wrong)} parameters; "
+                          "bodies are trained in float32 (the data are float32): build it in "
+                          "float32 (drop .double() / .half())")
+    layout = tuple((key, tuple(t.shape)) for key, t in body.state_dict().items())
+    with _LOCK:
+        first = _ARCHITECTURES.setdefault((name, shape, feature_dim), layout)
+    if layout != first:
+        differ = sorted(set(layout) ^ set(first))[:3]
+        raise ConfigError(
+            f"{what} built a different architecture than on its first call for input shape "
+            f"{shape} (parameters differing: {differ}); every client of one body spec must "
+            "have the same parameter names and shapes (they train as one batch, and "
+            "strategies that average bodies need them alike): build the module "
+            "deterministically, or register each architecture under its own name")
+    on_meta = any(t.is_meta for t in [*body.parameters(), *body.buffers()])
+    if not on_meta:
+        check_feature_dim(body, shape, feature_dim, name=what)
+    return body
 
 
 def _mlp(in_features: int, widths: Sequence[int], feature_dim: int) -> nn.Module:
@@ -259,14 +525,17 @@ class ResNet8(nn.Module):
         return self.proj(x)
 
 
-def check_feature_dim(body: nn.Module, input_shape: tuple[int, ...], feature_dim: int) -> None:
+def check_feature_dim(body: nn.Module, input_shape: tuple[int, ...], feature_dim: int, *,
+                      name: str = "body") -> None:
     """Run a batch of two zero inputs through ``body`` and check it yields (2, feature_dim).
 
     The probe runs without gradients, in eval mode (the training mode is restored), on the
     device and dtype of the body's first parameter (CPU float32 for a parameter-free body).
+    ``name`` is what the messages call the body (e.g. ``"body factory 'mypkg:make'"``).
 
     Raises:
-        ConfigError: the body fails on such inputs or returns another shape.
+        ConfigError: the body fails on such inputs (whatever it raises) or returns another
+            shape.
     """
     first = next(body.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -277,11 +546,13 @@ def check_feature_dim(body: nn.Module, input_shape: tuple[int, ...], feature_dim
     try:
         with torch.no_grad():
             out = body(probe)
-    except (RuntimeError, ValueError) as err:
-        raise ConfigError(f"body fails on inputs of shape {tuple(input_shape)}: {err}") from err
+    except Exception as err:  # a user's body may raise anything on a shape it cannot take
+        raise ConfigError(f"{name} fails on inputs of shape {tuple(input_shape)}: "
+                          f"{type(err).__name__}: {err}") from err
     finally:
         body.train(was_training)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, feature_dim):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"body output for a batch of 2 is {got}, expected (2, {feature_dim}): "
-                          f"every client body must end in feature_dim={feature_dim}")
+        raise ConfigError(f"{name} output for a batch of 2 is {got}, expected "
+                          f"(2, {feature_dim}): every client body must end in "
+                          f"feature_dim={feature_dim}")

@@ -44,10 +44,20 @@ def git_commit(directory: Path | None = None) -> str | None:
 
 def build_manifest(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     """Config (with its seed), versions of Python and packages, platform, git commit, time,
-    and the ``extra`` entries (e.g. the data's identity, the thread count)."""
+    and the ``extra`` entries (e.g. the data's identity, the thread count).
+
+    A run whose ``body`` names the user's own factories (a callable passed as ``body=``, a
+    registered name, ``package.module:attribute``) also gets ``body_factories``
+    (:func:`bayesfl.bodies.body_provenance`: each factory's qualified name, whether a new
+    process can import it, and what resuming or loading the run needs, since a callable cannot
+    be serialised)."""
+    from bayesfl.bodies import body_provenance
+
+    factories = body_provenance(config.get("body"))
     return {
         "config": dict(config),
         "seed": config.get("seed"),
+        **({"body_factories": factories} if factories else {}),
         **extra,
         "python": sys.version.split()[0],
         "platform": platform.platform(),

@@ -24,9 +24,11 @@ from bayesfl.errors import CheckpointError, ConfigError
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 METRICS_NAME = "metrics.jsonl"
+RESULT_NAME = "result.safetensors"
+"""The finished run's final states, written last (:mod:`bayesfl.run_result`, ``load_run``)."""
 
 RUN_FILES = (METRICS_NAME, "summary.json", "manifest.json", "partition.txt", "partition.json",
-             "predictions.npz", "accuracy.png", "reliability.png", CHECKPOINT_NAME)
+             "predictions.npz", "accuracy.png", "reliability.png", CHECKPOINT_NAME, RESULT_NAME)
 """The files a run writes into its directory (``force`` removes these and nothing else)."""
 
 
@@ -67,17 +69,19 @@ def prepare_run_directory(path: Path, *, resume: bool, force: bool) -> None:
 
 def remove_run_files(path: Path) -> None:
     """Delete the files a run writes into ``path`` (and checkpoint temp files), no others."""
-    _remove(path, lambda name: name in RUN_FILES or _is_checkpoint_temp(name))
+    _remove(path, lambda name: name in RUN_FILES or _is_temp(name))
 
 
 def remove_stale_temp_files(path: Path) -> None:
     """Delete the temporary files of checkpoint writes that a killed run left in ``path``
     (an atomic write renames its temp file; one that is still there was never finished)."""
-    _remove(path, _is_checkpoint_temp)
+    _remove(path, _is_temp)
 
 
-def _is_checkpoint_temp(name: str) -> bool:
-    return name.startswith(f".{CHECKPOINT_NAME}.") and name.endswith(".tmp")
+def _is_temp(name: str) -> bool:
+    """A temp file of an atomic write of the checkpoint or the run result."""
+    return name.endswith(".tmp") and (name.startswith(f".{CHECKPOINT_NAME}.")
+                                      or name.startswith(f".{RESULT_NAME}."))
 
 
 def _remove(path: Path, chosen: Callable[[str], bool]) -> None:
@@ -154,5 +158,5 @@ def _short(items: list[Any]) -> str:
     return str(items) if len(items) <= 6 else f"[{items[0]}, {items[1]}, ..., {items[-1]}]"
 
 
-__all__ = ["CHECKPOINT_NAME", "METRICS_NAME", "RUN_FILES", "MetricsLog", "parse_metrics",
-           "prepare_run_directory", "remove_run_files", "remove_stale_temp_files"]
+__all__ = ["CHECKPOINT_NAME", "METRICS_NAME", "RESULT_NAME", "RUN_FILES", "MetricsLog",
+           "parse_metrics", "prepare_run_directory", "remove_run_files", "remove_stale_temp_files"]

@@ -209,7 +209,7 @@ def simulate(
     upload_hook: UploadHook | None = None,
     round_callback: RoundCallback | None = None,
     broadcast_hook: BroadcastHook | None = None,
-    data: Dataset | None = None,
+    data: Dataset | tuple[Any, Any] | None = None,
     **options: Any,
 ) -> SimulationResult:
     """Run a federated experiment (module docstring) and return its results.
@@ -230,10 +230,14 @@ def simulate(
         upload_hook: transforms each encoded upload before the server receives it.
         round_callback: called after each complete round with its metrics record.
         broadcast_hook: called with each round's encoded broadcast.
-        data: a pre-loaded pooled data set instead of loading ``dataset`` by name; its
+        data: a pre-loaded pooled data set, or your own arrays
+            ``(x, y)`` (:meth:`bayesfl.data.Dataset.from_arrays`), instead of loading
+            ``dataset`` by name; its
             identity (shapes and a SHA-256 of its contents) is recorded and fingerprinted, so
             its run resumes only with the same data.
-        **options: the other :class:`SimulationConfig` fields (body, feature_dim,
+        **options: the other :class:`SimulationConfig` fields (body: a spec string or
+            your own zero-argument factory of a ``torch.nn.Module``, :mod:`bayesfl.bodies`;
+            feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
             novel_fraction, strategy_options, dataset_options).
 
@@ -250,8 +254,7 @@ def simulate(
     for name, flag in (("resume", resume), ("force", force), ("progress", progress)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name} must be True or False, got {flag!r}")
-    if data is not None and not isinstance(data, Dataset):
-        raise ConfigError(f"data must be a bayesfl.data.Dataset, got {type(data).__name__}")
+    data, options = _user_data_and_body(data, options)
     if dataset is None:
         dataset = "digits" if data is None else "custom"
     config = SimulationConfig(strategy=strategy, dataset=dataset, clients=clients,
@@ -267,8 +270,25 @@ def simulate(
         run = _Run(config, run_dir, data=data, resume=resume)
         run.threads = threads
         run.broadcast_hook = broadcast_hook
-        return run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
-                           round_callback=round_callback)
+        result = run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
+                             round_callback=round_callback)
+    if run_dir is not None:  # last: a directory with it holds a finished run (load_run)
+        from bayesfl.run_result import save_run_result
+
+        save_run_result(run_dir, result)
+    return result
+
+
+def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | None, dict]:
+    """``data=(x, y)`` as a :class:`Dataset`; a callable ``body`` (or a list with some)
+    registered as a body spec under its qualified name (:func:`bayesfl.bodies.body_spec`)."""
+    from bayesfl.bodies import body_spec
+    from bayesfl.data.datasets import as_dataset
+
+    body = options.get("body")
+    if callable(body) or isinstance(body, list | tuple):
+        options = {**options, "body": body_spec(body)}
+    return (None if data is None else as_dataset(data)), options
 
 
 class _Run:

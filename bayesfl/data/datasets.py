@@ -32,6 +32,10 @@
   code takes the first 3,000 MNIST images). Pixels are scaled to [0, 1] (no normalisation);
   shapes (1, 28, 28) and (3, 32, 32).
 
+Your own data: ``Dataset.from_arrays(x, y)`` (or ``simulate(data=(x, y))``, which calls it)
+takes NumPy arrays or torch tensors, ``x`` real-valued ``(N, *input_shape)`` and ``y`` integer
+labels ``(N,)`` in ``0..C-1``, checked (:meth:`Dataset.from_arrays`) and copied.
+
 Every data set is pooled; clients and their train/test splits come from
 :func:`bayesfl.data.clients.make_clients`. Options are checked for their type and lower bound
 (:func:`check_dataset_options`; a run does so when its configuration is built) before anything
@@ -97,6 +101,129 @@ class Dataset:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        x: Any,
+        y: Any,
+        *,
+        num_classes: int | None = None,
+        name: str = "custom",
+    ) -> Dataset:
+        """A pooled data set from your own arrays (NumPy arrays or torch tensors).
+
+        The arrays are copied (inputs to float32, labels to int64), so changing them later
+        does not change the data set or its digest. Clients, their train/test splits (the
+        run's ``test_fraction``, per client and class) and the partition come from
+        :func:`bayesfl.data.clients.make_clients`, as for the named data sets.
+
+        Args:
+            x: inputs ``(N, *input_shape)`` of any real dtype (bool and complex are refused),
+                all finite; one feature per sample is ``(N, 1)``, an image ``(N, C, H, W)``.
+            y: integer labels ``(N,)`` in ``0..num_classes - 1`` (floats that are whole
+                numbers are refused too: pass ``y.astype(int)``).
+            num_classes: C; default ``max(y) + 1``. Pass it when the highest class is absent
+                from ``y``.
+            name: a label for the data (reports; a run records custom data as ``"custom"``
+                with a SHA-256 of the contents).
+
+        Returns:
+            A :class:`Dataset` with ``input_shape == x.shape[1:]``.
+
+        Raises:
+            DataError: arrays that are not numeric, of the wrong rank, of different lengths,
+                with NaN or infinite inputs, labels outside ``0..C-1``, fewer than two samples
+                or classes, or more than :data:`MAX_ARRAY_ELEMENTS` input values or
+                :data:`MAX_CLASSES` classes.
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise DataError(f"name must be a non-empty string, got {name!r}")
+        inputs = _as_array(x, "x")
+        labels = _as_array(y, "y")
+        if inputs.ndim < 2:
+            raise DataError(f"x must have shape (N, *input_shape), got {inputs.shape}; one "
+                            "feature per sample is x.reshape(-1, 1)")
+        if labels.ndim != 1:
+            raise DataError(f"y must be a vector of N labels, got shape {labels.shape} (one-hot "
+                            "labels: pass y.argmax(axis=1))")
+        if len(inputs) != len(labels):
+            raise DataError(f"x holds {len(inputs)} samples and y {len(labels)} labels; they "
+                            "must have the same length")
+        if len(labels) < 2:
+            raise DataError(f"{len(labels)} sample(s): a federated run needs at least two")
+        if inputs.size > MAX_ARRAY_ELEMENTS:
+            raise DataError(f"x holds {inputs.size:,} values, more than the limit "
+                            f"{MAX_ARRAY_ELEMENTS:,} (8 GiB of float32); subsample or "
+                            "downscale the inputs")
+        if inputs.dtype.kind not in "iuf":
+            raise DataError(f"x must hold real numbers, got dtype {inputs.dtype}")
+        if labels.dtype.kind not in "iu":
+            raise DataError(f"y must hold integer class labels, got dtype {labels.dtype}; "
+                            "pass y.astype(int) (or map class names to 0..C-1 first)")
+        values = inputs.astype(np.float32)  # a copy: the caller's array stays theirs
+        if not np.isfinite(values).all():
+            bad = int((~np.isfinite(values)).sum())
+            raise DataError(f"x holds {bad} NaN or infinite value(s) (after conversion to "
+                            "float32: values beyond +-3.4e38 overflow); remove or impute them")
+        low, high = int(labels.min()), int(labels.max())
+        if num_classes is None:
+            num_classes = high + 1
+        elif isinstance(num_classes, bool) or not isinstance(num_classes, int | np.integer):
+            raise DataError(f"num_classes must be an integer, got {num_classes!r}")
+        num_classes = int(num_classes)
+        if not 2 <= num_classes <= MAX_CLASSES:
+            raise DataError(f"num_classes is {num_classes}; it must lie between 2 and "
+                            f"{MAX_CLASSES:,} (labels 0..C-1; a classifier needs two classes)")
+        if low < 0 or high >= num_classes:
+            raise DataError(f"labels must lie in 0..{num_classes - 1}, found {low}..{high}; "
+                            "map them to 0..C-1 (e.g. np.unique(y, return_inverse=True)) or "
+                            "pass num_classes")
+        return cls(name.strip(), torch.from_numpy(values),
+                   torch.from_numpy(labels.astype(np.int64, copy=True)), num_classes,
+                   tuple(int(s) for s in values.shape[1:]))
+
+
+MAX_ARRAY_ELEMENTS = 2**31
+"""Most input values :meth:`Dataset.from_arrays` takes (8 GiB as float32): the data set, its
+client copies and the run's batches must fit in memory together."""
+
+MAX_CLASSES = 10_000
+"""Most classes :meth:`Dataset.from_arrays` takes: heads and FedLog's statistics grow as
+C x (feature_dim + 1), and a class needs samples at enough clients to be learnt."""
+
+
+def _as_array(value: Any, what: str) -> np.ndarray:
+    """``value`` (a NumPy array, a torch tensor or nested lists) as a NumPy array, no copy."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise DataError(f"{what} must hold real numbers, got a {value.dtype} tensor")
+        return value.detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as err:
+        raise DataError(f"{what} is not an array ({err})") from err
+    if array.dtype.kind not in "iuf":
+        raise DataError(f"{what} must be a NumPy array or torch tensor of real numbers, got "
+                        f"dtype {array.dtype} ({type(value).__name__})")
+    return array
+
+
+def as_dataset(data: Any) -> Dataset:
+    """``data`` for :func:`bayesfl.simulate`: a :class:`Dataset` as is, or an ``(x, y)`` pair
+    through :meth:`Dataset.from_arrays`.
+
+    Raises:
+        ConfigError: anything else (the message shows the two forms).
+        DataError: arrays :meth:`Dataset.from_arrays` refuses.
+    """
+    if isinstance(data, Dataset):
+        return data
+    if isinstance(data, tuple | list) and len(data) == 2:
+        return Dataset.from_arrays(data[0], data[1])
+    raise ConfigError(f"data must be a bayesfl.data.Dataset or a pair (x, y) of arrays, got "
+                      f"{type(data).__name__}; e.g. simulate(data=(x, y)) or "
+                      "data=Dataset.from_arrays(x, y, num_classes=10)")
 
 
 def dataset_identity(dataset: Dataset, *, custom: bool = False) -> dict[str, Any]:
