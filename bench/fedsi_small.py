@@ -76,6 +76,7 @@ METHODS: dict[str, tuple[str, dict[str, Any], float]] = {
     "FedPer (Laplace head)": ("fedper", {"local_layers": 1, "head": "laplace"}, 1e-3),
     "FedAvg-FT (Laplace head)": ("fedavg-ft", {"head": "laplace"}, 1e-3),
     "FedLog (evidence scale)": ("fedlog", {"feature_scale": "evidence"}, 1e-3),
+    "FedLog (held-out scale)": ("fedlog", {"feature_scale": "heldout"}, 1e-3),
     "FedSI (prior var 1e-4)": ("fedsi", {"prior_var": 1e-4}, 1e-2),
     "FedSI (prior var 1e-3)": ("fedsi", {"prior_var": 1e-3}, 1e-2),
     "FedSI (prior var 1e-1)": ("fedsi", {"prior_var": 1e-1}, 1e-2),

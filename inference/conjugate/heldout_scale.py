@@ -1,0 +1,95 @@
+"""The feature scale chosen by held-out label likelihood, from sums a federation can add.
+
+:func:`~inference.conjugate.feature_scale.fit_conjugate_head`'s ``"validation"`` criterion,
+``sum_i -log p(y_i | s phi_i, W*(s))`` over held-out examples, with ``W*(s)`` the conjugate MAP
+of the *training* statistics at scale ``s``, is a sum over examples: each client can evaluate
+its own share on a fixed grid of ``s`` and the server adds the clients' vectors. The grid is
+:data:`HELDOUT_SCALE_GRID` (1/32 to 8, four points an octave: a step of 19% in ``s``), and the
+choice is the grid's minimum refined by the parabola through it and its two neighbours in
+``log s`` (:func:`scale_from_grid`), so it is a deterministic function of the summed vector.
+
+Why held-out data: a body trained on its examples maps them closer to their class means than
+new examples, so every criterion of training features (their label likelihood, the model's own
+evidence) leans to an overconfident scale; held-out examples see the spread new data have.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from inference.conjugate.posterior import ConjugatePosterior
+from inference.conjugate.prior import ConjugatePrior
+from inference.conjugate.statistics import SufficientStatistics
+from inference.errors import InvalidInputError
+
+HELDOUT_SCALE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-20, 13))
+"""33 feature scales, ``2^(k/4)`` for ``k = -20 .. 12`` (1/32 to 8)."""
+
+
+def heldout_nll_grid(
+    statistics: SufficientStatistics,
+    prior: ConjugatePrior,
+    features: Tensor,
+    labels: Tensor,
+    grid: tuple[float, ...] = HELDOUT_SCALE_GRID,
+) -> Tensor:
+    """Summed held-out label NLL (nats) of the MAP head at every scale of ``grid``.
+
+    Args:
+        statistics: the training statistics ``(C, m)`` the heads are solved from.
+        prior: the conjugate prior.
+        features: ``(V, m - 1)`` held-out body features; labels: ``(V,)`` int in ``[0, C)``.
+        grid: scales ``s > 0``.
+
+    Returns:
+        ``(len(grid),)`` float64 on the CPU: ``sum_i -log softmax(W*(s) [1, phi_i])[y_i]``
+        (the head ``W*(s)`` acts on the unscaled features; zeros when ``V = 0``).
+    """
+    if features.ndim != 2 or features.shape[1] != statistics.feature_dim:
+        raise InvalidInputError(f"held-out features must be (V, {statistics.feature_dim}), got "
+                                f"{tuple(features.shape)}")
+    if labels.shape != (features.shape[0],):
+        raise InvalidInputError(f"held-out labels must be ({features.shape[0]},), got "
+                                f"{tuple(labels.shape)}")
+    if features.shape[0] == 0:
+        return torch.zeros(len(grid), dtype=torch.float64)
+    device = statistics.device
+    inputs = torch.cat([torch.ones_like(features[:, :1]), features], dim=1).to(
+        device=device, dtype=torch.float64)
+    labels = labels.to(device=device, dtype=torch.int64)
+    sums = []
+    for scale in grid:
+        head = ConjugatePosterior(prior, statistics, feature_scale=scale).map()
+        sums.append(torch.nn.functional.cross_entropy(inputs @ head.T, labels, reduction="sum"))
+    return torch.stack(sums).to(device="cpu", dtype=torch.float64)
+
+
+def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID) -> float:
+    """The scale minimising the summed held-out NLL ``nll`` ``(len(grid),)`` over ``grid``.
+
+    The grid's argmin (the smallest scale among ties), moved to the vertex of the parabola in
+    ``log s`` through it and its two neighbours when that vertex lies between them (an interior
+    minimum of a convex fit); at the grid's ends the end itself.
+
+    Raises:
+        InvalidInputError: ``nll`` of the wrong shape or not finite.
+    """
+    nll = nll.to(torch.float64)
+    if nll.shape != (len(grid),) or not bool(torch.isfinite(nll).all()):
+        raise InvalidInputError(f"held-out NLL must be {len(grid)} finite numbers, got shape "
+                                f"{tuple(nll.shape)}")
+    best = int(torch.argmin(nll))
+    if best == 0 or best == len(grid) - 1:
+        return grid[best]
+    x0, x1, x2 = (math.log(grid[best + k]) for k in (-1, 0, 1))
+    y0, y1, y2 = (float(nll[best + k]) for k in (-1, 0, 1))
+    curvature = (y2 - y1) / (x2 - x1) - (y1 - y0) / (x1 - x0)
+    if curvature <= 0:
+        return grid[best]
+    # vertex of the parabola through the three points (equal spacing h in log s)
+    h = x1 - x0
+    vertex = x1 - h * (y2 - y0) / (2 * (y2 - 2 * y1 + y0))
+    return math.exp(min(max(vertex, x0), x2))

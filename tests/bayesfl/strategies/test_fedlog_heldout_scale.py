@@ -1,0 +1,189 @@
+"""FedLog's ``feature_scale="heldout"``: every client keeps a fixed stratified share of its
+training examples out of training and out of its statistics, scores it on a grid of scales under
+the broadcast statistics, and the server takes the scale of least summed held-out NLL — equal to
+the choice on the pooled held-out examples."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from strategy_helpers import NUM_CLASSES, evaluation_broadcast, network_output, run_round, wire
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message
+from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
+from inference.conjugate.heldout_scale import HELDOUT_SCALE_GRID, scale_from_grid
+
+FRACTION = 0.25
+
+
+def heldout_of(strategy, client):
+    """(kept, held-out) ClientData of a client under the strategy's split."""
+    return strategy.split_heldout(client.data)
+
+
+def pooled_heldout_nll(strategy, clients, statistics):
+    """The summed held-out NLL on the grid over all clients, computed here from scratch: the
+    clients' current bodies on their held-out inputs, the MAP head of ``statistics`` at each
+    scale, log-softmax by hand."""
+    totals = torch.zeros(len(HELDOUT_SCALE_GRID), dtype=torch.float64)
+    for c in clients:
+        _, held = heldout_of(strategy, c)
+        feats = network_output(strategy, c, held.train_x).double()
+        phi = torch.cat([torch.ones(len(feats), 1, dtype=torch.float64), feats], 1)
+        for g, s in enumerate(HELDOUT_SCALE_GRID):
+            W = ConjugatePosterior(ConjugatePrior(nu=1.0), statistics, feature_scale=s).map()
+            logp = torch.log_softmax(phi @ W.T, dim=1)
+            totals[g] -= logp[torch.arange(len(held.train_y)), held.train_y].sum()
+    return totals
+
+
+def test_the_held_out_share_is_stratified_fixed_and_never_in_the_statistics(build):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, ups = run_round(strategy, clients, state, 0)
+    for c, u in zip(clients, ups, strict=True):
+        kept, held = heldout_of(strategy, c)
+        assert kept.num_train + held.num_train == c.data.num_train
+        assert held.num_train == round(c.data.num_train * FRACTION)
+        # the same share in every call (seeded by the run seed and the client id)
+        again = heldout_of(strategy, c)[1]
+        assert torch.equal(again.train_x, held.train_x)
+        # the upload counts only the kept examples, and its class counts are theirs
+        assert float(u.tensors["num_samples"]) == kept.num_train
+        counts = torch.bincount(kept.train_y, minlength=NUM_CLASSES).double()
+        torch.testing.assert_close(u.tensors["statistics"][:, 0].double(), counts)
+        # no held-out row is a kept row
+        rows = {tuple(r.tolist()) for r in kept.train_x}
+        assert not any(tuple(r.tolist()) in rows for r in held.train_x)
+
+
+def test_round_0_scores_nothing_and_the_scale_stays_1(build):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, ups = run_round(strategy, clients, state, 0)
+    for u in ups:
+        assert float(u.tensors["heldout_count"]) == 0
+        assert not bool(u.tensors["heldout_nll"].any())
+    assert float(state["feature_scale"]) == 1.0
+
+
+def test_the_servers_scale_is_the_pooled_held_out_choice(build):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION,
+                                     upload_dtype="float64")
+    state, _ = run_round(strategy, clients, state, 0)
+    statistics = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
+                                      privatized=True)
+    # round 1's clients score with the bodies that made round 0's statistics, before training
+    expected = pooled_heldout_nll(strategy, clients, statistics)
+    before = copy.deepcopy(clients)
+    state, ups = run_round(strategy, clients, state, 1)
+    total = torch.stack([u.tensors["heldout_nll"] for u in ups]).sum(0)
+    # float64 throughout; sums of the same terms in another order: 1e-10 relative
+    torch.testing.assert_close(total, expected, rtol=1e-10, atol=0)
+    assert float(sum(u.tensors["heldout_count"] for u in ups)) == sum(
+        heldout_of(strategy, c)[1].num_train for c in before)
+    scale = float(state["feature_scale"])
+    assert scale == scale_from_grid(expected)
+    assert strategy.server_metrics(state) == {"feature_scale": scale}
+    # the head is the MAP of this round's summed statistics at that scale
+    stats = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
+                                 privatized=True)
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=scale).map()
+    torch.testing.assert_close(state["head"].double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
+
+
+def test_the_broadcast_is_the_statistics_and_the_scale_not_the_head(build):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, _ = run_round(strategy, clients, state, 0)
+    state, _ = run_round(strategy, clients, state, 1)
+    down = wire(strategy.configure(state, 2).broadcast)
+    assert set(down.tensors) == {"statistics", "num_samples", "feature_scale"}
+    target = strategy.broadcast.training_target(down, strategy)
+    # the head each client trains through is the server's (solved from the same wire table)
+    head = torch.cat([target.bias[:, None], target.weight], 1)
+    torch.testing.assert_close(head.double(), state["head"].double(), rtol=0, atol=1e-6)
+    evaluation = evaluation_broadcast(strategy, state, 1)
+    assert float(evaluation.tensors["feature_scale"]) == float(state["feature_scale"])
+
+
+def test_fit_group_uploads_what_fit_uploads(build):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, _ = run_round(strategy, clients, state, 0)
+    twins = copy.deepcopy(clients)
+    _, plain = run_round(strategy, clients, state, 1, batched=False)
+    _, batch = run_round(strategy, twins, state, 1, batched=True)
+    for a, b in zip(plain, batch, strict=True):
+        assert float(a.tensors["heldout_count"]) == float(b.tensors["heldout_count"]) > 0
+        # vmapped and plain forward passes differ in float32 rounding only
+        torch.testing.assert_close(a.tensors["heldout_nll"], b.tensors["heldout_nll"],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_the_choice_follows_the_held_out_data(build):
+    """Scores favouring small scales pull the server's choice there, large ones the other way
+    (a server ignoring the scores would keep s = 1 or one fixed value)."""
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, ups = run_round(strategy, clients, state, 0)
+    logs = torch.tensor([math.log(s) for s in HELDOUT_SCALE_GRID], dtype=torch.float64)
+    chosen = []
+    for target in (0.1, 3.0):
+        bowl = (logs - math.log(target)) ** 2 + 1.0
+        forged = [wire(Message(u.header, {**u.tensors, "heldout_nll": bowl / 3,
+                                          "heldout_count": torch.ones(1, dtype=torch.float64)}))
+                  for u in ups]
+        new = strategy.aggregate(state, forged, 1, torch.Generator().manual_seed(1))
+        chosen.append(float(new["feature_scale"]))
+    # an exact quadratic in log s: the parabola's vertex is the target itself
+    assert chosen == pytest.approx([0.1, 3.0], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda t: {"heldout_nll": t["heldout_nll"] - 1e3}, ">= 0"),
+        (lambda t: {"heldout_nll": t["heldout_nll"].fill_(math.nan)}, "non-finite|finite"),
+        (lambda t: {"heldout_count": t["heldout_count"] + 0.5}, "whole number"),
+        (lambda t: {"heldout_count": t["heldout_count"] + 1e6}, "exceeds"),
+        (lambda t: {"heldout_count": t["heldout_count"] * 0,
+                    "heldout_nll": t["heldout_nll"] + 1.0}, "0 with no held-out"),
+        (lambda t: {"heldout_nll": t["heldout_nll"][:3]}, "shape"),
+    ],
+)
+def test_impossible_held_out_scores_are_rejected_with_a_reason(build, change, reason):
+    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
+    state, _ = run_round(strategy, clients, state, 0)
+    plan = strategy.configure(state, 1)
+    _, ups = run_round(strategy, clients, state, 1)
+    tensors = {k: v.clone() for k, v in ups[0].tensors.items()}
+    bad = wire(Message(ups[0].header, {**tensors, **change(tensors)}))
+    with pytest.raises(MessageRejected, match=reason):
+        strategy.validate_upload(plan, bad, 0)
+
+
+@pytest.mark.parametrize("value", [0, 0.5, 1.0, -0.1, True, "0.1"])
+def test_a_held_out_fraction_outside_0_to_a_half_is_a_config_error(build, value):
+    with pytest.raises(ConfigError, match=r"heldout_fraction must be a number in \(0, 0.5\)"):
+        build("fedlog", feature_scale="heldout", heldout_fraction=value)
+
+
+def test_held_out_scale_with_median_statistics_is_a_config_error(build):
+    with pytest.raises(ConfigError, match="statistics_aggregation='sum'"):
+        build("fedlog", feature_scale="heldout", statistics_aggregation="median")
+
+
+@pytest.mark.parametrize("name", ["fedlog-dp-local", "fedlog-dp-central"])
+def test_dp_variants_refuse_the_held_out_scale(build, name):
+    with pytest.raises(ConfigError, match="keeps feature_scale = 1"):
+        build(name, feature_scale="heldout")
+
+
+def test_a_client_with_one_training_example_keeps_it_and_scores_nothing(build):
+    strategy, clients, state = build("fedlog", sizes=(1, 12), feature_scale="heldout",
+                                     heldout_fraction=FRACTION)
+    state, _ = run_round(strategy, clients, state, 0)
+    state, ups = run_round(strategy, clients, state, 1)
+    assert float(ups[0].tensors["num_samples"]) == 1
+    assert float(ups[0].tensors["heldout_count"]) == 0
+    assert float(ups[1].tensors["heldout_count"]) == 3
+    assert np.isfinite(float(state["feature_scale"]))
