@@ -313,6 +313,11 @@ class _Restart(Exception):  # noqa: N818 - control flow: some participant was dr
     pass
 
 
+Ask = Callable[[int, bytes, Sequence[int]], Mapping[int, "bytes | str"]]
+"""``ask(step, encoded_proposal, client_ids) -> client id -> encoded reply, or why none came``:
+how the search reaches the clients (in this process, or over a transport's channel)."""
+
+
 def federated_temperature_search(
     clients: Sequence[TemperatureClient],
     num_classes: int,
@@ -327,16 +332,46 @@ def federated_temperature_search(
     search restarts over the rest (module docstring). With ``keys`` every message carries an
     HMAC (the server's key down, each client's own key up), as the run's other messages do.
     """
-    outcome = FederatedTemperature(fit=None, participants=[c.client_id for c in clients])
-    active = list(clients)
+    server_key = None if keys is None else keys.server_key
+    by_id = {c.client_id: c for c in clients}
+
+    def ask(step: int, down: bytes, client_ids: Sequence[int]) -> dict[int, bytes | str]:
+        answers: dict[int, bytes | str] = {}
+        for cid in client_ids:
+            client_key = None if keys is None else keys.client_key(cid)
+            try:  # the client's side, from the bytes it received
+                answers[cid] = encode(by_id[cid].reply(decode(down, key=server_key)),
+                                      key=client_key)
+            except (BayesFLError, CalibrationError, ValueError) as err:
+                answers[cid] = f"client failed to answer: {err}"
+        return answers
+
+    return temperature_search_over(ask, list(by_id), num_classes, bounds=bounds,
+                                   upload_hook=upload_hook, keys=keys)
+
+
+def temperature_search_over(
+    ask: Ask,
+    client_ids: Sequence[int],
+    num_classes: int,
+    *,
+    bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
+    upload_hook: UploadHook | None = None,
+    keys: KeyRing | None = None,
+) -> FederatedTemperature:
+    """:func:`federated_temperature_search` with the clients reached through ``ask`` (the
+    Flower ServerApp asks its SuperNodes); the same validation, restarts and byte counts."""
+    outcome = FederatedTemperature(fit=None, participants=list(client_ids))
+    active = list(client_ids)
     while active:
         try:
-            outcome.fit = _search_once(active, num_classes, bounds, upload_hook, keys, outcome)
-            outcome.participants = [c.client_id for c in active]
+            outcome.fit = _search_once(ask, active, num_classes, bounds, upload_hook, keys,
+                                       outcome)
+            outcome.participants = list(active)
             return outcome
         except _Restart:
             dropped = {r["client_id"] for r in outcome.rejections}
-            active = [c for c in active if c.client_id not in dropped]
+            active = [c for c in active if c not in dropped]
             outcome.restarts += 1
         except CalibrationError as err:
             outcome.error = str(err)
@@ -347,7 +382,7 @@ def federated_temperature_search(
 
 
 def _search_once(
-    active: Sequence[TemperatureClient], num_classes: int, bounds: tuple[float, float],
+    ask: Ask, active: Sequence[int], num_classes: int, bounds: tuple[float, float],
     upload_hook: UploadHook | None, keys: KeyRing | None, outcome: FederatedTemperature,
 ) -> TemperatureFit:
     server_key = None if keys is None else keys.server_key
@@ -360,30 +395,29 @@ def _search_once(
         outcome.steps += 1
         outcome.bytes_down += len(down) * len(active)
         outcome.floats_down += len(active)
+        answers = ask(step, down, list(active))
         points: list[NLLDerivatives] = []
         rejected = False
-        for client in active:
-            client_key = None if keys is None else keys.client_key(client.client_id)
-            try:  # the client's side, from the bytes it received
-                up = encode(client.reply(decode(down, key=server_key)), key=client_key)
-            except (BayesFLError, CalibrationError, ValueError) as err:
-                outcome.rejections.append({"step": step, "client_id": client.client_id,
-                                           "reason": f"client failed to answer: {err}"})
+        for cid in active:
+            client_key = None if keys is None else keys.client_key(cid)
+            up = answers.get(cid, "no reply")
+            if isinstance(up, str):
+                outcome.rejections.append({"step": step, "client_id": cid, "reason": up})
                 rejected = True
                 continue
             if upload_hook is not None:
-                up = upload_hook(step, client.client_id, up)
+                up = upload_hook(step, cid, up)
             outcome.bytes_up += len(up) if isinstance(up, bytes | bytearray) else 0
             outcome.floats_up += 4
             try:
-                point = _received_reply(up, step, client.client_id, s, num_classes,
-                                        counts.get(client.client_id), client_key)
+                point = _received_reply(up, step, cid, s, num_classes, counts.get(cid),
+                                        client_key)
             except MessageRejected as err:
-                outcome.rejections.append({"step": step, "client_id": client.client_id,
+                outcome.rejections.append({"step": step, "client_id": cid,
                                            "reason": err.reason})
                 rejected = True
                 continue
-            counts[client.client_id] = point.count
+            counts[cid] = point.count
             points.append(point)
         if rejected:
             raise _Restart
@@ -538,4 +572,5 @@ __all__ = [
     "parse_calibrate",
     "reply_problem",
     "temperature_of",
+    "temperature_search_over",
 ]

@@ -68,6 +68,7 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
     RunSetup,
     novel_clients,
     round_half_up,
+    run_identity,
     run_setup,
     sample_clients,
 )
@@ -304,9 +305,7 @@ class _Run:
         # what the data really were (shapes and a digest of the contents) is part of the
         # fingerprint: a run resumes only with the data it started with
         self.data_identity = dataset_identity(self.dataset, custom=data is not None)
-        self.identity = {**config.to_dict(), "data": self.data_identity}
-        if config.novel_fraction == 0:  # runs without novel clients keep their fingerprints
-            del self.identity["novel_fraction"]
+        self.identity = run_identity(config, self.data_identity)
         self.fingerprint = config_fingerprint(self.identity)
         # the checkpoint to resume is read and compared before the data are partitioned or a
         # model is built: a foreign one fails at once, naming the settings that differ

@@ -57,10 +57,13 @@ class Reply:
 
 @dataclass
 class Collected:
-    """The replies of a step and its events (``{"client_id", "node_id", "step", "reason"}``)."""
+    """The replies of a step, its events (``{"client_id", "node_id", "step", "reason"}``) and
+    the replies that arrived but cannot be read (``unreadable``: client id -> why; a sampled
+    client's is a rejected upload)."""
 
     replies: dict[int, Reply] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    unreadable: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0
     seconds_waiting: float = 0.0
 

@@ -40,6 +40,16 @@ class RunSetup:
     context: StrategyContext
 
 
+def run_identity(config: SimulationConfig, data: Any) -> dict[str, Any]:
+    """What a run's checkpoint and its nodes are fingerprinted by: the configuration and the
+    data's identity (runs without novel clients leave ``novel_fraction`` out, so their
+    fingerprints are those of versions before it existed)."""
+    identity = {**config.to_dict(), "data": data}
+    if config.novel_fraction == 0:
+        del identity["novel_fraction"]
+    return identity
+
+
 def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) -> RunSetup:
     """The clients' data and the strategy context of a run (every transport
     calls it, so all build the same clients and strategy from the same config)."""
@@ -97,4 +107,5 @@ def round_half_up(x: float) -> int:
     return int(np.floor(x + 0.5))
 
 
-__all__ = ["RunSetup", "novel_clients", "round_half_up", "run_setup", "sample_clients"]
+__all__ = ["RunSetup", "novel_clients", "round_half_up", "run_identity", "run_setup",
+           "sample_clients"]

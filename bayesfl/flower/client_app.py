@@ -1,21 +1,29 @@
-"""The bayesfl ClientApp: a strategy's client half on one SuperNode's own partition.
+"""The bayesfl ClientApp: a strategy's client half on one SuperNode's own data.
 
 Each SuperNode is one client: ``node_config`` gives its ``partition-id`` (the client id) and
 ``num-partitions`` (which must equal the run's ``clients``). The node loads the data set named
-in the run config and keeps its own partition (:func:`bayesfl.simulate.run_setup`, the same
-clients the simulator builds for the same config and seed). One handler per step:
+in the run config and keeps its own partition (:func:`bayesfl.engine.setup.run_setup`, the
+same clients the simulator builds for the same config and seed), or, with the run config's
+``data-loader = "package.module:function"``, calls that function for its own data
+(:func:`site_data`; nothing is sent). Handlers:
 
 * ``query.info``: who the node is (client id, test-set size, the run's fingerprint, so the
   server can refuse a node set up with other data or settings);
-* ``train.fit``: decode the broadcast, :meth:`Strategy.fit` with the round's generator,
-  upload the encoded message;
-* ``train.personalize``: :meth:`Strategy.personalize` (strategies that personalise);
-* ``evaluate.evaluate``: :meth:`Strategy.evaluate`, reply with the calibration accumulator
-  states only (no prediction leaves the node).
+* ``train.round``: one message per round (:mod:`bayesfl.flower.protocol`): evaluate the
+  previous round's state with its evaluation broadcast (accumulator states only: no prediction
+  leaves the node), then fit on the round's broadcast; the last message of a run evaluates
+  and, for strategies that do, personalises and evaluates the personalised state;
+* ``query.calibrate``: the temperature-scaling step (:mod:`bayesfl.calibrate`) on the node's
+  held-out data, then its temperature-scaled evaluation.
 
 The client state lives in ``context.state`` between rounds (safetensors bytes of the state's
 named tensors in a ConfigRecord; no pickle). A handler that fails raises: Flower turns that
-into an error reply, which the server logs and survives.
+into an error reply, which the server logs and survives; an evaluation that fails is reported
+in the reply (``evaluation-error``) and the fit goes on.
+
+Flower starts a fresh process per message, so everything this module imports is paid per
+message: it imports Flower's app types only, and bayesfl, torch and the strategy inside the
+handlers (each handler needs them; nothing else is loaded).
 """
 
 from __future__ import annotations
@@ -23,37 +31,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
-from bayesfl.checkpoint import config_fingerprint
-from bayesfl.config import SimulationConfig, check_threads, resolve_device, torch_threads
-from bayesfl.data.clients import ClientData
-from bayesfl.data.datasets import dataset_identity, load_dataset
-from bayesfl.errors import ConfigError
-from bayesfl.flower.protocol import (
-    FlowerOptions,
-    evaluation_tensors,
-    pack,
-    parse_run_config,
-    scalar,
-    unpack,
-)
-from bayesfl.messages import DEFAULT_MAX_BYTES, TensorSpec, decode, encode, validate
-from bayesfl.simulate import run_setup
-from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import (
-    PERSONALIZE_SEED_KEY,
-    ClientConfig,
-    ClientState,
-    Strategy,
-    derived_seed,
-)
+if TYPE_CHECKING:
+    import torch
+
+    from bayesfl.config import SimulationConfig
+    from bayesfl.data.clients import ClientData
+    from bayesfl.flower.protocol import FlowerOptions
+    from bayesfl.strategies.base import ClientConfig, ClientState, Strategy
 
 app = ClientApp()
 
@@ -63,7 +52,11 @@ STATE_RECORD = "bayesfl-state"
 
 @dataclass
 class Node:
-    """One SuperNode's side of a run: its config, data and the strategy's client half."""
+    """One SuperNode's side of a run: its config, data and the strategy's client half.
+
+    Attributes:
+        held_out: the node's held-out calibration data (``calibrate``), or None.
+    """
 
     config: SimulationConfig
     options: FlowerOptions
@@ -71,6 +64,7 @@ class Node:
     client: ClientConfig
     data: ClientData
     fingerprint: str
+    held_out: Any = None
 
     @property
     def client_id(self) -> int:
@@ -84,6 +78,8 @@ def node_of(context: Context) -> Node:
         ConfigError: a node_config without an integer ``partition-id`` in ``[0, clients)``,
             or a ``num-partitions`` that differs from the run's ``clients``.
     """
+    from bayesfl.errors import ConfigError
+
     run = tuple(sorted((str(k), v) for k, v in context.run_config.items()))
     node = dict(context.node_config)
     pid, parts = node.get("partition-id"), node.get("num-partitions")
@@ -97,24 +93,125 @@ def node_of(context: Context) -> Node:
 
 @lru_cache(maxsize=4)
 def _node(run: tuple[tuple[str, Any], ...], partition_id: int, num_partitions: int) -> Node:
+    from bayesfl.checkpoint import config_fingerprint
+    from bayesfl.config import resolve_device
+    from bayesfl.data.datasets import dataset_identity, load_dataset
+    from bayesfl.engine.setup import run_identity, run_setup
+    from bayesfl.errors import ConfigError
+    from bayesfl.flower.protocol import parse_run_config
+    from bayesfl.strategies import make_strategy
+
     config, options = parse_run_config(dict(run))
     if num_partitions != config.clients:
         raise ConfigError(f"this node has num-partitions={num_partitions} but the run has "
                           f"clients={config.clients}")
     if not 0 <= partition_id < config.clients:
         raise ConfigError(f"partition-id {partition_id} is outside [0, {config.clients})")
+    device = resolve_device(config.device)
+    if options.data_loader is not None:
+        return _site_node(config, options, partition_id, device)
     dataset = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
-    setup = run_setup(config, dataset, resolve_device(config.device))
+    setup = run_setup(config, dataset, device)
     strategy = make_strategy(config.strategy, setup.context, **config.strategy_options)
-    fingerprint = config_fingerprint({**config.to_dict(), "data": dataset_identity(dataset)})
+    fingerprint = config_fingerprint(run_identity(config, dataset_identity(dataset)))
     return Node(config, options, strategy, setup.context.client_config(partition_id),
-                setup.client_data[partition_id], fingerprint)
+                setup.client_data[partition_id], fingerprint,
+                setup.held_out.get(partition_id))
+
+
+def site_data(loader: str, partition_id: int, node_config: dict[str, Any] | None = None):
+    """The data a per-site loader returns for this node, as a bayesfl ``Dataset``.
+
+    ``loader`` names ``package.module:function`` (:func:`bayesfl.user_code.import_object`); it is
+    called as ``function(partition_id)`` and returns ``(x, y)`` (arrays or tensors: x (n, ...)
+    real, y (n,) integer labels in ``[0, C)``) or a :class:`bayesfl.data.Dataset`.
+
+    Raises:
+        ConfigError: the loader cannot be imported or is not callable.
+        DataError: what it returned is not ``(x, y)`` or a Dataset.
+    """
+    import numpy as np
+    import torch
+
+    from bayesfl.data.datasets import Dataset
+    from bayesfl.errors import DataError
+    from bayesfl.user_code import import_object
+
+    function = import_object(loader, what="data-loader")
+    out = function(partition_id)
+    if isinstance(out, Dataset):
+        return out
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise DataError(f"data-loader {loader} returned {type(out).__name__}; it must return "
+                        "(x, y) or a bayesfl.data.Dataset")
+    x = torch.as_tensor(np.asarray(out[0]), dtype=torch.float32)
+    y = torch.as_tensor(np.asarray(out[1]), dtype=torch.int64)
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+        raise DataError(f"data-loader {loader} returned x {tuple(x.shape)} and y "
+                        f"{tuple(y.shape)}; it must return x (n, ...) and y (n,) with n >= 1")
+    if not bool(torch.isfinite(x).all()) or int(y.min()) < 0:
+        raise DataError(f"data-loader {loader} returned non-finite inputs or negative labels")
+    return Dataset("site", x, y, num_classes=int(y.max()) + 1, input_shape=tuple(x.shape[1:]))
+
+
+def _site_node(config: SimulationConfig, options: FlowerOptions, partition_id: int,
+               device: torch.device) -> Node:
+    """A node whose data come from the run's per-site loader: the run config's ``dataset``
+    and ``partition`` give only the shapes every site agrees on (its number of classes and
+    input shape), the site's own data are split into train and test here."""
+    from bayesfl.checkpoint import config_fingerprint
+    from bayesfl.data.datasets import load_dataset
+    from bayesfl.engine.setup import run_setup
+    from bayesfl.errors import DataError
+    from bayesfl.strategies import make_strategy
+
+    site = site_data(options.data_loader, partition_id)
+    # the strategy context (classes, input shape) comes from the run's named data set, as on
+    # the server; the site's data must have that shape
+    reference = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    if tuple(site.input_shape) != tuple(reference.input_shape) or \
+            int(site.y.max()) >= reference.num_classes:
+        raise DataError(f"site {partition_id}'s data ({tuple(site.input_shape)}, labels up to "
+                        f"{int(site.y.max())}) do not fit the run's data set "
+                        f"{config.dataset} ({tuple(reference.input_shape)}, "
+                        f"{reference.num_classes} classes)")
+    setup = run_setup(config, reference, device)
+    own = _split_site(site, partition_id, config)
+    strategy = make_strategy(config.strategy, setup.context, **config.strategy_options)
+    fingerprint = config_fingerprint({**config.to_dict(), "data": "per-site",
+                                      "data-loader": options.data_loader})
+    return Node(config, options, strategy, setup.context.client_config(partition_id), own,
+                fingerprint)
+
+
+def _split_site(site: Any, partition_id: int, config: SimulationConfig) -> ClientData:
+    """The site's data as one client's train/test split (stratified, seeded by the run)."""
+    import numpy as np
+
+    from bayesfl.data.clients import ClientData, stratified_split
+
+    labels = site.y.numpy()
+    if len(labels) < 2:
+        from bayesfl.errors import DataError
+
+        raise DataError(f"site {partition_id} has {len(labels)} sample(s): it needs at least "
+                        "2 (one to train on, one to test)")
+    train, test = stratified_split(labels, config.test_fraction,
+                                   np.random.default_rng([config.seed, partition_id, 26]))
+    train, test = np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)
+    return ClientData(client_id=partition_id, train_x=site.x[train], train_y=site.y[train],
+                      test_x=site.x[test], test_y=site.y[test], train_indices=train,
+                      test_indices=test)
 
 
 # ---- the client state in context.state -----------------------------------------------------
 def load_state(context: Context, node: Node, slot: str = "trained") -> ClientState:
     """The client state kept in ``context.state`` (``slot``: trained or personalized); the
     initial state when there is none yet."""
+    from safetensors.torch import load as load_tensors
+
+    from bayesfl.config import resolve_device
+
     record = context.state.config_records.get(STATE_RECORD)
     data = None if record is None else record.get(slot)
     if not isinstance(data, bytes):
@@ -125,6 +222,8 @@ def load_state(context: Context, node: Node, slot: str = "trained") -> ClientSta
 
 def store_state(context: Context, slot: str, state: ClientState, round: int) -> None:
     """Keep ``state`` in ``context.state`` under ``slot`` (safetensors bytes)."""
+    from safetensors.torch import save as save_tensors
+
     record = context.state.config_records.get(STATE_RECORD)
     values: dict[str, Any] = {} if record is None else dict(record)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -134,92 +233,175 @@ def store_state(context: Context, slot: str, state: ClientState, round: int) -> 
 
 
 # ---- handlers -------------------------------------------------------------------------------
-def _broadcast(msg: Message, node: Node) -> tuple[Any, dict[str, Any]]:
-    """The server's decoded broadcast and the step's scalars; the broadcast's header must
-    name this run's strategy, the step's round and the down direction."""
-    data, values = unpack(msg.content, max_bytes=DEFAULT_MAX_BYTES)
-    r = scalar(values, "round", int)
+def _decoded(data: bytes, node: Node, round: int | None = None):
+    """A server broadcast decoded; its header must name this run's strategy, ``round`` (when
+    given) and the down direction."""
+    from bayesfl.messages import TensorSpec, decode, validate
+
     broadcast = decode(data)
     schema = {k: TensorSpec(tuple(t.shape), t.dtype, finite=False)
               for k, t in broadcast.tensors.items()}
-    validate(broadcast, schema, strategy=node.strategy.name, round=r, direction="down")
-    return broadcast, values
+    validate(broadcast, schema, strategy=node.strategy.name, round=round, direction="down")
+    return broadcast
 
 
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Who this node is in the run: client id, data sizes, the run's fingerprint."""
+    from bayesfl.flower.protocol import pack
+
     node = node_of(context)
     return Message(pack(client_id=node.client_id, num_partitions=node.config.clients,
                         num_train=node.data.num_train, num_test=node.data.num_test,
                         fingerprint=node.fingerprint), reply_to=msg)
 
 
-@app.train("fit")
-def fit(msg: Message, context: Context) -> Message:
-    """One round of local work: the new state stays here, the upload goes back."""
+@app.train("round")
+def round_step(msg: Message, context: Context) -> Message:
+    """One message of a round: evaluate the previous state (if asked), personalise (final
+    step, if asked), fit (if sampled); the reply carries what each produced."""
+    import torch
+
+    from bayesfl.config import check_threads, torch_threads
+    from bayesfl.flower.protocol import pack, part, record_values, scalar
+    from bayesfl.messages import DEFAULT_MAX_BYTES
+
     t0 = time.perf_counter()
     node = node_of(context)
-    t_setup = time.perf_counter() - t0
-    broadcast, _ = _broadcast(msg, node)
-    r = broadcast.header.round
+    timing = {"setup": time.perf_counter() - t0}
+    values = record_values(msg.content)
+    r = scalar(values, "round", int)
+    out: dict[str, Any] = {}
+    with torch_threads(check_threads(node.options.threads)), \
+            torch.random.fork_rng(devices=_rng_devices(node)):
+        evaluate_data = part(values, "evaluate", max_bytes=DEFAULT_MAX_BYTES)
+        if evaluate_data is not None:
+            t1 = time.perf_counter()
+            out.update(_evaluate_step(context, node, evaluate_data,
+                                      scalar(values, "evaluate-round", int),
+                                      personalize=values.get("personalize") is True))
+            timing["evaluate"] = time.perf_counter() - t1
+        fit_data = part(values, "fit", max_bytes=DEFAULT_MAX_BYTES)
+        if fit_data is not None:
+            out.update(_fit_step(context, node, _decoded(fit_data, node, r), r, timing))
+    return Message(pack(round=r, client_id=node.client_id, timing=timing, **out),
+                   reply_to=msg)
+
+
+def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
+              timing: dict[str, float]) -> dict[str, bytes]:
+    import torch
+
+    from bayesfl.messages import encode
+    from bayesfl.strategies.base import derived_seed
+
     state = load_state(context, node)
     seed = node.config.seed
     t1 = time.perf_counter()
-    with torch_threads(check_threads(node.options.threads)), \
-            torch.random.fork_rng(devices=_rng_devices(node)):
-        torch.manual_seed(derived_seed(seed, r))
-        gen = torch.Generator().manual_seed(derived_seed(seed, r, node.client_id))
-        state, upload = node.strategy.fit(node.client, state, node.data, broadcast, gen)
-    t_fit = time.perf_counter() - t1
+    torch.manual_seed(derived_seed(seed, r))
+    gen = torch.Generator().manual_seed(derived_seed(seed, r, node.client_id))
+    state, upload = node.strategy.fit(node.client, state, node.data, broadcast, gen)
+    timing["fit"] = time.perf_counter() - t1
     store_state(context, "trained", state, r)
     t2 = time.perf_counter()
     data = encode(upload)
-    t_encode = time.perf_counter() - t2
-    return Message(pack(data, round=r, client_id=node.client_id,
-                        timing={"setup": t_setup, "fit": t_fit, "encode": t_encode}),
-                   reply_to=msg)
+    timing["encode"] = time.perf_counter() - t2
+    return {"upload": data}
 
 
-@app.train("personalize")
-def personalize(msg: Message, context: Context) -> Message:
-    """The state this client predicts with after training (kept beside the trained one)."""
+def _evaluate_step(context: Context, node: Node, data: bytes, r: int, *,
+                   personalize: bool) -> dict[str, Any]:
+    """The accumulators of the trained state (``evaluation``) and, with ``personalize``, of the
+    personalised one (``personalized``); an evaluation that fails is reported, not raised."""
+    import torch
+
+    from bayesfl.errors import BayesFLError
+    from bayesfl.flower.protocol import evaluation_tensors
+    from bayesfl.messages import encode
+    from bayesfl.strategies.base import PERSONALIZE_SEED_KEY, derived_seed
+    from calibration.errors import CalibrationError
+    from inference.errors import InferenceError
+
+    broadcast = _decoded(data, node, r)
+    strategy, out = node.strategy, {}
+
+    def evaluated(state: ClientState) -> bytes:
+        evaluation = strategy.evaluate(node.client, state, node.data, broadcast,
+                                       n_bins=node.config.n_bins)
+        return encode(strategy.up_message(r, node.client_id, evaluation_tensors(evaluation)))
+
+    trained = load_state(context, node)
+    try:
+        out["evaluation"] = evaluated(trained)
+    except (BayesFLError, InferenceError, CalibrationError) as err:
+        out["evaluation-error"] = f"evaluation failed: {err}"
+    if personalize:
+        gen = torch.Generator().manual_seed(
+            derived_seed(node.config.seed, PERSONALIZE_SEED_KEY, node.client_id))
+        state = strategy.personalize(node.client, trained, node.data, broadcast, gen)
+        store_state(context, "personalized", state, r)
+        try:
+            out["personalized"] = evaluated(state)
+        except (BayesFLError, InferenceError, CalibrationError) as err:
+            out["evaluation-error"] = f"evaluation of the personalised state failed: {err}"
+    return out
+
+
+@app.query("calibrate")
+def calibrate(msg: Message, context: Context) -> Message:
+    """The temperature-scaling step on this node's held-out data: answer a proposal
+    (``proposal``) with four numbers, or apply the fitted temperature (``result``) and reply
+    with the calibrated accumulators of the test set (``evaluation``). ``broadcast`` is the
+    final evaluation broadcast the node predicts with (its personalised state where it has
+    one)."""
+    import torch
+
+    from bayesfl.calibrate import TemperatureClient, calibrated, temperature_of
+    from bayesfl.config import check_threads, torch_threads
+    from bayesfl.errors import DataError
+    from bayesfl.flower.protocol import evaluation_tensors, pack, part, record_values, scalar
+    from bayesfl.messages import DEFAULT_MAX_BYTES, decode, encode
+    from bayesfl.strategies.base import PREDICTIVE, Evaluation
+    from calibration.accumulator import Accumulator
+
     node = node_of(context)
-    broadcast, _ = _broadcast(msg, node)
-    gen = torch.Generator().manual_seed(
-        derived_seed(node.config.seed, PERSONALIZE_SEED_KEY, node.client_id))
-    with torch_threads(check_threads(node.options.threads)), \
-            torch.random.fork_rng(devices=_rng_devices(node)):
-        state = node.strategy.personalize(node.client, load_state(context, node), node.data,
-                                          broadcast, gen)
-    store_state(context, "personalized", state, broadcast.header.round)
-    return Message(pack(round=broadcast.header.round, client_id=node.client_id),
-                   reply_to=msg)
+    values = record_values(msg.content)
+    step = scalar(values, "step", int)
+    broadcast = _decoded(part(values, "broadcast", max_bytes=DEFAULT_MAX_BYTES) or b"", node)
+    record = context.state.config_records.get(STATE_RECORD)
+    slot = "personalized" if record is not None and "personalized" in record else "trained"
+    state = load_state(context, node, slot)
 
+    def predictive(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return node.strategy.predict(node.client, state, broadcast, x)[PREDICTIVE].to(
+                torch.float64)
 
-@app.evaluate("evaluate")
-def evaluate(msg: Message, context: Context) -> Message:
-    """Calibration accumulators of this client's test set (no predictions leave the node)."""
-    t0 = time.perf_counter()
-    node = node_of(context)
-    t_setup = time.perf_counter() - t0
-    broadcast, values = _broadcast(msg, node)
-    personalized = values.get("personalized") is True
-    state = load_state(context, node, "personalized" if personalized else "trained")
-    t1 = time.perf_counter()
     with torch_threads(check_threads(node.options.threads)):
-        evaluation = node.strategy.evaluate(node.client, state, node.data, broadcast,
-                                            n_bins=node.config.n_bins)
-    t_eval = time.perf_counter() - t1
-    reply = node.strategy.up_message(broadcast.header.round, node.client_id,
-                                     evaluation_tensors(evaluation))
-    return Message(pack(encode(reply), round=broadcast.header.round, client_id=node.client_id,
-                        timing={"setup": t_setup, "evaluate": t_eval}), reply_to=msg)
+        proposal = part(values, "proposal", max_bytes=DEFAULT_MAX_BYTES)
+        if proposal is not None:
+            held = node.held_out
+            if held is None or held.size == 0:
+                raise DataError(f"client {node.client_id} holds no calibration data")
+            client = TemperatureClient.from_probabilities(node.client_id, predictive(held.x),
+                                                          held.y)
+            return Message(pack(step=step, reply=encode(client.reply(decode(proposal)))),
+                           reply_to=msg)
+        result = part(values, "result", max_bytes=DEFAULT_MAX_BYTES) or b""
+        temperature = temperature_of(decode(result))
+        probs = calibrated(predictive(node.data.test_x), temperature)
+        labels = node.data.test_y.cpu()
+        accumulator = Accumulator(node.config.n_bins).update(probs.cpu(), labels)
+        evaluation = Evaluation(node.client_id, {PREDICTIVE: accumulator})
+        reply = node.strategy.up_message(step, node.client_id, evaluation_tensors(evaluation))
+        return Message(pack(step=step, evaluation=encode(reply)), reply_to=msg)
 
 
 def _rng_devices(node: Node) -> list[torch.device]:
+    from bayesfl.config import resolve_device
+
     device = resolve_device(node.config.device)
     return [device] if device.type == "cuda" else []
 
 
-__all__ = ["STATE_RECORD", "Node", "app", "load_state", "node_of", "store_state"]
+__all__ = ["STATE_RECORD", "Node", "app", "load_state", "node_of", "site_data", "store_state"]

@@ -1,11 +1,18 @@
 """What the bayesfl ServerApp and ClientApp say to each other inside Flower messages.
 
-Every step is one Flower message type (:data:`FIT`, :data:`EVALUATE`, :data:`PERSONALIZE`,
-and :data:`INFO`, which asks a node which client it is). A message's content is one
-``ConfigRecord`` under :data:`RECORD` that carries a bayesfl message as **bytes**
+A round is **one message per client** (:data:`ROUND`): it carries the round's broadcast to fit
+on (``fit``, sampled clients only) and the evaluation broadcast of the previous round's state
+(``evaluate``, when that round is evaluated); the client evaluates first (its state is still
+the one that state was evaluated with in the simulator), then fits, and its reply carries the
+upload (``upload``) and its calibration accumulator states (``evaluation``). The last message
+of a run carries only ``evaluate`` (and ``personalize`` for strategies that personalise: the
+reply adds ``personalized``, the accumulators of the personalised state).
+:data:`INFO` asks a node which client it is; :data:`CALIBRATE` carries the temperature-scaling
+step's proposals and result (:mod:`bayesfl.calibrate`). A message's content is one
+``ConfigRecord`` under :data:`RECORD` holding bayesfl messages as **bytes**
 (:func:`bayesfl.messages.encode`: safetensors plus a JSON header, digest or HMAC; never a
 pickle) beside a few scalars (the round, flags); replies add a ``MetricRecord`` of timings under
-:data:`TIMING`. The bytes counted for communication are those of the bayesfl message, as in
+:data:`TIMING`. The bytes counted for communication are those of the bayesfl messages, as in
 the simulator; Flower's own framing is on top.
 
 The run configuration is Flower's run config (``[tool.flwr.app.config]`` in the app's
@@ -43,9 +50,8 @@ TIMING = "timing"
 """Key of the MetricRecord of a reply's timings (seconds)."""
 
 INFO = "query.info"
-FIT = "train.fit"
-PERSONALIZE = "train.personalize"
-EVALUATE = "evaluate.evaluate"
+ROUND = "train.round"
+CALIBRATE = "query.calibrate"
 
 MAX_EVALUATION_BYTES = 4 * 2**20
 """Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
@@ -53,7 +59,7 @@ predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to
 
 _RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress")
 _OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
-_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate")
+_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "data-loader")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,9 @@ class FlowerOptions:
         poll_interval: seconds between two polls of the SuperLink for replies.
         evaluate_every: evaluate after every this many rounds, counted from the first
             (FedLog's round 0 included), and always after the last.
+        data_loader: ``package.module:function`` every SuperNode calls to load its own data
+            (:func:`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
+            run's data set and keeps the node's partition of it.
     """
 
     out: str | None = None
@@ -88,6 +97,7 @@ class FlowerOptions:
     node_wait: float = 120.0
     poll_interval: float = 0.2
     evaluate_every: int = 1
+    data_loader: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_replies", "min_nodes"):
@@ -99,6 +109,10 @@ class FlowerOptions:
             raise ConfigError("round-timeout and poll-interval must be > 0 seconds")
         if self.resume and self.force:
             raise ConfigError("resume and force contradict each other; pass one")
+        if self.data_loader is not None and (not isinstance(self.data_loader, str)
+                                             or ":" not in self.data_loader):
+            raise ConfigError("run config data-loader must be 'package.module:function', got "
+                              f"{describe(self.data_loader)}")
 
 
 _FLOWER_KEYS = {f.name.replace("_", "-"): f.name for f in fields(FlowerOptions)}
@@ -120,9 +134,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
     ``dataset-option.NAME`` for options, and :class:`FlowerOptions`'s fields.
 
     Raises:
-        ConfigError: an unknown key (with the valid ones), a value of the wrong type, or a
-            setting the Flower adapter does not support (``calibrate``, ``authenticate``,
-            ``novel-fraction``).
+        ConfigError: an unknown key (with the valid ones), a value of the wrong type, or
+            ``authenticate`` (Flower has its own: TLS and SuperNode authentication).
     """
     raw: dict[str, Any] = {}
     flower: dict[str, Any] = {}
@@ -155,12 +168,6 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
     if flower.get("threads") is not None:
         flower["threads"] = check_threads(flower["threads"])
     config = SimulationConfig(**settings)
-    if config.calibrate is not None:
-        raise ConfigError("calibrate is not supported on Flower yet (it needs held-out data "
-                          "from every client in one step); run it in the simulator")
-    if getattr(config, "novel_fraction", 0):
-        raise ConfigError("novel-fraction is not supported on Flower yet (every SuperNode "
-                          "takes part in training); run novel clients in the simulator")
     if config.authenticate:
         raise ConfigError("authenticate is not supported by the Flower adapter: use Flower's "
                           "TLS and SuperNode authentication (flower-superlink "
@@ -170,9 +177,10 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
 
 # ---- records ------------------------------------------------------------------------------
 def pack(data: bytes | None = None, *, timing: Mapping[str, float] | None = None,
-         **scalars: int | float | str | bool) -> RecordDict:
-    """A Flower RecordDict carrying bayesfl bytes ``data`` and ``scalars`` (and timings)."""
-    values: dict[str, Any] = dict(scalars)
+         **scalars: int | float | str | bool | bytes) -> RecordDict:
+    """A Flower RecordDict carrying bayesfl bytes ``data`` and ``scalars`` (named bytes
+    included: a round's ``fit`` and ``evaluate`` parts) and timings."""
+    values: dict[str, Any] = {k: v for k, v in scalars.items() if v is not None}
     if data is not None:
         values["message"] = bytes(data)
     content = RecordDict({RECORD: ConfigRecord(values)})
@@ -200,6 +208,34 @@ def unpack(content: RecordDict, *, max_bytes: int | None = None) -> tuple[bytes,
     if max_bytes is not None and len(data) > max_bytes:
         raise MessageRejected(f"oversized message: {len(data)} bytes > limit {max_bytes}")
     return data, values
+
+
+def record_values(content: RecordDict) -> dict[str, Any]:
+    """The scalars and byte parts of a RecordDict built by :func:`pack`.
+
+    Raises:
+        MessageRejected: no bayesfl record.
+    """
+    try:
+        return dict(content.config_records[RECORD])
+    except (KeyError, AttributeError) as err:
+        raise MessageRejected(f"not a bayesfl reply: no {RECORD!r} config record") from err
+
+
+def part(values: Mapping[str, Any], name: str, *, max_bytes: int) -> bytes | None:
+    """The byte part ``name`` of a record's values (None when absent).
+
+    Raises:
+        MessageRejected: not bytes, or more than ``max_bytes`` (checked before parsing).
+    """
+    data = values.get(name)
+    if data is None:
+        return None
+    if not isinstance(data, bytes):
+        raise MessageRejected(f"part {name!r} must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise MessageRejected(f"oversized message: {len(data)} bytes > limit {max_bytes}")
+    return data
 
 
 def timings(content: RecordDict) -> dict[str, float]:
@@ -230,13 +266,15 @@ def evaluation_tensors(evaluation: Evaluation) -> dict[str, torch.Tensor]:
 
 
 def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: int,
-                    n_bins: int, num_test: int, key: bytes | None = None) -> Evaluation:
+                    n_bins: int, num_test: int, key: bytes | None = None,
+                    predictives: set[str] | None = None) -> Evaluation:
     """A client's evaluation from its encoded reply, validated.
 
     Checks: the bytes (:func:`bayesfl.messages.decode`, bounded), the header (strategy,
     round, sender, direction up), the predictive keys (the headline, and the MAP plug-in for
     posterior strategies), each accumulator state (:meth:`Accumulator.from_state_dict`), its
     number of bins and its sample count (the client's test-set size, as it declared it).
+    ``predictives``: the keys expected (default: the strategy's evaluation's).
 
     Raises:
         MessageRejected: with the reason.
@@ -247,7 +285,8 @@ def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: i
     for name, tensor in message.tensors.items():
         head, _, rest = name.partition(".")
         groups.setdefault(head, {})[rest] = tensor
-    expected = {PREDICTIVE, MAP_PLUGIN} if strategy.is_posterior else {PREDICTIVE}
+    expected = predictives or ({PREDICTIVE, MAP_PLUGIN} if strategy.is_posterior
+                               else {PREDICTIVE})
     if set(groups) != expected:
         raise MessageRejected(f"evaluation holds predictives {sorted(groups)}, expected "
                               f"{sorted(expected)}", client_id=client_id)

@@ -1,41 +1,57 @@
-"""The bayesfl ServerApp: a strategy's server half driving SuperNodes over Flower's Grid.
+"""The bayesfl ServerApp: the round engine (:mod:`bayesfl.engine`) driving SuperNodes over
+Flower's Grid.
 
 Per run (:class:`FlowerServer`): parse the run config (:mod:`bayesfl.flower.protocol`), build
 the strategy's server half from it exactly as the simulator does
-(:func:`bayesfl.simulate.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it is
-(``query.info``: its client id, its test-set size and the run's fingerprint; a node set up with
-other settings or data is refused and logged). Then per round:
+(:func:`bayesfl.engine.setup.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it
+is (``query.info``: its client id, its test-set size and the run's fingerprint; a node set up
+with other settings or data is refused and logged). Then per round ``r``, **one message per
+client** (:class:`FlowerChannel`, ``train.round``):
 
-1. sample clients as the simulator does (:func:`bayesfl.simulate.sample_clients`, all of them
-   by default); a sampled client whose node is not connected is logged as unavailable;
-2. ``configure`` -> encode the broadcast once, push it to every sampled node (``train.fit``);
-3. poll the SuperLink for replies until all are in, or ``round-timeout`` passes, or a node
-   goes offline; a missing reply, a Flower error reply, bytes that do not decode and an
-   upload that fails :meth:`Strategy.validate_uploads` are each an event with its reason in
-   ``metrics.jsonl`` (``events``; invalid uploads also under ``rejections``, as in the
-   simulator), never a crash;
-4. with at least ``min-replies`` accepted uploads, ``aggregate`` (an aggregate that fails or
-   is not finite keeps the previous state, as in the simulator); with fewer, the round is
-   skipped and logged (``skipped``);
-5. ``configure_evaluation`` -> every connected client evaluates itself (``evaluate``) and
-   returns calibration accumulator states only; the server merges them into the per-client
-   and pooled report (:func:`bayesfl.evaluation.merge_evaluations`).
+1. sample the training clients as the simulator does (novel clients, ``novel-fraction``, never
+   train); a sampled client whose node is not connected is logged as unavailable;
+2. ``configure`` -> the broadcast, encoded once, goes to every sampled node (``fit``); every
+   connected training node also gets the evaluation broadcast of round ``r - 1``'s state
+   (``evaluate``, when that round is evaluated): it evaluates before it fits, with the state
+   the simulator would have evaluated, and returns accumulator states only;
+3. collect the replies until all are in, ``round-timeout`` passes, or a node goes offline; a
+   missing reply, a Flower error reply, bytes that do not decode and an upload that fails
+   :meth:`Strategy.validate_uploads` are each an event with its reason in ``metrics.jsonl``
+   (``events``; invalid uploads also under ``rejections``, as in the simulator), never a crash;
+4. round ``r - 1``'s record gets its evaluation (the merge of the accumulators:
+   :func:`bayesfl.evaluation.merge_evaluations`), is appended and checkpointed;
+5. with at least ``min-replies`` accepted uploads, aggregate or keep the previous state
+   (:func:`bayesfl.engine.steps.aggregate_or_keep`); with fewer, the round is skipped
+   (``skipped``); the new state's evaluation broadcast is built or the previous state comes
+   back (:func:`bayesfl.engine.steps.evaluate_or_revert`).
 
-After the last round, strategies that personalise do so on every node (``train.personalize``)
-and are evaluated once more with their personalised states. The run directory is the
-simulator's (``metrics.jsonl``, ``summary.json``, ``manifest.json``, ``partition.txt/json``,
-``checkpoint.safetensors``, ``accuracy.png``, ``reliability.png``), minus ``predictions.npz``:
-no prediction leaves a client, and the reliability diagram is drawn from the merged bins. A run
-resumes from its checkpoint (``resume = true``): the server state, RNG and metrics come back;
-the clients' own states live on the SuperNodes, in the Flower run's ``context.state``, so a new
-Flower run starts the clients from their initial states.
+The last message of a run (``evaluate``, ``personalize`` for strategies that personalise)
+completes the last round's record, personalises, and evaluates every node, the novel clients'
+too (``summary["novel"]``). With ``calibrate``, the temperature-scaling step
+(:func:`bayesfl.calibrate.temperature_search_over`) runs over ``query.calibrate`` messages on
+the nodes' held-out data and reports as in the simulator (``summary["calibration"]``).
+``authenticate`` is simulator-only: on Flower use its TLS and SuperNode authentication.
+
+The run directory is the simulator's (``metrics.jsonl``, ``summary.json``, ``manifest.json``,
+``partition.txt/json``, ``checkpoint.safetensors`` in the one format of
+:mod:`bayesfl.engine.state`, ``accuracy.png``, ``reliability.png``), minus
+``predictions.npz``: no prediction leaves a client, and the reliability diagram is drawn from
+the merged bins. A run resumes from its checkpoint (``resume = true``): the server state, RNG
+and metrics come back. **What a resumed Flower run does not reproduce:** the clients' own
+states live on the SuperNodes in the Flower run's ``context.state``, which Flower gives every
+new run empty, so a resumed run starts the clients from their initial states. Strategies whose
+client state does not carry across rounds (FedLog, FedAvg, FedProx, FedPA and the others whose
+``fit`` starts from the broadcast) give the uninterrupted run's numbers; those with a personal
+state (FedPer's and LG-FedAvg's heads, FedSI's subnet, pFedBayes' posterior, FedRep, Ditto)
+restart it. The last round's record is checkpointed when its evaluation arrives, with the next
+round's message (or the final one): a run stopped between the two repeats that round.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,44 +61,45 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from bayesfl.checkpoint import config_fingerprint, load_checkpoint, save_checkpoint
+from bayesfl.calibrate import CalibrationOutcome, temperature_search_over
+from bayesfl.checkpoint import config_fingerprint, load_checkpoint
 from bayesfl.config import check_threads, resolve_device, torch_threads
 from bayesfl.data.datasets import dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.setup import novel_clients, run_identity, run_setup, sample_clients
+from bayesfl.engine.state import restore_round, save_round
+from bayesfl.engine.steps import (
+    aggregate_or_keep,
+    build_summary,
+    evaluate_or_revert,
+    round_view,
+    screen_uploads,
+    summary_extras,
+)
 from bayesfl.errors import BayesFLError, CheckpointError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.flower.protocol import (
-    EVALUATE,
-    FIT,
+    CALIBRATE,
     INFO,
-    PERSONALIZE,
+    MAX_EVALUATION_BYTES,
+    ROUND,
     describe_error,
     pack,
-    parse_run_config,
+    part,
     read_evaluation,
+    record_values,
     scalar,
     timings,
-    unpack,
 )
 from bayesfl.messages import Message as BayesMessage
 from bayesfl.messages import decode, encode
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog, prepare_run_directory
-from bayesfl.simulate import (
-    _SERVER_KEY,
-    build_summary,
-    non_finite_problem,
-    round_view,
-    run_setup,
-    sample_clients,
-)
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import PREDICTIVE, Evaluation, derived_seed
-from inference.errors import InferenceError
 
 app = ServerApp()
 
-CHECKPOINT_FORMAT = "flower-1"
-_METRICS_TENSOR = "run/metrics.jsonl"
 _NODE_CHECK_SECONDS = 2.0  # how often a step re-reads which nodes are online
 
 
@@ -94,11 +111,11 @@ def main(grid: Grid, context: Context) -> None:
 
 @dataclass
 class Exchange:
-    """The outcome of one step (messages out, replies back).
+    """The outcome of one exchange of Flower messages (out, replies back).
 
     Attributes:
         replies: client id -> its reply (errors excluded).
-        events: what went wrong, one dict each (client_id, step, reason).
+        events: what went wrong, one dict each (client_id, node_id, step, reason).
         seconds: wall time of the step; ``seconds_waiting`` of it spent between polls.
         client_timings: client id -> the timings its reply reported.
     """
@@ -110,11 +127,168 @@ class Exchange:
     client_timings: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
+class FlowerChannel:
+    """The round engine's channel over a Flower Grid: one ``train.round`` message per client.
+
+    ``nodes`` maps client ids to node ids (the server's discovery fills it); ``read`` turns an
+    encoded evaluation reply of a client into an :class:`Evaluation` (MessageRejected when it
+    is not one).
+    """
+
+    def __init__(self, grid: Grid, *, round_timeout: float, poll_interval: float,
+                 nodes: dict[int, int],
+                 read: Callable[[bytes, int, int], Evaluation]) -> None:
+        self.grid = grid
+        self.round_timeout = round_timeout
+        self.poll_interval = poll_interval
+        self.nodes = nodes
+        self.read = read
+        self._sent: tuple[int, dict[int, Step], dict[int, int]] | None = None
+        self._pushed: Any = None
+
+    def online(self) -> set[int]:
+        return {int(n) for n in self.grid.get_node_ids()}
+
+    # ---- the channel's verbs ------------------------------------------------------------
+    def send(self, round: int, client_ids: Sequence[int], messages: Mapping[int, Step]) -> None:
+        requests = {}
+        for cid in client_ids:
+            step = messages[cid]
+            requests[cid] = (self.nodes[cid], pack(
+                round=round, fit=step.fit, evaluate=step.evaluate,
+                **({"evaluate-round": step.evaluate_round} if step.evaluate is not None else {}),
+                personalize=step.personalize, final=step.final))
+        self._pushed = self.push(ROUND, requests, round=round)
+        self._sent = (round, {c: messages[c] for c in client_ids},
+                      {c: n for c, (n, _) in requests.items()})
+
+    def collect(self, deadline: float) -> Collected:
+        assert self._sent is not None, "collect() before send()"
+        _, steps, nodes = self._sent
+        exchange = self.poll(self._pushed, deadline, step_of=lambda c: _step_name(steps[c]))
+        self._sent = None
+        out = Collected(events=list(exchange.events), seconds=exchange.seconds,
+                        seconds_waiting=exchange.seconds_waiting)
+        for cid, message in sorted(exchange.replies.items()):
+            reply = Reply(timings=exchange.client_timings.get(cid, {}))
+            try:
+                values = record_values(message.content)
+                reply.upload = part(values, "upload", max_bytes=2**62)
+                for name in ("evaluation", "personalized"):
+                    data = part(values, name, max_bytes=MAX_EVALUATION_BYTES)
+                    if data is not None:
+                        setattr(reply, name, self.read(data, steps[cid].evaluate_round, cid))
+                error = values.get("evaluation-error")
+                if isinstance(error, str):
+                    out.events.append(_event(cid, nodes[cid], "evaluate", error))
+                if steps[cid].fit is not None and reply.upload is None:
+                    raise MessageRejected("not a bayesfl message: the reply carries no upload")
+            except MessageRejected as err:
+                if steps[cid].fit is None:
+                    out.events.append(_event(cid, nodes[cid], "evaluate", err.reason))
+                else:  # a sampled client's reply that cannot be read: its upload is rejected
+                    out.unreadable[cid] = err.reason
+                continue
+            out.replies[cid] = reply
+        return out
+
+    def close(self) -> None:
+        """Nothing to release: the Grid belongs to Flower's ServerApp process."""
+
+    # ---- Flower messages ----------------------------------------------------------------
+    def push(self, message_type: str, requests: Mapping[int, tuple[int, RecordDict]], *,
+             round: int = 0) -> tuple[dict[str, int], Mapping[int, tuple[int, RecordDict]],
+                                      list[dict[str, Any]], float]:
+        """Push ``requests`` (client id -> (node id, content)); the pending message ids, the
+        requests, the events of messages the SuperLink refused and the start time."""
+        t0 = time.perf_counter()
+        ids = list(requests)
+        messages = [Message(content, dst_node_id=node, message_type=message_type,
+                            group_id=str(round), ttl=self.round_timeout + 60.0)
+                    for node, content in (requests[c] for c in ids)]
+        pushed = list(self.grid.push_messages(messages)) if messages else []
+        if len(pushed) != len(ids):  # the SuperLink refused the batch (e.g. too large)
+            pushed = [None] * len(ids)
+        pending: dict[str, int] = {}
+        events = []
+        for cid, mid in zip(ids, pushed, strict=True):
+            if mid:
+                pending[mid] = cid
+            else:
+                events.append(_event(cid, requests[cid][0], message_type,
+                                     "the SuperLink did not accept the message"))
+        return pending, requests, events, t0
+
+    def poll(self, pushed: tuple[dict[str, int], Mapping[int, tuple[int, RecordDict]],
+                                 list[dict[str, Any]], float],
+             deadline: float, *, step_of: Callable[[int], str]) -> Exchange:
+        """Poll the SuperLink for the replies of :meth:`push` until all are in, ``deadline``
+        (``time.monotonic()``) passes, or their node goes offline."""
+        pending, requests, events, t0 = pushed
+        pending = dict(pending)
+        out = Exchange(events=[{**e, "step": step_of(e["client_id"])} for e in events])
+        next_check = time.monotonic() + _NODE_CHECK_SECONDS
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                cid = pending.pop(reply.metadata.reply_to_message_id, None)
+                if cid is None:
+                    continue
+                if reply.has_error():
+                    out.events.append(_event(cid, requests[cid][0], step_of(cid),
+                                             describe_error(reply.error)))
+                else:
+                    out.replies[cid] = reply
+                    out.client_timings[cid] = timings(reply.content)
+            if not pending:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                for cid in pending.values():
+                    out.events.append(_event(cid, requests[cid][0], step_of(cid),
+                                             f"no reply within {self.round_timeout:g} s"))
+                break
+            if now >= next_check:
+                online = self.online()
+                for mid, cid in list(pending.items()):
+                    if requests[cid][0] not in online:
+                        del pending[mid]
+                        out.events.append(_event(cid, requests[cid][0], step_of(cid),
+                                                 "node went offline before replying"))
+                next_check = now + _NODE_CHECK_SECONDS
+            w = time.perf_counter()
+            time.sleep(self.poll_interval)
+            out.seconds_waiting += time.perf_counter() - w
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def exchange(self, message_type: str, requests: Mapping[int, tuple[int, RecordDict]],
+                 *, step: str, round: int = 0) -> Exchange:
+        """Push ``requests`` and poll for their replies (discovery, calibration)."""
+        pushed = self.push(message_type, requests, round=round)
+        return self.poll(pushed, time.monotonic() + self.round_timeout, step_of=lambda _: step)
+
+
+def _step_name(step: Step) -> str:
+    """The step an event of a round message is logged under: ``fit`` when it trains."""
+    return "fit" if step.fit is not None else "evaluate"
+
+
+@dataclass
+class _Pending:
+    """A round whose record waits for its evaluation (it rides on the next message)."""
+
+    round: int
+    eval_bytes: bytes
+    record: dict[str, Any]
+    seconds: float
+
+
 class FlowerServer:
     """One run of a strategy's server half over a Flower Grid (module docstring)."""
 
     def __init__(self, grid: Grid, run_config: Mapping[str, Any]) -> None:
-        self.grid = grid
+        from bayesfl.flower.protocol import parse_run_config
+
         self.config, self.options = parse_run_config(run_config)
         config = self.config
         self.run_dir = None if self.options.out is None else Path(self.options.out)
@@ -127,7 +301,10 @@ class FlowerServer:
         # same setup as every node's); nothing it trains or evaluates reads the data
         dataset = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
         self.data_identity = dataset_identity(dataset)
-        self.identity = {**config.to_dict(), "data": self.data_identity}
+        self.identity = run_identity(config, self.data_identity)
+        if self.options.data_loader is not None:  # every site loads its own data
+            self.identity = {**config.to_dict(), "data": "per-site",
+                             "data-loader": self.options.data_loader}
         self.fingerprint = config_fingerprint(self.identity)
         self.setup = run_setup(config, dataset, self.device)
         self.labels = dataset.y
@@ -137,19 +314,43 @@ class FlowerServer:
         self.state = self.strategy.init()
         self.metrics_log = MetricsLog(None if self.run_dir is None else
                                       self.run_dir / METRICS_NAME)
-        self.nodes: dict[int, int] = {}  # client id -> node id
         self.refused: set[int] = set()  # node ids refused at discovery
         self.num_test: dict[int, int] = {}
+        self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
+        self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.strategy.init_round else 1
         self.seconds_before = 0.0
         self.resumed_from: int | None = None
         self._last_accumulators: list[Any] = []
+        self.channel = FlowerChannel(grid, round_timeout=self.options.round_timeout,
+                                     poll_interval=self.options.poll_interval,
+                                     nodes={}, read=self._read_evaluation)
+
+    @property
+    def nodes(self) -> dict[int, int]:
+        """Client id -> node id of the admitted nodes (the channel's address book)."""
+        return self.channel.nodes
+
+    @nodes.setter
+    def nodes(self, nodes: dict[int, int]) -> None:
+        self.channel.nodes = nodes
+
+    @property
+    def grid(self) -> Grid:
+        return self.channel.grid
+
+    @grid.setter
+    def grid(self, grid: Grid) -> None:
+        self.channel.grid = grid
 
     # ---- the run ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Every round, the final evaluation and the files; returns the summary."""
+        """Every round, the final steps and the files; returns the summary."""
         with torch_threads(self.threads):
-            return self._run()
+            try:
+                return self._run()
+            finally:
+                self.channel.close()
 
     def _run(self) -> dict[str, Any]:
         config = self.config
@@ -161,44 +362,85 @@ class FlowerServer:
             self.metrics_log.start()
         if self.run_dir is not None:
             self._write_setup_files()
-        start = time.perf_counter()
-        startup = self.discover(wait=True)
+        self.start = time.perf_counter()
+        self.startup = self.discover(wait=True)
         _log(f"{len(self.nodes)} of {config.clients} clients connected")
-        last: RoundEvaluation | None = None
+        pending: _Pending | None = None
         for r in range(first, config.rounds + 1):
-            t0 = time.perf_counter()
             with torch.random.fork_rng(devices=self._rng_devices()):
-                record, evaluation = self.round(r)
-            if startup:
-                record["events"] = startup + record["events"]
-                startup = []
-            last = evaluation or last
-            record["seconds"] = time.perf_counter() - t0
-            self.metrics_log.append(record)
-            _log(_round_line(record))
-            if self.run_dir is not None:
-                self._checkpoint(r, self.seconds_before + time.perf_counter() - start)
+                record, pending = self.round(r, pending)
+            if record is not None:
+                self._complete(record)
         last_round = max(config.rounds, first - 1)
-        personalized = False
-        final_events: list[dict[str, Any]] = []
-        if self.strategy.personalizes:
-            final_events += self.personalize(last_round)
-            personalized = True
-            last = None
-        if last is None:
-            _, last, _, events = self.evaluate(last_round, personalized=personalized)
-            final_events += events
+        return self._final(last_round, pending)
+
+    def _complete(self, record: dict[str, Any]) -> None:
+        """Append a round's record (evaluation included) and checkpoint after it."""
+        if self.startup:
+            record["events"] = self.startup + record["events"]
+            self.startup = []
+        self.metrics_log.append(record)
+        _log(_round_line(record))
+        if self.run_dir is not None:
+            save_round(self.run_dir / CHECKPOINT_NAME, round=record["round"],
+                       first_round=self.first_round,
+                       seconds=self.seconds_before + time.perf_counter() - self.start,
+                       identity=self.identity, fingerprint=self.fingerprint, state=self.state,
+                       clients={}, metrics_text=self.metrics_log.text, transport="flower")
+
+    def _final(self, last_round: int, pending: _Pending | None) -> dict[str, Any]:
+        """The last message: the last round's evaluation, personalisation, the novel
+        clients; then calibration and the files."""
+        eval_bytes = pending.eval_bytes if pending is not None else \
+            encode(self.strategy.configure_evaluation(self.state, last_round))
+        personalize = self.strategy.personalizes
+        steps = {c: Step(evaluate=eval_bytes, evaluate_round=last_round,
+                         personalize=personalize, final=True) for c in sorted(self.nodes)}
+        t0 = time.perf_counter()
+        collected = self.step(last_round, steps)
+        final_events = list(collected.events)
+        trained = [collected.replies[c].evaluation for c in self.training
+                   if c in collected.replies and collected.replies[c].evaluation is not None]
+        if pending is not None:  # its events go to the last round's record
+            final_events = []
+            self._evaluated(pending, collected, time.perf_counter() - t0)
+            self._complete(pending.record)
+        kind = "personalized" if personalize else "evaluation"
+        mine = [getattr(collected.replies[c], kind) for c in self.training
+                if c in collected.replies]
+        last = self._merged([e for e in mine if e is not None]) if personalize else \
+            self._merged(trained)
         if last is None:
             raise BayesFLError("no client returned an evaluation after the last round; "
                                "see the events in metrics.jsonl")
-        return self._finish(last, personalized, final_events,
-                            self.seconds_before + time.perf_counter() - start)
+        novel = [getattr(collected.replies[c], kind) for c in self.novel
+                 if c in collected.replies]
+        novel_eval = merge_evaluations([e for e in novel if e is not None]) \
+            if any(e is not None for e in novel) else None
+        summary = self._finish(last, personalize, final_events, novel_eval)
+        calibration = self._calibrate(eval_bytes, summary)
+        if calibration is not None:
+            summary["calibration"] = calibration.summary(summary)
+        summary["seconds"] = self.seconds_before + time.perf_counter() - self.start
+        if self.run_dir is not None:
+            self._write_results(summary, [m for m in self.metrics_log.records
+                                          if m.get("accuracy") is not None])
+        _log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
+             f"{len(summary['events'])} event(s)")
+        return summary
+
+    def _merged(self, evaluations: list[Evaluation]) -> RoundEvaluation | None:
+        if not evaluations:
+            return None
+        self._last_accumulators = [e.accumulators[PREDICTIVE] for e in evaluations]
+        return merge_evaluations(evaluations)
 
     def _finish(self, last: RoundEvaluation, personalized: bool,
-                final_events: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+                final_events: list[dict[str, Any]],
+                novel_eval: RoundEvaluation | None) -> dict[str, Any]:
         metrics = self.metrics_log.records
         evaluated = [m for m in metrics if m.get("accuracy") is not None]
-        summary = build_summary(self.config, evaluated, last, seconds)
+        summary = build_summary(self.config, evaluated, last, 0.0)
         for key in ("bytes_up", "bytes_down", "bytes_down_evaluation", "floats_up",
                     "floats_down"):
             summary[key] = int(sum(m.get(key, 0) for m in metrics))
@@ -211,16 +453,13 @@ class FlowerServer:
         summary["data"] = self.data_identity
         summary["threads"] = self.threads
         summary["transport"] = "flower"
+        summary_extras(summary, novel=self.novel, novel_evaluation=novel_eval)
         summary.update(self.strategy.server_metrics(self.state))
-        if self.run_dir is not None:
-            self._write_results(summary, evaluated, last)
-        _log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
-             f"{len(summary['events'])} event(s)")
         return summary
 
     # ---- nodes --------------------------------------------------------------------------
     def online(self) -> set[int]:
-        return {int(n) for n in self.grid.get_node_ids()}
+        return self.channel.online()
 
     def discover(self, *, wait: bool = False) -> list[dict[str, Any]]:
         """Ask every online node not yet known who it is; drop known nodes that went
@@ -242,7 +481,7 @@ class FlowerServer:
         if not new:
             return events
         requests = {-1 - i: (node, pack(round=0)) for i, node in enumerate(new)}
-        exchange = self.exchange(INFO, requests, step="discover")
+        exchange = self.channel.exchange(INFO, requests, step="discover")
         events += exchange.events
         for key, reply in exchange.replies.items():
             node = requests[key][0]
@@ -272,70 +511,28 @@ class FlowerServer:
             return f"malformed info reply: {err}", None
         return None, cid
 
-    # ---- one step -----------------------------------------------------------------------
-    def exchange(self, message_type: str, requests: Mapping[int, tuple[int, RecordDict]],
-                 *, step: str, round: int = 0) -> Exchange:
-        """Push ``requests`` (client id -> (node id, content)) and poll for the replies until
-        all are in, ``round-timeout`` passes, or their node goes offline."""
-        t0 = time.perf_counter()
-        out = Exchange()
-        timeout = self.options.round_timeout
-        ids = list(requests)
-        messages = [Message(content, dst_node_id=node, message_type=message_type,
-                            group_id=str(round), ttl=timeout + 60.0)
-                    for node, content in (requests[c] for c in ids)]
-        pushed = list(self.grid.push_messages(messages)) if messages else []
-        if len(pushed) != len(ids):  # the SuperLink refused the batch (e.g. too large)
-            pushed = [None] * len(ids)
-        pending: dict[str, int] = {}
-        for cid, mid in zip(ids, pushed, strict=True):
-            if mid:
-                pending[mid] = cid
-            else:
-                out.events.append(_event(cid, requests[cid][0], step,
-                                         "the SuperLink did not accept the message"))
-        deadline = time.monotonic() + timeout
-        next_check = time.monotonic() + _NODE_CHECK_SECONDS
-        while pending:
-            for reply in self.grid.pull_messages(list(pending)):
-                cid = pending.pop(reply.metadata.reply_to_message_id, None)
-                if cid is None:
-                    continue
-                if reply.has_error():
-                    out.events.append(_event(cid, requests[cid][0], step,
-                                             describe_error(reply.error)))
-                else:
-                    out.replies[cid] = reply
-                    out.client_timings[cid] = timings(reply.content)
-            if not pending:
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                for cid in pending.values():
-                    out.events.append(_event(cid, requests[cid][0], step,
-                                             f"no reply within {timeout:g} s"))
-                break
-            if now >= next_check:
-                online = self.online()
-                for mid, cid in list(pending.items()):
-                    if requests[cid][0] not in online:
-                        del pending[mid]
-                        out.events.append(_event(cid, requests[cid][0], step,
-                                                 "node went offline before replying"))
-                next_check = now + _NODE_CHECK_SECONDS
-            w = time.perf_counter()
-            time.sleep(self.options.poll_interval)
-            out.seconds_waiting += time.perf_counter() - w
-        out.seconds = time.perf_counter() - t0
-        return out
+    def _read_evaluation(self, data: bytes, round: int, client_id: int) -> Evaluation:
+        return read_evaluation(self.strategy, data, round=round, client_id=client_id,
+                               n_bins=self.config.n_bins, num_test=self.num_test[client_id])
 
     # ---- a round ------------------------------------------------------------------------
-    def round(self, r: int) -> tuple[dict[str, Any], RoundEvaluation | None]:
-        """Round ``r``: fit, validate, aggregate (or skip), evaluate; its metrics record."""
+    def step(self, r: int, steps: Mapping[int, Step]) -> Collected:
+        """Send every client its step of round ``r`` and collect the replies."""
+        ids = sorted(steps)
+        self.channel.send(r, ids, steps)
+        return self.channel.collect(time.monotonic() + self.options.round_timeout)
+
+    def round(self, r: int, pending: _Pending | None = None
+              ) -> tuple[dict[str, Any] | None, _Pending | None]:
+        """Round ``r``: one message per client (fit and/or the evaluation of ``pending``),
+        validate, aggregate (or skip). Returns (the record of round ``r`` when it is complete
+        now, the round whose record waits for its evaluation)."""
+        t0 = time.perf_counter()
         config, server = self.config, self.strategy
         torch.manual_seed(derived_seed(config.seed, r))
         events = self.discover()
-        participants = sample_clients(config.clients, config.fraction, config.seed, r)
+        participants = [self.training[i] for i in
+                        sample_clients(len(self.training), config.fraction, config.seed, r)]
         for cid in participants:
             if cid not in self.nodes:
                 events.append({"client_id": cid, "node_id": None, "step": "fit",
@@ -345,28 +542,33 @@ class FlowerServer:
         t_encode = time.perf_counter()
         down = encode(plan.broadcast)
         t_encode = time.perf_counter() - t_encode
-        fit = self.exchange(FIT, {c: (self.nodes[c], pack(down, round=r)) for c in sent},
-                            step="fit", round=r)
-        events += fit.events
+        steps = {c: Step(fit=down) for c in sent}
+        if pending is not None:
+            for c in self.training:
+                if c in self.nodes:
+                    steps.setdefault(c, Step())
+                    steps[c].evaluate, steps[c].evaluate_round = pending.eval_bytes, pending.round
+        collected = self.step(r, steps)
+        if pending is not None:  # the previous round is complete: record and checkpoint
+            self._evaluated(pending, collected, collected.seconds)
+            self._complete(pending.record)
+        events += [e for e in collected.events if e["step"] != "evaluate"]
         t_decode = time.perf_counter()
         reasons: dict[int, str] = {}
         received: list[tuple[int, BayesMessage]] = []
         bytes_up: dict[int, int] = {}
-        for cid in sorted(fit.replies):
+        reasons.update({c: why for c, why in collected.unreadable.items() if c in sent})
+        for cid in sorted(c for c in collected.replies if c in sent):
+            data = collected.replies[cid].upload
             try:
-                data, _ = unpack(fit.replies[cid].content, max_bytes=plan.max_upload_bytes)
+                if len(data) > plan.max_upload_bytes:
+                    raise MessageRejected(f"oversized message: {len(data)} bytes > limit "
+                                          f"{plan.max_upload_bytes}")
                 bytes_up[cid] = len(data)
                 received.append((cid, decode(data, max_bytes=plan.max_upload_bytes)))
             except MessageRejected as err:
                 reasons[cid] = err.reason
-        verdicts = server.validate_uploads(plan, [m for _, m in received],
-                                           [c for c, _ in received])
-        accepted = []
-        for (cid, message), reason in zip(received, verdicts, strict=True):
-            if reason is None:
-                accepted.append(message)
-            else:
-                reasons[cid] = reason
+        accepted = screen_uploads(server, plan, received, reasons)
         t_decode = time.perf_counter() - t_decode
         rejections = [{"client_id": c, "reason": reasons[c]} for c in sorted(reasons)]
         events += [{**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
@@ -374,101 +576,134 @@ class FlowerServer:
         need = self.options.min_replies or len(participants)
         skipped = aggregate_error = None
         t_aggregate = time.perf_counter()
+        previous = self.state
         if len(accepted) < need:
             skipped = (f"{len(accepted)} accepted upload(s) < min-replies {need}: round "
                        "skipped, previous state kept")
         else:
-            try:
-                gen = torch.Generator().manual_seed(derived_seed(config.seed, r, _SERVER_KEY))
-                new_state = server.aggregate(self.state, accepted, r, gen)
-                problem = non_finite_problem(new_state)
-                if problem is None:
-                    self.state = new_state
-                else:
-                    aggregate_error = f"aggregate rejected, previous state kept: {problem}"
-            except (BayesFLError, InferenceError) as err:
-                aggregate_error = f"aggregation failed, previous state kept: {err}"
+            self.state, aggregate_error = aggregate_or_keep(server, self.state, accepted, r,
+                                                            config.seed)
+        evaluate = r == config.rounds or (r - self.first_round + 1) % \
+            self.options.evaluate_every == 0
+        eval_bytes = b""
+        if evaluate:
+            self.state, eval_bytes, reverted = evaluate_or_revert(
+                self.state, previous,
+                lambda state: encode(server.configure_evaluation(state, r)))
+            aggregate_error = reverted or aggregate_error
         t_aggregate = time.perf_counter() - t_aggregate
+        fit_timings = [collected.replies[c].timings for c in sent if c in collected.replies]
         record: dict[str, Any] = {
             "round": r, "participants": participants, "accepted": len(accepted),
             "rejections": rejections,
-        }
-        every = self.options.evaluate_every
-        evaluation = None
-        eval_bytes, eval_sent, eval_step = b"", 0, Exchange()
-        if r == config.rounds or (r - self.first_round + 1) % every == 0:
-            eval_bytes, evaluation, eval_step, eval_events = self.evaluate(r)
-            eval_sent = len(eval_step.replies) + len(eval_step.events)
-            events += eval_events
-            record.update(evaluation.headline() if evaluation is not None
-                          else {"accuracy": None})
-            record.update(round_view(self.strategy))
-            if evaluation is not None:
-                record["per_client"] = evaluation.per_client
-        record.update({
             "bytes_up": int(sum(bytes_up.values())),
             "bytes_down": len(down) * len(sent),
             "bytes_up_per_client": [bytes_up.get(c, 0) for c in participants],
             "bytes_down_per_client": len(down),
-            "bytes_down_evaluation": len(eval_bytes) * eval_sent,
+            "bytes_down_evaluation": 0,
             "floats_up": int(sum(m.num_elements for _, m in received)),
             "floats_down": plan.broadcast.num_elements * len(sent),
-            "seconds_local_updates": fit.seconds,
-            "seconds_evaluation": eval_step.seconds,
-            "flower": _step_timings(fit, eval_step, t_encode, t_decode, t_aggregate),
+            "seconds_local_updates": collected.seconds,
+            "flower": {
+                "round_wall": collected.seconds, "round_polling": collected.seconds_waiting,
+                "client_setup": _slowest(fit_timings, "setup"),
+                "client_fit": _slowest(fit_timings, "fit"),
+                "client_evaluate": _slowest(fit_timings, "evaluate"),
+                "client_encode": _slowest(fit_timings, "encode"),
+                "server_encode": t_encode, "server_decode_validate": t_decode,
+                "server_aggregate": t_aggregate,
+            },
             "events": events,
-        })
+        }
         record.update(server.server_metrics(self.state))
         if skipped is not None:
             record["skipped"] = skipped
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
-        return record, evaluation
+        record["seconds"] = time.perf_counter() - t0
+        if not evaluate:
+            record["accuracy"] = None
+            return record, None
+        return None, _Pending(r, eval_bytes, record, record["seconds"])
 
-    def evaluate(self, r: int, *, personalized: bool = False
-                 ) -> tuple[bytes, RoundEvaluation | None, Exchange, list[dict[str, Any]]]:
-        """Every connected client's evaluation of the state after round ``r``: the encoded
-        broadcast, the merged evaluation (None when no client returned a valid one), the
-        step and its events."""
-        eval_bytes = encode(self.strategy.configure_evaluation(self.state, r))
-        step = self.exchange(EVALUATE, {c: (n, pack(eval_bytes, round=r,
-                                                     personalized=personalized))
-                                        for c, n in sorted(self.nodes.items())},
-                             step="evaluate", round=r)
-        events = list(step.events)
-        evaluations: list[Evaluation] = []
-        for cid in sorted(step.replies):
-            try:
-                data, _ = unpack(step.replies[cid].content)
-                evaluations.append(read_evaluation(
-                    self.strategy, data, round=r, client_id=cid, n_bins=self.config.n_bins,
-                    num_test=self.num_test[cid]))
-            except MessageRejected as err:
-                events.append(_event(cid, self.nodes.get(cid), "evaluate", err.reason))
-        merged = merge_evaluations(evaluations) if evaluations else None
-        if evaluations:
-            self._last_accumulators = [e.accumulators[PREDICTIVE] for e in evaluations]
-        return eval_bytes, merged, step, events
+    def _evaluated(self, pending: _Pending, collected: Collected, seconds: float) -> None:
+        """Round ``pending.round``'s record with the evaluations its next message brought."""
+        record = pending.record
+        # a message that only evaluates failed for this evaluation; one that also fits is
+        # logged with the round it trains in
+        record["events"] += [e for e in collected.events if e["step"] == "evaluate"]
+        evaluations = [collected.replies[c].evaluation for c in self.training
+                       if c in collected.replies and collected.replies[c].evaluation is not None]
+        evaluation = self._merged(evaluations)
+        sent = [c for c in self.training if c in self.nodes]
+        record.update(evaluation.headline() if evaluation is not None else {"accuracy": None})
+        record.update(round_view(self.strategy))
+        if evaluation is not None:
+            record["per_client"] = evaluation.per_client
+        record["bytes_down_evaluation"] = len(pending.eval_bytes) * len(sent)
+        record["seconds_evaluation"] = seconds
+        if "flower" in record:
+            eval_timings = [collected.replies[c].timings for c in collected.replies]
+            record["flower"]["client_evaluate"] = _slowest(eval_timings, "evaluate")
 
-    def personalize(self, r: int) -> list[dict[str, Any]]:
-        """Every connected client personalises its state (strategies that do)."""
-        data = encode(self.strategy.configure_evaluation(self.state, r))
-        step = self.exchange(PERSONALIZE, {c: (n, pack(data, round=r))
-                                           for c, n in sorted(self.nodes.items())},
-                             step="personalize", round=r)
-        return step.events
+    # ---- calibration --------------------------------------------------------------------
+    def _calibrate(self, eval_bytes: bytes, summary: dict[str, Any]
+                   ) -> CalibrationOutcome | None:
+        """The temperature-scaling step over ``query.calibrate`` messages (``calibrate``)."""
+        spec = self.setup.calibration
+        if spec is None:
+            return None
+        t0 = time.perf_counter()
+        held = self.setup.held_out
+        connected = [c for c in self.training if c in self.nodes]
+        participants = [c for c in connected if c in held and held[c].size > 0]
+
+        def ask(step: int, down: bytes, client_ids: Sequence[int]) -> dict[int, bytes | str]:
+            exchange = self.channel.exchange(
+                CALIBRATE, {c: (self.nodes[c], pack(step=step, broadcast=eval_bytes,
+                                                    proposal=down)) for c in client_ids},
+                step="calibrate", round=step)
+            answers: dict[int, bytes | str] = {e["client_id"]: e["reason"]
+                                               for e in exchange.events}
+            for cid, reply in exchange.replies.items():
+                try:
+                    answers[cid] = part(record_values(reply.content), "reply",
+                                        max_bytes=MAX_EVALUATION_BYTES) or b""
+                except MessageRejected as err:
+                    answers[cid] = err.reason
+            return answers
+
+        search = temperature_search_over(ask, participants, self.num_classes)
+        evaluation = None
+        if search.fit is not None:
+            from bayesfl.calibrate import result_message
+
+            result = encode(result_message(search.steps, search.fit.temperature))
+            search.bytes_down += len(result) * len(connected)
+            search.floats_down += len(connected)
+            exchange = self.channel.exchange(
+                CALIBRATE, {c: (self.nodes[c], pack(step=search.steps, broadcast=eval_bytes,
+                                                    result=result)) for c in connected},
+                step="calibrate", round=search.steps)
+            evaluations = []
+            for cid in sorted(exchange.replies):
+                try:
+                    data = part(record_values(exchange.replies[cid].content), "evaluation",
+                                max_bytes=MAX_EVALUATION_BYTES) or b""
+                    evaluations.append(read_evaluation(
+                        self.strategy, data, round=search.steps, client_id=cid,
+                        n_bins=self.config.n_bins, num_test=self.num_test[cid],
+                        predictives={PREDICTIVE}))
+                except MessageRejected as err:
+                    search.rejections.append({"step": search.steps, "client_id": cid,
+                                              "reason": err.reason})
+            search.rejections += [{"step": search.steps, "client_id": e["client_id"],
+                                   "reason": e["reason"]} for e in exchange.events]
+            evaluation = merge_evaluations(evaluations) if evaluations else None
+        return CalibrationOutcome(search, evaluation, held, spec.held_out_fraction,
+                                  time.perf_counter() - t0)
 
     # ---- checkpoints and files ----------------------------------------------------------
-    def _checkpoint(self, r: int, seconds: float) -> None:
-        tensors = {f"server/{k}": v for k, v in self.state.items()}
-        tensors["rng/torch"] = torch.get_rng_state()
-        tensors[_METRICS_TENSOR] = torch.from_numpy(
-            np.frombuffer(bytes(self.metrics_log.text), dtype=np.uint8).copy())
-        meta = {"format": CHECKPOINT_FORMAT, "round": r, "first_round": self.first_round,
-                "seconds": seconds, "config": self.identity, "server_keys": sorted(self.state)}
-        save_checkpoint(self.run_dir / CHECKPOINT_NAME, tensors, meta,
-                        fingerprint=self.fingerprint)
-
     def _restore(self) -> int:
         """The server's state, RNG and metrics from the checkpoint; returns the next round.
 
@@ -477,25 +712,20 @@ class FlowerServer:
         """
         path = self.run_dir / CHECKPOINT_NAME
         tensors, meta = load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity)
-        last, rounds = meta.get("round"), self.config.rounds
-        if meta.get("format") != CHECKPOINT_FORMAT or isinstance(last, bool) or \
-                not isinstance(last, int) or not self.first_round <= last <= rounds:
-            raise CheckpointError(f"checkpoint {path} was not written by this Flower run "
-                                  f"(format {meta.get('format')!r}, round {last!r}); delete "
-                                  "it or start again with force = true")
+        saved = restore_round(path, tensors, meta, first_round=self.first_round,
+                              rounds=self.config.rounds, server=self.strategy,
+                              fresh=self.state, num_clients=self.config.clients,
+                              device=self.device)
         try:
-            self.state = {k: tensors[f"server/{k}"].to(self.device)
-                          for k in meta["server_keys"]}
-            torch.set_rng_state(tensors["rng/torch"])
-            log = tensors[_METRICS_TENSOR]
-        except (KeyError, TypeError, RuntimeError) as err:
-            raise CheckpointError(f"checkpoint {path} does not hold this run's state: "
+            torch.set_rng_state(saved.rng)
+        except RuntimeError as err:
+            raise CheckpointError(f"checkpoint {path} does not hold this run's RNG state: "
                                   f"{err}") from err
-        self.metrics_log.restore(log.numpy().tobytes(), list(range(self.first_round,
-                                                                      last + 1)))
-        self.seconds_before = float(meta.get("seconds", 0.0))
-        self.resumed_from = last
-        return last + 1
+        self.state = saved.state
+        self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
+        self.seconds_before = saved.seconds
+        self.resumed_from = saved.round
+        return saved.round + 1
 
     def _write_setup_files(self) -> None:
         from bayesfl.manifest import write_manifest
@@ -513,10 +743,9 @@ class FlowerServer:
             "train_sizes": [c.num_train for c in clients],
             "test_sizes": [c.num_test for c in clients],
             "bodies": [self.setup.context.client_config(c.client_id).body
-                       for c in clients]}) + "\n")
+                       for c in clients], "novel": list(self.novel)}) + "\n")
 
-    def _write_results(self, summary: dict[str, Any], metrics: list[dict[str, Any]],
-                       last: RoundEvaluation) -> None:
+    def _write_results(self, summary: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
         import matplotlib.pyplot as plt
 
         from bayesfl.plots import plot_accuracy
@@ -541,23 +770,9 @@ def _event(client_id: int, node_id: int | None, step: str, reason: str) -> dict[
     return {"client_id": client_id, "node_id": node_id, "step": step, "reason": reason}
 
 
-def _step_timings(fit: Exchange, evaluation: Exchange, t_encode: float, t_decode: float,
-                  t_aggregate: float) -> dict[str, float]:
-    """Where a round's wall time went: each step's wall and polling wait, the clients'
-    reported setup / work / encode seconds (slowest client), the server's own work."""
-    def slowest(step: Exchange, key: str) -> float:
-        return max((t.get(key, 0.0) for t in step.client_timings.values()), default=0.0)
-
-    return {
-        "fit_wall": fit.seconds, "fit_polling": fit.seconds_waiting,
-        "fit_client_setup": slowest(fit, "setup"), "fit_client_work": slowest(fit, "fit"),
-        "fit_client_encode": slowest(fit, "encode"),
-        "evaluate_wall": evaluation.seconds, "evaluate_polling": evaluation.seconds_waiting,
-        "evaluate_client_setup": slowest(evaluation, "setup"),
-        "evaluate_client_work": slowest(evaluation, "evaluate"),
-        "server_encode": t_encode, "server_decode_validate": t_decode,
-        "server_aggregate": t_aggregate,
-    }
+def _slowest(client_timings: Sequence[Mapping[str, float]], key: str) -> float:
+    """The slowest client's ``key`` seconds (0 when none reported it)."""
+    return max((t.get(key, 0.0) for t in client_timings), default=0.0)
 
 
 def _round_line(record: Mapping[str, Any]) -> str:
@@ -572,4 +787,4 @@ def _log(text: str) -> None:
     print(f"[bayesfl] {text}", flush=True)
 
 
-__all__ = ["CHECKPOINT_FORMAT", "Exchange", "FlowerServer", "app", "main"]
+__all__ = ["Exchange", "FlowerChannel", "FlowerServer", "app", "main"]

@@ -31,6 +31,7 @@ from bayesfl.flower.protocol import (
     pack,
     parse_run_config,
     read_evaluation,
+    record_values,
     unpack,
 )
 from bayesfl.simulate import simulate
@@ -191,7 +192,8 @@ class InProcessGrid:
         ids = []
         for message in messages:
             cid = message.metadata.dst_node_id - 100
-            data, values = unpack(message.content)
+            values = record_values(message.content)
+            data = values["fit"]
             self.pushed[cid] = len(data)
             strategy = self.server.strategy
             config = strategy.context.client_config(cid)
@@ -202,7 +204,7 @@ class InProcessGrid:
             self.uploaded[cid] = len(up)
             mid = f"m{len(self.replies)}"
             self.replies[mid] = SimpleNamespace(
-                content=pack(up, round=values["round"]), has_error=lambda: False,
+                content=pack(upload=up, round=values["round"]), has_error=lambda: False,
                 metadata=SimpleNamespace(reply_to_message_id=mid))
             ids.append(mid)
         return ids
@@ -233,8 +235,9 @@ def test_a_flower_round_counts_bytes_for_the_sampled_clients_it_sent_to(connecte
     missing = [] if connected == 6 else sampled[:1]
     server.nodes = {cid: 100 + cid for cid in range(6) if cid not in missing}
     server.grid = grid = InProcessGrid(server, server.nodes.values())
-    record, evaluation = server.round(1)
-    assert evaluation is None  # round 1 of 3, evaluate-every 100: no evaluation step
+    record, pending = server.round(1)
+    # round 1 of 3, evaluate-every 100: complete without an evaluation, none to follow
+    assert pending is None and record["accuracy"] is None
     sent = [cid for cid in sampled if cid not in missing]
     assert record["participants"] == sampled and sorted(grid.pushed) == sent
     down = set(grid.pushed.values())
@@ -382,10 +385,10 @@ class InProcessFederation:
         from types import SimpleNamespace
 
         from bayesfl.flower import client_app
-        from bayesfl.flower.protocol import EVALUATE, FIT, INFO, PERSONALIZE
+        from bayesfl.flower.protocol import CALIBRATE, INFO, ROUND
 
-        handlers = {INFO: client_app.info, FIT: client_app.fit,
-                    PERSONALIZE: client_app.personalize, EVALUATE: client_app.evaluate}
+        handlers = {INFO: client_app.info, ROUND: client_app.round_step,
+                    CALIBRATE: client_app.calibrate}
         ids = []
         for message in messages:
             node, kind = message.metadata.dst_node_id, message.metadata.message_type
@@ -397,14 +400,15 @@ class InProcessFederation:
                 continue
             reply = handlers[kind](message, self.contexts[node])
             content, error = reply.content, None
-            if kind == FIT and node - 100 in self.garbage:
-                content = pack(b"\x00garbage" * 10, round=int(message.metadata.group_id))
-            if kind == FIT and node - 100 in self.failing:
+            fit = kind == ROUND and "fit" in record_values(message.content)
+            if fit and node - 100 in self.garbage:
+                content = pack(upload=b"\x00garbage" * 10, round=int(message.metadata.group_id))
+            if fit and node - 100 in self.failing:
                 error = SimpleNamespace(code=3, reason="ClientApp raised\n  ValueError")
             self.replies[mid] = SimpleNamespace(
                 content=content, has_error=lambda error=error: error is not None, error=error,
                 metadata=SimpleNamespace(reply_to_message_id=mid))
-            if kind == FIT and node - 100 in self.gone:
+            if fit and node - 100 in self.gone:
                 self.offline.add(node)
         return ids
 
@@ -475,10 +479,9 @@ def test_a_personalizing_strategy_personalizes_every_node_then_evaluates_that(ta
     grid = server.grid
     kinds = [kind for _, kind in grid.pushed]
     assert summary["personalized"] is True
-    # discovery, one fit per client, the last round's evaluation, one personalisation each
-    # and the evaluation of the personalised states
-    assert kinds == ["query.info"] * 3 + ["train.fit"] * 3 + ["evaluate.evaluate"] * 3 \
-        + ["train.personalize"] * 3 + ["evaluate.evaluate"] * 3
+    # discovery, then one message per client and round: the fit of round 1, and the last one
+    # (round 1's evaluation, the personalisation and the evaluation of the personalised state)
+    assert kinds == ["query.info"] * 3 + ["train.round"] * 6
 
 
 def test_foreign_silent_and_vanishing_nodes_are_logged_and_the_run_goes_on(task_identity):
@@ -503,8 +506,9 @@ def test_foreign_silent_and_vanishing_nodes_are_logged_and_the_run_goes_on(task_
     assert {e["reason"] for e in records[0]["events"] if e["node_id"] == 101} \
         == {"no reply within 0.2 s"}
     assert {(0, None, "fit", "sampled client has no connected node"),
-            (1, None, "fit", "sampled client has no connected node"),
-            (2, 102, "evaluate", "no reply within 0.2 s")} <= first
+            (1, None, "fit", "sampled client has no connected node")} <= first
+    # node 2's evaluation of round 1 would ride on round 2's message: it is gone by then
+    assert records[0]["accuracy"] is None
     assert (2, 102, "discover", "node went offline") in second
     assert (2, None, "fit", "sampled client has no connected node") in second
 
@@ -532,19 +536,20 @@ def test_a_resumed_run_says_so_in_its_manifest(task_identity, tmp_path):
 
 def test_failing_junk_and_vanishing_replies_are_logged_with_their_node(task_identity):
     # one round: node 0's ClientApp raises (a Flower error reply), node 1 uploads junk bytes,
-    # node 2 answers its fit and then goes offline before its evaluation reply (noticed at
-    # the next check of the online nodes, 2 s later); every message carries its round as the
-    # Flower group id
+    # node 2 answers its fit and then goes offline before its evaluation reply (the last
+    # message; noticed at the next check of the online nodes, 2 s later); every message
+    # carries its round as the Flower group id
     config = {**SMALL, "strategy": "fedavg", "rounds": 1, "round-timeout": 10.0,
               "poll-interval": 0.01}
     server = serve(config, failing={0}, garbage={1}, gone={2})
-    assert server.discover(wait=True) == []  # all three nodes admitted
-    record, evaluation = server.round(1)
+    summary = server.run()
+    (record,) = server.metrics_log.records
     events = {(e["client_id"], e["node_id"], e["step"]): e["reason"] for e in record["events"]}
     assert events[(0, 100, "fit")] == "Flower error 3: ClientApp raised ValueError"
     assert events[(1, 101, "fit")].startswith("not a bayesfl message")
     assert events[(2, 102, "evaluate")] == "node went offline before replying"
-    assert record["accepted"] == 1 and evaluation is not None
+    assert record["accepted"] == 1 and record["accuracy"] is not None
+    assert [c["client_id"] for c in summary["per_client"]] == [0, 1]
     assert [r["client_id"] for r in record["rejections"]] == [1]
     assert {group for kind, group in server.grid.groups if kind != "query.info"} == {"1"}
 
