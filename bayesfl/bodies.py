@@ -64,8 +64,10 @@ Your own body
     ``(2, feature_dim)``, and every call must return the same architecture (parameter names
     and shapes): clients of one spec are trained as one batch, and strategies that average
     bodies need them alike. A factory that raises, returns something else or fails the probe
-    is a :class:`~bayesfl.errors.ConfigError` naming it. Unlike the built-ins, a user body's
-    features need not be non-negative (CoLearn checks that its pooled features are).
+    is a :class:`~bayesfl.errors.ConfigError` naming it. Its features must also be non-negative
+    on a probe batch (zeros and eight standard normal inputs), as the built-ins' are: FedLog's
+    server rejects uploads with negative feature sums and CoLearn negative pooled features, so
+    end the module in a ReLU.
 """
 
 from __future__ import annotations
@@ -268,7 +270,16 @@ def body_factory(spec: str) -> BodyFactory | None:
         return factory
     if name.partition(":")[0].lower() in BODY_KINDS or not is_import_spec(name):
         return None
-    imported = import_object(name, "body factory")
+    try:
+        imported = import_object(name, "body factory")
+    except ConfigError as err:
+        if name.startswith("__main__:"):  # a callable of a script, recorded by a run
+            raise ConfigError(
+                f"body {name!r} is a factory defined in a script run as __main__ (a run "
+                "records a callable body by its name only); register it in this process "
+                f"first: bayesfl.register_body({name!r}, {name.partition(':')[2]})") from err
+        raise ConfigError(f"{err}; or register the factory in this process with "
+                          f"bayesfl.register_body({name!r}, factory)") from err
     if isinstance(imported, nn.Module) or not callable(imported):
         raise ConfigError(f"body factory {name!r} is a {type(imported).__name__}, not a "
                           "zero-argument callable returning a torch.nn.Module (a function or a "
@@ -322,7 +333,8 @@ def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.
 
     A user's factory (a registered name or ``package.module:attribute``, module docstring) is
     called and its module checked: it must be an ``nn.Module`` with float32 parameters, map a
-    probe batch of two zero inputs to ``(2, feature_dim)`` (skipped when built on the ``meta``
+    probe batch of two zero inputs to ``(2, feature_dim)`` and give non-negative features on
+    zeros and eight standard normal inputs (both probes skipped when built on the ``meta``
     device, which computes nothing) and have the parameter names and shapes of the first module
     the factory built for the same input shape and ``feature_dim`` in this process.
 
@@ -398,7 +410,36 @@ def _user_body(
     on_meta = any(t.is_meta for t in [*body.parameters(), *body.buffers()])
     if not on_meta:
         check_feature_dim(body, shape, feature_dim, name=what)
+        _check_non_negative(body, shape, what)
     return body
+
+
+def _check_non_negative(body: nn.Module, shape: tuple[int, ...], what: str) -> None:
+    """Refuse a body whose features go negative on a probe batch (zeros and eight standard
+    normal inputs from a fixed seed; the global RNG is not moved). FedLog's server rejects an
+    upload with a negative feature sum and CoLearn one with negative pooled features, so such a
+    body would have every upload rejected, round after round; a trailing ReLU rules it out."""
+    probe = torch.cat([torch.zeros((1, *shape)),
+                       torch.randn((8, *shape), generator=torch.Generator().manual_seed(0))])
+    first = next(body.parameters(), None)
+    if first is not None:
+        probe = probe.to(first.device)
+    was_training = body.training
+    body.eval()
+    try:
+        with torch.no_grad():
+            low = float(body(probe).min())
+    except Exception as err:  # the shape probe passed: an error here is about the values
+        raise ConfigError(f"{what} fails on a probe batch of shape {tuple(probe.shape)}: "
+                          f"{type(err).__name__}: {err}") from err
+    finally:
+        body.train(was_training)
+    if not low >= 0:
+        raise ConfigError(
+            f"{what} gives negative features (as low as {low:.3g}) on a probe batch; features "
+            "must be non-negative, as every built-in body's are (FedLog's server rejects an "
+            "upload with negative feature sums, CoLearn negative pooled features): end the "
+            "module in a ReLU (nn.ReLU())")
 
 
 def _mlp(in_features: int, widths: Sequence[int], feature_dim: int) -> nn.Module:

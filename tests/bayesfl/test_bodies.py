@@ -190,3 +190,140 @@ def test_stacked_training_of_a_batchnorm_body_equals_training_each_client():
             assert torch.equal(v, {**params[k], **buffers[k]}[n]), n
     assert not torch.equal(buffers[0]["body.pre_bn.running_mean"],
                            net.state_dict()["body.pre_bn.running_mean"])
+
+
+# ---- your own body: a factory of a torch.nn.Module ----------------------------------------
+from bayesfl.bodies import (  # noqa: E402 - this section's own imports
+    body_provenance,
+    body_spec,
+    qualified_name,
+    register_body,
+    registered_bodies,
+    unregister_body,
+)
+
+
+def small_body() -> nn.Module:
+    """A user's body for (64,) inputs and feature_dim 8 (importable by its qualified name)."""
+    return nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU())
+
+
+@pytest.fixture
+def registry():
+    """Names registered by a test are forgotten after it."""
+    before = set(registered_bodies())
+    yield
+    for name in set(registered_bodies()) - before:
+        unregister_body(name)
+
+
+def test_a_registered_factory_is_a_body_spec_called_once_per_body(registry):
+    calls = []
+
+    def factory():
+        calls.append(1)
+        return small_body()
+
+    assert register_body("mynet", factory) == "mynet"
+    assert parse_body_spec("mynet") == ("mynet", ())
+    first, second = build_body("mynet", (64,), 8), build_body("mynet", (64,), 8)
+    assert len(calls) == 2 and first is not second  # a fresh module per client
+    assert first(torch.rand(5, 64)).shape == (5, 8)
+    assert registered_bodies()["mynet"] == qualified_name(factory)
+
+
+def test_a_callable_body_is_registered_under_its_qualified_name(registry):
+    spec = body_spec(small_body)
+    assert spec == f"{__name__}:small_body"  # this module, however pytest imported it
+    assert body_spec([small_body, "mlp:20"]) == f"{spec},mlp:20"
+    assert build_body(spec, (64,), 8)(torch.zeros(1, 64)).shape == (1, 8)
+    provenance = body_provenance(f"{spec},mlp:20")
+    assert list(provenance) == [spec]  # the built-in spec needs no record
+    assert provenance[spec]["importable"] is True
+
+
+def test_a_lambda_is_recorded_as_not_importable_and_named_in_the_error_of_a_new_process(registry):
+    spec = body_spec(lambda: small_body())
+    assert "<lambda>" in spec and body_provenance(spec)[spec]["importable"] is False
+    unregister_body(spec)  # as in a new process
+    with pytest.raises(ConfigError, match="register it here first"):
+        build_body(spec, (64,), 8)
+
+
+def test_a_package_module_attribute_spec_imports_the_factory(registry):
+    body = build_body(f"{__name__}:small_body", (64,), 8)
+    assert isinstance(body, nn.Sequential)
+    with pytest.raises(ConfigError, match="register_body"):
+        build_body(f"{__name__}:no_such_factory", (64,), 8)
+
+
+def test_a_script_factory_of_another_process_says_how_to_register_it():
+    with pytest.raises(ConfigError, match=r"register_body\('__main__:make_body', make_body\)"):
+        build_body("__main__:make_body", (64,), 8)
+
+
+def test_a_module_instance_or_a_non_callable_is_refused_as_a_factory(registry):
+    with pytest.raises(ConfigError, match="module instance"):
+        body_spec(small_body())
+    with pytest.raises(ConfigError, match="zero-argument callable"):
+        register_body("x", 3)
+
+
+@pytest.mark.parametrize("name", ["", "a,b", "my net", "mlp", "CNN:mine"])
+def test_a_registered_name_must_be_one_spec_and_not_a_built_in(name, registry):
+    with pytest.raises(ConfigError, match="body name"):
+        register_body(name, small_body)
+
+
+def fails():
+    raise RuntimeError("no weights file")
+
+
+class Wide(nn.Module):
+    def forward(self, x):
+        return torch.relu(x[:, :5])
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    (fails, "raised RuntimeError: no weights file"),
+    (lambda: "not a module", "returned a str, not a torch.nn.Module"),
+    (lambda: nn.Sequential(nn.Linear(64, 8), nn.ReLU()).double(), "float64 parameters"),
+    (lambda: nn.Sequential(nn.Linear(32, 8), nn.ReLU()), "fails on inputs of shape"),
+    (Wide, r"output for a batch of 2 is \(2, 5\), expected \(2, 8\)"),
+    (lambda: nn.Linear(64, 8), "negative features"),
+    (lambda: nn.Sequential(nn.Linear(64, 8), nn.Tanh()), "end the module in a ReLU"),
+])
+def test_a_factory_that_fails_a_built_in_check_is_a_config_error_naming_it(factory, message,
+                                                                            registry):
+    register_body("user-net", factory)
+    with pytest.raises(ConfigError, match=message) as info:
+        build_body("user-net", (64,), 8)
+    assert "body factory 'user-net'" in str(info.value)
+
+
+def test_a_factory_must_build_the_same_architecture_every_call(registry):
+    widths = iter([16, 32])
+
+    def drifting():
+        return nn.Sequential(nn.Linear(64, next(widths)), nn.ReLU())
+
+    register_body("drift", drifting)
+    build_body("drift", (64,), 16)
+    with pytest.raises(ConfigError, match="different architecture"):
+        build_body("drift", (64,), 16)
+    register_body("drift", small_body)  # a new factory starts a new architecture record
+    assert build_body("drift", (64,), 8)(torch.zeros(1, 64)).shape == (1, 8)
+
+
+def test_a_user_body_counts_against_the_parameter_budget_without_being_allocated(registry):
+    from bayesfl.config import MAX_PARAMETERS, SimulationConfig, check_model_size
+
+    hidden = MAX_PARAMETERS // 100  # 72 weights per unit: 0.72 budgets per client, on meta only
+    register_body("huge", lambda: nn.Sequential(nn.Linear(64, hidden), nn.ReLU(),
+                                                nn.Linear(hidden, 8), nn.ReLU()))
+    config = SimulationConfig(body="huge", clients=2, feature_dim=8)
+    with pytest.raises(ConfigError, match="more than the limit"):
+        check_model_size(config, (64,))
+    register_body("mine", small_body)
+    assert check_model_size(SimulationConfig(body="mine", clients=3, feature_dim=8),
+                            (64,)) == 3 * (64 * 16 + 16 + 16 * 8 + 8)
