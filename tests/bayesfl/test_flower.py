@@ -559,3 +559,75 @@ def test_a_round_record_carries_the_strategys_server_metrics(task_identity):
     server.run()
     record = server.metrics_log.records[-1]
     assert record["round"] == 1 and record["prototype_spread"] > 0
+
+
+# ---- Flower equals the simulator, one strategy of each family (issue 28) --------------------
+def simulate_small(strategy: str, **extra: Any) -> Any:
+    return simulate(strategy, dataset="gaussian_mixture", clients=3, partition="iid",
+                    rounds=2, seed=3, body="mlp:8", feature_dim=4, local_epochs=1,
+                    progress=False, batched=False, threads=1,
+                    dataset_options={"n": 90, "num_classes": 3, "dim": 5}, **extra)
+
+
+FIGURES = ("ece", "accuracy", "accuracy_pooled", "nll", "brier")
+
+
+def assert_figures_equal(flower: dict[str, Any], sim: dict[str, Any], what: str) -> None:
+    # both sides merge the same float64 accumulator sums of the same float32 predictions:
+    # 1e-6 leaves room for a differently laid-out batch, far below any real difference
+    for key in FIGURES:
+        assert flower[key] == pytest.approx(sim[key], abs=1e-6), f"{what} {key}"
+    assert [c["client_id"] for c in flower["per_client"]] == \
+        [c["client_id"] for c in sim["per_client"]], what
+
+
+@pytest.mark.parametrize("strategy", [
+    "fedlog",   # FedLog: sufficient statistics, a posterior strategy with a round 0
+    "fedper",   # parameter averaging with a personal head
+    "fedsi",    # FedSI: the Gaussian body, personalisation on every node
+    "fedpa",    # a whole-network Bayesian baseline
+    "colearn",  # representation sharing
+])
+def test_each_family_on_flower_equals_the_simulator(task_identity, tmp_path, strategy):
+    out = tmp_path / "run"
+    summary = serve({**SMALL, "strategy": strategy, "threads": 1, "out": str(out),
+                     "evaluate-every": 1}).run()
+    sim = simulate_small(strategy)
+    assert summary["events"] == [] and summary["rejections"] == []
+    assert summary["personalized"] == sim.summary["personalized"]
+    assert_figures_equal(summary, sim.summary, strategy)
+    if "map_plugin" in sim.summary:
+        for key in FIGURES:
+            assert summary["map_plugin"][key] == pytest.approx(
+                sim.summary["map_plugin"][key], abs=1e-6), f"map_plugin {key}"
+    for key in ("bytes_up", "bytes_down", "floats_up", "floats_down"):
+        assert summary[key] == sim.summary[key], key
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [m["round"] for m in sim.metrics]
+    for flower_round, sim_round in zip(records, sim.metrics, strict=True):
+        assert flower_round["accuracy"] == pytest.approx(sim_round["accuracy"], abs=1e-6)
+        assert flower_round["ece"] == pytest.approx(sim_round["ece"], abs=1e-6)
+    state = server_state(out)
+    assert sorted(state) == sorted(sim.state)
+    for name, tensor in sim.state.items():
+        torch.testing.assert_close(state[name], tensor.cpu(), rtol=0, atol=1e-6,
+                                   msg=f"server tensor {name!r}")
+
+
+def test_calibrate_and_novel_clients_on_flower_equal_the_simulator(task_identity):
+    # one client of three is novel (never trained, evaluated at the end); every training
+    # client holds out 20 % of its training data to fit one temperature over messages
+    summary = serve({**SMALL, "strategy": "fedlog", "threads": 1,
+                     "calibrate": "temperature", "novel-fraction": 0.34}).run()
+    sim = simulate_small("fedlog", calibrate="temperature", novel_fraction=0.34)
+    assert summary["events"] == []
+    assert_figures_equal(summary, sim.summary, "headline")
+    assert summary["novel"]["clients"] == sim.summary["novel"]["clients"] != []
+    assert_figures_equal(summary["novel"], sim.summary["novel"], "novel")
+    flower, simulated = summary["calibration"], sim.summary["calibration"]
+    assert flower["error"] is None and flower["participants"] == simulated["participants"]
+    assert flower["temperature"] == pytest.approx(simulated["temperature"], rel=1e-6)
+    for key in ("steps", "restarts", "held_out_samples", "bytes_up", "bytes_down"):
+        assert flower[key] == simulated[key], key
+    assert_figures_equal({**flower["calibrated"]}, simulated["calibrated"], "calibrated")
+    assert flower["uncalibrated"] == pytest.approx(simulated["uncalibrated"], abs=1e-6)
