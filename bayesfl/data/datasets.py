@@ -161,7 +161,8 @@ class Dataset:
         if labels.dtype.kind not in "iu":
             raise DataError(f"y must hold integer class labels, got dtype {labels.dtype}; "
                             "pass y.astype(int) (or map class names to 0..C-1 first)")
-        values = inputs.astype(np.float32)  # a copy: the caller's array stays theirs
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, in words
+            values = inputs.astype(np.float32)  # a copy: the caller's array stays theirs
         if not np.isfinite(values).all():
             bad = int((~np.isfinite(values)).sum())
             raise DataError(f"x holds {bad} NaN or infinite value(s) (after conversion to "
