@@ -255,8 +255,9 @@ def fit_laplace_head(
         validation_method: the predictive whose validation NLL is minimised.
         approximation: ``"variational"`` (default) or ``"laplace"`` (see above); a Gaussian
             likelihood makes both the exact posterior, and ``"laplace"`` is returned.
-        num_draws, seed: logit draws per training point, and their seed, of ``"variational"``
-            (the result is deterministic given them).
+        num_draws: logit draws per training point of ``"variational"`` (the result is
+            deterministic given them and ``seed``).
+        seed: the seed of those draws.
 
     Returns:
         A float64 :class:`GaussianPosterior` over the ``(C, m + 1)`` head, on the features'

@@ -256,8 +256,9 @@ def fit_sgld_head(
         step_size: ``ε`` of the Welling-Teh update; default :data:`LAPLACE_STEP_SIZE` with the
             Laplace preconditioner, ``0.1 / L`` (:func:`curvature_bound`) without, ``1e-3``
             with RMSprop.
-        num_samples, burn_in, thinning: states kept per chain, steps discarded first,
-            keep-one-in.
+        num_samples: states kept per chain.
+        burn_in: steps discarded first.
+        thinning: keep one state in ``thinning``.
         num_chains: chains run in lockstep (vectorised); the ensemble holds
             ``num_chains · num_samples`` draws, chain by chain.
         batch_size: minibatch size ``n ≥ 1`` (``None``: full batch); gradients are scaled by

@@ -244,7 +244,8 @@ class NoisyConjugatePosterior(ConjugatePosterior):
             ``sigma``), in table units.
         count_from_noise: whether ``statistics.n`` was computed from the noisy count column
             (local DP) instead of being the exact public count.
-        solver, feature_scale: as :class:`~inference.conjugate.ConjugatePosterior`.
+        solver: as :class:`~inference.conjugate.ConjugatePosterior`.
+        feature_scale: as :class:`~inference.conjugate.ConjugatePosterior`.
     """
 
     kind: ClassVar[str] = "noisy_conjugate"

@@ -276,7 +276,8 @@ class SubnetLaplacePosterior:
                 softmax of ``f + J_S (theta_S - mean_S)`` over ``n_samples`` weight-space draws
                 (exact Gaussian logits, no Cholesky of the C x C logit covariance); ``"map"``:
                 ``softmax(f)``.
-            n_samples, generator: for ``"glm_mc"``.
+            n_samples: draws for ``"glm_mc"``.
+            generator: their random generator, for ``"glm_mc"``.
             chunk_size: rows per Jacobian chunk; ``None`` picks the largest chunk within
                 ``DEFAULT_CHUNK_BYTES`` of working memory.
             max_memory_bytes: memory budget override for the preflight.

@@ -107,7 +107,8 @@ def select_subnet(
         size: an int count in ``[1, P]`` or a float fraction in ``(0, 1]`` of the P trainable
             parameters (``floor(size * P)``, at least 1).
         prior_precision: scalar or (P,) per-parameter prior precision (FedSI: ``1 / g``).
-        filter_zero_curvature, min_curvature: see the module docstring.
+        filter_zero_curvature: see the module docstring.
+        min_curvature: see the module docstring.
         max_memory_bytes: memory budget override for the preflight.
 
     Returns:
