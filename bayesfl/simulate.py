@@ -216,7 +216,11 @@ def simulate(
     """Run a federated experiment (module docstring) and return its results.
 
     Args:
-        strategy, clients, partition, rounds, seed: the experiment.
+        strategy: the strategy's name (``bayesfl strategies`` lists them).
+        clients: the number of clients.
+        partition: how the data are split among them (``iid``, ``dirichlet:ALPHA``, ...).
+        rounds: federated rounds.
+        seed: the run's seed (data split, initialisation, sampling).
         dataset: the data set's name (default ``"digits"``); with ``data``, a label for those
             data (default ``"custom"``).
         out: run directory for metrics, summary, manifest, plots and checkpoints; None
