@@ -200,7 +200,9 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
         input_shape=tuple(int(s) for s in context_meta["input_shape"]),
         bodies=tuple(context_meta["bodies"]), clients=int(context_meta["clients"]))
     strategy = make_strategy(config.strategy, context, **config.strategy_options)
-    clients = [_client(strategy, context, entry, tensors, device_, path)
+    personal = {int(k) for k in meta.get("personalized", [])}
+    clients = [_client(strategy, context, entry, tensors, device_, path,
+                       personalized=entry.get("client_id") in personal)
                for entry in meta["clients"]]
     state = {k[len("server/"):]: v.to(device_) for k, v in tensors.items()
              if k.startswith("server/")}
@@ -209,7 +211,7 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
     except (KeyError, BayesFLError) as err:
         raise CheckpointError(f"{path} is corrupt ({_one_line(err)}); run it again with "
                               "--force (force=True)") from err
-    personalized = {int(k): clients[int(k)].state for k in meta.get("personalized", [])}
+    personalized = {k: clients[k].state for k in sorted(personal)}
     return LoadedRun(config, summary, metrics, root, state, clients, strategy, broadcast,
                      personalized, None, tuple(int(k) for k in meta.get("novel", [])),
                      partition=partition, manifest=manifest)
@@ -292,9 +294,11 @@ def _read_result(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def _client(strategy: Any, context: StrategyContext, entry: dict[str, Any],
-            tensors: dict[str, torch.Tensor], device: torch.device, path: Path) -> SimulatedClient:
-    """Client ``entry``'s config, its saved state (checked against a fresh client's layout)
-    and an empty data record of the run's input shape."""
+            tensors: dict[str, torch.Tensor], device: torch.device, path: Path,
+            personalized: bool) -> SimulatedClient:
+    """Client ``entry``'s config, its saved state (checked against a fresh client's layout:
+    the same names, shapes and dtypes, plus any entries personalisation added) and an empty
+    data record of the run's input shape."""
     try:
         config = ClientConfig(int(entry["client_id"]), str(entry["body"]),
                               int(entry["init_seed"]))
@@ -305,7 +309,10 @@ def _client(strategy: Any, context: StrategyContext, entry: dict[str, Any],
     prefix = f"client/{config.client_id}/"
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     layout = {k: (tuple(v.shape), v.dtype) for k, v in fresh.items()}
-    if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
+    saved = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    if personalized:  # personalisation may add entries (e.g. FedBABU's flag), never change one
+        saved = {k: v for k, v in saved.items() if k in layout}
+    if saved != layout:
         raise CheckpointError(
             f"{path}: client {config.client_id}'s saved state does not fit a client of body "
             f"{config.body!r} (names, shapes or dtypes differ); if the body is your own "
