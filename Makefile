@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bayesfl-installed
 
-.PHONY: demo test test-trained lint bench mutation
+.PHONY: demo test test-trained lint bench mutation notebooks docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test: $(STAMP)
 	@echo "test order: pytest-randomly seed $(SEED) ('make test SEED=$(SEED)' repeats it)"
 	$(PY) -m pytest -q -n 2 --dist worksteal --randomly-seed=$(SEED)
 
+# `make test` also builds the docs site with `mkdocs build --strict` and runs every Python and
+# shell block of the README and docs/ (tests/docs/), so a broken docstring reference fails it.
+
 # The tests that assert figures of trained models; .ci/run reruns them under another
 # ATEN_CPU_CAPABILITY (README, Development) to catch a figure that holds on one CPU only.
 test-trained: $(STAMP)
@@ -43,3 +46,21 @@ bench: $(STAMP)
 # tens of minutes, so not part of `test`): make mutation MODULE=bayesfl/strategies/fedpa.py
 mutation: $(STAMP)
 	$(PY) tools/mutation.py $(MODULE)
+
+# Execute every notebook in examples/ headless (nbconvert, a fresh kernel each), in a copy under
+# NOTEBOOKS_OUT (default: a new temporary folder), so outputs and figures never land in the
+# repository; `make notebooks NOTEBOOKS_OUT=nb-out` keeps them in nb-out/. To open them
+# instead: .venv/bin/jupyter lab examples/ (or jupyter notebook).
+NOTEBOOKS_OUT ?=
+notebooks: $(STAMP)
+	@out="$(NOTEBOOKS_OUT)"; [ -n "$$out" ] || out=$$(mktemp -d); mkdir -p "$$out"; \
+	cp examples/*.ipynb "$$out"/ && cd "$$out" && \
+	for nb in *.ipynb; do \
+	  echo "executing $$nb"; \
+	  "$(CURDIR)/$(VENV)/bin/jupyter" nbconvert --to notebook --execute --inplace \
+	    --ExecutePreprocessor.timeout=1200 "$$nb" || exit 1; \
+	done; echo "executed notebooks (with outputs and figures/) in $$out"
+
+# The docs site in build/site/ (`make test` builds it too); .venv/bin/mkdocs serve shows it live.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
