@@ -3,14 +3,20 @@
 The same experiment (FedLog on digits, 3 clients, iid, seed 0, one torch thread everywhere)
 runs in the simulator and on a Flower deployment on 127.0.0.1 (a SuperLink and three
 SuperNodes, :class:`bayesfl.flower.local.LocalFederation`), evaluating after every round on
-both. Per training round it reports the wall time of each and splits Flower's into:
+both. A Flower round is one ``train.round`` message per client: it evaluates the previous
+round's state and fits; its record's wall time runs from the round's start to its aggregate
+(the simulator's round: fit, aggregate, evaluate). Per training round it reports the wall
+time of each and splits Flower's into:
 
-* ``training``: the slowest client's fit and evaluate work (what the simulator also does);
+* ``training``: the slowest client's fit and evaluation work and the server's aggregation
+  (what the simulator also does);
 * ``serialization``: encoding and decoding/validating bayesfl messages (server and client);
-* ``client_setup``: each ClientApp process loading the data and building the strategy;
-* ``polling_and_processes``: the rest: the SuperNodes' and SuperExecs' polling intervals and
-  the start of a fresh ClientApp process per message (Python, torch and bayesfl imported
-  again); ``process_start`` measures one such import on its own for scale.
+* ``client_setup``: the ClientApp loading the data and building the strategy;
+* ``polling_and_processes``: the rest: Flower's floor, which bayesfl cannot change with a
+  supported API: the SuperNode's hard-coded 3 s sleep after an empty pull, the SuperExec's
+  1 s task poll, and a fresh ClientApp process per message (``flwr-clientapp`` imported, then
+  torch and bayesfl, and ``torch._dynamo`` on the first ``torch.optim`` construction);
+  ``process_start`` measures one import of the ClientApp on its own for scale.
 
 Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog]``. Last line: JSON.
 """
@@ -72,15 +78,13 @@ def main() -> None:
     rows = []
     for m in (r for r in records if r["round"] >= 1):
         f = m["flower"]
-        training = f["fit_client_work"] + f["evaluate_client_work"] + f["server_aggregate"]
-        serialization = (f["server_encode"] + f["server_decode_validate"]
-                         + f["fit_client_encode"])
-        setup = f["fit_client_setup"] + f["evaluate_client_setup"]
+        training = f["client_fit"] + f["client_evaluate"] + f["server_aggregate"]
+        serialization = f["server_encode"] + f["server_decode_validate"] + f["client_encode"]
+        setup = f["client_setup"]
         rest = m["seconds"] - training - serialization - setup
         rows.append({"round": m["round"], "wall": m["seconds"], "training": training,
                      "serialization": serialization, "client_setup": setup,
-                     "polling_and_processes": rest,
-                     "server_polling_wait": f["fit_polling"] + f["evaluate_polling"]})
+                     "polling_and_processes": rest, "server_polling_wait": f["round_polling"]})
     flower_round = statistics.median(r["wall"] for r in rows)
     sim_round = statistics.median(sim_rounds)
     print(f"{'round':>5} {'wall s':>8} {'training':>9} {'serial.':>8} {'setup':>7} "
@@ -107,6 +111,7 @@ def main() -> None:
         "flower_polling_and_processes_s": median("polling_and_processes"),
         "clientapp_process_start_s": spawn,
         "ece_simulator": sim.summary["ece"], "ece_flower": summary["ece"],
+        "messages_per_client_per_round": 1,
         "flower_run_s": status.seconds}))
 
 

@@ -172,7 +172,12 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
         raise ConfigError("authenticate is not supported by the Flower adapter: use Flower's "
                           "TLS and SuperNode authentication (flower-superlink "
                           "--enable-supernode-auth) instead")
-    return config, FlowerOptions(**flower)
+    options = FlowerOptions(**flower)
+    if options.data_loader is not None and config.calibrate is not None:
+        raise ConfigError("calibrate needs every client's held-out share of the run's data set; "
+                          "with a per-site data-loader the server does not know the sites' "
+                          "data: run calibrate without data-loader")
+    return config, options
 
 
 # ---- records ------------------------------------------------------------------------------

@@ -316,6 +316,7 @@ class FlowerServer:
                                       self.run_dir / METRICS_NAME)
         self.refused: set[int] = set()  # node ids refused at discovery
         self.num_test: dict[int, int] = {}
+        self.num_train: dict[int, int] = {}
         self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.strategy.init_round else 1
@@ -365,6 +366,8 @@ class FlowerServer:
         self.start = time.perf_counter()
         self.startup = self.discover(wait=True)
         _log(f"{len(self.nodes)} of {config.clients} clients connected")
+        if self.options.data_loader is not None and self.run_dir is not None:
+            self._write_site_sizes()
         pending: _Pending | None = None
         for r in range(first, config.rounds + 1):
             with torch.random.fork_rng(devices=self._rng_devices()):
@@ -507,6 +510,7 @@ class FlowerServer:
             if cid in self.nodes:
                 return f"client id {cid} is already served by node {self.nodes[cid]}", cid
             self.num_test[cid] = scalar(values, "num_test", int)
+            self.num_train[cid] = scalar(values, "num_train", int)
         except (KeyError, MessageRejected) as err:
             return f"malformed info reply: {err}", None
         return None, cid
@@ -727,12 +731,24 @@ class FlowerServer:
         self.resumed_from = saved.round
         return saved.round + 1
 
+    def _write_site_sizes(self) -> None:
+        """``partition.json`` of a per-site run: the sizes each site reported (its data never
+        left it)."""
+        (self.run_dir / "partition.json").write_text(json.dumps({
+            "scheme": "per-site", "data_loader": self.options.data_loader,
+            "train_sizes": [self.num_train.get(c) for c in range(self.config.clients)],
+            "test_sizes": [self.num_test.get(c) for c in range(self.config.clients)],
+            "novel": list(self.novel)}) + "\n")
+
     def _write_setup_files(self) -> None:
         from bayesfl.manifest import write_manifest
 
         write_manifest(self.run_dir / "manifest.json", self.config.to_dict(),
                        data=self.data_identity, threads=self.threads,
-                       resumed_from_round=self.resumed_from, transport="flower")
+                       resumed_from_round=self.resumed_from, transport="flower",
+                       data_loader=self.options.data_loader)
+        if self.options.data_loader is not None:
+            return  # the sites' sizes are known after discovery (_write_site_sizes)
         clients = self.setup.client_data
         parts = [np.concatenate([c.train_indices, c.test_indices]) for c in clients]
         counts = partition_summary(self.labels, parts, self.num_classes)

@@ -631,3 +631,61 @@ def test_calibrate_and_novel_clients_on_flower_equal_the_simulator(task_identity
         assert flower[key] == simulated[key], key
     assert_figures_equal({**flower["calibrated"]}, simulated["calibrated"], "calibrated")
     assert flower["uncalibrated"] == pytest.approx(simulated["uncalibrated"], abs=1e-6)
+
+
+# ---- a per-site data loader (issue 26) --------------------------------------------------------
+SITE_APP = Path(__file__).parent / "flower_site_app"
+SITES = {"strategy": "fedavg", "dataset": "digits", "clients": 3, "partition": "iid",
+         "rounds": 1, "seed": 0, "body": "mlp:8", "feature-dim": 4, "local-epochs": 1,
+         "threads": 1, "data-loader": "site_app.site_data:load"}
+
+
+def test_each_node_loads_its_own_site_data_with_the_run_configs_loader(task_identity,
+                                                                       monkeypatch, tmp_path):
+    # site k holds digits k, k+3, ... (599 each); it splits them 3:1 into train and test itself,
+    # and reports only their sizes
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    out = tmp_path / "run"
+    summary = serve({**SITES, "out": str(out)}).run()
+    assert summary["events"] == [] and summary["rejections"] == []
+    assert [c["count"] for c in summary["per_client"]] == [150, 150, 150]
+    partition = json.loads((out / "partition.json").read_text())
+    assert partition["scheme"] == "per-site"
+    assert partition["train_sizes"] == [449, 449, 449]
+    assert partition["test_sizes"] == [150, 150, 150]
+    assert 0.0 < summary["accuracy"] <= 1.0
+
+
+def test_a_node_with_another_data_loader_is_refused(task_identity, monkeypatch):
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    other = {**SITES, "data-loader": "site_app.site_data:other"}
+    server = serve(SITES, node_configs={0: other})
+    events = server.discover(wait=False)
+    assert sorted(server.nodes) == [1, 2]
+    assert [(e["client_id"], e["step"]) for e in events] == [(0, "discover")]
+    assert "fingerprint differs" in events[0]["reason"]
+
+
+def test_a_data_loader_must_name_a_module_and_a_function():
+    with pytest.raises(ConfigError, match=r"package\.module:function"):
+        parse_run_config({**SITES, "data-loader": "site_app.site_data"})
+    with pytest.raises(ConfigError, match="calibrate"):
+        parse_run_config({**SITES, "calibrate": "temperature"})
+
+
+@pytest.mark.flower
+@pytest.mark.slow  # ~1-3 minutes: three SuperNodes, two messages each
+def test_real_supernodes_load_their_site_data_as_the_in_process_nodes_do(task_identity,
+                                                                         monkeypatch,
+                                                                         tmp_path):
+    out = tmp_path / "run"
+    with LocalFederation(3, start_timeout=300.0) as fed:
+        status = fed.run({**SITES, "out": str(out), "round-timeout": 400.0,
+                          "node-wait": 300.0}, app=SITE_APP, timeout=RUN_TIMEOUT)
+    assert status.completed, (status.status, status.details)
+    summary = json.loads((out / "summary.json").read_text())
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    here = serve(SITES).run()
+    assert summary["events"] == []
+    for key in FIGURES:
+        assert summary[key] == pytest.approx(here[key], abs=1e-9), key

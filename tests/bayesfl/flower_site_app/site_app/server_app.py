@@ -1,0 +1,5 @@
+"""bayesfl's ServerApp, unchanged."""
+
+from bayesfl.flower.server_app import app
+
+__all__ = ["app"]
