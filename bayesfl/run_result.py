@@ -204,6 +204,8 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
     clients = [_client(strategy, context, entry, tensors, device_, path,
                        personalized=entry.get("client_id") in personal)
                for entry in meta["clients"]]
+    for spec in dict.fromkeys(c.config.body for c in clients):
+        strategy.template(spec)  # built now: the loaded run needs no body factory later
     state = {k[len("server/"):]: v.to(device_) for k, v in tensors.items()
              if k.startswith("server/")}
     try:

@@ -103,3 +103,13 @@ def test_a_long_round_list_is_shortened_in_the_message():
     with pytest.raises(CheckpointError, match=r"rounds \[1, 2, \.\.\., 49\] where \[0, 1, "
                                               r"\.\.\., 49\]"):
         parse_metrics(text, list(range(50)))
+
+
+def test_the_run_result_and_its_torn_temp_file_are_run_files(tmp_path):
+    from bayesfl.run_directory import RESULT_NAME
+
+    assert RESULT_NAME in RUN_FILES  # force starts again without the old run's result
+    (tmp_path / f".{RESULT_NAME}.a1b2.tmp").write_text("torn")  # a kill mid-write
+    (tmp_path / CHECKPOINT_NAME).write_text("kept")
+    prepare_run_directory(tmp_path, resume=True, force=False)
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
