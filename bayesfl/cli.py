@@ -23,15 +23,19 @@ resumes the run).
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
+import re
 import shlex
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from bayesfl.errors import BayesFLError
+from bayesfl.errors import BayesFLError, ConfigError
+from bayesfl.flower.command import NOT_ON_FLOWER, run_flower
 from bayesfl.flower.command import add_parser as add_flower_parser
-from bayesfl.flower.command import run_flower
 from bayesfl.run_directory import CHECKPOINT_NAME
 from bayesfl.settings import (  # noqa: F401 - SETTINGS, Setting, ... were this module's API
     MAX_CONFIG_BYTES,
@@ -48,8 +52,44 @@ from bayesfl.settings import (  # noqa: F401 - SETTINGS, Setting, ... were this 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a process stopped by Ctrl-C
 
+RUN_EXAMPLES = (
+    "bayesfl run --strategy fedlog --clients 10 --partition dirichlet:0.5 --rounds 5",
+    "bayesfl run --strategy fedlog-c --option alpha=0.01 --partition labels:3 --rounds 5",
+    "bayesfl run --strategy fedavg --dataset gaussian_mixture --dataset-option n=600 "
+    "--clients 4 --partition shards:2",
+    "bayesfl run --config run.toml --rounds 10",
+)
+"""The examples of ``bayesfl run --help`` (each one runs: tests/bayesfl/test_cli_help.py)."""
+
+RUN_TOML_EXAMPLE = """\
+strategy = "fedlog"
+feature-dim = 50
+bins = 15
+no-progress = true
+[option]
+mc_samples = 512
+"""
+"""The ``run.toml`` of ``bayesfl run --help``."""
+
+RUN_EPILOG = (
+    "examples:\n" + "".join(f"  {line}\n" for line in RUN_EXAMPLES)
+    + "\nA TOML file (--config) takes the flag names as keys, - or _ alike; run.toml:\n"
+    + "".join(f"  {line}\n" for line in RUN_TOML_EXAMPLE.splitlines())
+    + "Flags given on the command line override the file. `bayesfl strategies NAME` lists a\n"
+    "strategy's options (for --option). Ctrl-C stops a run and prints the command that\n"
+    "resumes it.")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: every usage error is one line on stderr (what was wrong
+    and where the help is), exit code 2, instead of argparse's usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bayesfl", description="Bayesian federated "
+    parser = _Parser(prog="bayesfl", description="Bayesian federated "
                                      "classification: run experiments in the embedded simulator.",
                                      allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -58,15 +98,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a federated experiment; writes metrics.jsonl, summary.json,\n"
         "manifest.json, a checkpoint and plots into --out.",
-        epilog="A TOML file (--config) takes the flag names as keys, - or _ alike:\n"
-        "  feature-dim = 50\n  bins = 15\n  no-progress = true\n  [option]\n"
-        "  alpha = 0.01\n"
-        "Flags given on the command line override the file.\n"
-        "Ctrl-C stops a run and prints the command that resumes it.")
+        epilog=RUN_EPILOG)
     run.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="TOML file with settings (keys: the flag names below)")
     add_settings(run)
-    commands.add_parser("strategies", help="list strategies and their options")
+    listing = commands.add_parser(
+        "strategies", help="list strategies and their options", allow_abbrev=False,
+        description="List the strategies: each one's summary and options with their defaults; "
+        "with names, those strategies in full (each option's meaning).")
+    listing.add_argument("names", nargs="*", metavar="NAME", help="strategies to show in full")
     add_flower_parser(commands)
     return parser
 
@@ -77,10 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from inference.errors import InferenceError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["flower"]:  # a flag of `bayesfl run` that Flower does not take: say why
+        for word in argv[1:]:
+            name = word.partition("=")[0].removeprefix("--").removeprefix("no-")
+            if word.startswith("--") and name in NOT_ON_FLOWER:
+                print(f"bayesfl flower: error: {word.partition('=')[0]} is not offered on "
+                      f"Flower: {NOT_ON_FLOWER[name]}", file=sys.stderr)
+                return EXIT_USAGE
     args = _parser().parse_args(argv)
     try:
         if args.command == "strategies":
-            return _list_strategies()
+            return _list_strategies(args.names)
         if args.command == "flower":
             return run_flower(args)
         return _run(args, argv)
@@ -92,18 +139,162 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+CLI_SPELLINGS = {"pass download=True": "pass --download", "use download=True": "use --download"}
+"""Advice the library words for Python callers -> the same advice in ``bayesfl run``'s flags."""
+
+
 def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
+    text = " ".join(str(err).split()) or type(err).__name__
+    for python, flag in CLI_SPELLINGS.items():
+        text = text.replace(python, flag)
+    return text
 
 
-def _list_strategies() -> int:
+def _list_strategies(names: Sequence[str] = ()) -> int:
+    """``bayesfl strategies``: each strategy's summary and options; with names, those in full."""
+    from bayesfl.strategies import STRATEGIES
+
+    if not names:
+        for name, cls in STRATEGIES.items():
+            options = ", ".join(f"{k}={_shown(d)}" for k, (d, _) in option_docs(name).items())
+            print(f"{name:18s} {strategy_summary(cls)}")
+            if options:
+                print(textwrap.fill(f"options: {options}", 100, initial_indent=" " * 19,
+                                    subsequent_indent=" " * 28, break_on_hyphens=False))
+        print("\nEach option's meaning: bayesfl strategies NAME (e.g. bayesfl strategies fedlog). "
+              "Set options with --option KEY=VALUE.")
+        return 0
+    for name in names:
+        if name not in STRATEGIES:
+            raise ConfigError(_unknown_strategy(name, STRATEGIES))
+    for i, name in enumerate(names):
+        print(("\n" if i else "") + f"{name}  {strategy_summary(STRATEGIES[name])}")
+        docs = option_docs(name)
+        if not docs:
+            print("  no options")
+        for option, (default, meaning) in docs.items():
+            print(f"  {option} (default {_shown(default)})")
+            meaning = meaning or (f"(in no options table or Args section; see the docstring of "
+                                  f"{STRATEGIES[name].__module__})")
+            print(textwrap.fill(meaning, 100, initial_indent=" " * 6,
+                                subsequent_indent=" " * 6, break_on_hyphens=False))
+    return 0
+
+
+def _unknown_strategy(name: str, known: Mapping[str, Any]) -> str:
+    near = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unknown strategy {name!r}{hint}; valid: {', '.join(known)}"
+
+
+def _shown(value: Any) -> str:
+    """An option value as it is typed after ``--option KEY=``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value if isinstance(value, str) else repr(value)
+
+
+_ABBREVIATIONS = ("e.g", "i.e", "et al", "cf", "vs", "resp", "approx", "Eq", "Fig", "No")
+
+
+def strategy_summary(cls: type) -> str:
+    """The first sentence, whole, of a strategy class's docstring (RST markup dropped; a
+    pointer to the module docstring left out)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    depth, end = 0, len(paragraph)
+    for i, char in enumerate(paragraph):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "." and depth == 0 and paragraph[i + 1:i + 2] in ("", " ") \
+                and not paragraph[:i].endswith(_ABBREVIATIONS):
+            end = i + 1
+            break
+    sentence = re.sub(r"\s*\((see )?(the )?module doc(string)?\)", "", paragraph[:end])
+    return sentence.replace("``", "`")
+
+
+def option_docs(name: str) -> dict[str, tuple[Any, str]]:
+    """Strategy ``name``'s options: option -> (default, meaning).
+
+    The defaults are the keyword defaults of the strategy's ``__init__`` (over its classes);
+    where a default is None and the class names the value it stands for (a ``default_OPTION``
+    class attribute, e.g. FedSI's ``default_posterior``), that value. The meanings come from
+    the structured parts of the docstrings, in this order, a later one winning: an options table
+    of the module docstring (an RST table whose first column is headed ``option``), then the
+    ``Args:`` sections of each class's docstring and of its ``__init__``; an option documented
+    in none of them has an empty meaning.
+    """
     from bayesfl.strategies import STRATEGIES, strategy_options
 
-    for name, cls in STRATEGIES.items():
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        options = ", ".join(f"{k}={v!r}" for k, v in strategy_options(name).items())
-        print(f"{name:18s} {doc}" + (f"\n{'':18s} options: {options}" if options else ""))
-    return 0
+    cls = STRATEGIES[name]
+    meanings: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        module = sys.modules.get(klass.__module__)
+        meanings.update(_options_table(getattr(module, "__doc__", None)))
+        meanings.update(_args_section(klass.__doc__))
+        if "__init__" in vars(klass):
+            meanings.update(_args_section(klass.__init__.__doc__))
+    docs = {}
+    for option, default in strategy_options(name).items():
+        if default is None and isinstance(getattr(cls, f"default_{option}", None), str):
+            default = getattr(cls, f"default_{option}")
+        docs[option] = (default, meanings.get(option, "").replace("``", "`"))
+    return docs
+
+
+_RULE = re.compile(r"=+(\s+=+)+")
+
+
+def _options_table(doc: str | None) -> dict[str, str]:
+    """option -> meaning from the RST simple tables of ``doc`` headed ``option``."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    found: dict[str, str] = {}
+    i = 0
+    while i + 2 < len(lines):
+        if not (_RULE.fullmatch(lines[i].strip()) and lines[i + 1].split()[:1] == ["option"]):
+            i += 1
+            continue
+        starts = [m.start() for m in re.finditer(r"=+", lines[i])]
+        i += 3  # the header and the rule under it
+        option = None
+        while i < len(lines) and not _RULE.fullmatch(lines[i].strip()):
+            first, last = lines[i][:starts[1]].strip(), lines[i][starts[-1]:].strip()
+            if first:
+                option = first
+                found[option] = last
+            elif option is not None and last:
+                found[option] += " " + last
+            i += 1
+    return found
+
+
+def _args_section(doc: str | None) -> dict[str, str]:
+    """name -> text of the Google-style ``Args:`` section of ``doc`` (``a, b: text`` gives
+    both)."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    found: dict[str, str] = {}
+    try:
+        i = next(k for k, line in enumerate(lines) if line.strip() in ("Args:", "Arguments:"))
+    except StopIteration:
+        return found
+    indent = None
+    current: list[str] = []
+    for line in lines[i + 1:]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth == 0:
+            break  # the next section
+        indent = depth if indent is None else indent
+        entry = re.match(r"\s*(\w+(?:\s*,\s*\w+)*)(?:\s*\([^)]*\))?:\s*(.*)", line)
+        if depth == indent and entry:
+            current = [n.strip() for n in entry.group(1).split(",")]
+            for n in current:
+                found[n] = entry.group(2).strip()
+        elif depth > indent:
+            for n in current:
+                found[n] += " " + line.strip()
+    return found
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -144,6 +335,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"temperature scaling: T = {calibration['temperature']:.4g}, ECE "
               f"{after['ece']:.4f}, NLL {after['nll']:.4f} (uncalibrated above), "
               f"bytes up {calibration['bytes_up']:,}, down {calibration['bytes_down']:,}")
+    if s["rounds"] == 0:
+        print("0 rounds: nothing was trained; the figures are the initial model's (for FedLog "
+              "the head of its round 0 statistics on the initial bodies)")
     print(f"results in {result.run_dir}")
     return 0
 

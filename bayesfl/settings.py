@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from bayesfl.config import CONFIG_FIELDS, check_setting, check_threads, describe
+from bayesfl.data.datasets import DATASETS
+from bayesfl.data.partition import PARTITION_SCHEMES
 from bayesfl.errors import ConfigError
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -42,7 +44,8 @@ class Setting:
             also a TOML key (with ``-`` or ``_``).
         target: the :class:`~bayesfl.config.SimulationConfig` field, or a keyword of
             :func:`~bayesfl.simulate.simulate` (``out``, ``resume``, ``force``, ``progress``,
-            ``threads``).
+            ``threads``), or ``download``, which the readers fold into ``dataset_options``
+            (:func:`fold_download`).
         kind: ``str``, ``int``, ``float``, ``path``, ``options`` (KEY=VALUE pairs / a table),
             ``switch`` (a flag that turns the target on) or ``toggle`` (``--NAME`` /
             ``--no-NAME``).
@@ -58,11 +61,16 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting(("strategy",), "strategy", "str",
             "strategy name (see `bayesfl strategies`); default fedlog"),
-    Setting(("dataset",), "dataset", "str", "data set name; default digits"),
+    Setting(("dataset",), "dataset", "str",
+            f"data set name: {', '.join(DATASETS)}; default digits"),
     Setting(("clients",), "clients", "int", "number of clients; default 20"),
     Setting(("partition",), "partition", "str",
-            "iid, dirichlet:ALPHA, shards:K or per_class:N; default shards:2"),
-    Setting(("rounds",), "rounds", "int", "training rounds; default 30"),
+            "how the data are split over the clients, one of: "
+            + "; ".join(PARTITION_SCHEMES.values())
+            + ". Default shards: 2 classes per client, or as many as cover every class"),
+    Setting(("rounds",), "rounds", "int",
+            "training rounds, >= 0; 0 trains nothing and evaluates the initial model (FedLog: "
+            "the head of its round 0 statistics on the initial bodies); default 30"),
     Setting(("seed",), "seed", "int", "seed of everything random, 0 <= SEED < 2**63; default 0"),
     Setting(("body",), "body", "str",
             "body spec, or specs separated by commas assigned to clients in turn "
@@ -91,9 +99,14 @@ SETTINGS: tuple[Setting, ...] = (
             "sign every message with HMAC-SHA256 under per-client keys drawn for the run; "
             "default off"),
     Setting(("option", "strategy-options"), "strategy_options", "options",
-            "strategy option KEY=VALUE, repeatable (e.g. --option alpha=0.01)"),
+            "strategy option KEY=VALUE, repeatable (e.g. --option mc_samples=512); "
+            "`bayesfl strategies NAME` lists a strategy's options"),
     Setting(("dataset-option", "dataset-options"), "dataset_options", "options",
-            "data set option KEY=VALUE, repeatable (e.g. --dataset-option n=500)"),
+            "data set option KEY=VALUE, repeatable (e.g. --dataset gaussian_mixture "
+            "--dataset-option n=500)"),
+    Setting(("download",), "download", "switch",
+            "download a torchvision data set's files (mnist, fashion_mnist, cifar10, cifar100) "
+            "if they are absent; the same as --dataset-option download=true"),
     Setting(("out",), "out", "path",
             "run directory; default runs/STRATEGY_DATASET_seedSEED; must be empty or absent "
             "unless --resume or --force"),
@@ -129,11 +142,13 @@ _BY_NAME = _names_to_settings()
 
 
 
-def add_settings(run: argparse.ArgumentParser) -> None:
+def add_settings(run: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
     """Every setting of :data:`SETTINGS` as a flag of ``run`` (``bayesfl run``, ``bayesfl
-    flower``)."""
+    flower``), but those whose target is in ``exclude``."""
     types = {"str": str, "int": int, "float": float, "path": Path}
     for s in SETTINGS:
+        if s.target in exclude:
+            continue
         flags = [f"--{name}" for name in s.names]
         if s.kind == "toggle":
             run.add_argument(*flags, dest=s.target, action=argparse.BooleanOptionalAction,
@@ -154,11 +169,11 @@ def settings_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags, by target (``out``, ``resume`` ... or config field)."""
     settings: dict[str, Any] = {}
     for s in SETTINGS:
-        value = getattr(args, s.target)
+        value = getattr(args, s.target, None)  # None: not given, or not a flag of the command
         if value is None:
             continue
         settings[s.target] = parse_options(value) if s.kind == "options" else value
-    return settings
+    return fold_download(settings)
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -236,6 +251,16 @@ def settings_from_mapping(raw: Mapping[str, Any], source: str = "config") -> dic
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from err
         settings[setting.target] = value
+    return fold_download(settings)
+
+
+def fold_download(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``download`` (the ``--download`` flag) moved into ``dataset_options``,
+    where the data sets read it; returns ``settings``."""
+    if "download" in settings:
+        download = settings.pop("download")
+        settings["dataset_options"] = {**settings.get("dataset_options", {}),
+                                       "download": download}
     return settings
 
 
@@ -268,4 +293,5 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 __all__ = ["MAX_CONFIG_BYTES", "RUN_KEYWORDS", "SETTINGS", "Setting", "add_settings",
-           "parse_options", "read_config", "settings_from_flags", "settings_from_mapping"]
+           "fold_download", "parse_options", "read_config", "settings_from_flags",
+           "settings_from_mapping"]

@@ -148,8 +148,15 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+CLI_SPELLINGS = {"pass from_logits=True": "pass --logits"}
+"""Advice the library words for Python callers -> the same advice in this command's flags."""
+
+
 def _one_line(message: object) -> str:
-    return " ".join(str(message).split())  # one line, whatever the message held
+    text = " ".join(str(message).split())  # one line, whatever the message held
+    for python, flag in CLI_SPELLINGS.items():
+        text = text.replace(python, flag)
+    return text
 
 
 def _fail(reason: str, code: int = 1) -> int:

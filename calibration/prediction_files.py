@@ -24,6 +24,7 @@ are checked from the file's own declarations before anything is allocated. Probl
 
 from __future__ import annotations
 
+import shlex
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,10 +132,35 @@ class _Columns(dict):
             raise FileFormatError(
                 f"CSV needs at least 2 class-score columns besides labels/client ids; got {names}"
             )
-        try:
-            return np.column_stack([np.asarray(self[name], dtype=np.float64) for name in names])
-        except (TypeError, ValueError):
-            raise FileFormatError(f"CSV score columns {names} must be numeric") from None
+        columns = []
+        for name in names:
+            try:
+                columns.append(np.asarray(self[name], dtype=np.float64))
+            except (TypeError, ValueError):
+                raise FileFormatError(_not_numeric(name, self[name])) from None
+        return np.column_stack(columns)
+
+
+def _not_numeric(name: str, values: Any) -> str:
+    """Why column ``name`` cannot be a class score, and what to do about it."""
+    bad = [(i, v) for i, v in enumerate(values) if not _is_number(v)]
+    row, value = bad[0]
+    if len(bad) < len(values):  # a score column with a stray entry
+        return (f"CSV column {name!r} holds a non-number in row {row + 1} ({value!r}; "
+                f"{len(bad)} such row(s)); class scores must be numbers: fix or drop those rows")
+    flag = shlex.quote(name)
+    return (f"CSV column {name!r} is not numeric (row {row + 1}: {value!r}), so it cannot be a "
+            f"class score; if it holds client ids pass --client-column {flag} (Python: "
+            f"client_key={name!r}), if it holds the labels --label-column {flag} "
+            f"(label_key={name!r})")
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _pick(table: dict, path: Path, key: str | None, defaults: tuple[str, ...], what: str,

@@ -17,12 +17,22 @@ import importlib.util
 import json
 import shlex
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from bayesfl.errors import ConfigError
-from bayesfl.settings import add_settings, read_config, settings_from_flags
+from bayesfl.settings import add_settings, fold_download, read_config, settings_from_flags
+
+NOT_ON_FLOWER: dict[str, str] = {
+    "authenticate": "Flower authenticates nodes itself: use its TLS and SuperNode "
+                    "authentication (flower-superlink --enable-supernode-auth)",
+    "progress": "there is no progress bar over Flower; the rounds are logged by the SuperLink "
+                "(--keep DIR keeps its log)",
+}
+"""Settings of ``bayesfl run`` that ``bayesfl flower`` does not offer, with the reason (its
+``--help`` says them); every other setting is a flag the Flower run accepts."""
 
 _DEPLOYMENT_FLAGS = (
     ("--min-replies", int, "min-replies",
@@ -42,10 +52,16 @@ def add_parser(commands: Any) -> None:
         "SuperNode per client on 127.0.0.1)", allow_abbrev=False,
         description="Run a federated experiment on Flower on this machine: a SuperLink and "
         "one SuperNode per client on 127.0.0.1, the example app, the final status from "
-        "`flwr ls`. Needs the extra: pip install 'bayesfl[flower]'.")
+        "`flwr ls`. Needs the extra: pip install 'bayesfl[flower]'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Not offered on Flower:\n" + "".join(
+            f"  --{name}: {why}\n" for name, why in NOT_ON_FLOWER.items())
+        + "Durations printed at the end: wall_s, the whole command (starting the deployment,\n"
+        "the run, stopping it); run_s, the Flower run from its submission to its final status;\n"
+        "rounds_s, the rounds in the ServerApp (summary.json's seconds, as in the simulator).")
     flower.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="TOML file with settings (keys: the flag names)")
-    add_settings(flower)
+    add_settings(flower, exclude=tuple(NOT_ON_FLOWER))
     for flag, kind, _, text in _DEPLOYMENT_FLAGS:
         flower.add_argument(flag, type=kind, default=None, help=text)
     flower.add_argument("--app", type=Path, default=None,
@@ -57,14 +73,24 @@ def add_parser(commands: Any) -> None:
 
 
 def run_flower(args: argparse.Namespace) -> int:
-    """Run the experiment of ``args`` on a local deployment; the exit code."""
+    """Run the experiment of ``args`` on a local deployment; the exit code.
+
+    Raises:
+        ConfigError: flwr is not installed, or a setting ``bayesfl flower`` does not offer is
+            in the ``--config`` file (:data:`NOT_ON_FLOWER`, with the reason).
+    """
+    start = time.perf_counter()
     if importlib.util.find_spec("flwr") is None:
         raise ConfigError("Flower is not installed: pip install 'bayesfl[flower]' (flwr 1.41)")
     from bayesfl.flower.local import EXAMPLE_APP, LocalFederation
 
     settings = read_config(args.config) if args.config is not None else {}
     settings.update(settings_from_flags(args))
-    settings.pop("progress", None)
+    for name, why in NOT_ON_FLOWER.items():
+        if name in settings and (name != "progress" or settings[name]):
+            raise ConfigError(f"config {args.config}: {name} is not offered on Flower: {why}; "
+                              "remove it from the file")
+    settings.pop("progress", None)  # progress = false: what Flower does anyway
     out = Path(settings.pop("out", None) or
                f"runs/flower_{settings.get('strategy', 'fedlog')}_"
                f"{settings.get('dataset', 'digits')}_seed{settings.get('seed', 0)}")
@@ -85,19 +111,37 @@ def run_flower(args: argparse.Namespace) -> int:
             return 1
     summary = json.loads((out / "summary.json").read_text())
     print(f"{summary['strategy']} on {summary['dataset']} over Flower ({nodes} SuperNodes, "
-          f"run {status.run_id}, {status.seconds:.0f} s): accuracy {summary['accuracy']:.4f}, "
+          f"run {status.run_id}): accuracy {summary['accuracy']:.4f}, "
           f"ECE {summary['ece']:.4f}, NLL {summary['nll']:.4f}, bytes up "
           f"{summary['bytes_up']:,}, down {summary['bytes_down']:,}, "
           f"{len(summary['events'])} event(s)")
+    print(durations_line(time.perf_counter() - start, status.seconds, summary.get("seconds")))
     print(f"results in {out}")
     return 0
+
+
+def durations_line(wall_s: float, run_s: float, rounds_s: float | None) -> str:
+    """The three durations of a ``bayesfl flower`` command, each named for what it spans.
+
+    Args:
+        wall_s: the whole command, seconds: starting the SuperLink and SuperNodes, the run,
+            stopping every process.
+        run_s: the Flower run, seconds, from its submission (``flwr run``) to its final status
+            (``flwr ls``): app start-up on every node included.
+        rounds_s: the rounds as the ServerApp timed them (summary.json's ``seconds``, what the
+            simulator's summary holds too), or None where the summary has none.
+    """
+    rounds = "" if rounds_s is None else f", rounds_s {rounds_s:.1f} (the ServerApp's rounds, " \
+        "summary.json seconds)"
+    return (f"time: wall_s {wall_s:.1f} (the whole command), run_s {run_s:.1f} (the Flower run, "
+            f"submission to final status){rounds}")
 
 
 def run_config(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
     """``bayesfl run`` settings (SimulationConfig fields and run keywords) as the example
     app's run config (flat; options as one ``KEY=VALUE ...`` string each)."""
     config: dict[str, Any] = {"out": str(out)}
-    for target, value in settings.items():
+    for target, value in fold_download(dict(settings)).items():
         if value is None:
             continue
         if target in ("strategy_options", "dataset_options"):
@@ -117,4 +161,4 @@ def _literal(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-__all__ = ["add_parser", "run_config", "run_flower"]
+__all__ = ["NOT_ON_FLOWER", "add_parser", "durations_line", "run_config", "run_flower"]
