@@ -29,8 +29,9 @@ handlers (each handler needs them; nothing else is loaded).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Message
@@ -65,6 +66,7 @@ class Node:
     data: ClientData
     fingerprint: str
     held_out: Any = None
+    state_dir: Path | None = None
 
     @property
     def client_id(self) -> int:
@@ -73,6 +75,11 @@ class Node:
 
 def node_of(context: Context) -> Node:
     """This node's side of the run (memoised per run config and partition).
+
+    With ``state-dir`` in its node config, the node also keeps its trained state after every
+    fit on its own disk (:func:`save_round_state`), so that a resumed run (a new Flower run,
+    whose ``context.state`` starts empty) goes on from the state the server's checkpoint
+    belongs to rather than from the initial one.
 
     Raises:
         ConfigError: a node_config without an integer ``partition-id`` in ``[0, clients)``,
@@ -88,7 +95,12 @@ def node_of(context: Context) -> Node:
             raise ConfigError(f"node_config {name} must be an integer, got {value!r} "
                               "(flower-supernode --node-config 'partition-id=0 "
                               "num-partitions=N')")
-    return _node(run, pid, parts)
+    node_ = _node(run, pid, parts)
+    state_dir = node.get("state-dir")
+    if isinstance(state_dir, str) and state_dir:
+        # one folder per run identity: a node serving several runs keeps them apart
+        node_ = replace(node_, state_dir=Path(state_dir) / node_.fingerprint[:16])
+    return node_
 
 
 @lru_cache(maxsize=4)
@@ -232,6 +244,58 @@ def store_state(context: Context, slot: str, state: ClientState, round: int) -> 
     context.state[STATE_RECORD] = ConfigRecord(values)
 
 
+# ---- the client state on the node's disk (exact resumes) -------------------------------------
+_KEEP_STATES = 3  # the server's checkpoint lags the nodes' fits by one round at most
+
+
+def save_round_state(node: Node, state: ClientState, round: int) -> None:
+    """Keep ``state`` (after round ``round``'s fit) in the node's ``state-dir``, atomically;
+    only the latest few are kept."""
+    from safetensors.torch import save
+
+    from bayesfl.checkpoint import write_atomically
+
+    if node.state_dir is None:
+        return
+    folder = node.state_dir / f"client-{node.client_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomically(folder / f"round-{round}.safetensors",
+                     save({k: v.detach().to("cpu").contiguous() for k, v in state.items()}))
+    for old in sorted(_saved_rounds(folder))[:-_KEEP_STATES]:
+        (folder / f"round-{old}.safetensors").unlink(missing_ok=True)
+
+
+def _saved_rounds(folder: Path) -> list[int]:
+    rounds = []
+    for path in folder.glob("round-*.safetensors"):
+        number = path.name[len("round-"):-len(".safetensors")]
+        if number.isdigit():
+            rounds.append(int(number))
+    return rounds
+
+
+def resume_state(context: Context, node: Node, resumed_from: int) -> str | None:
+    """At the first message of a resumed run (nothing in ``context.state`` yet): the node's
+    latest saved state of a round ``<= resumed_from`` becomes its trained state. Returns why
+    it could not (no ``state-dir``, no saved state: the client starts from its initial state),
+    or None."""
+    from safetensors.torch import load_file
+
+    record = context.state.config_records.get(STATE_RECORD)
+    if record is not None and "trained" in record:
+        return None  # this Flower run has trained the client already
+    if node.state_dir is None:
+        return ("resumed without a state-dir in the node config: the client starts again "
+                "from its initial state")
+    folder = node.state_dir / f"client-{node.client_id}"
+    rounds = [r for r in _saved_rounds(folder) if r <= resumed_from] if folder.exists() else []
+    if not rounds:
+        return None  # it never trained up to there (never sampled): its initial state is it
+    state = load_file(str(folder / f"round-{max(rounds)}.safetensors"))
+    store_state(context, "trained", state, max(rounds))
+    return None
+
+
 # ---- handlers -------------------------------------------------------------------------------
 def _decoded(data: bytes, node: Node, round: int | None = None):
     """A server broadcast decoded; its header must name this run's strategy, ``round`` (when
@@ -272,6 +336,11 @@ def round_step(msg: Message, context: Context) -> Message:
     values = record_values(msg.content)
     r = scalar(values, "round", int)
     out: dict[str, Any] = {}
+    resumed_from = values.get("resumed-from")
+    if isinstance(resumed_from, int) and not isinstance(resumed_from, bool):
+        problem = resume_state(context, node, resumed_from)
+        if problem is not None:
+            out["resume-problem"] = problem
     with torch_threads(check_threads(node.options.threads)), \
             torch.random.fork_rng(devices=_rng_devices(node)):
         evaluate_data = part(values, "evaluate", max_bytes=DEFAULT_MAX_BYTES)
@@ -303,6 +372,7 @@ def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
     state, upload = node.strategy.fit(node.client, state, node.data, broadcast, gen)
     timing["fit"] = time.perf_counter() - t1
     store_state(context, "trained", state, r)
+    save_round_state(node, state, r)
     t2 = time.perf_counter()
     data = encode(upload)
     timing["encode"] = time.perf_counter() - t2
@@ -404,4 +474,5 @@ def _rng_devices(node: Node) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
-__all__ = ["STATE_RECORD", "Node", "app", "load_state", "node_of", "site_data", "store_state"]
+__all__ = ["STATE_RECORD", "Node", "app", "load_state", "node_of", "resume_state",
+           "save_round_state", "site_data", "store_state"]

@@ -160,11 +160,15 @@ class LocalFederation:
             self.supernodes.append(self.start_node(i))
 
     def start_node(self, i: int) -> subprocess.Popen[bytes]:
-        """Start SuperNode ``i`` (``partition-id=i``) on a free loopback port."""
+        """Start SuperNode ``i`` (``partition-id=i``) on a free loopback port; its
+        ``state-dir`` (where it keeps its client state for exact resumes) is
+        ``workdir/node-i-state``, which outlives a restart of the node."""
+        state_dir = json.dumps(str(self.workdir / f"node-{i}-state"))
         return self._spawn(
             [self._script("flower-supernode"), "--insecure", "--superlink",
              f"127.0.0.1:{self.port}", "--host", "127.0.0.1", "--port", str(free_port()),
-             "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
+             "--node-config",
+             f"partition-id={i} num-partitions={self.num_nodes} state-dir={state_dir}",
              "--max-wait-time", "120"],
             f"supernode-{i}.log")
 

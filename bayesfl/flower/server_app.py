@@ -37,14 +37,16 @@ The run directory is the simulator's (``metrics.jsonl``, ``summary.json``, ``man
 :mod:`bayesfl.engine.state`, ``accuracy.png``, ``reliability.png``), minus
 ``predictions.npz``: no prediction leaves a client, and the reliability diagram is drawn from
 the merged bins. A run resumes from its checkpoint (``resume = true``): the server state, RNG
-and metrics come back. **What a resumed Flower run does not reproduce:** the clients' own
-states live on the SuperNodes in the Flower run's ``context.state``, which Flower gives every
-new run empty, so a resumed run starts the clients from their initial states. Strategies whose
-client state does not carry across rounds (FedLog, FedAvg, FedProx, FedPA and the others whose
-``fit`` starts from the broadcast) give the uninterrupted run's numbers; those with a personal
-state (FedPer's and LG-FedAvg's heads, FedSI's subnet, pFedBayes' posterior, FedRep, Ditto)
-restart it. The last round's record is checkpointed when its evaluation arrives, with the next
-round's message (or the final one): a run stopped between the two repeats that round.
+and metrics come back. The clients' own states live on the SuperNodes, in the Flower run's
+``context.state``, which Flower gives every new run empty: a node whose node config names a
+``state-dir`` (:class:`bayesfl.flower.local.LocalFederation` gives every node one) also keeps
+its trained state after each fit there, and every message of a resumed run tells the nodes the
+round it resumed from, so each goes on from its state of that round and the resumed run
+writes the uninterrupted run's numbers. A node without ``state-dir`` starts its client again
+from its initial state (logged as a ``resume`` event): strategies whose client state carries
+from round to round (FedLog's local body, FedPer's head, ...) then differ from an
+uninterrupted run. A round's record is checkpointed when its evaluation arrives, with the next
+round's message (or the final one): a run stopped between the two repeats that next round.
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ class FlowerChannel:
         self.nodes = nodes
         self.read = read
         self._sent: tuple[int, dict[int, Step], dict[int, int]] | None = None
+        self.resumed_from: int | None = None  # told to every node: they resume their state
         self._pushed: Any = None
 
     def online(self) -> set[int]:
@@ -157,6 +160,7 @@ class FlowerChannel:
             requests[cid] = (self.nodes[cid], pack(
                 round=round, fit=step.fit, evaluate=step.evaluate,
                 **({"evaluate-round": step.evaluate_round} if step.evaluate is not None else {}),
+                **({"resumed-from": self.resumed_from} if self.resumed_from is not None else {}),
                 personalize=step.personalize, final=step.final))
         self._pushed = self.push(ROUND, requests, round=round)
         self._sent = (round, {c: messages[c] for c in client_ids},
@@ -181,6 +185,9 @@ class FlowerChannel:
                 error = values.get("evaluation-error")
                 if isinstance(error, str):
                     out.events.append(_event(cid, nodes[cid], "evaluate", error))
+                problem = values.get("resume-problem")
+                if isinstance(problem, str):
+                    out.events.append(_event(cid, nodes[cid], "resume", problem))
                 if steps[cid].fit is not None and reply.upload is None:
                     raise MessageRejected("not a bayesfl message: the reply carries no upload")
             except MessageRejected as err:
@@ -728,7 +735,7 @@ class FlowerServer:
         self.state = saved.state
         self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
         self.seconds_before = saved.seconds
-        self.resumed_from = saved.round
+        self.resumed_from = self.channel.resumed_from = saved.round
         return saved.round + 1
 
     def _write_site_sizes(self) -> None:

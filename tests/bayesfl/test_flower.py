@@ -290,16 +290,17 @@ def test_a_probabilistic_head_on_flower_equals_the_simulator(federation, tmp_pat
 @pytest.mark.flower
 @pytest.mark.slow  # ~2-3 minutes: Flower declares a SIGKILLed node dead after missed heartbeats
 def test_an_invalid_upload_and_a_killed_supernode_do_not_stop_the_run(tmp_path):
-    # the tamper app's client 1 uploads NaN in round 1; SuperNode 2 is SIGKILLed once round 1
-    # is recorded. The run must reject the one, log the other and complete round 2 with the
-    # two clients left.
+    # the tamper app's client 1 uploads NaN in round 1; SuperNode 2 is SIGKILLed once round 0
+    # is recorded (its evaluation rides on round 1's message, so by then every node has sent
+    # its round-1 upload). The run must reject the one, log the other and complete round 2
+    # with the two clients left.
     out = tmp_path / "run"
     with LocalFederation(3, start_timeout=300.0) as fed:
         def kill_after_round_one() -> None:
             deadline = time.monotonic() + RUN_TIMEOUT
             metrics = out / "metrics.jsonl"
             while time.monotonic() < deadline:
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
                     fed.kill_node(2)
                     return
                 time.sleep(0.5)
@@ -364,19 +365,21 @@ class InProcessFederation:
     answer; ``gone`` nodes go offline after their first fit."""
 
     def __init__(self, run_config, *, node_configs=None, silent=(), gone=(), failing=(),
-                 garbage=()):
+                 garbage=(), state_dir=None, stop_at_push=None):
         from flwr.app import Context, RecordDict
 
+        extra = {} if state_dir is None else {"state-dir": str(state_dir)}
         self.contexts = {
             100 + k: Context(run_id=1, node_id=100 + k,
                              node_config={"partition-id": k,
-                                          "num-partitions": run_config["clients"]},
+                                          "num-partitions": run_config["clients"], **extra},
                              state=RecordDict(),
                              run_config=(node_configs or {}).get(k, run_config))
             for k in range(run_config["clients"])}
         self.silent, self.gone, self.offline = set(silent), set(gone), set()
         self.failing, self.garbage = set(failing), set(garbage)  # fit replies: error / junk
         self.replies, self.pushed, self.groups = {}, [], []
+        self.stop_at_push, self.pushes = stop_at_push, 0  # the ServerApp "dies" there
 
     def get_node_ids(self):
         return [n for n in self.contexts if n not in self.offline]
@@ -389,6 +392,9 @@ class InProcessFederation:
 
         handlers = {INFO: client_app.info, ROUND: client_app.round_step,
                     CALIBRATE: client_app.calibrate}
+        self.pushes += 1
+        if self.pushes == self.stop_at_push:
+            raise ServerStoppedError
         ids = []
         for message in messages:
             node, kind = message.metadata.dst_node_id, message.metadata.message_type
@@ -414,6 +420,10 @@ class InProcessFederation:
 
     def pull_messages(self, ids):
         return [self.replies.pop(i) for i in ids if i in self.replies]
+
+
+class ServerStoppedError(Exception):
+    """The in-process ServerApp stopped mid-run (as a killed process would)."""
 
 
 @pytest.fixture
@@ -689,3 +699,34 @@ def test_real_supernodes_load_their_site_data_as_the_in_process_nodes_do(task_id
     assert summary["events"] == []
     for key in FIGURES:
         assert summary[key] == pytest.approx(here[key], abs=1e-9), key
+
+
+def test_a_resumed_flower_run_reproduces_the_uninterrupted_one(task_identity, tmp_path):
+    # FedLog's clients keep their own bodies from round to round. The first run stops when it
+    # pushes its last message (pushes: discovery, rounds 0, 1, 2, final): its checkpoint holds
+    # round 1, and the nodes have trained round 2. The resumed run is a new Flower run (fresh
+    # Context.state); each node goes on from its state of round 1 kept in its state-dir
+    config = {**SMALL, "strategy": "fedlog", "threads": 1, "evaluate-every": 1}
+    whole = serve({**config, "out": str(tmp_path / "whole")},
+                  state_dir=tmp_path / "whole-nodes").run()
+    out, nodes = str(tmp_path / "run"), tmp_path / "nodes"
+    with pytest.raises(ServerStoppedError):
+        serve({**config, "out": out}, state_dir=nodes, stop_at_push=5).run()
+    resumed = serve({**config, "out": out, "resume": True}, state_dir=nodes)
+    summary = resumed.run()
+    assert resumed.resumed_from == 1 and summary["events"] == []
+    for key in FIGURES:  # the same operations on the same numbers: equal
+        assert summary[key] == whole[key], key
+    assert [m["round"] for m in resumed.metrics_log.records] == [0, 1, 2]
+    torch.testing.assert_close(server_state(tmp_path / "run"),
+                               server_state(tmp_path / "whole"), rtol=0, atol=0)
+
+
+def test_a_node_without_a_state_dir_says_its_client_starts_again(task_identity, tmp_path):
+    config = {**SMALL, "strategy": "fedlog", "threads": 1, "out": str(tmp_path / "run")}
+    with pytest.raises(ServerStoppedError):
+        serve(config, stop_at_push=5).run()
+    summary = serve({**config, "resume": True}).run()
+    assert {(e["client_id"], e["step"]) for e in summary["events"]} == \
+        {(0, "resume"), (1, "resume"), (2, "resume")}
+    assert all("initial state" in e["reason"] for e in summary["events"])
