@@ -8,7 +8,9 @@ the user on the command line or in a config file they wrote; nothing is fetched 
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 
 from bayesfl.errors import ConfigError
 
@@ -34,7 +36,7 @@ def import_object(spec: str, what: str) -> object:
         )
     module_name, attribute = spec.split(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ImportError as error:
         raise ConfigError(
             f"{what} {spec!r}: cannot import module {module_name!r} ({error}); "
@@ -48,3 +50,18 @@ def import_object(spec: str, what: str) -> object:
             )
         target = getattr(target, part)
     return target
+
+
+def _import_module(name: str) -> object:
+    """Import ``name``; if its top package is not found, once more with the working directory
+    on ``sys.path`` (appended: installed packages keep precedence). A console script such as
+    ``bayesfl`` runs without the working directory on its path, so "run from the folder that
+    contains it" needs this, as uvicorn's ``--app-dir .`` does."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        cwd = os.getcwd()
+        if error.name != name.split(".")[0] or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(name)

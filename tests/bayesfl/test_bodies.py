@@ -327,3 +327,17 @@ def test_a_user_body_counts_against_the_parameter_budget_without_being_allocated
     register_body("mine", small_body)
     assert check_model_size(SimulationConfig(body="mine", clients=3, feature_dim=8),
                             (64,)) == 3 * (64 * 16 + 16 + 16 * 8 + 8)
+
+
+def test_a_factory_in_the_working_directory_is_found_as_the_console_script_runs(tmp_path,
+                                                                                monkeypatch):
+    # `bayesfl run --body mymodels:make` from the folder holding mymodels.py: a console script
+    # does not put that folder on sys.path
+    (tmp_path / "cwd_bodies_26.py").write_text(
+        "from torch import nn\n"
+        "def make():\n"
+        "    return nn.Sequential(nn.Linear(64, 8), nn.ReLU())\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path
+                                     if p not in ("", str(tmp_path))])
+    assert build_body("cwd_bodies_26:make", (64,), 8)(torch.zeros(1, 64)).shape == (1, 8)
