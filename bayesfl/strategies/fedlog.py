@@ -339,7 +339,7 @@ class StatisticsBroadcast:
         table = message.tensors["statistics"].to(torch.float64)
         n = float(message.tensors["num_samples"].item())
         head = strategy.solve_head(table, n, privatized=True,
-                                   feature_scale=strategy.broadcast_scale(message)
+                                   feature_scale=strategy.training_scale(message)
                                    ).to(torch.float32)
         device = strategy.context.device
         if not (self.alpha > 0 and n > 0):
@@ -595,10 +595,14 @@ class FedLog(Strategy):
             square_sum = float(torch.cat([cache[f"{_CACHE}{i}/square_sum"] for i in ids]).sum())
             scale = self.choose_feature_scale(table, count, square_sum,
                                               float(state["feature_scale"].item()))
+        train_scale = scale
         if self.heldout:
             scale = self.heldout_scale(uploads, float(state["feature_scale"].item()))
+            train_scale = 1.0
+        # the head clients train through (FedLog's broadcast); "heldout" keeps it at s = 1
+        # and applies the chosen s in the evaluation posterior only
         head = self.solve_head(table, count, privatized=privatized,
-                               feature_scale=scale).to(torch.float32)
+                               feature_scale=train_scale).to(torch.float32)
         new = {"head": head, "statistics": table,
                "num_samples": torch.tensor([count], dtype=torch.float64),
                "privatized": torch.tensor([privatized])}
@@ -843,6 +847,12 @@ class FedLog(Strategy):
         stats = SufficientStatistics(table, round(n), privatized=privatized)
         return ConjugatePosterior(ConjugatePrior(nu=self.prior_nu), stats,
                                   feature_scale=self.broadcast_scale(broadcast))
+
+    def training_scale(self, broadcast: Message) -> float:
+        """The scale of the head a client trains its body through: the broadcast one, but 1
+        under ``feature_scale="heldout"`` (module docstring: a body trained through the
+        chosen scale grows its features to undo it, and the choice chases them down)."""
+        return 1.0 if self.heldout else self.broadcast_scale(broadcast)
 
     def broadcast_scale(self, broadcast: Message) -> float:
         """The feature scale a broadcast carries (``"evidence"``), else the fixed option

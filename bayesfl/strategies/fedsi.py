@@ -183,12 +183,14 @@ from bayesfl.strategies.robust import (
     screening_reasons,
 )
 from bayesfl.training import GaussianProx, train_plain
+from inference.log_grid import argmin_on_log_grid, geometric_grid
 from inference.subnet import (
     SubnetLaplacePosterior,
     fit_subnet_laplace,
     rank_by_variance,
     select_subnet,
 )
+from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
 from inference.subnet.parameters import resolve_subnet_size
 
@@ -199,6 +201,10 @@ HEAD_INITS = ("shared", "per_client")
 EVAL_SELECTIONS = ("diag_laplace", "global_var")
 PREDICTIVES = ("glm_probit", "glm_mc")
 MAP_SOLVERS = ("proximal", "adam")
+ALPHA_SELECTIONS = ("fixed", "evidence")
+ALPHA_GRID: tuple[float, ...] = geometric_grid(-48, 0, 8, 10.0)
+"""Prior variances a client scores with ``alpha_selection="evidence"``: ``10^(k/8)``,
+``k = -48 .. 0`` (1e-6 to 1, eight a decade: 49 float64 numbers an upload)."""
 PERSONALIZED = "personalized"
 """Client-state key set by :meth:`FedSI.personalize`."""
 ROUND_VIEW = "round_view"
@@ -216,6 +222,41 @@ def prior_penalty(theta: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
     """``0.5 * sum_r (theta_r - mean_r)^2 / variance_r``: minus the log density of the
     broadcast Gaussian prior up to a constant. All (|R|,); returns a scalar."""
     return 0.5 * ((theta - mean).square() / variance).sum()
+
+
+def alpha_log_evidence(theta: Tensor, mean: Tensor, diag: Tensor,
+                       grid: tuple[float, ...] = ALPHA_GRID) -> Tensor:
+    """A client's log evidence of the prior ``N(mean, alpha I)`` on its body, at every alpha of
+    ``grid``, up to terms that do not depend on alpha (``alpha_selection="evidence"``).
+
+    The Laplace approximation at the client's local MAP ``theta`` with the diagonal GGN
+    ``diag`` ``h`` of its data (MacKay's evidence at the current mode):
+    ``log Z(alpha) = log p(D | theta) - ||theta - mean||^2 / (2 alpha) - (R/2) log alpha
+    - (1/2) sum_r log(h_r + 1/alpha) + const = -||theta - mean||^2 / (2 alpha)
+    - (1/2) sum_r log(1 + alpha h_r) + const``. Each term is <= 0.
+
+    Args:
+        theta, mean: (R,) the local MAP and the broadcast prior mean; diag: (R,) >= 0.
+
+    Returns:
+        (len(grid),) float64 on the CPU.
+    """
+    distance = (theta.to(torch.float64) - mean.to(torch.float64)).square().sum()
+    h = diag.to(torch.float64).clamp_min(0)
+    alphas = torch.tensor(grid, dtype=torch.float64, device=h.device)
+    log_det = torch.log1p(alphas[:, None] * h[None, :]).sum(1)
+    return (-distance / (2 * alphas) - 0.5 * log_det).cpu()
+
+
+def evidence_problem(log_evidence: Tensor) -> str | None:
+    """Why an uploaded ``log_evidence`` is impossible, or None: honest values are finite and
+    <= 0 (both terms of :func:`alpha_log_evidence` are). Within that a client can still pull
+    alpha, as any participant can pull the mean."""
+    if not bool(torch.isfinite(log_evidence).all()):
+        return "log_evidence must be finite"
+    if bool((log_evidence > 0).any()):
+        return "log_evidence must be <= 0 (its terms are -distance / (2 alpha) and -log det / 2)"
+    return None
 
 
 def body_vector(model: nn.Module) -> Tensor:
@@ -310,6 +351,7 @@ class FedSI(Strategy):
         mc_samples: int = 100,
         screening_ratio: float | None = 10.0,
         curvature_batch: int = 256,
+        alpha_selection: str = "fixed",
     ) -> None:
         super().__init__(context)
         name = self.name
@@ -332,6 +374,7 @@ class FedSI(Strategy):
             ("predictive", predictive, PREDICTIVES),
             ("map_solver", map_solver, MAP_SOLVERS),
             ("finetune_stop", finetune_stop, HEAD_STOPS),
+            ("alpha_selection", alpha_selection, ALPHA_SELECTIONS),
         ):
             if value not in valid:
                 raise ConfigError(f"{name} {option} must be one of {', '.join(valid)}; got "
@@ -343,6 +386,11 @@ class FedSI(Strategy):
         self.aggregation, self.weights, self.head_init = aggregation, weights, head_init
         self.eval_selection, self.predictive = eval_selection, predictive
         self.map_solver = map_solver
+        self.evidence = alpha_selection == "evidence"
+        if self.evidence and not ALPHA_GRID[0] <= self.prior_var <= ALPHA_GRID[-1]:
+            raise ConfigError(f"{name} alpha_selection='evidence' starts from prior_var in "
+                              f"[{ALPHA_GRID[0]:g}, {ALPHA_GRID[-1]:g}] (its grid), got "
+                              f"{prior_var!r}")
         self.prior_in_map, self.filter_zero_curvature = prior_in_map, filter_zero_curvature
         self.local_lr = None if local_lr is None else option_number(name, "local_lr", local_lr)
         if self.local_lr is not None and self.local_lr <= 0:
@@ -398,8 +446,16 @@ class FedSI(Strategy):
             raise ConfigError(f"{self.name} shares the whole body: every body spec must have the "
                               f"same parameter shapes, got {specs}")
         mean = body_vector(models[0]).to("cpu", torch.float32)  # server state lives on the CPU
-        return {"mean": mean,
-                "variance": torch.full(mean.shape, self.prior_var, dtype=torch.float64)}
+        state = {"mean": mean,
+                 "variance": torch.full(mean.shape, self.prior_var, dtype=torch.float64)}
+        if self.evidence:
+            state["alpha"] = torch.tensor([self.prior_var], dtype=torch.float64)
+        return state
+
+    def alpha(self, state: ServerState) -> float:
+        """The base prior variance of a server state: ``prior_var``, or the one the federated
+        evidence chose (``alpha_selection="evidence"``)."""
+        return float(state["alpha"].item()) if "alpha" in state else self.prior_var
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
         return {"mean": state["mean"].to(torch.float32),
@@ -411,6 +467,8 @@ class FedSI(Strategy):
                   "num_samples": NUM_SAMPLES_SPEC}
         if self.sends_subnet:
             schema["subnet"] = TensorSpec((self.subnet_count(),), torch.int32)
+        if self.evidence:
+            schema["log_evidence"] = TensorSpec((len(ALPHA_GRID),), torch.float64)
         return schema
 
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
@@ -425,6 +483,8 @@ class FedSI(Strategy):
             [num_samples_problem(m) for m in messages],
             declared_problems(plan.state, ids, counts),
             [self._std_problem(m, prior_std) for m in messages],
+            [evidence_problem(m.tensors["log_evidence"]) if self.evidence else None
+             for m in messages],
             screening_reasons(norms, self.screening_ratio, "distance of the mean to the "
                               "broadcast mean"),
         )
@@ -477,10 +537,16 @@ class FedSI(Strategy):
             weights = torch.ones(len(uploads), dtype=torch.float64)
         means = torch.stack([m.tensors["mean"].to(torch.float64) for m in uploads])
         stds = torch.stack([m.tensors["std"].to(torch.float64) for m in uploads])
+        alpha = self.alpha(state)
+        if self.evidence:  # the federated evidence's choice for the next round
+            total = torch.stack([m.tensors["log_evidence"] for m in uploads]).sum(0)
+            alpha = argmin_on_log_grid(-total, ALPHA_GRID)
         mean, variance = aggregate_gaussians(
             means, stds, weights / weights.sum(), state["variance"].to(torch.float64),
-            rule=self.aggregation, alpha=self.prior_var, floor=self.variance_floor)
+            rule=self.aggregation, alpha=alpha, floor=min(self.variance_floor, alpha))
         new = {"mean": mean.to(torch.float32), "variance": variance}
+        if self.evidence:
+            new["alpha"] = torch.tensor([alpha], dtype=torch.float64)
         new.update(declarations(state, [m.header.client_id for m in uploads], counts))
         return new
 
@@ -489,9 +555,12 @@ class FedSI(Strategy):
         alpha (made stochastic by some client last round); ``fedsi_mean_std``: the mean of
         sqrt(g)."""
         variance = state["variance"].to(torch.float64)
-        below = variance < self.prior_var * (1 - 1e-9)
-        return {"fedsi_stochastic_fraction": float(below.double().mean()),
-                "fedsi_mean_std": float(variance.sqrt().mean())}
+        below = variance < self.alpha(state) * (1 - 1e-9)
+        metrics = {"fedsi_stochastic_fraction": float(below.double().mean()),
+                   "fedsi_mean_std": float(variance.sqrt().mean())}
+        if self.evidence:
+            metrics["fedsi_alpha"] = self.alpha(state)
+        return metrics
 
     # ==== client half ======================================================================
     def init_client(self, config: ClientConfig) -> ClientState:
@@ -592,9 +661,10 @@ class FedSI(Strategy):
                 for i in range(0, data.num_train, step)]
 
     def choose_subnet(self, model: nn.Module, batches: list, variance: Tensor,
-                      rule: str = "diag_laplace") -> Tensor | None:
+                      rule: str = "diag_laplace", diag: Tensor | None = None) -> Tensor | None:
         """Step 2: the |S| body entries of largest diagonal-Laplace variance (``rule=
-        "global_var"``: of largest ``g``); None for ``posterior="diag_all"``."""
+        "global_var"``: of largest ``g``); None for ``posterior="diag_all"``. ``diag``: the
+        body's diagonal GGN when the caller has it already (else computed here)."""
         if not self.sends_subnet:
             return None
         model.head.requires_grad_(False)  # the index space is the body
@@ -603,6 +673,9 @@ class FedSI(Strategy):
         if rule == "global_var":
             return rank_by_variance(torch.zeros_like(prior), prior, S,
                                     filter_zero_curvature=False)
+        if diag is not None:
+            return rank_by_variance(diag, prior, S,
+                                    filter_zero_curvature=self.filter_zero_curvature)
         return select_subnet(model, batches, S, prior,
                              filter_zero_curvature=self.filter_zero_curvature)
 
@@ -629,19 +702,27 @@ class FedSI(Strategy):
         model = self.model_at(config, state, mean)
         self.local_map(model, data, mean, variance, generator)
         batches = self.curvature_batches(data)
-        subnet = self.choose_subnet(model, batches, variance)
+        diag, log_evidence = None, None
+        if self.evidence:
+            model.head.requires_grad_(False)  # the index space is the body
+            diag = diagonal_ggn(model, batches)
+            log_evidence = alpha_log_evidence(body_vector(model), mean, diag)
+        subnet = self.choose_subnet(model, batches, variance, diag=diag)
         posterior = self.laplace(model, batches, variance, subnet)
         return model_state(model), self.upload(config, data, broadcast.header.round, model,
-                                               posterior)
+                                               posterior, log_evidence)
 
     def upload(self, config: ClientConfig, data: ClientData, round: int, model: nn.Module,
-               posterior: Posterior) -> Message:
-        """Step 4: the message (means, stds zero outside the subnet, subnet, sample count)."""
+               posterior: Posterior, log_evidence: Tensor | None = None) -> Message:
+        """Step 4: the message (means, stds zero outside the subnet, subnet, sample count;
+        the log evidence on :data:`ALPHA_GRID` with ``alpha_selection="evidence"``)."""
         tensors = {"mean": body_vector(model).to(torch.float32),
                    "std": posterior.marginal_std_full().to(torch.float32),
                    "num_samples": num_samples_tensor(data.num_train)}
         if isinstance(posterior, SubnetLaplacePosterior):
             tensors["subnet"] = posterior.subnet_indices.to(torch.int32)
+        if log_evidence is not None:
+            tensors["log_evidence"] = log_evidence
         return self.up_message(round, config.client_id, tensors)
 
     def personalize(

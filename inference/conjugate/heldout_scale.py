@@ -15,8 +15,6 @@ evidence) leans to an overconfident scale; held-out examples see the spread new 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -24,8 +22,9 @@ from inference.conjugate.posterior import ConjugatePosterior
 from inference.conjugate.prior import ConjugatePrior
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
+from inference.log_grid import argmin_on_log_grid, geometric_grid
 
-HELDOUT_SCALE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-20, 13))
+HELDOUT_SCALE_GRID: tuple[float, ...] = geometric_grid(-20, 12, 4, 2.0)
 """33 feature scales, ``2^(k/4)`` for ``k = -20 .. 12`` (1/32 to 8)."""
 
 
@@ -68,28 +67,11 @@ def heldout_nll_grid(
 
 
 def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID) -> float:
-    """The scale minimising the summed held-out NLL ``nll`` ``(len(grid),)`` over ``grid``.
-
-    The grid's argmin (the smallest scale among ties), moved to the vertex of the parabola in
-    ``log s`` through it and its two neighbours when that vertex lies between them (an interior
-    minimum of a convex fit); at the grid's ends the end itself.
+    """The scale minimising the summed held-out NLL ``nll`` ``(len(grid),)`` over ``grid``
+    (:func:`inference.log_grid.argmin_on_log_grid`: the grid's argmin refined by a parabola in
+    ``log s``; at the grid's ends the end itself).
 
     Raises:
         InvalidInputError: ``nll`` of the wrong shape or not finite.
     """
-    nll = nll.to(torch.float64)
-    if nll.shape != (len(grid),) or not bool(torch.isfinite(nll).all()):
-        raise InvalidInputError(f"held-out NLL must be {len(grid)} finite numbers, got shape "
-                                f"{tuple(nll.shape)}")
-    best = int(torch.argmin(nll))
-    if best == 0 or best == len(grid) - 1:
-        return grid[best]
-    x0, x1, x2 = (math.log(grid[best + k]) for k in (-1, 0, 1))
-    y0, y1, y2 = (float(nll[best + k]) for k in (-1, 0, 1))
-    curvature = (y2 - y1) / (x2 - x1) - (y1 - y0) / (x1 - x0)
-    if curvature <= 0:
-        return grid[best]
-    # vertex of the parabola through the three points (equal spacing h in log s)
-    h = x1 - x0
-    vertex = x1 - h * (y2 - y0) / (2 * (y2 - 2 * y1 + y0))
-    return math.exp(min(max(vertex, x0), x2))
+    return argmin_on_log_grid(nll, grid)

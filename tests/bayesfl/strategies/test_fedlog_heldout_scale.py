@@ -86,11 +86,15 @@ def test_the_servers_scale_is_the_pooled_held_out_choice(build):
     scale = float(state["feature_scale"])
     assert scale == scale_from_grid(expected)
     assert strategy.server_metrics(state) == {"feature_scale": scale}
-    # the head is the MAP of this round's summed statistics at that scale
+    # the head the bodies train through is the MAP of this round's statistics at s = 1; the
+    # evaluation posterior is theirs at the chosen scale
     stats = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
                                  privatized=True)
-    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=scale).map()
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=1.0).map()
     torch.testing.assert_close(state["head"].double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
+    c = clients[0]
+    posterior = strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, state, 1))
+    assert posterior.head.feature_scale == scale != 1.0
 
 
 def test_the_broadcast_is_the_statistics_and_the_scale_not_the_head(build):

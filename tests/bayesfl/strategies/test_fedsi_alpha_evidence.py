@@ -1,0 +1,145 @@
+"""FedSI's ``alpha_selection="evidence"``: every client reports the Laplace log evidence of the
+prior ``N(mu, alpha I)`` at its local MAP on a fixed grid of alpha (49 floats), the server takes
+the alpha of largest summed evidence for the next round — checked against the evidence computed
+here from scratch (autograd's GGN diagonal, the Gaussian integral's closed form) and a brute-force
+grid over the pooled clients."""
+
+import math
+
+import pytest
+import torch
+from strategy_helpers import run_round, wire
+
+from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.messages import Message
+from bayesfl.strategies.fedsi import ALPHA_GRID, alpha_log_evidence, body_vector
+from inference.log_grid import argmin_on_log_grid
+
+
+def autograd_diag_ggn(model, x):
+    """diag sum_i J_i^T (diag p_i - p_i p_i^T) J_i over the body, one sample at a time."""
+    body = [p for p in model.body.parameters()]
+    diag = torch.zeros(sum(p.numel() for p in body), dtype=torch.float64)
+    for xi in x:
+        logits = model(xi[None])[0]
+        p = torch.softmax(logits, 0).detach().double()
+        rows = []
+        for c in range(logits.shape[0]):
+            grads = torch.autograd.grad(logits[c], body, retain_graph=True)
+            rows.append(torch.cat([g.reshape(-1) for g in grads]).double())
+        J = torch.stack(rows)  # (C, R)
+        H = torch.diag(p) - torch.outer(p, p)
+        diag += ((H @ J) * J).sum(0)
+    return diag
+
+
+def laplace_log_evidence(theta, mean, diag, alpha):
+    """log int N(w; mean, alpha I) exp(-(w - theta)^T diag(h) (w - theta) / 2) dw at the mode,
+    minus its alpha-free part, written as the textbook Laplace terms: the log prior at the mode
+    plus half the log determinant of the posterior covariance (2 pi factors cancel)."""
+    R = theta.numel()
+    log_prior = -0.5 * (theta - mean).square().sum() / alpha - 0.5 * R * math.log(alpha)
+    log_det_cov = -torch.log(diag + 1 / alpha).sum()
+    return float(log_prior + 0.5 * log_det_cov)
+
+
+def test_the_uploaded_evidence_is_the_laplace_evidence_of_the_clients_map(build):
+    strategy, clients, state = build("fedsi", alpha_selection="evidence", prior_var=1e-2)
+    mean = state["mean"].double()
+    _, ups = run_round(strategy, clients, state, 1)
+    for c, u in zip(clients, ups, strict=True):
+        model = strategy.client_model(c.config, c.state)
+        theta = body_vector(model).double()
+        torch.testing.assert_close(u.tensors["mean"].double(), theta)
+        diag = autograd_diag_ggn(model, c.data.train_x)
+        reference = torch.tensor([laplace_log_evidence(theta, mean, diag, a) for a in ALPHA_GRID],
+                                 dtype=torch.float64)
+        got = u.tensors["log_evidence"]
+        assert got.shape == (49,) and bool((got <= 0).all())
+        # equal up to an alpha-free constant; float32 networks: the GGN agrees to ~1e-6
+        # relative, so differences between grid points agree to 1e-6 of their scale
+        spread = reference - reference[0]
+        torch.testing.assert_close(got - got[0], spread, rtol=1e-5,
+                                   atol=1e-6 * float(spread.abs().max()))
+
+
+def test_the_server_takes_the_pooled_evidences_best_alpha_and_clamps_with_it(build):
+    strategy, clients, state = build("fedsi", alpha_selection="evidence", prior_var=1e-2)
+    mean = state["mean"].double()
+    _, ups = run_round(strategy, clients, state, 1)
+    total = torch.stack([u.tensors["log_evidence"] for u in ups]).sum(0)
+    new = strategy.aggregate(state, ups, 1, torch.Generator().manual_seed(1))
+    alpha = float(new["alpha"])
+    assert alpha == argmin_on_log_grid(-total, ALPHA_GRID)
+    # a brute-force grid 1% apart over the pooled evidence of the clients' MAPs: the refined
+    # choice is within one step of its best point (or the range end)
+    pieces = []
+    for c in clients:
+        model = strategy.client_model(c.config, c.state)
+        theta = body_vector(model).double()
+        pieces.append((theta, autograd_diag_ggn(model, c.data.train_x)))
+    fine = [math.exp(x) for x in torch.linspace(math.log(1e-6), 0.0, 1390).tolist()]
+    scores = [sum(laplace_log_evidence(t, mean, d, a) for t, d in pieces) for a in fine]
+    best = max(range(len(fine)), key=scores.__getitem__)
+    assert fine[max(best - 1, 0)] * 0.99 <= alpha <= fine[min(best + 1, len(fine) - 1)] * 1.01
+    # the new prior: variances within [floor, alpha], entries nobody made stochastic at alpha
+    variance = new["variance"]
+    assert float(variance.max()) <= alpha * (1 + 1e-12)
+    stochastic = torch.stack([u.tensors["std"] > 0 for u in ups]).any(0)
+    assert torch.all(variance[~stochastic] == alpha)
+    assert strategy.server_metrics(new)["fedsi_alpha"] == alpha
+
+
+def test_the_choice_follows_the_reported_evidence(build):
+    strategy, clients, state = build("fedsi", alpha_selection="evidence")
+    _, ups = run_round(strategy, clients, state, 1)
+    logs = torch.tensor([math.log(a) for a in ALPHA_GRID], dtype=torch.float64)
+    chosen = []
+    for target in (1e-4, 3e-2):
+        peak = -((logs - math.log(target)) ** 2) - 1.0  # <= 0, largest at target
+        forged = [wire(Message(u.header, {**u.tensors, "log_evidence": peak / 3})) for u in ups]
+        chosen.append(float(strategy.aggregate(state, forged, 1,
+                                               torch.Generator().manual_seed(1))["alpha"]))
+    assert chosen == pytest.approx([1e-4, 3e-2], rel=1e-9)
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    (lambda e: e + 1e3, "<= 0"),
+    (lambda e: e.fill_(math.nan), "finite"),
+    (lambda e: e[:10], "shape"),
+])
+def test_impossible_evidence_is_rejected_with_a_reason(build, value, reason):
+    strategy, clients, state = build("fedsi", alpha_selection="evidence")
+    plan = strategy.configure(state, 1)
+    _, ups = run_round(strategy, clients, state, 1)
+    tensors = {k: v.clone() for k, v in ups[0].tensors.items()}
+    tensors["log_evidence"] = value(tensors["log_evidence"])
+    with pytest.raises(MessageRejected, match=reason):
+        strategy.validate_upload(plan, wire(Message(ups[0].header, tensors)), 0)
+
+
+def test_fixed_alpha_uploads_no_evidence_and_keeps_prior_var(build):
+    strategy, clients, state = build("fedsi")
+    assert "alpha" not in state
+    new, ups = run_round(strategy, clients, state, 1)
+    assert "log_evidence" not in ups[0].tensors
+    assert float(new["variance"].max()) <= strategy.prior_var
+    assert "fedsi_alpha" not in strategy.server_metrics(new)
+
+
+def test_the_closed_form_is_minus_distance_over_2_alpha_minus_half_log_det():
+    theta, mean = torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])
+    diag = torch.tensor([3.0, 0.0])
+    got = alpha_log_evidence(theta, mean, diag, grid=(0.5, 2.0))
+    expected = [-5 / (2 * a) - 0.5 * math.log(1 + 3 * a) for a in (0.5, 2.0)]
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"alpha_selection": "marglik"}, "alpha_selection must be one of fixed, evidence"),
+    ({"alpha_selection": "evidence", "prior_var": 10.0, "variance_floor": 1e-12},
+     r"prior_var in \[1e-06, 1\]"),
+])
+def test_bad_alpha_selection_options_are_config_errors(build, options, message):
+    with pytest.raises(ConfigError, match=message):
+        build("fedsi", **options)
