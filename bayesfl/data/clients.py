@@ -11,6 +11,14 @@ test share, not the partition, took its training data (``test_fraction=0.999`` l
 training sample to a client of 450); the message names the client and the largest
 ``test_fraction`` that leaves every client a training sample per class or at least half its
 data. A small client that merely cannot spare a test sample for every class is accepted.
+
+Data with a test pool of their own (``Dataset.num_test``: ``Dataset.from_arrays(x, y,
+test=(x_test, y_test))``): the partition deals out the training rows only, and each class's
+test rows are shared among the clients that train on the class, in proportion to how many of
+its training samples each holds (largest remainder, ties at random from the seed): every
+client's test set follows its own label distribution, as above, and every test row is used at
+most once. ``test_fraction`` is unused. A client whose classes leave it no test row is a
+:class:`DataError` (add test samples of those classes, or use fewer clients).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 
 from bayesfl.data.datasets import Dataset
 from bayesfl.data.partition import PartitionScheme, fixed_split, partition
-from bayesfl.errors import ConfigError
+from bayesfl.errors import ConfigError, DataError
 
 
 @dataclass(eq=False)
@@ -84,8 +92,12 @@ def make_clients(
     labels = dataset.y.numpy()
     scheme = partition if isinstance(partition, PartitionScheme) else \
         PartitionScheme.parse(partition)
-    splits = _splits(labels, num_clients, scheme, seed, test_fraction)
-    if not scheme.fixes_split:  # a fixed split ignores test_fraction
+    if dataset.num_test:
+        splits = _splits_with_test_pool(labels, len(labels) - dataset.num_test, num_clients,
+                                        scheme, seed)
+    else:
+        splits = _splits(labels, num_clients, scheme, seed, test_fraction)
+    if not scheme.fixes_split and not dataset.num_test:  # these ignore test_fraction
         check_training_shares(labels, splits, test_fraction)
     clients = []
     for client_id, (train_idx, test_idx) in enumerate(splits):
@@ -147,6 +159,49 @@ def _splits(
         train, test = stratified_split(labels[indices], test_fraction, rng)
         pairs.append((np.sort(indices[train]), np.sort(indices[test])))
     return pairs
+
+
+def _splits_with_test_pool(
+    labels: np.ndarray, num_train: int, num_clients: int, scheme: PartitionScheme, seed: int,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client, sorted (train, test) row indices when rows ``num_train:`` are the data's
+    own test pool (module docstring)."""
+    if scheme.fixes_split:
+        raise ConfigError(f"partition {str(scheme)!r} fixes each client's test samples itself; "
+                          "data with their own test arrays need a scheme that does not (drop "
+                          "train=/test= from it, or pass the test arrays pooled with x, y)")
+    train_labels, test_labels = labels[:num_train], labels[num_train:]
+    parts = _partition(train_labels, num_clients, scheme, seed=seed, min_samples=1)
+    rng = np.random.default_rng([seed, 3])  # independent of the partition's stream
+    tests: list[list[np.ndarray]] = [[] for _ in parts]
+    for c in np.unique(test_labels):
+        rows = num_train + rng.permutation(np.flatnonzero(test_labels == c))
+        held = np.array([int((train_labels[p] == c).sum()) for p in parts], dtype=np.float64)
+        if held.sum() == 0:
+            continue  # no client trains on the class: its test rows test no one
+        counts = _largest_remainder(held / held.sum(), len(rows), rng)
+        for k, (start, stop) in enumerate(zip(np.cumsum(counts) - counts, np.cumsum(counts),
+                                              strict=True)):
+            tests[k].append(rows[start:stop])
+    pairs = []
+    for k, (train, test) in enumerate(zip(parts, tests, strict=True)):
+        test_rows = np.concatenate(test).astype(np.int64) if test else np.empty(0, np.int64)
+        if not len(test_rows):
+            classes = sorted(int(c) for c in np.unique(train_labels[train]))
+            raise DataError(f"client {k} gets no test sample: the test arrays hold too few "
+                            f"samples of its classes {classes} for the clients training on "
+                            "them; add test samples of these classes or use fewer clients")
+        pairs.append((np.sort(train), np.sort(test_rows)))
+    return pairs
+
+
+def _largest_remainder(shares: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
+    """Integer counts summing to ``total`` closest to ``shares * total`` (ties at random)."""
+    quota = shares * total
+    counts = np.floor(quota).astype(np.int64)
+    order = np.lexsort((rng.permutation(len(shares)), -(quota - counts)))
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts
 
 
 def stratified_split(

@@ -81,6 +81,9 @@ class Dataset:
         y: (N,) int64 labels in ``[0, num_classes)``.
         num_classes: number of classes C.
         input_shape: shape of one input, e.g. (64,) or (1, 28, 28).
+        num_test: the last ``num_test`` rows are a test pool of their own (your own test
+            arrays, :meth:`from_arrays`); 0 (default): the data are pooled and every client's
+            test set is split from its own share (:func:`bayesfl.data.clients.make_clients`).
     """
 
     name: str
@@ -88,6 +91,7 @@ class Dataset:
     y: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]
+    num_test: int = 0
 
     def __post_init__(self) -> None:
         if self.x.dtype != torch.float32 or self.y.dtype != torch.int64:
@@ -98,6 +102,10 @@ class Dataset:
                             f"({len(self.y)}, *{self.input_shape}) for {len(self.y)} labels")
         if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
             raise DataError(f"{self.name}: labels must lie in [0, {self.num_classes})")
+        if isinstance(self.num_test, bool) or not isinstance(self.num_test, int) \
+                or not 0 <= self.num_test < len(self.y):
+            raise DataError(f"{self.name}: num_test must be an integer in [0, {len(self.y)}), "
+                            f"got {self.num_test!r}")
 
     def __len__(self) -> int:
         return len(self.y)
@@ -110,13 +118,19 @@ class Dataset:
         *,
         num_classes: int | None = None,
         name: str = "custom",
+        test: tuple[Any, Any] | None = None,
     ) -> Dataset:
-        """A pooled data set from your own arrays (NumPy arrays or torch tensors).
+        """A data set from your own arrays (NumPy arrays or torch tensors).
 
         The arrays are copied (inputs to float32, labels to int64), so changing them later
-        does not change the data set or its digest. Clients, their train/test splits (the
-        run's ``test_fraction``, per client and class) and the partition come from
-        :func:`bayesfl.data.clients.make_clients`, as for the named data sets.
+        does not change the data set or its digest. Without ``test`` the data are pooled:
+        clients, the partition and each client's train/test split (the run's
+        ``test_fraction``, per client and class) come from
+        :func:`bayesfl.data.clients.make_clients`, as for the named data sets. With
+        ``test=(x_test, y_test)`` the partition deals out ``(x, y)`` as training data only,
+        and every client tests on a share of your test arrays that follows its own training
+        labels (``test_fraction`` is then unused; module docstring of
+        :mod:`bayesfl.data.clients`).
 
         Args:
             x: inputs ``(N, *input_shape)`` of any real dtype (bool and complex are refused),
@@ -127,6 +141,8 @@ class Dataset:
                 from ``y``.
             name: a label for the data (reports; a run records custom data as ``"custom"``
                 with a SHA-256 of the contents).
+            test: your own test arrays ``(x_test, y_test)``, checked as ``x`` and ``y`` are
+                (same input shape, labels in ``0..C-1``).
 
         Returns:
             A :class:`Dataset` with ``input_shape == x.shape[1:]``.
@@ -139,6 +155,17 @@ class Dataset:
         """
         if not isinstance(name, str) or not name.strip():
             raise DataError(f"name must be a non-empty string, got {name!r}")
+        if test is not None:
+            if not isinstance(test, tuple | list) or len(test) != 2:
+                raise DataError(f"test must be a pair (x_test, y_test), got "
+                                f"{type(test).__name__}")
+            train = cls.from_arrays(x, y, num_classes=num_classes, name=name)
+            held = cls.from_arrays(test[0], test[1], num_classes=train.num_classes, name=name)
+            if held.input_shape != train.input_shape:
+                raise DataError(f"x_test has inputs of shape {held.input_shape}, x of "
+                                f"{train.input_shape}; they must match")
+            return cls(train.name, torch.cat([train.x, held.x]), torch.cat([train.y, held.y]),
+                       train.num_classes, train.input_shape, num_test=len(held))
         inputs = _as_array(x, "x")
         labels = _as_array(y, "y")
         if inputs.ndim < 2:
@@ -236,7 +263,8 @@ def dataset_identity(dataset: Dataset, *, custom: bool = False) -> dict[str, Any
             they are then named ``"custom"``, whatever their ``name`` field says.
 
     Returns:
-        ``{"name", "num_samples", "input_shape", "num_classes", "sha256"}``; the digest
+        ``{"name", "num_samples", "input_shape", "num_classes", "sha256"}`` (and
+        ``"num_test"`` for data with their own test pool); the digest
         covers the dtypes, shapes and bytes of ``x`` and ``y``, so two data sets share it only
         if they hold the same numbers in the same order.
     """
@@ -245,9 +273,12 @@ def dataset_identity(dataset: Dataset, *, custom: bool = False) -> dict[str, Any
         array = np.ascontiguousarray(tensor.detach().cpu().numpy())
         digest.update(f"{array.dtype.str}{array.shape};".encode("ascii"))
         digest.update(memoryview(array).cast("B"))
-    return {"name": "custom" if custom else dataset.name, "num_samples": len(dataset),
-            "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
-            "sha256": digest.hexdigest()}
+    identity = {"name": "custom" if custom else dataset.name, "num_samples": len(dataset),
+                "input_shape": list(dataset.input_shape), "num_classes": dataset.num_classes,
+                "sha256": digest.hexdigest()}
+    if dataset.num_test:  # only then: pooled data keep the identities (fingerprints) they had
+        identity["num_test"] = dataset.num_test
+    return identity
 
 
 def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options: Any) -> Dataset:

@@ -91,3 +91,65 @@ def test_simulate_takes_arrays_and_refuses_bad_ones_before_writing_anything(tmp_
     with pytest.raises(ConfigError, match="Dataset or a pair"):
         bayesfl.simulate(data="digits", out=out, progress=False)
     assert not out.exists()
+
+
+# ---- your own test arrays ------------------------------------------------------------------
+def two_sets(n_train=120, n_test=60, classes=4):
+    rng = np.random.default_rng(1)
+    return ((rng.standard_normal((n_train, 3)), np.arange(n_train) % classes),
+            (rng.standard_normal((n_test, 3)), np.arange(n_test) % classes))
+
+
+def test_test_arrays_are_a_pool_after_the_training_rows_and_part_of_the_identity():
+    (x, y), (xt, yt) = two_sets()
+    data = Dataset.from_arrays(x, y, test=(xt, yt))
+    assert len(data) == 180 and data.num_test == 60
+    np.testing.assert_array_equal(data.x[120:].numpy(), xt.astype(np.float32))
+    assert dataset_identity(data)["num_test"] == 60
+    assert "num_test" not in dataset_identity(Dataset.from_arrays(x, y))  # as before
+
+
+def test_clients_train_on_training_rows_and_test_on_the_test_rows_of_their_classes():
+    from bayesfl.data import make_clients
+
+    (x, y), (xt, yt) = two_sets()
+    data = Dataset.from_arrays(x, y, test=(xt, yt))
+    clients = make_clients(data, 4, "shards:2", seed=0)
+    train_rows = np.concatenate([c.train_indices for c in clients])
+    test_rows = np.concatenate([c.test_indices for c in clients])
+    assert (train_rows < 120).all() and len(set(train_rows)) == 120  # every training row, once
+    assert (test_rows >= 120).all() and len(set(test_rows)) == len(test_rows)  # used once
+    for c in clients:
+        assert set(c.test_y.tolist()) <= set(c.train_y.tolist())  # its own classes only
+    # a class's 15 test rows are shared by its holders: all of them are used
+    assert len(test_rows) == 60
+
+
+def test_test_arrays_are_checked_like_the_training_arrays():
+    (x, y), (xt, yt) = two_sets()
+    with pytest.raises(DataError, match=r"labels must lie in 0\.\.3"):
+        Dataset.from_arrays(x, y, test=(xt, yt + 1))
+    with pytest.raises(DataError, match=r"x_test has inputs of shape \(2,\)"):
+        Dataset.from_arrays(x, y, test=(xt[:, :2], yt))
+    with pytest.raises(DataError, match=r"pair \(x_test, y_test\)"):
+        Dataset.from_arrays(x, y, test=xt)
+
+
+def test_a_client_left_without_test_rows_or_a_scheme_fixing_the_split_is_refused():
+    from bayesfl.data import make_clients
+
+    (x, y), _ = two_sets()
+    data = Dataset.from_arrays(x, y, test=(np.zeros((2, 3)), np.array([0, 0])))
+    with pytest.raises(DataError, match="gets no test sample"):
+        make_clients(data, 4, "shards:2", seed=0)
+    with pytest.raises(ConfigError, match="fixes each client's test samples"):
+        make_clients(data, 4, "labels:2:train=5", seed=0)
+
+
+def test_simulate_runs_on_training_and_test_arrays(tmp_path):
+    (x, y), (xt, yt) = two_sets()
+    result = bayesfl.simulate("fedavg", data=Dataset.from_arrays(x, y, test=(xt, yt)),
+                              clients=2, partition="iid", rounds=1, local_epochs=1,
+                              feature_dim=4, body="mlp", progress=False)
+    assert sum(c.data.num_test for c in result.clients) == 60
+    assert result.summary["data"]["num_test"] == 60
