@@ -225,11 +225,28 @@ def _unfinished(root: Path) -> str:
         where = _checkpoint_round(checkpoint)
         return (f"the run in {root} has not finished{where}: continue it with "
                 "simulate(..., out=DIR, resume=True) or bayesfl run --resume, then load it")
+    if _transport(root) == "flower":
+        return (f"{root} holds a Flower run: its clients' states stay at their sites (the "
+                "server never holds them), so there is nothing to load; run the experiment "
+                "with simulate(..., out=DIR) to load it, or read summary.json and "
+                "metrics.jsonl there")
     if (root / "summary.json").is_file():
         return (f"{root} holds a run written before runs saved {RESULT_NAME} (or the file was "
                 "deleted): run it again with --force (force=True) to load it")
     return (f"{root} holds no finished run (no {RESULT_NAME}); pass the directory a run wrote "
             "with simulate(..., out=DIR) or bayesfl run --out DIR")
+
+
+def _transport(root: Path) -> str | None:
+    """The ``transport`` its summary or manifest names (``"flower"``), or None."""
+    for name in ("summary.json", "manifest.json"):
+        try:
+            found = json.loads((root / name).read_text()).get("transport")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, str):
+            return found
+    return None
 
 
 def _checkpoint_round(checkpoint: Path) -> str:

@@ -208,3 +208,12 @@ def test_result_file_holds_no_pickle_only_tensors_and_json(fedlog_run):
     names = [k for k in header if k != "__metadata__"]
     assert "run/evaluation" in names and any(k.startswith("client/0/") for k in names)
     assert np.isin(["server", "client", "run"], [k.split("/")[0] for k in names]).all()
+
+
+def test_a_flower_run_is_refused_saying_its_client_states_stay_at_the_sites(copied):
+    (copied / RESULT_NAME).unlink()
+    (copied / CHECKPOINT_NAME).unlink()
+    summary = json.loads((copied / "summary.json").read_text())
+    (copied / "summary.json").write_text(json.dumps({**summary, "transport": "flower"}))
+    with pytest.raises(CheckpointError, match="holds a Flower run: its clients' states stay"):
+        load_run(copied)
