@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt
 import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 
@@ -19,7 +21,17 @@ def plot_accuracy(
     runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path
 ) -> Path:
     """Mean client test accuracy vs round (left) and vs cumulative bytes up + down (right,
-    log scale), one line per run. ``runs`` maps a label to its metrics records."""
+    log scale), one line per run, saved to ``path``. ``runs`` maps a label to its metrics
+    records (:func:`accuracy_figure`)."""
+    fig = accuracy_figure(runs)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def accuracy_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
+    """The figure of :func:`plot_accuracy` (a pyplot figure: close it when done). Rounds are
+    whole numbers, so the round axis has integer ticks only."""
     sns.set_theme(style="whitegrid")
     fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
     for label, metrics in runs.items():
@@ -32,13 +44,12 @@ def plot_accuracy(
         by_round.plot(rounds, accuracy, marker=".", label=label)
         by_bytes.plot(cumulative, accuracy, marker=".", label=label)
     by_round.set(xlabel="round", ylabel="mean client test accuracy", title="accuracy vs round")
+    by_round.xaxis.set_major_locator(MaxNLocator(integer=True))  # no round 0.5
     by_bytes.set(xlabel="cumulative bytes (up + down)", ylabel="mean client test accuracy",
                  title="accuracy vs communication", xscale="log")
     by_round.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return fig
 
 
 def plot_reliability(

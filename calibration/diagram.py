@@ -2,10 +2,14 @@
 
 The upper panel shows, for every non-empty confidence bin, the accuracy as a bar spanning the
 bin, the identity line (perfect calibration), and the gap between accuracy and mean confidence
-shaded; empty bins get no bar. A strip beneath shows how many samples fall in each bin. The ECE
-and MCE of the drawn table are annotated. Figures are created without pyplot (a bare
-``matplotlib.figure.Figure`` renders with the Agg canvas), so the global backend is left alone,
-nothing is registered in pyplot and nothing needs closing; an ``ax`` passed in is drawn into.
+shaded in one colour where the bin is over-confident (mean confidence above accuracy: the gap
+sits on top of the bar) and in another where it is under-confident (accuracy above mean
+confidence: the gap is the top of the bar itself); empty bins get no bar. A strip beneath shows
+how many samples fall in each bin. The legend (one entry per colour) and the ECE, MCE and
+sample count stand to the right of the panel, outside it, so they never cover a bar. Figures
+are created without pyplot (a bare ``matplotlib.figure.Figure`` renders with the Agg canvas),
+so the global backend is left alone, nothing is registered in pyplot and nothing needs
+closing; an ``ax`` passed in is drawn into.
 
 With ``smooth=True`` the diagram has no bins: the kernel-smoothed accuracy against confidence
 (drawn thicker where confidences are dense, and only where their density is at least 1% of its
@@ -34,6 +38,11 @@ from calibration.metrics import reliability_stats
 SAVE_FORMATS = (".png", ".svg", ".pdf")
 ACCURACY_BARS_LABEL = "Accuracy"
 GAP_LABEL = "Gap to confidence"
+OVER_LABEL = "Gap: over-confident\n(confidence > accuracy)"
+UNDER_LABEL = "Gap: under-confident\n(accuracy > confidence)"
+OVER_COLOR = 3  # indices into seaborn's "deep" palette: red
+UNDER_COLOR = 1  # orange, readable over the blue accuracy bars
+GAP_ALPHA = {OVER_COLOR: 0.45, UNDER_COLOR: 0.8}  # the under-confident gap lies over a blue bar
 
 
 def reliability_diagram(
@@ -82,8 +91,8 @@ def reliability_diagram(
 def _diagram_axes(ax: Axes | None) -> tuple[Any, Axes, Axes]:
     """The figure, the main axes and the strip below it: a new two-panel figure, or ``ax``
     with a strip appended underneath."""
-    if ax is None:
-        figure = Figure(figsize=(5.2, 6.2), layout="constrained")
+    if ax is None:  # wide enough for the legend and the figures right of the panel
+        figure = Figure(figsize=(7.6, 6.2), layout="constrained")
         ax, strip = figure.subplots(2, 1, sharex=True, height_ratios=(3.2, 1))
         return figure, ax, strip
     strip = make_axes_locatable(ax).append_axes("bottom", size="28%", pad=0.1, sharex=ax)
@@ -102,22 +111,43 @@ def _draw_reliability(ax: Axes, stats: BinStats, title: str | None) -> None:
             label="Perfect calibration")
     ax.bar(left, accuracy, width=width, align="edge", color=palette[0], edgecolor="white",
            linewidth=0.8, alpha=0.9, label=ACCURACY_BARS_LABEL)
-    # Gap shading: from the bar top to the bin's mean confidence.
-    ax.bar(left, confidence - accuracy, bottom=accuracy, width=width, align="edge",
-           color=palette[3], alpha=0.28, edgecolor=palette[3], linewidth=0.8, hatch="//",
-           label=GAP_LABEL)
-    ax.scatter(left + width / 2, confidence, marker="_", s=120, color=palette[3], zorder=3,
+    # Gap shading between the bar top and the bin's mean confidence, coloured by its sign:
+    # over-confident gaps stand on the bar, under-confident ones cover the bar's top part.
+    over = confidence > accuracy
+    for where, color, hatch, label in ((over, OVER_COLOR, "//", OVER_LABEL),
+                                       (~over, UNDER_COLOR, "\\\\", UNDER_LABEL)):
+        low = np.minimum(accuracy, confidence)[where]
+        ax.bar(left[where], np.abs(confidence - accuracy)[where], bottom=low,
+               width=width[where], align="edge", color=palette[color], alpha=GAP_ALPHA[color],
+               edgecolor=palette[color], linewidth=0.8, hatch=hatch, label=label)
+    ax.scatter(left + width / 2, confidence, marker="_", s=120, color="0.15", zorder=3,
                label="Mean confidence")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_aspect("auto")
     ax.set_ylabel("Accuracy")
     ax.tick_params(labelbottom=False)
-    ax.legend(loc="upper left", frameon=True, fontsize="small")
-    ax.text(0.97, 0.04, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%\n"
-            f"N = {stats.total:,}", transform=ax.transAxes, ha="right", va="bottom",
+    _outside_legend(ax, palette)
+    ax.text(1.03, 0.0, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%\n"
+            f"N = {stats.total:,}", transform=ax.transAxes, ha="left", va="bottom",
             fontsize="small", bbox=dict(boxstyle="round", facecolor="white", alpha=0.85))
     ax.set_title(title if title is not None else f"Reliability diagram ({stats.n_bins} bins)")
+
+
+def _outside_legend(ax: Axes, palette: Any) -> None:
+    """The legend right of ``ax``, outside it, with an entry for both gap colours (also when
+    no bin has that sign, so the colours always read the same)."""
+    from matplotlib.patches import Patch
+
+    handles, labels = ax.get_legend_handles_labels()
+    for label, color, hatch in ((OVER_LABEL, OVER_COLOR, "//"), (UNDER_LABEL, UNDER_COLOR,
+                                                                 "\\\\")):
+        if label not in labels:
+            handles.append(Patch(facecolor=palette[color], edgecolor=palette[color],
+                                 alpha=GAP_ALPHA[color], hatch=hatch))
+            labels.append(label)
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.03, 1.0), borderaxespad=0,
+              frameon=True, fontsize="small")
 
 
 def _draw_count_strip(ax: Axes, stats: BinStats) -> None:
@@ -170,8 +200,11 @@ def _draw_smooth_curve(ax: Axes, curve: Any, title: str | None) -> None:
             label="Perfect calibration")
     # where almost no confidences lie the smoother only extrapolates: nothing is drawn there
     supported = density >= SUPPORT_FRACTION * float(density.max())
-    ax.fill_between(t, accuracy, t, where=supported, color=palette[3], alpha=0.2, linewidth=0,
-                    label=GAP_LABEL)
+    over = accuracy < t
+    ax.fill_between(t, accuracy, t, where=supported & over, color=palette[OVER_COLOR],
+                    alpha=0.3, linewidth=0, label=OVER_LABEL, interpolate=True)
+    ax.fill_between(t, accuracy, t, where=supported & ~over, color=palette[UNDER_COLOR],
+                    alpha=0.3, linewidth=0, label=UNDER_LABEL, interpolate=True)
     # thick where confidences are dense
     points = np.stack([t, accuracy], axis=1)
     keep = supported[:-1] & supported[1:]
@@ -184,11 +217,11 @@ def _draw_smooth_curve(ax: Axes, curve: Any, title: str | None) -> None:
     ax.set_ylim(0, 1)
     ax.set_ylabel("Accuracy")
     ax.tick_params(labelbottom=False)
-    ax.legend(loc="upper left", frameon=True, fontsize="small")
+    _outside_legend(ax, palette)
     value = curve.smooth_ece
-    ax.text(0.97, 0.04, f"smECE = {100 * value.value:.2f}%\n"
+    ax.text(1.03, 0.0, f"smECE = {100 * value.value:.2f}%\n"
             f"bandwidth = {value.bandwidth:.3g}\nN = {value.count:,}", transform=ax.transAxes,
-            ha="right", va="bottom", fontsize="small",
+            ha="left", va="bottom", fontsize="small",
             bbox=dict(boxstyle="round", facecolor="white", alpha=0.85))
     ax.set_title(title if title is not None else "Smooth reliability diagram")
 
