@@ -7,7 +7,9 @@ ServerApp and ClientApp would). Every client gets its own config and initial sta
 (``init_client``). Then per round: samples clients (all, or a seeded ``fraction``), encodes the
 server's broadcast (``configure``) with :func:`bayesfl.messages.encode` and decodes it on the
 client side, runs the clients' ``fit`` through the :class:`~bayesfl.executor.ClientExecutor`
-(batched over clients that share a body spec, one by one otherwise), encodes every upload,
+behind the engine's channel interface (:class:`InProcessChannel`; the Flower ServerApp has its
+own channel and the same round steps, :mod:`bayesfl.engine`) (batched over clients that share
+a body spec, one by one otherwise), encodes every upload,
 decodes and validates it on receipt against the round's schema (``validate_uploads``, one
 verdict per upload) — an invalid upload is *rejected*, its reason logged, and the round goes
 on with the others — aggregates, sends the evaluation broadcast (``configure_evaluation``),
@@ -43,7 +45,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ from bayesfl.config import (
 from bayesfl.data.clients import ClientData
 from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
     novel_clients,
@@ -296,6 +299,54 @@ def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | N
     return (None if data is None else as_dataset(data)), options
 
 
+class InProcessChannel:
+    """The simulator's channel (:class:`bayesfl.engine.channel.Channel`): the clients' halves
+    run in this process, batched over same-architecture clients by the executor.
+
+    A fit step decodes the broadcast the server encoded (what the clients see is what crossed
+    the wire), runs every client's ``fit`` with its generator of the round, and encodes each
+    upload with the client's key; ``upload_hook`` (tests, attacks) may change the bytes on
+    their way. A client whose training diverged sends nothing: its round is undone and its
+    reason goes to ``Collected.unreadable``.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.upload_hook: UploadHook | None = None
+        self._collected: Collected | None = None
+
+    def send(self, round: int, client_ids: Sequence[int], messages: Mapping[int, Step]) -> None:
+        run, out = self.run, Collected()
+        fitting = [cid for cid in client_ids if messages[cid].fit is not None]
+        if fitting:
+            received = decode(messages[fitting[0]].fit, key=run.server_key)
+            gens = {cid: torch.Generator().manual_seed(derived_seed(run.config.seed, round,
+                                                                    cid))
+                    for cid in fitting}
+            before = {cid: run.clients[cid].state for cid in fitting}
+            with watch_divergence() as diverged:
+                uploads = run.executor.fit([run.clients[i] for i in fitting], received, gens)
+            for cid, upload in zip(fitting, uploads, strict=True):
+                stop = diverged.get(id(gens[cid]))
+                if stop is not None:  # a client that knows its training failed sends nothing
+                    out.unreadable[cid] = f"upload not sent: {stop}"
+                    run.clients[cid].state = before[cid]  # its round is undone, not half-kept
+                    run._warn_divergence(round, cid, stop)
+                    continue
+                data = encode(upload, key=run.client_key(cid))
+                if self.upload_hook is not None:
+                    data = self.upload_hook(round, cid, data)
+                out.replies[cid] = Reply(upload=data, elements=upload.num_elements)
+        self._collected = out
+
+    def collect(self, deadline: float) -> Collected:
+        collected, self._collected = self._collected or Collected(), None
+        return collected
+
+    def close(self) -> None:
+        """Nothing to release: the clients live in this process."""
+
+
 class _Run:
     """One run: setup, the round loop, and the files it writes."""
 
@@ -331,6 +382,7 @@ class _Run:
             self.clients.append(SimulatedClient(client_config, self._on_device(d),
                                                 self.client_half.init_client(client_config)))
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
+        self.channel = InProcessChannel(self)
         # novel clients (novel_fraction) never train: rounds sample and evaluate the others
         self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
         self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
@@ -460,37 +512,26 @@ class _Run:
         down_bytes = encode(plan.broadcast, key=self.server_key)
         if self.broadcast_hook is not None:
             self.broadcast_hook(r, down_bytes)
-        # what the clients see is what crossed the wire
-        received = decode(down_bytes, key=self.server_key)
         t_local, cpu_local = time.perf_counter(), time.process_time()
-        gens = {cid: torch.Generator().manual_seed(derived_seed(config.seed, r, cid))
-                for cid in participants}
-        before = {cid: self.clients[cid].state for cid in participants}
-        with watch_divergence() as diverged:
-            uploads = self.executor.fit([self.clients[i] for i in participants], received, gens)
+        self.channel.upload_hook = upload_hook
+        self.channel.send(r, participants, {cid: Step(fit=down_bytes) for cid in participants})
+        collected = self.channel.collect(float("inf"))  # in-process: every reply is in
         t_local, cpu_local = time.perf_counter() - t_local, time.process_time() - cpu_local
+        reasons = dict(collected.unreadable)  # client id -> why its upload was rejected
         bytes_up: list[int] = []
-        floats_up = 0
-        reasons: dict[int, str] = {}  # client id -> why its upload was rejected
         received_up: list[tuple[int, Message]] = []
-        for cid, upload in zip(participants, uploads, strict=True):
-            stop = diverged.get(id(gens[cid]))
-            if stop is not None:  # a client that knows its training failed sends nothing
-                reasons[cid] = f"upload not sent: {stop}"
-                self.clients[cid].state = before[cid]  # its round is undone, not half-kept
+        for cid in participants:
+            if cid not in collected.replies:
                 bytes_up.append(0)
-                self._warn_divergence(r, cid, stop)
                 continue
-            data = encode(upload, key=self.client_key(cid))
-            floats_up += upload.num_elements
-            if upload_hook is not None:
-                data = upload_hook(r, cid, data)
+            data = collected.replies[cid].upload
             bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
             try:
                 received_up.append((cid, decode(data, max_bytes=plan.max_upload_bytes,
                                                 key=self.client_key(cid))))
             except MessageRejected as err:
                 reasons[cid] = err.reason
+        floats_up = sum(reply.elements for reply in collected.replies.values())
         accepted = screen_uploads(server, plan, received_up, reasons)
         rejections = [{"client_id": cid, "reason": reasons[cid]}
                       for cid in participants if cid in reasons]

@@ -47,19 +47,22 @@ class Reply:
         evaluation: its evaluation of the step's evaluation broadcast, checked.
         personalized: its evaluation of its personalised state (final step).
         timings: seconds the client reported (setup, fit, evaluate, encode).
+        elements: numbers in the upload as the client sent it (0 when not known).
     """
 
-    upload: bytes | None = None
+    upload: Any = None
     evaluation: Evaluation | None = None
     personalized: Evaluation | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    elements: int = 0
 
 
 @dataclass
 class Collected:
     """The replies of a step, its events (``{"client_id", "node_id", "step", "reason"}``) and
-    the replies that arrived but cannot be read (``unreadable``: client id -> why; a sampled
-    client's is a rejected upload)."""
+    the uploads that did not arrive as one (``unreadable``: client id -> why: a reply that
+    cannot be read, a client that sent nothing because its training diverged); each is a
+    rejected upload of the round."""
 
     replies: dict[int, Reply] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)

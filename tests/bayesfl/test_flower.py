@@ -730,3 +730,19 @@ def test_a_node_without_a_state_dir_says_its_client_starts_again(task_identity, 
     assert {(e["client_id"], e["step"]) for e in summary["events"]} == \
         {(0, "resume"), (1, "resume"), (2, "resume")}
     assert all("initial state" in e["reason"] for e in summary["events"])
+
+
+@pytest.mark.flower
+@pytest.mark.slow  # ~2-5 minutes: three SuperNodes, about ten calibration messages each
+def test_calibrate_and_novel_clients_on_supernodes_equal_the_simulator(federation, tmp_path):
+    summary = run_on_flower(federation, tmp_path / "run", "fedlog", 2,
+                            calibrate="temperature", **{"novel-fraction": 0.34})
+    sim = simulate("fedlog", rounds=2, clients=3, partition="iid", seed=0, local_epochs=1,
+                   progress=False, batched=False, threads=1, calibrate="temperature",
+                   novel_fraction=0.34)
+    assert summary["events"] == []
+    assert summary["novel"]["clients"] == sim.summary["novel"]["clients"] != []
+    assert_figures_equal(summary["novel"], sim.summary["novel"], "novel")
+    flower, simulated = summary["calibration"], sim.summary["calibration"]
+    assert flower["temperature"] == pytest.approx(simulated["temperature"], rel=1e-6)
+    assert_figures_equal(flower["calibrated"], simulated["calibrated"], "calibrated")
