@@ -29,10 +29,7 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
 """Cycles that exist and are being removed, each with its issue. The list only shrinks: a cycle
 not listed fails, and so does a listed one that is gone (remove it here)."""
 
-KNOWN_FLOWER_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {
-    ("bayesfl.flower.server_app", "bayesfl.simulate", "_SERVER_KEY"):
-        "issue 28: the one round engine replaces the Flower server's copy of the round loop",
-}
+KNOWN_FLOWER_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 """(importer, module, private name) imports under ``bayesfl/flower/`` still to remove, each with
 its issue; shrinks like :data:`KNOWN_CYCLES`."""
 
