@@ -15,13 +15,20 @@ nbclient = pytest.importorskip("nbclient")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+# What a notebook's prose says about its own output, checked on the output: the by-hand FedLog
+# round of a 15-round run is round 16 (it once read 17); FedPart's notebook reports traffic and
+# FLOPs from the run summaries.
+PRINTED_CLAIMS = {
+    "fedlog_vs_fedavg": ["round=16,", "nearest class mean in all 50 features"],
+    "fedpart_colearn": ["uplink as a fraction of FedAvg's", "local FLOPs, FedPart / FedAvg"],
+}
 ABSOLUTE_PATH = re.compile(r"(?<![\w.])(/home/|/work/|/tmp/|/Users/|[A-Z]:\\\\)")
 
 
 def test_every_example_notebook_is_collected():
     names = {p.name for p in NOTEBOOKS}
     assert {"reliability_diagrams.ipynb", "fedlog_vs_fedavg.ipynb",
-            "fedsi_uncertainty.ipynb"} <= names
+            "fedsi_uncertainty.ipynb", "fedpart_colearn.ipynb"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -47,3 +54,7 @@ def test_notebook_runs_end_to_end_and_saves_its_figures(path, tmp_path):
     assert errors == []
     figures = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
     assert figures, f"{path.name} saved no figure under figures/"
+    printed = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
+                      for o in c.outputs if o.output_type == "stream")
+    for claim in PRINTED_CLAIMS.get(path.stem, []):
+        assert claim in printed, f"{path.name}: its text relies on {claim!r}, not printed"
