@@ -10,8 +10,8 @@ from bayesfl.bodies import register_body
 from bayesfl.data import Dataset, load_dataset, make_clients, partition
 from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, DataError, MessageRejected
 from bayesfl.executor import ClientExecutor, SimulatedClient
+from bayesfl.loaded_run import LoadedRun, load_run
 from bayesfl.posterior import ClientPosterior
-from bayesfl.run_result import LoadedRun, load_run
 from bayesfl.simulate import SimulationConfig, SimulationResult, simulate
 from bayesfl.strategies import (
     STRATEGIES,

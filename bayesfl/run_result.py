@@ -1,15 +1,12 @@
-"""A finished run, loaded back from its run directory: :func:`load_run`.
+"""The file a finished simulator run leaves for :func:`bayesfl.load_run`: ``result.safetensors``.
 
 ``simulate(..., out=DIR)`` ends by writing :data:`~bayesfl.run_directory.RESULT_NAME`
-(``result.safetensors``, :func:`save_run_result`) beside ``summary.json``, ``metrics.jsonl``
-and ``partition.json``. ``load_run(DIR)`` reads them back, re-runs nothing, and returns a
-:class:`LoadedRun`: a :class:`~bayesfl.simulate.SimulationResult` (what ``simulate`` returns,
-so ``result.posterior(k)``, ``result.predict_proba(k, x)``, ``result.summary`` and
-``result.metrics`` work alike) that also carries the partition and the manifest.
+(:func:`save_run_result`) beside ``summary.json``, ``metrics.jsonl`` and ``partition.json``;
+:mod:`bayesfl.loaded_run` reads it back (:func:`read_run_result`).
 
-``result.safetensors`` schema (format :data:`RESULT_FORMAT`, version :data:`RESULT_VERSION`), a
-checkpoint file (:mod:`bayesfl.checkpoint`: safetensors, written atomically, a SHA-256 of the
-meta and tensors, no pickle) holding
+Schema (format :data:`RESULT_FORMAT`, version :data:`RESULT_VERSION`): a checkpoint file
+(:mod:`bayesfl.checkpoint`: safetensors, written atomically, a SHA-256 of the meta and tensors,
+no pickle) holding
 
 ======================  ======================================================================
 ``client/<k>/<name>``   client k's final state (personalised where the strategy personalises:
@@ -21,27 +18,18 @@ meta                    ``format``, ``version``, ``identity`` (the configuration
                         data's identity: what the run's checkpoint fingerprints), ``context``
                         (the strategy context: classes, feature width, input shape, bodies,
                         local training), ``clients`` (id, body spec, init seed each),
-                        ``personalized`` (ids), ``novel`` (ids), ``body_factories``
+                        ``first_round``, ``personalized`` (ids), ``novel`` (ids),
+                        ``body_factories`` (:func:`bayesfl.bodies.body_provenance`)
 ======================  ======================================================================
 
-The strategy is rebuilt from the configuration (``make_strategy``), every client state is
-checked against the layout of a fresh client of its body (names, shapes, dtypes), and the
-posterior and predictive are the strategy's own, so a loaded run predicts exactly as the run
-did at its end. A body given as a callable (``simulate(body=make_body)``) is recorded by its
-qualified name only — a callable cannot be serialised: in a new process it must be importable
-under that name (a module-level function or class) or be registered again
-(``bayesfl.register_body(name, factory)``) before ``load_run``, else the error says so.
-
-What a run directory does not hold: the data (a loaded run's ``clients[k].data`` has no samples,
-only the input shape; ``partition`` has the counts and sizes) and the ``calibrate`` step's
-fitted temperature (its figures are in ``summary["calibration"]``; ``calibration`` is None).
+The file's fingerprint is :func:`~bayesfl.checkpoint.config_fingerprint` of ``identity``, the
+same as the run's checkpoint's, so a reader can tell a finished run from one continued with
+other settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,40 +43,13 @@ from bayesfl.checkpoint import (
     save_checkpoint,
 )
 from bayesfl.config import SimulationConfig
-from bayesfl.data.clients import ClientData
-from bayesfl.errors import BayesFLError, CheckpointError, ConfigError
-from bayesfl.executor import SimulatedClient
-from bayesfl.messages import decode, encode, read_safetensors_metadata
-from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, RESULT_NAME, parse_metrics
-from bayesfl.simulate import SimulationResult
-from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import ClientConfig, StrategyContext
-from bayesfl.training import LocalTraining
+from bayesfl.errors import BayesFLError, CheckpointError
+from bayesfl.messages import encode, read_safetensors_metadata
+from bayesfl.run_directory import RESULT_NAME
 
 RESULT_FORMAT = "bayesfl-run-result"
 RESULT_VERSION = 1
-_BROADCAST = "run/evaluation"
-
-
-@dataclass
-class LoadedRun(SimulationResult):
-    """A finished run read back from its directory (:func:`load_run`); a
-    :class:`~bayesfl.simulate.SimulationResult` with two more attributes.
-
-    Attributes (beyond :class:`~bayesfl.simulate.SimulationResult`'s):
-        partition: ``partition.json``: ``scheme``, ``counts`` (clients x classes),
-            ``train_sizes``, ``test_sizes``, ``bodies`` (per client), ``novel``.
-        manifest: ``manifest.json``: configuration, seed, package versions, git commit.
-
-    Differences from the object ``simulate`` returned: ``clients[k].data`` holds no samples
-    (a run directory does not keep the data; its tensors have the input shape and 0 rows),
-    ``clients[k].state`` is the state predictions use (personalised where the strategy
-    personalises, also listed in ``personalized``), and ``calibration`` is None (the fitted
-    temperature is not kept; its figures are in ``summary["calibration"]``).
-    """
-
-    partition: dict[str, Any] = field(default_factory=dict)
-    manifest: dict[str, Any] = field(default_factory=dict)
+BROADCAST_TENSOR = "run/evaluation"
 
 
 def run_identity(config: SimulationConfig, data_identity: dict[str, Any]) -> dict[str, Any]:
@@ -100,9 +61,11 @@ def run_identity(config: SimulationConfig, data_identity: dict[str, Any]) -> dic
     return identity
 
 
-def save_run_result(run_dir: str | Path, result: SimulationResult) -> Path:
+def save_run_result(run_dir: str | Path, result: Any) -> Path:
     """Write ``result``'s final states to ``run_dir / RESULT_NAME`` (module docstring) and
-    return the path; :func:`load_run` reads it back. ``simulate(out=...)`` calls it last.
+    return the path; :func:`bayesfl.load_run` reads it back. ``simulate(out=...)`` calls it
+    last. ``result`` is the :class:`~bayesfl.simulate.SimulationResult` it returns (typed
+    ``Any``: this module must not import the simulator, which imports it).
 
     Raises:
         CheckpointError: the write failed (nothing half-written is left).
@@ -112,7 +75,7 @@ def save_run_result(run_dir: str | Path, result: SimulationResult) -> Path:
     for client in result.clients:
         state = result.client_state(client.client_id)
         tensors.update({f"client/{client.client_id}/{k}": v for k, v in state.items()})
-    tensors[_BROADCAST] = torch.from_numpy(
+    tensors[BROADCAST_TENSOR] = torch.from_numpy(
         np.frombuffer(encode(result.evaluation_broadcast), dtype=np.uint8).copy())
     context = result.strategy.context
     from bayesfl.bodies import body_provenance
@@ -138,143 +101,7 @@ def save_run_result(run_dir: str | Path, result: SimulationResult) -> Path:
     return path
 
 
-def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
-    """The finished run in ``run_dir`` (written by ``simulate(..., out=run_dir)``), without
-    re-running anything.
-
-    Args:
-        run_dir: the run directory.
-        device: where the clients' networks and states are put (``"cpu"``, ``"cuda"``, ...).
-
-    Returns:
-        A :class:`LoadedRun`: ``summary`` (``summary.json``), ``metrics`` (``metrics.jsonl``,
-        one dict per round), ``partition``, ``manifest``, ``config``; ``posterior(k)``
-        (posterior strategies: ``.sample(n)`` draws head parameters, ``.predict_proba(x)``
-        takes client k's inputs) and ``predict_proba(k, x)`` (the strategy's headline
-        predictive), exactly as the run had them at its end.
-
-    Raises:
-        CheckpointError: no finished run there (a missing directory, a run still going or
-            killed before its end, a run continued with other settings and unfinished), a
-            corrupt file, or another format version; the message says what to do.
-        ConfigError: a body factory the run used that cannot be found in this process
-            (register it with :func:`bayesfl.register_body`), an unavailable ``device``.
-    """
-    from bayesfl.config import resolve_device
-
-    root = Path(run_dir)
-    device_ = resolve_device(device)
-    if not root.is_dir():
-        what = "does not exist" if not root.exists() else "is not a directory"
-        raise CheckpointError(f"run directory {root} {what}; pass the directory a run wrote "
-                              "with simulate(..., out=DIR) or bayesfl run --out DIR")
-    path = root / RESULT_NAME
-    if not path.is_file():
-        raise CheckpointError(_unfinished(root))
-    tensors, meta = _read_result(path)
-    identity, context_meta = meta["identity"], meta["context"]
-    _check_not_continued(root, meta["fingerprint"])
-    summary = _read_json(root / "summary.json", root)
-    partition = _read_json(root / "partition.json", root)
-    manifest = _read_json(root / "manifest.json", root)
-    try:
-        config_fields = {k: v for k, v in identity.items() if k != "data"}
-        config = SimulationConfig(**config_fields)
-        if summary.get("data") != identity.get("data"):
-            raise ValueError("summary.json describes other data than result.safetensors")
-        first = int(meta["first_round"])
-        metrics = parse_metrics((root / METRICS_NAME).read_bytes(),
-                                list(range(first, config.rounds + 1)))
-    except (OSError, TypeError, ValueError, KeyError, BayesFLError) as err:
-        if isinstance(err, ConfigError) and "body" in str(err):
-            raise
-        raise CheckpointError(f"run directory {root} does not hold one consistent finished "
-                              f"run ({_one_line(err)}); run it again with --force "
-                              "(force=True)") from err
-    context = StrategyContext(
-        num_classes=int(context_meta["num_classes"]),
-        feature_dim=int(context_meta["feature_dim"]),
-        training=LocalTraining(**{k: tuple(v) if isinstance(v, list) else v
-                                  for k, v in context_meta["training"].items()}),
-        rounds=int(context_meta["rounds"]), device=device_, seed=int(context_meta["seed"]),
-        input_shape=tuple(int(s) for s in context_meta["input_shape"]),
-        bodies=tuple(context_meta["bodies"]), clients=int(context_meta["clients"]))
-    strategy = make_strategy(config.strategy, context, **config.strategy_options)
-    personal = {int(k) for k in meta.get("personalized", [])}
-    clients = [_client(strategy, context, entry, tensors, device_, path,
-                       personalized=entry.get("client_id") in personal)
-               for entry in meta["clients"]]
-    for spec in dict.fromkeys(c.config.body for c in clients):
-        strategy.template(spec)  # built now: the loaded run needs no body factory later
-    state = {k[len("server/"):]: v.to(device_) for k, v in tensors.items()
-             if k.startswith("server/")}
-    try:
-        broadcast = decode(tensors[_BROADCAST].numpy().tobytes())
-    except (KeyError, BayesFLError) as err:
-        raise CheckpointError(f"{path} is corrupt ({_one_line(err)}); run it again with "
-                              "--force (force=True)") from err
-    personalized = {k: clients[k].state for k in sorted(personal)}
-    return LoadedRun(config, summary, metrics, root, state, clients, strategy, broadcast,
-                     personalized, None, tuple(int(k) for k in meta.get("novel", [])),
-                     partition=partition, manifest=manifest)
-
-
-def _unfinished(root: Path) -> str:
-    checkpoint = root / CHECKPOINT_NAME
-    if checkpoint.is_file():
-        where = _checkpoint_round(checkpoint)
-        return (f"the run in {root} has not finished{where}: continue it with "
-                "simulate(..., out=DIR, resume=True) or bayesfl run --resume, then load it")
-    if _transport(root) == "flower":
-        return (f"{root} holds a Flower run: its clients' states stay at their sites (the "
-                "server never holds them), so there is nothing to load; run the experiment "
-                "with simulate(..., out=DIR) to load it, or read summary.json and "
-                "metrics.jsonl there")
-    if (root / "summary.json").is_file():
-        return (f"{root} holds a run written before runs saved {RESULT_NAME} (or the file was "
-                "deleted): run it again with --force (force=True) to load it")
-    return (f"{root} holds no finished run (no {RESULT_NAME}); pass the directory a run wrote "
-            "with simulate(..., out=DIR) or bayesfl run --out DIR")
-
-
-def _transport(root: Path) -> str | None:
-    """The ``transport`` its summary or manifest names (``"flower"``), or None."""
-    for name in ("summary.json", "manifest.json"):
-        try:
-            found = json.loads((root / name).read_text()).get("transport")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(found, str):
-            return found
-    return None
-
-
-def _checkpoint_round(checkpoint: Path) -> str:
-    """`` (checkpoint at round r of R)`` from a checkpoint's unverified meta, or ``""``."""
-    try:
-        meta = json.loads(_header_metadata(checkpoint).get("bayesfl.meta", "{}"))
-        return f" (its checkpoint is at round {int(meta['round'])} of " \
-               f"{int(meta['config']['rounds'])})"
-    except Exception:  # only a hint in a message: an unreadable checkpoint gives none
-        return ""
-
-
-def _check_not_continued(root: Path, fingerprint: str) -> None:
-    """Refuse a directory whose checkpoint belongs to a later run with other settings (a
-    finished run resumed with more rounds, then stopped): its result file is stale."""
-    checkpoint = root / CHECKPOINT_NAME
-    if not checkpoint.is_file():
-        return
-    try:
-        found = _header_metadata(checkpoint).get("bayesfl.fingerprint")
-    except Exception:  # a damaged checkpoint does not make the finished result unreadable
-        return
-    if found is not None and found != fingerprint:
-        raise CheckpointError(_unfinished(root).replace(
-            "has not finished", "was continued with other settings and has not finished"))
-
-
-def _header_metadata(path: Path) -> dict[str, str]:
+def header_metadata(path: Path) -> dict[str, str]:
     """The safetensors metadata of the file ``path``, reading only its header (bounded)."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
@@ -284,11 +111,11 @@ def _header_metadata(path: Path) -> dict[str, str]:
         return read_safetensors_metadata(f.read(8 + size), max_header_bytes=size)
 
 
-def _read_result(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_run_result(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and meta of ``path``, checked to be this format and version."""
     corrupt = f"{path} is corrupt or not a bayesfl run result ({{}}); run it again with --force"
     try:
-        fingerprint = _header_metadata(path).get("bayesfl.fingerprint")
+        fingerprint = header_metadata(path).get("bayesfl.fingerprint")
     except (OSError, ValueError, RecursionError, BayesFLError) as err:
         raise CheckpointError(corrupt.format(_one_line(err))) from err
     if not isinstance(fingerprint, str):
@@ -312,52 +139,12 @@ def _read_result(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, meta
 
 
-def _client(strategy: Any, context: StrategyContext, entry: dict[str, Any],
-            tensors: dict[str, torch.Tensor], device: torch.device, path: Path,
-            personalized: bool) -> SimulatedClient:
-    """Client ``entry``'s config, its saved state (checked against a fresh client's layout:
-    the same names, shapes and dtypes, plus any entries personalisation added) and an empty
-    data record of the run's input shape."""
-    try:
-        config = ClientConfig(int(entry["client_id"]), str(entry["body"]),
-                              int(entry["init_seed"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path} is corrupt (client entry {entry!r}); run it again with "
-                              "--force") from err
-    fresh = strategy.init_client(config)  # builds the body: a missing factory fails here
-    prefix = f"client/{config.client_id}/"
-    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    layout = {k: (tuple(v.shape), v.dtype) for k, v in fresh.items()}
-    saved = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
-    if personalized:  # personalisation may add entries (e.g. FedBABU's flag), never change one
-        saved = {k: v for k, v in saved.items() if k in layout}
-    if saved != layout:
-        raise CheckpointError(
-            f"{path}: client {config.client_id}'s saved state does not fit a client of body "
-            f"{config.body!r} (names, shapes or dtypes differ); if the body is your own "
-            "factory, register the one the run used (bayesfl.register_body), else run it again "
-            "with --force")
-    empty_x = torch.empty((0, *context.input_shape), dtype=torch.float32, device=device)
-    empty_y = torch.empty((0,), dtype=torch.int64, device=device)
-    data = ClientData(config.client_id, empty_x, empty_y, empty_x, empty_y)
-    return SimulatedClient(config, data, {k: v.to(device) for k, v in state.items()})
-
-
-def _read_json(path: Path, root: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path.name} is missing from {root}: the run did not finish "
-                              "writing its files; run it again with --force") from err
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is damaged ({_one_line(err)}); run it again with "
-                              "--force") from err
-
-
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-__all__ = ["RESULT_FORMAT", "RESULT_VERSION", "LoadedRun", "load_run", "run_identity",
-           "save_run_result"]
+
+
+__all__ = ["BROADCAST_TENSOR", "RESULT_FORMAT", "RESULT_VERSION", "header_metadata",
+           "read_run_result", "run_identity", "save_run_result"]

@@ -12,8 +12,8 @@ from torch import nn
 import bayesfl
 from bayesfl.checkpoint import save_checkpoint
 from bayesfl.errors import CheckpointError, ConfigError
+from bayesfl.loaded_run import LoadedRun, load_run
 from bayesfl.run_directory import CHECKPOINT_NAME, RESULT_NAME
-from bayesfl.run_result import LoadedRun, load_run
 from bayesfl.simulate import SimulationResult
 
 SMALL = {"clients": 3, "partition": "iid", "rounds": 2, "local_epochs": 1, "feature_dim": 8,
@@ -171,10 +171,10 @@ def test_a_corrupt_result_file_is_refused(copied):
 
 def test_another_format_version_is_refused_naming_both(copied):
     from bayesfl.checkpoint import load_checkpoint
-    from bayesfl.run_result import _header_metadata
+    from bayesfl.run_result import header_metadata
 
     path = copied / RESULT_NAME
-    fingerprint = _header_metadata(path)["bayesfl.fingerprint"]
+    fingerprint = header_metadata(path)["bayesfl.fingerprint"]
     tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
     save_checkpoint(path, tensors, {**meta, "version": 99}, fingerprint=fingerprint)
     with pytest.raises(CheckpointError, match="format version 99; this bayesfl reads version 1"):
