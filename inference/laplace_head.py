@@ -41,7 +41,11 @@ from inference.options import (
     PredictiveMethod,
     PriorPrecisionMethod,
 )
-from inference.variational_gaussian import DEFAULT_NUM_DRAWS, variational_gaussian
+from inference.variational_gaussian import (
+    DEFAULT_ELBO_MAX_ITER,
+    DEFAULT_NUM_DRAWS,
+    variational_gaussian,
+)
 
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
 NEWTON_MAX_PARAMETERS = 3000
@@ -114,7 +118,8 @@ def _newton(objective, hessian_fn, start: Tensor, prior_precision: float, max_it
         theta = theta + t * step
     raise NumericalError(
         f"Newton did not converge in {max_iter} iterations (last Newton decrement "
-        f"{decrement:.3e}); raise max_iter or the prior precision."
+        f"{decrement:.3e}); raise max_iter, or pass a larger prior_precision (a number, or "
+        "prior_precision_bounds with a larger lower end)."
     )
 
 
@@ -202,6 +207,7 @@ def fit_laplace_head(
     validation_method: PredictiveMethod | str = PredictiveMethod.CENTRED_PROBIT,
     approximation: GaussianApproximation | str = GaussianApproximation.VARIATIONAL,
     num_draws: int = DEFAULT_NUM_DRAWS,
+    elbo_max_iter: int = DEFAULT_ELBO_MAX_ITER,
     seed: int = 0,
 ) -> GaussianPosterior:
     """Gaussian posterior of a linear head on fixed features: Laplace, or (the default) the
@@ -248,7 +254,7 @@ def fit_laplace_head(
         solver: ``"newton"`` or ``"lbfgs"`` for the mode (default by size).
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
-        max_iter: Newton iterations at most (see :func:`find_mode`).
+        max_iter: Newton iterations at most of every mode (see :func:`find_mode`).
         prior_precision_bounds: ``(lower, upper)`` search interval of ``λ`` (default 1e-4, 1e4).
         validation_data: ``(features (V, m), labels (V,))`` held out from training, for
             ``prior_precision="validation"``.
@@ -257,6 +263,8 @@ def fit_laplace_head(
             likelihood makes both the exact posterior, and ``"laplace"`` is returned.
         num_draws: logit draws per training point of ``"variational"`` (the result is
             deterministic given them and ``seed``).
+        elbo_max_iter: ELBO evaluations at most of ``"variational"``
+            (:func:`~inference.variational_gaussian.variational_gaussian`).
         seed: the seed of those draws.
 
     Returns:
@@ -282,7 +290,10 @@ def fit_laplace_head(
         approximation = GaussianApproximation.LAPLACE
     fit = _LaplaceFit(inputs, targets, num_classes, prior_mean, structure, rank, solver,
                       likelihood, noise_std, max_iter)
+    if int(elbo_max_iter) < 1:
+        raise InvalidInputError(f"elbo_max_iter must be at least 1; got {elbo_max_iter}.")
     fit.approximation, fit.num_draws, fit.seed = approximation, num_draws, seed
+    fit.elbo_max_iter = int(elbo_max_iter)
     choice = None
     if method is None:
         value = float(prior_precision)
@@ -348,6 +359,7 @@ class _LaplaceFit:
         self.max_iter = max_iter
         self.approximation = GaussianApproximation.LAPLACE
         self.num_draws, self.seed = DEFAULT_NUM_DRAWS, 0
+        self.elbo_max_iter = DEFAULT_ELBO_MAX_ITER
         self._last_mode: Tensor | None = None
 
     def posterior(self, prior_precision: float) -> GaussianPosterior:
@@ -376,7 +388,7 @@ class _LaplaceFit:
         mean, curvature = variational_gaussian(
             laplace.flat_mean.to(torch.float64), start, self.inputs, self.targets,
             self.num_classes, prior_precision, self.prior_mean, diagonal=diagonal,
-            num_draws=num_draws, seed=seed)
+            num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed)
         return gaussian_head_posterior(mean, curvature, self.inputs.shape, self.num_classes,
                                        prior_precision, self.prior_mean, self.structure,
                                        self.rank)

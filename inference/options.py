@@ -237,6 +237,7 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
     "chi": FINITE,
     "feature_scale": POSITIVE,
     "num_draws": COUNT,
+    "elbo_max_iter": COUNT,
     "empirical_bayes_warmup": NumberRule(low=0.0, high=1.0, high_open=True),
 }
 
