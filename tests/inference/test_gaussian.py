@@ -168,11 +168,15 @@ def test_prior_is_counted_once():
     torch.testing.assert_close(combined.mean, torch.full((2,), 0.5, dtype=F64))
 
 
-def test_combining_posteriors_with_different_priors_is_refused():
+def test_combining_posteriors_with_priors_of_different_means_is_refused():
     a = random_posterior("diag", prior_precision=1.0)
-    b = random_posterior("diag", prior_precision=2.0)
+    b = random_posterior("diag", prior_precision=1.0)
+    shifted = GaussianPosterior(gaussian_prior((2, 3), 1.0, mean=0.5), b.likelihood, (2, 3))
     with pytest.raises(InvalidInputError, match="different priors"):
-        combine([a, b])
+        combine([a, shifted])
+    with pytest.raises(InvalidInputError, match="different priors"):
+        average([a, shifted])
+    combine([a, shifted], prior=gaussian_prior((2, 3), 1.0))  # a prior given: counted once
 
 
 def test_average_of_diagonal_posteriors_matches_mixture_moments_in_any_order():
