@@ -147,6 +147,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             if not isinstance(table, dict):
                 raise ConfigError(f"run config: {head} is given both as a value and a table")
             table[rest] = value
+        elif name in _UNSET_WHEN_EMPTY and value in ("", 0):
+            continue  # the app's pyproject lists every key; "" / 0 means not set
         elif name in _FLOWER_KEYS and name not in ("out", "resume", "force", "threads"):
             flower[_FLOWER_KEYS[name]] = value
         elif name in _OPTION_KEYS and isinstance(value, str):
@@ -154,8 +156,6 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             pairs = shlex.split(value)
             if pairs:
                 raw[name] = pairs
-        elif name in _UNSET_WHEN_EMPTY and value in ("", 0):
-            continue  # the app's pyproject lists every key; "" / 0 means not set
         else:
             raw[name] = value
     settings = settings_from_mapping(raw, source="run config")
