@@ -56,7 +56,7 @@ RUN_EXAMPLES = (
     "bayesfl run --strategy fedlog --clients 10 --partition dirichlet:0.5 --rounds 5",
     "bayesfl run --strategy fedlog-c --option alpha=0.01 --partition labels:3 --rounds 5",
     "bayesfl run --strategy fedavg --dataset gaussian_mixture --dataset-option n=600 "
-    "--clients 4 --partition shards:2",
+    "--dataset-option num_classes=4 --clients 4 --partition shards:2",
     "bayesfl run --config run.toml --rounds 10",
 )
 """The examples of ``bayesfl run --help`` (each one runs: tests/bayesfl/test_cli_help.py)."""
