@@ -8,28 +8,34 @@ training images each, i.e. an IID split balanced per class), LeNet5-like bodies 
 client's personal model on the full 10k test set; here every client is scored on the same
 *common* test set, the 3,800 mnist-5k images no client trains on (the clients' own held-out
 samples, 5 per class, only feed the simulator's per-round log). Metrics: mean over clients
-of accuracy, ECE (15 bins) and NLL on the common test set, and uplink bytes per client per
-round (encoded messages, headers included; round 0 uploads of CoLearn's bootstrap and
-FedLog's statistics counted). Mean +- standard error over seeds.
+of accuracy, ECE (15 bins) and NLL on the common test set, and uplink and downlink bytes
+per client per round (encoded messages, headers included; round 0 of CoLearn's bootstrap and
+FedLog's statistics counted; downlink: the training broadcast a client receives, the
+evaluation broadcast -- the same model again for FL -- not counted). Mean +- standard error
+over seeds.
 
 Methods: ``colearn`` (defaults: lam_kd 10 on the mean squared distance, lam_disc 1, n_avg
-10, M = 1), ``il`` = ``local-only`` (no communication), ``fl`` = ``fedavg`` (whole network
+10, M = 1, the paper's downlink: prototypes plus M_down = 1 peer set, ``relay="sets"``),
+``il`` = ``local-only`` (no communication), ``fl`` = ``fedavg`` (whole network
 averaged), ``fd`` (per-class mean logits), ``fedproto``, ``fedlog``. Also a heterogeneous run
 (clients alternate ``lenet5`` / ``cnn:16-32``, both d' = 84) for the methods that allow it,
 and ablations at N = 5: the spec-literal KD (``kd_reduction="sum"``), no disc term, no KD
-term.
+term, the whole-pool relay (``relay="pool"``), no class counts uploaded (``share_counts``).
 
 The paper's figures (100 rounds, 10k test set) are printed beside ours; ratios against IL
 and FL (the named peers) are measured in the same run. Last line: JSON.
 
-Usage: ``python bench/colearn.py [--rounds 10] [--seeds 3] [--quick] [--cache runs.json]
-[--budget SECONDS]`` (``--quick``: 1 seed, 3 rounds, N = 5 only; ``--cache`` keeps finished
-runs so a second call continues; ``--budget`` starts no run after that many seconds). Runs go
-seed by seed, N = 10 first.
+Usage: ``python bench/colearn.py [--rounds 100] [--seeds 3] [--clients 2,5,10] [--groups
+rows,heterogeneous,ablation] [--quick] [--cache bench/results/colearn.jsonl] [--budget
+SECONDS] [--jobs K]`` (``--quick``: 1 seed, 3 rounds, N = 5 only; ``--cache``: one JSON line
+per finished run, keyed by its settings, so an interrupted bench continues where it stopped
+(:mod:`bench.run_cache`); ``--budget`` starts no run after that many seconds; ``--jobs``: runs
+in K processes of one torch thread). Runs go seed by seed, N = 10 first, the main rows before
+the heterogeneous and ablation runs. The defaults are the paper's protocol (100 rounds, N = 2,
+5, 10, 3 seeds); ``docs/seeds.md`` says what of it was run and where.
 
-Cost (measured, 1 torch thread): 72 runs of ~14 s each when the machine is quiet (~17 min;
-64 min on 2 cores shared by ~5 agents); ``--budget 600 --cache runs.json`` twice gives the
-same table in two bounded calls.
+Cost (measured, 1 torch thread): about 0.6-1.5 s per round and run on a quiet core (N = 10
+the dearest), so ~1-2 min per 100-round run and 72 runs for the full table.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.data.datasets import load_dataset  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
+from bench.run_cache import run_cached  # noqa: E402
 from calibration.accumulator import Accumulator  # noqa: E402
 
 PAPER = {  # Table 1, MNIST, average client test accuracy (%) after 100 rounds
@@ -72,9 +79,13 @@ HETERO_BODY = "lenet5,cnn:16-32"
 COMMON = dict(dataset="mnist-5k", feature_dim=84, local_epochs=1, lr=1e-3, batch_size=16,
               progress=False, threads=1)
 TRAIN_IMAGES = 1200
-ABLATIONS = {"colearn, KD summed over d' (spec-literal)": {"kd_reduction": "sum"},
-             "colearn without the disc term (lam_disc = 0)": {"lam_disc": 0.0},
-             "colearn without the KD term (lam_kd = 0)": {"lam_kd": 0.0}}
+ABLATIONS = {  # issue 29's options first: an interrupted bench has them
+    "colearn, whole-pool relay (relay = pool)": {"relay": "pool"},
+    "colearn, no class counts uploaded (share_counts = false)": {"share_counts": False},
+    "colearn, KD summed over d' (spec-literal)": {"kd_reduction": "sum"},
+    "colearn without the disc term (lam_disc = 0)": {"lam_disc": 0.0},
+    "colearn without the KD term (lam_kd = 0)": {"lam_kd": 0.0}}
+DATASET: list = []  # the process's mnist-5k, loaded once (a run in a worker process too)
 
 
 def common_test(result, dataset) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +105,13 @@ def score(result, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     return {m: statistics.fmean(c[m] for c in per_client) for m in ("accuracy", "ece", "nll")}
 
 
-def run(method: str, n: int, seed: int, rounds: int, dataset, body: str = "lenet5",
+def run(method: str, n: int, seed: int, rounds: int, body: str = "lenet5",
         options: dict | None = None) -> dict[str, float]:
+    """One run's scores on the common test set, bytes up and down per client and round."""
+    if not DATASET:
+        DATASET.append(load_dataset("mnist-5k", seed=0))
+    dataset = DATASET[0]
+    t0 = time.perf_counter()
     config = dict(METHODS[method])
     result = simulate(clients=n, partition=f"labels:10:train={TRAIN_IMAGES // (10 * n)}:test=5",
                       rounds=rounds, seed=seed, body=body, **COMMON, **config,
@@ -104,7 +120,10 @@ def run(method: str, n: int, seed: int, rounds: int, dataset, body: str = "lenet
     out = score(result, x, y)
     upload_rounds = len(result.metrics)  # round 0 included where a strategy has one
     out["bytes_up_per_client_round"] = result.summary["bytes_up"] / (n * upload_rounds)
+    # every client takes part in every round: the training broadcast reaches all n of them
+    out["bytes_down_per_client_round"] = result.summary["bytes_down"] / (n * upload_rounds)
     out["rejected"] = result.summary["rejected_uploads"]
+    out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
 
@@ -116,15 +135,17 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 
 def summarise(runs: list[dict[str, float]]) -> dict[str, float]:
     out = {}
-    for key in ("accuracy", "ece", "nll", "bytes_up_per_client_round"):
+    for key in ("accuracy", "ece", "nll", "bytes_up_per_client_round",
+                "bytes_down_per_client_round", "seconds"):
         out[key], out[key + "_se"] = mean_se([r[key] for r in runs])
     out["rejected"] = sum(r["rejected"] for r in runs)
     return out
 
 
 def table(rows: dict[str, dict[int, dict[str, float]]], ns: list[int]) -> str:
-    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B / client / round | seeds |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B / client / round | "
+             "downlink B / client / round | s / run | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, by_n in rows.items():
         for n in ns:
             if n not in by_n:
@@ -134,59 +155,73 @@ def table(rows: dict[str, dict[int, dict[str, float]]], ns: list[int]) -> str:
             lines.append(
                 f"| {label} | {n} | {100 * r['accuracy']:.2f} ± {100 * r['accuracy_se']:.2f}"
                 f" ({paper if paper is not None else '-'}) | {r['ece']:.3f} | {r['nll']:.3f} | "
-                f"{r['bytes_up_per_client_round']:,.0f} | {r['seeds']} |")
+                f"{r['bytes_up_per_client_round']:,.0f} | "
+                f"{r['bytes_down_per_client_round']:,.0f} | {r['seconds']:.0f} | {r['seeds']} |")
     return "\n".join(lines)
 
 
-def plan(ns: list[int], seeds: int) -> list[tuple[str, str, int, int, str, dict]]:
-    """Every run as (group, label, N, seed, body, options), seed-major and N = 10 first, so
-    that an interrupted bench has every method at the first seeds (the cache keeps them)."""
+def plan(ns: list[int], seeds: int, groups: tuple[str, ...] = ("rows", "heterogeneous",
+                                                                "ablation"),
+         ) -> list[tuple[str, str, int, int, str, dict]]:
+    """Every run as (group, label, N, seed, body, options): the main rows seed-major and
+    N = 10 first, then the heterogeneous and ablation runs, so that an interrupted bench has
+    every method at the first seeds (the cache keeps them)."""
     runs = []
     hetero_n, ablation_n = ns[-1], (5 if 5 in ns else ns[0])
     for seed in range(seeds):
-        for n in sorted(ns, reverse=True):
-            runs += [("rows", label, n, seed, "lenet5", {}) for label in METHODS]
-        runs += [("heterogeneous", label, hetero_n, seed, HETERO_BODY, {})
-                 for label in HETEROGENEOUS]
-        runs += [("ablation", label, ablation_n, seed, "lenet5", options)
-                 for label, options in ABLATIONS.items()]
+        if "rows" in groups:
+            for n in sorted(ns, reverse=True):
+                runs += [("rows", label, n, seed, "lenet5", {}) for label in METHODS]
+    for seed in range(seeds):
+        if "heterogeneous" in groups:
+            runs += [("heterogeneous", label, hetero_n, seed, HETERO_BODY, {})
+                     for label in HETEROGENEOUS]
+        if "ablation" in groups:
+            runs += [("ablation", label, ablation_n, seed, "lenet5", options)
+                     for label, options in ABLATIONS.items()]
     return runs
+
+
+def run_key(group: str, label: str, n: int, seed: int, rounds: int) -> str:
+    """The cache key of a run: its settings (the default relay is the paper's, relay=sets;
+    runs of the whole-pool default before issue 29 were keyed without it)."""
+    return f"{group}|{label}|{n}|{seed}|{rounds}|relay=sets"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--clients", default="2,5,10", help="the N to run, comma-separated")
+    parser.add_argument("--groups", default="rows,heterogeneous,ablation")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="the main rows' methods to run (the table shows every cached one)")
+    parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="1 seed, 3 rounds, N = 5 only")
     parser.add_argument("--cache", type=Path, default=None,
-                        help="JSON file of finished runs: kept runs are not run again")
+                        help="JSON-lines file of finished runs: kept runs are not run again")
     parser.add_argument("--budget", type=float, default=float("inf"),
                         help="seconds after which no new run starts (the table reports the "
                              "finished ones and their seed counts)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
-    rounds, seeds, ns = args.rounds, args.seeds, [2, 5, 10]
+    rounds, seeds, ns = args.rounds, args.seeds, [int(n) for n in args.clients.split(",")]
     if args.quick:
         rounds, seeds, ns = 3, 1, [5]
     dataset = load_dataset("mnist-5k", seed=0)
-    cache = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
+    methods = set(args.methods.split(","))
+    tasks = [(run_key(group, label, n, seed, rounds), run,
+              ("colearn" if group == "ablation" else label, n, seed, rounds, body, options))
+             for group, label, n, seed, body, options in plan(ns, seeds,
+                                                               tuple(args.groups.split(",")))
+             if group != "rows" or label in methods]
     start = time.perf_counter()
-    for group, label, n, seed, body, options in plan(ns, seeds):
-        key = f"{group}|{label}|{n}|{seed}|{rounds}"
-        if key in cache:
-            continue
-        if time.perf_counter() - start > args.budget:
-            break
-        method = "colearn" if group == "ablation" else label
-        cache[key] = run(method, n, seed, rounds, dataset, body=body, options=options)
-        print(f"{key}: {cache[key]['accuracy']:.4f} ({time.perf_counter() - start:.0f} s)",
-              file=sys.stderr, flush=True)
-        if args.cache:
-            args.cache.write_text(json.dumps(cache))
+    cache = run_cached(tasks, args.cache, jobs=args.jobs, budget=args.budget,
+                       label=lambda key, r: f"{r['accuracy']:.4f}")
     seconds = time.perf_counter() - start
     grouped: dict[str, dict[str, dict[int, list[dict]]]] = {}
     for key, value in cache.items():
-        group, label, n, _, r = key.split("|")
+        group, label, n, _, r, _ = key.split("|")
         if int(r) == rounds and int(n) in ns:
             grouped.setdefault(group, {}).setdefault(label, {}).setdefault(int(n), []).append(
                 value)
@@ -208,6 +243,9 @@ def main() -> None:
                        for m in ("il", "fl", "fd")}
             gaps[n]["fl_over_colearn_uplink"] = (rows["fl"][n]["bytes_up_per_client_round"]
                                                  / rows["colearn"][n]["bytes_up_per_client_round"])
+            gaps[n]["fl_over_colearn_downlink"] = (
+                rows["fl"][n]["bytes_down_per_client_round"]
+                / rows["colearn"][n]["bytes_down_per_client_round"])
     print(f"\n{seconds:.0f} s")
     print(json.dumps({"bench": "colearn", "rounds": rounds, "seeds": seeds, "clients": ns,
                       "seconds": round(seconds, 1), **tables, "gaps": gaps}))

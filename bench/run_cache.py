@@ -1,0 +1,103 @@
+"""Resumable bench runs: one JSON line per finished run in a cache file, keyed by its settings.
+
+A long bench (the papers' protocols: 100 rounds, several N and seeds) interrupted at any point
+continues where it stopped: :func:`run_cached` skips every run whose key is in the cache and
+appends each run the moment it finishes (one ``{"key": ..., "record": ...}`` line, flushed; a
+torn last line of a killed process is ignored on the next read). Runs go in ``jobs``
+processes (each one torch thread), in the order given, and none starts after ``budget``
+seconds, so a bench can be called in bounded slices.
+
+Used by ``bench/colearn.py``, ``bench/fedpart.py`` and ``bench/fedlog_table1.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Task = tuple[str, Callable[..., dict], tuple]
+"""(key, function, arguments): ``function(*arguments)`` returns the run's JSON-able record;
+the function must be importable (a module-level one) for ``jobs > 1``."""
+
+
+def read_cache(path: Path | None) -> dict[str, dict]:
+    """The finished runs of a cache file: key -> record (a line that does not parse, such as
+    the torn last line of a killed run, is skipped)."""
+    if path is None or not path.exists():
+        return {}
+    out: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and "key" in entry and "record" in entry:
+            out[entry["key"]] = entry["record"]
+    return out
+
+
+def _single_thread(function: Callable[..., dict], arguments: tuple) -> dict:
+    import torch
+
+    torch.set_num_threads(1)  # small models on shared cores: threads cost more than they gain
+    return function(*arguments)
+
+
+def run_cached(tasks: Sequence[Task], cache: Path | None, *, jobs: int = 1,
+               budget: float = float("inf"), label: Callable[[str, dict], str] | None = None,
+               ) -> dict[str, dict]:
+    """Every task's record: from ``cache`` where its key is there, else run (``jobs``
+    processes, in the given order, none started after ``budget`` seconds) and appended to
+    ``cache`` as it finishes. Returns key -> record of the finished runs (the unfinished ones
+    are missing; a run that raises is reported on stderr and missing too)."""
+    done = read_cache(cache)
+    todo = [t for t in tasks if t[0] not in done]
+    if done:
+        print(f"{len(tasks) - len(todo)} of {len(tasks)} runs from {cache}", file=sys.stderr,
+              flush=True)
+    start = time.perf_counter()
+
+    def finished(key: str, record: dict) -> None:
+        done[key] = record
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with cache.open("a") as f:
+                f.write(json.dumps({"key": key, "record": record}) + "\n")
+        text = label(key, record) if label is not None else ""
+        print(f"{key}: {text} ({time.perf_counter() - start:.0f} s)", file=sys.stderr,
+              flush=True)
+
+    if jobs <= 1:
+        for key, function, arguments in todo:
+            if time.perf_counter() - start > budget:
+                break
+            finished(key, _single_thread(function, arguments))
+        return done
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        pending: dict[Any, str] = {}
+        queue = list(todo)
+        while queue or pending:
+            while queue and len(pending) < jobs and time.perf_counter() - start <= budget:
+                key, function, arguments = queue.pop(0)
+                pending[pool.submit(_single_thread, function, arguments)] = key
+            if not pending:
+                break
+            ready, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+            for future in ready:
+                key = pending.pop(future)
+                try:
+                    finished(key, future.result())
+                except Exception as err:  # one failed run must not lose the others
+                    print(f"{key}: failed: {type(err).__name__}: {err}", file=sys.stderr,
+                          flush=True)
+    return done
+
+
+__all__ = ["Task", "read_cache", "run_cached"]
