@@ -8,8 +8,9 @@ defaults, and FedPer (one local layer, lr 1e-3) as the named peer measured in th
 Per method: final-round client-mean accuracy, pooled ECE, MCE, Brier and NLL of the headline
 predictive (the posterior predictive for the Bayesian ones), the MAP plug-in's accuracy, ECE
 and NLL, the pooled mean confidence (top probability) of the predictive and of the plug-in
-beside the pooled accuracy (confidence below accuracy: under-confident), uplink bytes of the
-run, mean ± standard error over seeds. The last line is JSON (rows and each method's accuracy
+beside the pooled accuracy (confidence below accuracy: under-confident), uplink and downlink
+bytes of the run (all clients; downlink: the training broadcasts), mean ± standard error
+over seeds. The last line is JSON (rows and each method's accuracy
 and NLL ratio to FedPer).
 
 Variants beside the defaults: ``pfedbayes-paper-eps`` draws with the paper's ``eps ~ N(0, I)``
@@ -104,13 +105,15 @@ def main() -> None:
             s = result.summary
             plug = s.get("map_plugin", s)
             runs.append({**{k: float(s[k]) for k in KEYS}, "bytes_up": float(s["bytes_up"]),
+                         "bytes_down": float(s["bytes_down"]),
                          "plugin_accuracy": float(plug["accuracy"]),
                          "plugin_ece": float(plug["ece"]),
                          "plugin_nll": float(plug["nll"]),
                          **confidences(result),
                          "seconds": time.perf_counter() - start})
             print(f"{label:15s} seed {seed}: " + " ".join(
-                f"{k} {v:.4f}" for k, v in runs[-1].items() if k != "bytes_up"), flush=True)
+                f"{k} {v:.4f}" for k, v in runs[-1].items() if not k.startswith("bytes")),
+                flush=True)
         rows[label] = {k: mean_se([r[k] for r in runs]) for k in runs[0]}
         r = rows[label]
         print(f"| {label} | {100 * r['accuracy'][0]:.2f} ± {100 * r['accuracy'][1]:.2f} | "
@@ -118,7 +121,7 @@ def main() -> None:
               + f" | {100 * r['plugin_accuracy'][0]:.2f} / {r['plugin_ece'][0]:.4f} / "
               f"{r['plugin_nll'][0]:.4f} | {r['confidence'][0]:.3f} / "
               f"{r['plugin_confidence'][0]:.3f} / {r['pooled_accuracy'][0]:.3f} | "
-              f"{r['bytes_up'][0]:,.0f} |", flush=True)
+              f"{r['bytes_up'][0]:,.0f} | {r['bytes_down'][0]:,.0f} |", flush=True)
     peer = rows.get("fedper")
     ratios = ({m: {"accuracy": r["accuracy"][0] / peer["accuracy"][0],
                    "nll": r["nll"][0] / peer["nll"][0]} for m, r in rows.items()}

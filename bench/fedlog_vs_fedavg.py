@@ -2,7 +2,8 @@
 
 Also runs FedLog with heterogeneous bodies (clients alternate ``mlp:200`` / ``mlp:100-100``).
 Prints a table of mean and standard error over seeds of the final-round mean client
-accuracy, the pooled ECE and NLL and the total uplink bytes (FedLog's rows are its posterior
+accuracy, the pooled ECE and NLL and the total uplink and downlink bytes (all clients;
+downlink: the training broadcasts) (FedLog's rows are its posterior
 predictive; a second table sets it beside FedLog's own MAP plug-in, which for FedLog is also
 the network's softmax), then one JSON line with the figures:
 FedLog's accuracy minus FedAvg's and FedLog's uplink bytes divided by FedAvg's are measured
@@ -53,7 +54,8 @@ def main() -> None:
     rows: dict[str, dict[str, list[float]]] = {}
     start = time.perf_counter()
     for label, config in CONFIGS.items():
-        rows[label] = {k: [] for k in ("accuracy", "ece", "nll", "bytes_up", "plugin_accuracy",
+        rows[label] = {k: [] for k in ("accuracy", "ece", "nll", "bytes_up", "bytes_down",
+                                       "plugin_accuracy",
                                        "plugin_ece", "plugin_nll")}
         for seed in range(args.seeds):
             s = simulate(rounds=args.rounds, seed=seed, **COMMON, **config).summary
@@ -61,25 +63,30 @@ def main() -> None:
             rows[label]["ece"].append(s["ece"])
             rows[label]["nll"].append(s["nll"])
             rows[label]["bytes_up"].append(float(s["bytes_up"]))
+            rows[label]["bytes_down"].append(float(s["bytes_down"]))
             for key in ("accuracy", "ece", "nll"):
                 rows[label][f"plugin_{key}"].append(s.get("map_plugin", s)[key])
             print(f"{label:32s} seed {seed}: accuracy {s['accuracy']:.4f} ECE {s['ece']:.4f} "
-                  f"NLL {s['nll']:.4f} bytes up {s['bytes_up']:,}", flush=True)
+                  f"NLL {s['nll']:.4f} bytes up {s['bytes_up']:,} down {s['bytes_down']:,}",
+                  flush=True)
     print(f"\ndigits, 20 clients, shards:2, {args.rounds} rounds, {args.seeds} seeds "
           "(mean ± standard error over seeds; accuracy = final-round mean client accuracy)\n")
-    print("| strategy | accuracy | ECE (pooled) | NLL (pooled) | uplink bytes (total) |")
-    print("|---|---|---|---|---|")
+    print("| strategy | accuracy | ECE (pooled) | NLL (pooled) | uplink bytes (total) | "
+          "downlink bytes (total) |")
+    print("|---|---|---|---|---|---|")
     figures: dict[str, float] = {}
     for label, values in rows.items():
-        (acc, acc_se), (ece, ece_se), (nll, nll_se), (up, up_se) = (
-            mean_se(values[k]) for k in ("accuracy", "ece", "nll", "bytes_up"))
+        (acc, acc_se), (ece, ece_se), (nll, nll_se), (up, up_se), (down, down_se) = (
+            mean_se(values[k]) for k in ("accuracy", "ece", "nll", "bytes_up", "bytes_down"))
         print(f"| {label} | {acc:.4f} ± {acc_se:.4f} | {ece:.4f} ± {ece_se:.4f} | "
-              f"{nll:.4f} ± {nll_se:.4f} | {up:,.0f} ± {up_se:,.0f} |")
+              f"{nll:.4f} ± {nll_se:.4f} | {up:,.0f} ± {up_se:,.0f} | "
+              f"{down:,.0f} ± {down_se:,.0f} |")
         key = {"fedlog": "fedlog", "fedavg": "fedavg"}.get(label, "fedlog_heterogeneous")
         figures[f"{key}_accuracy"] = acc
         figures[f"{key}_accuracy_se"] = acc_se
         figures[f"{key}_ece"] = ece
         figures[f"{key}_bytes_up"] = up
+        figures[f"{key}_bytes_down"] = down
     print("\nFedLog: posterior predictive (MC, 256 Laplace draws) vs its MAP plug-in, paired by "
           "seed (predictive minus plug-in)\n")
     print("| bodies | accuracy | ECE | NLL |")
@@ -95,6 +102,8 @@ def main() -> None:
         figures[f"{key}_plugin_nll"] = statistics.fmean(v["plugin_nll"])
     figures["accuracy_gain_vs_fedavg"] = figures["fedlog_accuracy"] - figures["fedavg_accuracy"]
     figures["uplink_ratio_vs_fedavg"] = figures["fedlog_bytes_up"] / figures["fedavg_bytes_up"]
+    figures["downlink_ratio_vs_fedavg"] = (figures["fedlog_bytes_down"]
+                                           / figures["fedavg_bytes_down"])
     figures["seeds"] = args.seeds
     figures["rounds"] = args.rounds
     figures["seconds"] = time.perf_counter() - start
