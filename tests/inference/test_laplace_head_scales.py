@@ -9,9 +9,10 @@ full expected curvature.
 
 Optimality is checked independently of the solver: with fresh logit draws (another seed, four
 times as many) from the fitted Gaussian's own logit covariance (``logit_covariance``), the mean's
-fixed-point residual ``g = E_q[∇ log p(y | W)] − λ(μ − μ₀)`` must leave the ELBO less than
-:data:`MAX_GAIN` nats to gain by a Newton step, and the diagonal of the likelihood precision
-must be ``diag E_q[H]`` (mean field's fixed point ``Λ_ii = λ + E_q[H_ii]``).
+fixed-point residual ``g = E_q[∇ log p(y | W)] − λ(μ − μ₀)`` must leave little for a Newton
+step to gain — at most :data:`MAX_GAIN` nats, or at most :data:`NOISE_MULTIPLE` times what the
+Monte-Carlo error alone leaves (measured by a second fresh draw set) — and the diagonal of the
+likelihood precision must be ``diag E_q[H]`` (mean field's fixed point ``Λ_ii = λ + E_q[H_ii]``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ MAX_GAIN = 2.0
 #: Relative error allowed between the fitted diag(Λ) − λ and diag E_q[H] under fresh draws:
 #: both are Monte-Carlo averages (64 and 256 draws a point), measured 1-2% apart.
 CURVATURE_RTOL = 0.1
+#: The gain left by a fit converged under its own 64 draws, seen by 256 fresh ones, is about
+#: (256/64 + 1) = 5 times the gain the 256-draw error alone makes (the difference of two fresh
+#: draw sets, halved); a wide posterior (small λ, 400 points, full: 2.2 nats against 380 at
+#: the start) exceeds MAX_GAIN by its draws' error, not by stopping short. 10 leaves a factor 2.
+NOISE_MULTIPLE = 10.0
 
 
 def digits_inputs(scale: str) -> tuple[np.ndarray, np.ndarray]:
@@ -54,9 +60,11 @@ def digits_inputs(scale: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
-                         draws: int = 256, seed: int = 1) -> tuple[float, float]:
-    """``(gᵀ (λI + E_q[H])⁻¹ g / 2, max |diag(Λ_lik) − diag E_q[H]| / max diag E_q[H])`` with
-    ``draws`` fresh logit draws a point from the posterior's logit covariance."""
+                         draws: int = 256) -> tuple[float, float, float]:
+    """``(gain, noise_gain, curvature_error)``: ``gᵀ (λI + E_q[H])⁻¹ g / 2`` with ``draws``
+    fresh logit draws a point (seed 1) from the posterior's logit covariance, the same form of
+    the difference of two such draw sets' ``g`` (seeds 1, 2) over 4 (one set's Monte-Carlo
+    share), and ``max |diag(Λ_lik) − diag E_q[H]| / max diag E_q[H]``."""
     inputs = augment_with_bias(features.to(F64))
     num_classes, width = post.shape
     lam = float(post.prior.diag[0])
@@ -64,19 +72,30 @@ def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
     mean, cov = post.logit_covariance(features.to(F64))  # (N, C), (N, C, C)
     eye = torch.eye(num_classes, dtype=F64)
     factor = torch.linalg.cholesky(cov + 1e-12 * cov.diagonal(dim1=1, dim2=2).amax() * eye)
-    z = torch.randn(draws, *mean.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
-    probs = torch.softmax(mean + torch.einsum("nck,snk->snc", factor, z), dim=-1)
     one_hot = torch.nn.functional.one_hot(labels, num_classes).to(F64)
     flat_mean = post.flat_mean.to(F64)
-    gradient = ((one_hot - probs.mean(0)).T @ inputs).reshape(-1) - lam * (flat_mean - prior_mean)
+
+    def draw_probabilities(seed: int) -> torch.Tensor:
+        z = torch.randn(draws, *mean.shape, generator=torch.Generator().manual_seed(seed),
+                        dtype=F64)
+        return torch.softmax(mean + torch.einsum("nck,snk->snc", factor, z), dim=-1)
+
+    def residual(probs: torch.Tensor) -> torch.Tensor:
+        return (((one_hot - probs.mean(0)).T @ inputs).reshape(-1)
+                - lam * (flat_mean - prior_mean))
+
+    probs = draw_probabilities(1)
+    gradient, other = residual(probs), residual(draw_probabilities(2))
     block = torch.diag_embed(probs.mean(0)) - torch.einsum("snc,snk->nck", probs, probs) / draws
     d = num_classes * width
     curvature = torch.einsum("nck,np,nq->cpkq", block, inputs, inputs).reshape(d, d)
-    gain = float(gradient @ torch.linalg.solve(curvature + lam * torch.eye(d, dtype=F64),
-                                               gradient)) / 2
+    precision = curvature + lam * torch.eye(d, dtype=F64)
+    gain = float(gradient @ torch.linalg.solve(precision, gradient)) / 2
+    difference = gradient - other
+    noise_gain = float(difference @ torch.linalg.solve(precision, difference)) / 4
     diagonal = curvature.diagonal()
     fitted = post.likelihood.precision_diagonal().to(F64)
-    return gain, float((fitted - diagonal).abs().max() / diagonal.abs().max())
+    return gain, noise_gain, float((fitted - diagonal).abs().max() / diagonal.abs().max())
 
 
 def assert_fits_and_predicts(scale: str, size: int, structure: str, **options) -> None:
@@ -89,8 +108,9 @@ def assert_fits_and_predicts(scale: str, size: int, structure: str, **options) -
                                rtol=0, atol=1e-12)
     assert bool(torch.isfinite(post.mean).all())
     assert bool((post.marginal_variance() > 0).all())
-    gain, curvature_error = optimality_residuals(post, features, labels)
-    assert gain <= MAX_GAIN, (scale, size, structure, gain)
+    gain, noise_gain, curvature_error = optimality_residuals(post, features, labels)
+    assert gain <= max(MAX_GAIN, NOISE_MULTIPLE * noise_gain), (scale, size, structure, gain,
+                                                                 noise_gain)
     assert curvature_error <= CURVATURE_RTOL, (scale, size, structure, curvature_error)
 
 
