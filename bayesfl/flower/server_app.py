@@ -652,10 +652,9 @@ class FlowerServer:
         if evaluation is not None:
             record["per_client"] = evaluation.per_client
         record["bytes_down_evaluation"] = len(pending.eval_bytes) * len(sent)
+        # the record's "flower" timings stay those of its own message (its fit and the
+        # evaluation of the round before it carried): they split its "seconds"
         record["seconds_evaluation"] = seconds
-        if "flower" in record:
-            eval_timings = [collected.replies[c].timings for c in collected.replies]
-            record["flower"]["client_evaluate"] = _slowest(eval_timings, "evaluate")
 
     # ---- calibration --------------------------------------------------------------------
     def _calibrate(self, eval_bytes: bytes, summary: dict[str, Any]
