@@ -2,22 +2,29 @@
 
 ``bayesfl run --strategy fedlog --dataset digits --clients 20 --partition shards:2 --rounds 30
 --seed 0 --out runs/demo`` runs :func:`bayesfl.simulate.simulate`. ``bayesfl strategies`` lists
-the strategies and their options.
+the strategies (each one's first sentence and options with their defaults); ``bayesfl strategies
+NAME`` shows one in full, each option's meaning read from its docstrings (:func:`option_docs`).
+``bayesfl flower`` runs the same experiment on a local Flower deployment
+(:mod:`bayesfl.flower.command`).
 
-One vocabulary: every setting of ``bayesfl run`` is a flag, and the same names are the keys of
-a TOML file given with ``--config FILE.toml`` (dashes or underscores alike: ``feature-dim`` or
-``feature_dim``). A flag that takes KEY=VALUE pairs (``--option``, ``--dataset-option``) is a
-table in TOML (``[option]``) or a list of ``"KEY=VALUE"`` strings; an on/off flag is a boolean
+The settings themselves (names, kinds, help, the TOML and flag readers) are
+:mod:`bayesfl.settings`, which the Flower command and protocol read too. One vocabulary: every
+setting of ``bayesfl run`` is a flag, and the same names are the keys of a TOML file given with
+``--config FILE.toml`` (dashes or underscores alike: ``feature-dim`` or ``feature_dim``). A flag
+that takes KEY=VALUE pairs (``--option``, ``--dataset-option``) is a table in TOML
+(``[option]``) or a list of ``"KEY=VALUE"`` strings; an on/off flag is a boolean
 (``no-progress = true``). Some settings have a second name, the keyword of
 :func:`~bayesfl.simulate.simulate`, accepted both as a flag and as a key: ``--bins`` /
 ``--n-bins``, ``--option`` / ``--strategy-options``, ``--dataset-option`` /
-``--dataset-options``, ``--no-batched`` / ``batched = false``. Flags given on the command line
-override the file (options tables are merged key by key). An unknown key, or a value of the
-wrong type, is an error that names the file, the key and the valid choices.
+``--dataset-options``, ``--no-batched`` / ``batched = false``.
+Flags given on the command line override the file (options tables are merged key by key). An
+unknown key, or a value of the wrong type, is an error that names the file, the key and the
+valid choices.
 
 Exit codes: 0 success; 2 bad usage, configuration or input (one line on stderr that says what
-was wrong and what to do); 130 interrupted (Ctrl-C: one line with the exact command that
-resumes the run).
+was wrong and what to do, argparse's usage errors included; advice the library words for Python
+callers, such as ``download=True``, is given in the flags' spelling); 130 interrupted (Ctrl-C:
+one line with the exact command that resumes the run).
 """
 
 from __future__ import annotations
