@@ -34,8 +34,9 @@ in K processes of one torch thread). Runs go seed by seed, N = 10 first, the mai
 the heterogeneous and ablation runs. The defaults are the paper's protocol (100 rounds, N = 2,
 5, 10, 3 seeds); ``docs/seeds.md`` says what of it was run and where.
 
-Cost (measured, 1 torch thread): about 0.6-1.5 s per round and run on a quiet core (N = 10
-the dearest), so ~1-2 min per 100-round run and 72 runs for the full table.
+Cost (measured, 1 torch thread): a 100-round run took 29-54 s on a 16-core Xeon running 16
+runs at once (N = 10 the dearest), about 9x that on the shared 2-core development machine;
+the main grid is 54 runs (36 for the paper's four methods), 72 with the extra groups.
 """
 
 from __future__ import annotations

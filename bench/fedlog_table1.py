@@ -113,7 +113,7 @@ def main() -> None:
           f"(paper: 100); mean ± standard error over the seeds run\n")
     print("| method | accuracy % (paper) | best % | ECE | NLL | rounds to 97% | "
           "uplink B / client / round (paper bits / 8) | downlink B / client / round | "
-          "s / run | seeds |")
+          "s / run | seeds (device) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows: dict[str, dict] = {}
     for m in METHODS:
@@ -127,6 +127,7 @@ def main() -> None:
         reached = [r["rounds_to_97"] for r in runs]
         row["rounds_to_97"] = reached
         row["seeds"] = len(runs)
+        devices = ", ".join(r.get("device", "cpu") for r in runs)
         rows[m] = row
         paper_acc, paper_bits = PAPER[m]
         paper_bytes = f"{paper_bits / 8:,.0f}" if paper_bits else "-"
@@ -137,7 +138,7 @@ def main() -> None:
               f"{row['nll'][0]:.3f} | {to97} | "
               f"{row['bytes_up_per_client_round'][0]:,.0f} ({paper_bytes}) | "
               f"{row['bytes_down_per_client_round'][0]:,.0f} | {row['seconds'][0]:.0f} | "
-              f"{len(runs)} |")
+              f"{len(runs)} ({devices}) |")
     print(f"\n{seconds:.0f} s")
     out = {"bench": "fedlog_table1", "rounds": args.rounds, "seeds": args.seeds,
            "seconds": round(seconds, 1),

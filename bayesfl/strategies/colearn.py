@@ -33,16 +33,17 @@ prototypes and ``M_down`` observation sets of *peers*: ``(M_down + 1) C d'`` flo
   one sender's, a class that sender lacks filled from another holder; ``"mix"``: every class
   row from its own random holder), and broadcasts them with each *row's* sender id: the
   prototypes, their presence, the sets (M_down, C, d'), their presence (M_down, C) and
-  senders (M_down, C) -- ``(M_down + 1) C d'`` floats plus ``3 C + M_down C`` small numbers
-  and the header (mnist-5k, N = 5, C = 10, d' = 84: 7.4 kB per client per round against
-  the paper's 6.7 kB). The transport sends every client of a round the same broadcast, so
-  a client never gets a draw of its own: a row the client sent itself is replaced by that
-  row of the set it used last round (which came from a peer: the client keeps it, the
-  ``relay.kept*`` entries of its state); with no such row (its first round) that class's
-  disc term is skipped (§6.8). At N clients, M_down = 1, 1 client in N per round uses a
-  one-round-old set; and every client of a round sees the same M_down peer sets, where the
-  paper's clients draw theirs independently (the round's clients are still contrasted
-  against peers' features; the variety comes from round to round).
+  senders (M_down, C) -- ``(M_down + 1) C d'`` floats plus ``C + 2 M_down C`` masks and
+  sender ids and the header (mnist-5k, N = 5, C = 10, d' = 84: 7,528 B per client per round
+  against the paper's 6,720 B of floats). The transport sends every client of a round the
+  same broadcast, so a client never gets a draw of its own: a row the client sent itself is
+  replaced by that row of the set it used last round (which came from a peer: the client
+  keeps it, the ``relay.kept*`` entries of its state); with no such row (its first round)
+  that observation is left out of the disc term (§6.8). At N clients and M_down = 1, one
+  client in N per round uses a one-round-old set; and every client of a round sees the same
+  M_down peer sets, where the paper's clients draw theirs independently (the round's
+  clients are still contrasted against peers' features; the variety comes from round to
+  round).
 - ``relay="pool"``: the whole pool of the round's observation sets (shuffled; at most
   ``relay_pool`` of them) with each set's sender, and every client draws its ``M_down`` sets
   from it, peers only, independently: ``(S + 1) C d'`` floats for S relayed sets (all N M_up
