@@ -1,11 +1,13 @@
 """Every Python and shell block of the README and of docs/ runs as written.
 
-One test per page. A page's blocks run in page order in one fresh Python process whose working
-directory is a temporary folder: Python blocks share one namespace (a later block may use what
-an earlier one defined, as a reader does), shell blocks (``bash``, ``sh``, ``shell``; and the
-``$ ``-prefixed lines of ``console`` blocks) run with ``bash -euo pipefail`` in the same
-folder, with this interpreter's ``bin`` first on ``PATH`` (so ``bayesfl`` and ``python`` are the
-project's). A block fails the test with its page, line and error.
+One test per page (each marked ``slow``: a page starts Python, imports torch and runs small
+federated runs, which takes longer than 20 s on a busy 2-core machine). A page's blocks run in
+page order in one fresh Python process whose working directory is a temporary folder: Python
+blocks share one namespace (a later block may use what an earlier one defined, as a reader
+does), shell blocks (``bash``, ``sh``, ``shell``; and the ``$ ``-prefixed lines of ``console``
+blocks) run with ``bash -euo pipefail`` in the same folder, with this interpreter's ``bin``
+first on ``PATH`` (so ``bayesfl`` and ``python`` are the project's). A block fails the test with
+its page, line and error.
 
 Markers, an HTML comment on the line right before a block (invisible on GitHub and the site):
 
@@ -13,8 +15,6 @@ Markers, an HTML comment on the line right before a block (invisible on GitHub a
   (``-rA`` or ``test_not_run_blocks_say_why``).
 - ``<!-- file: NAME -->``: the block (any language, e.g. ``toml``) is written to NAME in the
   page's folder, for the blocks after it.
-- ``<!-- slow -->``: the page has a block of more than a few seconds; the page's test is marked
-  ``slow``.
 
 ``KNOWN_PENDING`` lists blocks that fail for a reason being fixed elsewhere: they run, their
 failure is reported and does not fail the page, and the test fails as soon as one passes (so
@@ -38,7 +38,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN_LANGUAGES = {"python", "py", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
                    re.M | re.S)
-MARKER = re.compile(r"<!--\s*(?P<kind>not-run|file|slow)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
+MARKER = re.compile(r"<!--\s*(?P<kind>not-run|file)\s*(?::\s*(?P<arg>.*?))?\s*-->\s*$")
 
 # (page relative to the repository root, a substring of the block): blocks that fail today for a
 # reason another change is fixing. Remove the entry when the test says the block passes.
@@ -57,7 +57,7 @@ class Block:
     language: str
     source: str
     line: int
-    marker: str | None = None  # not-run | file | slow
+    marker: str | None = None  # not-run | file
     argument: str | None = None
     pending: bool = False
 
@@ -132,17 +132,12 @@ def run_page(page: Path, workdir: Path) -> tuple[list[Block], list[dict]]:
     return blocks, json.loads((workdir / "results.json").read_text())
 
 
-def page_param(page: Path):
-    rel = page.relative_to(ROOT).as_posix()
-    slow = any(b.marker == "slow" for b in page_blocks(page))
-    return pytest.param(page, id=rel, marks=[pytest.mark.slow] if slow else [])
-
-
 RUN_PAGES = [p for p in PAGES if any(runnable(b) and b.marker != "not-run"
                                      for b in page_blocks(p))]
 
 
-@pytest.mark.parametrize("page", [page_param(p) for p in RUN_PAGES])
+@pytest.mark.slow
+@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_block_of_the_page_runs(page, tmp_path):
     blocks, results = run_page(page, tmp_path)
     by_line = {b.line: b for b in blocks}
@@ -176,8 +171,8 @@ def test_not_run_blocks_say_why():
 def test_every_python_and_shell_block_is_run_or_says_why():
     """No unlabelled or mislabelled code: a fenced block that looks like a command or Python
     code but is not labelled as such would escape the run."""
-    suspicious = re.compile(r"^(\$ )?(bayesfl|bayesfl-calibrate|python|make|import |from \w+ "
-                            r"import)\b", re.M)
+    suspicious = re.compile(r"^(\$ )?((bayesfl|bayesfl-calibrate|python|make) |import \w|"
+                            r"from \w+ import )", re.M)
     for page in PAGES:
         for b in page_blocks(page):
             if b.language in ("", "text") and suspicious.search(b.source):

@@ -2,6 +2,7 @@
 missing from the navigation, or a docstring reference (``::: bayesfl.strategies.fedsi``, the
 API reference) that no longer resolves fails this test, hence ``make test`` and CI."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,22 @@ def test_every_page_is_in_the_navigation():
     for page in (ROOT / "docs").rglob("*.md"):
         rel = page.relative_to(ROOT / "docs").as_posix()
         assert f" {rel}" in nav, f"docs/{rel} is not in mkdocs.yml's nav"
+
+
+def slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_the_readme_links_into_pages_and_headings_that_exist():
+    """The README is not part of the site, so mkdocs does not check its links: this does."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert len(links) >= 10
+    for path, anchor in links:
+        page = ROOT / path
+        assert page.is_file(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
+            assert anchor in {slug(h) for h in headings}, f"README: no heading #{anchor} in {path}"
