@@ -21,6 +21,11 @@ by damped natural-gradient (variational online Newton) steps from the Laplace po
 
     Λ ← (1 − ρ) Λ + ρ (λ I + E_q[H]),      μ ← μ + ρ Λ⁻¹ (E_q[∇ log p(y | W)] − λ (μ − μ₀)).
 
+A diagonal (mean-field) ``Λ`` keeps ``diag E_q[H]``, but its mean step uses the full
+``λI + E_q[H]`` (matrix-free conjugate gradients): the ELBO's curvature in ``μ`` is that
+whatever ``Λ``'s structure, and ``diag`` alone made the step crawl on non-negative inputs
+(:func:`_mean_newton_direction`). The fixed point is the same.
+
 The expectations are over each training point's logits ``f_n ~ N(M_n, V_n)`` (``M_n = W x_n``,
 ``V_n`` the ``C × C`` logit covariance under ``q``), estimated with ``num_draws`` standard-normal
 draws per point that are fixed for the whole run (common random numbers: the iteration is a
