@@ -77,6 +77,7 @@ METHODS: dict[str, tuple[str, dict[str, Any], float]] = {
     "FedAvg-FT (Laplace head)": ("fedavg-ft", {"head": "laplace"}, 1e-3),
     "FedLog (evidence scale)": ("fedlog", {"feature_scale": "evidence"}, 1e-3),
     "FedLog (held-out scale)": ("fedlog", {"feature_scale": "heldout"}, 1e-3),
+    "FedSI (evidence alpha)": ("fedsi", {"alpha_selection": "evidence"}, 1e-2),
     "FedSI (prior var 1e-4)": ("fedsi", {"prior_var": 1e-4}, 1e-2),
     "FedSI (prior var 1e-3)": ("fedsi", {"prior_var": 1e-3}, 1e-2),
     "FedSI (prior var 1e-1)": ("fedsi", {"prior_var": 1e-1}, 1e-2),
@@ -134,10 +135,18 @@ def run(label: str, seed: int, rounds: int, epochs: int, device: str,
         _DATA = load_dataset("mnist-5k")
     strategy, options, lr = METHODS[label]
     curve: list[float] = []
+    chosen: list[float] = []  # a hyperparameter the server chooses each round, where it does
+
+    def on_round(r: int, record: dict) -> None:
+        curve.append(float(record["accuracy"]))
+        for key in ("fedsi_alpha", "feature_scale"):
+            if key in record:
+                chosen.append(float(record[key]))
+
     t0 = time.perf_counter()
     summary = simulate(strategy, rounds=rounds, seed=seed, local_epochs=epochs, lr=lr,
                        strategy_options=options, data=_DATA, device=device,
-                       round_callback=lambda r, record: curve.append(float(record["accuracy"])),
+                       round_callback=on_round,
                        **({"novel_fraction": NOVEL_FRACTION} if novel else {}), **COMMON).summary
     keep = {k: float(summary[k]) for k in (*KEYS, "bytes_up")}
     if "map_plugin" in summary:
@@ -145,7 +154,7 @@ def run(label: str, seed: int, rounds: int, epochs: int, device: str,
     if novel:
         keep["novel_accuracy"] = float(summary["novel"]["accuracy"])
     return {"label": label, "seed": seed, "rounds": rounds, "epochs": epochs, "novel": novel,
-            "options": options, "summary": keep, "curve": curve,
+            "options": options, "summary": keep, "curve": curve, "chosen": chosen,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
