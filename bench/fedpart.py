@@ -48,6 +48,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def plot(results: list[dict], partitions: list[str], path: Path, title: str) -> 
             ax.set_title(f"{partition}")
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle(title)
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
