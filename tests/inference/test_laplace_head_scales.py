@@ -12,7 +12,8 @@ times as many) from the fitted Gaussian's own logit covariance (``logit_covarian
 fixed-point residual ``g = E_q[∇ log p(y | W)] − λ(μ − μ₀)`` must leave little for a Newton
 step to gain — at most :data:`MAX_GAIN` nats, or at most :data:`NOISE_MULTIPLE` times what the
 Monte-Carlo error alone leaves (measured by a second fresh draw set) — and the diagonal of the
-likelihood precision must be ``diag E_q[H]`` (mean field's fixed point ``Λ_ii = λ + E_q[H_ii]``).
+posterior precision must be ``λ + diag E_q[H]`` (the fixed point ``Λ = λI + E_q[H]``, mean
+field's ``Λ_ii = λ + E_q[H_ii]``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ F64 = torch.float64
 #: 0.2-0.6 nats measured on 400 points (from 10-55 nats at the Laplace start), so 2 is a bound
 #: that a solver stopped short would exceed.
 MAX_GAIN = 2.0
-#: Relative error allowed between the fitted diag(Λ) − λ and diag E_q[H] under fresh draws:
-#: both are Monte-Carlo averages (64 and 256 draws a point), measured 1-2% apart.
-CURVATURE_RTOL = 0.1
+#: Error allowed between the fitted diag Λ and λ + diag E_q[H] under fresh draws, over the
+#: largest entry: the solver stops when its precision moves by at most 1% of the largest entry
+#: (rtol), and both are Monte-Carlo averages (64 and 256 draws a point; 1-3% apart measured).
+PRECISION_RTOL = 0.05
 #: The gain left by a fit converged under its own 64 draws, seen by 256 fresh ones, is about
 #: (256/64 + 1) = 5 times the gain the 256-draw error alone makes (the difference of two fresh
 #: draw sets, halved); a wide posterior (small λ, 400 points, full: 2.2 nats against 380 at
@@ -64,7 +66,7 @@ def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
     """``(gain, noise_gain, curvature_error)``: ``gᵀ (λI + E_q[H])⁻¹ g / 2`` with ``draws``
     fresh logit draws a point (seed 1) from the posterior's logit covariance, the same form of
     the difference of two such draw sets' ``g`` (seeds 1, 2) over 4 (one set's Monte-Carlo
-    share), and ``max |diag(Λ_lik) − diag E_q[H]| / max diag E_q[H]``."""
+    share), and ``max |diag Λ − (λ + diag E_q[H])| / max (λ + diag E_q[H])``."""
     inputs = augment_with_bias(features.to(F64))
     num_classes, width = post.shape
     lam = float(post.prior.diag[0])
@@ -93,8 +95,8 @@ def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
     gain = float(gradient @ torch.linalg.solve(precision, gradient)) / 2
     difference = gradient - other
     noise_gain = float(difference @ torch.linalg.solve(precision, difference)) / 4
-    diagonal = curvature.diagonal()
-    fitted = post.likelihood.precision_diagonal().to(F64)
+    diagonal = precision.diagonal()
+    fitted = post.natural.precision_diagonal().to(F64)
     return gain, noise_gain, float((fitted - diagonal).abs().max() / diagonal.abs().max())
 
 
@@ -108,10 +110,10 @@ def assert_fits_and_predicts(scale: str, size: int, structure: str, **options) -
                                rtol=0, atol=1e-12)
     assert bool(torch.isfinite(post.mean).all())
     assert bool((post.marginal_variance() > 0).all())
-    gain, noise_gain, curvature_error = optimality_residuals(post, features, labels)
+    gain, noise_gain, precision_error = optimality_residuals(post, features, labels)
     assert gain <= max(MAX_GAIN, NOISE_MULTIPLE * noise_gain), (scale, size, structure, gain,
                                                                  noise_gain)
-    assert curvature_error <= CURVATURE_RTOL, (scale, size, structure, curvature_error)
+    assert precision_error <= PRECISION_RTOL, (scale, size, structure, precision_error)
 
 
 @pytest.mark.parametrize("scale", ["pixels16", "relu"])
