@@ -86,6 +86,14 @@ curvature_batch         256                  rows per curvature / Jacobian chunk
 alpha_selection         "fixed"              "fixed": alpha = prior_var throughout; "evidence":
                                              alpha chosen every round by the clients' summed
                                              Laplace evidence, starting from prior_var (below)
+head                    None                 a probabilistic head after personalisation
+                                             (``laplace``, ``conjugate``, ``mfvi``, ``sgld``;
+                                             :mod:`bayesfl.strategies.probabilistic_head`):
+                                             fitted on the client's features of the global
+                                             body, zero-centred prior; it replaces the subnet
+                                             GLM predictive (the network's plug-in stays
+                                             beside it); ``posterior()`` returns it
+head_options            None                 ``inference.fit_head`` options of that head
 ======================  ===================  ===================================================
 
 Fine-tuning defaults: the spec's range is 5-10 epochs at lr 1e-3 to 1e-2 (§2.5). Measured on
@@ -174,6 +182,7 @@ from torch.nn.utils import parameters_to_vector
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.posterior import ClientPosterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
@@ -193,6 +202,13 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, tune_head
 from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
+from bayesfl.strategies.probabilistic_head import (
+    ProbabilisticHead,
+    head_features,
+    head_from_options,
+    head_posterior,
+    with_head_posterior,
+)
 from bayesfl.strategies.robust import (
     declarations,
     declared_problems,
@@ -369,9 +385,13 @@ class FedSI(Strategy):
         screening_ratio: float | None = 10.0,
         curvature_batch: int = 256,
         alpha_selection: str = "fixed",
+        head: str | None = None,
+        head_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(context)
         name = self.name
+        # the personal head starts at phi^0, not at a global head: its prior is zero-centred
+        self.head: ProbabilisticHead | None = head_from_options(name, head, "zero", head_options)
         self.prior_var = option_number(name, "prior_var", prior_var, 0.0)
         self.variance_floor = option_number(name, "variance_floor", variance_floor, 0.0)
         if not 0 < self.variance_floor <= self.prior_var:
@@ -758,7 +778,12 @@ class FedSI(Strategy):
         posterior = self.laplace(model, batches, variance, subnet)
         kept = {f"{POSTERIOR_PREFIX}{k}": v.detach().clone()
                 for k, v in posterior.state_dict().items() if k != "mean"}
-        return {**model_state(model), **kept, PERSONALIZED: torch.ones(1, dtype=torch.bool)}
+        personalized = {**model_state(model), **kept,
+                        PERSONALIZED: torch.ones(1, dtype=torch.bool)}
+        if self.head is None:
+            return personalized
+        return with_head_posterior(self.head, personalized, model, data, self.num_classes,
+                                   config.client_id)
 
     def fine_tuned(self, config: ClientConfig, state: ClientState, data: ClientData,
                    mean: Tensor, generator: torch.Generator) -> nn.Module:
@@ -811,6 +836,12 @@ class FedSI(Strategy):
             probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
             return {PREDICTIVE: probs, MAP_PLUGIN: probs}
         posterior = self.personal_posterior(config, state)
+        head = None if self.head is None else head_posterior(self.head, state)
+        if head is not None:  # head=KIND: its predictive, beside the network's plug-in
+            features = head_features(self.client_model(config, state), x)
+            plugin = posterior.predict_proba(x, "map", chunk_size=self.curvature_batch)
+            return {PREDICTIVE: self.head.predict(head, features).cpu(),
+                    MAP_PLUGIN: plugin.to("cpu", torch.float64)}
         generator = None
         if self.predictive == "glm_mc":
             device = posterior.mean.device
@@ -834,6 +865,11 @@ class FedSI(Strategy):
         if PERSONALIZED not in state:
             raise ConfigError(f"client {config.client_id} has not personalized: {self.name} "
                               "fits a client's posterior in personalize() after training")
+        head = None if self.head is None else head_posterior(self.head, state)
+        if head is not None:  # head=KIND: the head posterior behind the client's body
+            return ClientPosterior(self.client_model(config, state).body, head,
+                                   self.head.method,
+                                   input_shape=self.context.input_shape or None)
         return self.personal_posterior(config, state)
 
 
