@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="the main rows' methods to run (the table shows every cached one)")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--ablations", default="",
+                        help="run only the ablations whose label holds one of these "
+                             "comma-separated words (e.g. relay,share_counts); empty: all")
     parser.add_argument("--quick", action="store_true", help="1 seed, 3 rounds, N = 5 only")
     parser.add_argument("--cache", type=Path, default=None,
                         help="JSON-lines file of finished runs: kept runs are not run again")
@@ -215,7 +218,9 @@ def main() -> None:
               ("colearn" if group == "ablation" else label, n, seed, rounds, body, options))
              for group, label, n, seed, body, options in plan(ns, seeds,
                                                                tuple(args.groups.split(",")))
-             if group != "rows" or label in methods]
+             if (group != "rows" or label in methods)
+             and (group != "ablation" or not args.ablations
+                  or any(w in label for w in args.ablations.split(",")))]
     start = time.perf_counter()
     cache = run_cached(tasks, args.cache, jobs=args.jobs, budget=args.budget,
                        label=lambda key, r: f"{r['accuracy']:.4f}")
