@@ -42,11 +42,9 @@ MARKER = re.compile(r"<!--\s*(?P<kind>not-run|file)\s*(?::\s*(?P<arg>.*?))?\s*--
 
 # (page relative to the repository root, a substring of the block): blocks that fail today for a
 # reason another change is fixing. Remove the entry when the test says the block passes.
-KNOWN_PENDING: set[tuple[str, str]] = {
-    # issue 26: the default Laplace head's diagonal fit fails on plain digits pixels (the
-    # inference engineer is fixing it; combine with defaults must then work).
-    ("docs/inference.md", "global_post = inference.combine(clients_posts)"),
-}
+# (Empty: the last entry, docs/inference.md's combine with the default Laplace head on plain
+# digits pixels, passes since the diagonal fit's fix of issue 26.)
+KNOWN_PENDING: set[tuple[str, str]] = set()
 
 # A page's blocks are small by rule (1-2 rounds, a few clients); this bounds a hung one.
 PAGE_TIMEOUT_S = 900
