@@ -13,7 +13,9 @@ fixed-point residual ``g = E_q[∇ log p(y | W)] − λ(μ − μ₀)`` must lea
 step to gain — at most :data:`MAX_GAIN` nats, or at most :data:`NOISE_MULTIPLE` times what the
 Monte-Carlo error alone leaves (measured by a second fresh draw set) — and the diagonal of the
 posterior precision must be ``λ + diag E_q[H]`` (the fixed point ``Λ = λI + E_q[H]``, mean
-field's ``Λ_ii = λ + E_q[H_ii]``).
+field's ``Λ_ii = λ + E_q[H_ii]``) to within :data:`PRECISION_RTOL` of its largest entry, or
+:data:`NOISE_MULTIPLE` times the two fresh draw sets' own difference (few points and wide logits:
+raw pixels, 50 points, full, differ by 9% between 64 and 256 draws a point).
 """
 
 from __future__ import annotations
@@ -62,11 +64,13 @@ def digits_inputs(scale: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
-                         draws: int = 256) -> tuple[float, float, float]:
-    """``(gain, noise_gain, curvature_error)``: ``gᵀ (λI + E_q[H])⁻¹ g / 2`` with ``draws``
-    fresh logit draws a point (seed 1) from the posterior's logit covariance, the same form of
-    the difference of two such draw sets' ``g`` (seeds 1, 2) over 4 (one set's Monte-Carlo
-    share), and ``max |diag Λ − (λ + diag E_q[H])| / max (λ + diag E_q[H])``."""
+                         draws: int = 256) -> tuple[float, float, float, float]:
+    """``(gain, noise_gain, precision_error, precision_noise)`` with ``draws`` fresh logit
+    draws a point from the posterior's logit covariance: ``gain = gᵀ (λI + E_q[H])⁻¹ g / 2``
+    (seed 1); ``noise_gain``, the same form of the two draw sets' difference of ``g`` (seeds 1,
+    2) over 4 (one set's Monte-Carlo share); ``precision_error = max |diag Λ − (λ + diag
+    E_q[H])| / max (λ + diag E_q[H])``; ``precision_noise``, the same of the two draw sets'
+    ``λ + diag E_q[H]`` against each other."""
     inputs = augment_with_bias(features.to(F64))
     num_classes, width = post.shape
     lam = float(post.prior.diag[0])
@@ -82,12 +86,16 @@ def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
                         dtype=F64)
         return torch.softmax(mean + torch.einsum("nck,snk->snc", factor, z), dim=-1)
 
+    def curvature_diagonal(probs: torch.Tensor) -> torch.Tensor:  # diag E_q[H], (C (m + 1),)
+        variance = (probs * (1 - probs)).mean(0)  # (N, C)
+        return (variance.T @ inputs**2).reshape(-1)
+
     def residual(probs: torch.Tensor) -> torch.Tensor:
         return (((one_hot - probs.mean(0)).T @ inputs).reshape(-1)
                 - lam * (flat_mean - prior_mean))
 
-    probs = draw_probabilities(1)
-    gradient, other = residual(probs), residual(draw_probabilities(2))
+    probs, other_probs = draw_probabilities(1), draw_probabilities(2)
+    gradient, other = residual(probs), residual(other_probs)
     block = torch.diag_embed(probs.mean(0)) - torch.einsum("snc,snk->nck", probs, probs) / draws
     d = num_classes * width
     curvature = torch.einsum("nck,np,nq->cpkq", block, inputs, inputs).reshape(d, d)
@@ -97,7 +105,9 @@ def optimality_residuals(post, features: torch.Tensor, labels: torch.Tensor,
     noise_gain = float(difference @ torch.linalg.solve(precision, difference)) / 4
     diagonal = precision.diagonal()
     fitted = post.natural.precision_diagonal().to(F64)
-    return gain, noise_gain, float((fitted - diagonal).abs().max() / diagonal.abs().max())
+    scale = float(diagonal.abs().max())
+    noise = float((curvature_diagonal(other_probs) + lam - diagonal).abs().max()) / scale
+    return gain, noise_gain, float((fitted - diagonal).abs().max()) / scale, noise
 
 
 def assert_fits_and_predicts(scale: str, size: int, structure: str, **options) -> None:
@@ -110,10 +120,12 @@ def assert_fits_and_predicts(scale: str, size: int, structure: str, **options) -
                                rtol=0, atol=1e-12)
     assert bool(torch.isfinite(post.mean).all())
     assert bool((post.marginal_variance() > 0).all())
-    gain, noise_gain, precision_error = optimality_residuals(post, features, labels)
+    gain, noise_gain, precision_error, precision_noise = optimality_residuals(
+        post, features, labels)
     assert gain <= max(MAX_GAIN, NOISE_MULTIPLE * noise_gain), (scale, size, structure, gain,
                                                                  noise_gain)
-    assert precision_error <= PRECISION_RTOL, (scale, size, structure, precision_error)
+    assert precision_error <= max(PRECISION_RTOL, NOISE_MULTIPLE * precision_noise), (
+        scale, size, structure, precision_error, precision_noise)
 
 
 @pytest.mark.parametrize("scale", ["pixels16", "relu"])
