@@ -290,17 +290,17 @@ def test_a_probabilistic_head_on_flower_equals_the_simulator(federation, tmp_pat
 @pytest.mark.flower
 @pytest.mark.slow  # ~2-3 minutes: Flower declares a SIGKILLed node dead after missed heartbeats
 def test_an_invalid_upload_and_a_killed_supernode_do_not_stop_the_run(tmp_path):
-    # the tamper app's client 1 uploads NaN in round 1; SuperNode 2 is SIGKILLed once round 0
-    # is recorded (its evaluation rides on round 1's message, so by then every node has sent
-    # its round-1 upload). The run must reject the one, log the other and complete round 2
-    # with the two clients left.
+    # the tamper app's client 1 uploads NaN in round 1; SuperNode 2 is SIGKILLed once round 1
+    # is recorded (evaluate-every 100: rounds 0 and 1 are recorded as they end, unevaluated).
+    # The run must reject the one, log the other and complete round 2 with the two clients
+    # left.
     out = tmp_path / "run"
     with LocalFederation(3, start_timeout=300.0) as fed:
         def kill_after_round_one() -> None:
             deadline = time.monotonic() + RUN_TIMEOUT
             metrics = out / "metrics.jsonl"
             while time.monotonic() < deadline:
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
                     fed.kill_node(2)
                     return
                 time.sleep(0.5)
