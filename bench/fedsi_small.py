@@ -148,7 +148,7 @@ def run(label: str, seed: int, rounds: int, epochs: int, device: str,
                        strategy_options=options, data=_DATA, device=device,
                        round_callback=on_round,
                        **({"novel_fraction": NOVEL_FRACTION} if novel else {}), **COMMON).summary
-    keep = {k: float(summary[k]) for k in (*KEYS, "bytes_up")}
+    keep = {k: float(summary[k]) for k in (*KEYS, "bytes_up", "bytes_down")}
     if "map_plugin" in summary:
         keep["map_plugin"] = {k: float(summary["map_plugin"][k]) for k in KEYS}
     if novel:
@@ -227,6 +227,8 @@ def collect(summary: dict, rows: dict[str, list[float]], plugin: dict[str, list[
     for key in KEYS:
         rows[key].append(float(summary[key]))
     rows["bytes_up"].append(float(summary["bytes_up"]))
+    if "bytes_down" in summary:  # runs cached before the downlink was recorded lack it
+        rows["bytes_down"].append(float(summary["bytes_down"]))
     if "map_plugin" in summary:
         for key in KEYS:
             plugin[key].append(float(summary["map_plugin"][key]))
@@ -247,14 +249,15 @@ def paper_cell(label: str) -> str:
 
 def print_table(table: dict[str, dict[str, list[float]]]) -> None:
     print("| method | accuracy (%) | confidence (%) | ECE | MCE | Brier | NLL | uplink bytes | "
-          "paper: acc % / ECE / MCE / Brier |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "downlink bytes | paper: acc % / ECE / MCE / Brier |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, v in table.items():
-        up = "–" if not v.get("bytes_up") else f"{statistics.fmean(v['bytes_up']):,.0f}"
+        up, down = ("–" if not v.get(k) else f"{statistics.fmean(v[k]):,.0f}"
+                    for k in ("bytes_up", "bytes_down"))
         print(f"| {label} | {cell(v['accuracy'], 2, 100)} | {cell(v['confidence'], 2, 100)} | "
               f"{cell(v['ece'], 4)} | "
               f"{cell(v['mce'], 3)} | {cell(v['brier'], 4)} | {cell(v['nll'], 3)} | {up} | "
-              f"{paper_cell(label)} |")
+              f"{down} | {paper_cell(label)} |")
 
 
 def main() -> None:
@@ -301,7 +304,7 @@ def main() -> None:
     novel: dict[str, list[float]] = {}
     curves: dict[str, list[list[float]]] = {}
     for label in wanted:
-        rows = {k: [] for k in (*KEYS, "bytes_up")}
+        rows = {k: [] for k in (*KEYS, "bytes_up", "bytes_down")}
         plugin = {k: [] for k in KEYS}
         options = json.dumps(METHODS[label][1], sort_keys=True)
         records = [done.get((label, seed, args.rounds, args.epochs, False, options))
@@ -332,7 +335,7 @@ def main() -> None:
             print(f"- {label}: {cell(values, 2, 100)}")
     figures: dict[str, Any] = {
         label: {**{k: statistics.fmean(v[k]) for k in KEYS},
-                **({"bytes_up": statistics.fmean(v["bytes_up"])} if v.get("bytes_up") else {})}
+                **{k: statistics.fmean(v[k]) for k in ("bytes_up", "bytes_down") if v.get(k)}}
         for label, v in table.items()}
     for label, values in novel.items():
         figures[label]["novel_accuracy"] = statistics.fmean(values)
