@@ -144,7 +144,8 @@ the mode itself is the MAP under the round's prior. Measured on S1, seed 0, CPU:
 epoch a round alpha went 1e-2 -> 0.018 -> 0.022 in two rounds (near the default chosen by the
 test NLL above); with S1's 5 epochs it fell every round, 1e-2 -> 9.8e-3, 7.5e-3, 5.7e-3,
 4.5e-3, 3.7e-3 (x0.78 a round), at accuracy 0.920 / NLL 0.256 / ECE 0.015 after 5 rounds
-(the fixed 1e-2: 0.919 / 0.253 / 0.012, same seed, H200 machine). The fall is the update's
+(the fixed 1e-2: 0.919 / 0.253 / 0.012, same seed and CPU;
+``bench/results/s1_5_cpu_fedsi_evidence.jsonl``). The fall is the update's
 known weakness here, not noise: the mode is solved under the prior being judged and the mean
 is re-centred on the clients every round, so as they agree ``||theta - mu||`` shrinks and the
 evidence asks for a tighter prior, which keeps the next modes closer still. Followed for 30
