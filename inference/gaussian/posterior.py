@@ -220,12 +220,29 @@ class GaussianPosterior:
     # -- federation algebra -------------------------------------------------------------------
 
     def __add__(self, other: GaussianPosterior) -> GaussianPosterior:
-        """Exact product of two posteriors built against the same prior (prior counted once)."""
+        """Exact product of two posteriors built against the same prior (prior counted once):
+        ``prior + likelihood_a + likelihood_b``, what :func:`inference.combine` gives them.
+
+        Raises:
+            InvalidInputError: different parameter shapes or priors (clients that chose their
+                own prior precision by evidence): :func:`inference.combine` chooses one prior
+                for those.
+        """
         if not isinstance(other, GaussianPosterior):
             return NotImplemented
-        from inference.gaussian.aggregation import combine  # combine builds posteriors
-
-        return combine([self, other])
+        if self.shape != other.shape:
+            raise InvalidInputError(f"posteriors have different parameter shapes: {self.shape} "
+                                    f"and {other.shape}.")
+        other_prior = other.prior.to(self.prior.device, self.prior.dtype)
+        if not self.prior.allclose(other_prior, rtol=1e-12, atol=1e-300):
+            raise InvalidInputError(
+                "a + b needs posteriors built against the same prior; these differ (e.g. each "
+                "client chose its own prior precision by evidence): use inference.combine([a, "
+                "b]), which chooses one prior by the federated evidence.")
+        likelihood = self.likelihood + other.likelihood.to(self.likelihood.device,
+                                                           self.likelihood.dtype)
+        return GaussianPosterior(self.prior.to(likelihood.device, likelihood.dtype), likelihood,
+                                 self.shape, self.n_data + other.n_data)
 
     # -- devices and state --------------------------------------------------------------------
 

@@ -179,6 +179,22 @@ def test_combining_posteriors_with_priors_of_different_means_is_refused():
     combine([a, shifted], prior=gaussian_prior((2, 3), 1.0))  # a prior given: counted once
 
 
+def test_a_plus_b_is_combine_for_one_prior_and_refers_other_priors_to_combine():
+    a = random_posterior("full", seed=1, prior_precision=2.0)
+    b = random_posterior("full", seed=2, prior_precision=2.0)
+    both = a + b
+    reference = combine([a, b])
+    torch.testing.assert_close(both.mean, reference.mean, rtol=0, atol=0)
+    torch.testing.assert_close(both.covariance(), reference.covariance(), rtol=0, atol=0)
+    assert both.n_data == a.n_data + b.n_data
+    other = random_posterior("full", seed=3, prior_precision=5.0)
+    with pytest.raises(InvalidInputError, match=r"same prior.*inference\.combine"):
+        _ = a + other
+    combine([a, other])  # the combination chooses one prior for them
+    with pytest.raises(InvalidInputError, match="different parameter shapes"):
+        _ = a + random_posterior("full", shape=(3, 2), prior_precision=2.0)
+
+
 def test_average_of_diagonal_posteriors_matches_mixture_moments_in_any_order():
     posts = [random_posterior("diag", seed=s) for s in range(3)]
     weights = [1.0, 2.0, 3.0]
