@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import os
 import re
 import shlex
 import sys
@@ -138,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "flower":
             return run_flower(args)
         return _run(args, argv)
+    except BrokenPipeError:
+        # The reader went away (`bayesfl strategies | head`): that is how a pipe ends, not an
+        # error. Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (BayesFLError, InferenceError, CalibrationError, OSError) as err:
         print(f"bayesfl: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE

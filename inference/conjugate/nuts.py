@@ -72,5 +72,9 @@ def sample_nuts(
     z = mcmc.get_samples()["z"]
     draws = cpu_laplace.mean + cpu_laplace.factor_matvec(z)
     if not bool(torch.isfinite(draws).all()):
-        raise NumericalError("NUTS produced non-finite draws")
+        raise NumericalError(
+            f"NUTS produced non-finite draws ({int((~torch.isfinite(draws)).sum())} of "
+            f"{draws.numel()} numbers); give it more adaptation (warmup_steps, now {warmup}), or "
+            "draw with method='laplace', which needs no adaptation"
+        )
     return draws.to(device)

@@ -160,7 +160,14 @@ def _solve_log_partition(b: Tensor, present: Tensor, C: int, norm_ratio: float) 
         if abs(candidate - l) <= 2 * torch.finfo(torch.float64).eps * abs(l) or hi <= lo:
             return candidate
         l = candidate
-    raise NumericalError(f"the FedLog MAP root-find did not converge in {_MAX_ROOT_STEPS} steps")
+    # Not expected for valid statistics (the bracket is finite and Newton converges
+    # quadratically inside it); the figures let a report reproduce it.
+    raise NumericalError(
+        f"the FedLog MAP root-find did not converge in {_MAX_ROOT_STEPS} steps (bracket "
+        f"[{lo:.6g}, {hi:.6g}], C = {C}, max ||S_y|| / N = {norm_ratio:.3g}); this is a bug: "
+        "please report it with these figures; meanwhile solve_map_adam(S, N) solves the same "
+        "problem by Adam"
+    )
 
 
 def _checked_statistic(S: Tensor) -> Tensor:

@@ -90,3 +90,19 @@ def test_the_flower_command_names_each_duration_for_what_it_spans():
                     "submission to final status), rounds_s 106.5 (the ServerApp's rounds, "
                     "summary.json seconds)")
     assert "rounds_s" not in durations_line(10.0, 9.0, None)
+
+
+def test_a_reader_that_leaves_early_ends_the_listing_quietly():
+    # `bayesfl strategies | head -1`: the reader closes the pipe before the listing is written.
+    # Closing our end first makes every write fail, whatever the pipe buffer holds.
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    done = subprocess.run([sys.executable, "-m", "bayesfl", "strategies"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    os.close(write_end)
+    assert done.returncode == 0
+    assert done.stderr == ""

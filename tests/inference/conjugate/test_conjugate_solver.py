@@ -258,3 +258,16 @@ def test_statistics_that_would_overflow_the_head_are_rejected():
     many[:, 0] = 1e150
     with pytest.raises(InvalidInputError, match="too large"):
         solve_map(many, 1.0)
+
+
+def test_a_root_find_out_of_steps_names_its_figures_and_the_other_solver(monkeypatch):
+    # Valid statistics converge in a few Newton steps; one step is not enough for this one, so
+    # the cap is what makes the failure reachable.
+    import inference.conjugate.solver as solver
+    from inference.errors import NumericalError
+
+    monkeypatch.setattr(solver, "_MAX_ROOT_STEPS", 1)
+    S = torch.tensor([[3.0, 1.0], [0.5, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    with pytest.raises(NumericalError, match=r"did not converge in 1 steps \(bracket .*C = 3.*"
+                       r"solve_map_adam"):
+        solve_map(S, 10.0)
