@@ -5,6 +5,7 @@ Switch methods with one string: ``inference.fit_head(kind, ...)``. This package 
 about clients, rounds or messages. ``inference.mfvi`` (pyro) is imported only when used.
 """
 
+from inference.body_posterior import BodyPosterior
 from inference.conjugate import (
     ClassMeans,
     ConjugateLaplace,
@@ -34,6 +35,7 @@ from inference.errors import (
 from inference.factory import fit_head
 from inference.gaussian import GaussianPosterior, GaussianTerm, average, combine, gaussian_prior
 from inference.laplace_head import fit_laplace_head, log_marginal_likelihood
+from inference.network_gaussian import NetworkGaussian
 from inference.options import (
     CovarianceStructure,
     GuideKind,
@@ -54,6 +56,7 @@ from inference.subnet import (
 )
 
 __all__ = [
+    "BodyPosterior",
     "ClassMeans",
     "ConjugateLaplace",
     "ConjugatePosterior",
@@ -70,6 +73,7 @@ __all__ = [
     "Likelihood",
     "MapSolver",
     "MemoryBudgetError",
+    "NetworkGaussian",
     "NoisyConjugatePosterior",
     "NumericalError",
     "Posterior",

@@ -245,14 +245,52 @@ def as_network_inputs(value: Any, dtype: torch.dtype | None, name: str = "inputs
     return tensor
 
 
+def as_model_inputs(value: Any, *, input_shape: tuple[int, ...] | None, dtype: torch.dtype | None,
+                    device: torch.device | str, name: str = "inputs") -> Tensor:
+    """:func:`as_network_inputs`, checked to be shaped ``(B, *input_shape)`` (None: not checked)
+    and put on ``device``: the default input boundary of the posteriors that hold a network
+    (:class:`~inference.network_gaussian.NetworkGaussian`,
+    :class:`~inference.body_posterior.BodyPosterior`).
+
+    Raises:
+        InvalidInputError: what :func:`as_network_inputs` refuses, or a per-sample shape other
+            than ``input_shape``.
+    """
+    tensor = as_network_inputs(value, dtype, name)
+    if input_shape is not None and tuple(tensor.shape[1:]) != tuple(input_shape):
+        want = ", ".join(["B", *map(str, input_shape)])
+        raise InvalidInputError(f"{name} has shape {tuple(tensor.shape)} but the network takes "
+                                f"({want}); pass inputs shaped like the ones it was trained on.")
+    return tensor.to(device)
+
+
+def module_dtype(module: torch.nn.Module, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The floating dtype of ``module``'s first floating parameter or buffer (``default`` if it
+    has none)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return default
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter or buffer (CPU if it has none)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 __all__ = [
     "KEPT_FLOAT_DTYPES",
     "as_features",
     "as_floating",
     "as_labels",
+    "as_model_inputs",
     "as_network_inputs",
     "as_num_classes",
     "as_targets",
     "as_tensor",
     "check_finite",
+    "module_device",
+    "module_dtype",
 ]

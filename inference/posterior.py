@@ -77,6 +77,7 @@ _MODULES_WITH_POSTERIORS = (
     "inference.ensemble",
     "inference.conjugate",
     "inference.subnet",
+    "inference.network_gaussian",
 )
 
 def register_posterior(cls: type) -> type:

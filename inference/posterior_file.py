@@ -139,7 +139,7 @@ def save_posterior(posterior: Posterior, path: str | os.PathLike, *, key: bytes 
         raise InvalidInputError(
             f"cannot save a posterior of kind {kind!r}: no class is registered to load it back. "
             "Register its class with @register_posterior, or save the inference posterior it "
-            "wraps (a bayesfl ClientPosterior: save_posterior(post.head, path))."
+            "wraps (a BodyPosterior, bayesfl's ClientPosterior: save_posterior(post.head, path))."
         ) from None
     # CPU copies: safetensors refuses tensors that share memory (views of one buffer).
     state = {name: tensor.detach().to("cpu", copy=True).contiguous()

@@ -364,7 +364,7 @@ def test_keyed_files_need_their_key(tmp_path):
 
 
 def test_save_refuses_what_it_could_not_load_back(tmp_path):
-    class Wrapper:  # like bayesfl's ClientPosterior: a kind no class is registered for
+    class Wrapper:  # like a BodyPosterior (bayesfl's ClientPosterior): a kind no class loads
         kind = "client"
 
         def state_dict(self):
