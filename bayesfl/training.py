@@ -3,8 +3,9 @@
 Two interchangeable paths train one or many client models on their own data with mini-batch
 Adam and a per-sample objective:
 
-* :func:`train_plain` — one client at a time, ``torch.optim.Adam``; works for any module, so it
-  is the path for heterogeneous bodies.
+* :func:`train_plain` — one client at a time, :class:`bayesfl.adam.Adam` (``torch.optim.Adam``'s
+  update bit for bit, without the ``torch._dynamo`` import that ``torch.optim`` pays on first
+  use); works for any module, so it is the path for heterogeneous bodies.
 * :func:`train_batched` — many clients that share one architecture at once: their parameters
   are stacked on a leading client axis and ``torch.func.vmap(grad(functional_call))`` computes
   every client's gradient in one call. Clients with fewer samples get padded mini-batches
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from bayesfl.adam import Adam
 from bayesfl.errors import ConfigError, LocalTrainingWarning
 
 Objective = Callable[[object, Tensor], Tensor]
@@ -80,7 +82,7 @@ class GaussianProx:
     mean: dict[str, Tensor]
     precision: dict[str, Tensor]
 
-    def apply(self, optimizer: torch.optim.Adam, named: Sequence[tuple[str, Tensor]],
+    def apply(self, optimizer: Adam, named: Sequence[tuple[str, Tensor]],
               config: LocalTraining) -> None:
         """The exact proximal step of every parameter in ``named`` after ``optimizer.step()``."""
         beta2 = config.betas[1]
@@ -195,9 +197,7 @@ def train_plain(
     try:
         for epoch in range(config.epochs):
             if optimizer is None or (config.reset_optimizer_each_epoch and epoch > 0):
-                optimizer = torch.optim.Adam(
-                    params, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False
-                )
+                optimizer = Adam(params, lr=config.lr, betas=config.betas, eps=config.eps)
             order = torch.randperm(n, generator=generator).to(x.device)
             for step, start in enumerate(range(0, n, config.batch_size)):
                 idx = order[start : start + config.batch_size]

@@ -1,0 +1,136 @@
+"""Adam without ``torch.optim``: the update of ``torch.optim.Adam``, bit for bit, for one client.
+
+Why not ``torch.optim.Adam`` itself: every ``torch.optim`` optimizer wraps
+``add_param_group`` and ``step`` in ``torch._disable_dynamo``, which imports ``torch._dynamo``
+(and sympy) the first time an optimizer is built — 1.7 s on a quiet 2-core machine, 4-10 s
+under load — and there is no supported switch to avoid it. A Flower ClientApp is a fresh
+process per message, so it paid that import at every message. :class:`Adam` is the same
+algorithm and imports nothing beyond torch.
+
+What is the same as ``torch.optim.Adam(params, lr, betas, eps, weight_decay, amsgrad,
+foreach=False)`` (its single-tensor path, the default on CPU): the arithmetic, operation by
+operation (:func:`adam_update_`), hence the parameters after every step (tested with
+``torch.equal``); and the per-parameter state, ``optimizer.state[p]`` with ``"step"`` (a
+0-dim float32 CPU tensor, float64 when that is the default dtype), ``"exp_avg"``,
+``"exp_avg_sq"`` (and ``"max_exp_avg_sq"`` with ``amsgrad``), so code that reads or seeds
+Adam's moments works with either. What it leaves out: parameter groups, ``state_dict()``,
+``maximize``, complex parameters, decoupled weight decay (AdamW), ``foreach``/``fused``
+kernels (on CUDA, ``torch.optim.Adam`` defaults to ``foreach``, which rounds differently).
+
+The batched trainer's per-client masked Adam over stacked parameters
+(:class:`bayesfl.training` ``_AdamState``) is the same formula rearranged for fewer passes
+over memory and per-client step counts; it agrees with this one up to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from bayesfl.errors import ConfigError
+
+
+def adam_update_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: float,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    max_exp_avg_sq: Tensor | None = None,
+) -> None:
+    """One Adam step of ``param`` in place, ``step`` being the count after this step (>= 1).
+
+    The operations of ``torch.optim.adam._single_tensor_adam`` (torch 2.x, not capturable,
+    not differentiable), in its order and with its Python-float coefficients, so that the
+    float rounding is the same. ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` for
+    AMSGrad) are updated in place.
+    """
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class Adam:
+    """Adam over ``params`` (one group): ``zero_grad()``, ``step()`` and ``state[p]`` as
+    ``torch.optim.Adam`` (module docstring); parameters without a gradient are skipped and
+    take no step, as there.
+
+    Raises:
+        ConfigError: a learning rate, epsilon or weight decay below 0, a beta outside
+            ``[0, 1)``, or a complex or sparse parameter.
+    """
+
+    def __init__(self, params: Iterable[Tensor], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False) -> None:
+        if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
+            raise ConfigError(f"Adam needs lr, eps and weight_decay >= 0, got lr={lr}, "
+                              f"eps={eps}, weight_decay={weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"Adam's betas must lie in [0, 1), got {betas}")
+        self.params: list[Tensor] = list(params)
+        for p in self.params:
+            if torch.is_complex(p):
+                raise ConfigError("bayesfl.adam.Adam does not take complex parameters")
+        self.lr, self.betas, self.eps = float(lr), (float(betas[0]), float(betas[1])), eps
+        self.weight_decay, self.amsgrad = float(weight_decay), bool(amsgrad)
+        self.state: dict[Tensor, dict[str, Tensor]] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One Adam step of every parameter that has a gradient."""
+        beta1, beta2 = self.betas
+        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 \
+            else torch.float32  # torch.optim's _get_scalar_dtype()
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ConfigError("bayesfl.adam.Adam does not take sparse gradients")
+            state = self.state.get(p)
+            if not state:
+                state = self.state[p] = {
+                    "step": torch.tensor(0.0, dtype=step_dtype),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+                if self.amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                         state["step"].item(), lr=self.lr, beta1=beta1, beta2=beta2,
+                         eps=self.eps, weight_decay=self.weight_decay,
+                         max_exp_avg_sq=state.get("max_exp_avg_sq"))
+
+
+__all__ = ["Adam", "adam_update_"]
