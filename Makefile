@@ -43,7 +43,7 @@ bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
 # Mutation testing of one module with its covering tests (tools/mutation.py; mutmut, one worker;
-# tens of minutes, so not part of `test`): make mutation MODULE=bayesfl/strategies/fedpa.py
+# tens of minutes, so not part of `test`): make mutation MODULE=bayesfl/strategies/bayes/fedpa.py
 mutation: $(STAMP)
 	$(PY) tools/mutation.py $(MODULE)
 

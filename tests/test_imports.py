@@ -6,7 +6,7 @@ The graph is read from the source (``ast``), not from ``sys.modules``: every ``i
 at import time but not from a reader, and it breaks as soon as someone moves it to the top).
 An edge goes to the file that defines the imported name: ``from bayesfl.config import
 describe`` is an edge to ``bayesfl/config.py``, ``from bayesfl.strategies import fedlog`` one
-to ``bayesfl/strategies/fedlog.py``. Parent packages are not edges (importing
+to ``bayesfl/strategies/fedlog/fedlog.py``. Parent packages are not edges (importing
 ``bayesfl.strategies.base`` runs ``bayesfl/strategies/__init__.py`` too, but every package
 ``__init__`` that re-exports its modules would otherwise be a cycle with each of them).
 """

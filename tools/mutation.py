@@ -1,8 +1,8 @@
 """Mutation testing of one module with its covering tests (mutmut 3), and its score.
 
-    python tools/mutation.py bayesfl/strategies/fedpa.py          # or: make mutation MODULE=...
+    python tools/mutation.py bayesfl/strategies/bayes/fedpa.py    # or: make mutation MODULE=...
     python tools/mutation.py bayesfl/calibrate.py --tests tests/bayesfl/test_calibrate.py
-    python tools/mutation.py bayesfl/strategies/fedpa.py --retest  # after writing tests
+    python tools/mutation.py bayesfl/strategies/bayes/fedpa.py --retest  # after writing tests
     python tools/mutation.py bayesfl/simulate.py --sample 80 --seed 0  # a random sample
 
 What it does, for MODULE:
@@ -73,16 +73,19 @@ LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml", "examples")  # ex
 
 # Modules whose covering tests are not (only) tests/<mirror path>/test_<name>.py: pytest
 # arguments (files, node ids, or options such as -m "not slow" as two items).
-_SPLITS = ["tests/bayesfl/strategies/test_layer_splits.py"]
+_SPLITS = ["tests/bayesfl/strategies/averaging/test_layer_splits.py"]
 COVERING_TESTS: dict[str, list[str]] = {
-    "bayesfl/strategies/fedpart_schedule.py": ["tests/bayesfl/strategies/test_fedpart.py"],
-    "bayesfl/strategies/fedavg.py": ["tests/bayesfl/strategies/test_parameter_averaging.py",
-                                     "tests/bayesfl/strategies/test_local_baselines.py"],
-    "bayesfl/strategies/local_only.py": ["tests/bayesfl/strategies/test_local_baselines.py"],
-    "bayesfl/strategies/fedper.py": _SPLITS,
-    "bayesfl/strategies/fedrep.py": _SPLITS,
-    "bayesfl/strategies/lg_fedavg.py": _SPLITS,
-    "bayesfl/strategies/fedbabu.py": _SPLITS,
+    "bayesfl/strategies/averaging/fedpart_schedule.py":
+        ["tests/bayesfl/strategies/averaging/test_fedpart.py"],
+    "bayesfl/strategies/averaging/fedavg.py":
+        ["tests/bayesfl/strategies/averaging/test_parameter_averaging.py",
+         "tests/bayesfl/strategies/averaging/test_local_baselines.py"],
+    "bayesfl/strategies/averaging/local_only.py":
+        ["tests/bayesfl/strategies/averaging/test_local_baselines.py"],
+    "bayesfl/strategies/averaging/fedper.py": _SPLITS,
+    "bayesfl/strategies/averaging/fedrep.py": _SPLITS,
+    "bayesfl/strategies/averaging/lg_fedavg.py": _SPLITS,
+    "bayesfl/strategies/averaging/fedbabu.py": _SPLITS,
     # the round loop and, in a file of its own, resuming from a checkpoint
     "bayesfl/simulate.py": ["tests/bayesfl/test_simulate.py",
                             "tests/bayesfl/test_simulate_novel.py",

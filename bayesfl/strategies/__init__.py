@@ -8,6 +8,14 @@ import inspect
 from typing import Any
 
 from bayesfl.errors import ConfigError
+from bayesfl.strategies.averaging.fedavg import FedAvg, FedAvgFT
+from bayesfl.strategies.averaging.fedbabu import FedBABU
+from bayesfl.strategies.averaging.fedpart import FedPart, FedProxPart
+from bayesfl.strategies.averaging.fedper import FedPer
+from bayesfl.strategies.averaging.fedprox import FedProx
+from bayesfl.strategies.averaging.fedrep import FedRep, FedRep1
+from bayesfl.strategies.averaging.lg_fedavg import LGFedAvg, LGFedAvg2
+from bayesfl.strategies.averaging.local_only import LocalOnly
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
     PREDICTIVE,
@@ -19,22 +27,14 @@ from bayesfl.strategies.base import (
     Strategy,
     StrategyContext,
 )
-from bayesfl.strategies.colearn import CoLearn
-from bayesfl.strategies.fd import FederatedDistillation
-from bayesfl.strategies.fedavg import FedAvg, FedAvgFT
-from bayesfl.strategies.fedbabu import FedBABU
-from bayesfl.strategies.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
-from bayesfl.strategies.fedpa import FedPA
-from bayesfl.strategies.fedpart import FedPart, FedProxPart
-from bayesfl.strategies.fedper import FedPer
-from bayesfl.strategies.fedpop import FedPop
-from bayesfl.strategies.fedproto import FedProto
-from bayesfl.strategies.fedprox import FedProx
-from bayesfl.strategies.fedrep import FedRep, FedRep1
-from bayesfl.strategies.fedsi import FedSI, FedSIFac
-from bayesfl.strategies.lg_fedavg import LGFedAvg, LGFedAvg2
-from bayesfl.strategies.local_only import LocalOnly
-from bayesfl.strategies.pfedbayes import PFedBayes
+from bayesfl.strategies.bayes.fedpa import FedPA
+from bayesfl.strategies.bayes.fedpop import FedPop
+from bayesfl.strategies.bayes.pfedbayes import PFedBayes
+from bayesfl.strategies.fedlog.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
+from bayesfl.strategies.fedsi.fedsi import FedSI, FedSIFac
+from bayesfl.strategies.representation.colearn import CoLearn
+from bayesfl.strategies.representation.fd import FederatedDistillation
+from bayesfl.strategies.representation.fedproto import FedProto
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls

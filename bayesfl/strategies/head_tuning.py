@@ -11,9 +11,9 @@ epochs (so no sample is lost to the choice). ``stop="fixed"`` trains ``max_epoch
 it, the older protocol.
 
 :func:`tune_head` trains a head on features computed once (the body is frozen): cheap enough
-to run every round (:mod:`bayesfl.strategies.fedsi`'s per-round view).
+to run every round (:mod:`bayesfl.strategies.fedsi.fedsi`'s per-round view).
 :func:`fine_tune_stopped` is the same rule for any module and any of its parameters (FedBABU,
-FedAvg-FT: :mod:`bayesfl.strategies.finetuning`).
+FedAvg-FT: :mod:`bayesfl.strategies.averaging.finetuning`).
 """
 
 from __future__ import annotations

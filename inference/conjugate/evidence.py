@@ -32,7 +32,7 @@ and 1.1, where the evidence of scales 10% apart differs by about 500 nats.
 isotropic Gaussian with within-class variance ``1 / (2 s^2)`` describes the features it is
 given: on a FedLog body's own training features it returns ``s`` near 1 (the bodies are
 trained against that model), so it does not correct overconfidence that comes from the body
-fitting its training data (see ``bayesfl.strategies.fedlog``).
+fitting its training data (see ``bayesfl.strategies.fedlog.fedlog``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ criterion the predictive is judged by. The prior's pseudo-count ``nu`` only ente
 ``N = nu + n`` and moves nothing for ``nu << n``; it is left to the caller.
 
 Federated use: the server sees only summed statistics, from which it can apply a given ``s``
-but cannot evaluate the label likelihood; FedLog (``bayesfl.strategies.fedlog``) keeps
+but cannot evaluate the label likelihood; FedLog (``bayesfl.strategies.fedlog.fedlog``) keeps
 ``s = 1``, which is what its bodies are trained against, unless ``feature_scale="evidence"``:
 the model's own evidence (:mod:`inference.conjugate.evidence`), which needs the summed
 statistics and one more summed number, ``sum_i ||phi_i||^2``.

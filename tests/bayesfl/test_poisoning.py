@@ -14,7 +14,7 @@ from safetensors.torch import load as safetensors_load
 from bayesfl import simulate
 from bayesfl.messages import Header, Message, decode, encode, read_safetensors_metadata
 from bayesfl.simulate import non_finite_problem
-from bayesfl.strategies.fedavg import FedAvg
+from bayesfl.strategies.averaging.fedavg import FedAvg
 
 POISONER = 3
 RUN = {"clients": 20, "rounds": 6, "seed": 0, "progress": False}

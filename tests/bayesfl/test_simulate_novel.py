@@ -10,7 +10,7 @@ from bayesfl.errors import ConfigError
 from bayesfl.evaluation import METRICS
 from bayesfl.simulate import novel_clients, simulate
 from bayesfl.strategies import STRATEGIES
-from bayesfl.strategies.fedsi import FedSI
+from bayesfl.strategies.fedsi.fedsi import FedSI
 
 SMALL = dict(dataset="digits", clients=5, partition="shards:2", seed=1, body="mlp",
              feature_dim=16, local_epochs=1, batch_size=64, progress=False)

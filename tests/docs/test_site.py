@@ -1,5 +1,5 @@
 """The docs site builds with ``mkdocs build --strict``: a broken link between pages, a page
-missing from the navigation, or a docstring reference (``::: bayesfl.strategies.fedsi``, the
+missing from the navigation, or a docstring reference (``::: bayesfl.strategies.fedsi.fedsi``, the
 API reference) that no longer resolves fails this test, hence ``make test`` and CI."""
 
 import re

@@ -23,9 +23,9 @@ import torch
 
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
+from bayesfl.strategies.averaging.finetuning import check_finetuning, fine_tune
+from bayesfl.strategies.averaging.parameter_averaging import ParameterAveraging
 from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
-from bayesfl.strategies.finetuning import check_finetuning, fine_tune
-from bayesfl.strategies.parameter_averaging import ParameterAveraging
 
 
 class FedAvg(ParameterAveraging):
@@ -40,7 +40,7 @@ class FedAvgFT(FedAvg):
 
     Federated training is FedAvg's. :meth:`personalize` (after training, and for a novel
     client) fine-tunes the global network on the client's training data
-    (:mod:`bayesfl.strategies.finetuning`). The FedSI paper does not state its fine-tuning
+    (:mod:`bayesfl.strategies.averaging.finetuning`). The FedSI paper does not state its fine-tuning
     budget; the default here is as many epochs as one round of local training (``None``) over
     the whole network (``finetune = "all"``), the usual reading of "FedAvg + fine-tuning".
 
@@ -50,7 +50,7 @@ class FedAvgFT(FedAvg):
         finetune: ``"all"`` (default) or ``"head"`` (the last layer only).
         finetune_stop: ``"heldout_nll"`` (default): run as many of the ``finetune_epochs`` as
             minimise the NLL of a held-out 20% of the training data, then that many on all
-            of it; ``"fixed"``: all of them (:mod:`bayesfl.strategies.finetuning`).
+            of it; ``"fixed"``: all of them (:mod:`bayesfl.strategies.averaging.finetuning`).
         options: FedAvg's options (robust aggregation, schedule, ``head``: after fine-tuning,
             a head posterior on the fine-tuned network's features).
     """

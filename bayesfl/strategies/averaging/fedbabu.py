@@ -35,17 +35,17 @@ from torch import nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
+from bayesfl.strategies.averaging.finetuning import check_finetuning, fine_tune
+from bayesfl.strategies.averaging.parameter_averaging import (
+    PERSONALIZED,
+    ParameterAveraging,
+    all_but_last_layers,
+)
 from bayesfl.strategies.base import (
     ClientConfig,
     ClientState,
     StrategyContext,
     derived_seed,
-)
-from bayesfl.strategies.finetuning import check_finetuning, fine_tune
-from bayesfl.strategies.parameter_averaging import (
-    PERSONALIZED,
-    ParameterAveraging,
-    all_but_last_layers,
 )
 from bayesfl.training import LocalTraining, ParameterFilter
 
@@ -59,7 +59,7 @@ class FedBABU(ParameterAveraging):
         finetune: what personalisation fine-tunes: ``"head"`` (default) or ``"all"``.
         finetune_stop: ``"heldout_nll"`` (default): as many of the ``finetune_epochs`` as
             minimise the NLL of a held-out 20% of the training data; ``"fixed"``: all.
-        options: the family's options (:class:`~bayesfl.strategies.parameter_averaging.
+        options: the family's options (:class:`~bayesfl.strategies.averaging.parameter_averaging.
             ParameterAveraging`), among them ``head``: after fine-tuning, a head posterior on
             the fine-tuned network's features (``head_prior="global"``: its Laplace prior
             centred on the initial head every client shares).

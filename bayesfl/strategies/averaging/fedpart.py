@@ -1,14 +1,15 @@
 """FedPart (Wang et al., NeurIPS 2024, "Why Go Full? Elevating Federated Learning Through
 Partial Network Updates"; spec fedpart.md): each round trains and sends one layer group
 (:mod:`bayesfl.layer_groups`) while the rest of the network stays frozen at the global values,
-following the schedule of :mod:`bayesfl.strategies.fedpart_schedule` (warm-up FULL rounds,
+following the schedule of :mod:`bayesfl.strategies.averaging.fedpart_schedule` (warm-up FULL rounds,
 then shallow-to-deep sweeps of R rounds per group, F FULL rounds at the start of each later
 cycle).
 
 Two registry entries carry the schedule by name with flat options: ``fedpart`` (FedAvg +
 FedPart) and ``fedprox-part`` (FedProx + FedPart); any other parameter-averaging strategy takes
 it with its ``schedule`` option. What a partial round does is the parameter-averaging
-machinery's (:class:`~bayesfl.strategies.parameter_averaging.ParameterAveraging`): only the
+machinery's
+(:class:`~bayesfl.strategies.averaging.parameter_averaging.ParameterAveraging`): only the
 active group is broadcast (with the group of the round before, which the clients hold only as
 their local values), trained, uploaded and averaged; frozen parameters have
 ``requires_grad=False``, so backpropagation stops at the first trainable group, and stay
@@ -28,10 +29,10 @@ from __future__ import annotations
 from typing import Any
 
 from bayesfl.errors import ConfigError
+from bayesfl.strategies.averaging.fedavg import FedAvg
+from bayesfl.strategies.averaging.fedpart_schedule import SCHEDULE_OPTIONS
+from bayesfl.strategies.averaging.fedprox import FedProx
 from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.fedavg import FedAvg
-from bayesfl.strategies.fedpart_schedule import SCHEDULE_OPTIONS
-from bayesfl.strategies.fedprox import FedProx
 
 
 class _PartMixin:

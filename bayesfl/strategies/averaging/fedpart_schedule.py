@@ -16,8 +16,9 @@ seed), so a resumed run follows it exactly:
 
 Any parameter-averaging strategy takes it with the option ``schedule="fedpart"`` (or
 ``schedule={"kind": "fedpart", "rounds_per_group": 1, ...}``;
-:class:`~bayesfl.strategies.parameter_averaging.ParameterAveraging` runs the partial rounds);
-:mod:`bayesfl.strategies.fedpart` has the named strategies.
+:class:`~bayesfl.strategies.averaging.parameter_averaging.ParameterAveraging` runs the partial
+rounds);
+:mod:`bayesfl.strategies.averaging.fedpart` has the named strategies.
 """
 
 from __future__ import annotations

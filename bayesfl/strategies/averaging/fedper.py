@@ -23,12 +23,12 @@ from typing import Any
 
 from torch import nn
 
-from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.parameter_averaging import (
+from bayesfl.strategies.averaging.parameter_averaging import (
     ParameterAveraging,
     all_but_last_layers,
     check_layer_count,
 )
+from bayesfl.strategies.base import StrategyContext
 
 
 class FedPer(ParameterAveraging):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bayesfl.strategies.averaging.fedavg import FedAvg
 from bayesfl.strategies.base import StrategyContext, option_number
-from bayesfl.strategies.fedavg import FedAvg
 
 
 class FedProx(FedAvg):

@@ -27,13 +27,13 @@ from typing import Any
 
 from torch import nn
 
-from bayesfl.strategies.base import StrategyContext, option_integer
-from bayesfl.strategies.parameter_averaging import (
+from bayesfl.strategies.averaging.parameter_averaging import (
     ParameterAveraging,
     all_but_last_layers,
     check_layer_count,
     with_epochs,
 )
+from bayesfl.strategies.base import StrategyContext, option_integer
 from bayesfl.training import LocalTraining, ParameterFilter
 
 

@@ -19,15 +19,15 @@ import torch
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message
-from bayesfl.strategies.base import ClientConfig, ClientState, model_state
-from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, fine_tune_stopped
-from bayesfl.strategies.networks import last_layers
-from bayesfl.strategies.parameter_averaging import (
+from bayesfl.strategies.averaging.parameter_averaging import (
     PERSONALIZED,
     ParameterAveraging,
     everything,
     with_epochs,
 )
+from bayesfl.strategies.base import ClientConfig, ClientState, model_state
+from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, fine_tune_stopped
+from bayesfl.strategies.networks import last_layers
 from bayesfl.training import train_plain
 
 FINETUNE_SCOPES = ("head", "all")

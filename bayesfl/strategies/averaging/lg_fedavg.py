@@ -22,12 +22,12 @@ from typing import Any
 
 from torch import nn
 
-from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.parameter_averaging import (
+from bayesfl.strategies.averaging.parameter_averaging import (
     ParameterAveraging,
     check_layer_count,
     only_last_layers,
 )
+from bayesfl.strategies.base import StrategyContext
 
 
 class LGFedAvg(ParameterAveraging):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from bayesfl.strategies.averaging.parameter_averaging import ParameterAveraging
 from bayesfl.strategies.base import ServerState
-from bayesfl.strategies.parameter_averaging import ParameterAveraging
 
 
 class LocalOnly(ParameterAveraging):

@@ -30,8 +30,8 @@ reject an upload whose update norm or sample count exceeds 10x the round's media
 reason in metrics.jsonl). A client's ``num_samples`` may not exceed its first declared one.
 
 **Schedules** (every strategy of this family): ``schedule="fedpart"`` (or a dict with kind
-``"fedpart"`` and its options, :mod:`bayesfl.strategies.fedpart_schedule`) trains one layer
-group (:mod:`bayesfl.layer_groups`, of the shared parameters) per partial round: its
+``"fedpart"`` and its options, :mod:`bayesfl.strategies.averaging.fedpart_schedule`) trains one
+layer group (:mod:`bayesfl.layer_groups`, of the shared parameters) per partial round: its
 parameters (and statistics) are the round's upload schema, the broadcast carries the groups
 changed since the previous round (``downlink="changed"``) or everything (``"full"``),
 everything else is frozen on the client (``requires_grad=False``: bit-identical, no
@@ -84,6 +84,12 @@ from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.flops import step_flops
 from bayesfl.layer_groups import LayerGroup, describe_groups, is_statistic, layer_groups
 from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.strategies.averaging.fedpart_schedule import (
+    FULL,
+    SCHEDULE_OPTIONS,
+    FedPartSchedule,
+    schedule_from_option,
+)
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
@@ -102,12 +108,6 @@ from bayesfl.strategies.base import (
     sample_counts,
     stacked_tensors,
     with_parameters,
-)
-from bayesfl.strategies.fedpart_schedule import (
-    FULL,
-    SCHEDULE_OPTIONS,
-    FedPartSchedule,
-    schedule_from_option,
 )
 from bayesfl.strategies.networks import (
     ClassifierNet,

@@ -10,7 +10,7 @@ in one go: every client uploads ``Delta_k = Sigma_k^-1 (mu_k - theta)`` at the c
 pseudo-gradient of Q and takes a server step, ``theta <- theta + server_lr * mean_k Delta_k``
 (with optional heavy-ball momentum), whose fixed point is exactly ``mu`` for uniform weights.
 On a linear-Gaussian (least-squares) model with exact local posteriors that fixed point is the
-global least-squares solution (tests/bayesfl/strategies/test_fedpa.py checks both the product
+global least-squares solution (tests/bayesfl/strategies/bayes/test_fedpa.py checks both the product
 and the iteration).
 
 **Client (IASG).** A client starts from the broadcast ``theta`` and runs plain SGD

@@ -102,7 +102,7 @@ are skipped (§6.8). Each term is a batch mean.
   ``"mean"``, i.e. an effective ``lam_kd / d'`` on the summed distance.
 - ``eps=1e-7`` (§6.11): the clamp of ``h``.
 - ``keep_optimizer=True`` (§6.12) and ``independent_init=True`` (Algorithm 1), see
-  :mod:`bayesfl.strategies.personal`.
+  :mod:`bayesfl.strategies.representation.personal`.
 - ``relay="sets"`` or ``"pool"`` (Downlink above).
 - ``relay_pool=None`` (``relay="pool"`` only): how many observation sets the relay forwards
   (None: all of the round's accepted ones); at least ``m_down + 1`` so every client finds a
@@ -118,7 +118,7 @@ are skipped (§6.8). Each term is a batch mean.
   median total is rejected (a client inflating its weight); None disables it.
 
 **Logged**: each client state keeps its last round's mean CE, KD and disc terms
-(``loss.*``, :func:`bayesfl.strategies.personal.loss_log`); the server reports
+(``loss.*``, :func:`bayesfl.strategies.representation.personal.loss_log`); the server reports
 ``prototype_drift`` (mean L2 change of the global prototypes in the last round, over the
 classes uploaded) and ``prototype_spread`` (mean distance between the global prototypes of
 two classes; near 0 means the shared feature space has collapsed) with every round's metrics.
@@ -158,7 +158,7 @@ from bayesfl.strategies.base import (
     option_number,
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply
-from bayesfl.strategies.personal import PersonalStrategy, class_means
+from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 
 UPLOAD_NAMES = ("prototypes", "observations", "counts")
 KEPT, KEPT_AVAILABLE = "relay.kept", "relay.kept_available"

@@ -21,7 +21,7 @@ only. The CoLearn paper leaves FD's weight and temperature unstated (spec colear
 Validation: non-negative counts with at least one sample, zero rows for absent classes,
 ``|logit| <= max_abs`` (1e4), and a total count at most ``screening_ratio`` (10) times the
 round's median total. Prediction is the client's own network. Clients keep personal networks
-(``independent_init``, ``keep_optimizer``: :mod:`bayesfl.strategies.personal`).
+(``independent_init``, ``keep_optimizer``: :mod:`bayesfl.strategies.representation.personal`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from bayesfl.strategies.base import (
     option_number,
 )
 from bayesfl.strategies.networks import ClassifierNet, batched_apply
-from bayesfl.strategies.personal import PersonalStrategy, class_means
+from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 
 
 def teacher_logits(
@@ -84,7 +84,7 @@ class FederatedDistillation(PersonalStrategy):
         exclude_self: distill from the aggregate without the client's own logits (True).
         max_abs: largest accepted |logit| in an upload.
         screening_ratio: total-count screening against the round's median (None: off).
-        independent_init, keep_optimizer: :mod:`bayesfl.strategies.personal`.
+        independent_init, keep_optimizer: :mod:`bayesfl.strategies.representation.personal`.
     """
 
     name: ClassVar[str] = "fd"

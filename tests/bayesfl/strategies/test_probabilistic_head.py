@@ -13,7 +13,7 @@ import inference
 from bayesfl.errors import ConfigError
 from bayesfl.messages import encode
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE
-from bayesfl.strategies.finetuning import fine_tune
+from bayesfl.strategies.averaging.finetuning import fine_tune
 from bayesfl.strategies.probabilistic_head import (
     FALLBACK,
     HEAD_PREFIX,

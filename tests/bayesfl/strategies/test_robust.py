@@ -12,7 +12,7 @@ from strategy_helpers import context, fit_all, generators, make_clients, run_rou
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.parameter_averaging import shared_state
+from bayesfl.strategies.averaging.parameter_averaging import shared_state
 from bayesfl.strategies.robust import (
     coordinate_median,
     declarations,

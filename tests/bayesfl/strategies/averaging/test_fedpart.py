@@ -13,8 +13,12 @@ from bayesfl.layer_groups import layer_groups
 from bayesfl.messages import Message, encode
 from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
-from bayesfl.strategies.fedpart_schedule import FULL, FedPartSchedule, schedule_from_option
-from bayesfl.strategies.parameter_averaging import SYNCED
+from bayesfl.strategies.averaging.fedpart_schedule import (
+    FULL,
+    FedPartSchedule,
+    schedule_from_option,
+)
+from bayesfl.strategies.averaging.parameter_averaging import SYNCED
 from bayesfl.training import LocalTraining, train_plain
 
 BODY = "resnet8:4-4-8"  # BatchNorm body, two conv shortcuts, 10 groups with its head
@@ -520,7 +524,7 @@ def test_resume_mid_cycle_gives_identical_results(full_run, tmp_path):
 def test_built_directly_fedpart_runs_the_papers_schedule_defaults():
     # make_strategy passes every option; built directly, the signature's defaults are the
     # paper's: R = 2 rounds per group, F = 5 full rounds per cycle, W = 5 warm-up rounds
-    from bayesfl.strategies.fedpart import FedPart
+    from bayesfl.strategies.averaging.fedpart import FedPart
 
     context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(6,))
     options = FedPart(context).schedule_options

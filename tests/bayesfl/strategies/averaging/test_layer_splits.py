@@ -11,8 +11,8 @@ from torch import nn
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies import StrategyContext, make_strategy, strategy_options
+from bayesfl.strategies.averaging.parameter_averaging import shared_state
 from bayesfl.strategies.networks import layer_parameter_names
-from bayesfl.strategies.parameter_averaging import shared_state
 from bayesfl.training import LocalTraining
 
 # registry name -> layers of a 4-layer network (body.1, body.3, body.5, head) it averages

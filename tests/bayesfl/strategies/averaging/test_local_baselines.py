@@ -8,7 +8,7 @@ from bayesfl.errors import ConfigError
 from bayesfl.messages import encode
 from bayesfl.simulate import simulate
 from bayesfl.strategies import PREDICTIVE
-from bayesfl.strategies.parameter_averaging import (
+from bayesfl.strategies.averaging.parameter_averaging import (
     PERSONALIZED,
     ParameterAveraging,
     shared_state,

@@ -18,8 +18,8 @@ from strategy_helpers import (
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import PREDICTIVE, STRATEGIES, make_strategy
+from bayesfl.strategies.averaging.parameter_averaging import PERSONALIZED, shared_state
 from bayesfl.strategies.base import StrategyContext
-from bayesfl.strategies.parameter_averaging import PERSONALIZED, shared_state
 
 
 def shared_names(strategy):
@@ -246,7 +246,7 @@ def test_numeric_strategy_options_of_the_wrong_type_are_config_errors(name, opti
 
 @pytest.mark.parametrize("name", ["fedbabu", "fedavg-ft"])
 def test_fine_tuning_stops_by_heldout_nll_by_default_and_fixed_runs_every_epoch(build, name):
-    from bayesfl.strategies.finetuning import fine_tune
+    from bayesfl.strategies.averaging.finetuning import fine_tune
 
     strategy, clients, state = build(name, finetune_epochs=3)
     assert strategy.finetune_stop == "heldout_nll"

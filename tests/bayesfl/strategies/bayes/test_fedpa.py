@@ -10,7 +10,7 @@ from strategy_helpers import context, generators, make_clients, run_round, wire
 from bayesfl.errors import ConfigError
 from bayesfl.simulate import simulate
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.fedpa import (
+from bayesfl.strategies.bayes.fedpa import (
     COUNT,
     DELTA,
     SAMPLES,

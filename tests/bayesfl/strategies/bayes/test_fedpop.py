@@ -8,7 +8,7 @@ import torch
 from strategy_helpers import generators, run_round, wire
 
 from bayesfl.simulate import simulate
-from bayesfl.strategies.fedpop import BODY, PRIOR_STD, FedPop, sample_heads
+from bayesfl.strategies.bayes.fedpop import BODY, PRIOR_STD, FedPop, sample_heads
 from tests.inference.ground_truth import (
     single_intra_op_thread,  # noqa: F401  (fixture)
     softmax_regression,

@@ -10,7 +10,7 @@ from torch.distributions import Normal, kl_divergence
 from bayesfl.simulate import simulate
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import MAP_PLUGIN, MODEL_PREFIX, PREDICTIVE
-from bayesfl.strategies.pfedbayes import MU, RHO, diagonal_gaussian_kl, softplus_std
+from bayesfl.strategies.bayes.pfedbayes import MU, RHO, diagonal_gaussian_kl, softplus_std
 from bayesfl.training import LocalTraining
 
 F64 = torch.float64

@@ -24,7 +24,7 @@ from strategy_helpers import (
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
-from bayesfl.strategies.fedlog import HeadObjective
+from bayesfl.strategies.fedlog.fedlog import HeadObjective
 from inference.conjugate import (
     ConjugatePosterior,
     ConjugatePrior,

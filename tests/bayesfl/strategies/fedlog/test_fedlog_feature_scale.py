@@ -240,7 +240,7 @@ def test_on_digits_the_evidence_scale_is_far_above_1_and_loses_nothing_against_i
 
 
 def test_a_failed_evidence_search_keeps_the_previous_scale_and_warns(build, monkeypatch):
-    import bayesfl.strategies.fedlog as fedlog
+    import bayesfl.strategies.fedlog.fedlog as fedlog
     from inference.errors import NumericalError
 
     strategy, clients, state = build("fedlog", feature_scale="evidence")

@@ -11,7 +11,7 @@ from bayesfl.cli import main
 from bayesfl.messages import Message
 from bayesfl.simulate import simulate
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
-from bayesfl.strategies.fedsi import aggregate_gaussians, body_vector, prior_penalty
+from bayesfl.strategies.fedsi.fedsi import aggregate_gaussians, body_vector, prior_penalty
 from inference.subnet import DiagonalLaplacePosterior, SubnetLaplacePosterior, select_subnet
 
 # digits, 5 clients, small local work: the CI runs of FedSI and FedSI-Fac
@@ -547,7 +547,7 @@ def test_built_directly_every_option_has_its_documented_default():
     # defaults: the values of the module docstring's table
     from strategy_helpers import context
 
-    from bayesfl.strategies.fedsi import FedSI, FedSIFac
+    from bayesfl.strategies.fedsi.fedsi import FedSI, FedSIFac
 
     s = FedSI(context())
     assert (s.prior_var, s.subnet_fraction, s.subnet_size, s.posterior_kind) == (

@@ -12,7 +12,7 @@ from strategy_helpers import run_round, wire
 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
-from bayesfl.strategies.fedsi import ALPHA_GRID, alpha_log_evidence, body_vector
+from bayesfl.strategies.fedsi.fedsi import ALPHA_GRID, alpha_log_evidence, body_vector
 from inference.log_grid import argmin_on_log_grid
 
 

@@ -13,15 +13,15 @@ from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, encode
 from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
-from bayesfl.strategies.colearn import (
+from bayesfl.strategies.networks import batched_apply
+from bayesfl.strategies.representation.colearn import (
     contrastive_terms,
     observation_sets,
     peer_prototypes,
     select_observations,
     upload_floats,
 )
-from bayesfl.strategies.networks import batched_apply
-from bayesfl.strategies.personal import class_means, loss_log
+from bayesfl.strategies.representation.personal import class_means, loss_log
 from bayesfl.training import LocalTraining
 
 

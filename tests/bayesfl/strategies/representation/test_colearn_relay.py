@@ -9,7 +9,7 @@ from strategy_helpers import FEATURE_DIM, NUM_CLASSES, run_round, wire
 from bayesfl.messages import encode
 from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
-from bayesfl.strategies.colearn import (
+from bayesfl.strategies.representation.colearn import (
     KEPT,
     KEPT_AVAILABLE,
     downlink_floats,

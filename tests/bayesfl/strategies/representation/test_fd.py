@@ -10,7 +10,7 @@ from strategy_helpers import NUM_CLASSES, network_output, run_round, wire
 from bayesfl.errors import MessageRejected
 from bayesfl.messages import Message
 from bayesfl.simulate import simulate
-from bayesfl.strategies.fd import distillation_terms, teacher_logits
+from bayesfl.strategies.representation.fd import distillation_terms, teacher_logits
 
 
 def test_uploads_are_class_mean_logits_and_the_aggregate_is_count_weighted(build):

@@ -1,0 +1,2 @@
+"""The FedSI family: linearised-Laplace posteriors over a client-chosen subnetwork of a shared
+body, aggregated as Gaussians (FedSI and FedSI-Fac), in :mod:`bayesfl.strategies.fedsi.fedsi`."""
