@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.optimize
 
 from inference.errors import InvalidInputError, NumericalError
 
@@ -148,6 +147,8 @@ def search_log_space(
     best = int(np.argmax(grid_scores))
     log_best, score_best = float(log_grid[best]), grid_scores[best]
     if refine:
+        import scipy.optimize  # here: 0.5 s of import that most callers of inference never need
+
         a, b = float(log_grid[max(best - 1, 0)]), float(log_grid[min(best + 1, count - 1)])
         result = scipy.optimize.minimize_scalar(lambda x: -score(float(x)), bounds=(a, b),
                                                 method="bounded", options={"xatol": xatol})
