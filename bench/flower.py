@@ -6,17 +6,26 @@ SuperNodes, :class:`bayesfl.flower.local.LocalFederation`), evaluating after eve
 both. A Flower round is one ``train.round`` message per client: it evaluates the previous
 round's state and fits; its record's wall time runs from the round's start to its aggregate
 (the simulator's round: fit, aggregate, evaluate). Per training round it reports the wall
-time of each and splits Flower's into:
+time of each and splits Flower's round (its slowest client) into:
 
 * ``training``: the slowest client's fit and evaluation work and the server's aggregation
   (what the simulator also does);
 * ``serialization``: encoding and decoding/validating bayesfl messages (server and client);
+* ``client_import``: the ClientApp's handler importing torch and the bayesfl modules it needs
+  (from the replies' ``import`` timing when the server records it, else measured here in a
+  fresh interpreter that has imported Flower's command first, as ``flwr-clientapp`` has);
 * ``client_setup``: the ClientApp loading the data and building the strategy;
-* ``polling_and_processes``: the rest: Flower's floor, which bayesfl cannot change with a
+* ``flower_process``: a fresh ``flwr-clientapp`` process starting and importing Flower's
+  command, measured here on its own (Flower's floor: one process per message);
+* ``polling_and_wait``: the rest, also Flower's floor, which bayesfl cannot change with a
   supported API: the SuperNode's hard-coded 3 s sleep after an empty pull, the SuperExec's
-  1 s task poll, and a fresh ClientApp process per message (``flwr-clientapp`` imported, then
-  torch and bayesfl, and ``torch._dynamo`` on the first ``torch.optim`` construction);
-  ``process_start`` measures one import of the ClientApp on its own for scale.
+  task poll (0.2 s under :class:`~bayesfl.flower.local.LocalFederation`), the SuperNode's 0.5 s
+  sleep while it waits for its ClientApp's reply, and the server's 0.2 s poll.
+
+The figures measured on their own (``flower_process``, ``client_import`` when the server does
+not record it) are medians of three fresh processes after the run; during the run three
+SuperNodes start theirs at once on a shared machine, so the rest is an upper bound of the
+polling. The load average (``os.getloadavg``) before and after is printed with the figures.
 
 Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog]``. Last line: JSON.
 """
@@ -25,16 +34,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
 # calibration package: the repository root goes there instead
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
 
@@ -44,11 +54,33 @@ from bayesfl.simulate import simulate  # noqa: E402
 EXPERIMENT = {"dataset": "digits", "clients": 3, "partition": "iid", "seed": 0}
 
 
-def process_start_seconds() -> float:
-    """Wall time of a fresh interpreter importing the ClientApp (what every message costs)."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import bayesfl.flower.client_app"], check=True)
-    return time.perf_counter() - t0
+def _fresh_seconds(code: str, repeats: int = 3) -> float:
+    """Median over ``repeats`` fresh interpreters of the seconds ``code`` prints."""
+    runs = [float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                 text=True, cwd=ROOT).stdout.split()[-1])
+            for _ in range(repeats)]
+    return statistics.median(runs)
+
+
+# what flwr-clientapp imports before it loads the app (its console script's module)
+FLOWER_COMMAND = "flwr.supernode.cli"
+
+
+def flower_process_seconds() -> float:
+    """A fresh interpreter starting and importing Flower's ``flwr-clientapp`` command (the
+    wall time of the process as its parent sees it)."""
+    return _fresh_seconds(
+        "import subprocess, sys, time; t = time.perf_counter(); "
+        f"subprocess.run([sys.executable, '-c', 'import {FLOWER_COMMAND}'], check=True); "
+        "print(time.perf_counter() - t)")
+
+
+def clientapp_import_seconds() -> float:
+    """After Flower's command: importing the ClientApp and the modules its handler needs."""
+    return _fresh_seconds(
+        f"import time, {FLOWER_COMMAND}; t = time.perf_counter(); "
+        "from bayesfl.flower.client_app import import_step_modules; import_step_modules(); "
+        "print(time.perf_counter() - t)")
 
 
 def main() -> None:
@@ -57,6 +89,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="fedlog")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
 
     sim = simulate(args.strategy, rounds=args.rounds, progress=False, batched=False,
                    threads=1, **EXPERIMENT)
@@ -73,30 +106,37 @@ def main() -> None:
         records = [json.loads(line) for line in
                    (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
-    spawn = process_start_seconds()
+    load_after = os.getloadavg()
+    flower_process = flower_process_seconds()
+    standalone_import = clientapp_import_seconds()
 
     rows = []
     for m in (r for r in records if r["round"] >= 1):
         f = m["flower"]
         training = f["client_fit"] + f["client_evaluate"] + f["server_aggregate"]
         serialization = f["server_encode"] + f["server_decode_validate"] + f["client_encode"]
+        imports = f.get("client_import", standalone_import)
         setup = f["client_setup"]
-        rest = m["seconds"] - training - serialization - setup
+        rest = m["seconds"] - training - serialization - imports - setup - flower_process
         rows.append({"round": m["round"], "wall": m["seconds"], "training": training,
-                     "serialization": serialization, "client_setup": setup,
-                     "polling_and_processes": rest, "server_polling_wait": f["round_polling"]})
+                     "serialization": serialization, "client_import": imports,
+                     "client_setup": setup, "flower_process": flower_process,
+                     "polling_and_wait": rest, "server_polling_wait": f["round_polling"]})
     flower_round = statistics.median(r["wall"] for r in rows)
     sim_round = statistics.median(sim_rounds)
-    print(f"{'round':>5} {'wall s':>8} {'training':>9} {'serial.':>8} {'setup':>7} "
-          f"{'polling+procs':>14}")
+    ratio = flower_round / sim_round
+    print(f"{'round':>5} {'wall s':>8} {'training':>9} {'serial.':>8} {'import':>7} "
+          f"{'setup':>6} {'process':>8} {'polling+wait':>13}")
     for r in rows:
         print(f"{r['round']:>5} {r['wall']:8.2f} {r['training']:9.2f} "
-              f"{r['serialization']:8.4f} {r['client_setup']:7.2f} "
-              f"{r['polling_and_processes']:14.2f}")
+              f"{r['serialization']:8.4f} {r['client_import']:7.2f} {r['client_setup']:6.2f} "
+              f"{r['flower_process']:8.2f} {r['polling_and_wait']:13.2f}")
     print(f"simulator round (median of {len(sim_rounds)}): {sim_round:.3f} s; Flower round: "
-          f"{flower_round:.2f} s ({flower_round / sim_round:.0f}x); one ClientApp process "
-          f"start: {spawn:.2f} s; ECE simulator {sim.summary['ece']:.6f} vs Flower "
-          f"{summary['ece']:.6f}")
+          f"{flower_round:.2f} s ({ratio:.1f}x); ECE simulator {sim.summary['ece']:.6f} vs "
+          f"Flower {summary['ece']:.6f}; load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after")
+    print("import" + (" from the replies" if "client_import" in records[-1]["flower"] else
+                      " and process measured on their own after the run (module docstring)"))
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -104,14 +144,16 @@ def main() -> None:
     print(json.dumps({
         "bench": "flower", "strategy": args.strategy, "rounds": args.rounds, "clients": 3,
         "simulator_round_s": sim_round, "flower_round_s": flower_round,
-        "ratio_flower_over_simulator": flower_round / sim_round,
+        "ratio_flower_over_simulator": ratio,
         "flower_training_s": median("training"),
         "flower_serialization_s": median("serialization"),
+        "flower_client_import_s": median("client_import"),
         "flower_client_setup_s": median("client_setup"),
-        "flower_polling_and_processes_s": median("polling_and_processes"),
-        "clientapp_process_start_s": spawn,
+        "flower_process_start_s": flower_process,
+        "flower_polling_and_wait_s": median("polling_and_wait"),
         "ece_simulator": sim.summary["ece"], "ece_flower": summary["ece"],
         "messages_per_client_per_round": 1,
+        "load_average_before": load_before[0], "load_average_after": load_after[0],
         "flower_run_s": status.seconds}))
 
 
