@@ -1,7 +1,8 @@
 """What a user hands a trained federation: a client id and a batch of that client's inputs.
 
 :meth:`bayesfl.simulate.SimulationResult.predict_proba`, ``SimulationResult.posterior`` and
-:class:`bayesfl.posterior.ClientPosterior` check them here, so that a bad one is a
+the posteriors it returns (:func:`bayesfl.posterior.client_posterior`, the whole-network
+baselines' :class:`inference.NetworkGaussian`) check them here, so that a bad one is a
 :class:`~bayesfl.errors.ConfigError` (the client id) or :class:`~bayesfl.errors.DataError` (the
 inputs) saying what was wrong and what to pass.
 
@@ -87,20 +88,4 @@ def client_inputs(
     return converted
 
 
-def module_dtype(module: torch.nn.Module, default: torch.dtype = torch.float32) -> torch.dtype:
-    """The floating dtype of ``module``'s first floating parameter or buffer (``default`` if it
-    has none)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return default
-
-
-def module_device(module: torch.nn.Module) -> torch.device:
-    """The device of ``module``'s first parameter or buffer (CPU if it has none)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-__all__ = ["client_index", "client_inputs", "module_device", "module_dtype"]
+__all__ = ["client_index", "client_inputs"]

@@ -105,3 +105,23 @@ def test_every_error_here_is_a_bayesfl_error(result):
         result.predict_proba(2, np.zeros((3, 9)))
     with pytest.raises(BayesFLError):
         result.predict_proba(99, np.zeros((3, 10)))
+
+
+def test_a_client_posterior_is_an_inference_body_posterior_that_round_trips(result, x):
+    import bayesfl
+
+    posterior = result.posterior(2)
+    assert bayesfl.ClientPosterior is inference.BodyPosterior
+    assert isinstance(posterior, inference.BodyPosterior)
+    assert isinstance(posterior, inference.Posterior)
+    # the state holds the head's and the body's tensors; the body's architecture and the head's
+    # kind come back as arguments (a fresh network: its own values are replaced)
+    back = inference.BodyPosterior.from_state_dict(
+        posterior.state_dict(), body=result.strategy.template(result.clients[2].config.body),
+        head=type(posterior.head), method=posterior.method, **posterior.defaults)
+    assert torch.equal(back.predict_proba(x, method="map"),
+                       posterior.predict_proba(x, method="map"))
+    # the strategy's predictive ("mc" with its n_samples) from the same seeded draws
+    assert torch.equal(back.predict_proba(x, generator=torch.Generator().manual_seed(1)),
+                       posterior.predict_proba(x, generator=torch.Generator().manual_seed(1)))
+    inference.check(posterior, x, generator=torch.Generator().manual_seed(0))

@@ -135,7 +135,7 @@ from torch import Tensor, nn
 from bayesfl.data.clients import ClientData, stratified_split
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message, Schema, TensorSpec, tensor_digest
-from bayesfl.posterior import ClientPosterior
+from bayesfl.posterior import ClientPosterior, client_posterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
@@ -941,9 +941,9 @@ class FedLog(Strategy):
         if head is None:
             raise ConfigError("the federated posterior has no data yet (prior_nu = 0 and no "
                               "statistics were aggregated)")
-        return ClientPosterior(self.client_model(config, state), head, self.predictive,
-                               input_shape=self.context.input_shape or None,
-                               n_samples=self.mc_samples)
+        return client_posterior(self.client_model(config, state), head, self.predictive,
+                                input_shape=self.context.input_shape or None,
+                                n_samples=self.mc_samples)
 
 
 class FedLogC(FedLog):
