@@ -12,27 +12,12 @@ import torch
 from torch import Tensor
 
 from bayesfl.messages import Message
-from bayesfl.strategies.base import RoundPlan, num_samples_problem
-from bayesfl.strategies.robust import declared_problems, first_reasons, screening_reasons
 from inference.network_gaussian import (  # noqa: F401 - until fedpa/pfedbayes import them there
     NetworkGaussian,
     flatten,
     parameter_layout,
     unflatten,
 )
-
-
-def count_problems(plan: RoundPlan, messages: Sequence[Message],
-                   screening_ratio: float | None) -> list[str | None]:
-    """Per upload: a sample count >= 1, not above the client's first declared one, and within
-    ``screening_ratio`` times the round's median (None: no screening)."""
-    ids = [m.header.client_id for m in messages]
-    counts = [int(m.tensors["num_samples"].item()) for m in messages]
-    return first_reasons(
-        [num_samples_problem(m) for m in messages],
-        declared_problems(plan.state, ids, counts),
-        screening_reasons(torch.tensor(counts, dtype=torch.float64), screening_ratio,
-                          "num_samples"))
 
 
 def difference_norms(reference: Mapping[str, Tensor], messages: Sequence[Message],

@@ -18,6 +18,16 @@ the literature names them:
 Sample counts are also held to what a client declared before: the server keeps each client's
 first accepted ``num_samples`` in its state (``declared/<client id>``) and rejects a later
 count above it (a client's data set does not grow during a run here).
+
+**One screening API for every strategy.** A strategy's ``upload_problems`` is
+:func:`first_reasons` over columns of per-upload reasons, in priority order: its own
+invariants, :func:`count_problems` (``num_samples`` at least 1, not above the declared count,
+screened against the round's median) and :func:`screening_reasons` for each size it screens
+(an update norm, a distance, CoLearn's and FD's total class count). The decision (flag a value
+above ``ratio`` times the round's lower median; nothing without a ratio, with one upload, or
+when that median is 0) and the reason's wording (``"<what> <value> is more than <ratio>x the
+round's median <median> (screening_ratio)"``) are therefore the same in every strategy and in
+the run's ``rejections``.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ import torch
 from torch import Tensor
 
 from bayesfl.errors import ConfigError
+from bayesfl.messages import Message
+from bayesfl.strategies.base import RoundPlan, num_samples_problem
 
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
 DECLARED = "declared/"
@@ -148,3 +160,17 @@ def declarations(
 def first_reasons(*columns: Sequence[str | None]) -> list[str | None]:
     """Per upload, the first non-None reason across ``columns`` (checks in priority order)."""
     return [next((r for r in row if r is not None), None) for row in zip(*columns, strict=True)]
+
+
+def count_problems(plan: RoundPlan, messages: Sequence[Message],
+                   screening_ratio: float | None) -> list[str | None]:
+    """Per upload, the first problem of its ``num_samples``: below 1, above the client's first
+    declared count (the ledger in ``plan.state``), or more than ``screening_ratio`` times the
+    round's median count (None: counts are not screened)."""
+    ids = [m.header.client_id for m in messages]
+    counts = [int(m.tensors["num_samples"].item()) for m in messages]
+    return first_reasons(
+        [num_samples_problem(m) for m in messages],
+        declared_problems(plan.state, ids, counts),
+        screening_reasons(torch.tensor(counts, dtype=torch.float64), screening_ratio,
+                          "num_samples"))

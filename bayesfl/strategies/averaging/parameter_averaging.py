@@ -103,7 +103,6 @@ from bayesfl.strategies.base import (
     check_one_body,
     client_weights,
     model_state,
-    num_samples_problem,
     num_samples_tensor,
     sample_counts,
     stacked_tensors,
@@ -128,8 +127,8 @@ from bayesfl.strategies.robust import (
     DECLARED,
     check_robust_options,
     combine,
+    count_problems,
     declarations,
-    declared_problems,
     first_reasons,
     norm_scales,
     screening_reasons,
@@ -398,13 +397,9 @@ class ParameterAveraging(Strategy):
         """Per upload: a valid sample count, not above the client's first declared one, and
         (screening) an update norm and sample count within ``screening_ratio`` times the
         round's medians."""
-        ids = [m.header.client_id for m in messages]
-        counts = [int(m.tensors["num_samples"].item()) for m in messages]
         ratio = self.screening_ratio
         return first_reasons(
-            [num_samples_problem(m) for m in messages],
-            declared_problems(plan.state, ids, counts),
-            screening_reasons(torch.tensor(counts, dtype=torch.float64), ratio, "num_samples"),
+            count_problems(plan, messages, ratio),
             screening_reasons(update_norms(shared_state(plan.state), messages), ratio,
                               "update norm"),
         )

@@ -92,13 +92,18 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.network_posterior import (
     NetworkGaussian,
-    count_problems,
     flatten,
     parameter_layout,
     unflatten,
 )
 from bayesfl.strategies.networks import ClassifierNet
-from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+from bayesfl.strategies.robust import (
+    DECLARED,
+    count_problems,
+    declarations,
+    first_reasons,
+    screening_reasons,
+)
 
 DELTA, MOMENTUM = "delta.", "momentum."
 SAMPLES, COUNT = "iasg.samples", "iasg.count"

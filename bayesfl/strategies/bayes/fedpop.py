@@ -70,9 +70,15 @@ from bayesfl.strategies.base import (
     sample_counts,
     weighted_mean,
 )
-from bayesfl.strategies.network_posterior import count_problems, difference_norms
+from bayesfl.strategies.network_posterior import difference_norms
 from bayesfl.strategies.networks import batched_apply
-from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+from bayesfl.strategies.robust import (
+    DECLARED,
+    count_problems,
+    declarations,
+    first_reasons,
+    screening_reasons,
+)
 from inference.ensemble import EnsemblePosterior
 from inference.laplace_head import find_mode
 from inference.linear_model import augment_with_bias

@@ -96,12 +96,17 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.network_posterior import (
     NetworkGaussian,
-    count_problems,
     difference_norms,
     flatten,
 )
 from bayesfl.strategies.networks import ClassifierNet
-from bayesfl.strategies.robust import DECLARED, declarations, first_reasons, screening_reasons
+from bayesfl.strategies.robust import (
+    DECLARED,
+    count_problems,
+    declarations,
+    first_reasons,
+    screening_reasons,
+)
 
 MU, RHO = "mu.", "rho."
 SIGMA_FLOOR = 1e-6

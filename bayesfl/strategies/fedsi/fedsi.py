@@ -202,7 +202,6 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
     model_state,
-    num_samples_problem,
     num_samples_tensor,
     option_integer,
     option_number,
@@ -217,8 +216,8 @@ from bayesfl.strategies.probabilistic_head import (
     with_head_posterior,
 )
 from bayesfl.strategies.robust import (
+    count_problems,
     declarations,
-    declared_problems,
     first_reasons,
     screening_reasons,
 )
@@ -519,13 +518,10 @@ class FedSI(Strategy):
         """The invariants of the module docstring, the first failing one named per upload."""
         prior_std = plan.state["variance"].to(torch.float64).sqrt()
         mu = plan.state["mean"].to(torch.float64)
-        ids = [m.header.client_id for m in messages]
-        counts = [int(m.tensors["num_samples"].item()) for m in messages]
         norms = torch.stack([(m.tensors["mean"].to(torch.float64) - mu).norm()
                              for m in messages])
         return first_reasons(
-            [num_samples_problem(m) for m in messages],
-            declared_problems(plan.state, ids, counts),
+            count_problems(plan, messages, None),  # counts are not screened, norms are
             [self._std_problem(m, prior_std) for m in messages],
             [evidence_problem(m.tensors["log_evidence"]) if self.evidence else None
              for m in messages],

@@ -159,6 +159,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
+from bayesfl.strategies.robust import first_reasons, screening_reasons
 
 UPLOAD_NAMES = ("prototypes", "observations", "counts")
 KEPT, KEPT_AVAILABLE = "relay.kept", "relay.kept_available"
@@ -500,15 +501,10 @@ class CoLearn(PersonalStrategy):
         sample; zero prototype and observations for a class of count 0; non-negative
         features (every body ends in a ReLU) of L2 norm at most ``max_norm``; a total count at
         most ``screening_ratio`` times the round's median total."""
-        problems = [self._problem(m) for m in messages]
-        if self.screening_ratio is not None:
-            totals = [float(m.tensors["counts"].sum()) for m in messages]
-            median = float(torch.tensor(totals).median())
-            for i, total in enumerate(totals):
-                if problems[i] is None and total > self.screening_ratio * max(median, 1.0):
-                    problems[i] = (f"total count {total:g} exceeds {self.screening_ratio:g} x "
-                                   f"the round's median {median:g}")
-        return problems
+        totals = torch.tensor([float(m.tensors["counts"].sum()) for m in messages],
+                              dtype=torch.float64)
+        return first_reasons([self._problem(m) for m in messages],
+                             screening_reasons(totals, self.screening_ratio, "total count"))
 
     def _problem(self, message: Message) -> str | None:
         counts = message.tensors["counts"]

@@ -47,6 +47,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import ClassifierNet, batched_apply
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
+from bayesfl.strategies.robust import first_reasons, screening_reasons
 
 
 def teacher_logits(
@@ -149,15 +150,10 @@ class FederatedDistillation(PersonalStrategy):
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
         """Non-negative counts, at least one sample, zero rows of absent classes, bounded
         logits, total count screened against the round's median."""
-        problems = [self._problem(m) for m in messages]
-        if self.screening_ratio is not None:
-            totals = [float(m.tensors["counts"].sum()) for m in messages]
-            median = float(torch.tensor(totals).median())
-            for i, total in enumerate(totals):
-                if problems[i] is None and total > self.screening_ratio * max(median, 1.0):
-                    problems[i] = (f"total count {total:g} exceeds {self.screening_ratio:g} x "
-                                   f"the round's median {median:g}")
-        return problems
+        totals = torch.tensor([float(m.tensors["counts"].sum()) for m in messages],
+                              dtype=torch.float64)
+        return first_reasons([self._problem(m) for m in messages],
+                             screening_reasons(totals, self.screening_ratio, "total count"))
 
     def _problem(self, message: Message) -> str | None:
         counts, logits = message.tensors["counts"], message.tensors["logits"]

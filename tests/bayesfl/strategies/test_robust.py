@@ -1,6 +1,8 @@
 """Robust aggregation: the rules against independent references, screening of absurd uploads,
-the declared-sample ledger, and parameter averaging with each option."""
+the declared-sample ledger, the one screening API every strategy's upload checks go through,
+and parameter averaging with each option."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -15,10 +17,12 @@ from bayesfl.strategies import make_strategy
 from bayesfl.strategies.averaging.parameter_averaging import shared_state
 from bayesfl.strategies.robust import (
     coordinate_median,
+    count_problems,
     declarations,
     declared_problems,
     norm_scales,
     screen,
+    screening_reasons,
     trimmed_mean,
 )
 
@@ -62,6 +66,58 @@ def test_the_ledger_keeps_the_first_declared_count_and_flags_larger_later_ones()
     reasons = declared_problems(ledger, [3, 4, 5], [60, 10**7, 10**7])
     assert reasons[0] is None and reasons[2] is None  # equal; a client never seen before
     assert "num_samples 10000000 exceeds the 80 this client declared" in reasons[1]
+
+
+# ---- the one screening API -----------------------------------------------------------------
+def test_a_screening_reason_names_the_value_the_ratio_and_the_rounds_lower_median():
+    values = torch.tensor([4.0, 6.0, 100.0, 5.0], dtype=torch.float64)  # lower median 5
+    assert screening_reasons(values, 10.0, "total count") == [
+        None, None, "total count 100 is more than 10x the round's median 5 (screening_ratio)",
+        None]
+    assert screening_reasons(values, None, "total count") == [None] * 4
+
+
+def test_count_problems_check_the_count_then_the_ledger_then_the_rounds_median():
+    # one upload per rule, and one breaking all three at once, which gets the first reason
+    _, plan, _, ups = round_uploads()
+    ledger = declarations({}, [u.header.client_id for u in ups], SIZES)
+    plan = dataclasses.replace(plan, state={**plan.state, **ledger})
+    ups = [tampered(ups[0], num_samples=0), tampered(ups[1], num_samples=SIZES[1] + 1),
+           *ups[2:]]
+    assert count_problems(plan, ups, 10.0) == [
+        "num_samples must be >= 1, got 0",
+        f"num_samples {SIZES[1] + 1} exceeds the {SIZES[1]} this client declared in its first "
+        "accepted upload", None, None, None]
+    fresh = dataclasses.replace(plan, state={})  # no ledger yet: only the median screens
+    ups[4] = tampered(ups[4], num_samples=10**6)
+    reasons = count_problems(fresh, ups, 10.0)
+    # counts 0, 21, 7, 15, 10**6: the median is 15, so only the inflated one is flagged
+    assert reasons[1:4] == [None] * 3
+    assert reasons[4] == ("num_samples 1e+06 is more than 10x the round's median 15 "
+                          "(screening_ratio)")
+    assert count_problems(fresh, ups, None)[1:] == [None] * 4  # ratio None: counts unscreened
+
+
+SCREENED_COUNTS = [("fedavg", "num_samples", "num_samples"),
+                   ("fedpa", "num_samples", "num_samples"),
+                   ("fedpop", "num_samples", "num_samples"),
+                   ("pfedbayes", "num_samples", "num_samples"),
+                   ("colearn", "counts", "total count"),
+                   ("fd", "counts", "total count")]
+
+
+@pytest.mark.parametrize(("name", "tensor", "what"), SCREENED_COUNTS)
+def test_every_strategy_screens_an_inflated_count_with_the_same_rule_and_words(name, tensor,
+                                                                               what):
+    # an honest round with one client's sample count(s) multiplied by 10**6: each strategy
+    # rejects it, only it, with the reason screening_reasons words for the round's values
+    strategy, plan, _, ups = round_uploads(name)
+    inflated = {**ups[2].tensors, tensor: ups[2].tensors[tensor] * 10**6}
+    ups[2] = Message(ups[2].header, inflated)
+    totals = torch.tensor([float(u.tensors[tensor].sum()) for u in ups], dtype=torch.float64)
+    reasons = verdicts(strategy, plan, ups)
+    assert reasons == screening_reasons(totals, 10.0, what)
+    assert reasons[2] is not None and [k for k, r in enumerate(reasons) if r] == [2]
 
 
 @pytest.mark.parametrize("options", [{"aggregation": "krum"}, {"trim_fraction": 0.5},
