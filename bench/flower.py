@@ -5,7 +5,8 @@ runs in the simulator and on a Flower deployment on 127.0.0.1 (a SuperLink and t
 SuperNodes, :class:`bayesfl.flower.local.LocalFederation`), evaluating after every round on
 both. A Flower round is one ``train.round`` message per client: it evaluates the previous
 round's state and fits; its record's wall time runs from the round's start to its aggregate
-(the simulator's round: fit, aggregate, evaluate). Per training round it reports the wall
+(the simulator's round: fit, aggregate, evaluate; the simulator runs once before and once
+after the Flower run, and its round is the median over both). Per training round it reports the wall
 time of each and splits Flower's round (its slowest client) into:
 
 * ``training``: the slowest client's fit and evaluation work and the server's aggregation
@@ -22,17 +23,24 @@ time of each and splits Flower's round (its slowest client) into:
   task poll (0.2 s under :class:`~bayesfl.flower.local.LocalFederation`), the SuperNode's 0.5 s
   sleep while it waits for its ClientApp's reply, and the server's 0.2 s poll.
 
+Before anything runs, the bench byte-compiles bayesfl, inference and calibration
+(``compileall``), as ``pip install`` does: in an editable checkout under
+``PYTHONDONTWRITEBYTECODE=1`` (set on the development machine) every ClientApp process would
+otherwise compile the ~130 modules it imports from source again (about 0.4-0.9 s a message);
+``--no-compile`` skips that to measure it.
+
 The figures measured on their own (``flower_process``, ``client_import`` when the server does
 not record it) are medians of three fresh processes after the run; during the run three
 SuperNodes start theirs at once on a shared machine, so the rest is an upper bound of the
 polling. The load average (``os.getloadavg``) before and after is printed with the figures.
 
-Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog]``. Last line: JSON.
+Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog] [--no-compile]``. Last line: JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -87,13 +95,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--strategy", default="fedlog")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="do not byte-compile the packages first (module docstring)")
     args = parser.parse_args()
+    if not args.no_compile:
+        for package in ("bayesfl", "inference", "calibration"):
+            compileall.compile_dir(ROOT / package, quiet=1)
     torch.set_num_threads(1)
     load_before = os.getloadavg()
 
-    sim = simulate(args.strategy, rounds=args.rounds, progress=False, batched=False,
-                   threads=1, **EXPERIMENT)
-    sim_rounds = [m["seconds"] for m in sim.metrics if m["round"] >= 1]
+    def simulator_rounds():
+        result = simulate(args.strategy, rounds=args.rounds, progress=False, batched=False,
+                          threads=1, **EXPERIMENT)
+        return result, [m["seconds"] for m in result.metrics if m["round"] >= 1]
+
+    # the simulator runs before and after the Flower run: on a shared machine whose load
+    # changes, the median of both is the simulator's round under the Flower run's conditions
+    sim, sim_rounds = simulator_rounds()
 
     with tempfile.TemporaryDirectory(prefix="bayesfl-bench-flower-") as tmp:
         out = Path(tmp) / "run"
@@ -107,6 +125,10 @@ def main() -> None:
                    (out / "metrics.jsonl").read_text().splitlines()]
         summary = json.loads((out / "summary.json").read_text())
     load_after = os.getloadavg()
+    sim_after, rounds_after = simulator_rounds()
+    if sim_after.summary["ece"] != sim.summary["ece"]:
+        raise SystemExit("the simulator's two runs differ: the bench is not reproducible")
+    sim_rounds += rounds_after
     flower_process = flower_process_seconds()
     standalone_import = clientapp_import_seconds()
 
@@ -153,6 +175,7 @@ def main() -> None:
         "flower_polling_and_wait_s": median("polling_and_wait"),
         "ece_simulator": sim.summary["ece"], "ece_flower": summary["ece"],
         "messages_per_client_per_round": 1,
+        "byte_compiled": not args.no_compile,
         "load_average_before": load_before[0], "load_average_after": load_after[0],
         "flower_run_s": status.seconds}))
 
