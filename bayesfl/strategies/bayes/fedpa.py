@@ -45,7 +45,7 @@ e.g. ``rho_l``).
 posterior predictive the client uses ``N(theta, Sigma_swag)``: the broadcast mode with the
 covariance of its own IASG samples of its last round in SWAG's form (Maddox et al. 2019):
 ``1/2 (diag(s^2) + D^T D / (l - 1))``, ``D`` the samples' deviations from their mean
-(:class:`~bayesfl.strategies.network_posterior.NetworkGaussian`). This is our choice, not the
+(:class:`inference.NetworkGaussian`). This is our choice, not the
 paper's: with no samples (l = 0) the covariance is zero and the predictive equals the plug-in.
 Headline: the MC average over ``mc_samples`` (32) draws; ``map_plugin``: softmax at ``theta``.
 
@@ -70,39 +70,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.errors import ConfigError
+from bayesfl.messages import Message
 from bayesfl.strategies.base import (
-    MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
-    PREDICTIVE,
     ClientConfig,
     ClientState,
     RoundPlan,
     ServerState,
-    Strategy,
     StrategyContext,
-    client_weights,
-    derived_seed,
     model_state,
-    num_samples_tensor,
     option_integer,
     option_number,
-    sample_counts,
 )
-from bayesfl.strategies.network_posterior import (
+from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
+from bayesfl.strategies.robust import DECLARED
+from inference.network_gaussian import (
     NetworkGaussian,
+    Prepare,
     flatten,
     parameter_layout,
     unflatten,
-)
-from bayesfl.strategies.networks import ClassifierNet
-from bayesfl.strategies.robust import (
-    DECLARED,
-    count_problems,
-    declarations,
-    first_reasons,
-    screening_reasons,
 )
 
 DELTA, MOMENTUM = "delta.", "momentum."
@@ -197,23 +184,29 @@ def server_step(
     return new, new_buffers
 
 
-def swag_gaussian(model: nn.Module, theta: Tensor, samples: Tensor, *, n_samples: int,
-                  input_shape: tuple[int, ...] | None) -> NetworkGaussian:
-    """``N(theta, 1/2 (diag(s^2) + D^T D / (l - 1)))`` from (l, P) samples (SWAG's form);
-    zero covariance for l = 0, diagonal only for l = 1 (whose variance is zero too)."""
+def swag_covariance(samples: Tensor, theta: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(variance (P,), factor (l, P))`` of SWAG's ``1/2 (diag(s^2) + D^T D / (l - 1))`` from
+    (l, P) samples, in ``theta``'s dtype: zero variance and no factor for l < 2 (l = 1 spreads
+    nothing either)."""
     samples = samples.to(torch.float64)
-    size = theta.shape[0]
     if samples.shape[0] < 2:
-        return NetworkGaussian(model, theta, torch.zeros(size, dtype=theta.dtype),
-                               n_samples=n_samples, input_shape=input_shape)
+        return torch.zeros(theta.shape[0], dtype=theta.dtype), None
     deviations = samples - samples.mean(0)
     variance = 0.5 * deviations.square().mean(0)
     factor = deviations / (2 * (samples.shape[0] - 1)) ** 0.5
-    return NetworkGaussian(model, theta, variance.to(theta.dtype), factor.to(theta.dtype),
-                           n_samples=n_samples, input_shape=input_shape)
+    return variance.to(theta.dtype), factor.to(theta.dtype)
 
 
-class FedPA(Strategy):
+def swag_gaussian(model: nn.Module, theta: Tensor, samples: Tensor, *, n_samples: int,
+                  input_shape: tuple[int, ...] | None,
+                  prepare: Prepare | None = None) -> NetworkGaussian:
+    """``N(theta, 1/2 (diag(s^2) + D^T D / (l - 1)))`` from (l, P) samples (SWAG's form,
+    :func:`swag_covariance`); zero covariance for l < 2."""
+    return NetworkGaussian(model, theta, *swag_covariance(samples, theta), n_samples=n_samples,
+                           input_shape=input_shape, prepare=prepare)
+
+
+class FedPA(NetworkGaussianBaseline):
     """FedPA: IASG local posteriors, precision-weighted deltas, a server step (module docstring).
 
     Args:
@@ -234,7 +227,10 @@ class FedPA(Strategy):
     """
 
     name = "fedpa"
-    is_posterior = True
+    server_only = (DECLARED, MOMENTUM)
+    upload_prefix = DELTA
+    update_norm_label = "delta norm"
+    predict_seed_tag = 19
 
     def __init__(
         self,
@@ -251,10 +247,8 @@ class FedPA(Strategy):
         mc_samples: int = 32,
         screening_ratio: float | None = 10.0,
     ) -> None:
-        super().__init__(context)
-        if len(set(context.bodies)) != 1:
-            raise ConfigError("fedpa averages every parameter of the network: use one body "
-                              f"spec for all clients, got {sorted(set(context.bodies))}")
+        super().__init__(context, mc_samples=mc_samples, weighted=weighted,
+                         screening_ratio=screening_ratio)
         self.client_lr = option_number(self.name, "client_lr", client_lr, minimum=1e-12)
         self.rho = option_number(self.name, "rho", rho)
         self.burn_in_epochs = option_integer(self.name, "burn_in_epochs", burn_in_epochs, 1)
@@ -267,63 +261,30 @@ class FedPA(Strategy):
             raise ConfigError("fedpa normalize_delta must be true or false, got "
                               f"{normalize_delta!r}")
         self.normalize_delta = normalize_delta
-        if not isinstance(weighted, bool):
-            raise ConfigError(f"fedpa weighted must be true or false, got {weighted!r}")
-        self.weighted = weighted
-        self.mc_samples = option_integer(self.name, "mc_samples", mc_samples, 1)
-        self.screening_ratio = None if screening_ratio is None else option_number(
-            self.name, "screening_ratio", screening_ratio, minimum=1.0)
-
-    def build_model(self, body: nn.Module) -> nn.Module:
-        return ClassifierNet(body, self.feature_dim, self.num_classes)
 
     # ==== server half ======================================================================
     def init(self) -> ServerState:
-        spec = self.context.bodies[0]
-        model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {n: p.detach().clone() for n, p in self.initial_network().named_parameters()}
 
     def parameters(self, state: ServerState) -> dict[str, Tensor]:
-        return {k: v for k, v in state.items()
-                if not k.startswith(DECLARED) and not k.startswith(MOMENTUM)}
+        """The global parameters ``theta`` (the broadcast: no momentum, no declarations)."""
+        return self.broadcast_tensors(state, 0)
 
-    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        return self.parameters(state)
-
-    def upload_schema(self, state: ServerState, round: int) -> Schema:
-        schema = {DELTA + k: TensorSpec(tuple(v.shape), torch.float32)
-                  for k, v in self.parameters(state).items()}
-        schema["num_samples"] = NUM_SAMPLES_SPEC
-        return schema
-
-    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
-        """Sample counts (:func:`count_problems`) and the delta norm within
-        ``screening_ratio`` times the round's median."""
-        norms = torch.tensor([
+    def update_norms(self, plan: RoundPlan, messages: Sequence[Message]) -> Tensor:
+        """(K,) float64: the norm of each upload's delta."""
+        return torch.tensor([
             sum(float(v.to(torch.float64).square().sum()) for k, v in m.tensors.items()
                 if k.startswith(DELTA)) ** 0.5 for m in messages], dtype=torch.float64)
-        return first_reasons(count_problems(plan, messages, self.screening_ratio),
-                             screening_reasons(norms, self.screening_ratio, "delta norm"))
 
-    def aggregate(
-        self,
-        state: ServerState,
-        uploads: Sequence[Message],
-        round: int,
-        generator: torch.Generator,
-    ) -> ServerState:
-        """:func:`server_step` with the uploads' deltas."""
-        if not uploads:
-            return state
-        counts = sample_counts(uploads)
-        weights = client_weights(counts, self.weighted)
+    def combine(self, state: ServerState, uploads: Sequence[Message], weights: Tensor,
+                round: int) -> dict[str, Tensor]:
+        """:func:`server_step` with the uploads' deltas (and the momentum buffers)."""
         params = self.parameters(state)
         deltas = [{k: m.tensors[DELTA + k] for k in params} for m in uploads]
         buffers = {k[len(MOMENTUM):]: v for k, v in state.items() if k.startswith(MOMENTUM)}
         new, new_buffers = server_step(params, deltas, weights, self.server_lr,
                                        self.server_momentum, buffers)
         new.update({MOMENTUM + k: v for k, v in new_buffers.items()})
-        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
         return new
 
     # ==== client half ======================================================================
@@ -343,15 +304,10 @@ class FedPA(Strategy):
                       broadcast: Message) -> nn.Module:
         model = self.client_model(config, state)
         params = dict(model.named_parameters())
-        if set(broadcast.tensors) != set(params):
-            raise MessageRejected("fedpa broadcast names do not match this client's network")
+        received = self.received(broadcast, {n: p.shape for n, p in params.items()}, "network")
         with torch.no_grad():
             for name, p in params.items():
-                value = broadcast.tensors[name]
-                if value.shape != p.shape:
-                    raise MessageRejected(f"broadcast {name!r} has shape {tuple(value.shape)}, "
-                                          f"expected {tuple(p.shape)}")
-                p.copy_(value)
+                p.copy_(received[name])
         return model
 
     def fit(
@@ -372,14 +328,13 @@ class FedPA(Strategy):
         else:
             delta = last.to(torch.float64) - theta.to(torch.float64)
         tensors = {DELTA + k: v.to(torch.float32) for k, v in unflatten(delta, layout).items()}
-        tensors["num_samples"] = num_samples_tensor(data.num_train)
         new_state = model_state(model)
         stacked = torch.zeros(self.max_samples, theta.shape[0])
         if samples:
             stacked[: len(samples)] = torch.stack(samples).to(torch.float32)
         new_state[SAMPLES] = stacked
         new_state[COUNT] = torch.tensor([len(samples)], dtype=torch.int64)
-        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+        return new_state, self.upload(broadcast, config, data, tensors)
 
     def iasg(self, model: nn.Module, data: ClientData, generator: torch.Generator,
              round: int) -> tuple[list[Tensor], Tensor]:
@@ -418,21 +373,8 @@ class FedPA(Strategy):
         model = self._global_model(config, state, broadcast)
         theta = flatten(dict(model.named_parameters()), parameter_layout(model)).detach()
         samples = state[SAMPLES][: int(state[COUNT].item())]
-        return swag_gaussian(model, theta, samples, n_samples=self.mc_samples,
-                             input_shape=self.context.input_shape or None)
-
-    def predict(
-        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
-    ) -> dict[str, Tensor]:
-        post = self.posterior(config, state, broadcast)
-        generator = torch.Generator().manual_seed(
-            derived_seed(self.context.seed, broadcast.header.round, config.client_id, 19))
-        plug = post.predict_proba(x, "map").cpu()
-        if post.factor is None and not bool((post.variance > 0).any()):
-            return {PREDICTIVE: plug, MAP_PLUGIN: plug}
-        return {PREDICTIVE: post.predict_proba(x, "mc", generator=generator).cpu(),
-                MAP_PLUGIN: plug}
+        return self.network_gaussian(model, theta, *swag_covariance(samples, theta))
 
 
 __all__ = ["FedPA", "client_delta", "posterior_delta", "server_step", "shrinkage_weight",
-           "swag_gaussian"]
+           "swag_covariance", "swag_gaussian"]

@@ -42,43 +42,28 @@ Registry name: ``fedpop``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, Schema, TensorSpec
-from bayesfl.posterior import ClientPosterior
+from bayesfl.errors import MessageRejected
+from bayesfl.messages import Message
+from bayesfl.posterior import ClientPosterior, client_posterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
-    RoundPlan,
     ServerState,
-    Strategy,
     StrategyContext,
-    client_weights,
     model_state,
-    num_samples_tensor,
     option_integer,
     option_number,
-    sample_counts,
-    weighted_mean,
 )
-from bayesfl.strategies.network_posterior import difference_norms
+from bayesfl.strategies.bayes.baseline import BayesianBaseline
 from bayesfl.strategies.networks import batched_apply
-from bayesfl.strategies.robust import (
-    DECLARED,
-    count_problems,
-    declarations,
-    first_reasons,
-    screening_reasons,
-)
 from inference.ensemble import EnsemblePosterior
 from inference.laplace_head import find_mode
 from inference.linear_model import augment_with_bias
@@ -147,7 +132,7 @@ def sample_heads(
     return draws.reshape(-1, *shape), mode
 
 
-class FedPop(Strategy):
+class FedPop(BayesianBaseline):
     """FedPop: shared body, population prior, SGLD personal heads (module docstring).
 
     Args:
@@ -160,8 +145,10 @@ class FedPop(Strategy):
     """
 
     name = "fedpop"
-    is_posterior = True
     personalizes = True
+    sharing = "shares the body"
+    screened_prefix = BODY
+    update_norm_label = "body update norm"
 
     def __init__(
         self,
@@ -176,10 +163,7 @@ class FedPop(Strategy):
         weighted: bool = True,
         screening_ratio: float | None = 10.0,
     ) -> None:
-        super().__init__(context)
-        if len(set(context.bodies)) != 1:
-            raise ConfigError("fedpop shares the body: use one body spec for all clients, got "
-                              f"{sorted(set(context.bodies))}")
+        super().__init__(context, weighted=weighted, screening_ratio=screening_ratio)
         self.prior_std_init = option_number(self.name, "prior_std_init", prior_std_init,
                                             minimum=PRIOR_STD_FLOOR)
         self.sgld_step_size = option_number(self.name, "sgld_step_size", sgld_step_size,
@@ -188,11 +172,6 @@ class FedPop(Strategy):
         self.sgld_samples = option_integer(self.name, "sgld_samples", sgld_samples, 1)
         self.sgld_thinning = option_integer(self.name, "sgld_thinning", sgld_thinning, 1)
         self.final_samples = option_integer(self.name, "final_samples", final_samples, 1)
-        if not isinstance(weighted, bool):
-            raise ConfigError(f"fedpop weighted must be true or false, got {weighted!r}")
-        self.weighted = weighted
-        self.screening_ratio = None if screening_ratio is None else option_number(
-            self.name, "screening_ratio", screening_ratio, minimum=1.0)
 
     @property
     def head_shape(self) -> tuple[int, int]:
@@ -200,49 +179,17 @@ class FedPop(Strategy):
 
     # ==== server half ======================================================================
     def init(self) -> ServerState:
-        spec = self.context.bodies[0]
-        body = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
+        body = self.initial_network()
         state = {BODY + n: p.detach().clone() for n, p in body.named_parameters()}
         state[PRIOR_MEAN] = torch.zeros(self.head_shape)
         state[PRIOR_STD] = torch.tensor([self.prior_std_init])
         return state
 
-    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        return {k: v for k, v in state.items() if not k.startswith(DECLARED)}
-
-    def upload_schema(self, state: ServerState, round: int) -> Schema:
-        schema = {k: TensorSpec(tuple(v.shape), torch.float32)
-                  for k, v in self.broadcast_tensors(state, round).items()}
-        schema["num_samples"] = NUM_SAMPLES_SPEC
-        return schema
-
-    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
-        """Sample counts, the prior std within [PRIOR_STD_FLOOR, PRIOR_STD_CEILING], the body
-        update norm within ``screening_ratio`` times the round's median."""
-        body = {k: k for k in plan.state if k.startswith(BODY)}
-        return first_reasons(
-            count_problems(plan, messages, self.screening_ratio),
-            [prior_std_problem(m) for m in messages],
-            screening_reasons(difference_norms(plan.state, messages, body),
-                              self.screening_ratio, "body update norm"))
-
-    def aggregate(
-        self,
-        state: ServerState,
-        uploads: Sequence[Message],
-        round: int,
-        generator: torch.Generator,
-    ) -> ServerState:
-        """The (weighted) mean of the bodies, prior means and prior stds."""
-        if not uploads:
-            return state
-        counts = sample_counts(uploads)
-        w = client_weights(counts, self.weighted)
-        new = {}
-        for key, old in self.broadcast_tensors(state, round).items():
-            new[key] = weighted_mean(uploads, key, w).to(old.dtype)
-        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
-        return new
+    def upload_problem(self, message: Message) -> str | None:
+        """The prior std within [PRIOR_STD_FLOOR, PRIOR_STD_CEILING]
+        (:func:`prior_std_problem`); the sample count and the body update norm are the
+        skeleton's checks, the server's combination its weighted mean."""
+        return prior_std_problem(message)
 
     # ==== client half ======================================================================
     def init_client(self, config: ClientConfig) -> ClientState:
@@ -258,16 +205,11 @@ class FedPop(Strategy):
         """(the client's network with the global body, prior mean (C, d+1), prior std)."""
         body = self.client_model(config, state)
         params = dict(body.named_parameters())
-        expected = {BODY + n for n in params} | {PRIOR_MEAN, PRIOR_STD}
-        if set(broadcast.tensors) != expected:
-            raise MessageRejected("fedpop broadcast names do not match this client's body")
+        received = self.received(broadcast, {BODY + n: p.shape for n, p in params.items()},
+                                 "body", extra=(PRIOR_MEAN, PRIOR_STD))
         with torch.no_grad():
             for name, p in params.items():
-                value = broadcast.tensors[BODY + name]
-                if value.shape != p.shape:
-                    raise MessageRejected(f"broadcast {BODY + name!r} has shape "
-                                          f"{tuple(value.shape)}, expected {tuple(p.shape)}")
-                p.copy_(value)
+                p.copy_(received[BODY + name])
         mean = broadcast.tensors[PRIOR_MEAN]
         if tuple(mean.shape) != self.head_shape:
             raise MessageRejected(f"broadcast prior mean has shape {tuple(mean.shape)}, "
@@ -314,8 +256,7 @@ class FedPop(Strategy):
         tensors = {BODY + n: p for n, p in body.named_parameters()}
         tensors[PRIOR_MEAN] = prior_mean
         tensors[PRIOR_STD] = log_std.exp().reshape(1)
-        tensors["num_samples"] = num_samples_tensor(data.num_train)
-        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+        return new_state, self.upload(broadcast, config, data, tensors)
 
     def _train(self, body: nn.Module, draws: Tensor, prior_mean: Tensor, log_std: Tensor,
                data: ClientData, generator: torch.Generator) -> None:
@@ -385,7 +326,7 @@ class FedPop(Strategy):
         """Client k's head draws behind the global body (``sample(n)``: (n, C, d + 1) heads;
         ``predict_proba`` takes inputs)."""
         body, heads = self._heads(config, state, broadcast)
-        return ClientPosterior(body, heads, "mc", input_shape=self.context.input_shape or None)
+        return client_posterior(body, heads, "mc", input_shape=self.context.input_shape or None)
 
 
 def prior_std_problem(message: Message) -> str | None:

@@ -73,40 +73,20 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Message, Schema, TensorSpec
+from bayesfl.errors import ConfigError
+from bayesfl.messages import Message
 from bayesfl.strategies.base import (
-    MAP_PLUGIN,
     MODEL_PREFIX,
-    NUM_SAMPLES_SPEC,
-    PREDICTIVE,
     ClientConfig,
     ClientState,
-    RoundPlan,
     ServerState,
-    Strategy,
     StrategyContext,
-    client_weights,
-    derived_seed,
-    num_samples_tensor,
     option_integer,
     option_number,
-    sample_counts,
     weighted_mean,
 )
-from bayesfl.strategies.network_posterior import (
-    NetworkGaussian,
-    difference_norms,
-    flatten,
-)
-from bayesfl.strategies.networks import ClassifierNet
-from bayesfl.strategies.robust import (
-    DECLARED,
-    count_problems,
-    declarations,
-    first_reasons,
-    screening_reasons,
-)
+from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
+from inference.network_gaussian import NetworkGaussian, flatten
 
 MU, RHO = "mu.", "rho."
 SIGMA_FLOOR = 1e-6
@@ -131,7 +111,7 @@ def softplus_std(rho: Tensor) -> Tensor:
     return F.softplus(rho)
 
 
-class PFedBayes(Strategy):
+class PFedBayes(NetworkGaussianBaseline):
     """pFedBayes: a personal mean-field Gaussian posterior per client (module docstring).
 
     Args:
@@ -151,7 +131,9 @@ class PFedBayes(Strategy):
     """
 
     name = "pfedbayes"
-    is_posterior = True
+    screened_prefix = MU
+    update_norm_label = "mean update norm"
+    predict_seed_tag = 17
 
     def __init__(
         self,
@@ -168,10 +150,8 @@ class PFedBayes(Strategy):
         mc_samples: int = 32,
         screening_ratio: float | None = 10.0,
     ) -> None:
-        super().__init__(context)
-        if len(set(context.bodies)) != 1:
-            raise ConfigError("pfedbayes averages every parameter of the network: use one body "
-                              f"spec for all clients, got {sorted(set(context.bodies))}")
+        super().__init__(context, mc_samples=mc_samples, weighted=weighted,
+                         screening_ratio=screening_ratio)
         self.zeta = option_number(self.name, "zeta", zeta)
         self.lr = context.training.lr if lr is None else option_number(
             self.name, "lr", lr, minimum=1e-12)
@@ -185,15 +165,6 @@ class PFedBayes(Strategy):
         self.beta = option_number(self.name, "beta", beta)
         if not 0 < self.beta <= 1:
             raise ConfigError(f"pfedbayes beta must be in (0, 1], got {beta!r}")
-        if not isinstance(weighted, bool):
-            raise ConfigError(f"pfedbayes weighted must be true or false, got {weighted!r}")
-        self.weighted = weighted
-        self.mc_samples = option_integer(self.name, "mc_samples", mc_samples, 1)
-        self.screening_ratio = None if screening_ratio is None else option_number(
-            self.name, "screening_ratio", screening_ratio, minimum=1.0)
-
-    def build_model(self, body: nn.Module) -> nn.Module:
-        return ClassifierNet(body, self.feature_dim, self.num_classes)
 
     def names(self, body: str) -> list[str]:
         """The parameter names of a client network, in flat order."""
@@ -203,52 +174,25 @@ class PFedBayes(Strategy):
     def init(self) -> ServerState:
         """The global distribution: means from the initial network of the run's body spec,
         every ``rho`` at ``rho_init``."""
-        spec = self.context.bodies[0]
-        model = self.initial_model(ClientConfig(0, spec, self.context.init_seed(spec)))
         state = {}
-        for name, p in model.named_parameters():
+        for name, p in self.initial_network().named_parameters():
             state[MU + name] = p.detach().clone()
             state[RHO + name] = torch.full_like(p, self.rho_init)
         return state
 
-    def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        return {k: v for k, v in state.items() if not k.startswith(DECLARED)}
+    def upload_problem(self, message: Message) -> str | None:
+        """Every standard deviation within [SIGMA_FLOOR, SIGMA_CEILING] (:func:`sigma_problem`);
+        the sample count and the mean update norm are the skeleton's checks."""
+        return sigma_problem(message)
 
-    def upload_schema(self, state: ServerState, round: int) -> Schema:
-        schema = {k: TensorSpec(tuple(v.shape), torch.float32)
-                  for k, v in self.broadcast_tensors(state, round).items()}
-        schema["num_samples"] = NUM_SAMPLES_SPEC
-        return schema
-
-    def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
-        """Sample counts (:func:`count_problems`), standard deviations within
-        [SIGMA_FLOOR, SIGMA_CEILING], and the mean update norm within ``screening_ratio`` times
-        the round's median."""
-        means = {k: k for k in plan.state if k.startswith(MU)}
-        return first_reasons(
-            count_problems(plan, messages, self.screening_ratio),
-            [sigma_problem(m) for m in messages],
-            screening_reasons(difference_norms(plan.state, messages, means),
-                              self.screening_ratio, "mean update norm"))
-
-    def aggregate(
-        self,
-        state: ServerState,
-        uploads: Sequence[Message],
-        round: int,
-        generator: torch.Generator,
-    ) -> ServerState:
+    def combine(self, state: ServerState, uploads: Sequence[Message], weights: Tensor,
+                round: int) -> dict[str, Tensor]:
         """``z <- (1 - beta) z + beta * mean_k z_k`` for every ``mu`` and ``rho``."""
-        if not uploads:
-            return state
-        counts = sample_counts(uploads)
-        w = client_weights(counts, self.weighted)
         new = {}
         for key, old in self.broadcast_tensors(state, round).items():
-            mean = weighted_mean(uploads, key, w)
+            mean = weighted_mean(uploads, key, weights)
             mixed = (1 - self.beta) * old.to(torch.float64) + self.beta * mean
             new[key] = mixed.to(old.dtype)
-        new.update(declarations(state, [m.header.client_id for m in uploads], counts))
         return new
 
     # ==== client half ======================================================================
@@ -263,19 +207,13 @@ class PFedBayes(Strategy):
     def _received(self, body: str, broadcast: Message) -> tuple[dict, dict]:
         """(means, rhos) of the broadcast global, checked against this client's network."""
         template = dict(self.template(body).named_parameters())
-        expected = {p + n for n in template for p in (MU, RHO)}
-        if set(broadcast.tensors) != expected:
-            raise MessageRejected("pfedbayes broadcast names do not match this client's "
-                                  "network parameters")
+        received = self.received(broadcast, {prefix + n: p.shape for n, p in template.items()
+                                             for prefix in (MU, RHO)}, "network parameters")
         device = self.context.device
         out: tuple[dict, dict] = ({}, {})
         for name, p in template.items():
             for part, prefix in zip(out, (MU, RHO), strict=True):
-                value = broadcast.tensors[prefix + name]
-                if value.shape != p.shape:
-                    raise MessageRejected(f"broadcast {prefix + name!r} has shape "
-                                          f"{tuple(value.shape)}, expected {tuple(p.shape)}")
-                part[name] = value.to(device=device, dtype=p.dtype)
+                part[name] = received[prefix + name].to(device=device, dtype=p.dtype)
         return out
 
     def fit(
@@ -300,8 +238,7 @@ class PFedBayes(Strategy):
             new_state[MODEL_PREFIX + n] = mu[n].detach().clone()
             new_state[RHO + n] = rho[n].detach().clone()
         tensors = {MU + n: g_mu[n] for n in names} | {RHO + n: g_rho[n] for n in names}
-        tensors["num_samples"] = num_samples_tensor(data.num_train)
-        return new_state, self.up_message(broadcast.header.round, config.client_id, tensors)
+        return new_state, self.upload(broadcast, config, data, tensors)
 
     def _train(self, model: nn.Module, personal: tuple[dict, dict], local_global: tuple[dict, dict],
                data: ClientData, generator: torch.Generator) -> None:
@@ -361,22 +298,10 @@ class PFedBayes(Strategy):
         mean = flatten({n: state[MODEL_PREFIX + n] for n in names}, self._layout(config.body))
         std = self.epsilon_std * flatten({n: softplus_std(state[RHO + n]) for n in names},
                                          self._layout(config.body))
-        return NetworkGaussian(self.template(config.body), mean, std.square(),
-                               method="mc", n_samples=self.mc_samples,
-                               input_shape=self.context.input_shape or None)
+        return self.network_gaussian(self.template(config.body), mean, std.square())
 
     def _layout(self, body: str):
         return [(n, p.shape) for n, p in self.template(body).named_parameters()]
-
-    def predict(
-        self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
-    ) -> dict[str, Tensor]:
-        """MC predictive of the personal posterior (headline) and its mean's softmax."""
-        post = self.posterior(config, state, broadcast)
-        generator = torch.Generator().manual_seed(
-            derived_seed(self.context.seed, broadcast.header.round, config.client_id, 17))
-        return {PREDICTIVE: post.predict_proba(x, "mc", generator=generator).cpu(),
-                MAP_PLUGIN: post.predict_proba(x, "map").cpu()}
 
 
 def detached(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
