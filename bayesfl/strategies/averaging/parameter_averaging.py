@@ -606,7 +606,7 @@ class ParameterAveraging(Strategy):
     def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
         """The client's head posterior behind its own body (``head`` set, personalised):
         ``predict_proba`` takes inputs, ``sample`` draws heads (C, d + 1)."""
-        from bayesfl.posterior import ClientPosterior
+        from bayesfl.posterior import client_posterior
 
         if self.head is None:
             return super().posterior(config, state, broadcast)
@@ -617,8 +617,8 @@ class ParameterAveraging(Strategy):
                               "posterior: " + ("its fit failed (" + why + ")" if why else
                                                "it is fitted when the client personalises"))
         model = self.client_model(config, self._predict_parameters(config, state, broadcast))
-        return ClientPosterior(model.body, posterior, self.head.method,
-                               input_shape=self.context.input_shape or None)
+        return client_posterior(model.body, posterior, self.head.method,
+                                input_shape=self.context.input_shape or None)
 
     def _predict_parameters(
         self, config: ClientConfig, state: ClientState, broadcast: Message

@@ -189,7 +189,7 @@ from torch.nn.utils import parameters_to_vector
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, Schema, TensorSpec
-from bayesfl.posterior import ClientPosterior
+from bayesfl.posterior import client_posterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
     NUM_SAMPLES_SPEC,
@@ -870,9 +870,9 @@ class FedSI(Strategy):
                               "fits a client's posterior in personalize() after training")
         head = None if self.head is None else head_posterior(self.head, state)
         if head is not None:  # head=KIND: the head posterior behind the client's body
-            return ClientPosterior(self.client_model(config, state).body, head,
-                                   self.head.method,
-                                   input_shape=self.context.input_shape or None)
+            return client_posterior(self.client_model(config, state).body, head,
+                                    self.head.method,
+                                    input_shape=self.context.input_shape or None)
         return self.personal_posterior(config, state)
 
 
