@@ -1,6 +1,7 @@
 """The shared skeleton of the whole-network Bayesian baselines (bayesfl/strategies/bayes/
 baseline.py) changed no number: FedPA, pFedBayes and FedPop give exactly the metrics,
-predictions and posterior probabilities they gave before it existed."""
+predictions and posterior probabilities they gave before it existed; the Gaussian posteriors it
+builds are inference's, round-trip through their state and check inputs as bayesfl does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from strategy_helpers import context, make_clients, run_round, wire
 
+import inference
+from bayesfl.errors import DataError
 from bayesfl.simulate import simulate
+from bayesfl.strategies import make_strategy
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "recorded_runs.json").read_text())
 """Two rounds of each strategy on digits (3 iid clients, seed 0, one thread), recorded from
@@ -55,3 +60,26 @@ def test_the_three_runs_give_exactly_what_they_gave_before_the_skeleton(name):
     posterior = result.posterior(1)
     options = {} if name == "fedpop" else {"generator": torch.Generator().manual_seed(0)}
     assert posterior.predict_proba(x, **options).tolist() == recorded["posterior_probs"]
+
+
+@pytest.mark.parametrize("name", ["fedpa", "pfedbayes"])
+def test_the_network_gaussian_posteriors_round_trip_with_the_network_given_back(name):
+    strategy = make_strategy(name, context(epochs=3), mc_samples=3)
+    clients = make_clients(strategy)
+    state, _ = run_round(strategy, clients, strategy.init(), 1)
+    c = clients[0]
+    post = strategy.posterior(c.config, c.state, wire(strategy.configure(state, 2).broadcast))
+    assert isinstance(post, inference.NetworkGaussian) and isinstance(post, inference.Posterior)
+    x = c.data.test_x
+    back = inference.NetworkGaussian.from_state_dict(post.state_dict(),
+                                                     model=strategy.template(c.config.body))
+    for method in ("mc", "map"):  # the same seeded draws: the same numbers
+        got, want = (p.predict_proba(x, method, generator=torch.Generator().manual_seed(0))
+                     for p in (back, post))
+        assert torch.equal(got, want), method
+    assert (back.n_samples, back.input_shape) == (3, tuple(x.shape[1:]))
+    assert torch.equal(post.to("cpu").predict_proba(x, "map"), post.predict_proba(x, "map"))
+    inference.check(post, x, generator=torch.Generator().manual_seed(1))
+    # bayesfl's input boundary: a batch of the wrong shape is a DataError naming the client's
+    with pytest.raises(DataError, match=r"but this client's inputs have shape"):
+        post.predict_proba(x[:, :-1])
