@@ -313,7 +313,7 @@ def _decoded(data: bytes, node: Node, round: int | None = None):
 
 def import_step_modules() -> float:
     """Import the modules a handler needs (torch, safetensors, the run's setup, the strategy
-    registry, messages); returns the seconds it took (0 when they were loaded already).
+    registry, messages); returns the seconds it took (next to none once they are loaded).
     Handlers call it first so that their ``import`` timing is apart from their ``setup``."""
     t0 = time.perf_counter()
     import safetensors.torch  # noqa: F401
