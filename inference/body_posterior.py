@@ -74,9 +74,8 @@ class BodyPosterior:
     def features(self, inputs: Any) -> Tensor:
         """The body's features (B, m) float64 of ``inputs`` (B, *input).
 
-        Raises:
-            what ``prepare`` raises on a bad batch; ``input_error`` if the body cannot take a
-            batch whose shape was not checked.
+        Bad batches raise what ``prepare`` raises (``InvalidInputError`` by default), and
+        ``input_error`` if the body cannot take a batch whose shape was not checked.
         """
         prepare = self.prepare or as_model_inputs
         inputs = prepare(inputs, input_shape=self.input_shape, dtype=module_dtype(self.body),
@@ -134,7 +133,11 @@ class BodyPosterior:
                 rebuilds the head from the ``head.*`` tensors. (A head that needs more, such as
                 a subnet Laplace posterior's model, is rebuilt by the caller and passed to the
                 constructor.)
-            method, prepare, input_error, defaults: as the constructor takes them.
+            method: the predictive method used when ``predict_proba`` is given none.
+            prepare: the input boundary, as the constructor takes it.
+            input_error: as the constructor takes it.
+            **defaults: default options of the head's ``predict_proba``, as the constructor
+                takes them.
 
         Raises:
             InvalidInputError: no ``head.*`` tensors, or body tensors that do not fit ``body``.

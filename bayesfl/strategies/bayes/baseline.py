@@ -211,7 +211,8 @@ class NetworkGaussianBaseline(BayesianBaseline):
 
     Args:
         mc_samples: draws of the Monte Carlo predictive.
-        weighted, screening_ratio: as :class:`BayesianBaseline`.
+        weighted: as :class:`BayesianBaseline`.
+        screening_ratio: as :class:`BayesianBaseline`.
     """
 
     predict_seed_tag: ClassVar[int]
