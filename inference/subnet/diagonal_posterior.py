@@ -43,6 +43,7 @@ def fit_diagonal_laplace(
     prior_precision: float | Tensor = 1.0,
     *,
     max_memory_bytes: int | None = None,
+    ggn_diagonal: Tensor | None = None,
 ) -> DiagonalLaplacePosterior:
     """Diagonal GGN Laplace over every trainable parameter, at the model's current parameters.
 
@@ -51,15 +52,34 @@ def fit_diagonal_laplace(
         loader: yields ``(X, y)``; the GGN diagonal is summed over all of it.
         prior_precision: scalar or (P,) per-parameter prior precision, > 0.
         max_memory_bytes: memory budget override for the preflight.
+        ggn_diagonal: (P,) the diagonal GGN of ``model`` on ``loader`` when the caller has
+            computed it already (:func:`diagonal_ggn`, e.g. for subnet selection), so it is not
+            computed twice; ``loader`` is then not read.
 
     Returns:
         :class:`DiagonalLaplacePosterior` holding a reference to ``model``.
     """
     n_params = sum(s.numel for s in trainable_slots(model))
     prior = check_prior_precision(prior_precision, n_params)
-    diag = diagonal_ggn(model, loader, max_memory_bytes=max_memory_bytes)
     mean = flat_trainable_parameters(model)
+    if ggn_diagonal is None:
+        diag = diagonal_ggn(model, loader, max_memory_bytes=max_memory_bytes)
+    else:
+        diag = _checked_ggn_diagonal(ggn_diagonal, n_params).to(mean.device)
     return DiagonalLaplacePosterior(mean, diag, prior.to(mean.device), model=model)
+
+
+def _checked_ggn_diagonal(diag: Tensor, n_params: int) -> Tensor:
+    if not isinstance(diag, Tensor) or diag.shape != (n_params,):
+        raise InvalidInputError(
+            f"ggn_diagonal must be a ({n_params},) tensor, one entry per trainable parameter, "
+            f"got {getattr(diag, 'shape', type(diag).__name__)}"
+        )
+    if not diag.is_floating_point() or not bool(torch.isfinite(diag).all()) or bool(
+        (diag < 0).any()
+    ):
+        raise InvalidInputError("ggn_diagonal must be finite and >= 0 (a GGN diagonal is)")
+    return diag
 
 
 class DiagonalLaplacePosterior:

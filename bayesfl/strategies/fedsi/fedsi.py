@@ -720,12 +720,14 @@ class FedSI(Strategy):
                              filter_zero_curvature=self.filter_zero_curvature)
 
     def laplace(self, model: nn.Module, batches: list, variance: Tensor,
-                subnet: Tensor | None) -> Posterior:
-        """Step 3: the Laplace posterior at the model's current body (head frozen)."""
+                subnet: Tensor | None, diag: Tensor | None = None) -> Posterior:
+        """Step 3: the Laplace posterior at the model's current body (head frozen). ``diag``:
+        the body's diagonal GGN when the caller has it already (the diagonal posterior then
+        reuses it instead of computing it again)."""
         model.head.requires_grad_(False)
         prior = variance.to(torch.float64).reciprocal()
         if subnet is None:
-            return fit_diagonal_laplace(model, batches, prior)
+            return fit_diagonal_laplace(model, batches, prior, ggn_diagonal=diag)
         structure = "diag" if self.posterior_kind == "subnet_diag" else "full"
         return fit_subnet_laplace(model, batches, subnet, prior, hessian_structure=structure)
 
@@ -748,7 +750,7 @@ class FedSI(Strategy):
             diag = diagonal_ggn(model, batches)
             log_evidence = alpha_log_evidence(body_vector(model), mean, diag)
         subnet = self.choose_subnet(model, batches, variance, diag=diag)
-        posterior = self.laplace(model, batches, variance, subnet)
+        posterior = self.laplace(model, batches, variance, subnet, diag)
         return model_state(model), self.upload(config, data, broadcast.header.round, model,
                                                posterior, log_evidence)
 

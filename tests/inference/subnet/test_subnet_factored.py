@@ -105,3 +105,23 @@ def test_diagonal_posterior_matches_laplace_torch_diag_laplace():
     mc = post.predict_proba(x_test, "glm_mc", n_samples=4000,
                             generator=torch.Generator().manual_seed(1))
     assert torch.allclose(mc.sum(1), torch.ones(13, dtype=torch.float64))
+
+
+def test_a_precomputed_ggn_diagonal_gives_the_same_posterior_and_a_bad_one_is_refused():
+    # FedSI-Fac computes the diagonal once for its evidence and hands it on: the posterior must
+    # be exactly the one that computes it itself (same function of the same numbers).
+    from inference.errors import InvalidInputError
+    from inference.subnet.diagonal import diagonal_ggn
+
+    model, loader, x_test = _case(2)
+    model[-1].requires_grad_(False)
+    n = flat_trainable_parameters(model).numel()
+    direct = fit_diagonal_laplace(model, loader, 2.0)
+    diag = diagonal_ggn(model, loader)
+    reused = fit_diagonal_laplace(model, None, 2.0, ggn_diagonal=diag)
+    assert torch.equal(reused.variance, direct.variance)
+    assert torch.equal(reused.predict_proba(x_test), direct.predict_proba(x_test))
+    for bad in (diag[:-1], -diag - 1.0, diag.clone().fill_(float("nan")),
+                torch.zeros(n, dtype=torch.int64)):
+        with pytest.raises(InvalidInputError, match="ggn_diagonal"):
+            fit_diagonal_laplace(model, loader, 2.0, ggn_diagonal=bad)

@@ -143,3 +143,17 @@ def test_the_closed_form_is_minus_distance_over_2_alpha_minus_half_log_det():
 def test_bad_alpha_selection_options_are_config_errors(build, options, message):
     with pytest.raises(ConfigError, match=message):
         build("fedsi", **options)
+
+
+def test_fedsi_fac_reuses_the_evidences_ggn_diagonal_and_uploads_the_same_posterior(build):
+    # The evidence's diagonal GGN is handed to the diagonal Laplace fit instead of being computed
+    # a second time: the uploaded means and stds equal a fixed-alpha run's from the same start
+    # (round 1 scores alpha but still fits under prior_var).
+    fixed, clients, state = build("fedsi_fac", prior_var=1e-2)
+    _, fixed_ups = run_round(fixed, clients, state, 1)
+    evidence, clients, state = build("fedsi_fac", alpha_selection="evidence", prior_var=1e-2)
+    _, evidence_ups = run_round(evidence, clients, state, 1)
+    for a, b in zip(fixed_ups, evidence_ups, strict=True):
+        assert torch.equal(a.tensors["mean"], b.tensors["mean"])
+        assert torch.equal(a.tensors["std"], b.tensors["std"])
+        assert "log_evidence" in b.tensors
