@@ -342,7 +342,6 @@ class FedPA(NetworkGaussianBaseline):
         last iterate (flat)."""
         layout = parameter_layout(model)
         params = [p for _, p in model.named_parameters()]
-        optimizer = torch.optim.SGD(params, lr=self.client_lr)
         training = self.context.training
         n, x, y = data.num_train, data.train_x, data.train_y
         sampling = round > self.burn_in_rounds  # rounds count from 1: b rounds draw none
@@ -354,9 +353,13 @@ class FedPA(NetworkGaussianBaseline):
             for start in range(0, n, training.batch_size):
                 idx = order[start : start + training.batch_size]
                 loss = F.cross_entropy(model(x[idx]), y[idx])
-                optimizer.zero_grad(set_to_none=True)
+                for p in params:
+                    p.grad = None
                 loss.backward()
-                optimizer.step()
+                with torch.no_grad():  # torch.optim.SGD's plain step, without its first use's
+                    for p in params:  # import of torch._dynamo (seconds per Flower message)
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-self.client_lr)
                 flat = flatten(dict(model.named_parameters()), layout).detach().to(torch.float64)
                 total = flat if total is None else total + flat
                 steps += 1

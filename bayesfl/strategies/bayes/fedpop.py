@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesfl.adam import Adam
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import MessageRejected
 from bayesfl.messages import Message
@@ -262,8 +263,7 @@ class FedPop(BayesianBaseline):
                data: ClientData, generator: torch.Generator) -> None:
         training = self.context.training
         params = [*body.parameters(), prior_mean, log_std]
-        optimizer = torch.optim.Adam(params, lr=training.lr, betas=training.betas,
-                                     eps=training.eps)
+        optimizer = Adam(params, lr=training.lr, betas=training.betas, eps=training.eps)
         n, x, y = data.num_train, data.train_x, data.train_y
         body.train()
         for _ in range(training.epochs):

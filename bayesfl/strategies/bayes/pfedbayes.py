@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from bayesfl.adam import Adam
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message
@@ -245,10 +246,10 @@ class PFedBayes(NetworkGaussianBaseline):
         mu, rho = personal
         g_mu, g_rho = local_global
         training = self.context.training
-        opt_personal = torch.optim.Adam([*mu.values(), *rho.values()], lr=self.lr,
-                                        betas=training.betas, eps=training.eps)
-        opt_global = torch.optim.Adam([*g_mu.values(), *g_rho.values()], lr=self.global_lr,
-                                      betas=training.betas, eps=training.eps)
+        opt_personal = Adam([*mu.values(), *rho.values()], lr=self.lr, betas=training.betas,
+                            eps=training.eps)
+        opt_global = Adam([*g_mu.values(), *g_rho.values()], lr=self.global_lr,
+                          betas=training.betas, eps=training.eps)
         n = data.num_train
         x, y = data.train_x, data.train_y
         for _ in range(training.epochs):

@@ -9,7 +9,7 @@
   shape (1,)); local training resumes them, so a personal model trains as if its rounds were
   one long run (CoLearn spec §6.12). ``False`` follows the run's
   :class:`~bayesfl.training.LocalTraining` (a fresh Adam per round, reset per epoch when it
-  says so). The update is ``torch.optim.Adam``'s own.
+  says so). The update is ``torch.optim.Adam``'s own (:class:`bayesfl.adam.Adam`, bit for bit).
 * **Per-class means** (:func:`class_means`): float64 sums over the global class list; a class
   without samples has count 0 and a zero row (never NaN).
 """
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from bayesfl.adam import Adam
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.base import (
@@ -97,11 +98,10 @@ class PersonalStrategy(Strategy):
             state[LOSS_PREFIX + term] = torch.zeros(1, dtype=torch.float64)
         return state
 
-    def _optimizer(self, model: nn.Module, state: ClientState) -> torch.optim.Adam:
+    def _optimizer(self, model: nn.Module, state: ClientState) -> Adam:
         t = self.context.training
         named = list(model.named_parameters())
-        opt = torch.optim.Adam([p for _, p in named], lr=t.lr, betas=t.betas, eps=t.eps,
-                               foreach=False)
+        opt = Adam([p for _, p in named], lr=t.lr, betas=t.betas, eps=t.eps)
         if self.keep_optimizer and float(state[OPTIM_PREFIX + "step"]) > 0:
             step = state[OPTIM_PREFIX + "step"].reshape(()).to(torch.float32).cpu()
             for name, p in named:
@@ -111,7 +111,7 @@ class PersonalStrategy(Strategy):
                     "exp_avg_sq": state[f"{OPTIM_PREFIX}exp_avg_sq.{name}"].clone().to(p)}
         return opt
 
-    def _saved_optimizer(self, model: nn.Module, opt: torch.optim.Adam,
+    def _saved_optimizer(self, model: nn.Module, opt: Adam,
                          old: ClientState) -> ClientState:
         if not self.keep_optimizer:
             return {}
