@@ -29,17 +29,21 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load as _safetensors_load
-from safetensors.torch import save as _safetensors_save
 
 from bayesfl.errors import BayesFLError, CheckpointError, ConfigError
-from bayesfl.messages import contiguous_cpu_tensors, read_safetensors_metadata, tensor_digest
+from bayesfl.messages import (
+    raw_bytes,
+    read_safetensors_metadata,
+    safetensors_parts,
+    tensor_digest,
+)
 
 _FORMAT = "bayesfl-checkpoint"
 _KEY = "bayesfl."
@@ -105,18 +109,21 @@ def save_checkpoint(
         meta_json = json.dumps(dict(meta), sort_keys=True, allow_nan=True, default=_json_default)
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"checkpoint meta is not JSON serialisable: {err}") from err
-    cpu = contiguous_cpu_tensors(tensors)
+    # each tensor's bytes taken once, for the digest and the file (no copies of tensors that
+    # share a storage: a simulator's client states are views of its stacked parameters)
+    raw = {name: raw_bytes(t) for name, t in tensors.items()}
     metadata = {
         _KEY + "format": _FORMAT,
         _KEY + "fingerprint": fingerprint,
         _KEY + "meta": meta_json,
-        _KEY + "sha256": tensor_digest(cpu, fingerprint + meta_json),
+        _KEY + "sha256": tensor_digest(tensors, fingerprint + meta_json, raw=raw),
     }
-    write_atomically(Path(path), _safetensors_save(cpu, metadata=metadata))
+    write_atomically(Path(path), safetensors_parts(tensors, metadata, raw=raw))
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` so readers see the old or the new content, never a mix.
+def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
+    """Replace ``path`` by ``data`` (bytes, or bytes-like parts written one after the other)
+    so readers see the old or the new content, never a mix.
 
     Raises:
         CheckpointError: the write failed; the old file is intact and the temp file removed.
@@ -129,7 +136,8 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise CheckpointError(f"cannot create a temporary file in {directory}: {err}") from err
     try:
         with os.fdopen(handle, "wb") as temp:
-            temp.write(data)
+            for part in ([data] if isinstance(data, bytes | bytearray) else data):
+                temp.write(part)
             temp.flush()
             os.fsync(temp.fileno())
         os.replace(temp_name, path)

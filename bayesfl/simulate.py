@@ -314,9 +314,12 @@ class InProcessChannel:
         self.run = run
         self.upload_hook: UploadHook | None = None
         self._collected: Collected | None = None
+        self.seconds_encode = 0.0
+        """Wall seconds the last fit step spent encoding uploads (part of the local work)."""
 
     def send(self, round: int, client_ids: Sequence[int], messages: Mapping[int, Step]) -> None:
         run, out = self.run, Collected()
+        self.seconds_encode = 0.0
         fitting = [cid for cid in client_ids if messages[cid].fit is not None]
         if fitting:
             received = decode(messages[fitting[0]].fit, key=run.server_key)
@@ -333,7 +336,9 @@ class InProcessChannel:
                     run.clients[cid].state = before[cid]  # its round is undone, not half-kept
                     run._warn_divergence(round, cid, stop)
                     continue
+                t = time.perf_counter()
                 data = encode(upload, key=run.client_key(cid))
+                self.seconds_encode += time.perf_counter() - t
                 if self.upload_hook is not None:
                     data = self.upload_hook(round, cid, data)
                 out.replies[cid] = Reply(upload=data, elements=upload.num_elements)
@@ -517,6 +522,7 @@ class _Run:
         self.channel.send(r, participants, {cid: Step(fit=down_bytes) for cid in participants})
         collected = self.channel.collect(float("inf"))  # in-process: every reply is in
         t_local, cpu_local = time.perf_counter() - t_local, time.process_time() - cpu_local
+        t_receive = time.perf_counter()
         reasons = dict(collected.unreadable)  # client id -> why its upload was rejected
         bytes_up: list[int] = []
         received_up: list[tuple[int, Message]] = []
@@ -537,9 +543,12 @@ class _Run:
                       for cid in participants if cid in reasons]
         # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
         # evaluated is dropped with its reason, and the round keeps the previous state.
+        t_receive = time.perf_counter() - t_receive
         previous = self.state
+        t_aggregate = time.perf_counter()
         self.state, aggregate_error = aggregate_or_keep(server, self.state, accepted, r,
                                                         config.seed)
+        t_aggregate = time.perf_counter() - t_aggregate
         t_eval = time.perf_counter()
         self.state, (eval_bytes, evaluation), reverted = evaluate_or_revert(
             self.state, previous, lambda state: self._evaluate(r, state))
@@ -565,6 +574,12 @@ class _Run:
             # time, does not grow when other processes share the machine
             "seconds_local_updates_cpu": cpu_local,
             "seconds_evaluation": t_eval,
+            # the split of the server's side: the uploads' encoding (inside the local
+            # updates: each client encodes its own), their decoding and validation on
+            # receipt, and the aggregation
+            "seconds_upload_encoding": self.channel.seconds_encode,
+            "seconds_receipt": t_receive,
+            "seconds_aggregation": t_aggregate,
         }
         record.update(server.server_metrics(self.state))
         record.update(server.compute_metrics(plan, accepted))  # e.g. analytic local FLOPs

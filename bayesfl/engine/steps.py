@@ -30,7 +30,18 @@ T = TypeVar("T")
 
 
 def non_finite_problem(state: ServerState) -> str | None:
-    """The first server-state tensor holding NaN or Inf, described; None if all are finite."""
+    """The first server-state tensor holding NaN or Inf, described; None if all are finite.
+
+    The floating tensors are checked together, one concatenation per dtype and device (a
+    server state may hold a tensor per client: FedLog's cache of their latest statistics),
+    and one by one only when that finds a non-finite value.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in state.values():
+        if tensor.is_floating_point() or tensor.is_complex():
+            groups.setdefault((tensor.device, tensor.dtype), []).append(tensor.reshape(-1))
+    if all(bool(torch.isfinite(torch.cat(group)).all()) for group in groups.values()):
+        return None
     for name, tensor in state.items():
         if (tensor.is_floating_point() or tensor.is_complex()) and \
                 not bool(torch.isfinite(tensor).all()):

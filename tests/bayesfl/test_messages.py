@@ -367,3 +367,83 @@ def test_keys_are_distinct_per_client_and_the_server_and_short_keys_are_refused(
     assert KeyRing(b"s" * 32).client_key(5) == keys.client_key(5)  # derived, reproducible
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         encode(fedlog_upload(), key=b"short")
+
+
+# ---- the serializer and the parser of our own ---------------------------------------------
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "model.w", "é", 'q"', "z\n", "B/1",
+                                           "client/10/x", "\\"]),
+                          st.sampled_from(_DTYPES),
+                          st.lists(st.integers(0, 3), max_size=3)), max_size=8),
+       st.sampled_from([None, {"k": "v"}, {"bayesfl.x": "é\t\x01"}]))
+def test_safetensors_bytes_are_the_bytes_safetensors_writes(entries, metadata):
+    from bayesfl.messages import safetensors_bytes
+
+    tensors = {f"{name}{i}": (torch.randn(shape) * 3).to(dtype)
+               for i, (name, dtype, shape) in enumerate(entries)}
+    # byte for byte where safetensors' own output is deterministic (at most one metadata key:
+    # it writes several in a per-process hash order)
+    assert safetensors_bytes(tensors, metadata) == safetensors_save(tensors, metadata=metadata)
+
+
+def test_safetensors_bytes_take_views_of_one_storage_and_non_contiguous_tensors():
+    from bayesfl.messages import safetensors_bytes
+
+    stacked = torch.randn(3, 4, 5)
+    tensors = {"a": stacked[0], "b": stacked[1], "t": stacked[2].T}
+    copies = {k: v.clone().contiguous() for k, v in tensors.items()}
+    assert safetensors_bytes(tensors) == safetensors_save(copies)
+
+
+def test_the_json_depth_of_a_header_is_the_inference_check_s():
+    from bayesfl.messages import _json_depth
+    from inference.posterior_file import json_depth
+
+    rng = np.random.default_rng(0)
+    alphabet = np.frombuffer(b'[]{}"\\a:,\n', dtype=np.uint8)
+    for size in [0, 1, 5, 40, 300, 2000] * 300:
+        raw = alphabet[rng.integers(0, len(alphabet), size)].tobytes()
+        assert _json_depth(raw) == json_depth(raw), raw
+
+
+def _with_entry(data: bytes, name: str, entry: object) -> bytes:
+    """``data`` with its safetensors header entry ``name`` replaced by ``entry``."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header[name] = entry
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+@pytest.mark.parametrize(("entry", "reason"), [
+    ({"dtype": "F99", "shape": [4, 5], "data_offsets": [0, 160]}, "unknown dtype"),
+    ({"dtype": "F64", "shape": [4, -5], "data_offsets": [0, 160]}, "not a list of sizes"),
+    ({"dtype": "F64", "shape": [4, True], "data_offsets": [0, 160]}, "not a list of sizes"),
+    ({"dtype": "F64", "shape": [4, 5], "data_offsets": [0, 80]}, "needs 160"),
+    ({"dtype": "F64", "shape": [2, 5], "data_offsets": [0, 80]}, "start at"),
+    ({"dtype": "F64", "shape": [4, 5], "data_offsets": [160, 0]}, "data_offsets"),
+    ({"dtype": "F64", "shape": [4, 5], "data_offsets": [8, 168]}, "start at"),
+    ({"dtype": "F64", "shape": [4, 5]}, "not an entry of"),
+    ([1, 2], "not an entry of"),
+])
+def test_tensor_entries_that_do_not_tile_the_data_are_rejected(entry, reason):
+    data = encode(fedlog_upload())
+    with pytest.raises(MessageRejected, match=f"safetensors could not read it.*{reason}"):
+        decode(_with_entry(data, "stats", entry))
+
+
+def test_bytes_after_the_last_tensor_are_rejected():
+    with pytest.raises(MessageRejected, match="safetensors could not read it"):
+        decode(encode(fedlog_upload()) + b"\0" * 8)
+
+
+def test_decoded_tensors_own_writable_memory():
+    data = encode(fedlog_upload())
+    message = decode(data)
+    message.tensors["stats"] += 1  # no warning, no effect on the bytes or another decode
+    assert torch.equal(decode(data).tensors["stats"], fedlog_upload().tensors["stats"])

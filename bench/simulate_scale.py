@@ -1,0 +1,194 @@
+"""Time and memory per round of the simulator at 16,000 clients, split by step.
+
+The setting is issue 28's: FedLog on MNIST-1D (10 generated samples per client, so 160,000
+for 16,000 clients), ``shards:2``, one shared ``mlp:100`` body with 32 features, 1 local epoch
+of Adam (batch 10, lr 1e-3), 2 training rounds after FedLog's round 0, checkpoints on (a run
+directory in a temporary folder), batched clients, 1 torch thread.
+
+Per round it prints the wall time and its split:
+
+* ``local training``: the clients' fit (vmapped training, their statistics), less encoding;
+* ``evaluation``: every client's evaluation of the new state and the merge of their
+  calibration accumulators;
+* ``messages``: encoding every upload, then decoding and validating it on receipt (every
+  upload is a real serialized message, counted in bytes and checked against the schema and
+  FedLog's invariants);
+* ``aggregation``: the server's aggregate;
+* ``checkpoint``: writing the run's checkpoint (server state, every client's state,
+  metrics) atomically;
+* ``other``: the rest (sampling, the broadcast, the round record);
+* ``CPU s``: the process's CPU seconds over the round (after round 0): on a machine shared
+  with other work the wall times stretch, the CPU time much less.
+
+The total of a round after round 0 runs from the end of the previous round to the end of this
+one (checkpoint included); round 0's total is its record's seconds plus its checkpoint.
+Peak RSS is the run's process's maximum resident set (each run is its own process).
+
+Peer, measured in the same invocation: the same run at 4,000 clients (40,000 samples). Its
+rounds do the same work per client, so ``scaling = round(16,000) / round(4,000)`` is 4.0 when
+the simulator's cost is linear in the clients and above 4 where per-client overheads grow
+with the population (e.g. a per-round pass over a ledger of all clients).
+
+Generating MNIST-1D takes about 1 ms a sample here (3 minutes for 160,000): ``--data-cache
+DIR`` keeps the generated arrays in ``DIR`` (a ``.pt`` file of two tensors written by this
+bench) for the next invocation.
+
+Usage: ``python bench/simulate_scale.py [--clients 16000] [--peer-clients 4000]
+[--data-cache DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
+# calibration package: use the repository root instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+SAMPLES_PER_CLIENT = 10
+ROUNDS = 2
+SPLIT = ("local_training", "evaluation", "messages", "aggregation", "checkpoint", "other")
+
+
+def load_data(num_samples: int, cache: Path | None):
+    """MNIST-1D with ``num_samples`` samples (seed 0), from ``cache`` when it holds them."""
+    import torch
+
+    from bayesfl.data.datasets import Dataset, load_dataset
+
+    path = None if cache is None else cache / f"mnist1d_{num_samples}.pt"
+    if path is not None and path.exists():
+        arrays = torch.load(path, weights_only=True)  # this bench's own file: two tensors
+        return Dataset("mnist1d", arrays["x"], arrays["y"], 10, (arrays["x"].shape[1],))
+    data = load_dataset("mnist1d", seed=0, num_samples=num_samples)
+    if path is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        torch.save({"x": data.x, "y": data.y}, path)
+    return data
+
+
+def run_one(clients: int, cache: Path | None) -> dict:
+    """One run in this process (``--child``): per-round split and peak RSS."""
+    import importlib
+
+    import torch
+
+    # the module (``bayesfl.simulate`` as an attribute is the function of that name)
+    simulator = importlib.import_module("bayesfl.simulate")
+    torch.set_num_threads(1)
+    data = load_data(SAMPLES_PER_CLIENT * clients, cache)
+    checkpoint_seconds: dict[int, float] = {}
+    save_round = simulator.save_round
+
+    def timed_save_round(path, **kwargs):  # the simulator's checkpoint write, timed
+        t = time.perf_counter()
+        save_round(path, **kwargs)
+        checkpoint_seconds[kwargs["round"]] = time.perf_counter() - t
+
+    simulator.save_round = timed_save_round
+    ends: dict[int, float] = {}
+    cpu_ends: dict[int, float] = {}
+
+    def round_done(r: int, _: dict) -> None:
+        ends[r], cpu_ends[r] = time.perf_counter(), time.process_time()
+    with tempfile.TemporaryDirectory() as out:
+        result = simulator.simulate(
+            "fedlog", dataset="mnist1d", clients=clients, partition="shards:2",
+            rounds=ROUNDS, seed=0, body="mlp:100", feature_dim=32, local_epochs=1,
+            batch_size=10, lr=1e-3, progress=False, data=data,
+            dataset_options={"num_samples": SAMPLES_PER_CLIENT * clients}, threads=1,
+            out=Path(out) / "run", round_callback=round_done)
+    rounds = []
+    for m in result.metrics:
+        r = m["round"]
+        checkpoint = checkpoint_seconds[r]
+        total = (ends[r] - ends[r - 1]) if r - 1 in ends else m["seconds"] + checkpoint
+        encoding = m["seconds_upload_encoding"]
+        split = {
+            "local_training": m["seconds_local_updates"] - encoding,
+            "evaluation": m["seconds_evaluation"],
+            "messages": encoding + m["seconds_receipt"],
+            "aggregation": m["seconds_aggregation"],
+            "checkpoint": checkpoint,
+        }
+        split["other"] = total - sum(split.values())
+        # CPU seconds of the process over the round (rounds after round 0): the work itself,
+        # which other processes sharing the machine do not stretch as they do the wall time
+        cpu = cpu_ends[r] - cpu_ends[r - 1] if r - 1 in cpu_ends else float("nan")
+        rounds.append({"round": r, "total": total, **split, "cpu": cpu})
+    return {"clients": clients, "rounds": rounds,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "accuracy": result.summary["accuracy"], "ece": result.summary["ece"],
+            "bytes_up": result.summary["bytes_up"]}
+
+
+def run_child(clients: int, cache: Path | None) -> dict:
+    command = [sys.executable, __file__, "--child", "--clients", str(clients)]
+    if cache is not None:
+        command += ["--data-cache", str(cache)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the run at {clients} clients failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def show(run: dict) -> None:
+    print(f"\n{run['clients']:,} clients: peak RSS {run['peak_rss_gb']:.2f} GB, final accuracy "
+          f"{run['accuracy']:.4f}, ECE {run['ece']:.4f}")
+    print("| round | total s | " + " | ".join(SPLIT).replace("_", " ") + " | CPU s |")
+    print("|---" * (len(SPLIT) + 3) + "|")
+    for r in run["rounds"]:
+        print(f"| {r['round']} | {r['total']:.2f} | "
+              + " | ".join(f"{r[k]:.2f}" for k in SPLIT) + f" | {r['cpu']:.2f} |")
+
+
+def after_round_0(run: dict) -> list[dict]:
+    return [r for r in run["rounds"] if r["round"] >= 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clients", type=int, default=16_000)
+    parser.add_argument("--peer-clients", type=int, default=4_000)
+    parser.add_argument("--data-cache", type=Path, default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(args.clients, args.data_cache)))
+        return
+    print(f"FedLog, MNIST-1D ({SAMPLES_PER_CLIENT} samples per client, shards:2), mlp:100 -> 32 "
+          f"features, 1 local epoch, {ROUNDS} rounds after round 0, checkpoints on, batched, "
+          "1 torch thread; each run in its own process")
+    peer = run_child(args.peer_clients, args.data_cache)
+    main_run = run_child(args.clients, args.data_cache)
+    for run in (peer, main_run):
+        show(run)
+    worst = max(r["total"] for r in after_round_0(main_run))
+    mean = statistics.fmean(r["total"] for r in after_round_0(main_run))
+    peer_mean = statistics.fmean(r["total"] for r in after_round_0(peer))
+    cpu = statistics.fmean(r["cpu"] for r in after_round_0(main_run))
+    scaling = mean / peer_mean
+    factor = args.clients / args.peer_clients
+    print(f"\n{args.clients:,} clients: {mean:.2f} s per round after round 0 (slowest "
+          f"{worst:.2f} s; {cpu:.2f} CPU s), peak RSS {main_run['peak_rss_gb']:.2f} GB; "
+          f"{args.peer_clients:,} clients: {peer_mean:.2f} s; scaling {scaling:.2f} "
+          f"(x{factor:g} clients; equal means linear)")
+    print(json.dumps({
+        "clients": args.clients, "peer_clients": args.peer_clients,
+        "seconds_per_round": mean, "slowest_round": worst, "cpu_seconds_per_round": cpu,
+        "split": {k: statistics.fmean(r[k] for r in after_round_0(main_run)) for k in SPLIT},
+        "peak_rss_gb": main_run["peak_rss_gb"], "peer_seconds_per_round": peer_mean,
+        "peer_peak_rss_gb": peer["peak_rss_gb"], "scaling": scaling,
+        "accuracy": main_run["accuracy"]}))
+
+
+if __name__ == "__main__":
+    main()
