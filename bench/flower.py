@@ -59,6 +59,11 @@ import torch  # noqa: E402
 from bayesfl.flower.local import LocalFederation  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
 
+PULL_SLEEP = 3.0
+"""A SuperNode's hard-coded sleep after an empty pull (flwr 1.41
+``supernode/start_client_internal.py``): every round waits it once, since a node that has
+just replied pulls before the server has the next round's message."""
+
 STATUS_POLL = 20.0
 """Seconds between the harness's ``flwr ls`` polls for the run's final status: each is a fresh
 ``flwr`` CLI process of about 1.5 s CPU, which at the default 2 s would take most of a core of
@@ -164,6 +169,11 @@ def main() -> None:
           f"{flower_round:.2f} s ({ratio:.1f}x); ECE simulator {sim.summary['ece']:.6f} vs "
           f"Flower {summary['ece']:.6f}; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after")
+    floor = PULL_SLEEP + flower_process
+    print(f"Flower's own floor per round: the {PULL_SLEEP:g} s pull sleep + a fresh "
+          f"flwr-clientapp process with Flower's command ({flower_process:.2f} s) = "
+          f"{floor:.2f} s ({floor / sim_round:.1f}x the simulator round before any bayesfl "
+          "work; polls of 0.2-0.5 s come on top)")
     print("import" + (" from the replies" if "client_import" in records[-1]["flower"] else
                       " and process measured on their own after the run (module docstring)"))
 
@@ -180,6 +190,7 @@ def main() -> None:
         "flower_client_setup_s": median("client_setup"),
         "flower_process_start_s": flower_process,
         "flower_polling_and_wait_s": median("polling_and_wait"),
+        "flower_floor_s": floor, "ratio_flower_floor_over_simulator": floor / sim_round,
         "ece_simulator": sim.summary["ece"], "ece_flower": summary["ece"],
         "messages_per_client_per_round": 1,
         "byte_compiled": not args.no_compile,
