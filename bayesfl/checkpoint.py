@@ -52,6 +52,9 @@ MAX_CHECKPOINT_BYTES = 16 * 2**30
 """The largest checkpoint file read (16 GiB): far above any simulator run's server and client
 states, and a bound on what a damaged or planted file can make the reader allocate."""
 
+_WRITE_BYTES = 8 * 2**20
+"""Bytes gathered before each write of a file given in parts."""
+
 MAX_META_BYTES = 64 * 2**20
 """The largest JSON meta read from a checkpoint's header (the metadata JSON is parsed whole)."""
 
@@ -136,8 +139,18 @@ def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
         raise CheckpointError(f"cannot create a temporary file in {directory}: {err}") from err
     try:
         with os.fdopen(handle, "wb") as temp:
-            for part in ([data] if isinstance(data, bytes | bytearray) else data):
-                temp.write(part)
+            if isinstance(data, bytes | bytearray):
+                temp.write(data)
+            else:  # many small parts (a tensor each): gathered into large writes
+                pending = bytearray()
+                for part in data:
+                    view = memoryview(part)
+                    if view.nbytes:  # (an empty tensor's view cannot be cast)
+                        pending += view.cast("B")
+                    if len(pending) >= _WRITE_BYTES:
+                        temp.write(pending)
+                        pending.clear()
+                temp.write(pending)
             temp.flush()
             os.fsync(temp.fileno())
         os.replace(temp_name, path)

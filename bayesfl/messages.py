@@ -25,6 +25,7 @@ client (see :class:`KeyRing`); distributing them is the deployment's job.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -32,7 +33,7 @@ import math
 import re
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -168,11 +169,23 @@ def _digest(entries: Mapping[str, tuple[torch.Tensor, np.ndarray]], preamble: st
     digest.update(preamble.encode("utf-8"))
     for name in sorted(entries):
         tensor, raw = entries[name]
-        shape = ", ".join(map(str, tensor.shape))
-        digest.update(f'[{encode_basestring_ascii(name)}, "{tensor.dtype}", [{shape}]]'
-                      .encode())
+        digest.update(b"[" + encode_basestring_ascii(name).encode()
+                      + _described(tensor.dtype, tensor.shape)[0])
         digest.update(raw)  # hashes the buffer without a copy
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _described(dtype: torch.dtype, shape: torch.Size) -> tuple[bytes, str, int]:
+    """(the end of a tensor's digest line after its name, the start of its safetensors
+    header entry after its name, its safetensors dtype rank) for tensors of ``dtype`` and
+    ``shape`` (memoised: a checkpoint repeats a few layouts over every client)."""
+    line = f', "{dtype}", [{", ".join(map(str, shape))}]]'.encode()
+    if dtype not in _SAFETENSORS_DTYPES:
+        return line, "", -1
+    name, rank = _SAFETENSORS_DTYPES[dtype]
+    entry = f':{{"dtype":"{name}","shape":[{",".join(map(str, shape))}],"data_offsets":['
+    return line, entry, rank
 
 
 # safetensors' names of the dtypes it stores, in the order of its ``Dtype`` enum: a file lists
@@ -218,16 +231,16 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor],
                                   metadata=None if metadata is None else dict(metadata))]
     if raw is None:
         raw = {name: raw_bytes(t) for name, t in tensors.items()}
-    order = sorted(tensors, key=lambda n: (-_SAFETENSORS_DTYPES[tensors[n].dtype][1], n))
+    described = [(-_described(t.dtype, t.shape)[2], name, _described(t.dtype, t.shape)[1])
+                 for name, t in tensors.items()]
+    described.sort()
     parts = ['"__metadata__":' + _json_object(metadata)] if metadata is not None else []
     chunks = []
     offset = 0
-    for name in order:
-        tensor, data = tensors[name], raw[name]
+    for _, name, entry in described:
+        data = raw[name]
         end = offset + data.nbytes
-        shape = ",".join(map(str, tensor.shape))
-        parts.append(f'{_json_string(name)}:{{"dtype":"{_SAFETENSORS_DTYPES[tensor.dtype][0]}",'
-                     f'"shape":[{shape}],"data_offsets":[{offset},{end}]}}')
+        parts.append(f"{_json_string(name)}{entry}{offset},{end}]}}")
         chunks.append(data)
         offset = end
     header = ("{" + ",".join(parts) + "}").encode("utf-8")
@@ -565,35 +578,81 @@ def validate(
             differs, missing names, extra names, then per tensor (sorted by name) its dtype, its
             shape, and non-finite values where the spec asks for finiteness.
     """
-    sender = msg.header.client_id
-    expected = {"strategy": strategy, "round": round, "direction": direction,
-                "client_id": client_id}
-    for name, want in expected.items():
-        got = getattr(msg.header, name)
+    reason = validate_many([msg], schema, strategy=strategy, round=round, direction=direction,
+                           client_ids=None if client_id is None else [client_id])[0]
+    if reason is not None:
+        raise MessageRejected(reason, client_id=msg.header.client_id)
+
+
+def validate_many(
+    messages: Sequence[Message],
+    schema: Schema,
+    *,
+    strategy: str | None = None,
+    round: int | None = None,
+    direction: str | None = None,
+    client_ids: Sequence[int] | None = None,
+) -> list[str | None]:
+    """:func:`validate` of each message (``client_ids[i]``: the sender message i must name):
+    None, or the reason it would raise.
+
+    The checks of names, dtypes and shapes run per message; the finiteness of each tensor name
+    runs once over every message's tensor of that name (one pass over a round's uploads, not
+    one per upload), and each message's reason is still its first problem in
+    :func:`validate`'s order.
+    """
+    names = sorted(schema)
+    reasons: list[str | None] = [None] * len(messages)
+    # per message, how many of the sorted names passed their dtype and shape checks
+    checked = [0] * len(messages)
+    for i, msg in enumerate(messages):
+        expected = {"strategy": strategy, "round": round, "direction": direction,
+                    "client_id": None if client_ids is None else client_ids[i]}
+        reasons[i], checked[i] = _structure_problem(msg, schema, names, expected)
+    finite_problem: list[str | None] = [None] * len(messages)
+    for k, name in enumerate(names):
+        spec = schema[name]
+        if not spec.finite or not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            continue
+        rows = [i for i in range(len(messages))
+                if checked[i] > k and finite_problem[i] is None]
+        if not rows:
+            continue
+        tensors = [messages[i].tensors[name] for i in rows]
+        bad = ~torch.isfinite(torch.cat([t.reshape(-1).to("cpu") for t in tensors]))
+        if not bool(bad.any()):
+            continue
+        sizes = torch.tensor([t.numel() for t in tensors])
+        counts = torch.zeros(len(rows), dtype=torch.int64).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(rows)), sizes), bad.to(torch.int64))
+        for i, tensor, count in zip(rows, tensors, counts.tolist(), strict=True):
+            if count:
+                finite_problem[i] = (f"tensor {name!r} has {count} non-finite value(s) (NaN "
+                                     f"or Inf) of {math.prod(tensor.shape)}")
+    # a non-finite tensor comes before any dtype or shape problem of a later name
+    return [f if f is not None else r for f, r in zip(finite_problem, reasons, strict=True)]
+
+
+def _structure_problem(msg: Message, schema: Schema, names: list[str],
+                       expected: Mapping[str, Any]) -> tuple[str | None, int]:
+    """(the first problem of ``msg``'s header, names, dtypes and shapes in :func:`validate`'s
+    order, or None; how many of the sorted ``names`` passed their dtype and shape checks)."""
+    for field, want in expected.items():
+        got = getattr(msg.header, field)
         if want is not None and got != want:
-            raise MessageRejected(f"wrong header: {name} is {got!r}, expected {want!r}",
-                                  client_id=sender)
-    missing = sorted(set(schema) - set(msg.tensors))
-    if missing:
-        raise MessageRejected(f"missing tensors {missing}", client_id=sender)
-    extra = sorted(set(msg.tensors) - set(schema))
-    if extra:
-        raise MessageRejected(f"unexpected tensors {extra}", client_id=sender)
-    for name in sorted(schema):
-        _check_tensor(name, msg.tensors[name], schema[name], sender)
-
-
-def _check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, sender: int) -> None:
-    if tensor.dtype != spec.dtype:
-        raise MessageRejected(f"tensor {name!r} has dtype {tensor.dtype}, expected {spec.dtype}",
-                              client_id=sender)
-    shape = tuple(tensor.shape)
-    if not spec.matches_shape(shape):
-        want = "(" + ", ".join("*" if s is None else str(s) for s in spec.shape) + ")"
-        raise MessageRejected(f"tensor {name!r} has shape {shape}, expected {want}",
-                              client_id=sender)
-    if spec.finite and (tensor.is_floating_point() or tensor.is_complex()):
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise MessageRejected(f"tensor {name!r} has {bad} non-finite value(s) (NaN or Inf) "
-                                  f"of {math.prod(shape)}", client_id=sender)
+            return f"wrong header: {field} is {got!r}, expected {want!r}", 0
+    tensors = msg.tensors
+    if len(tensors) != len(schema) or any(name not in tensors for name in names):
+        missing = sorted(set(schema) - set(tensors))
+        if missing:
+            return f"missing tensors {missing}", 0
+        return f"unexpected tensors {sorted(set(tensors) - set(schema))}", 0
+    for k, name in enumerate(names):
+        tensor, spec = tensors[name], schema[name]
+        if tensor.dtype != spec.dtype:
+            return f"tensor {name!r} has dtype {tensor.dtype}, expected {spec.dtype}", k
+        shape = tuple(tensor.shape)
+        if not spec.matches_shape(shape):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in spec.shape) + ")"
+            return f"tensor {name!r} has shape {shape}, expected {want}", k
+    return None, len(names)

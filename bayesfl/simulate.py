@@ -69,6 +69,7 @@ from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
+    client_seeds,
     novel_clients,
     round_half_up,
     run_identity,
@@ -323,9 +324,8 @@ class InProcessChannel:
         fitting = [cid for cid in client_ids if messages[cid].fit is not None]
         if fitting:
             received = decode(messages[fitting[0]].fit, key=run.server_key)
-            gens = {cid: torch.Generator().manual_seed(derived_seed(run.config.seed, round,
-                                                                    cid))
-                    for cid in fitting}
+            gens = {cid: torch.Generator().manual_seed(seed) for cid, seed in
+                    zip(fitting, client_seeds(run.config.seed, round, fitting), strict=True)}
             before = {cid: run.clients[cid].state for cid in fitting}
             with watch_divergence() as diverged:
                 uploads = run.executor.fit([run.clients[i] for i in fitting], received, gens)

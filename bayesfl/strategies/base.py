@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from bayesfl.bodies import build_body, check_feature_dim
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Header, Message, Schema, TensorSpec, validate
+from bayesfl.messages import Header, Message, Schema, TensorSpec, validate_many
 from bayesfl.training import LocalTraining
 from calibration.accumulator import Accumulator
 
@@ -252,16 +252,9 @@ class Strategy:
         message against ``plan.upload_schema``; then the algorithm's invariants of all
         schema-valid uploads together (:meth:`upload_problems`).
         """
-        reasons: list[str | None] = [None] * len(messages)
-        valid: list[int] = []
-        for i, (message, cid) in enumerate(zip(messages, client_ids, strict=True)):
-            try:
-                validate(message, plan.upload_schema, strategy=self.name, round=plan.round,
-                         client_id=cid, direction="up")
-            except MessageRejected as err:
-                reasons[i] = err.reason
-            else:
-                valid.append(i)
+        reasons = validate_many(messages, plan.upload_schema, strategy=self.name,
+                                round=plan.round, direction="up", client_ids=client_ids)
+        valid = [i for i, reason in enumerate(reasons) if reason is None]
         if valid:
             problems = self.upload_problems(plan, [messages[i] for i in valid])
             for i, problem in zip(valid, problems, strict=True):

@@ -447,3 +447,68 @@ def test_decoded_tensors_own_writable_memory():
     message = decode(data)
     message.tensors["stats"] += 1  # no warning, no effect on the bytes or another decode
     assert torch.equal(decode(data).tensors["stats"], fedlog_upload().tensors["stats"])
+
+
+def _first_problem(msg: Message, schema, **expected) -> str | None:
+    """validate's documented order, one message at a time (the reference validate_many's
+    batched finiteness must agree with)."""
+    for name, want in expected.items():
+        if want is not None and getattr(msg.header, name) != want:
+            return f"wrong header: {name}"
+    if set(schema) - set(msg.tensors):
+        return "missing tensors"
+    if set(msg.tensors) - set(schema):
+        return "unexpected tensors"
+    for name in sorted(schema):
+        tensor, spec = msg.tensors[name], schema[name]
+        if tensor.dtype != spec.dtype:
+            return f"tensor {name!r} has dtype"
+        if not spec.matches_shape(tuple(tensor.shape)):
+            return f"tensor {name!r} has shape"
+        if spec.finite and tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return f"tensor {name!r} has {bad} non-finite"
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ok", "nan_stats", "inf_counts_dtype", "shape",
+                                           "nan_and_late_shape", "missing", "extra", "round",
+                                           "sender"]),
+                          st.integers(1, 5)), min_size=1, max_size=12))
+def test_validate_many_gives_each_message_its_first_problem(kinds):
+    from bayesfl.messages import validate_many
+
+    schema = {"a_stats": TensorSpec((4, None), torch.float64),
+              "b_counts": TensorSpec((4,), torch.float32),
+              "c_num": TensorSpec((), torch.int64)}
+    messages, ids = [], []
+    for kind, n in kinds:
+        tensors = {"a_stats": torch.ones(4, n, dtype=torch.float64),
+                   "b_counts": torch.ones(4), "c_num": torch.tensor(6)}
+        header = HEADER
+        if kind == "nan_stats":
+            tensors["a_stats"][0, : min(n, 2)] = float("nan")
+        elif kind == "inf_counts_dtype":
+            tensors["b_counts"][1] = float("inf")
+            tensors["c_num"] = torch.tensor(6.0)
+        elif kind == "shape":
+            tensors["b_counts"] = torch.ones(3)
+        elif kind == "nan_and_late_shape":
+            tensors["a_stats"][1, 0] = float("inf")
+            tensors["c_num"] = torch.tensor([6])
+        elif kind == "missing":
+            del tensors["b_counts"]
+        elif kind == "extra":
+            tensors["z"] = torch.ones(1)
+        elif kind == "round":
+            header = Header("fedlog", 4, 7, "up")
+        messages.append(Message(header, tensors))
+        ids.append(8 if kind == "sender" else 7)
+    got = validate_many(messages, schema, strategy="fedlog", round=3, direction="up",
+                        client_ids=ids)
+    for message, cid, reason in zip(messages, ids, got, strict=True):
+        want = _first_problem(message, schema, strategy="fedlog", round=3, direction="up",
+                              client_id=cid)
+        assert (reason is None) == (want is None) and (want is None or reason.startswith(want))

@@ -199,6 +199,8 @@ DEFAULT_HELDOUT_FRACTION = 0.04
 S1): enough, summed over the clients, to place one scalar; little enough not to cost accuracy
 (10% did: 0.907 against 0.916 in S1, measured with the temperature step)."""
 _CACHE = "latest/"
+PREDICT_ROWS = 256
+"""Feature rows a client's (or a batched group's) predictive computes at once."""
 
 MOST_SAMPLES = 1e9
 """More samples than any data set a run holds (a billion, beyond in-memory data). A prior
@@ -925,11 +927,17 @@ class FedLog(Strategy):
             uniform = torch.full((features.shape[0], self.num_classes), 1.0 / self.num_classes,
                                  dtype=torch.float64)
             return {PREDICTIVE: uniform, MAP_PLUGIN: uniform}
+        # rows in blocks: every row's probabilities are its own (the same numbers), and the
+        # MC predictive's (draws, rows, classes) logits of a block stay in cache (16,000
+        # clients' 40,000 test rows at once: 1.6 GB and 3x the time)
         features = features.to(torch.float64)
+        chunks = features.split(PREDICT_ROWS) if features.shape[0] else (features,)
         return {
-            PREDICTIVE: posterior.predict_proba(features, method=self.predictive,
-                                                samples=draws).cpu(),
-            MAP_PLUGIN: posterior.predict_proba(features, method="map").cpu(),
+            PREDICTIVE: torch.cat([posterior.predict_proba(chunk, method=self.predictive,
+                                                           samples=draws).cpu()
+                                   for chunk in chunks]),
+            MAP_PLUGIN: torch.cat([posterior.predict_proba(chunk, method="map").cpu()
+                                   for chunk in chunks]),
         }
 
     def posterior(
