@@ -260,8 +260,8 @@ def _json_string(text: str) -> str:
 
 
 def _json_object(mapping: Mapping[str, str]) -> str:
-    return "{" + ",".join(f"{_json_string(k)}:{_json_string(v)}"
-                          for k, v in sorted(mapping.items())) + "}"
+    """``mapping`` as a compact JSON object, keys sorted, as serde_json writes strings."""
+    return json.dumps(dict(sorted(mapping.items())), ensure_ascii=False, separators=(",", ":"))
 
 
 def contiguous_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -397,6 +397,7 @@ the per-character steps)."""
 _BRACKETS_ONLY = bytes(c for c in range(256) if c not in b"[]{}")
 _BRACKET_STEPS = np.zeros(256, dtype=np.int8)
 _BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
+_OPENING = frozenset(b"[{")
 
 
 def _json_depth(raw: bytes) -> int:
@@ -409,10 +410,11 @@ def _json_depth(raw: bytes) -> int:
         steps = _BRACKET_STEPS[np.frombuffer(brackets, dtype=np.uint8)].astype(np.int64)
         return max(int(np.cumsum(steps).max()), 0)
     depth = deepest = 0
-    for code in brackets:
-        depth += _BRACKET_STEPS[code]
-        deepest = max(deepest, depth)
-    return int(deepest)
+    for code in brackets:  # Python ints (numpy's int8 would wrap past 127)
+        depth += 1 if code in _OPENING else -1
+        if depth > deepest:
+            deepest = depth
+    return deepest
 
 
 def decode(

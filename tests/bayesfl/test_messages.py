@@ -408,6 +408,9 @@ def test_the_json_depth_of_a_header_is_the_inference_check_s():
     for size in [0, 1, 5, 40, 300, 2000] * 300:
         raw = alphabet[rng.integers(0, len(alphabet), size)].tobytes()
         assert _json_depth(raw) == json_depth(raw), raw
+    for depth in (100, 127, 128, 200, 255):  # deep, with fewer brackets than the numpy path
+        assert _json_depth(b"[" * depth + b"]" * depth) == depth
+        assert _json_depth(b"{" * depth) == depth
 
 
 def _with_entry(data: bytes, name: str, entry: object) -> bytes:
