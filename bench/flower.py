@@ -52,7 +52,8 @@ from pathlib import Path
 # `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
 # calibration package: the repository root goes there instead
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
+if Path(sys.path[0]).resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
 
 import torch  # noqa: E402
 
@@ -85,21 +86,21 @@ def _fresh_seconds(code: str, repeats: int = 3) -> float:
 FLOWER_COMMAND = "flwr.supernode.cli"
 
 
-def flower_process_seconds() -> float:
+def flower_process_seconds(repeats: int = 3) -> float:
     """A fresh interpreter starting and importing Flower's ``flwr-clientapp`` command (the
     wall time of the process as its parent sees it)."""
     return _fresh_seconds(
         "import subprocess, sys, time; t = time.perf_counter(); "
         f"subprocess.run([sys.executable, '-c', 'import {FLOWER_COMMAND}'], check=True); "
-        "print(time.perf_counter() - t)")
+        "print(time.perf_counter() - t)", repeats)
 
 
-def clientapp_import_seconds() -> float:
+def clientapp_import_seconds(repeats: int = 3) -> float:
     """After Flower's command: importing the ClientApp and the modules its handler needs."""
     return _fresh_seconds(
         f"import time, {FLOWER_COMMAND}; t = time.perf_counter(); "
         "from bayesfl.flower.client_app import import_step_modules; import_step_modules(); "
-        "print(time.perf_counter() - t)")
+        "print(time.perf_counter() - t)", repeats)
 
 
 def main() -> None:
