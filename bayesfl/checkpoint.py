@@ -55,6 +55,11 @@ states, and a bound on what a damaged or planted file can make the reader alloca
 _WRITE_BYTES = 8 * 2**20
 """Bytes gathered before each write of a file given in parts."""
 
+MAX_HEADER_BYTES = 256 * 2**20
+"""The largest safetensors header read from a checkpoint: ~90 bytes per tensor, and a
+simulator's checkpoint holds every client's tensors (112,000 of them, 10 MiB, for FedLog at
+16,000 clients; a message's 16 MiB limit would refuse 26,000)."""
+
 MAX_META_BYTES = 64 * 2**20
 """The largest JSON meta read from a checkpoint's header (the metadata JSON is parsed whole)."""
 
@@ -204,7 +209,7 @@ def load_checkpoint(
     corrupt = (f"checkpoint {path} is corrupt or not a bayesfl checkpoint; delete it (or the "
                "run directory) and start the run again without resuming")
     try:
-        metadata = read_safetensors_metadata(data)
+        metadata = read_safetensors_metadata(data, max_header_bytes=MAX_HEADER_BYTES)
     except (ValueError, RecursionError, BayesFLError) as err:
         raise CheckpointError(f"{corrupt} ({_one_line(err)})") from err
     if metadata.get(_KEY + "format") != _FORMAT:

@@ -303,3 +303,15 @@ def test_config_differences_cover_added_removed_and_retyped_settings():
         "b: checkpoint 2, this run (not set)", "c: checkpoint (not set), this run 3"]
     assert config_differences({"lr": 1}, {"lr": 1.0}) == ["lr: checkpoint 1, this run 1.0"]
     assert config_differences({"x": {"y": [1, 2]}}, {"x": {"y": [1, 2]}}) == []
+
+
+def test_a_checkpoint_header_may_exceed_a_message_header(tmp_path, monkeypatch):
+    # a checkpoint holds a tensor per client tensor: its header outgrows a message's limit
+    # (16 MiB, ~26,000 FedLog clients) long before its file reaches MAX_CHECKPOINT_BYTES
+    import bayesfl.messages as messages
+
+    monkeypatch.setattr(messages, "MAX_HEADER_BYTES", 1000)
+    tensors = {f"client/{i}/model.weight": torch.full((2,), float(i)) for i in range(100)}
+    save_checkpoint(tmp_path / "ck.safetensors", tensors, {"round": 1}, fingerprint="f")
+    loaded, meta = load_checkpoint(tmp_path / "ck.safetensors", fingerprint="f")
+    assert meta["round"] == 1 and all(torch.equal(loaded[k], v) for k, v in tensors.items())
