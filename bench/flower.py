@@ -66,10 +66,10 @@ PULL_SLEEP = 3.0
 just replied pulls before the server has the next round's message."""
 
 STATUS_POLL = 20.0
-"""Seconds between the harness's ``flwr ls`` polls for the run's final status: each is a fresh
-``flwr`` CLI process of about 1.5 s CPU, which at the default 2 s would take most of a core of
-this 2-core machine from the SuperNodes for the whole run. The round times come from the
-server's records, so polling less only delays noticing the end of the run."""
+"""Seconds between the harness's ``flwr ls`` polls for the run's final status while the run's
+``summary.json`` is not written yet (then it asks at once): each is a fresh ``flwr`` CLI process
+of about 1.5 s CPU, which at the default 2 s would take most of a core of this 2-core machine
+from the SuperNodes for the whole run."""
 
 EXPERIMENT = {"dataset": "digits", "clients": 3, "partition": "iid", "seed": 0}
 
@@ -131,7 +131,7 @@ def main() -> None:
             status = fed.run({**EXPERIMENT, "strategy": args.strategy, "rounds": args.rounds,
                               "out": str(out), "threads": 1, "evaluate-every": 1,
                               "round-timeout": 600.0, "node-wait": 300.0}, timeout=3600.0,
-                             poll=STATUS_POLL)
+                             poll=STATUS_POLL, done_marker=out / "summary.json")
         if not status.completed:
             raise SystemExit(f"the Flower run ended as {status.status}: {status.details}")
         records = [json.loads(line) for line in

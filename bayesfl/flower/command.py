@@ -103,7 +103,8 @@ def run_flower(args: argparse.Namespace) -> int:
     app = args.app or EXAMPLE_APP
     print(f"bayesfl: starting a SuperLink and {nodes} SuperNodes on 127.0.0.1", flush=True)
     with LocalFederation(nodes, workdir=args.keep) as fed:
-        status = fed.run(config, app=app, timeout=args.timeout)
+        status = fed.run(config, app=app, timeout=args.timeout,
+                         done_marker=out / "summary.json")
         if not status.completed:
             print(f"bayesfl: Flower run {status.run_id} ended as {status.status} "
                   f"({status.details}); SuperLink log tail:\n"

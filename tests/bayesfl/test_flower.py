@@ -58,7 +58,7 @@ def run_on_flower(fed: LocalFederation, out: Path, strategy: str, rounds: int,
     config = {**EXPERIMENT, **DEPLOYMENT, "strategy": strategy, "rounds": rounds,
               "out": str(out), **extra}
     kwargs = {} if app is None else {"app": app}
-    status = fed.run(config, timeout=RUN_TIMEOUT, **kwargs)
+    status = fed.run(config, timeout=RUN_TIMEOUT, done_marker=out / "summary.json", **kwargs)
     assert status.completed, (status.status, status.details, fed.log("superlink")[-4000:])
     return json.loads((out / "summary.json").read_text())
 
@@ -746,3 +746,15 @@ def test_calibrate_and_novel_clients_on_supernodes_equal_the_simulator(federatio
     flower, simulated = summary["calibration"], sim.summary["calibration"]
     assert flower["temperature"] == pytest.approx(simulated["temperature"], rel=1e-6)
     assert_figures_equal(flower["calibrated"], simulated["calibrated"], "calibrated")
+
+
+def test_a_done_marker_counts_only_when_written_after_the_submission(tmp_path):
+    # LocalFederation.run asks `flwr ls` (1.5 s of CPU each) once the ServerApp's summary.json is
+    # written anew: a summary left by an earlier run in the same directory must not count.
+    from bayesfl.flower.local import _written_since
+
+    marker = tmp_path / "summary.json"
+    assert not _written_since(marker, time.time()) and not _written_since(None, 0.0)
+    marker.write_text("{}")
+    written = marker.stat().st_mtime
+    assert _written_since(marker, written) and not _written_since(marker, written + 1.0)
