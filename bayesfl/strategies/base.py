@@ -43,7 +43,6 @@ A strategy with ``init_round = True`` needs a round 0 before training starts (Fe
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -55,7 +54,8 @@ from torch import Tensor, nn
 from bayesfl.bodies import build_body, check_feature_dim
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.messages import Header, Message, Schema, TensorSpec, validate_many
+from bayesfl.messages import Header, Message, Schema, validate_many
+from bayesfl.strategies.uploads import wire
 from bayesfl.training import LocalTraining
 from calibration.accumulator import Accumulator
 
@@ -503,57 +503,3 @@ def check_one_body(configs: Sequence[ClientConfig]) -> str:
     if len(bodies) != 1:
         raise ConfigError(f"a client group must share one body spec, got {sorted(bodies)}")
     return next(iter(bodies))
-
-
-def wire(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Tensors as they travel: detached, contiguous, on the CPU."""
-    return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-
-
-def num_samples_tensor(n: int) -> Tensor:
-    """The sample count as it travels in uploads: shape (1,), int64."""
-    return torch.tensor([n], dtype=torch.int64)
-
-
-NUM_SAMPLES_SPEC = TensorSpec((1,), torch.int64)
-
-
-def option_number(strategy: str, option: str, value: object, minimum: float = 0.0) -> float:
-    """A strategy option that must be a finite number >= ``minimum`` (not a bool or string),
-    as a float; ConfigError naming the strategy and option otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value < minimum:
-        raise ConfigError(f"{strategy} {option} must be a finite number >= {minimum:g}, got "
-                          f"{value!r}")
-    return float(value)
-
-
-def option_integer(strategy: str, option: str, value: object, minimum: int = 0) -> int:
-    """A strategy option that must be an integer >= ``minimum`` (not a bool, float or string);
-    ConfigError naming the strategy and option otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{strategy} {option} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def sample_counts(messages: Sequence[Message]) -> list[int]:
-    """The uploads' declared sample counts (their ``num_samples`` entries)."""
-    return [int(m.tensors["num_samples"].item()) for m in messages]
-
-
-def client_weights(counts: Sequence[int], weighted: bool) -> Tensor:
-    """(K,) float64 aggregation weights summing to 1: ``n_k / n`` (``weighted``) or ``1 / K``."""
-    weights = torch.tensor([float(n) if weighted else 1.0 for n in counts], dtype=torch.float64)
-    return weights / weights.sum()
-
-
-def weighted_mean(messages: Sequence[Message], name: str, weights: Tensor) -> Tensor:
-    """float64 ``sum_k weights[k] * messages[k].tensors[name]``."""
-    stacked = torch.stack([m.tensors[name].to(torch.float64) for m in messages])
-    return (weights.view(-1, *[1] * (stacked.dim() - 1)) * stacked).sum(0)
-
-
-def num_samples_problem(message: Message) -> str | None:
-    """None if the upload's sample count is >= 1, else the reason."""
-    n = int(message.tensors["num_samples"].item())
-    return None if n >= 1 else f"num_samples must be >= 1, got {n}"

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message
-from bayesfl.strategies.base import RoundPlan, num_samples_problem
+from bayesfl.strategies.base import RoundPlan
+from bayesfl.strategies.uploads import num_samples_problem
 
 AGGREGATIONS = ("mean", "median", "trimmed-mean")
 DECLARED = "declared/"

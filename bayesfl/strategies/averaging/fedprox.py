@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from bayesfl.strategies.averaging.fedavg import FedAvg
-from bayesfl.strategies.base import StrategyContext, option_number
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.options import option_number
 
 
 class FedProx(FedAvg):

@@ -33,7 +33,8 @@ from bayesfl.strategies.averaging.parameter_averaging import (
     check_layer_count,
     with_epochs,
 )
-from bayesfl.strategies.base import StrategyContext, option_integer
+from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.options import option_integer
 from bayesfl.training import LocalTraining, ParameterFilter
 
 

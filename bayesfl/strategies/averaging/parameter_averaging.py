@@ -92,7 +92,6 @@ from bayesfl.strategies.averaging.fedpart_schedule import (
 )
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -101,10 +100,7 @@ from bayesfl.strategies.base import (
     Strategy,
     StrategyContext,
     check_one_body,
-    client_weights,
     model_state,
-    num_samples_tensor,
-    sample_counts,
     stacked_tensors,
     with_parameters,
 )
@@ -132,6 +128,12 @@ from bayesfl.strategies.robust import (
     first_reasons,
     norm_scales,
     screening_reasons,
+)
+from bayesfl.strategies.uploads import (
+    NUM_SAMPLES_SPEC,
+    client_weights,
+    num_samples_tensor,
+    sample_counts,
 )
 from bayesfl.training import (
     LocalTraining,

@@ -45,7 +45,6 @@ from bayesfl.inputs import client_inputs
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -53,21 +52,23 @@ from bayesfl.strategies.base import (
     ServerState,
     Strategy,
     StrategyContext,
-    client_weights,
     derived_seed,
-    num_samples_tensor,
-    option_integer,
-    option_number,
-    sample_counts,
-    weighted_mean,
 )
 from bayesfl.strategies.networks import ClassifierNet
+from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.robust import (
     DECLARED,
     count_problems,
     declarations,
     first_reasons,
     screening_reasons,
+)
+from bayesfl.strategies.uploads import (
+    NUM_SAMPLES_SPEC,
+    client_weights,
+    num_samples_tensor,
+    sample_counts,
+    weighted_mean,
 )
 from inference.network_gaussian import NetworkGaussian
 

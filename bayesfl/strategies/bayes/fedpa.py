@@ -79,10 +79,9 @@ from bayesfl.strategies.base import (
     ServerState,
     StrategyContext,
     model_state,
-    option_integer,
-    option_number,
 )
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
+from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.robust import DECLARED
 from inference.network_gaussian import (
     NetworkGaussian,

@@ -60,11 +60,10 @@ from bayesfl.strategies.base import (
     ServerState,
     StrategyContext,
     model_state,
-    option_integer,
-    option_number,
 )
 from bayesfl.strategies.bayes.baseline import BayesianBaseline
 from bayesfl.strategies.networks import batched_apply
+from bayesfl.strategies.options import option_integer, option_number
 from inference.ensemble import EnsemblePosterior
 from inference.laplace_head import find_mode
 from inference.linear_model import augment_with_bias

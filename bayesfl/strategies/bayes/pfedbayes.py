@@ -82,11 +82,10 @@ from bayesfl.strategies.base import (
     ClientState,
     ServerState,
     StrategyContext,
-    option_integer,
-    option_number,
-    weighted_mean,
 )
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
+from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.strategies.uploads import weighted_mean
 from inference.network_gaussian import NetworkGaussian, flatten
 
 MU, RHO = "mu.", "rho."

@@ -138,7 +138,6 @@ from bayesfl.messages import Message, Schema, TensorSpec, tensor_digest
 from bayesfl.posterior import ClientPosterior, client_posterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -149,7 +148,6 @@ from bayesfl.strategies.base import (
     check_one_body,
     derived_seed,
     model_state,
-    num_samples_tensor,
     stacked_tensors,
     with_parameters,
 )
@@ -162,6 +160,7 @@ from bayesfl.strategies.robust import (
     first_reasons,
     screening_reasons,
 )
+from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor
 from bayesfl.training import forward_stacked_tensors, train_plain, train_stacked
 from inference.conjugate import (
     ClassMeans,

@@ -192,7 +192,6 @@ from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.posterior import client_posterior
 from bayesfl.strategies.base import (
     MAP_PLUGIN,
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -202,12 +201,10 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
     model_state,
-    num_samples_tensor,
-    option_integer,
-    option_number,
 )
 from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, tune_head
 from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
+from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.probabilistic_head import (
     ProbabilisticHead,
     head_features,
@@ -221,6 +218,7 @@ from bayesfl.strategies.robust import (
     first_reasons,
     screening_reasons,
 )
+from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor
 from bayesfl.training import GaussianProx, train_plain
 from inference.log_grid import argmin_on_log_grid, geometric_grid
 from inference.subnet import (

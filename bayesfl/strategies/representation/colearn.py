@@ -154,10 +154,9 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
     model_state,
-    option_integer,
-    option_number,
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
 

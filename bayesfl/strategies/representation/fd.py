@@ -43,9 +43,9 @@ from bayesfl.strategies.base import (
     ServerState,
     StrategyContext,
     model_state,
-    option_number,
 )
 from bayesfl.strategies.networks import ClassifierNet, batched_apply
+from bayesfl.strategies.options import option_number
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
 

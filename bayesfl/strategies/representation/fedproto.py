@@ -38,7 +38,6 @@ from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.base import (
-    NUM_SAMPLES_SPEC,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -48,13 +47,12 @@ from bayesfl.strategies.base import (
     StrategyContext,
     check_one_body,
     model_state,
-    num_samples_problem,
-    num_samples_tensor,
-    option_number,
     stacked_tensors,
     with_parameters,
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.strategies.options import option_number
+from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_problem, num_samples_tensor
 from bayesfl.training import train_plain, train_stacked
 
 
