@@ -36,6 +36,12 @@ class BayesFLWarning(UserWarning):
     results depend on it."""
 
 
+class UploadsRejectedWarning(BayesFLWarning):
+    """Every upload of a round was rejected, so the round kept its state: usually not an
+    attacker but a configuration every client shares (a body whose features break the
+    strategy's requirements, a schema mismatch); the message gives the first reasons."""
+
+
 class LocalTrainingWarning(BayesFLWarning):
     """A client's local training stopped early because its loss became NaN or infinite (a
     learning rate too large for the data, or inputs with extreme values); the message says

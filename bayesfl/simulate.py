@@ -79,6 +79,7 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
 from bayesfl.engine.state import restore_round, save_round
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
     aggregate_or_keep,
+    all_rejected_message,
     build_summary,
     cached_upload_problem,
     evaluate_or_revert,
@@ -93,6 +94,7 @@ from bayesfl.errors import (
     ConfigError,
     LocalTrainingWarning,
     MessageRejected,
+    UploadsRejectedWarning,
 )
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
@@ -394,6 +396,7 @@ class _Run:
         self.state = self.server.init()
         self.broadcast_hook: BroadcastHook | None = None
         self.divergence_warned = False
+        self.rejection_warned = False
         self.threads = torch.get_num_threads()
         self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
 
@@ -541,6 +544,7 @@ class _Run:
         accepted = screen_uploads(server, plan, received_up, reasons)
         rejections = [{"client_id": cid, "reason": reasons[cid]}
                       for cid in participants if cid in reasons]
+        self._warn_all_rejected(r, rejections, len(accepted))
         # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
         # evaluated is dropped with its reason, and the round keeps the previous state.
         t_receive = time.perf_counter() - t_receive
@@ -586,6 +590,14 @@ class _Run:
         if aggregate_error is not None:
             record["aggregate_error"] = aggregate_error
         return record, evaluation
+
+    def _warn_all_rejected(self, r: int, rejections: list[dict[str, Any]],
+                           accepted: int) -> None:
+        """Warn, once per run, of a round whose every upload was rejected."""
+        message = all_rejected_message(r, rejections, accepted)
+        if message is not None and not self.rejection_warned:
+            self.rejection_warned = True
+            warnings.warn(message, UploadsRejectedWarning, stacklevel=2)
 
     def _warn_divergence(self, r: int, client_id: int, reason: str) -> None:
         """Warn, once per run, that a client's local training stopped on a non-finite loss."""

@@ -119,6 +119,21 @@ def screen_uploads(server: Strategy, plan: RoundPlan,
     return accepted
 
 
+def all_rejected_message(round: int, rejections: Sequence[Mapping[str, Any]],
+                         accepted: int) -> str | None:
+    """The warning for a round in which uploads came back and every one was rejected
+    (:class:`~bayesfl.errors.UploadsRejectedWarning`), naming up to three distinct reasons;
+    None when any upload was accepted or none came back."""
+    if accepted or not rejections:
+        return None
+    reasons = list(dict.fromkeys(str(r["reason"]) for r in rejections))
+    shown = "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+    return (f"round {round}: all {len(rejections)} uploads were rejected, so the round kept "
+            f"its state ({shown}). When every client fails the same check, the cause is "
+            "usually shared: the body, the data or the strategy's options. Every rejection is "
+            "listed under 'rejections' in metrics.jsonl (this warning is given once per run).")
+
+
 def aggregate_or_keep(server: Strategy, state: ServerState, accepted: Sequence[Message],
                       round: int, seed: int) -> tuple[ServerState, str | None]:
     """``(new state, None)``, or ``(state, why it was kept)`` when ``aggregate`` fails or

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,13 +74,19 @@ from bayesfl.engine.setup import novel_clients, run_identity, run_setup, sample_
 from bayesfl.engine.state import restore_round, save_round
 from bayesfl.engine.steps import (
     aggregate_or_keep,
+    all_rejected_message,
     build_summary,
     evaluate_or_revert,
     round_view,
     screen_uploads,
     summary_extras,
 )
-from bayesfl.errors import BayesFLError, CheckpointError, MessageRejected
+from bayesfl.errors import (
+    BayesFLError,
+    CheckpointError,
+    MessageRejected,
+    UploadsRejectedWarning,
+)
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.flower.protocol import (
     CALIBRATE,
@@ -327,6 +334,7 @@ class FlowerServer:
         self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.strategy.init_round else 1
+        self.rejection_warned = False
         self.seconds_before = 0.0
         self.resumed_from: int | None = None
         self._last_accumulators: list[Any] = []
@@ -582,6 +590,10 @@ class FlowerServer:
         accepted = screen_uploads(server, plan, received, reasons)
         t_decode = time.perf_counter() - t_decode
         rejections = [{"client_id": c, "reason": reasons[c]} for c in sorted(reasons)]
+        message = all_rejected_message(r, rejections, len(accepted))
+        if message is not None and not self.rejection_warned:  # in the ServerApp's log
+            self.rejection_warned = True
+            warnings.warn(message, UploadsRejectedWarning, stacklevel=2)
         events += [{**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
                    for rej in rejections]
         need = self.options.min_replies or len(participants)

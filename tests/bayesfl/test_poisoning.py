@@ -185,3 +185,34 @@ def test_with_authentication_a_replayed_upload_is_rejected_and_honest_runs_are_u
     assert signed.summary["accuracy"] == plain.summary["accuracy"]
     assert signed.summary["nll"] == plain.summary["nll"]
     assert rejections(signed.metrics) == []
+
+
+def test_a_round_whose_every_upload_is_rejected_warns_once_and_keeps_its_state():
+    # Every upload truncated in transit: nothing to aggregate in any round. The run completes
+    # with the initial state, and says so once, with the reason, instead of only in the log.
+    import warnings
+
+    from bayesfl.errors import UploadsRejectedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = simulate("fedavg", clients=3, rounds=2, seed=0, progress=False,
+                       upload_hook=lambda r, cid, data: data[:100])
+    told = [w for w in caught if issubclass(w.category, UploadsRejectedWarning)]
+    assert len(told) == 1
+    assert "round 1: all 3 uploads were rejected" in str(told[0].message)
+    assert "corrupt or foreign bytes" in str(told[0].message)
+    assert [m["accepted"] for m in run.metrics] == [0, 0]
+    assert all(len(m["rejections"]) == 3 for m in run.metrics)
+
+
+def test_one_accepted_upload_is_enough_to_stay_quiet():
+    import warnings
+
+    from bayesfl.errors import UploadsRejectedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        simulate("fedavg", clients=3, rounds=1, seed=0, progress=False,
+                 upload_hook=lambda r, cid, data: data[:100] if cid != 0 else data)
+    assert not [w for w in caught if issubclass(w.category, UploadsRejectedWarning)]
