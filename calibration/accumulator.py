@@ -41,6 +41,8 @@ class Accumulator:
         self.n_bins = check_n_bins(n_bins)
         self._device = _device(device)
         self._state: dict[str, Tensor] | None = None
+        # (stacked state, row) when ``_state`` holds views of that row (:meth:`per_group`)
+        self._row: tuple[dict[str, Tensor], int] | None = None
 
     # -- state ---------------------------------------------------------------------------
     def _empty_state(self, device: torch.device) -> dict[str, Tensor]:
@@ -131,13 +133,16 @@ class Accumulator:
         counts = pairs.sum(1).view(num_groups, n_bins)
         correct = pairs[:, 1].reshape(num_groups, n_bins)
         confidence = confidence.view(num_groups, n_bins)
+        # one stacked state; each group's accumulator holds views of its rows (no copies:
+        # an update of one writes its own row), and merged/compute_each read the stack
+        stack = {"bin_counts": counts, "bin_confidence_sums": confidence,
+                 "bin_correct_counts": correct, "brier_sum": sums[0], "nll_sum": sums[1]}
+        rows = zip(*(stack[key].unbind(0) for key in _STATE_KEYS), strict=True)
         out = []
-        for g in range(num_groups):
-            acc = cls(n_bins, device=probs.device)
-            acc._state = {"bin_counts": counts[g].clone(),
-                          "bin_confidence_sums": confidence[g].clone(),
-                          "bin_correct_counts": correct[g].clone(),
-                          "brier_sum": sums[0, g].clone(), "nll_sum": sums[1, g].clone()}
+        for g, row in enumerate(rows):
+            acc = cls.__new__(cls)
+            acc.n_bins, acc._device, acc._row = n_bins, probs.device, (stack, g)
+            acc._state = dict(zip(_STATE_KEYS, row, strict=True))
             out.append(acc)
         return out
 
@@ -151,16 +156,15 @@ class Accumulator:
             return []
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("compute_each needs accumulators with one number of bins")
-        if any(a.count == 0 for a in items):
+        if any(a._state is None for a in items):
             raise InvalidInputError("the accumulator is empty: update it with at least one "
                                     "sample")
-        states = [a._state_on(a.device) for a in items]
-        counts = torch.stack([s["bin_counts"].cpu() for s in states]).numpy()
-        conf = torch.stack([s["bin_confidence_sums"].cpu() for s in states]).numpy()
-        correct = torch.stack([s["bin_correct_counts"].cpu() for s in states]).numpy()
-        brier = torch.stack([s["brier_sum"].cpu() for s in states]).numpy()
-        nll = torch.stack([s["nll_sum"].cpu() for s in states]).numpy()
+        stacked = _stacked_states(items, torch.device("cpu"))
+        counts, conf, correct, brier, nll = (stacked[key].numpy() for key in _STATE_KEYS)
         totals = counts.sum(1)
+        if bool((totals == 0).any()):
+            raise InvalidInputError("the accumulator is empty: update it with at least one "
+                                    "sample")
         nonempty = counts > 0
         with np.errstate(invalid="ignore", divide="ignore"):
             gaps = np.abs(correct / counts - conf / counts)
@@ -209,11 +213,10 @@ class Accumulator:
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("cannot merge accumulators with different numbers of bins")
         result = Accumulator(items[0].n_bins, device=items[0].device)
-        states = [a._state for a in items if a._state is not None]
-        if states:  # one stacked sum per key (same sums as pairwise merges, one allocation)
-            device = result.device
-            result._state = {key: torch.stack([s[key].to(device) for s in states]).sum(0)
-                             for key in _STATE_KEYS}
+        holding = [a for a in items if a._state is not None]
+        if holding:  # one stacked sum per key (same sums as pairwise merges, one allocation)
+            stacked = _stacked_states(holding, result.device)
+            result._state = {key: stacked[key].sum(0) for key in _STATE_KEYS}
         return result
 
     # -- results -------------------------------------------------------------------------
@@ -315,6 +318,32 @@ def _accumulator_list(accumulators: Any) -> list[Accumulator]:
     if strangers:
         raise InvalidInputError(f"expected Accumulators only; got a {strangers[0]}")
     return items
+
+
+def _stacked_states(items: list[Accumulator], device: torch.device) -> dict[str, Tensor]:
+    """Key -> the items' states stacked along a new first axis (row i is item i's), on
+    ``device``; every item holds a state.
+
+    Rows of :meth:`Accumulator.per_group` stacks are read from the stack (one indexing per
+    key, not one tensor per item); the values are the same either way, so the sums over
+    them are bitwise those of stacking the items' own tensors.
+    """
+    sources: dict[int, dict[str, Tensor]] = {}
+    for a in items:
+        if a._row is None:
+            break
+        sources.setdefault(id(a._row[0]), a._row[0])
+    else:
+        if len(sources) == 1:
+            (stack,) = sources.values()
+            rows = [a._row[1] for a in items]
+            size = int(stack["bin_counts"].shape[0])
+            if rows == list(range(size)):
+                return {key: stack[key].to(device) for key in _STATE_KEYS}
+            index = torch.tensor(rows, dtype=torch.int64, device=stack["bin_counts"].device)
+            return {key: stack[key].index_select(0, index).to(device) for key in _STATE_KEYS}
+    return {key: torch.stack([a._state[key].to(device) for a in items])
+            for key in _STATE_KEYS}
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:

@@ -158,6 +158,34 @@ def test_per_group_accumulators_equal_one_update_per_group():
                                                                        abs=1e-15)
 
 
+def test_per_group_rows_merge_and_compute_as_their_own_states_in_any_selection():
+    # per_group's accumulators hold views of one stacked state, which merged and compute_each
+    # read directly: any selection, order or mix of them with other accumulators, and an
+    # update after per_group, must give bitwise what their own states give (the same numbers
+    # stacked in the same order; equality, not a tolerance: a stale or misaligned row differs)
+    g = torch.Generator().manual_seed(1)
+    n, groups_n = 200, 9
+    probs = torch.softmax(2 * torch.randn(n, 4, generator=g, dtype=torch.float64), dim=1)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    groups = torch.randint(0, groups_n, (n,), generator=g)
+    rows = Accumulator.per_group(probs, labels, groups, groups_n, n_bins=6)
+    rows[3].update(probs[:7], labels[:7])  # writes its own row only
+    other = Accumulator.per_group(probs[:50], labels[:50], groups[:50], groups_n, n_bins=6)
+    alone = Accumulator(6).update(probs[50:80], labels[50:80])
+
+    def copies(items):  # the same states, held by accumulators built from their state dicts
+        return [Accumulator.from_state_dict(a.state_dict()) for a in items]
+
+    for selection in (rows, rows[::-1], rows[2:5], [rows[4], rows[4], rows[0]],
+                      rows[:3] + other[5:] + [alone], [alone, *rows]):
+        want = Accumulator.merged(copies(selection)).state_dict()
+        got = Accumulator.merged(selection).state_dict()
+        assert all(torch.equal(got[key], want[key]) for key in want)
+        assert Accumulator.compute_each(selection) == Accumulator.compute_each(copies(selection))
+    assert rows[3].count == int((groups == 3).sum()) + 7
+    assert rows[2].count == int((groups == 2).sum())
+
+
 def test_per_group_and_compute_each_refuse_bad_input():
     probs = torch.full((4, 2), 0.5, dtype=torch.float64)
     labels = torch.tensor([0, 1, 0, 1])
