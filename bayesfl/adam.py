@@ -17,9 +17,12 @@ Adam's moments works with either. What it leaves out: parameter groups, ``state_
 ``maximize``, complex parameters, decoupled weight decay (AdamW), ``foreach``/``fused``
 kernels (on CUDA, ``torch.optim.Adam`` defaults to ``foreach``, which rounds differently).
 
-The batched trainer's per-client masked Adam over stacked parameters
-(:class:`bayesfl.training` ``_AdamState``) is the same formula rearranged for fewer passes
-over memory and per-client step counts; it agrees with this one up to float rounding.
+:class:`StackedAdam` is this update over many clients' stacked parameters that all step
+together (the batched trainer's uniform case), equal to each client's own :class:`Adam` bit for
+bit. The batched trainer's per-client masked Adam over stacked parameters
+(:class:`bayesfl.training` ``_AdamState``, for clients with different numbers of steps) is the
+same formula rearranged for fewer passes over memory and per-client step counts; it agrees
+with this one up to float rounding.
 """
 
 from __future__ import annotations
@@ -133,4 +136,48 @@ class Adam:
                          max_exp_avg_sq=state.get("max_exp_avg_sq"))
 
 
-__all__ = ["Adam", "adam_update_"]
+# elements of one slice of :class:`StackedAdam`'s update: its passes over a slice of 1 MiB
+# (float32) stay in the cache, and its temporaries stay that small
+_SLICE = 1 << 18
+
+
+class StackedAdam:
+    """Adam over many clients' parameters stacked on a leading client axis ``(K, ...)``, all
+    of them stepping at every step (one step count, shared): ``m[name]``, ``v[name]`` (the
+    moments, stacked like the parameters) and ``steps``.
+
+    :meth:`step` applies :func:`adam_update_` to slices of whole clients. Every operation of
+    it is elementwise with Python-float coefficients that depend only on the step count, so
+    each client's rows get exactly the arithmetic its own :class:`Adam` (hence
+    ``torch.optim.Adam(foreach=False)``) does on them: given the same gradients, the same
+    parameters and moments bit for bit (tested). ``torch.optim.Adam(fused=True)`` over the
+    stack, which the batched trainer used before, rounds differently and imports
+    ``torch._dynamo`` on first use. No weight decay, no AMSGrad (what local training uses).
+    """
+
+    def __init__(self, m: dict[str, Tensor], v: dict[str, Tensor], steps: int = 0) -> None:
+        self.m, self.v, self.steps = m, v, steps
+
+    @classmethod
+    def zeros(cls, params: dict[str, Tensor]) -> StackedAdam:
+        """A fresh state (zero moments, no step yet) for stacked ``params``."""
+        return cls({n: torch.zeros_like(p) for n, p in params.items()},
+                   {n: torch.zeros_like(p) for n, p in params.items()})
+
+    @torch.no_grad()
+    def step(self, params: dict[str, Tensor], grads: dict[str, Tensor], *, lr: float,
+             b1: float, b2: float, eps: float) -> None:
+        """One Adam step of every client: ``params`` and the moments updated in place, in
+        slices of whole clients of about 1 MiB (cache-sized passes, small temporaries)."""
+        self.steps += 1
+        step = float(self.steps)
+        for n, p in params.items():
+            g, m, v = grads[n], self.m[n], self.v[n]
+            rows = max(1, _SLICE // max(1, p[0].numel()))
+            for start in range(0, p.shape[0], rows):
+                cut = slice(start, start + rows)
+                adam_update_(p[cut], g[cut], m[cut], v[cut], step, lr=lr, beta1=b1, beta2=b2,
+                             eps=eps)
+
+
+__all__ = ["Adam", "StackedAdam", "adam_update_"]

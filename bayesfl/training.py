@@ -10,8 +10,12 @@ Adam and a per-sample objective:
   are stacked on a leading client axis and ``torch.func.vmap(grad(functional_call))`` computes
   every client's gradient in one call. Clients with fewer samples get padded mini-batches
   whose padding is masked out of the loss, and a client with no batch left in an epoch takes
-  no optimiser step. Adam is applied functionally with the same formula as ``torch.optim.Adam``
-  (default, non-amsgrad), so both paths give the same parameters up to float rounding.
+  no optimiser step. Adam is applied to the stacked tensors without ``torch.optim`` (so without
+  its ``torch._dynamo`` import): when every client steps at every step, with
+  :func:`bayesfl.adam.adam_update_`, the plain path's update, elementwise over the stack (each
+  client's rows get exactly the arithmetic of its own Adam); otherwise with a masked Adam that
+  skips idle clients (same formula, rounded differently). Both paths give the same parameters
+  up to float rounding (the gradients of the vmapped and the plain call round differently).
 
 Both consume each client's ``torch.Generator`` identically (one ``randperm`` per epoch), so a
 client's mini-batch order does not depend on which path trained it.
@@ -41,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 
-from bayesfl.adam import Adam
+from bayesfl.adam import Adam, StackedAdam
 from bayesfl.errors import ConfigError, LocalTrainingWarning
 
 Objective = Callable[[object, Tensor], Tensor]
@@ -319,15 +323,22 @@ def train_batched(
 
     Equivalent to calling :func:`train_plain` on every model with its own generator (up to
     float rounding), but computes all K gradients per step with one vmapped call (see
-    :func:`train_stacked`, which this calls with the models' own tensors).
+    :func:`train_stacked`, which this calls with the models' own tensors and whose results it
+    copies into them).
     """
     if not models:
         return
     if len({architecture_key(m) for m in models}) != 1:
         raise ConfigError("train_batched needs models of one architecture; use train_plain")
-    train_stacked(models[0], [named_tensors(m, "parameters") for m in models],
-                  [named_tensors(m, "buffers") for m in models], xs, ys, objective, config,
-                  generators=generators, trainable=trainable)
+    own = [named_tensors(m, "parameters") for m in models]
+    trained = [dict(p) for p in own]
+    train_stacked(models[0], trained, [named_tensors(m, "buffers") for m in models], xs, ys,
+                  objective, config, generators=generators, trainable=trainable)
+    with torch.no_grad():
+        for before, after in zip(own, trained, strict=True):
+            for name, value in after.items():
+                if value is not before[name]:
+                    before[name].copy_(value)
 
 
 def train_stacked(
@@ -345,10 +356,11 @@ def train_stacked(
 ) -> None:
     """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
-    used). The trained values are written into the ``parameters[k]`` tensors in place. A
-    client whose loss becomes non-finite stops there (module docstring): its parameters are
-    no longer updated, while the others train on (the masked Adam takes over from the fused
-    one, same formula).
+    used). The trained values replace the trainable entries of the ``parameters[k]`` dicts
+    (new tensors, one storage per client; the tensors the dicts held are never written, so
+    they may be a client state's own). A client whose loss becomes non-finite stops there
+    (module docstring): its parameters are no longer updated, while the others train on (the
+    masked Adam takes over from the stacked one, same formula).
 
     The objective must be the same function for every client (constants it closes over are
     shared). Buffers are carried along read-only (no batch-norm statistics updates), except
@@ -374,7 +386,8 @@ def train_stacked(
     per_model = list(parameters)
     with torch.no_grad():
         stacked = _stack_named(per_model)
-        train_p = {n: stacked[n] for n in train_names}
+        # leaves of autograd (the gradient below), updated in place under no_grad by Adam
+        train_p = {n: stacked[n].requires_grad_() for n in train_names}
         frozen_p = {n: stacked[n] for n in frozen_names}
         stacked_buffers = _stack_named(list(buffers))
     device = train_p[train_names[0]].device
@@ -388,21 +401,29 @@ def train_stacked(
         loss = (objective(out, yb) * mb).sum() / mb.sum().clamp_min(1.0)
         return loss if penalty is None else loss + penalty(tp)
 
-    grads_of = vmap(grad_and_value(client_loss))
+    losses_of = vmap(client_loss)
+    leaves = list(train_p.values())
+
+    def grads_of(*inputs) -> tuple[dict[str, Tensor], Tensor]:
+        # Each client's loss depends on its own rows of the stacked parameters only, so the
+        # gradient of the summed losses holds every client's gradient in its rows: one
+        # backward of the vmapped forward (torch.func.grad would import torch._dynamo, whose
+        # compiled-autograd switch it enters: seconds on first use in every process).
+        with torch.enable_grad():
+            losses = losses_of(*inputs)
+            grads = torch.autograd.grad(losses.sum(), leaves)
+        return dict(zip(train_names, grads, strict=True)), losses.detach()
     # Every client takes a step at every step iff all have the same number of batches; then
-    # one fused torch Adam over the stacked tensors is exactly per-client Adam (it is
-    # elementwise, with one shared step count). Otherwise a masked Adam skips idle clients.
+    # one Adam over the stacked tensors is exactly per-client Adam (it is elementwise, with one
+    # shared step count). Otherwise a masked Adam skips idle clients.
     uniform = len({math.ceil(n / config.batch_size) for n in sizes}) == 1
     b1, b2 = config.betas
-    state: _AdamState | torch.optim.Adam | None = None
+    state: _AdamState | StackedAdam | None = None
     stopped = torch.zeros(len(per_model), dtype=torch.bool, device=device)
     for epoch in range(config.epochs):
         if state is None:
-            state = (
-                torch.optim.Adam(list(train_p.values()), lr=config.lr, betas=config.betas,
-                                 eps=config.eps, fused=device.type in ("cpu", "cuda"))
-                if uniform else _AdamState.zeros(train_p, len(per_model), device)
-            )
+            state = (StackedAdam.zeros(train_p) if uniform
+                     else _AdamState.zeros(train_p, len(per_model), device))
         elif config.reset_optimizer_each_epoch:
             _reset(state)  # in place: cheaper than allocating fresh moments every epoch
         index, mask, steps = _batch_schedule(sizes, config.batch_size, generators)
@@ -417,23 +438,23 @@ def train_stacked(
                 for k in torch.nonzero(~finite & ~stopped).flatten().tolist():
                     _stopped(generators[k], float(losses[k]), epoch, s, config)
                 stopped |= ~finite
-                if isinstance(state, torch.optim.Adam):  # fused Adam cannot leave rows out
-                    state = _AdamState.from_torch(state, train_p, len(per_model), device)
+                if isinstance(state, StackedAdam):  # it cannot leave rows out
+                    state = _AdamState(state.m, state.v, torch.full(
+                        (len(per_model),), float(state.steps), device=device,
+                        dtype=torch.float64))
             if bool(stopped.any()):  # zero rows: 0 * NaN would still poison the moments
                 g = {n: v.masked_fill(stopped.view((-1,) + (1,) * (v.dim() - 1)), 0.0)
                      for n, v in g.items()}
             with torch.no_grad():
-                if isinstance(state, torch.optim.Adam):
-                    for n, p in train_p.items():
-                        p.grad = g[n]
-                    state.step()
+                if isinstance(state, StackedAdam):
+                    state.step(train_p, g, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
                 else:
                     state.step(train_p, g, (mb.sum(dim=1) > 0) & ~stopped, lr=config.lr,
                                b1=b1, b2=b2, eps=config.eps)
-    with torch.no_grad():
-        for k, p in enumerate(per_model):
-            for n in train_names:
-                p[n].copy_(train_p[n][k])
+    state = g = None  # the moments and the last gradients: as large as the parameters
+    for n in train_names:  # one clone per client: its own storage, not a view of the stack
+        for p, value in zip(per_model, train_p[n].detach().unbind(0), strict=True):
+            p[n] = value.clone()
 
 
 def has_running_stats(module: nn.Module) -> bool:
@@ -456,27 +477,24 @@ def _train_each(
     penalty: Penalty | None,
 ) -> None:
     """:func:`train_stacked` of a template with running statistics: :func:`train_plain` on a
-    copy per client; parameters written back in place, buffer entries replaced."""
+    copy per client; the parameter and buffer entries replaced by the trained ones."""
     model = copy.deepcopy(template)
     for p, b, x, y, g in zip(parameters, buffers, xs, ys, generators, strict=True):
         model.load_state_dict({**p, **b}, strict=True)
         train_plain(model, x, y, objective, config, generator=g, trainable=trainable,
                     penalty=penalty)
-        with torch.no_grad():
-            for name, value in model.named_parameters():
-                p[name].copy_(value)
+        p.update({name: value.detach().clone() for name, value in model.named_parameters()})
         b.update({name: value.detach().clone() for name, value in model.named_buffers()})
 
 
-def _reset(state: _AdamState | torch.optim.Adam) -> None:
+def _reset(state: _AdamState | StackedAdam) -> None:
     """Zero Adam's moments and step counts in place (same as a freshly built optimiser)."""
-    if isinstance(state, _AdamState):
-        tensors = [*state.m.values(), *state.v.values(), state.t]
-    else:
-        tensors = [t for st in state.state.values() for t in st.values()
-                   if isinstance(t, Tensor)]
-    for t in tensors:
+    for t in [*state.m.values(), *state.v.values()]:
         t.zero_()
+    if isinstance(state, _AdamState):
+        state.t.zero_()
+    else:
+        state.steps = 0
 
 
 class _AdamState:
@@ -490,20 +508,6 @@ class _AdamState:
         m = {n: torch.zeros_like(p) for n, p in params.items()}
         v = {n: torch.zeros_like(p) for n, p in params.items()}
         return cls(m, v, torch.zeros(k, device=device, dtype=torch.float64))
-
-    @classmethod
-    def from_torch(cls, optimizer: torch.optim.Adam, params: dict[str, Tensor], k: int,
-                   device: torch.device) -> _AdamState:
-        """The state of a ``torch.optim.Adam`` over the stacked ``params`` (one shared step
-        count), to go on with per-client masking."""
-        state = cls.zeros(params, k, device)
-        for n, p in params.items():
-            saved = optimizer.state.get(p)
-            if saved:  # absent before the first step
-                state.m[n].copy_(saved["exp_avg"])
-                state.v[n].copy_(saved["exp_avg_sq"])
-                state.t.fill_(float(saved["step"]))
-        return state
 
     def step(
         self,

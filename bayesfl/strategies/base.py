@@ -482,12 +482,14 @@ def model_entries(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def stacked_tensors(
     template: nn.Module, states: Sequence[ClientState]
 ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
-    """Per client: (parameters, buffers) of its network as *copies* of its state's tensors,
-    named as in ``template`` (for :func:`bayesfl.training.train_stacked` and
-    :func:`bayesfl.training.forward_stacked_tensors`, which write into the parameters)."""
+    """Per client: (parameters, buffers) of its network, new dicts holding its state's own
+    tensors (not copies), named as in ``template`` (for
+    :func:`bayesfl.training.train_stacked`, which replaces the dicts' entries with the trained
+    tensors and never writes the ones they held, and
+    :func:`bayesfl.training.forward_stacked_tensors`)."""
     p_names = [n for n, _ in template.named_parameters()]
     b_names = [n for n, _ in template.named_buffers()]
-    params = [{n: s[MODEL_PREFIX + n].clone() for n in p_names} for s in states]
+    params = [{n: s[MODEL_PREFIX + n] for n in p_names} for s in states]
     buffers = [{n: s[MODEL_PREFIX + n] for n in b_names} for s in states]
     return params, buffers
 

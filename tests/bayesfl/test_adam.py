@@ -128,3 +128,52 @@ def test_a_training_step_in_a_fresh_process_does_not_import_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---- StackedAdam: many clients' parameters on a leading axis, stepping together ------------
+@pytest.mark.parametrize("lr", [1e-3, 0.3])
+def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
+    # every operation of the update is elementwise with coefficients that depend only on the
+    # shared step count, so each client's rows go through exactly its own Adam's arithmetic:
+    # equal with torch.equal, not just close (Adam itself equals torch.optim.Adam, above).
+    # 5 clients; the (300, 1000) parameter spans several of the update's ~1 MiB slices
+    # (262,144 elements, so 1 client a slice) and the others fit in one.
+    from bayesfl.adam import StackedAdam
+    k, shapes = 5, {"w": (300, 1000), "b": (7,), "m": (3, 4, 2), "s": ()}
+    g = torch.Generator().manual_seed(0)
+    stacked = {n: torch.randn((k, *s), generator=g) for n, s in shapes.items()}
+    clients = [{n: v[c].clone() for n, v in stacked.items()} for c in range(k)]
+    own = [Adam(list(p.values()), lr=lr) for p in clients]
+    together = StackedAdam.zeros(stacked)
+    for step in range(4):  # gradients of a different scale per client and per step
+        grads = {n: torch.randn((k, *s), generator=g) * 10.0 ** torch.arange(-2, k - 2).view(
+            (k,) + (1,) * len(s)) * (step + 1) for n, s in shapes.items()}
+        together.step(stacked, grads, lr=lr, b1=0.9, b2=0.999, eps=1e-8)
+        for c, (params, optimizer) in enumerate(zip(clients, own, strict=True)):
+            for n, p in params.items():
+                p.grad = grads[n][c].clone()
+            optimizer.step()
+    assert together.steps == 4
+    for c, (params, optimizer) in enumerate(zip(clients, own, strict=True)):
+        for n, p in params.items():
+            assert torch.equal(stacked[n][c], p), (c, n)
+            assert torch.equal(together.m[n][c], optimizer.state[p]["exp_avg"]), (c, n)
+            assert torch.equal(together.v[n][c], optimizer.state[p]["exp_avg_sq"]), (c, n)
+
+
+def test_a_batched_fedlog_round_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
+    # the batched trainer's Adam over stacked clients was torch.optim.Adam(fused=True), and
+    # its gradients torch.func.grad: each imports torch._dynamo on first use (1.7 s on a quiet
+    # machine, per simulator process). (sympy is still imported, 0.6 s: cross_entropy under
+    # vmap runs torch's nll_loss decomposition, whose torch._check imports symbolic shapes.)
+    code = textwrap.dedent("""
+        import sys
+        from bayesfl.simulate import simulate
+        result = simulate("fedlog", dataset="digits", clients=6, partition="iid", rounds=2,
+                          seed=0, local_epochs=1, batched=True, progress=False)
+        assert result.metrics[-1]["round"] == 2
+        print("torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout
