@@ -40,9 +40,27 @@ class Accumulator:
     def __init__(self, n_bins: int = 15, device: torch.device | str | None = None) -> None:
         self.n_bins = check_n_bins(n_bins)
         self._device = _device(device)
-        self._state: dict[str, Tensor] | None = None
-        # (stacked state, row) when ``_state`` holds views of that row (:meth:`per_group`)
+        self._held: dict[str, Tensor] | None = None
+        # (stacked state, row) when the state is that row of a stack (:meth:`per_group`)
         self._row: tuple[dict[str, Tensor], int] | None = None
+
+    @property
+    def _state(self) -> dict[str, Tensor] | None:
+        """The state tensors (None before the first sample); a :meth:`per_group` row's are
+        views of its row of the stack, made when first asked for."""
+        if self._held is None and self._row is not None:
+            stack, g = self._row
+            self._held = {key: stack[key][g] for key in _STATE_KEYS}
+        return self._held
+
+    @_state.setter
+    def _state(self, state: dict[str, Tensor] | None) -> None:
+        self._held, self._row = state, None
+
+    @property
+    def _holds_state(self) -> bool:
+        """Whether there is a state (``_state is not None``, without making a row's views)."""
+        return self._held is not None or self._row is not None
 
     # -- state ---------------------------------------------------------------------------
     def _empty_state(self, device: torch.device) -> dict[str, Tensor]:
@@ -133,16 +151,15 @@ class Accumulator:
         counts = pairs.sum(1).view(num_groups, n_bins)
         correct = pairs[:, 1].reshape(num_groups, n_bins)
         confidence = confidence.view(num_groups, n_bins)
-        # one stacked state; each group's accumulator holds views of its rows (no copies:
-        # an update of one writes its own row), and merged/compute_each read the stack
+        # one stacked state; group g's accumulator is its row g (views, made when first used:
+        # no copies and no tensors per group; an update of one writes its own row), and
+        # merged/compute_each read the stack
         stack = {"bin_counts": counts, "bin_confidence_sums": confidence,
                  "bin_correct_counts": correct, "brier_sum": sums[0], "nll_sum": sums[1]}
-        rows = zip(*(stack[key].unbind(0) for key in _STATE_KEYS), strict=True)
         out = []
-        for g, row in enumerate(rows):
+        for g in range(num_groups):
             acc = cls.__new__(cls)
-            acc.n_bins, acc._device, acc._row = n_bins, probs.device, (stack, g)
-            acc._state = dict(zip(_STATE_KEYS, row, strict=True))
+            acc.n_bins, acc._device, acc._held, acc._row = n_bins, probs.device, None, (stack, g)
             out.append(acc)
         return out
 
@@ -156,7 +173,7 @@ class Accumulator:
             return []
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("compute_each needs accumulators with one number of bins")
-        if any(a._state is None for a in items):
+        if not all(a._holds_state for a in items):
             raise InvalidInputError("the accumulator is empty: update it with at least one "
                                     "sample")
         stacked = _stacked_states(items, torch.device("cpu"))
@@ -213,7 +230,7 @@ class Accumulator:
         if len({a.n_bins for a in items}) != 1:
             raise InvalidInputError("cannot merge accumulators with different numbers of bins")
         result = Accumulator(items[0].n_bins, device=items[0].device)
-        holding = [a for a in items if a._state is not None]
+        holding = [a for a in items if a._holds_state]
         if holding:  # one stacked sum per key (same sums as pairwise merges, one allocation)
             stacked = _stacked_states(holding, result.device)
             result._state = {key: stacked[key].sum(0) for key in _STATE_KEYS}
