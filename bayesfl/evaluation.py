@@ -37,9 +37,12 @@ class PredictiveMetrics:
 
     @classmethod
     def merge(cls, ids: Sequence[int], accumulators: Sequence[Accumulator]) -> PredictiveMetrics:
-        per_client = [{"client_id": cid, **_typed(metrics)}
-                      for cid, metrics in zip(ids, Accumulator.compute_each(accumulators),
-                                              strict=True)]
+        # compute_each's values are Python ints (count) and floats already: one dict per
+        # client, keys in the record's order
+        per_client = [{"client_id": cid, "count": m["count"], "accuracy": m["accuracy"],
+                       "ece": m["ece"], "mce": m["mce"], "brier": m["brier"], "nll": m["nll"]}
+                      for cid, m in zip(ids, Accumulator.compute_each(accumulators),
+                                        strict=True)]
         merged = Accumulator.merged(accumulators)
         pooled = _typed(merged.compute())
         state = merged.state_dict()
@@ -116,7 +119,8 @@ def merge_evaluations(evaluations: Sequence[Evaluation]) -> RoundEvaluation:
         return RoundEvaluation(predictives)
     probs = torch.cat([e.probs[PREDICTIVE] for e in evaluations])
     labels = torch.cat([e.labels for e in evaluations])
-    client_ids = torch.cat([torch.full_like(e.labels, e.client_id) for e in evaluations])
+    client_ids = torch.repeat_interleave(torch.tensor(ids, dtype=labels.dtype),
+                                         torch.tensor([len(e.labels) for e in evaluations]))
     return RoundEvaluation(predictives, probs, labels, client_ids)
 
 
