@@ -40,7 +40,7 @@ def _client_data(sizes):
 @pytest.mark.parametrize(
     "sizes",
     [[7, 23, 1, 12],  # different numbers of steps per epoch: masked Adam, idle clients
-     [10, 9, 6]],  # the same number of steps, partial batches: fused Adam over the stack
+     [10, 9, 6]],  # the same number of steps, partial batches: StackedAdam over the stack
 )
 def test_batched_training_equals_plain_loop_with_unequal_client_sizes(reset, sizes):
     xs, ys = _client_data(sizes)
@@ -63,7 +63,7 @@ _STOPPED = r"local training loss became (?:nan|inf) (at epoch \d of 3, mini-batc
 
 @pytest.mark.parametrize(
     "sizes",
-    [[10, 9, 6],  # fused Adam over the stack until the client stops, then the masked one
+    [[10, 9, 6],  # StackedAdam over the stack until the client stops, then the masked one
      [7, 23, 12]],  # masked Adam throughout
 )
 def test_a_client_whose_loss_becomes_non_finite_stops_there_and_the_others_train_on(sizes):
