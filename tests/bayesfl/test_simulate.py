@@ -270,12 +270,17 @@ def test_batched_evaluation_equals_the_per_client_evaluation(body):
 
     together, one_by_one = evaluation(True), evaluation(False)
     assert [c["client_id"] for c in together.per_client] == list(range(6))
+    # The stacked forward and one client's forward are different float32 kernels: with one
+    # thread on AVX2 they agree bit for bit, with 2 threads under ATEN_CPU_CAPABILITY=default to
+    # float32 rounding (measured: metrics 2.5e-9 relative, at 1163eee too). A client scored on
+    # another's rows or state moves its metrics far beyond 1e-6: the check stays, one machine's
+    # digits go.
     for got, want in zip(together.per_client, one_by_one.per_client, strict=True):
         assert got.keys() == want.keys() and got["count"] == want["count"]
-        assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
     got, want = together.headline(), one_by_one.headline()
-    assert got.pop("map_plugin") == pytest.approx(want.pop("map_plugin"), rel=1e-9, abs=1e-12)
-    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert got.pop("map_plugin") == pytest.approx(want.pop("map_plugin"), rel=1e-6, abs=1e-9)
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
     torch.testing.assert_close(together.probs, one_by_one.probs, rtol=1e-6, atol=1e-9)
     assert torch.equal(together.labels, one_by_one.labels)
     assert torch.equal(together.client_ids, one_by_one.client_ids)
