@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import save as _safetensors_save
 
 from bayesfl.errors import ConfigError, MessageRejected
+from inference.posterior_file import json_depth
 
 SCHEMA_VERSION = 1
 DIRECTIONS = ("up", "down")
@@ -374,7 +375,7 @@ def _read_header(
     if header_len > max_header_bytes:
         raise ValueError(f"header of {header_len} bytes exceeds the limit of {max_header_bytes}")
     raw = bytes(data[8 : 8 + header_len])
-    depth = _json_depth(raw)
+    depth = json_depth(raw)
     if depth > MAX_HEADER_DEPTH:
         raise ValueError(f"header nests {depth} levels deep; a safetensors header nests 3 "
                          f"(limit {MAX_HEADER_DEPTH})")
@@ -388,33 +389,6 @@ def _read_header(
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ValueError("metadata is not a string-to-string mapping")
     return header, metadata, header_len
-
-
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
-"""A JSON string (the pattern of :mod:`inference.posterior_file`'s, with possessive
-quantifiers: the same matches, as no backtracking into a string can end it elsewhere, without
-the per-character steps)."""
-_BRACKETS_ONLY = bytes(c for c in range(256) if c not in b"[]{}")
-_BRACKET_STEPS = np.zeros(256, dtype=np.int8)
-_BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
-_OPENING = frozenset(b"[{")
-
-
-def _json_depth(raw: bytes) -> int:
-    """:func:`inference.posterior_file.json_depth` of ``raw`` (the deepest bracket nesting,
-    brackets in strings ignored; linear, no recursion), with the brackets picked out by
-    ``bytes.translate`` first: a message's header has a few dozen of them among hundreds of
-    bytes, and the simulator reads one header per upload."""
-    brackets = _JSON_STRING.sub(b'""', raw).translate(None, _BRACKETS_ONLY)
-    if len(brackets) > 256:
-        steps = _BRACKET_STEPS[np.frombuffer(brackets, dtype=np.uint8)].astype(np.int64)
-        return max(int(np.cumsum(steps).max()), 0)
-    depth = deepest = 0
-    for code in brackets:  # Python ints (numpy's int8 would wrap past 127)
-        depth += 1 if code in _OPENING else -1
-        if depth > deepest:
-            deepest = depth
-    return deepest
 
 
 def decode(
