@@ -186,10 +186,12 @@ def test_latest_sums_every_clients_latest_accepted_statistics(build):
     assert float(state["num_samples"]) == n
     assert torch.equal(state["head"], strategy.solve_head(expected, n, privatized=False).float())
     # the absent client keeps its cached table; the others' caches hold this round's uploads
-    assert torch.equal(state["latest/2/statistics"], ups0[2].tensors["statistics"])
-    assert torch.equal(state["latest/2/num_samples"], ups0[2].tensors["num_samples"])
+    # (one stack per upload tensor, a row per client id)
+    assert torch.equal(state["latest/statistics"][2], ups0[2].tensors["statistics"])
+    assert torch.equal(state["latest/num_samples"][2], ups0[2].tensors["num_samples"])
     for k in (0, 1):
-        assert torch.equal(state[f"latest/{k}/statistics"], ups1[k].tensors["statistics"])
+        assert torch.equal(state["latest/statistics"][k], ups1[k].tensors["statistics"])
+    assert state["latest/present"].tolist() == [True, True, True]
     # a cached table is a client's latest body: after training, round 1's differ from round 0's
     assert not torch.equal(ups1[0].tensors["statistics"], ups0[0].tensors["statistics"])
 

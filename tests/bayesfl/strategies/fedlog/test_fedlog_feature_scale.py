@@ -103,7 +103,7 @@ def test_an_absent_client_counts_with_its_latest_square_sum(build):
     q = sum(float(u.tensors["square_sum"]) for u in latest)
     stats = SufficientStatistics.sum_tables(tables, n)
     assert float(state["feature_scale"]) == evidence_feature_scale(stats, q).value
-    assert torch.equal(state["latest/2/square_sum"], ups0[2].tensors["square_sum"])
+    assert torch.equal(state["latest/square_sum"][2], ups0[2].tensors["square_sum"])
 
 
 def test_clients_evaluate_with_the_posterior_at_the_broadcast_scale(build):
