@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from strategy_helpers import run_round, wire
+from strategy_helpers import evaluation_broadcast, run_round, wire
 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
@@ -157,3 +157,42 @@ def test_fedsi_fac_reuses_the_evidences_ggn_diagonal_and_uploads_the_same_poster
         assert torch.equal(a.tensors["mean"], b.tensors["mean"])
         assert torch.equal(a.tensors["std"], b.tensors["std"])
         assert "log_evidence" in b.tensors
+
+
+@pytest.mark.parametrize("target", [1e-3, 3e-2])
+def test_fedsi_fac_the_chosen_alpha_replaces_the_base_prior_the_predictive_uses(build, target):
+    # FedSI-Fac makes every body entry stochastic, each with a variance below the round's
+    # alpha. The evidence's alpha is the base prior of the next Gaussian: the precision the
+    # clients' data added (1/g - 1/alpha_old, the fixed-alpha aggregate's) is kept and 1/alpha
+    # replaces 1/alpha_old. Before, alpha only capped the variances, so an alpha above them
+    # (3e-2 here) changed nothing: evidence and fixed alpha gave identical predictives.
+    strategy, clients, state = build("fedsi_fac", alpha_selection="evidence", prior_var=1e-2)
+    fixed, _, _ = build("fedsi_fac", prior_var=1e-2)
+    _, ups = run_round(strategy, clients, state, 1)
+    logs = torch.tensor([math.log(a) for a in ALPHA_GRID], dtype=torch.float64)
+    peak = -((logs - math.log(target)) ** 2) - 1.0  # <= 0, largest at target
+    forged = [wire(Message(u.header, {**u.tensors, "log_evidence": peak / 3})) for u in ups]
+    new = strategy.aggregate(state, forged, 1, torch.Generator().manual_seed(1))
+    alpha = float(new["alpha"])
+    assert alpha == pytest.approx(target, rel=1e-9)
+    base = fixed.aggregate({k: v for k, v in state.items() if k != "alpha"}, forged, 1,
+                           torch.Generator().manual_seed(1))
+    assert torch.equal(new["mean"], base["mean"])
+    data = base["variance"].reciprocal() - 1 / 1e-2
+    # most entries carry data precision; zero-curvature ones (inputs always 0) none
+    assert bool((data >= 0).all()) and float((data > 0).double().mean()) > 0.5
+    # float64 arithmetic on precisions of ~1/alpha (<= 1e3): rounding is ~1e-13 of them
+    torch.testing.assert_close(new["variance"].reciprocal() - 1 / alpha, data,
+                               rtol=1e-9, atol=1e-9)
+    moved = new["variance"] > base["variance"] if target > 1e-2 else (
+        new["variance"] < base["variance"])
+    assert bool(moved.all())
+    # the personalised posterior (the predictive's) has prior precision 1/g of that broadcast
+    c = clients[0]
+    broadcast = evaluation_broadcast(strategy, new, 1)
+    personal = strategy.personalize(c.config, c.state, c.data, broadcast,
+                                    torch.Generator().manual_seed(2))
+    posterior = strategy.personal_posterior(c.config, personal)
+    torch.testing.assert_close(posterior.prior_precision,
+                               new["variance"].to(torch.float32).double().reciprocal(),
+                               rtol=0, atol=0)
