@@ -30,8 +30,12 @@ drives it like this in round ``r``::
   state and the bytes it receives.
 * **Groups**: a transport may hand a strategy several clients *with the same body* at once
   (:meth:`~Strategy.fit_group`, :meth:`~Strategy.predict_group`); strategies that can train or
-  predict them together (vmap over stacked parameters) override these. Forming the groups is
-  the transport's job (:mod:`bayesfl.executor`), never a strategy's.
+  predict them together (vmap over stacked parameters) override these. A group's prediction
+  may stay one tensor: :meth:`~Strategy.predict_rows` gives the clients' probabilities
+  concatenated client after client (what :meth:`~Strategy.evaluate_group` scores), and a
+  strategy that computes them that way overrides it instead of splitting them per client for
+  the caller to concatenate again. Forming the groups is the transport's job
+  (:mod:`bayesfl.executor`), never a strategy's.
 
 A strategy object holds only its configuration (options and context), which both sides build
 from the same run configuration; it is never mutated after construction (templates of client
@@ -397,6 +401,22 @@ class Strategy:
         return [self.predict(c, s, broadcast, x)
                 for c, s, x in zip(configs, states, xs, strict=True)]
 
+    def predict_rows(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> dict[str, Tensor]:
+        """:meth:`predict_group`'s probabilities of each predictive concatenated client after
+        client: ``{key: (sum_k B_k, C) float64 on the CPU}``, row for row the same numbers.
+        The default concatenates :meth:`predict_group`'s; a strategy whose group prediction is
+        one tensor to begin with overrides this (and splits it in ``predict_group``), so
+        :meth:`evaluate_group` scores it without a tensor per client."""
+        predictions = self.predict_group(configs, states, broadcast, xs)
+        return {key: torch.cat([p[key].to("cpu", torch.float64) for p in predictions])
+                for key in predictions[0]}
+
     def evaluate(
         self,
         config: ClientConfig,
@@ -433,21 +453,18 @@ class Strategy:
         with torch.enable_grad():  # a round view may train (a head fine-tuned for the round)
             states = [self.round_state(c, s, d, broadcast)
                       for c, s, d in zip(configs, states, datas, strict=True)]
-        predictions = self.predict_group(configs, states, broadcast, [d.test_x for d in datas])
+        rows = self.predict_rows(configs, states, broadcast, [d.test_x for d in datas])
         labels = torch.cat([d.test_y for d in datas]).cpu()
-        sizes = torch.tensor([d.num_test for d in datas])
-        group = torch.repeat_interleave(torch.arange(len(datas)), sizes)
-        accumulators: dict[str, list[Accumulator]] = {}
-        probs: dict[str, list[Tensor]] = {}
-        for key in predictions[0]:
-            # every client's accumulator from one sweep (the same state Accumulator.update of
-            # its own rows gives)
-            probs[key] = [p[key].to("cpu", torch.float64) for p in predictions]
-            accumulators[key] = Accumulator.per_group(torch.cat(probs[key]), labels, group,
-                                                      len(datas), n_bins)
+        sizes = [d.num_test for d in datas]
+        group = torch.repeat_interleave(torch.arange(len(datas)), torch.tensor(sizes))
+        # every client's accumulator from one sweep over the group's rows (the same state
+        # Accumulator.update of its own rows gives)
+        accumulators = {key: Accumulator.per_group(p, labels, group, len(datas), n_bins)
+                        for key, p in rows.items()}
+        probs = {key: p.split(sizes) for key, p in rows.items()} if keep_probs else {}
         out = []
         for k, (c, d) in enumerate(zip(configs, datas, strict=True)):
-            kept = {key: probs[key][k] for key in probs} if keep_probs else {}
+            kept = {key: probs[key][k] for key in probs}
             out.append(Evaluation(c.client_id, {key: a[k] for key, a in accumulators.items()},
                                   kept, d.test_y.cpu() if keep_probs else None))
         return out

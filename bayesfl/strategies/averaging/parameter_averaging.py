@@ -644,13 +644,9 @@ class ParameterAveraging(Strategy):
         broadcast: Message,
         xs: Sequence[Tensor],
     ) -> list[dict[str, Tensor]]:
-        template = self.template(check_one_body(configs))
         states = [self._predict_parameters(c, s, broadcast) for c, s in zip(configs, states,
                                                                             strict=True)]
-        params, buffers = stacked_tensors(template, states)
-        logits = forward_stacked_tensors(template, params, buffers, xs)
-        probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
-        plugins = probs.split([int(x.shape[0]) for x in xs])
+        plugins = self._plugin_rows(configs, states, xs).split([int(x.shape[0]) for x in xs])
         if self.head is None:
             return [{PREDICTIVE: p} for p in plugins]
         out = []
@@ -663,6 +659,30 @@ class ParameterAveraging(Strategy):
             out.append({PREDICTIVE: self.head.predict(posterior, features).cpu(),
                         MAP_PLUGIN: plugin})
         return out
+
+    def predict_rows(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> dict[str, Tensor]:
+        """Without a probabilistic head, the group's softmax rows as computed: one tensor
+        (with ``head=``, each client's own posterior: :meth:`predict_group`'s, concatenated)."""
+        if self.head is not None:
+            return super().predict_rows(configs, states, broadcast, xs)
+        states = [self._predict_parameters(c, s, broadcast) for c, s in zip(configs, states,
+                                                                            strict=True)]
+        return {PREDICTIVE: self._plugin_rows(configs, states, xs)}
+
+    def _plugin_rows(self, configs: Sequence[ClientConfig], states: Sequence[ClientState],
+                     xs: Sequence[Tensor]) -> Tensor:
+        """Softmax (sum_k B_k, C) float64 on the CPU of the group's networks (the states to
+        predict with) on their inputs, client after client."""
+        template = self.template(check_one_body(configs))
+        params, buffers = stacked_tensors(template, states)
+        logits = forward_stacked_tensors(template, params, buffers, xs)
+        return torch.softmax(logits.to(torch.float64), dim=-1).cpu()
 
 
 def shared_state(state: ServerState) -> dict[str, Tensor]:

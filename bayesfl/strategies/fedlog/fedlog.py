@@ -983,14 +983,24 @@ class FedLog(Strategy):
         broadcast: Message,
         xs: Sequence[Tensor],
     ) -> list[dict[str, Tensor]]:
-        template = self.template(check_one_body(configs))
-        params, buffers = stacked_tensors(template, states)
-        features = forward_stacked_tensors(template, params, buffers, xs)
-        # one posterior for all clients' rows (the head is shared), split back per client
-        both = self._predictives(broadcast, features)
+        both = self.predict_rows(configs, states, broadcast, xs)
         sizes = [int(x.shape[0]) for x in xs]
         split = {k: v.split(sizes) for k, v in both.items()}
         return [{k: split[k][i] for k in both} for i in range(len(xs))]
+
+    def predict_rows(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        broadcast: Message,
+        xs: Sequence[Tensor],
+    ) -> dict[str, Tensor]:
+        """Both predictives of the group's rows at once: one stacked forward, one posterior
+        for all clients' rows (the head is shared), kept concatenated."""
+        template = self.template(check_one_body(configs))
+        params, buffers = stacked_tensors(template, states)
+        features = forward_stacked_tensors(template, params, buffers, xs)
+        return self._predictives(broadcast, features)
 
     def _predictives(self, broadcast: Message, features: Tensor) -> dict[str, Tensor]:
         posterior, draws = self._memo(broadcast)
