@@ -136,9 +136,10 @@ class Adam:
                          max_exp_avg_sq=state.get("max_exp_avg_sq"))
 
 
-# elements of one slice of :class:`StackedAdam`'s update: its passes over a slice of 1 MiB
-# (float32) stay in the cache, and its temporaries stay that small
-_SLICE = 1 << 18
+# elements of one slice of :class:`StackedAdam`'s update: its passes over a slice of 256 KiB
+# (float32) and its temporaries stay in a core's L2 cache (512 KiB here; with 1 MiB slices
+# the update of 16,000 mlp:100 clients took 1.5x as long)
+_SLICE = 1 << 16
 
 
 class StackedAdam:
@@ -153,31 +154,68 @@ class StackedAdam:
     parameters and moments bit for bit (tested). ``torch.optim.Adam(fused=True)`` over the
     stack, which the batched trainer used before, rounds differently and imports
     ``torch._dynamo`` on first use. No weight decay, no AMSGrad (what local training uses).
+
+    The moments are allocated by the first step that keeps them (:meth:`zeros` allocates
+    nothing): a fresh state whose only step is its last (``step(..., last=True)``: one
+    mini-batch per epoch with the optimiser reset each epoch, or one step in all) runs the
+    update on zeroed moments of one slice at a time instead of zeroing and keeping two
+    buffers as large as the parameters (2 x 470 MB at 16,000 ``mlp:100`` clients).
     """
 
     def __init__(self, m: dict[str, Tensor], v: dict[str, Tensor], steps: int = 0) -> None:
         self.m, self.v, self.steps = m, v, steps
+        self._spent = False
 
     @classmethod
     def zeros(cls, params: dict[str, Tensor]) -> StackedAdam:
-        """A fresh state (zero moments, no step yet) for stacked ``params``."""
-        return cls({n: torch.zeros_like(p) for n, p in params.items()},
-                   {n: torch.zeros_like(p) for n, p in params.items()})
+        """A fresh state (zero moments, no step yet) for stacked ``params``; the moment
+        buffers are allocated by the first step that keeps them."""
+        return cls({}, {})
+
+    def moments(self, params: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """``(m, v)`` for every name of ``params``: the state's buffers, allocated (zeros) if
+        no step has kept them yet."""
+        if self._spent:
+            raise ConfigError("this StackedAdam took its last step: its moments were not kept")
+        for n, p in params.items():
+            if n not in self.m:
+                self.m[n], self.v[n] = torch.zeros_like(p), torch.zeros_like(p)
+        return self.m, self.v
+
+    def reset(self) -> None:
+        """Back to a fresh state (zero moments, no step), in place: buffers already allocated
+        are zeroed (cheaper than new ones), none are allocated."""
+        for t in [*self.m.values(), *self.v.values()]:
+            t.zero_()
+        self.steps, self._spent = 0, False
 
     @torch.no_grad()
     def step(self, params: dict[str, Tensor], grads: dict[str, Tensor], *, lr: float,
-             b1: float, b2: float, eps: float) -> None:
+             b1: float, b2: float, eps: float, last: bool = False) -> None:
         """One Adam step of every client: ``params`` and the moments updated in place, in
-        slices of whole clients of about 1 MiB (cache-sized passes, small temporaries)."""
+        slices of whole clients of about 256 KiB (cache-sized passes, small temporaries).
+
+        ``last``: no step follows on this state before :meth:`reset` (its moments will not
+        be read). A fresh state then keeps no moments: each slice's update runs on zeroed
+        moments of that slice's size, the same arithmetic as on zeroed buffers."""
+        if self._spent:
+            raise ConfigError("this StackedAdam took its last step; reset() it first")
+        fresh = last and self.steps == 0 and not self.m
+        m_all, v_all = ({}, {}) if fresh else self.moments(params)
         self.steps += 1
+        self._spent = last
         step = float(self.steps)
         for n, p in params.items():
-            g, m, v = grads[n], self.m[n], self.v[n]
+            g = grads[n]
             rows = max(1, _SLICE // max(1, p[0].numel()))
             for start in range(0, p.shape[0], rows):
                 cut = slice(start, start + rows)
-                adam_update_(p[cut], g[cut], m[cut], v[cut], step, lr=lr, beta1=b1, beta2=b2,
-                             eps=eps)
+                if fresh:
+                    m = torch.zeros_like(p[cut])
+                    v = torch.zeros_like(m)
+                else:
+                    m, v = m_all[n][cut], v_all[n][cut]
+                adam_update_(p[cut], g[cut], m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
 
 
 __all__ = ["Adam", "StackedAdam", "adam_update_"]

@@ -7,8 +7,8 @@ Adam and a per-sample objective:
   update bit for bit, without the ``torch._dynamo`` import that ``torch.optim`` pays on first
   use); works for any module, so it is the path for heterogeneous bodies.
 * :func:`train_batched` — many clients that share one architecture at once: their parameters
-  are stacked on a leading client axis and ``torch.func.vmap(grad(functional_call))`` computes
-  every client's gradient in one call. Clients with fewer samples get padded mini-batches
+  are stacked on a leading client axis and one backward of the ``torch.func.vmap``-ped losses
+  computes every client's gradient. Clients with fewer samples get padded mini-batches
   whose padding is masked out of the loss, and a client with no batch left in an epoch takes
   no optimiser step. Adam is applied to the stacked tensors without ``torch.optim`` (so without
   its ``torch._dynamo`` import): when every client steps at every step, with
@@ -125,6 +125,19 @@ class LocalTraining:
             raise ConfigError(f"batch size must be >= 1, got {self.batch_size}")
         if not self.lr > 0:
             raise ConfigError(f"learning rate must be > 0, got {self.lr}")
+
+
+def cross_entropy_per_sample(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-sample cross-entropy (B,) of logits (B, C) against class indices (B,):
+    ``-log_softmax(logits)`` at each label.
+
+    The numbers of ``F.cross_entropy(logits, labels, reduction="none")`` bit for bit, and so
+    are its gradients (the same log-softmax, then a gather and a negation where ``nll_loss``
+    picks and negates; tested with ``torch.equal``, plain and under ``vmap``). Written out
+    because ``F.cross_entropy`` under ``torch.func.vmap`` (:func:`train_stacked`) runs
+    torch's ``nll_loss`` decomposition, whose shape checks import sympy: 0.6 s on the first
+    batched step of every process."""
+    return -logits.log_softmax(dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 def _all_parameters(_: str) -> bool:
@@ -276,13 +289,26 @@ _TENSOR_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDicti
 def pad_stack(tensors: Sequence[Tensor]) -> Tensor:
     """Stack tensors with different first dimensions, zero-padding them to the longest.
 
-    Returns shape ``(K, N_max, *rest)``.
+    Returns shape ``(K, N_max, *rest)``, of the first tensor's dtype and device. Tensors of
+    one length are stacked; otherwise their rows are concatenated and written to their
+    places with one indexing (not one copy per tensor: the simulator stacks thousands).
     """
-    longest = max(t.shape[0] for t in tensors)
     first = tensors[0]
+    sizes = [t.shape[0] for t in tensors]
+    longest = max(sizes)
+    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        out = first.new_zeros((len(tensors), longest, *first.shape[1:]))
+        for k, t in enumerate(tensors):
+            out[k, : t.shape[0]] = t
+        return out
+    if min(sizes) == longest:
+        return torch.stack(list(tensors))
     out = first.new_zeros((len(tensors), longest, *first.shape[1:]))
-    for k, t in enumerate(tensors):
-        out[k, : t.shape[0]] = t
+    counts = torch.tensor(sizes, device=first.device)
+    rows = torch.repeat_interleave(torch.arange(len(sizes), device=first.device), counts)
+    starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    out[rows, torch.arange(rows.shape[0], device=first.device) - starts] = torch.cat(
+        list(tensors))
     return out
 
 
@@ -439,15 +465,18 @@ def train_stacked(
                     _stopped(generators[k], float(losses[k]), epoch, s, config)
                 stopped |= ~finite
                 if isinstance(state, StackedAdam):  # it cannot leave rows out
-                    state = _AdamState(state.m, state.v, torch.full(
+                    m, v = state.moments(train_p)
+                    state = _AdamState(m, v, torch.full(
                         (len(per_model),), float(state.steps), device=device,
                         dtype=torch.float64))
             if bool(stopped.any()):  # zero rows: 0 * NaN would still poison the moments
                 g = {n: v.masked_fill(stopped.view((-1,) + (1,) * (v.dim() - 1)), 0.0)
                      for n, v in g.items()}
             with torch.no_grad():
-                if isinstance(state, StackedAdam):
-                    state.step(train_p, g, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
+                if isinstance(state, StackedAdam):  # the moments are dropped after `last`
+                    state.step(train_p, g, lr=config.lr, b1=b1, b2=b2, eps=config.eps,
+                               last=s == steps - 1 and (config.reset_optimizer_each_epoch
+                                                        or epoch == config.epochs - 1))
                 else:
                     state.step(train_p, g, (mb.sum(dim=1) > 0) & ~stopped, lr=config.lr,
                                b1=b1, b2=b2, eps=config.eps)
@@ -489,12 +518,12 @@ def _train_each(
 
 def _reset(state: _AdamState | StackedAdam) -> None:
     """Zero Adam's moments and step counts in place (same as a freshly built optimiser)."""
+    if isinstance(state, StackedAdam):
+        state.reset()
+        return
     for t in [*state.m.values(), *state.v.values()]:
         t.zero_()
-    if isinstance(state, _AdamState):
-        state.t.zero_()
-    else:
-        state.steps = 0
+    state.t.zero_()
 
 
 class _AdamState:

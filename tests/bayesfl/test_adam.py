@@ -136,8 +136,8 @@ def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
     # every operation of the update is elementwise with coefficients that depend only on the
     # shared step count, so each client's rows go through exactly its own Adam's arithmetic:
     # equal with torch.equal, not just close (Adam itself equals torch.optim.Adam, above).
-    # 5 clients; the (300, 1000) parameter spans several of the update's ~1 MiB slices
-    # (262,144 elements, so 1 client a slice) and the others fit in one.
+    # 5 clients; the (300, 1000) parameter spans several of the update's ~256 KiB slices
+    # (65,536 elements, so 1 client a slice) and the others fit in one.
     from bayesfl.adam import StackedAdam
     k, shapes = 5, {"w": (300, 1000), "b": (7,), "m": (3, 4, 2), "s": ()}
     g = torch.Generator().manual_seed(0)
@@ -159,6 +159,38 @@ def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
             assert torch.equal(stacked[n][c], p), (c, n)
             assert torch.equal(together.m[n][c], optimizer.state[p]["exp_avg"]), (c, n)
             assert torch.equal(together.v[n][c], optimizer.state[p]["exp_avg_sq"]), (c, n)
+
+
+@pytest.mark.parametrize("b1", [0.9, 0.3])
+def test_a_fresh_stacked_adams_last_step_keeps_no_moments_and_equals_each_clients_adam(b1):
+    # the batched trainer's step when a client group has one mini-batch per epoch: the update
+    # runs on zeroed moments of one slice at a time, never on whole zeroed buffers; the same
+    # arithmetic, so the same bits as each client's own first Adam step (torch.equal), zero
+    # and negative-zero gradients included (b1 = 0.3 takes lerp's other branch)
+    from bayesfl.adam import StackedAdam
+    k, shapes = 5, {"w": (300, 1000), "b": (7,), "s": ()}
+    g = torch.Generator().manual_seed(1)
+    stacked = {n: torch.randn((k, *s), generator=g) for n, s in shapes.items()}
+    grads = {n: torch.randn((k, *s), generator=g) for n, s in shapes.items()}
+    grads["w"][0, 0, :3] = torch.tensor([0.0, -0.0, 1e-30])
+    together = StackedAdam.zeros(stacked)
+    for round in range(2):  # a reset state behaves as a fresh one
+        start = {n: v.clone() for n, v in stacked.items()}
+        together.step(stacked, grads, lr=1e-2, b1=b1, b2=0.999, eps=1e-8, last=True)
+        assert together.m == {} and together.v == {} and together.steps == 1
+        for c in range(k):
+            params = {n: v[c].clone() for n, v in start.items()}
+            own = Adam(list(params.values()), lr=1e-2, betas=(b1, 0.999))
+            for n, p in params.items():
+                p.grad = grads[n][c].clone()
+            own.step()
+            for n, p in params.items():
+                assert torch.equal(stacked[n][c], p), (round, c, n)
+        with pytest.raises(ConfigError, match="last step"):  # its moments are gone
+            together.step(stacked, grads, lr=1e-2, b1=b1, b2=0.999, eps=1e-8)
+        together.reset()
+    together.step(stacked, grads, lr=1e-2, b1=b1, b2=0.999, eps=1e-8)  # not the last: kept
+    assert set(together.m) == set(shapes) and together.steps == 1
 
 
 def test_a_batched_fedlog_round_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):

@@ -2,6 +2,10 @@
 
 import copy
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +16,9 @@ from bayesfl.training import (
     GaussianProx,
     LocalTraining,
     architecture_key,
+    cross_entropy_per_sample,
     forward_stacked_tensors,
+    pad_stack,
     train_batched,
     train_plain,
     train_stacked,
@@ -286,3 +292,86 @@ def test_after_epoch_sees_each_completed_epoch():
     train_plain(model, x, y, _squared_error, LocalTraining(epochs=3, lr=1e-2, batch_size=7),
                 generator=torch.Generator(), after_epoch=seen.append)
     assert seen == [1, 2, 3]
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_batched_training_of_one_mini_batch_per_epoch_equals_the_plain_loop(reset):
+    # every client has one mini-batch per epoch: with the optimiser reset each epoch every
+    # step is a fresh StackedAdam's last (its moments are never kept), without it only the
+    # last epoch's is
+    sizes = [5, 3, 4, 1]
+    xs, ys = _client_data(sizes)
+    config = LocalTraining(epochs=3, lr=1e-2, batch_size=5, reset_optimizer_each_epoch=reset)
+    plain = [_mlp(k) for k in range(len(sizes))]
+    batched = copy.deepcopy(plain)
+    for k, model in enumerate(plain):
+        train_plain(model, xs[k], ys[k], _ce, config,
+                    generator=torch.Generator().manual_seed(100 + k))
+    gens = [torch.Generator().manual_seed(100 + k) for k in range(len(sizes))]
+    train_batched(batched, xs, ys, _ce, config, generators=gens)
+    for a, b in zip(plain, batched, strict=True):
+        for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            # float32 rounding over 3 Adam steps; parameters are O(1)
+            torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cross_entropy_per_sample_is_torch_cross_entropy_bit_for_bit(dtype):
+    # the same log-softmax, then a gather and a negation where nll_loss picks and negates:
+    # equal with torch.equal (not just close), the losses and their gradients, for one
+    # client and for stacked clients under vmap with train_stacked's masked mean (whose
+    # padding rows give zero upstream gradients)
+    from torch.func import vmap
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 6, 5, generator=g, dtype=dtype) * 20).requires_grad_()
+    labels = torch.randint(0, 5, (4, 6), generator=g)
+    mask = (torch.arange(6) < torch.tensor([6, 3, 1, 0])[:, None]).to(dtype)
+    losses = (lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"),
+              cross_entropy_per_sample)
+
+    def both(compute):
+        a, b = (compute(loss) for loss in losses)
+        assert torch.equal(a, b)
+        return a, b
+
+    both(lambda loss: loss(logits[0], labels[0]))
+    both(lambda loss: torch.autograd.grad(loss(logits[1], labels[1]).mean(), [logits])[0])
+    both(lambda loss: vmap(loss)(logits, labels))
+    batched = both(lambda loss: vmap(
+        lambda out, y, m: (loss(out, y) * m).sum() / m.sum().clamp_min(1.0))(
+        logits, labels, mask))
+    grads = [torch.autograd.grad(total.sum(), [logits])[0] for total in batched]
+    assert torch.equal(*grads)
+
+
+def test_pad_stack_pads_each_tensor_to_the_longest_with_zeros():
+    g = torch.Generator().manual_seed(0)
+    for sizes in ([3, 1, 0, 4], [2, 2, 2], [0, 0], [5]):
+        tensors = [torch.randn(n, 2, 3, generator=g) for n in sizes]
+        got = pad_stack(tensors)
+        assert got.shape == (len(sizes), max(sizes), 2, 3)
+        for k, t in enumerate(tensors):
+            assert torch.equal(got[k, : len(t)], t)
+            assert not got[k, len(t):].any()  # the padding is zeros
+    labels = pad_stack([torch.tensor([3, 1]), torch.tensor([2])])  # integers keep their dtype
+    assert labels.dtype == torch.int64 and labels.tolist() == [[3, 1], [2, 0]]
+    mixed = pad_stack([torch.ones(2, dtype=torch.float64), torch.ones(1)])  # the first's dtype
+    assert mixed.dtype == torch.float64 and mixed.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+
+
+def test_a_batched_fedlog_fit_in_a_fresh_process_does_not_import_sympy():
+    # F.cross_entropy under vmap runs torch's nll_loss decomposition, whose shape checks
+    # import sympy (0.6 s per process on a quiet machine); FedLog's objective is
+    # cross_entropy_per_sample, which vmaps without it
+    code = textwrap.dedent("""
+        import sys
+        from bayesfl.simulate import simulate
+        result = simulate("fedlog", dataset="digits", clients=6, partition="iid", rounds=2,
+                          seed=0, local_epochs=1, batched=True, progress=False)
+        assert result.metrics[-1]["round"] == 2
+        print(sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

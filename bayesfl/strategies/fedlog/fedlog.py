@@ -170,7 +170,12 @@ from bayesfl.strategies.robust import (
     screening_reasons,
 )
 from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor
-from bayesfl.training import forward_stacked_tensors, train_plain, train_stacked
+from bayesfl.training import (
+    cross_entropy_per_sample,
+    forward_stacked_tensors,
+    train_plain,
+    train_stacked,
+)
 from inference.conjugate import (
     ClassMeans,
     ConjugatePosterior,
@@ -412,7 +417,7 @@ class HeadObjective:
 
     def __call__(self, features: Tensor, labels: Tensor) -> Tensor:
         logits = features @ self.weight.T + self.bias
-        loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+        loss = cross_entropy_per_sample(logits, labels)  # F.cross_entropy, without sympy
         if self.class_means is not None and self.alpha > 0:
             loss = loss + self.alpha * (features - self.class_means[labels]).pow(2).sum(dim=-1)
         return loss
