@@ -1,0 +1,410 @@
+"""The round loop, once, for every transport: :class:`RoundLoop`.
+
+Per round ``r`` the loop reseeds the global torch RNG from ``(seed, r)``, samples the training
+clients, asks the strategy for the broadcast (``configure``) and encodes it once, hands every
+client its :class:`~bayesfl.engine.channel.Step` through the transport's
+:class:`~bayesfl.engine.channel.Channel` and collects the replies, then:
+
+1. **receives** the uploads (:func:`receive_uploads`): each is decoded with its client's key
+   under the round's size limit and screened (:meth:`Strategy.validate_uploads`); what fails
+   is a rejection with its reason, counted in bytes like the rest;
+2. warns once per run when every upload of a round was rejected;
+3. skips the round (previous state kept, ``skipped`` in its record) when fewer than
+   ``min_replies`` uploads were accepted, else aggregates or keeps the previous state
+   (:func:`~bayesfl.engine.steps.aggregate_or_keep`);
+4. evaluates the new state, in one of two **evaluation modes**:
+
+   * ``"inline"`` (the simulator): within round ``r``, by the transport's ``evaluate_inline``;
+     an evaluation that fails on a new aggregate reverts round ``r`` to the previous state
+     (:func:`~bayesfl.engine.steps.evaluate_or_revert`); the record is complete at the end of
+     round ``r``;
+   * ``"carried"`` (Flower, where each message pays a per-message floor): round ``r``'s
+     evaluation broadcast is built (a failure to build it reverts as above) and rides in round
+     ``r + 1``'s message, before each client fits (the last round's in the transport's final
+     message: :meth:`RoundLoop.complete_carried`); round ``r``'s record waits in
+     :attr:`RoundLoop.pending` and is completed when those replies arrive;
+
+5. builds the round's record: the keys every transport writes (:func:`round_record`,
+   :func:`evaluation_keys`, the strategy's ``server_metrics`` and ``compute_metrics``,
+   ``skipped``, ``aggregate_error``), then the transport's own (``record_extras``: timings,
+   Flower's events), and hands the complete record to ``round_complete`` (append to
+   ``metrics.jsonl``, checkpoint, callbacks).
+
+What stays in a transport (:class:`RoundHooks`): which clients it can reach, what happens when
+a round starts (Flower: node discovery), what it does with the encoded broadcast, the inline
+evaluation, its own record keys and what completing a round means to it.
+
+``min_replies``: ``None`` aggregates whatever was accepted, even nothing (the strategy's
+``aggregate`` decides what an empty round means; the simulator's setting); ``0`` needs every
+sampled client; ``k`` needs ``k`` accepted uploads (Flower's ``min-replies``, default 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+from bayesfl.engine.channel import Channel, Collected, Step
+from bayesfl.engine.setup import sample_clients
+from bayesfl.engine.steps import (
+    aggregate_or_keep,
+    all_rejected_message,
+    evaluate_or_revert,
+    round_view,
+    screen_uploads,
+)
+from bayesfl.errors import MessageRejected, UploadsRejectedWarning
+from bayesfl.evaluation import RoundEvaluation, merge_evaluations
+from bayesfl.messages import Message, decode, encode
+from bayesfl.strategies.base import RoundPlan, ServerState, Strategy, derived_seed
+
+EvaluationMode = Literal["inline", "carried"]
+EVALUATION_MODES: tuple[str, ...] = ("inline", "carried")
+
+
+# ---- receive: decode, size, key, screen ------------------------------------------------------
+@dataclass
+class Receipt:
+    """What the server made of a round's uploads (:func:`receive_uploads`).
+
+    Attributes:
+        accepted: the uploads that passed, in the order of the participants.
+        rejections: ``{"client_id", "reason"}`` per rejected upload, in participant order
+            (an unreadable reply, one that does not decode, one the strategy's screen refuses).
+        bytes_up: bytes that arrived from each participant, in participant order (0 when
+            nothing arrived); a rejected upload's bytes count: they crossed the wire.
+        floats_up: numbers in the uploads that arrived, as the client counted them
+            (``Reply.elements``) or else as decoded.
+        seconds: wall time of decoding and screening.
+    """
+
+    accepted: list[Message]
+    rejections: list[dict[str, Any]]
+    bytes_up: list[int]
+    floats_up: int
+    seconds: float
+
+
+def receive_uploads(server: Strategy, plan: RoundPlan, participants: Sequence[int],
+                    collected: Collected, *,
+                    key_of: Callable[[int], bytes | None] = lambda _: None) -> Receipt:
+    """Decode every participant's upload (``plan.max_upload_bytes``, the client's HMAC key
+    ``key_of(client_id)``) and screen the decoded ones (:func:`screen_uploads`)."""
+    t0 = time.perf_counter()
+    reasons: dict[int, str] = {}
+    bytes_up: list[int] = []
+    floats_up = 0
+    received: list[tuple[int, Message]] = []
+    for cid in participants:
+        if cid in collected.unreadable:
+            reasons[cid] = collected.unreadable[cid]
+        reply = collected.replies.get(cid)
+        if reply is None:
+            bytes_up.append(0)
+            continue
+        data = reply.upload
+        arrived = isinstance(data, bytes | bytearray)
+        bytes_up.append(len(data) if arrived else 0)
+        try:
+            if not arrived:
+                raise MessageRejected("not a bayesfl message: the reply carries no upload")
+            message = decode(data, max_bytes=plan.max_upload_bytes, key=key_of(cid))
+        except MessageRejected as err:
+            reasons[cid] = err.reason
+            floats_up += reply.elements
+            continue
+        floats_up += reply.elements or message.num_elements
+        received.append((cid, message))
+    accepted = screen_uploads(server, plan, received, reasons)
+    rejections = [{"client_id": cid, "reason": reasons[cid]}
+                  for cid in participants if cid in reasons]
+    return Receipt(accepted, rejections, bytes_up, int(floats_up), time.perf_counter() - t0)
+
+
+# ---- the record --------------------------------------------------------------------------------
+def round_record(round: int, *, participants: Sequence[int], sent: int, receipt: Receipt,
+                 plan: RoundPlan, broadcast_bytes: int) -> dict[str, Any]:
+    """The keys of a round's record that every transport writes: who took part, what was
+    accepted and rejected, and the traffic (``sent``: the clients the broadcast went to, of
+    ``broadcast_bytes`` each). ``bytes_down_evaluation`` is 0 until :func:`evaluation_keys`."""
+    return {
+        "round": round,
+        "participants": list(participants),
+        "accepted": len(receipt.accepted),
+        "rejections": receipt.rejections,
+        "bytes_up": int(sum(receipt.bytes_up)),
+        "bytes_down": broadcast_bytes * sent,
+        "bytes_up_per_client": receipt.bytes_up,
+        "bytes_down_per_client": broadcast_bytes,
+        "bytes_down_evaluation": 0,
+        "floats_up": receipt.floats_up,
+        "floats_down": plan.broadcast.num_elements * sent,
+    }
+
+
+def evaluation_keys(record: dict[str, Any], evaluation: RoundEvaluation | None,
+                    server: Strategy, bytes_down_evaluation: int) -> None:
+    """A round's evaluation in its record: the headline figures (``accuracy`` None when no
+    client evaluated), the strategy's round view, the per-client figures and the bytes of the
+    evaluation broadcast."""
+    record.update(evaluation.headline() if evaluation is not None else {"accuracy": None})
+    record.update(round_view(server))
+    if evaluation is not None:
+        record["per_client"] = evaluation.per_client
+    record["bytes_down_evaluation"] = int(bytes_down_evaluation)
+
+
+# ---- the loop ------------------------------------------------------------------------------
+@dataclass
+class RoundTrace:
+    """What a transport's ``record_extras`` may read of one round besides the record.
+
+    Attributes:
+        round: the round.
+        plan: its plan (broadcast, schema, limits).
+        sent: the clients its broadcast went to.
+        collected: the channel's replies and events.
+        accepted: the accepted uploads.
+        rejections: the rejected uploads with their reasons.
+        events: the round's events (the transport's start-of-round events, sampled clients it
+            cannot reach, and the channel's events of fitting clients); a carried evaluation's
+            events go to the record of the round evaluated.
+        seconds_encode: encoding the broadcast.
+        seconds_exchange: wall time of send and collect (the clients' work, in process);
+            ``seconds_exchange_cpu`` the CPU time of this process in it.
+        seconds_receipt: decoding and screening the uploads.
+        seconds_aggregation: aggregate-or-keep.
+        seconds_evaluation: the evaluation (inline) or building its broadcast (carried).
+    """
+
+    round: int
+    plan: RoundPlan
+    sent: list[int]
+    collected: Collected
+    accepted: list[Message]
+    rejections: list[dict[str, Any]]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    seconds_encode: float = 0.0
+    seconds_exchange: float = 0.0
+    seconds_exchange_cpu: float = 0.0
+    seconds_receipt: float = 0.0
+    seconds_aggregation: float = 0.0
+    seconds_evaluation: float = 0.0
+
+
+@dataclass
+class CarriedRound:
+    """A round whose record waits for its evaluation (``"carried"`` mode): the evaluation
+    broadcast that rides on the next message, and the record without its evaluation."""
+
+    round: int
+    eval_bytes: bytes
+    record: dict[str, Any]
+
+
+class RoundHooks(Protocol):
+    """What a transport tells the loop (module docstring)."""
+
+    def round_started(self, round: int) -> list[dict[str, Any]]:
+        """Round ``round`` begins (after the RNG is seeded); its events so far."""
+
+    def reachable(self, client_ids: Sequence[int]) -> list[int]:
+        """The clients of ``client_ids`` a message can go to now, in order."""
+
+    def broadcast_encoded(self, round: int, data: bytes) -> None:
+        """The encoded broadcast of ``round``, as it leaves the server."""
+
+    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
+        """``"inline"`` mode: every training client's evaluation of ``state`` after
+        ``round``: (bytes of the evaluation broadcast sent, the merged evaluation). Raises
+        what :func:`evaluate_or_revert` catches when the state cannot be evaluated."""
+
+    def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
+        """Add the transport's own keys (timings, events) to round ``trace.round``'s record."""
+
+    def round_complete(self, record: dict[str, Any]) -> None:
+        """A round's record is complete: log, checkpoint, callbacks."""
+
+
+class RoundLoop:
+    """The rounds of one run, driven through ``channel`` (module docstring).
+
+    Args:
+        server: the strategy's server half.
+        channel: the transport's channel.
+        hooks: the transport's side of the loop (:class:`RoundHooks`).
+        state: the server state to start from (:attr:`state` is the current one).
+        seed: the run's seed.
+        rounds: the last round.
+        first_round: the run's first round (0 for strategies with an init round, else 1).
+        fraction: the share of the training clients sampled per round.
+        training: the training clients' ids (novel clients excluded), sorted.
+        evaluation: ``"inline"`` or ``"carried"`` (module docstring).
+        min_replies: None, 0 or k (module docstring).
+        evaluate_every: evaluate after every this many rounds counted from ``first_round``,
+            and always after the last.
+        round_timeout: seconds the channel's collect may wait for replies.
+        server_key: the server's HMAC key for the broadcast (None: not authenticated).
+        client_key: a client's HMAC key for its upload.
+        rng_devices: the devices whose RNG each round forks (CUDA devices in use).
+    """
+
+    def __init__(self, server: Strategy, channel: Channel, hooks: RoundHooks, *,
+                 state: ServerState, seed: int, rounds: int, first_round: int, fraction: float,
+                 training: Sequence[int], evaluation: EvaluationMode,
+                 min_replies: int | None = None, evaluate_every: int = 1,
+                 round_timeout: float = math.inf, server_key: bytes | None = None,
+                 client_key: Callable[[int], bytes | None] = lambda _: None,
+                 rng_devices: Sequence[torch.device] = ()) -> None:
+        if evaluation not in EVALUATION_MODES:
+            raise ValueError(f"evaluation mode {evaluation!r}: one of {EVALUATION_MODES}")
+        self.server, self.channel, self.hooks = server, channel, hooks
+        self.state = state
+        self.seed, self.rounds, self.first_round = seed, rounds, first_round
+        self.fraction = fraction
+        self.training = list(training)
+        self.evaluation = evaluation
+        self.min_replies = min_replies
+        self.evaluate_every = evaluate_every
+        self.round_timeout = round_timeout
+        self.server_key = server_key
+        self.client_key = client_key
+        self.rng_devices = list(rng_devices)
+        self.pending: CarriedRound | None = None
+        self.rejection_warned = False
+
+    def run(self, first: int) -> None:
+        """Rounds ``first`` to ``rounds``; each in its own fork of the global RNG (the
+        caller's RNG state comes back). In ``"carried"`` mode the last evaluated round stays in
+        :attr:`pending` for the transport's final message."""
+        for r in range(first, self.rounds + 1):
+            with torch.random.fork_rng(devices=self.rng_devices):
+                record = self.run_round(r)
+            if record is not None:
+                self.hooks.round_complete(record)
+
+    def evaluates(self, round: int) -> bool:
+        """Whether ``round`` is evaluated (``evaluate_every``; the last always is)."""
+        return round == self.rounds or (round - self.first_round + 1) % self.evaluate_every == 0
+
+    def run_round(self, r: int) -> dict[str, Any] | None:
+        """Round ``r`` (module docstring). Returns its record when it is complete now; None
+        when its evaluation is carried to the next message (:attr:`pending`). A carried
+        round before it is completed on the way."""
+        t0 = time.perf_counter()
+        server, hooks = self.server, self.hooks
+        torch.manual_seed(derived_seed(self.seed, r))
+        events = list(hooks.round_started(r))
+        participants = [self.training[i] for i in
+                        sample_clients(len(self.training), self.fraction, self.seed, r)]
+        sent = hooks.reachable(participants)
+        if len(sent) != len(participants):
+            reached = set(sent)
+            events += [{"client_id": cid, "node_id": None, "step": "fit",
+                        "reason": "sampled client has no connected node"}
+                       for cid in participants if cid not in reached]
+        plan = server.configure(self.state, r)
+        t_encode = time.perf_counter()
+        down = encode(plan.broadcast, key=self.server_key)
+        t_encode = time.perf_counter() - t_encode
+        hooks.broadcast_encoded(r, down)
+        steps = {cid: Step(fit=down) for cid in sent}
+        pending = self.pending
+        if pending is not None:  # the previous round's evaluation rides on this message
+            for cid in hooks.reachable(self.training):
+                step = steps.setdefault(cid, Step())
+                step.evaluate, step.evaluate_round = pending.eval_bytes, pending.round
+        t_exchange, cpu_exchange = time.perf_counter(), time.process_time()
+        self.channel.send(r, sorted(steps), steps)
+        collected = self.channel.collect(time.monotonic() + self.round_timeout)
+        t_exchange, cpu_exchange = (time.perf_counter() - t_exchange,
+                                    time.process_time() - cpu_exchange)
+        if pending is not None:  # the previous round is complete: record and checkpoint
+            self.complete_carried(collected, collected.seconds)
+        events += [e for e in collected.events if e["step"] != "evaluate"]
+        receipt = receive_uploads(server, plan, participants, collected, key_of=self.client_key)
+        self._warn_all_rejected(r, receipt)
+        # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
+        # evaluated is dropped with its reason, and the round keeps the previous state.
+        previous = self.state
+        skipped = aggregate_error = None
+        need = None if self.min_replies is None else (self.min_replies or len(participants))
+        t_aggregate = time.perf_counter()
+        if need is not None and len(receipt.accepted) < need:
+            skipped = (f"{len(receipt.accepted)} accepted upload(s) < min-replies {need}: "
+                       "round skipped, previous state kept")
+        else:
+            self.state, aggregate_error = aggregate_or_keep(server, self.state, receipt.accepted,
+                                                            r, self.seed)
+        t_aggregate = time.perf_counter() - t_aggregate
+        record = round_record(r, participants=participants, sent=len(sent), receipt=receipt,
+                              plan=plan, broadcast_bytes=len(down))
+        evaluated = self.evaluates(r)
+        t_eval = time.perf_counter()
+        eval_bytes = b""
+        if evaluated and self.evaluation == "inline":
+            self.state, (bytes_down_evaluation, evaluation), reverted = evaluate_or_revert(
+                self.state, previous, lambda state: hooks.evaluate_inline(r, state))
+            evaluation_keys(record, evaluation, server, bytes_down_evaluation)
+            aggregate_error = reverted or aggregate_error
+        elif evaluated:  # carried: only the broadcast is built now (it must build)
+            self.state, eval_bytes, reverted = evaluate_or_revert(
+                self.state, previous, lambda state: encode(server.configure_evaluation(state, r),
+                                                           key=self.server_key))
+            aggregate_error = reverted or aggregate_error
+        t_eval = time.perf_counter() - t_eval
+        hooks.record_extras(record, RoundTrace(
+            r, plan, sent, collected, receipt.accepted, receipt.rejections, events,
+            seconds_encode=t_encode, seconds_exchange=t_exchange,
+            seconds_exchange_cpu=cpu_exchange, seconds_receipt=receipt.seconds,
+            seconds_aggregation=t_aggregate, seconds_evaluation=t_eval))
+        record.update(server.server_metrics(self.state))
+        record.update(server.compute_metrics(plan, receipt.accepted))  # e.g. analytic FLOPs
+        if skipped is not None:
+            record["skipped"] = skipped
+        if aggregate_error is not None:
+            record["aggregate_error"] = aggregate_error
+        record["seconds"] = time.perf_counter() - t0
+        if not evaluated:
+            record["accuracy"] = None
+            return record
+        if self.evaluation == "carried":
+            self.pending = CarriedRound(r, eval_bytes, record)
+            return None
+        return record
+
+    def complete_carried(self, collected: Collected, seconds: float) -> None:
+        """Complete the :attr:`pending` round with the evaluations in ``collected`` (the
+        replies to the message that carried its evaluation broadcast) and hand its record to
+        ``round_complete``. The channel's events of evaluating clients go to its ``events``
+        when the transport keeps that list."""
+        pending, self.pending = self.pending, None
+        assert pending is not None, "complete_carried() without a pending round"
+        record = pending.record
+        if "events" in record:
+            record["events"] += [e for e in collected.events if e["step"] == "evaluate"]
+        replies = collected.replies
+        evaluations = [replies[c].evaluation for c in self.training
+                       if c in replies and replies[c].evaluation is not None]
+        evaluation = merge_evaluations(evaluations) if evaluations else None
+        receivers = len(self.hooks.reachable(self.training))
+        evaluation_keys(record, evaluation, self.server, len(pending.eval_bytes) * receivers)
+        record["seconds_evaluation"] = seconds
+        self.hooks.round_complete(record)
+
+    def _warn_all_rejected(self, r: int, receipt: Receipt) -> None:
+        """Warn, once per run, of a round whose every upload was rejected."""
+        message = all_rejected_message(r, receipt.rejections, len(receipt.accepted))
+        if message is not None and not self.rejection_warned:
+            self.rejection_warned = True
+            warnings.warn(message, UploadsRejectedWarning, stacklevel=4)
+
+
+__all__ = ["EVALUATION_MODES", "CarriedRound", "EvaluationMode", "Receipt", "RoundHooks",
+           "RoundLoop", "RoundTrace", "evaluation_keys", "receive_uploads", "round_record"]
