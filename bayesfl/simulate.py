@@ -7,9 +7,8 @@ ServerApp and ClientApp would). Every client gets its own config and initial sta
 (``init_client``). Then per round: samples clients (all, or a seeded ``fraction``), encodes the
 server's broadcast (``configure``) with :func:`bayesfl.messages.encode` and decodes it on the
 client side, runs the clients' ``fit`` through the :class:`~bayesfl.executor.ClientExecutor`
-behind the engine's channel interface (:class:`InProcessChannel`; the Flower ServerApp has its
-own channel and the same round steps, :mod:`bayesfl.engine`) (batched over clients that share
-a body spec, one by one otherwise), encodes every upload,
+behind the engine's channel interface (:class:`InProcessChannel`) (batched over clients that
+share a body spec, one by one otherwise), encodes every upload,
 decodes and validates it on receipt against the round's schema (``validate_uploads``, one
 verdict per upload) — an invalid upload is *rejected*, its reason logged, and the round goes
 on with the others — aggregates, sends the evaluation broadcast (``configure_evaluation``),
@@ -20,6 +19,13 @@ personalised states. With ``novel_fraction``, that share of the clients is held 
 training (never sampled, never fitted, not in the round metrics): after the last round they
 personalise like the others (or, for strategies that do not personalise, evaluate the global
 model) and their metrics go to ``summary["novel"]``.
+
+The rounds are the engine's one round loop (:class:`bayesfl.engine.rounds.RoundLoop`, the
+Flower ServerApp's too) in its ``"inline"`` evaluation mode: each round is evaluated within
+itself, and a new aggregate whose evaluation fails is reverted in its own round. It aggregates
+whatever uploads were accepted (no ``min_replies``). This module supplies the loop's channel and
+hooks: the broadcast hook, the in-process evaluation, the timings of a record, the progress
+bar, the checkpoint with every client's state and the round callback.
 
 Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
 ``manifest.json`` (config, seed, versions, git hash), ``partition.txt`` / ``partition.json``
@@ -67,6 +73,7 @@ from bayesfl.data.clients import ClientData
 from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.rounds import RoundLoop, RoundTrace
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
     client_seeds,
@@ -93,8 +100,6 @@ from bayesfl.errors import (
     CheckpointError,
     ConfigError,
     LocalTrainingWarning,
-    MessageRejected,
-    UploadsRejectedWarning,
 )
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
@@ -393,12 +398,29 @@ class _Run:
         # novel clients (novel_fraction) never train: rounds sample and evaluate the others
         self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
         self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
-        self.state = self.server.init()
+        self.first_round = 0 if self.server.init_round else 1
+        # the one round loop of every transport, evaluating each round within it ("inline":
+        # a new aggregate whose evaluation fails is reverted in its own round), aggregating
+        # whatever uploads were accepted (no min-replies)
+        self.loop = RoundLoop(
+            self.server, self.channel, self, state=self.server.init(), seed=config.seed,
+            rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
+            training=[c.client_id for c in self.training_clients], evaluation="inline",
+            min_replies=None, server_key=self.server_key, client_key=self.client_key,
+            rng_devices=self._rng_devices())
         self.broadcast_hook: BroadcastHook | None = None
         self.divergence_warned = False
-        self.rejection_warned = False
         self.threads = torch.get_num_threads()
         self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
+
+    @property
+    def state(self) -> ServerState:
+        """The server state (the round loop's)."""
+        return self.loop.state
+
+    @state.setter
+    def state(self, state: ServerState) -> None:
+        self.loop.state = state
 
     def _on_device(self, data: ClientData) -> ClientData:
         return ClientData(
@@ -418,7 +440,7 @@ class _Run:
         round_callback: RoundCallback | None,
     ) -> SimulationResult:
         config = self.config
-        first = self.first_round = 0 if self.server.init_round else 1
+        first = self.first_round
         self.seconds_before = 0.0
         self.resumed_from: int | None = None
         if self.saved is not None:
@@ -428,29 +450,20 @@ class _Run:
         metrics = self.metrics_log.records  # what the checkpoint vouches for, then this run's
         if self.run_dir is not None:
             self._write_setup_files()
-        start = time.perf_counter()
+        start = self.start = time.perf_counter()
         # the bar counts every round of the run: after a resume it starts at the rounds done
-        bar = tqdm(total=config.rounds + 1 - self.first_round, initial=first - self.first_round,
-                   disable=not progress, unit="round",
-                   desc=f"{config.strategy} on {config.dataset}", leave=False)
+        bar = self.bar = tqdm(total=config.rounds + 1 - self.first_round,
+                              initial=first - self.first_round, disable=not progress,
+                              unit="round", desc=f"{config.strategy} on {config.dataset}",
+                              leave=False)
         description = self.server.describe()  # e.g. a FedPart schedule
         if description and progress and first == self.first_round:
             tqdm.write(description)
-        last_eval: RoundEvaluation | None = None
-        for r in range(first, config.rounds + 1):
-            t0 = time.perf_counter()
-            # Rounds seed the global RNG (layers built inside strategies draw from it); the
-            # caller's own RNG state is restored afterwards.
-            with torch.random.fork_rng(devices=self._rng_devices()):
-                record, last_eval = self._round(r, upload_hook)
-            record["seconds"] = time.perf_counter() - t0
-            self.metrics_log.append(record)
-            bar.update(1)
-            bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
-            if self.run_dir is not None:
-                self._checkpoint(r, self.seconds_before + time.perf_counter() - start)
-            if round_callback is not None:
-                round_callback(r, record)
+        self.channel.upload_hook = upload_hook
+        self.round_callback = round_callback
+        self.last_eval: RoundEvaluation | None = None
+        self.loop.run(first)
+        last_eval = self.last_eval
         bar.close()
         last_round = max(config.rounds, first - 1)
         broadcast = decode(encode(self.server.configure_evaluation(self.state, last_round),
@@ -510,94 +523,46 @@ class _Run:
     def _rng_devices(self) -> list[torch.device]:
         return [self.device] if self.device.type == "cuda" else []
 
-    def _round(self, r: int, upload_hook: UploadHook | None) -> tuple[dict, RoundEvaluation]:
-        config, server = self.config, self.server
-        torch.manual_seed(derived_seed(config.seed, r))
-        training_ids = [c.client_id for c in self.training_clients]
-        participants = [training_ids[i] for i in
-                        sample_clients(len(training_ids), config.fraction, config.seed, r)]
-        plan = server.configure(self.state, r)
-        down_bytes = encode(plan.broadcast, key=self.server_key)
+    # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
+    def round_started(self, round: int) -> list[dict[str, Any]]:
+        return []
+
+    def reachable(self, client_ids: Sequence[int]) -> list[int]:
+        return list(client_ids)  # every client lives in this process
+
+    def broadcast_encoded(self, round: int, data: bytes) -> None:
         if self.broadcast_hook is not None:
-            self.broadcast_hook(r, down_bytes)
-        t_local, cpu_local = time.perf_counter(), time.process_time()
-        self.channel.upload_hook = upload_hook
-        self.channel.send(r, participants, {cid: Step(fit=down_bytes) for cid in participants})
-        collected = self.channel.collect(float("inf"))  # in-process: every reply is in
-        t_local, cpu_local = time.perf_counter() - t_local, time.process_time() - cpu_local
-        t_receive = time.perf_counter()
-        reasons = dict(collected.unreadable)  # client id -> why its upload was rejected
-        bytes_up: list[int] = []
-        received_up: list[tuple[int, Message]] = []
-        for cid in participants:
-            if cid not in collected.replies:
-                bytes_up.append(0)
-                continue
-            data = collected.replies[cid].upload
-            bytes_up.append(len(data) if isinstance(data, bytes | bytearray) else 0)
-            try:
-                received_up.append((cid, decode(data, max_bytes=plan.max_upload_bytes,
-                                                key=self.client_key(cid))))
-            except MessageRejected as err:
-                reasons[cid] = err.reason
-        floats_up = sum(reply.elements for reply in collected.replies.values())
-        accepted = screen_uploads(server, plan, received_up, reasons)
-        rejections = [{"client_id": cid, "reason": reasons[cid]}
-                      for cid in participants if cid in reasons]
-        self._warn_all_rejected(r, rejections, len(accepted))
-        # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
-        # evaluated is dropped with its reason, and the round keeps the previous state.
-        t_receive = time.perf_counter() - t_receive
-        previous = self.state
-        t_aggregate = time.perf_counter()
-        self.state, aggregate_error = aggregate_or_keep(server, self.state, accepted, r,
-                                                        config.seed)
-        t_aggregate = time.perf_counter() - t_aggregate
-        t_eval = time.perf_counter()
-        self.state, (eval_bytes, evaluation), reverted = evaluate_or_revert(
-            self.state, previous, lambda state: self._evaluate(r, state))
-        aggregate_error = reverted or aggregate_error
-        t_eval = time.perf_counter() - t_eval
-        record = {
-            "round": r,
-            "participants": participants,
-            "accepted": len(accepted),
-            "rejections": rejections,
-            **evaluation.headline(),
-            **round_view(self.server),
-            "bytes_up": int(sum(bytes_up)),
-            "bytes_down": len(down_bytes) * len(participants),
-            "bytes_up_per_client": bytes_up,
-            "bytes_down_per_client": len(down_bytes),
-            "bytes_down_evaluation": len(eval_bytes) * len(self.clients),
-            "floats_up": int(floats_up),
-            "floats_down": plan.broadcast.num_elements * len(participants),
-            "per_client": evaluation.per_client,
-            "seconds_local_updates": t_local,
+            self.broadcast_hook(round, data)
+
+    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
+        eval_bytes, evaluation = self._evaluate(round, state)
+        self.last_eval = evaluation
+        return len(eval_bytes) * len(self.clients), evaluation
+
+    def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
+        record.update({
+            "seconds_local_updates": trace.seconds_exchange,
             # CPU time of this process (all its threads): the compute itself, unlike the wall
             # time, does not grow when other processes share the machine
-            "seconds_local_updates_cpu": cpu_local,
-            "seconds_evaluation": t_eval,
+            "seconds_local_updates_cpu": trace.seconds_exchange_cpu,
+            "seconds_evaluation": trace.seconds_evaluation,
             # the split of the server's side: the uploads' encoding (inside the local
             # updates: each client encodes its own), their decoding and validation on
             # receipt, and the aggregation
             "seconds_upload_encoding": self.channel.seconds_encode,
-            "seconds_receipt": t_receive,
-            "seconds_aggregation": t_aggregate,
-        }
-        record.update(server.server_metrics(self.state))
-        record.update(server.compute_metrics(plan, accepted))  # e.g. analytic local FLOPs
-        if aggregate_error is not None:
-            record["aggregate_error"] = aggregate_error
-        return record, evaluation
+            "seconds_receipt": trace.seconds_receipt,
+            "seconds_aggregation": trace.seconds_aggregation,
+        })
 
-    def _warn_all_rejected(self, r: int, rejections: list[dict[str, Any]],
-                           accepted: int) -> None:
-        """Warn, once per run, of a round whose every upload was rejected."""
-        message = all_rejected_message(r, rejections, accepted)
-        if message is not None and not self.rejection_warned:
-            self.rejection_warned = True
-            warnings.warn(message, UploadsRejectedWarning, stacklevel=2)
+    def round_complete(self, record: dict[str, Any]) -> None:
+        self.metrics_log.append(record)
+        self.bar.update(1)
+        self.bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
+        if self.run_dir is not None:
+            self._checkpoint(record["round"],
+                             self.seconds_before + time.perf_counter() - self.start)
+        if self.round_callback is not None:
+            self.round_callback(record["round"], record)
 
     def _warn_divergence(self, r: int, client_id: int, reason: str) -> None:
         """Warn, once per run, that a client's local training stopped on a non-finite loss."""

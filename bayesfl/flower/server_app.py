@@ -5,8 +5,11 @@ Per run (:class:`FlowerServer`): parse the run config (:mod:`bayesfl.flower.prot
 the strategy's server half from it exactly as the simulator does
 (:func:`bayesfl.engine.setup.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it
 is (``query.info``: its client id, its test-set size and the run's fingerprint; a node set up
-with other settings or data is refused and logged). Then per round ``r``, **one message per
-client** (:class:`FlowerChannel`, ``train.round``):
+with other settings or data is refused and logged). Then the engine's one round loop
+(:class:`bayesfl.engine.rounds.RoundLoop`, the simulator's too) runs the rounds in its
+``"carried"`` evaluation mode over :class:`FlowerChannel`, with this module's hooks (node
+discovery, the reachable nodes, the ``"flower"`` timings and ``events`` of a record, the
+checkpoint). Per round ``r``, **one message per client** (``train.round``):
 
 1. sample the training clients as the simulator does (novel clients, ``novel-fraction``, never
    train); a sampled client whose node is not connected is logged as unavailable;
@@ -22,7 +25,8 @@ client** (:class:`FlowerChannel`, ``train.round``):
    :func:`bayesfl.evaluation.merge_evaluations`), is appended and checkpointed;
 5. with at least ``min-replies`` accepted uploads, aggregate or keep the previous state
    (:func:`bayesfl.engine.steps.aggregate_or_keep`); with fewer, the round is skipped
-   (``skipped``); the new state's evaluation broadcast is built or the previous state comes
+   (``skipped``; the simulator has no such minimum: docs/architecture.md, "One round loop,
+   two channels"); the new state's evaluation broadcast is built or the previous state comes
    back (:func:`bayesfl.engine.steps.evaluate_or_revert`).
 
 The last message of a run (``evaluate``, ``personalize`` for strategies that personalise)
@@ -53,7 +57,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,23 +73,11 @@ from bayesfl.config import check_threads, resolve_device, torch_threads
 from bayesfl.data.datasets import dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.channel import Collected, Reply, Step
-from bayesfl.engine.setup import novel_clients, run_identity, run_setup, sample_clients
+from bayesfl.engine.rounds import CarriedRound, RoundLoop, RoundTrace
+from bayesfl.engine.setup import novel_clients, run_identity, run_setup
 from bayesfl.engine.state import restore_round, save_round
-from bayesfl.engine.steps import (
-    aggregate_or_keep,
-    all_rejected_message,
-    build_summary,
-    evaluate_or_revert,
-    round_view,
-    screen_uploads,
-    summary_extras,
-)
-from bayesfl.errors import (
-    BayesFLError,
-    CheckpointError,
-    MessageRejected,
-    UploadsRejectedWarning,
-)
+from bayesfl.engine.steps import build_summary, summary_extras
+from bayesfl.errors import BayesFLError, CheckpointError, MessageRejected
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.flower.protocol import (
     CALIBRATE,
@@ -101,11 +92,10 @@ from bayesfl.flower.protocol import (
     scalar,
     timings,
 )
-from bayesfl.messages import Message as BayesMessage
-from bayesfl.messages import decode, encode
+from bayesfl.messages import encode
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog, prepare_run_directory
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import PREDICTIVE, Evaluation, derived_seed
+from bayesfl.strategies.base import PREDICTIVE, Evaluation, ServerState
 
 app = ServerApp()
 
@@ -287,16 +277,6 @@ def _step_name(step: Step) -> str:
     return "fit" if step.fit is not None else "evaluate"
 
 
-@dataclass
-class _Pending:
-    """A round whose record waits for its evaluation (it rides on the next message)."""
-
-    round: int
-    eval_bytes: bytes
-    record: dict[str, Any]
-    seconds: float
-
-
 class FlowerServer:
     """One run of a strategy's server half over a Flower Grid (module docstring)."""
 
@@ -325,7 +305,6 @@ class FlowerServer:
         self.num_classes = dataset.num_classes
         self.strategy = make_strategy(config.strategy, self.setup.context,
                                       **config.strategy_options)
-        self.state = self.strategy.init()
         self.metrics_log = MetricsLog(None if self.run_dir is None else
                                       self.run_dir / METRICS_NAME)
         self.refused: set[int] = set()  # node ids refused at discovery
@@ -334,13 +313,31 @@ class FlowerServer:
         self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.strategy.init_round else 1
-        self.rejection_warned = False
         self.seconds_before = 0.0
         self.resumed_from: int | None = None
+        self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._last_accumulators: list[Any] = []
         self.channel = FlowerChannel(grid, round_timeout=self.options.round_timeout,
                                      poll_interval=self.options.poll_interval,
                                      nodes={}, read=self._read_evaluation)
+        # the one round loop of every transport; each round's evaluation rides on the next
+        # round's message ("carried": one message per client per round), and a round with
+        # fewer than min-replies accepted uploads is skipped
+        self.loop = RoundLoop(
+            self.strategy, self.channel, self, state=self.strategy.init(), seed=config.seed,
+            rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
+            training=self.training, evaluation="carried",
+            min_replies=self.options.min_replies, evaluate_every=self.options.evaluate_every,
+            round_timeout=self.options.round_timeout, rng_devices=self._rng_devices())
+
+    @property
+    def state(self) -> ServerState:
+        """The server state (the round loop's)."""
+        return self.loop.state
+
+    @state.setter
+    def state(self, state: ServerState) -> None:
+        self.loop.state = state
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -383,16 +380,43 @@ class FlowerServer:
         _log(f"{len(self.nodes)} of {config.clients} clients connected")
         if self.options.data_loader is not None and self.run_dir is not None:
             self._write_site_sizes()
-        pending: _Pending | None = None
-        for r in range(first, config.rounds + 1):
-            with torch.random.fork_rng(devices=self._rng_devices()):
-                record, pending = self.round(r, pending)
-            if record is not None:
-                self._complete(record)
+        self.loop.run(first)
         last_round = max(config.rounds, first - 1)
-        return self._final(last_round, pending)
+        return self._final(last_round)
 
-    def _complete(self, record: dict[str, Any]) -> None:
+    # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
+    def round_started(self, round: int) -> list[dict[str, Any]]:
+        return self.discover()
+
+    def reachable(self, client_ids: Sequence[int]) -> list[int]:
+        return [c for c in client_ids if c in self.nodes]
+
+    def broadcast_encoded(self, round: int, data: bytes) -> None:
+        """Nothing to do: the channel sends it."""
+
+    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
+        raise NotImplementedError("a Flower round's evaluation is carried by the next message")
+
+    def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
+        collected = trace.collected
+        fit_timings = [collected.replies[c].timings for c in trace.sent
+                       if c in collected.replies]
+        record["seconds_local_updates"] = collected.seconds
+        record["flower"] = {
+            "round_wall": collected.seconds, "round_polling": collected.seconds_waiting,
+            "client_setup": _slowest(fit_timings, "setup"),
+            "client_fit": _slowest(fit_timings, "fit"),
+            "client_evaluate": _slowest(fit_timings, "evaluate"),
+            "client_encode": _slowest(fit_timings, "encode"),
+            "server_encode": trace.seconds_encode,
+            "server_decode_validate": trace.seconds_receipt,
+            "server_aggregate": trace.seconds_aggregation + trace.seconds_evaluation,
+        }
+        record["events"] = trace.events + [
+            {**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
+            for rej in trace.rejections]
+
+    def round_complete(self, record: dict[str, Any]) -> None:
         """Append a round's record (evaluation included) and checkpoint after it."""
         if self.startup:
             record["events"] = self.startup + record["events"]
@@ -406,9 +430,10 @@ class FlowerServer:
                        identity=self.identity, fingerprint=self.fingerprint, state=self.state,
                        clients={}, metrics_text=self.metrics_log.text, transport="flower")
 
-    def _final(self, last_round: int, pending: _Pending | None) -> dict[str, Any]:
+    def _final(self, last_round: int) -> dict[str, Any]:
         """The last message: the last round's evaluation, personalisation, the novel
         clients; then calibration and the files."""
+        pending = self.loop.pending
         eval_bytes = pending.eval_bytes if pending is not None else \
             encode(self.strategy.configure_evaluation(self.state, last_round))
         personalize = self.strategy.personalizes
@@ -421,8 +446,7 @@ class FlowerServer:
                    if c in collected.replies and collected.replies[c].evaluation is not None]
         if pending is not None:  # its events go to the last round's record
             final_events = []
-            self._evaluated(pending, collected, time.perf_counter() - t0)
-            self._complete(pending.record)
+            self.loop.complete_carried(collected, time.perf_counter() - t0)
         kind = "personalized" if personalize else "evaluation"
         mine = [getattr(collected.replies[c], kind) for c in self.training
                 if c in collected.replies]
@@ -541,132 +565,15 @@ class FlowerServer:
         self.channel.send(r, ids, steps)
         return self.channel.collect(time.monotonic() + self.options.round_timeout)
 
-    def round(self, r: int, pending: _Pending | None = None
-              ) -> tuple[dict[str, Any] | None, _Pending | None]:
-        """Round ``r``: one message per client (fit and/or the evaluation of ``pending``),
-        validate, aggregate (or skip). Returns (the record of round ``r`` when it is complete
-        now, the round whose record waits for its evaluation)."""
-        t0 = time.perf_counter()
-        config, server = self.config, self.strategy
-        torch.manual_seed(derived_seed(config.seed, r))
-        events = self.discover()
-        participants = [self.training[i] for i in
-                        sample_clients(len(self.training), config.fraction, config.seed, r)]
-        for cid in participants:
-            if cid not in self.nodes:
-                events.append({"client_id": cid, "node_id": None, "step": "fit",
-                               "reason": "sampled client has no connected node"})
-        sent = [c for c in participants if c in self.nodes]
-        plan = server.configure(self.state, r)
-        t_encode = time.perf_counter()
-        down = encode(plan.broadcast)
-        t_encode = time.perf_counter() - t_encode
-        steps = {c: Step(fit=down) for c in sent}
+    def round(self, r: int, pending: CarriedRound | None = None
+              ) -> tuple[dict[str, Any] | None, CarriedRound | None]:
+        """Round ``r`` through the round loop (:meth:`RoundLoop.run_round`), ``pending``'s
+        evaluation riding on its message. Returns (the record of round ``r`` when it is
+        complete now, the round whose record waits for its evaluation)."""
         if pending is not None:
-            for c in self.training:
-                if c in self.nodes:
-                    steps.setdefault(c, Step())
-                    steps[c].evaluate, steps[c].evaluate_round = pending.eval_bytes, pending.round
-        collected = self.step(r, steps)
-        if pending is not None:  # the previous round is complete: record and checkpoint
-            self._evaluated(pending, collected, collected.seconds)
-            self._complete(pending.record)
-        events += [e for e in collected.events if e["step"] != "evaluate"]
-        t_decode = time.perf_counter()
-        reasons: dict[int, str] = {}
-        received: list[tuple[int, BayesMessage]] = []
-        bytes_up: dict[int, int] = {}
-        reasons.update({c: why for c, why in collected.unreadable.items() if c in sent})
-        for cid in sorted(c for c in collected.replies if c in sent):
-            data = collected.replies[cid].upload
-            try:
-                if len(data) > plan.max_upload_bytes:
-                    raise MessageRejected(f"oversized message: {len(data)} bytes > limit "
-                                          f"{plan.max_upload_bytes}")
-                bytes_up[cid] = len(data)
-                received.append((cid, decode(data, max_bytes=plan.max_upload_bytes)))
-            except MessageRejected as err:
-                reasons[cid] = err.reason
-        accepted = screen_uploads(server, plan, received, reasons)
-        t_decode = time.perf_counter() - t_decode
-        rejections = [{"client_id": c, "reason": reasons[c]} for c in sorted(reasons)]
-        message = all_rejected_message(r, rejections, len(accepted))
-        if message is not None and not self.rejection_warned:  # in the ServerApp's log
-            self.rejection_warned = True
-            warnings.warn(message, UploadsRejectedWarning, stacklevel=2)
-        events += [{**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
-                   for rej in rejections]
-        need = self.options.min_replies or len(participants)
-        skipped = aggregate_error = None
-        t_aggregate = time.perf_counter()
-        previous = self.state
-        if len(accepted) < need:
-            skipped = (f"{len(accepted)} accepted upload(s) < min-replies {need}: round "
-                       "skipped, previous state kept")
-        else:
-            self.state, aggregate_error = aggregate_or_keep(server, self.state, accepted, r,
-                                                            config.seed)
-        evaluate = r == config.rounds or (r - self.first_round + 1) % \
-            self.options.evaluate_every == 0
-        eval_bytes = b""
-        if evaluate:
-            self.state, eval_bytes, reverted = evaluate_or_revert(
-                self.state, previous,
-                lambda state: encode(server.configure_evaluation(state, r)))
-            aggregate_error = reverted or aggregate_error
-        t_aggregate = time.perf_counter() - t_aggregate
-        fit_timings = [collected.replies[c].timings for c in sent if c in collected.replies]
-        record: dict[str, Any] = {
-            "round": r, "participants": participants, "accepted": len(accepted),
-            "rejections": rejections,
-            "bytes_up": int(sum(bytes_up.values())),
-            "bytes_down": len(down) * len(sent),
-            "bytes_up_per_client": [bytes_up.get(c, 0) for c in participants],
-            "bytes_down_per_client": len(down),
-            "bytes_down_evaluation": 0,
-            "floats_up": int(sum(m.num_elements for _, m in received)),
-            "floats_down": plan.broadcast.num_elements * len(sent),
-            "seconds_local_updates": collected.seconds,
-            "flower": {
-                "round_wall": collected.seconds, "round_polling": collected.seconds_waiting,
-                "client_setup": _slowest(fit_timings, "setup"),
-                "client_fit": _slowest(fit_timings, "fit"),
-                "client_evaluate": _slowest(fit_timings, "evaluate"),
-                "client_encode": _slowest(fit_timings, "encode"),
-                "server_encode": t_encode, "server_decode_validate": t_decode,
-                "server_aggregate": t_aggregate,
-            },
-            "events": events,
-        }
-        record.update(server.server_metrics(self.state))
-        if skipped is not None:
-            record["skipped"] = skipped
-        if aggregate_error is not None:
-            record["aggregate_error"] = aggregate_error
-        record["seconds"] = time.perf_counter() - t0
-        if not evaluate:
-            record["accuracy"] = None
-            return record, None
-        return None, _Pending(r, eval_bytes, record, record["seconds"])
-
-    def _evaluated(self, pending: _Pending, collected: Collected, seconds: float) -> None:
-        """Round ``pending.round``'s record with the evaluations its next message brought."""
-        record = pending.record
-        # a message that only evaluates failed for this evaluation; one that also fits is
-        # logged with the round it trains in
-        record["events"] += [e for e in collected.events if e["step"] == "evaluate"]
-        evaluations = [collected.replies[c].evaluation for c in self.training
-                       if c in collected.replies and collected.replies[c].evaluation is not None]
-        evaluation = self._merged(evaluations)
-        sent = [c for c in self.training if c in self.nodes]
-        record.update(evaluation.headline() if evaluation is not None else {"accuracy": None})
-        record.update(round_view(self.strategy))
-        if evaluation is not None:
-            record["per_client"] = evaluation.per_client
-        record["bytes_down_evaluation"] = len(pending.eval_bytes) * len(sent)
-        # the record's "flower" timings stay those of its own message (its fit and the
-        # evaluation of the round before it carried): they split its "seconds"
-        record["seconds_evaluation"] = seconds
+            self.loop.pending = pending
+        record = self.loop.run_round(r)
+        return record, self.loop.pending
 
     # ---- calibration --------------------------------------------------------------------
     def _calibrate(self, eval_bytes: bytes, summary: dict[str, Any]
