@@ -29,7 +29,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,13 @@ MAX_CHECKPOINT_BYTES = 16 * 2**30
 states, and a bound on what a damaged or planted file can make the reader allocate."""
 
 _WRITE_BYTES = 8 * 2**20
-"""Bytes gathered before each write of a file given in parts."""
+"""Bytes of a file given in parts written by one system call (at most)."""
+
+try:
+    _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such limit
+    _IOV_MAX = 16
+"""Buffers of one ``os.writev`` (POSIX's limit; Linux's is 1024)."""
 
 MAX_HEADER_BYTES = 256 * 2**20
 """The largest safetensors header read from a checkpoint: ~90 bytes per tensor, and a
@@ -143,20 +149,10 @@ def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
     except OSError as err:
         raise CheckpointError(f"cannot create a temporary file in {directory}: {err}") from err
     try:
-        with os.fdopen(handle, "wb") as temp:
-            if isinstance(data, bytes | bytearray):
-                temp.write(data)
-            else:  # many small parts (a tensor each): gathered into large writes
-                pending = bytearray()
-                for part in data:
-                    view = memoryview(part)
-                    if view.nbytes:  # (an empty tensor's view cannot be cast)
-                        pending += view.cast("B")
-                    if len(pending) >= _WRITE_BYTES:
-                        temp.write(pending)
-                        pending.clear()
-                temp.write(pending)
-            temp.flush()
+        with os.fdopen(handle, "wb", buffering=0) as temp:
+            _write_parts(temp.fileno(), [data] if isinstance(data, bytes | bytearray) else data)
+            # durable before it is renamed: a crash after the rename must find the new
+            # bytes under the name, not an empty or partly written file
             os.fsync(temp.fileno())
         os.replace(temp_name, path)
     except BaseException as err:
@@ -167,6 +163,38 @@ def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
                                   "checkpoint, if any, is unchanged") from err
         raise
     _fsync_directory(directory)
+
+
+def _write_parts(fd: int, parts: Iterable[Any]) -> None:
+    """Write bytes-like ``parts`` to ``fd`` one after the other, many parts to a system call
+    (``os.writev`` of up to :data:`_IOV_MAX` buffers or :data:`_WRITE_BYTES` bytes) and none
+    copied: a checkpoint has a part per tensor (64,000 at 16,000 clients), which were
+    gathered into a bytearray before (a copy of the whole file, ~0.2 s of 470 MB)."""
+    batch: list[memoryview] = []
+    size = 0
+    for part in parts:
+        view = memoryview(part)
+        if not view.nbytes:  # (an empty tensor's view cannot be cast)
+            continue
+        batch.append(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+        size += view.nbytes
+        if len(batch) == _IOV_MAX or size >= _WRITE_BYTES:
+            _writev_all(fd, batch)
+            batch, size = [], 0
+    _writev_all(fd, batch)
+
+
+def _writev_all(fd: int, buffers: list[memoryview]) -> None:
+    """``os.writev`` until every byte of ``buffers`` is written (a call may write less)."""
+    first = 0
+    while first < len(buffers):
+        written = (os.writev(fd, buffers[first:first + _IOV_MAX]) if hasattr(os, "writev")
+                   else os.write(fd, buffers[first]))  # (Windows has no writev)
+        while first < len(buffers) and written >= buffers[first].nbytes:
+            written -= buffers[first].nbytes
+            first += 1
+        if written:  # part of a buffer was written: the rest of it next
+            buffers[first] = buffers[first][written:]
 
 
 def _fsync_directory(directory: Path) -> None:
