@@ -33,7 +33,7 @@ import math
 import re
 import secrets
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -226,14 +226,15 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor],
                       raw: Mapping[str, np.ndarray] | None = None) -> list[Any]:
     """:func:`safetensors_bytes` as the buffers that make it up, in order (a file can be
     written from them without holding the whole in memory once more)."""
-    if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES
-                                        for t in tensors.values()):
-        return [_safetensors_save(contiguous_cpu_tensors(tensors),
-                                  metadata=None if metadata is None else dict(metadata))]
+    described = []
+    for name, t in tensors.items():
+        _, entry, rank = _described(t.dtype, t.shape)
+        if rank < 0 or sys.byteorder != "little":  # a dtype not ours to write: safetensors'
+            return [_safetensors_save(contiguous_cpu_tensors(tensors),
+                                      metadata=None if metadata is None else dict(metadata))]
+        described.append((-rank, name, entry))
     if raw is None:
         raw = {name: raw_bytes(t) for name, t in tensors.items()}
-    described = [(-_described(t.dtype, t.shape)[2], name, _described(t.dtype, t.shape)[1])
-                 for name, t in tensors.items()]
     described.sort()
     parts = ['"__metadata__":' + _json_object(metadata)] if metadata is not None else []
     chunks = []
@@ -262,7 +263,12 @@ def _json_string(text: str) -> str:
 
 def _json_object(mapping: Mapping[str, str]) -> str:
     """``mapping`` as a compact JSON object, keys sorted, as serde_json writes strings."""
-    return json.dumps(dict(sorted(mapping.items())), ensure_ascii=False, separators=(",", ":"))
+    return _COMPACT_JSON.encode(dict(sorted(mapping.items())))
+
+
+# json.dumps(..., ensure_ascii=False, separators=(",", ":")), without building an encoder
+# at every call (a message's metadata is one call per upload)
+_COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 def contiguous_cpu_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -375,20 +381,62 @@ def _read_header(
     if header_len > max_header_bytes:
         raise ValueError(f"header of {header_len} bytes exceeds the limit of {max_header_bytes}")
     raw = bytes(data[8 : 8 + header_len])
+    if header_len > _PARSE_FIRST_BYTES:
+        _check_depth(raw)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        _check_depth(raw)  # too deep is the reason, if it is one
+        raise ValueError(f"header is not JSON ({err})") from err
+    if header_len <= _PARSE_FIRST_BYTES and not _at_most_3_deep(header):
+        _check_depth(raw)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not _strings(metadata.values()):
+        raise ValueError("metadata is not a string-to-string mapping")
+    return header, metadata, header_len
+
+
+def _strings(values: Iterable[object]) -> bool:
+    """Whether every value is a string (a loop: a third of ``all()`` over a generator)."""
+    for value in values:  # noqa: SIM110 - all() over a generator costs 3x
+        if not isinstance(value, str):
+            return False
+    return True
+
+
+_PARSE_FIRST_BYTES = 4096
+"""Headers up to this size are parsed before their depth is checked, and the text's depth is
+counted only when the parsed object is not plainly shallow (the same verdict: JSON that parses
+nests as deep as its brackets): at most 4,096 brackets, so ``json`` meets the recursion limit
+(a rejection) long before the stack. One upload's header is ~400 bytes; counting its brackets
+in the bytes first took as long as parsing it."""
+
+
+def _check_depth(raw: bytes) -> None:
+    """ValueError if the JSON text ``raw`` nests deeper than :data:`MAX_HEADER_DEPTH`."""
     depth = json_depth(raw)
     if depth > MAX_HEADER_DEPTH:
         raise ValueError(f"header nests {depth} levels deep; a safetensors header nests 3 "
                          f"(limit {MAX_HEADER_DEPTH})")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise ValueError(f"header is not JSON ({err})") from err
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ValueError("metadata is not a string-to-string mapping")
-    return header, metadata, header_len
+
+
+def _at_most_3_deep(value: object) -> bool:
+    """Whether parsed JSON ``value`` nests at most 3 deep, as a safetensors header does (an
+    object of objects holding strings and arrays of numbers): a few type checks per entry.
+    Otherwise the caller counts the depth in the text (:func:`_check_depth`)."""
+    items = value.values() if type(value) is dict else value if type(value) is list else ()
+    for item in items:
+        inner = item.values() if type(item) is dict else item if type(item) is list else ()
+        for child in inner:
+            if type(child) is list:
+                for leaf in child:
+                    if type(leaf) is list or type(leaf) is dict:
+                        return False
+            elif type(child) is dict:
+                return False
+    return True
 
 
 def decode(
@@ -449,18 +497,17 @@ def _safetensors_entries(data: bytes, layout: Mapping[str, Any], start: int
     for name, entry in layout.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if type(entry) is not dict or entry.keys() != _ENTRY_KEYS:
             raise ValueError(f"tensor {name!r}: not an entry of dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _DTYPES_BY_NAME:
+        torch_dtype = _DTYPES_BY_NAME.get(dtype) if type(dtype) is str else None
+        if torch_dtype is None:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-                type(d) is int and d >= 0 for d in shape):
+        if type(shape) is not list or not _sizes(shape):
             raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(
-                type(o) is int and o >= 0 for o in offsets) or offsets[0] > offsets[1]:
+        if type(offsets) is not list or len(offsets) != 2 or not _sizes(offsets) \
+                or offsets[0] > offsets[1]:
             raise ValueError(f"tensor {name!r}: data_offsets {offsets!r}")
-        torch_dtype = _DTYPES_BY_NAME[dtype]
         size = math.prod(shape) * torch_dtype.itemsize
         if offsets[1] - offsets[0] != size:
             raise ValueError(f"tensor {name!r}: data_offsets {offsets} hold "
@@ -477,10 +524,31 @@ def _safetensors_entries(data: bytes, layout: Mapping[str, Any], start: int
     out = {}
     for begin, stop, name, torch_dtype, shape in sorted(spans, key=lambda span: span[2]):
         raw = view[begin:stop]
-        tensor = (torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(shape)
-                  if stop > begin else torch.empty(shape, dtype=torch_dtype))
+        if stop == begin:
+            tensor = torch.empty(shape, dtype=torch_dtype)
+        elif torch_dtype in _NUMPY_OF:  # numpy's view of the copy: a third of frombuffer's cost
+            tensor = torch.from_numpy(
+                np.frombuffer(bytearray(raw), dtype=_NUMPY_OF[torch_dtype]).reshape(shape))
+        else:
+            tensor = torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(shape)
         out[name] = (tensor, raw)
     return out
+
+
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+# the dtypes numpy holds alike (native byte order, as torch.frombuffer reads them)
+_NUMPY_OF = {dtype: np.dtype(name) for dtype, name in (
+    (torch.bool, "bool"), (torch.uint8, "u1"), (torch.int8, "i1"), (torch.int16, "i2"),
+    (torch.int32, "i4"), (torch.int64, "i8"), (torch.float16, "f2"), (torch.float32, "f4"),
+    (torch.float64, "f8"), (torch.complex64, "c8"), (torch.complex128, "c16"))}
+
+
+def _sizes(values: list) -> bool:
+    """Whether every item of a JSON list is a non-negative integer (not a bool)."""
+    for value in values:  # noqa: SIM110 - all() over a generator costs 3x
+        if type(value) is not int or value < 0:
+            return False
+    return True
 
 
 def _check_digest(metadata: Mapping[str, str],

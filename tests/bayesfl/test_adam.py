@@ -196,8 +196,8 @@ def test_a_fresh_stacked_adams_last_step_keeps_no_moments_and_equals_each_client
 def test_a_batched_fedlog_round_in_a_fresh_process_does_not_import_torch_dynamo(tmp_path):
     # the batched trainer's Adam over stacked clients was torch.optim.Adam(fused=True), and
     # its gradients torch.func.grad: each imports torch._dynamo on first use (1.7 s on a quiet
-    # machine, per simulator process). (sympy is still imported, 0.6 s: cross_entropy under
-    # vmap runs torch's nll_loss decomposition, whose torch._check imports symbolic shapes.)
+    # machine, per simulator process). (sympy, which F.cross_entropy under vmap imported, has
+    # its own test: test_training's fresh-process FedLog fit.)
     code = textwrap.dedent("""
         import sys
         from bayesfl.simulate import simulate

@@ -306,6 +306,28 @@ def test_a_deeply_nested_header_is_a_rejection_not_a_recursion_error(nested):
         decode(safetensors_bytes_with_header(nested))
 
 
+@pytest.mark.parametrize("depth", [3, 8, 9, 12])
+@pytest.mark.parametrize(("start", "end"), [
+    (b'{"__metadata__": {"x": ', b"}}"),  # in the metadata
+    (b'{"t": {"dtype": ', b"}}"),  # in a tensor entry
+    (b'{"t": {"shape": [', b"]}}"),  # in a shape
+    (b'{"__metadata__": {"x": ', b"}}}"),  # not JSON (one brace too many)
+    (b'[{"x": ', b"}]"),  # not an object
+])
+def test_a_small_headers_depth_is_judged_as_in_its_text(depth, start, end):
+    # headers up to 4 KiB are parsed first and their text's brackets counted only when the
+    # parsed object nests deeper than a safetensors header: the verdict and the depth it
+    # reports are those of counting first, for JSON that parses and JSON that does not
+    inner = depth - start.count(b"{") - start.count(b"[")
+    header = start + b"[" * inner + b"]" * inner + end
+    with pytest.raises(MessageRejected) as err:
+        decode(safetensors_bytes_with_header(header))
+    if depth > 8:
+        assert f"nests {depth} levels deep" in err.value.reason
+    else:
+        assert "nests" not in err.value.reason
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting():
     metadata = {"bayesfl.note": "[" * 100 + '\\"{' * 50}
     data = safetensors_save({"x": torch.zeros(1)}, metadata=metadata)
