@@ -3,6 +3,18 @@
 ``save_checkpoint(path, tensors, meta)`` writes the whole file to a temporary file in the same
 directory, fsyncs it, then ``os.replace``s it over ``path`` (and fsyncs the directory), so a
 crash at any point leaves either the previous checkpoint or the new one, never a torn file.
+Both fsyncs stay: without the first, a power loss after the rename may leave the new name on
+a file whose data never reached the disk (file systems need not order data before the
+rename's metadata); without the second, the rename itself may be lost, and a resumed run
+would redo a round it had finished (the same numbers, but not "the last complete round").
+
+**Cost** (16,000 FedLog clients: 64,004 tensors, 470 MB; one thread, measured on a shared
+2-core machine, CPU seconds): taking each tensor's bytes ~0.4, the SHA-256 digest ~0.5 (0.34
+of it hashing, the rest a line per tensor), the safetensors header ~0.25, writing ~0.5 (the
+kernel's copy into the page cache; the parts go by ``os.writev``, no copy of ours), fsync
+~0.9 s of waiting, little CPU; replacing the previous file frees its blocks (~0.3 s of
+waiting). The per-tensor part is most of the CPU: the same bytes as 8 stacked tensors take
+~0.5-0.9 CPU s instead of ~1.3-1.8.
 
 The file's safetensors metadata holds ``bayesfl.meta`` (``meta`` as JSON), ``bayesfl.fingerprint``
 (the run configuration's :func:`config_fingerprint`) and ``bayesfl.sha256`` (a digest of the
