@@ -497,6 +497,8 @@ def _safetensors_entries(data: bytes, layout: Mapping[str, Any], start: int
     for name, entry in layout.items():
         if name == "__metadata__":
             continue
+        if not name:  # safetensors allows it, a Message does not (ConfigError, a crash)
+            raise ValueError("a tensor without a name")
         if type(entry) is not dict or entry.keys() != _ENTRY_KEYS:
             raise ValueError(f"tensor {name!r}: not an entry of dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]

@@ -469,6 +469,18 @@ def test_tensor_entries_that_do_not_tile_the_data_are_rejected(entry, reason):
         decode(_with_entry(data, "stats", entry))
 
 
+def test_a_tensor_without_a_name_is_a_rejection_not_a_crash():
+    # safetensors writes an empty name; a Message refuses one with ConfigError, which decode
+    # raised to the receiver before: an upload must be rejected, never stop the server
+    tensors = {"": torch.zeros(2)}
+    metadata = {"bayesfl.format": "bayesfl-message", "bayesfl.schema_version": "1",
+                "bayesfl.strategy": "fedlog", "bayesfl.round": "1", "bayesfl.client_id": "3",
+                "bayesfl.direction": "up",
+                "bayesfl.sha256": tensor_digest(tensors, '["fedlog", 1, 3, "up", 1]')}
+    with pytest.raises(MessageRejected, match="a tensor without a name"):
+        decode(safetensors_save(tensors, metadata=metadata))
+
+
 def test_bytes_after_the_last_tensor_are_rejected():
     with pytest.raises(MessageRejected, match="safetensors could not read it"):
         decode(encode(fedlog_upload()) + b"\0" * 8)
