@@ -39,7 +39,12 @@ less confident than its own plug-in (ECE 0.066 vs 0.014, 3 seeds), after 20 x 5,
 have grown, about as well calibrated (seeds 0 / 1: ECE 0.016 / 0.022 vs 0.018 / 0.017, NLL 0.190
 / 0.185 vs 0.191 / 0.183; README, Bayesian baselines). With the default the Monte Carlo
 predictive is the plug-in up to Monte Carlo noise: the reference's pFedBayes is a point network
-with a KL coupling to the global one, whose posterior adds no measurable spread.
+with a KL coupling to the global one, whose posterior adds no measurable spread. Measured on
+digits (5 iid clients, 3 rounds, seed 0, one thread): the draws' standard deviations are 5.2e-5
+(median; weights of median magnitude 0.063), the predictive's probabilities are at most 9e-5
+from the plug-in's, and both read accuracy 0.8600 / ECE 0.1939 / NLL 0.5835 to four digits;
+with ``epsilon_std = 1`` (standard deviations 0.050) the predictive is under-confident against
+its own plug-in (ECE 0.253 / NLL 0.673 against 0.199 / 0.610).
 
 **Choices the papers leave open, as options with their defaults.** ``zeta = 10`` (the FedSI
 paper's); Adam with the run's learning rate (the FedSI paper runs pFedBayes at ``lr = 1e-4``,
