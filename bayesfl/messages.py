@@ -651,10 +651,13 @@ def validate_many(
     reasons: list[str | None] = [None] * len(messages)
     # per message, how many of the sorted names passed their dtype and shape checks
     checked = [0] * len(messages)
+    fixed = [(field, want) for field, want in
+             (("strategy", strategy), ("round", round), ("direction", direction))
+             if want is not None]
+    wanted = frozenset(names)
     for i, msg in enumerate(messages):
-        expected = {"strategy": strategy, "round": round, "direction": direction,
-                    "client_id": None if client_ids is None else client_ids[i]}
-        reasons[i], checked[i] = _structure_problem(msg, schema, names, expected)
+        expected = fixed if client_ids is None else [*fixed, ("client_id", client_ids[i])]
+        reasons[i], checked[i] = _structure_problem(msg, schema, names, wanted, expected)
     finite_problem: list[str | None] = [None] * len(messages)
     for k, name in enumerate(names):
         spec = schema[name]
@@ -679,16 +682,17 @@ def validate_many(
     return [f if f is not None else r for f, r in zip(finite_problem, reasons, strict=True)]
 
 
-def _structure_problem(msg: Message, schema: Schema, names: list[str],
-                       expected: Mapping[str, Any]) -> tuple[str | None, int]:
+def _structure_problem(msg: Message, schema: Schema, names: list[str], wanted: frozenset[str],
+                       expected: Sequence[tuple[str, Any]]) -> tuple[str | None, int]:
     """(the first problem of ``msg``'s header, names, dtypes and shapes in :func:`validate`'s
-    order, or None; how many of the sorted ``names`` passed their dtype and shape checks)."""
-    for field, want in expected.items():
+    order, or None; how many of the sorted ``names`` (``wanted``, as a set) passed their dtype
+    and shape checks). ``expected``: the header fields to check, with their values."""
+    for field, want in expected:
         got = getattr(msg.header, field)
-        if want is not None and got != want:
+        if got != want:
             return f"wrong header: {field} is {got!r}, expected {want!r}", 0
     tensors = msg.tensors
-    if len(tensors) != len(schema) or any(name not in tensors for name in names):
+    if tensors.keys() != wanted:
         missing = sorted(set(schema) - set(tensors))
         if missing:
             return f"missing tensors {missing}", 0
@@ -698,7 +702,7 @@ def _structure_problem(msg: Message, schema: Schema, names: list[str],
         if tensor.dtype != spec.dtype:
             return f"tensor {name!r} has dtype {tensor.dtype}, expected {spec.dtype}", k
         shape = tuple(tensor.shape)
-        if not spec.matches_shape(shape):
+        if shape != spec.shape and not spec.matches_shape(shape):  # equal: no wildcard to try
             want = "(" + ", ".join("*" if s is None else str(s) for s in spec.shape) + ")"
             return f"tensor {name!r} has shape {shape}, expected {want}", k
     return None, len(names)
