@@ -12,9 +12,13 @@ would redo a round it had finished (the same numbers, but not "the last complete
 2-core machine, CPU seconds): taking each tensor's bytes ~0.4, the SHA-256 digest ~0.5 (0.34
 of it hashing, the rest a line per tensor), the safetensors header ~0.25, writing ~0.5 (the
 kernel's copy into the page cache; the parts go by ``os.writev``, no copy of ours), fsync
-~0.9 s of waiting, little CPU; replacing the previous file frees its blocks (~0.3 s of
-waiting). The per-tensor part is most of the CPU: the same bytes as 8 stacked tensors take
-~0.5-0.9 CPU s instead of ~1.3-1.8.
+~0.8 s of waiting, little CPU; replacing the previous file frees its blocks (~0.3 s of
+waiting). So the file is written with a placeholder digest of the same length, the kernel is
+asked to start writing it back (``posix_fadvise(DONTNEED)``, ~0.3 s), the digest is computed
+meanwhile and written into the header in place, and the fsync that follows waits ~0.0-0.4 s
+instead of ~0.8 s (the same bytes as computing the digest first). The per-tensor part is
+most of the CPU: the same bytes as 8 stacked tensors take ~0.5-0.9 CPU s instead of
+~1.3-1.8.
 
 The file's safetensors metadata holds ``bayesfl.meta`` (``meta`` as JSON), ``bayesfl.fingerprint``
 (the run configuration's :func:`config_fingerprint`) and ``bayesfl.sha256`` (a digest of the
@@ -41,7 +45,7 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +146,52 @@ def save_checkpoint(
         _KEY + "format": _FORMAT,
         _KEY + "fingerprint": fingerprint,
         _KEY + "meta": meta_json,
-        _KEY + "sha256": tensor_digest(tensors, fingerprint + meta_json, raw=raw),
+        _KEY + "sha256": _PENDING_DIGEST,
     }
-    write_atomically(Path(path), safetensors_parts(tensors, metadata, raw=raw))
+    parts = safetensors_parts(tensors, metadata, raw=raw)
+
+    def with_digest(fd: int) -> None:
+        # the digest, computed while the kernel writes the tensors back, replaces the
+        # placeholder of the same length in the header already written (the file is still
+        # the temporary one: nobody reads it before the rename)
+        digest = tensor_digest(tensors, fingerprint + meta_json, raw=raw)
+        header = bytes(memoryview(parts[0]).cast("B"))
+        start = header.find(_PENDING_MARK, 0, 8 + int.from_bytes(header[:8], "little"))
+        if len(parts) == 1 or start < 0 or header.count(_PENDING_MARK) != 1:
+            # (one part is a whole file from safetensors itself; a name or meta holding the
+            # mark cannot occur unescaped, but if it did: the header made again)
+            header = safetensors_parts(tensors, {**metadata, _KEY + "sha256": digest},
+                                       raw=raw)[0]
+            _pwrite_all(fd, bytes(memoryview(header).cast("B")), 0)
+            return
+        _pwrite_all(fd, _PENDING_MARK.replace(_PENDING_DIGEST.encode(), digest.encode()),
+                    start)
+
+    write_atomically(Path(path), parts, before_sync=with_digest)
 
 
-def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
+_PENDING_DIGEST = "0" * 64
+"""The header's digest until it is computed (a SHA-256 hex digest's length)."""
+
+_PENDING_MARK = f'"{_KEY}sha256":"{_PENDING_DIGEST}"'.encode()
+"""The placeholder as the header's JSON holds it (keys and values as written, unescaped)."""
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """``os.pwrite`` until every byte of ``data`` is at ``offset`` onwards."""
+    view = memoryview(data)
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def write_atomically(path: Path, data: bytes | Sequence[Any], *,
+                     before_sync: Callable[[int], None] | None = None) -> None:
     """Replace ``path`` by ``data`` (bytes, or bytes-like parts written one after the other)
-    so readers see the old or the new content, never a mix.
+    so readers see the old or the new content, never a mix. ``before_sync(fd)``, if given,
+    may change the temporary file (by ``os.pwrite``) after the data are written and before
+    they are made durable: the kernel is asked to start writing them to the disk first, so
+    the work it does overlaps that wait.
 
     Raises:
         CheckpointError: the write failed; the old file is intact and the temp file removed.
@@ -163,6 +205,11 @@ def write_atomically(path: Path, data: bytes | Sequence[Any]) -> None:
     try:
         with os.fdopen(handle, "wb", buffering=0) as temp:
             _write_parts(temp.fileno(), [data] if isinstance(data, bytes | bytearray) else data)
+            if before_sync is not None:
+                if hasattr(os, "posix_fadvise"):  # start the write-back (Linux), not wait
+                    with contextlib.suppress(OSError):  # (a hint: some file systems refuse it)
+                        os.posix_fadvise(temp.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                before_sync(temp.fileno())
             # durable before it is renamed: a crash after the rename must find the new
             # bytes under the name, not an empty or partly written file
             os.fsync(temp.fileno())

@@ -355,3 +355,21 @@ def test_a_write_that_takes_part_of_its_buffers_goes_on_where_it_stopped(tmp_pat
     checkpoint_module.write_atomically(path, parts)
     assert path.read_bytes() == b"".join(bytes(memoryview(p).cast("B")) if len(p) else b""
                                          for p in parts)
+
+
+def test_the_digest_written_after_the_tensors_is_the_files_own(tmp_path):
+    # the header goes out with a placeholder and gets the digest once the tensors are written:
+    # the file is the one a digest-first write makes, and its digest verifies on load
+    from bayesfl.messages import read_safetensors_metadata, safetensors_bytes, tensor_digest
+
+    tensors, meta = server_state(2)
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, tensors, meta)
+    meta_json = json.dumps(meta, sort_keys=True, allow_nan=True)
+    digest = tensor_digest(tensors, FINGERPRINT + meta_json)
+    metadata = {"bayesfl.format": "bayesfl-checkpoint", "bayesfl.fingerprint": FINGERPRINT,
+                "bayesfl.meta": meta_json, "bayesfl.sha256": digest}
+    assert path.read_bytes() == safetensors_bytes(tensors, metadata)
+    assert read_safetensors_metadata(path.read_bytes())["bayesfl.sha256"] == digest
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), (tensors, meta))
+
