@@ -6,33 +6,42 @@ SuperNodes, :class:`bayesfl.flower.local.LocalFederation`), evaluating after eve
 both. A Flower round is one ``train.round`` message per client: it evaluates the previous
 round's state and fits; its record's wall time runs from the round's start to its aggregate
 (the simulator's round: fit, aggregate, evaluate; the simulator runs once before and once
-after the Flower run, and its round is the median over both). Per training round it reports the wall
-time of each and splits Flower's round (its slowest client) into:
+after the Flower run, and its round is the median over both).
 
-* ``training``: the slowest client's fit and evaluation work and the server's aggregation
-  (what the simulator also does);
-* ``serialization``: encoding and decoding/validating bayesfl messages (server and client);
-* ``client_import``: the ClientApp's handler importing torch and the bayesfl modules it needs
-  (from the replies' ``import`` timing when the server records it, else measured here in a
-  fresh interpreter that has imported Flower's command first, as ``flwr-clientapp`` has);
-* ``client_setup``: the ClientApp loading the data and building the strategy;
-* ``flower_process``: a fresh ``flwr-clientapp`` process starting and importing Flower's
-  command, measured here on its own (Flower's floor: one process per message);
-* ``polling_and_wait``: the rest, also Flower's floor, which bayesfl cannot change with a
-  supported API: the SuperNode's hard-coded 3 s sleep after an empty pull, the SuperExec's
-  task poll (0.2 s under :class:`~bayesfl.flower.local.LocalFederation`), the SuperNode's 0.5 s
-  sleep while it waits for its ClientApp's reply, and the server's 0.2 s poll.
+Each training round's wall time is split along its critical path, the message whose reply came
+last, from the round's timeline (``metrics.jsonl``, ``flower.timeline``:
+:func:`bayesfl.flower.protocol.round_timeline`; every stamp is taken on this machine's clock):
+
+* ``before push``: the server samples, configures and encodes the round;
+* ``pull+spawn``: the message waits for its SuperNode's next pull (the hard-coded 3 s sleep
+  after an empty pull: the node that replied last in the previous round pulled right after its
+  reply, found nothing and slept, so the server's poll, aggregation and checkpoint between two
+  rounds are hidden in that sleep), then the SuperExec's task poll (0.2 s under
+  :class:`~bayesfl.flower.local.LocalFederation`) starts ``flwr-clientapp``;
+* ``flower start``: that process starting Python, importing Flower's command, pulling the task
+  and the FAB (about 4 KiB: ``examples/flower_app``'s four files), installing the FAB,
+  importing the app (and Flower calling it);
+* ``handler``: bayesfl's step, split into ``import`` (torch and the bayesfl modules it needs),
+  ``setup`` (data set, partition, strategy), ``eval+fit`` (the training work the simulator does
+  too) and ``save+enc`` (the client state kept, the upload encoded);
+* ``reply``: the ClientApp pushing its reply to the SuperNode, the SuperNode's 0.5 s wait for
+  it, its push to the SuperLink and the ServerApp's 0.2 s poll;
+* ``after``: decoding, validating and aggregating the uploads, the evaluation broadcast;
+* ``cpu``: the critical message's process's CPU seconds (Flower's start included). The three
+  nodes' processes start within the same few seconds and share this machine's cores, so
+  ``flower start`` and ``import`` in the run are longer than the same steps measured on their
+  own after the run (``process alone``, ``import alone``: medians of three fresh interpreters).
+
+Flower's floor (printed with its figure): the 3 s sleep and a fresh process with Flower's
+command per message, which no supported Flower 1.41 API avoids; a ClientApp that trains with
+torch also imports torch in every message.
 
 Before anything runs, the bench byte-compiles bayesfl, inference and calibration
 (``compileall``), as ``pip install`` does: in an editable checkout under
 ``PYTHONDONTWRITEBYTECODE=1`` (set on the development machine) every ClientApp process would
 otherwise compile the ~130 modules it imports from source again (about 0.4-0.9 s a message);
-``--no-compile`` skips that to measure it.
-
-The figures measured on their own (``flower_process``, ``client_import`` when the server does
-not record it) are medians of three fresh processes after the run; during the run three
-SuperNodes start theirs at once on a shared machine, so the rest is an upper bound of the
-polling. The load average (``os.getloadavg``) before and after is printed with the figures.
+``--no-compile`` skips that to measure it. The load average (``os.getloadavg``) before and after
+is printed with the figures.
 
 Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog] [--no-compile]``. Last line: JSON.
 """
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -64,12 +74,6 @@ PULL_SLEEP = 3.0
 """A SuperNode's hard-coded sleep after an empty pull (flwr 1.41
 ``supernode/start_client_internal.py``): every round waits it once, since a node that has
 just replied pulls before the server has the next round's message."""
-
-STATUS_POLL = 20.0
-"""Seconds between the harness's ``flwr ls`` polls for the run's final status while the run's
-``summary.json`` is not written yet (then it asks at once): each is a fresh ``flwr`` CLI process
-of about 1.5 s CPU, which at the default 2 s would take most of a core of this 2-core machine
-from the SuperNodes for the whole run."""
 
 EXPERIMENT = {"dataset": "digits", "clients": 3, "partition": "iid", "seed": 0}
 
@@ -103,6 +107,43 @@ def clientapp_import_seconds(repeats: int = 3) -> float:
         "print(time.perf_counter() - t)", repeats)
 
 
+SPLIT = ("before_push", "pull_and_spawn", "flower_start", "import", "setup", "evaluate_and_fit",
+         "save_and_encode", "reply", "after_last_reply", "rest")
+"""A round's split (module docstring), in the order of its critical path; ``rest`` is what the
+others leave of the round's wall time (the handler's own bookkeeping and the server's after the
+timeline's end), so the parts add up to the wall time."""
+
+
+def round_split(record: dict) -> dict:
+    """The split of a Flower round's ``metrics.jsonl`` record along its critical path (its
+    ``flower.timeline``): the :data:`SPLIT` parts in seconds, ``wall``, ``round``, ``client``
+    (whose message it followed) and ``cpu`` (its process's CPU seconds).
+
+    Raises:
+        ValueError: the record has no timeline (no reply carried the ClientApp's stamps).
+    """
+    timeline = record.get("flower", {}).get("timeline")
+    if not timeline:
+        raise ValueError(f"round {record.get('round')}'s record has no flower.timeline")
+    parts = timeline.get("handler_parts", {})
+
+    def part(*names: str, within: dict = timeline) -> float:
+        return float(sum(within.get(n, 0.0) for n in names))
+
+    row = {"round": record["round"], "wall": record["seconds"], "client": timeline["client"],
+           "cpu": timeline.get("cpu", math.nan),
+           "before_push": part("before_push"),
+           # the stamp between the two (Flower's delivered_at) does not reach a ClientApp
+           "pull_and_spawn": part("pull_wait+spawn", "pull_wait", "spawn"),
+           "flower_start": part("flower_start", "app_call"),
+           "import": part("import", within=parts), "setup": part("setup", within=parts),
+           "evaluate_and_fit": part("evaluate", "fit", within=parts),
+           "save_and_encode": part("save", "encode", within=parts),
+           "reply": part("reply"), "after_last_reply": part("after_last_reply")}
+    row["rest"] = row["wall"] - sum(row[k] for k in SPLIT if k != "rest")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -131,7 +172,7 @@ def main() -> None:
             status = fed.run({**EXPERIMENT, "strategy": args.strategy, "rounds": args.rounds,
                               "out": str(out), "threads": 1, "evaluate-every": 1,
                               "round-timeout": 600.0, "node-wait": 300.0}, timeout=3600.0,
-                             poll=STATUS_POLL, done_marker=out / "summary.json")
+                             done_marker=out / "summary.json")
         if not status.completed:
             raise SystemExit(f"the Flower run ended as {status.status}: {status.details}")
         records = [json.loads(line) for line in
@@ -145,38 +186,40 @@ def main() -> None:
     flower_process = flower_process_seconds()
     standalone_import = clientapp_import_seconds()
 
-    rows = []
-    for m in (r for r in records if r["round"] >= 1):
-        f = m["flower"]
-        training = f["client_fit"] + f["client_evaluate"] + f["server_aggregate"]
-        serialization = f["server_encode"] + f["server_decode_validate"] + f["client_encode"]
-        imports = f.get("client_import", standalone_import)
-        setup = f["client_setup"]
-        rest = m["seconds"] - training - serialization - imports - setup - flower_process
-        rows.append({"round": m["round"], "wall": m["seconds"], "training": training,
-                     "serialization": serialization, "client_import": imports,
-                     "client_setup": setup, "flower_process": flower_process,
-                     "polling_and_wait": rest, "server_polling_wait": f["round_polling"]})
+    rows = [round_split(m) for m in records if m["round"] >= 1]
     flower_round = statistics.median(r["wall"] for r in rows)
     sim_round = statistics.median(sim_rounds)
     ratio = flower_round / sim_round
-    print(f"{'round':>5} {'wall s':>8} {'training':>9} {'serial.':>8} {'import':>7} "
-          f"{'setup':>6} {'process':>8} {'polling+wait':>13}")
+    print(f"{'round':>5} {'wall s':>7} | {'before':>6} {'pull+':>6} {'flower':>6} | "
+          f"{'import':>6} {'setup':>5} {'eval+':>5} {'save+':>5} | {'reply':>5} {'after':>5} "
+          f"{'rest':>5} | {'cpu':>5}")
+    print(f"{'':>5} {'':>7} | {'push':>6} {'spawn':>6} {'start':>6} | {'':>6} {'':>5} "
+          f"{'fit':>5} {'enc':>5} | {'':>5} {'':>5} {'':>5} | {'':>5}")
     for r in rows:
-        print(f"{r['round']:>5} {r['wall']:8.2f} {r['training']:9.2f} "
-              f"{r['serialization']:8.4f} {r['client_import']:7.2f} {r['client_setup']:6.2f} "
-              f"{r['flower_process']:8.2f} {r['polling_and_wait']:13.2f}")
+        print(f"{r['round']:>5} {r['wall']:7.2f} | {r['before_push']:6.2f} "
+              f"{r['pull_and_spawn']:6.2f} {r['flower_start']:6.2f} | {r['import']:6.2f} "
+              f"{r['setup']:5.2f} {r['evaluate_and_fit']:5.2f} {r['save_and_encode']:5.2f} | "
+              f"{r['reply']:5.2f} {r['after_last_reply']:5.2f} {r['rest']:5.2f} | "
+              f"{r['cpu']:5.2f}")
+    print(f"alone, after the run: a fresh flwr-clientapp process with Flower's command "
+          f"{flower_process:.2f} s, the handler's imports {standalone_import:.2f} s")
     print(f"simulator round (median of {len(sim_rounds)}): {sim_round:.3f} s; Flower round: "
           f"{flower_round:.2f} s ({ratio:.1f}x); ECE simulator {sim.summary['ece']:.6f} vs "
           f"Flower {summary['ece']:.6f}; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after")
     floor = PULL_SLEEP + flower_process
+    with_torch = floor + standalone_import
     print(f"Flower's own floor per round: the {PULL_SLEEP:g} s pull sleep + a fresh "
           f"flwr-clientapp process with Flower's command ({flower_process:.2f} s) = "
-          f"{floor:.2f} s ({floor / sim_round:.1f}x the simulator round before any bayesfl "
-          "work; polls of 0.2-0.5 s come on top)")
-    print("import" + (" from the replies" if "client_import" in records[-1]["flower"] else
-                      " and process measured on their own after the run (module docstring)"))
+          f"{floor:.2f} s ({floor / sim_round:.1f}x the simulator round), before any ClientApp "
+          f"work; with the imports of a torch ClientApp ({standalone_import:.2f} s): "
+          f"{with_torch:.2f} s ({with_torch / sim_round:.1f}x)")
+    cpu = statistics.median(r["cpu"] for r in rows)
+    cores, nodes = os.cpu_count() or 1, EXPERIMENT["clients"]
+    print(f"on this machine a message's process takes {cpu:.2f} CPU s; the {nodes} nodes' "
+          f"messages of a round share {cores} core(s): >= {nodes * cpu / cores:.2f} s of the "
+          "round while they run, on top of the pull sleep")
+
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -185,19 +228,17 @@ def main() -> None:
         "bench": "flower", "strategy": args.strategy, "rounds": args.rounds, "clients": 3,
         "simulator_round_s": sim_round, "flower_round_s": flower_round,
         "ratio_flower_over_simulator": ratio,
-        "flower_training_s": median("training"),
-        "flower_serialization_s": median("serialization"),
-        "flower_client_import_s": median("client_import"),
-        "flower_client_setup_s": median("client_setup"),
-        "flower_process_start_s": flower_process,
-        "flower_polling_and_wait_s": median("polling_and_wait"),
+        **{f"flower_{key.removeprefix('flower_')}_s": median(key) for key in SPLIT},
+        "flower_message_cpu_s": cpu,
+        "flower_process_alone_s": flower_process, "client_import_alone_s": standalone_import,
         "flower_floor_s": floor, "ratio_flower_floor_over_simulator": floor / sim_round,
+        "flower_floor_with_torch_s": with_torch,
+        "ratio_flower_floor_with_torch_over_simulator": with_torch / sim_round,
         "ece_simulator": sim.summary["ece"], "ece_flower": summary["ece"],
         "messages_per_client_per_round": 1,
         "byte_compiled": not args.no_compile,
         "load_average_before": load_before[0], "load_average_after": load_after[0],
         "flower_run_s": status.seconds}))
-
 
 if __name__ == "__main__":
     main()

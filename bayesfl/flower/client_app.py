@@ -25,13 +25,21 @@ Flower starts a fresh process per message, so everything this module imports is 
 message: it imports Flower's app types only, and bayesfl, torch and the strategy inside the
 handlers (:func:`import_step_modules`; the top-level ``bayesfl`` package is lazy, so nothing
 else is loaded). A reply's ``timing`` says where the handler's time went: ``import`` (those
-modules), ``setup`` (data set, partition and strategy), ``evaluate``, ``fit``, ``encode``.
+modules), ``setup`` (data set, partition and strategy), ``evaluate``, ``fit``, ``save`` (the
+client state into ``context.state`` and the node's ``state-dir``), ``encode``, ``handler`` (all of
+it), ``cpu`` (the process's CPU seconds at the handler's end, Flower's start included), and the
+message's timeline on the node's clock (seconds since the epoch, :func:`message_timeline`):
+``at.delivered`` (the SuperLink handed the message to the SuperNode's pull), ``at.process``
+(this ``flwr-clientapp`` process started), ``at.loaded`` (this module imported: Flower's command,
+the task's pull and the FAB's install are done), ``at.start`` and ``at.end`` (the handler).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +56,10 @@ if TYPE_CHECKING:
     from bayesfl.strategies.base import ClientConfig, ClientState, Strategy
 
 app = ClientApp()
+
+LOADED_AT = time.time()
+"""When this module was imported (seconds since the epoch): in a ``flwr-clientapp`` process,
+after Flower's command, the task's pull and the FAB's install."""
 
 STATE_RECORD = "bayesfl-state"
 """Key of the ConfigRecord in ``context.state`` that holds the client state."""
@@ -330,6 +342,35 @@ def import_step_modules() -> float:
     return time.perf_counter() - t0
 
 
+def process_started_at() -> float | None:
+    """When this process started (seconds since the epoch, to the kernel's 10 ms tick), from
+    ``/proc/self/stat`` and the boot time in ``/proc/stat``; None where there is no ``/proc``."""
+    import os
+
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in
+                    Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def message_timeline(msg: Message, started: float) -> dict[str, float]:
+    """The ``at.*`` stamps of a message's way to its handler (module docstring): when the
+    SuperNode's pull got it (Flower's ``metadata.delivered_at``), when this process started and
+    this module was loaded, and ``started`` (the handler's start)."""
+    stamps = {"at.loaded": LOADED_AT, "at.start": started}
+    process = process_started_at()
+    if process is not None:
+        stamps["at.process"] = process
+    delivered = getattr(msg.metadata, "delivered_at", "")
+    if isinstance(delivered, str) and delivered:
+        with contextlib.suppress(ValueError):
+            stamps["at.delivered"] = datetime.fromisoformat(delivered).timestamp()
+    return stamps
+
+
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
     """Who this node is in the run: client id, data sizes, the run's fingerprint."""
@@ -345,6 +386,8 @@ def info(msg: Message, context: Context) -> Message:
 def round_step(msg: Message, context: Context) -> Message:
     """One message of a round: evaluate the previous state (if asked), personalise (final
     step, if asked), fit (if sampled); the reply carries what each produced."""
+    started = time.time()
+    t_handler = time.perf_counter()
     timing = {"import": import_step_modules()}
     import torch
 
@@ -375,8 +418,11 @@ def round_step(msg: Message, context: Context) -> Message:
         fit_data = part(values, "fit", max_bytes=DEFAULT_MAX_BYTES)
         if fit_data is not None:
             out.update(_fit_step(context, node, _decoded(fit_data, node, r), r, timing))
-    return Message(pack(round=r, client_id=node.client_id, timing=timing, **out),
-                   reply_to=msg)
+    timing["handler"] = time.perf_counter() - t_handler
+    timing["cpu"] = time.process_time()
+    timing.update(message_timeline(msg, started), **{"at.end": time.time()})
+    content = pack(round=r, client_id=node.client_id, timing=timing, **out)
+    return Message(content, reply_to=msg)
 
 
 def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
@@ -392,12 +438,14 @@ def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
     torch.manual_seed(derived_seed(seed, r))
     gen = torch.Generator().manual_seed(derived_seed(seed, r, node.client_id))
     state, upload = node.strategy.fit(node.client, state, node.data, broadcast, gen)
-    timing["fit"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    timing["fit"] = t2 - t1
     store_state(context, "trained", state, r)
     save_round_state(node, state, r)
-    t2 = time.perf_counter()
+    t3 = time.perf_counter()
+    timing["save"] = t3 - t2
     data = encode(upload)
-    timing["encode"] = time.perf_counter() - t2
+    timing["encode"] = time.perf_counter() - t3
     return {"upload": data}
 
 
@@ -496,5 +544,6 @@ def _rng_devices(node: Node) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
-__all__ = ["STATE_RECORD", "Node", "app", "import_step_modules", "load_state", "node_of",
-           "resume_state", "save_round_state", "site_data", "store_state"]
+__all__ = ["LOADED_AT", "STATE_RECORD", "Node", "app", "import_step_modules", "load_state",
+           "message_timeline", "node_of", "process_started_at", "resume_state",
+           "save_round_state", "site_data", "store_state"]

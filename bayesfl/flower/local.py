@@ -259,9 +259,10 @@ class LocalFederation:
 
         Each ``flwr ls`` costs ~1.5 s of CPU (a fresh Flower CLI process), taken from the nodes
         doing the run. With ``done_marker`` (a file the ServerApp writes as it ends, such as the
-        run directory's ``summary.json``) the wait watches that file every 0.2 s and asks
-        ``flwr ls`` only once it is written anew, or every ``max(poll, 15)`` s to notice a
-        failed run; without it, ``flwr ls`` every ``poll`` seconds.
+        run directory's ``summary.json``) the wait watches, every 0.2 s, that file and the run's
+        ``flwr-serverapp`` process (a descendant of the SuperLink, read from ``/proc``), and
+        asks ``flwr ls`` only once the file is written anew or the process has ended (a failed
+        run), else every ``max(poll, 60)`` s; without it, ``flwr ls`` every ``poll`` seconds.
 
         Raises:
             FlowerRunError: ``flwr run`` did not return a run id.
@@ -279,11 +280,15 @@ class LocalFederation:
                                  f"{(submitted.stdout + submitted.stderr)[-2000:]}")
         status, details = "unknown", ""
         deadline = t0 + timeout
-        interval = poll if done_marker is None else max(poll, 15.0)
+        interval = poll if done_marker is None else max(poll, 60.0)
         next_ask = next_remember = time.monotonic()
+        serverapp_seen = False
         while time.monotonic() < deadline:
-            if interval > 1.0 and _written_since(done_marker, submitted_at):
-                interval, next_ask = 1.0, time.monotonic()  # ending: ask now, then every 1 s
+            if done_marker is not None and interval > 1.0:
+                running = self._serverapp_running()
+                serverapp_seen = serverapp_seen or running
+                if _written_since(done_marker, submitted_at) or (serverapp_seen and not running):
+                    interval, next_ask = 1.0, time.monotonic()  # ending: ask now, then every 1 s
             if time.monotonic() >= next_ask:
                 status, details = self.status(run_id)
                 if status.startswith("finished"):
@@ -297,6 +302,16 @@ class LocalFederation:
             self.flwr("stop", str(run_id), CONNECTION, timeout=60)
         return RunStatus(run_id, status, details, time.monotonic() - t0,
                          submitted.stdout + submitted.stderr)
+
+    def _serverapp_running(self) -> bool:
+        """Whether a ``flwr-serverapp`` process runs under the SuperLink (Linux ``/proc``)."""
+        if self.superlink is None:
+            return False
+        for pid in _descendants(self.superlink.pid):
+            with contextlib.suppress(OSError):
+                if b"flwr-serverapp" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return True
+        return False
 
     def status(self, run_id: int) -> tuple[str, str]:
         """(status, details) of run ``run_id`` from ``flwr ls --format json``."""

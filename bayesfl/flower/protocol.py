@@ -250,6 +250,73 @@ def timings(content: RecordDict) -> dict[str, float]:
                                       if isinstance(v, int | float)}
 
 
+MESSAGE_STAMPS = (("at.pushed", ""), ("at.delivered", "pull_wait"), ("at.process", "spawn"),
+                  ("at.loaded", "flower_start"), ("at.start", "app_call"),
+                  ("at.end", "handler"), ("at.received", "reply"))
+"""A round message's way, stamp by stamp (seconds since the epoch), and the segment that ends at
+each stamp:
+
+* ``pull_wait`` (``at.pushed``, the ServerApp pushed it -> ``at.delivered``, the SuperLink gave
+  it to the SuperNode's pull): the SuperNode's wait for its next pull, at most its 3 s sleep
+  after an empty pull;
+* ``spawn`` (-> ``at.process``, the ``flwr-clientapp`` process started): the SuperNode stores
+  the message and the SuperExec's task poll starts the process;
+* ``flower_start`` (-> ``at.loaded``, the ClientApp module imported): Python starting, Flower's
+  command imported, the task and FAB pulled, the FAB installed, the app imported;
+* ``app_call`` (-> ``at.start``, the handler started): Flower calling the ClientApp;
+* ``handler`` (-> ``at.end``): bayesfl's own step (its parts are the reply's other timings);
+* ``reply`` (-> ``at.received``, the ServerApp's poll got the reply): the ClientApp pushing the
+  reply to its SuperNode, the SuperNode's 0.5 s wait for it, its push to the SuperLink and the
+  ServerApp's next poll.
+
+The node's stamps are on the node's clock, the others on the server's: on one machine (as under
+:class:`bayesfl.flower.local.LocalFederation`) the segments add up to the message's wall time."""
+
+HANDLER_PARTS = ("import", "setup", "evaluate", "fit", "save", "encode")
+"""The parts of a round message's handler its reply times (:mod:`bayesfl.flower.client_app`)."""
+
+
+def message_segments(stamps: Mapping[str, float]) -> dict[str, float]:
+    """The segments of :data:`MESSAGE_STAMPS` between the stamps ``stamps`` holds (seconds); a
+    missing stamp joins its two segments into one named ``a+b``."""
+    out: dict[str, float] = {}
+    previous: float | None = None
+    names: list[str] = []
+    for key, name in MESSAGE_STAMPS:
+        if name:
+            names.append(name)
+        value = stamps.get(key)
+        if value is None:
+            continue
+        if previous is not None:
+            out["+".join(names)] = value - previous
+        previous, names = value, []
+    return out
+
+
+def round_timeline(started_at: float, ended_at: float,
+                   client_stamps: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    """Where a Flower round's wall time went, along its critical path: the client whose reply
+    came last (``client``). ``before_push`` (round start to the push: sampling, configure,
+    encode), that client's :func:`message_segments`, ``after_last_reply`` (decoding, validation,
+    aggregation, the evaluation broadcast); they add up to ``ended_at - started_at``. Beside them
+    ``handler_parts`` (:data:`HANDLER_PARTS` of its handler) and ``cpu`` (its process's CPU
+    seconds, Flower's start included). Empty when no reply carries the stamps."""
+    timed = {c: t for c, t in client_stamps.items() if "at.received" in t and "at.pushed" in t}
+    if not timed:
+        return {}
+    cid = max(timed, key=lambda c: timed[c]["at.received"])
+    stamps = timed[cid]
+    timeline: dict[str, Any] = {"client": int(cid),
+                                "before_push": stamps["at.pushed"] - started_at}
+    timeline.update(message_segments(stamps))
+    timeline["after_last_reply"] = ended_at - stamps["at.received"]
+    timeline["handler_parts"] = {k: stamps[k] for k in HANDLER_PARTS if k in stamps}
+    if "cpu" in stamps:
+        timeline["cpu"] = stamps["cpu"]
+    return timeline
+
+
 def scalar(values: Mapping[str, Any], name: str, kind: type) -> Any:
     """``values[name]`` checked to be of ``kind`` (bool is not an int here).
 

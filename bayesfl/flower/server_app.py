@@ -89,6 +89,7 @@ from bayesfl.flower.protocol import (
     part,
     read_evaluation,
     record_values,
+    round_timeline,
     scalar,
     timings,
 )
@@ -202,9 +203,10 @@ class FlowerChannel:
     # ---- Flower messages ----------------------------------------------------------------
     def push(self, message_type: str, requests: Mapping[int, tuple[int, RecordDict]], *,
              round: int = 0) -> tuple[dict[str, int], Mapping[int, tuple[int, RecordDict]],
-                                      list[dict[str, Any]], float]:
+                                      list[dict[str, Any]], float, float]:
         """Push ``requests`` (client id -> (node id, content)); the pending message ids, the
-        requests, the events of messages the SuperLink refused and the start time."""
+        requests, the events of messages the SuperLink refused, the start time
+        (``perf_counter``) and when the SuperLink had them (seconds since the epoch)."""
         t0 = time.perf_counter()
         ids = list(requests)
         messages = [Message(content, dst_node_id=node, message_type=message_type,
@@ -221,14 +223,17 @@ class FlowerChannel:
             else:
                 events.append(_event(cid, requests[cid][0], message_type,
                                      "the SuperLink did not accept the message"))
-        return pending, requests, events, t0
+        return pending, requests, events, t0, time.time()
 
     def poll(self, pushed: tuple[dict[str, int], Mapping[int, tuple[int, RecordDict]],
-                                 list[dict[str, Any]], float],
+                                 list[dict[str, Any]], float, float],
              deadline: float, *, step_of: Callable[[int], str]) -> Exchange:
         """Poll the SuperLink for the replies of :meth:`push` until all are in, ``deadline``
-        (``time.monotonic()``) passes, or their node goes offline."""
-        pending, requests, events, t0 = pushed
+        (``time.monotonic()``) passes, or their node goes offline. A reply's timings get the
+        server's stamps ``at.pushed`` (its message was pushed) and ``at.received`` (this poll
+        got the reply), seconds since the epoch
+        (:func:`bayesfl.flower.protocol.message_segments`)."""
+        pending, requests, events, t0, pushed_at = pushed
         pending = dict(pending)
         out = Exchange(events=[{**e, "step": step_of(e["client_id"])} for e in events])
         next_check = time.monotonic() + _NODE_CHECK_SECONDS
@@ -242,7 +247,8 @@ class FlowerChannel:
                                              describe_error(reply.error)))
                 else:
                     out.replies[cid] = reply
-                    out.client_timings[cid] = timings(reply.content)
+                    out.client_timings[cid] = {**timings(reply.content), "at.pushed": pushed_at,
+                                               "at.received": time.time()}
             if not pending:
                 break
             now = time.monotonic()
@@ -316,6 +322,7 @@ class FlowerServer:
         self.seconds_before = 0.0
         self.resumed_from: int | None = None
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
+        self._round_started_at = time.time()
         self._last_accumulators: list[Any] = []
         self.channel = FlowerChannel(grid, round_timeout=self.options.round_timeout,
                                      poll_interval=self.options.poll_interval,
@@ -386,6 +393,7 @@ class FlowerServer:
 
     # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
     def round_started(self, round: int) -> list[dict[str, Any]]:
+        self._round_started_at = time.time()  # the round's timeline starts here
         return self.discover()
 
     def reachable(self, client_ids: Sequence[int]) -> list[int]:
@@ -411,6 +419,13 @@ class FlowerServer:
             "server_encode": trace.seconds_encode,
             "server_decode_validate": trace.seconds_receipt,
             "server_aggregate": trace.seconds_aggregation + trace.seconds_evaluation,
+            "client_import": _slowest(fit_timings, "import"),
+            "client_save": _slowest(fit_timings, "save"),
+            # the critical path, message by message (bayesfl.flower.protocol.round_timeline)
+            "timeline": round_timeline(
+                self._round_started_at, time.time(),
+                {c: collected.replies[c].timings for c in trace.sent
+                 if c in collected.replies}),
         }
         record["events"] = trace.events + [
             {**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
