@@ -83,7 +83,7 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
     run_setup,
     sample_clients,
 )
-from bayesfl.engine.state import restore_round, save_round
+from bayesfl.engine.state import client_states, restore_round, save_round
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
     aggregate_or_keep,
     all_rejected_message,
@@ -620,7 +620,9 @@ class _Run:
                               rounds=self.config.rounds, server=self.server, fresh=self.state,
                               num_clients=len(self.clients), device=self.device)
         try:
-            client_states = [self._restored_client_state(c, tensors) for c in self.clients]
+            saved_states = client_states(tensors, meta, [c.client_id for c in self.clients])
+            restored = [self._restored_client_state(c, saved_states[c.client_id])
+                        for c in self.clients]
             torch.set_rng_state(saved.rng)
         except (KeyError, TypeError, ValueError, RuntimeError) as err:
             raise CheckpointError(f"checkpoint {path} was not written by this run (it does "
@@ -628,18 +630,17 @@ class _Run:
                                   "run again with --force (force=True)") from err
         self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
         self.state = saved.state
-        for c, client_state in zip(self.clients, client_states, strict=True):
+        for c, client_state in zip(self.clients, restored, strict=True):
             c.state = client_state
         self.seconds_before = saved.seconds
         self.resumed_from = saved.round
         return saved.round + 1
 
     def _restored_client_state(self, client: SimulatedClient,
-                               tensors: dict[str, torch.Tensor]) -> ClientState:
-        """Client ``client``'s tensors from a checkpoint, checked against its initial state
-        (same names, shapes and dtypes: a client's state keeps its layout across rounds)."""
-        prefix = f"client/{client.client_id}/"
-        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                               state: ClientState) -> ClientState:
+        """Client ``client``'s state from a checkpoint (:func:`client_states`), checked against
+        its initial state (same names, shapes and dtypes: a client's state keeps its layout
+        across rounds)."""
         layout = {k: (tuple(v.shape), v.dtype) for k, v in client.state.items()}
         if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
             raise ValueError(f"client {client.client_id}'s tensors differ from its layout")

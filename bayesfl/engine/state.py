@@ -4,15 +4,21 @@ A checkpoint (:func:`bayesfl.checkpoint.save_checkpoint`: safetensors, atomic, f
 holds, after round ``r``:
 
 * ``server/<name>``: the server state;
-* ``client/<id>/<name>``: the states of the clients the transport holds (the simulator holds
-  all of them; a Flower ServerApp none: its clients' states live on their SuperNodes);
+* ``clients/<g>/ids`` and ``clients/<g>/state/<name>``: the states of the clients the
+  transport holds (the simulator holds all of them; a Flower ServerApp none: its clients'
+  states live on their SuperNodes), stacked: the clients are grouped by their state's
+  layout (names, shapes, dtypes; clients with an empty state form a group of ids alone),
+  group ``g``'s client ids in ``ids`` (int64) and each of its tensors in one tensor whose
+  row ``i`` is client ``ids[i]``'s. At 16,000 clients that is 4 tensors instead of 64,000:
+  the write's per-tensor work (header, offsets, digest calls) was most of its CPU time;
 * ``rng/torch``: the global torch RNG state (uint8);
 * :data:`METRICS_TENSOR`: ``metrics.jsonl`` as it stood after round ``r`` (uint8), from which a
   resumed run rebuilds the file and the summary;
 
 and its metadata: ``format`` (:data:`CHECKPOINT_FORMAT`), ``round``, ``first_round``,
 ``seconds`` (elapsed run time), ``config`` (the run's identity, data included),
-``server_keys`` and ``transport``.
+``server_keys``, ``client_groups`` (each group's state names, in the order of ``g``) and
+``transport``.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from bayesfl.strategies.base import ClientState, ServerState, Strategy
 
 METRICS_TENSOR = "run/metrics.jsonl"
 """Checkpoint tensor holding ``metrics.jsonl`` as bytes."""
-CHECKPOINT_FORMAT = 2
-"""2: carries metrics.jsonl, the data identity and the first round."""
+CHECKPOINT_FORMAT = 3
+"""2: carries metrics.jsonl, the data identity and the first round; 3: the clients' states
+stacked per layout group (``clients/<g>/...``) instead of one tensor per client and name."""
+CLIENTS_PREFIX = "clients/"
+"""Where the stacked client states live in a checkpoint (module docstring)."""
 
 
 def save_round(path: Path, *, round: int, first_round: int, seconds: float,
@@ -42,15 +51,90 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
                transport: str) -> None:
     """Write the checkpoint of round ``round`` to ``path`` atomically (module docstring)."""
     tensors = {f"server/{k}": v for k, v in state.items()}
-    for cid, client_state in clients.items():
-        tensors.update({f"client/{cid}/{k}": v for k, v in client_state.items()})
+    groups = stack_client_states(clients)
+    for g, (ids, stacked) in enumerate(groups):
+        tensors[f"{CLIENTS_PREFIX}{g}/ids"] = torch.tensor(ids, dtype=torch.int64)
+        tensors.update({f"{CLIENTS_PREFIX}{g}/state/{k}": v for k, v in stacked.items()})
     tensors["rng/torch"] = torch.get_rng_state()
     tensors[METRICS_TENSOR] = torch.from_numpy(
         np.frombuffer(bytes(metrics_text), dtype=np.uint8).copy())
     meta = {"format": CHECKPOINT_FORMAT, "round": round, "first_round": first_round,
             "seconds": seconds, "config": dict(identity), "server_keys": sorted(state),
-            "transport": transport}
+            "client_groups": [sorted(stacked) for _, stacked in groups], "transport": transport}
     save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
+
+
+def stack_client_states(
+        clients: Mapping[int, ClientState]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+    """The clients' states grouped by layout (state names, shapes and dtypes, in the order
+    the clients come), each group as (its client ids, each name's states stacked along a new
+    first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``), so
+    :func:`client_states` gives back each state exactly."""
+    by_layout: dict[tuple, tuple[list[int], list[ClientState]]] = {}
+    for cid, client_state in clients.items():
+        layout = tuple((k, tuple(v.shape), v.dtype, v.device)
+                       for k, v in sorted(client_state.items()))
+        ids, states = by_layout.setdefault(layout, ([], []))
+        ids.append(int(cid))
+        states.append(client_state)
+    return [(ids, {k: torch.stack([s[k] for s in states]) for k in sorted(states[0])})
+            for ids, states in by_layout.values()]
+
+
+def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                  client_ids: list[int]) -> dict[int, ClientState]:
+    """The clients' states of a checkpoint (written by :func:`save_round`), by client id:
+    each a row of its group's stacked tensors (a view, no copy).
+
+    Raises:
+        ValueError: the groups do not hold exactly ``client_ids``, each once (an id missing,
+            unknown or repeated), a group's ids are not an int64 vector, one of its tensors is
+            missing or has not one row per id, or a ``clients/`` tensor belongs to no group.
+    """
+    groups = meta.get("client_groups")
+    if not isinstance(groups, list) or not all(
+            isinstance(names, list) and all(isinstance(k, str) for k in names)
+            for names in groups):
+        raise ValueError(f"client_groups {groups!r} is not a list of lists of state names")
+    expected = {f"{CLIENTS_PREFIX}{g}/ids" for g in range(len(groups))} | {
+        f"{CLIENTS_PREFIX}{g}/state/{k}" for g, names in enumerate(groups) for k in names}
+    stray = sorted(k for k in tensors if k.startswith(CLIENTS_PREFIX) and k not in expected)
+    if stray:
+        raise ValueError(f"tensor {stray[0]!r} belongs to no client group")
+    states: dict[int, ClientState] = {}
+    repeated: set[int] = set()
+    for g, names in enumerate(groups):
+        name = f"{CLIENTS_PREFIX}{g}/ids"
+        ids = _tensor(tensors, name)
+        if ids.dtype != torch.int64 or ids.ndim != 1:
+            raise ValueError(f"{name} is {ids.dtype} of shape {tuple(ids.shape)}, not an int64 "
+                             "vector")
+        rows = {}
+        for k in names:
+            stacked = _tensor(tensors, f"{CLIENTS_PREFIX}{g}/state/{k}")
+            if stacked.ndim == 0 or stacked.shape[0] != len(ids):
+                raise ValueError(f"{CLIENTS_PREFIX}{g}/state/{k} has "
+                                 f"{stacked.shape[0] if stacked.ndim else 'no'} rows for the "
+                                 f"group's {len(ids)} client ids")
+            rows[k] = stacked
+        for i, cid in enumerate(ids.tolist()):
+            if cid in states:
+                repeated.add(cid)
+            states[cid] = {k: stacked[i] for k, stacked in rows.items()}
+    wanted = set(client_ids)
+    missing, unknown = sorted(wanted - set(states)), sorted(set(states) - wanted)
+    if missing or unknown or repeated:
+        parts = [f"{what} {ids[:5]}{' ...' if len(ids) > 5 else ''}" for what, ids in (
+            ("missing", missing), ("unknown", unknown), ("repeated", sorted(repeated))) if ids]
+        raise ValueError("its client ids do not match this run's clients ("
+                         + "; ".join(parts) + ")")
+    return states
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"tensor {name!r} is missing")
+    return tensors[name]
 
 
 @dataclass
@@ -118,5 +202,5 @@ def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[st
     return SavedRound(last, float(seconds), state, rng, log.numpy().tobytes(), tensors)
 
 
-__all__ = ["CHECKPOINT_FORMAT", "METRICS_TENSOR", "SavedRound", "foreign_message",
-           "restore_round", "save_round"]
+__all__ = ["CHECKPOINT_FORMAT", "CLIENTS_PREFIX", "METRICS_TENSOR", "SavedRound", "client_states",
+           "foreign_message", "restore_round", "save_round", "stack_client_states"]

@@ -135,7 +135,7 @@ def _fingerprint(run_dir):
     ({"round": True}, "its round is True"),
     ({"round": "2"}, "its round is '2'"),
     ({"seconds": "soon"}, "elapsed seconds 'soon'"),
-    ({"format": 1}, "format 1, this version writes 2"),
+    ({"format": 2}, "format 2, this version writes 3"),
     ({"server_keys": ["no_such_tensor"]}, "does not hold this run's state"),
 ])
 def test_a_checkpoint_this_run_cannot_have_written_is_refused(cut, changes, expected):
@@ -149,8 +149,10 @@ def test_a_client_state_of_the_wrong_shape_is_refused(cut):
     path = cut / CHECKPOINT_NAME
     fingerprint = _fingerprint(cut)
     tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
-    name = next(k for k in tensors if k.startswith("client/0/"))
-    tensors[name] = torch.zeros(3)
+    # the clients' states are stacked (engine/state.py): each client's row of one tensor
+    # gets the wrong shape, client 0's included
+    name = next(k for k in tensors if k.startswith("clients/0/state/"))
+    tensors[name] = torch.zeros(len(tensors["clients/0/ids"]), 3)
     save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
     with pytest.raises(CheckpointError, match="client 0's tensors differ from its layout"):
         simulate("fedavg", out=cut, resume=True, **SMALL)
