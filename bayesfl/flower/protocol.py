@@ -79,7 +79,9 @@ class FlowerOptions:
             by then is logged and left out of the step.
         min_nodes: nodes the run waits for before it starts (0: ``clients``).
         node_wait: seconds it waits for them; it starts with those it has after that.
-        poll_interval: seconds between two polls of the SuperLink for replies.
+        poll_interval: seconds between two polls of the SuperLink for replies. Between
+            rounds its wait is hidden: the node that replied last sleeps 3 s after its
+            next (empty) pull, so a finer poll shortens no round (docs/flower.md, Cost).
         evaluate_every: evaluate after every this many rounds, counted from the first
             (FedLog's round 0 included), and always after the last.
         data_loader: ``package.module:function`` every SuperNode calls to load its own data
