@@ -68,8 +68,9 @@ def stack_client_states(
         clients: Mapping[int, ClientState]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
     """The clients' states grouped by layout (state names, shapes and dtypes, in the order
     the clients come), each group as (its client ids, each name's states stacked along a new
-    first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``), so
-    :func:`client_states` gives back each state exactly."""
+    first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``) or
+    views them where they already lie stacked, so :func:`client_states` gives back each state
+    exactly."""
     by_layout: dict[tuple, tuple[list[int], list[ClientState]]] = {}
     for cid, client_state in clients.items():
         layout = tuple((k, tuple(v.shape), v.dtype, v.device)
@@ -77,8 +78,23 @@ def stack_client_states(
         ids, states = by_layout.setdefault(layout, ([], []))
         ids.append(int(cid))
         states.append(client_state)
-    return [(ids, {k: torch.stack([s[k] for s in states]) for k in sorted(states[0])})
+    return [(ids, {k: _stacked([s[k] for s in states]) for k in sorted(states[0])})
             for ids, states in by_layout.values()]
+
+
+def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(rows)``; without the copy (470 MB at 16,000 FedLog clients) when the
+    rows already are consecutive rows of one tensor (the states of a resumed run's clients
+    not trained since: rows of the checkpoint's stacked tensors), as a view of that tensor's
+    memory: the same bits either way. (A batched fit gives each client a clone of its row.)"""
+    first = rows[0]
+    size, offset = first.numel(), first.storage_offset()
+    if size and first.is_contiguous():
+        base = first.untyped_storage().data_ptr()
+        if all(t.is_contiguous() and t.untyped_storage().data_ptr() == base
+               and t.storage_offset() == offset + i * size for i, t in enumerate(rows)):
+            return first.as_strided((len(rows), *first.shape), (size, *first.stride()), offset)
+    return torch.stack(rows)
 
 
 def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],

@@ -107,6 +107,33 @@ def test_clients_of_one_layout_are_one_stacked_tensor_per_name():
     assert torch.equal(stacked["b"], torch.stack([clients[c]["b"] for c in ids]))
 
 
+def test_states_that_are_consecutive_rows_of_one_tensor_are_saved_without_a_copy():
+    # a batched fit's client states are views of its stacked parameters
+    w, b = torch.randn(5, 2, 3), torch.randn(5, 3)
+    clients = {c: {"w": w[c], "b": b[c]} for c in range(5)}
+    [(_, stacked)] = stack_client_states(clients)
+    assert stacked["w"].data_ptr() == w.data_ptr() and torch.equal(stacked["w"], w)
+    assert stacked["b"].data_ptr() == b.data_ptr() and torch.equal(stacked["b"], b)
+    # rows of a slice, 0-dim rows: still the tensor itself
+    step = torch.arange(7)
+    [(_, stacked)] = stack_client_states({c: {"s": step[c + 2]} for c in range(4)})
+    assert stacked["s"].data_ptr() == step[2:].data_ptr() and torch.equal(stacked["s"], step[2:6])
+
+
+@pytest.mark.parametrize("rows", [
+    lambda t: [t[1], t[0], t[2]],          # out of order
+    lambda t: [t[0], t[2], t[4]],          # not consecutive
+    lambda t: [t[0], t[1].clone(), t[2]],  # one row elsewhere
+    lambda t: [r.t() for r in t[:3]],      # not contiguous
+])
+def test_rows_that_do_not_lie_stacked_are_copied(rows):
+    t = torch.randn(5, 2, 3)
+    chosen = rows(t)
+    [(_, stacked)] = stack_client_states({c: {"w": r} for c, r in enumerate(chosen)})
+    assert torch.equal(stacked["w"], torch.stack(chosen))
+    assert stacked["w"].data_ptr() != t.data_ptr()
+
+
 def test_no_clients_no_groups(tmp_path):
     tensors, meta = _save_and_load(tmp_path, {})
     assert meta["client_groups"] == []
