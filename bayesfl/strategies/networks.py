@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from bayesfl.training import cross_entropy_per_sample as _training_cross_entropy
+
 
 def layer_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
     """Parameter names of ``model`` grouped by layer, input to output (module docstring).
@@ -64,8 +66,12 @@ class PrototypeNet(ClassifierNet):
 
 
 def cross_entropy_per_sample(logits: Tensor, labels: Tensor) -> Tensor:
-    """Per-sample cross-entropy (B,) of logits (B, C) against int labels (B,)."""
-    return nn.functional.cross_entropy(logits, labels, reduction="none")
+    """Per-sample cross-entropy (B,) of logits (B, C) against int labels (B,).
+
+    :func:`bayesfl.training.cross_entropy_per_sample`: ``F.cross_entropy``'s numbers and
+    gradients bit for bit, without the sympy import that ``F.cross_entropy`` under ``vmap``
+    costs the batched path (0.6 s per process)."""
+    return _training_cross_entropy(logits, labels)
 
 
 @torch.no_grad()

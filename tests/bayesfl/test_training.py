@@ -360,14 +360,16 @@ def test_pad_stack_pads_each_tensor_to_the_longest_with_zeros():
     assert mixed.dtype == torch.float64 and mixed.tolist() == [[1.0, 1.0], [1.0, 0.0]]
 
 
-def test_a_batched_fedlog_fit_in_a_fresh_process_does_not_import_sympy():
+@pytest.mark.parametrize("strategy", ["fedlog", "fedavg"])
+def test_a_batched_fit_in_a_fresh_process_does_not_import_sympy(strategy):
     # F.cross_entropy under vmap runs torch's nll_loss decomposition, whose shape checks
-    # import sympy (0.6 s per process on a quiet machine); FedLog's objective is
+    # import sympy (0.6 s per process on a quiet machine); FedLog's objective and the
+    # FedAvg family's (bayesfl.strategies.networks.cross_entropy_per_sample) are
     # cross_entropy_per_sample, which vmaps without it
-    code = textwrap.dedent("""
+    code = textwrap.dedent(f"""
         import sys
         from bayesfl.simulate import simulate
-        result = simulate("fedlog", dataset="digits", clients=6, partition="iid", rounds=2,
+        result = simulate("{strategy}", dataset="digits", clients=6, partition="iid", rounds=2,
                           seed=0, local_epochs=1, batched=True, progress=False)
         assert result.metrics[-1]["round"] == 2
         print(sorted(m for m in ("sympy", "torch._dynamo") if m in sys.modules))
