@@ -179,8 +179,8 @@ and 1; FedSI's subnet at seed 0 within 6%) it peaks and falls, converging to no 
 gamma``, ``gamma = sum_r alpha h_r / (1 + alpha h_r)`` (15-160 of 23,050: the data are weak, so
 alpha ~ sqrt(||theta - mu||^2 / sum_r h_r), to 2% in every round), and ``theta - mu`` is one
 round's move from the re-centred mean: it rises while the clients still move together
-(``||theta - mu||^2`` 0.28 -> 6.6 at ``sum h`` 630 -> 3,100) and falls once their modes meet (5.6, 2.3,
-0.73, 0.23 at ``sum h`` ~4,200), the fall described below. This is MacKay's evidence
+(``||theta - mu||^2`` 0.28 -> 6.6 at ``sum h`` 630 -> 3,100) and falls once their modes
+meet (5.6, 2.3, 0.73, 0.23 at ``sum h`` ~4,200), the fall described below. This is MacKay's evidence
 update at the current mode, one step per round; the mode itself is the MAP under the round's
 prior.
 Measured on S1, seed 0, CPU, before that change (alpha as a cap; FedSI's subnet leaves ~95% of
