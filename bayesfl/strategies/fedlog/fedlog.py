@@ -169,7 +169,7 @@ from bayesfl.strategies.robust import (
     first_reasons,
     screening_reasons,
 )
-from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor
+from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor, wire
 from bayesfl.training import (
     cross_entropy_per_sample,
     forward_stacked_tensors,
@@ -860,9 +860,40 @@ class FedLog(Strategy):
         tables = self.batch_statistics(datas, features).cpu()
         squares = (self.square_sums(datas, features).cpu() if self.evidence
                    else [None] * len(datas))
-        return [(with_parameters(s, p), self._upload(c, d, round, t, g, q, h))
-                for c, s, p, d, t, g, q, h in zip(configs, states, params, datas, tables,
-                                                  generators, squares, scores, strict=True)]
+        uploads = self._uploads(configs, datas, round, tables, generators, squares, scores)
+        return [(with_parameters(s, p), u) for s, p, u in zip(states, params, uploads,
+                                                               strict=True)]
+
+    def _uploads(
+        self, configs: Sequence[ClientConfig], datas: Sequence[ClientData], round: int,
+        tables: Tensor, generators: Sequence[torch.Generator],
+        squares: Tensor | Sequence[None], scores: Sequence[tuple[Tensor, Tensor] | None],
+    ) -> list[Message]:
+        """:meth:`_upload` of K clients, the same messages (the same bytes encoded): ``tables``
+        (K, C, m) converted to the upload dtype once and each client's tensors taken as rows
+        of the stacks (contiguous CPU views, as :func:`wire` gives them), instead of a
+        conversion, a ``num_samples`` tensor and :func:`wire` per client (~45 us a client,
+        0.7 s at 16,000). Every message still gets its validated header and ``Message``. A
+        privacy placement with its own ``release`` (noise drawn from each client's
+        generator) goes client by client."""
+        if type(self.privacy).release is not NoPrivacy.release:
+            return [self._upload(c, d, round, t, g, q, h)
+                    for c, d, t, g, q, h in zip(configs, datas, tables, generators, squares,
+                                                scores, strict=True)]
+        statistics = tables.detach().to("cpu", self.upload_dtype).contiguous()
+        counts = torch.tensor([[d.num_train] for d in datas], dtype=torch.int64)
+        square_rows = (squares.detach().to("cpu", torch.float64).reshape(-1, 1).contiguous()
+                       if isinstance(squares, Tensor) else squares)
+        uploads = []
+        for k, (config, square, heldout) in enumerate(zip(configs, square_rows, scores,
+                                                          strict=True)):
+            tensors = {"statistics": statistics[k], "num_samples": counts[k]}
+            if square is not None:
+                tensors["square_sum"] = square
+            if heldout is not None:
+                tensors.update(wire({"heldout_nll": heldout[0], "heldout_count": heldout[1]}))
+            uploads.append(Message(self.header(round, config.client_id, "up"), tensors))
+        return uploads
 
     def _upload(
         self, config: ClientConfig, data: ClientData, round: int, table: Tensor,

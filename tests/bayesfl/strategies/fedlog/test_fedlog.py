@@ -691,3 +691,34 @@ def test_local_dp_averages_the_noisy_count_over_rounds_and_warns_only_beyond_its
     with pytest.warns(PrivacyNoiseWarning, match="degrades|swamps"):
         fresh.aggregate(fresh_state, _local_uploads(fresh, 0, threshold - 2 * error), 0,
                         torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name, options", [
+    ("fedlog", {}), ("fedlog", {"upload_dtype": "float64"}),
+    ("fedlog", {"feature_scale": "evidence"}), ("fedlog", {"feature_scale": "heldout"}),
+    ("fedlog-dp-local", {"epsilon": 5.0, "clip": 1.0})])
+def test_a_groups_uploads_are_byte_for_byte_those_built_one_client_at_a_time(
+        build, name, options):
+    # fit_group converts the K statistic tables once and hands out rows of the stacks; the
+    # encoded messages must be the bytes of one _upload per client (what fit sends), for
+    # every upload dtype and optional entry; a noisy release (local DP) draws each client's
+    # noise from its own generator, so both forms must consume the generators alike
+    from bayesfl.messages import encode
+
+    strategy, clients, _ = build(name, **options)
+    g = torch.Generator().manual_seed(0)
+    k = len(clients)
+    tables = torch.rand(k, NUM_CLASSES, FEATURE_DIM + 1, generator=g, dtype=torch.float64)
+    squares = (torch.rand(k, generator=g, dtype=torch.float64) if strategy.evidence
+               else [None] * k)
+    scores = ([(torch.rand(3, generator=g, dtype=torch.float64),
+                torch.tensor([2.0], dtype=torch.float64)) for _ in range(k)]
+              if strategy.heldout else [None] * k)
+    configs, datas = [c.config for c in clients], [c.data for c in clients]
+    one_by_one = [strategy._upload(c, d, 1, t, gen, q, h)
+                  for c, d, t, gen, q, h in zip(configs, datas, tables, generators(clients, 1),
+                                                squares, scores, strict=True)]
+    grouped = strategy._uploads(configs, datas, 1, tables, generators(clients, 1), squares,
+                                scores)
+    assert [encode(m) for m in grouped] == [encode(m) for m in one_by_one]
+    assert [m.header for m in grouped] == [m.header for m in one_by_one]
