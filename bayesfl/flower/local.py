@@ -282,18 +282,23 @@ class LocalFederation:
         deadline = t0 + timeout
         interval = poll if done_marker is None else max(poll, 60.0)
         next_ask = next_remember = time.monotonic()
-        serverapp_seen = False
+        serverapp_running, soon_until = False, 0.0
         while time.monotonic() < deadline:
             if done_marker is not None and interval > 1.0:
                 running = self._serverapp_running()
-                serverapp_seen = serverapp_seen or running
-                if _written_since(done_marker, submitted_at) or (serverapp_seen and not running):
+                if _written_since(done_marker, submitted_at):
                     interval, next_ask = 1.0, time.monotonic()  # ending: ask now, then every 1 s
+                elif serverapp_running and not running:
+                    # a ServerApp ended (this run's, failed, or the previous run's finishing
+                    # late): ask now, then every 2 s for 10 s, then at the usual interval
+                    next_ask, soon_until = time.monotonic(), time.monotonic() + 10.0
+                serverapp_running = running
             if time.monotonic() >= next_ask:
                 status, details = self.status(run_id)
                 if status.startswith("finished"):
                     break
-                next_ask = time.monotonic() + interval
+                next_ask = time.monotonic() + (2.0 if time.monotonic() < soon_until and
+                                               interval > 2.0 else interval)
             if time.monotonic() >= next_remember:  # the processes to stop at close
                 self._remember_all()
                 next_remember = time.monotonic() + min(poll, 2.0)
