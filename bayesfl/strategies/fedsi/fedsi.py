@@ -174,15 +174,16 @@ FedSI-Fac's alpha rises 1e-2 -> 0.021 -> 0.037-0.038 -> 0.046-0.048 in 3 rounds 
 where it read 0.021, 0.020, 0.019 while it never reached the prior.) Followed further (seeds 0
 and 1; FedSI's subnet at seed 0 within 8% through round 7) it peaks and falls, converging to no
 fixed point: 0.021, 0.038, 0.047-0.048, 0.037-0.038, 0.023, 0.013 in rounds 1-6, then
-7.5e-3-7.7e-3, 4.7e-3-4.9e-3, 2.9e-3-3.0e-3, 2.0e-3-2.2e-3, 1.6e-3 (rounds 7-11, x0.6-0.76 a
-round, still falling), the round's plug-in meanwhile ECE 0.10-0.12 -> 0.021-0.031 at round 6,
-NLL 0.39-0.50 -> 0.29-0.33, then ECE 0.017-0.053, NLL 0.25-0.39 in rounds 7-11 (round-to-round
-noise, no trend yet). The chosen alpha is MacKay's effective-parameter form ``||theta - mu||^2 =
-alpha gamma``, ``gamma = sum_r alpha h_r / (1 + alpha h_r)`` (15-160 of 23,050: the data are
-weak, so alpha ~ sqrt(||theta - mu||^2 / sum_r h_r), to 2% in rounds 1-7), and ``theta - mu``
-is one round's move from the re-centred mean: it rises while the clients still move together
-(``||theta - mu||^2`` 0.28 -> 6.6 at ``sum h`` 630 -> 3,100) and falls once their modes meet
-(5.6, 2.3, 0.73, 0.23 at ``sum h`` ~4,200), the fall described below. This is MacKay's evidence
+7.5e-3-7.7e-3, 4.7e-3-4.9e-3, 2.9e-3-3.0e-3, 2.0e-3-2.2e-3, 1.5e-3-1.6e-3 (rounds 7-11),
+5.3e-4-6.2e-4 at round 15 (x0.6-0.8 a round, still falling: towards the paper's 1e-4), the
+round's plug-in meanwhile ECE 0.10-0.12 -> 0.021-0.031 at round 6, NLL 0.39-0.50 -> 0.29-0.33,
+then ECE 0.017-0.053, NLL 0.25-0.39 in rounds 7-15 (round-to-round noise, no trend yet). The
+chosen alpha is MacKay's effective-parameter form ``||theta - mu||^2 = alpha gamma``, ``gamma =
+sum_r alpha h_r / (1 + alpha h_r)`` (15-160 of 23,050: the data are weak, so alpha ~
+sqrt(||theta - mu||^2 / sum_r h_r), to 2% in rounds 1-7), and ``theta - mu`` is one round's move
+from the re-centred mean: it rises while the clients still move together (``||theta - mu||^2``
+0.28 -> 6.6 at ``sum h`` 630 -> 3,100) and falls once their modes meet (5.6, 2.3, 0.73, 0.23 at
+``sum h`` ~4,200), the fall described below. This is MacKay's evidence
 update at the current mode, one step per round; the mode itself is the MAP under the round's
 prior.
 Measured on S1, seed 0, CPU, before that change (alpha as a cap; FedSI's subnet leaves ~95% of
