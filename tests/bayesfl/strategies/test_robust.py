@@ -295,7 +295,7 @@ def test_a_consistent_but_inflated_count_is_rejected_by_screening():
 def test_a_fedlog_count_above_the_first_declared_one_is_rejected():
     strategy, clients, _, state, ups = fedlog_round()
     state = strategy.aggregate(state, ups, 0, torch.Generator())
-    assert int(state["declared/3"]) == SIZES[3]
+    assert int(state["declared"][3]) == SIZES[3]  # the ledger: one row per client
     plan = strategy.configure(state, 1)
     ups = [wire(u) for _, u in fit_all(strategy, clients, wire(plan.broadcast),
                                        generators(clients, 1))]
