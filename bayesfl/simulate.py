@@ -406,6 +406,7 @@ class _Run:
             self.server, self.channel, self, state=self.server.init(), seed=config.seed,
             rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
             training=[c.client_id for c in self.training_clients], evaluation="inline",
+            evaluate_inline=self.evaluate_inline,
             min_replies=None, server_key=self.server_key, client_key=self.client_key,
             rng_devices=self._rng_devices())
         self.broadcast_hook: BroadcastHook | None = None

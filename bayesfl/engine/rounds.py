@@ -208,6 +208,12 @@ class CarriedRound:
     record: dict[str, Any]
 
 
+InlineEvaluation = Callable[[int, ServerState], tuple[int, RoundEvaluation]]
+"""``"inline"`` mode's evaluation ``(round, state) -> (bytes of the evaluation broadcast sent,
+the merged evaluation)`` of every training client; raises what
+:func:`~bayesfl.engine.steps.evaluate_or_revert` catches when the state cannot be evaluated."""
+
+
 class RoundHooks(Protocol):
     """What a transport tells the loop (module docstring)."""
 
@@ -219,11 +225,6 @@ class RoundHooks(Protocol):
 
     def broadcast_encoded(self, round: int, data: bytes) -> None:
         """The encoded broadcast of ``round``, as it leaves the server."""
-
-    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
-        """``"inline"`` mode: every training client's evaluation of ``state`` after
-        ``round``: (bytes of the evaluation broadcast sent, the merged evaluation). Raises
-        what :func:`evaluate_or_revert` catches when the state cannot be evaluated."""
 
     def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
         """Add the transport's own keys (timings, events) to round ``trace.round``'s record."""
@@ -246,6 +247,8 @@ class RoundLoop:
         fraction: the share of the training clients sampled per round.
         training: the training clients' ids (novel clients excluded), sorted.
         evaluation: ``"inline"`` or ``"carried"`` (module docstring).
+        evaluate_inline: the transport's evaluation (:data:`InlineEvaluation`); required in
+            ``"inline"`` mode, unused in ``"carried"``.
         min_replies: None, 0 or k (module docstring).
         evaluate_every: evaluate after every this many rounds counted from ``first_round``,
             and always after the last.
@@ -258,18 +261,22 @@ class RoundLoop:
     def __init__(self, server: Strategy, channel: Channel, hooks: RoundHooks, *,
                  state: ServerState, seed: int, rounds: int, first_round: int, fraction: float,
                  training: Sequence[int], evaluation: EvaluationMode,
+                 evaluate_inline: InlineEvaluation | None = None,
                  min_replies: int | None = None, evaluate_every: int = 1,
                  round_timeout: float = math.inf, server_key: bytes | None = None,
                  client_key: Callable[[int], bytes | None] = lambda _: None,
                  rng_devices: Sequence[torch.device] = ()) -> None:
         if evaluation not in EVALUATION_MODES:
             raise ValueError(f"evaluation mode {evaluation!r}: one of {EVALUATION_MODES}")
+        if evaluation == "inline" and evaluate_inline is None:
+            raise ValueError("the \"inline\" evaluation mode needs evaluate_inline")
         self.server, self.channel, self.hooks = server, channel, hooks
         self.state = state
         self.seed, self.rounds, self.first_round = seed, rounds, first_round
         self.fraction = fraction
         self.training = list(training)
         self.evaluation = evaluation
+        self.evaluate_inline = evaluate_inline
         self.min_replies = min_replies
         self.evaluate_every = evaluate_every
         self.round_timeout = round_timeout
@@ -350,7 +357,7 @@ class RoundLoop:
         eval_bytes = b""
         if evaluated and self.evaluation == "inline":
             self.state, (bytes_down_evaluation, evaluation), reverted = evaluate_or_revert(
-                self.state, previous, lambda state: hooks.evaluate_inline(r, state))
+                self.state, previous, lambda state: self.evaluate_inline(r, state))
             evaluation_keys(record, evaluation, server, bytes_down_evaluation)
             aggregate_error = reverted or aggregate_error
         elif evaluated:  # carried: only the broadcast is built now (it must build)
@@ -406,5 +413,6 @@ class RoundLoop:
             warnings.warn(message, UploadsRejectedWarning, stacklevel=4)
 
 
-__all__ = ["EVALUATION_MODES", "CarriedRound", "EvaluationMode", "Receipt", "RoundHooks",
+__all__ = ["EVALUATION_MODES", "CarriedRound", "EvaluationMode", "InlineEvaluation", "Receipt",
+           "RoundHooks",
            "RoundLoop", "RoundTrace", "evaluation_keys", "receive_uploads", "round_record"]

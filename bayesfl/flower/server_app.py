@@ -402,9 +402,6 @@ class FlowerServer:
     def broadcast_encoded(self, round: int, data: bytes) -> None:
         """Nothing to do: the channel sends it."""
 
-    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
-        raise NotImplementedError("a Flower round's evaluation is carried by the next message")
-
     def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
         collected = trace.collected
         fit_timings = [collected.replies[c].timings for c in trace.sent

@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from bayesfl.training import cross_entropy_per_sample as _training_cross_entropy
+# re-exported: the per-sample loss of every network here (F.cross_entropy's numbers and
+# gradients bit for bit, without the sympy import F.cross_entropy costs under vmap)
+from bayesfl.training import cross_entropy_per_sample as cross_entropy_per_sample
 
 
 def layer_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
@@ -63,15 +65,6 @@ class PrototypeNet(ClassifierNet):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         features = self.body(x)
         return self.head(features), features
-
-
-def cross_entropy_per_sample(logits: Tensor, labels: Tensor) -> Tensor:
-    """Per-sample cross-entropy (B,) of logits (B, C) against int labels (B,).
-
-    :func:`bayesfl.training.cross_entropy_per_sample`: ``F.cross_entropy``'s numbers and
-    gradients bit for bit, without the sympy import that ``F.cross_entropy`` under ``vmap``
-    costs the batched path (0.6 s per process)."""
-    return _training_cross_entropy(logits, labels)
 
 
 @torch.no_grad()

@@ -159,6 +159,7 @@ def run(mode, *, bad_round=None, min_replies=None, evaluate_every=1, **script):
     loop = transport.loop = RoundLoop(
         strategy, federation, transport, state=strategy.init(), seed=SEED, rounds=ROUNDS,
         first_round=1, fraction=1.0, training=range(CLIENTS), evaluation=mode,
+        evaluate_inline=transport.evaluate_inline if mode == "inline" else None,
         min_replies=min_replies, evaluate_every=evaluate_every)
     loop.run(1)
     if loop.pending is not None:
