@@ -34,6 +34,14 @@ What stays in a transport (:class:`RoundHooks`): which clients it can reach, wha
 a round starts (Flower: node discovery), what it does with the encoded broadcast, the inline
 evaluation, its own record keys and what completing a round means to it.
 
+**The cyclic garbage collector is paused during a round** (:func:`collector_paused`: the
+round, then its ``round_complete``). A round allocates hundreds of thousands of Python objects
+that outlive gen 0 (every client's new state, message and evaluation), so the collector's own
+thresholds started 4-7 full collections a round, each a pass over every tracked object of the
+run: 1.0-1.2 s of a 10 s round at 16,000 FedLog clients. Nothing a round builds relies on the
+collector (tensors and messages are freed by their reference counts); the reference cycles a
+round makes are collected when it ends, by one young-generation pass (0.02 s there).
+
 ``min_replies``: ``None`` aggregates whatever was accepted, even nothing (the strategy's
 ``aggregate`` decides what an empty round means; the simulator's setting); ``0`` needs every
 sampled client; ``k`` needs ``k`` accepted uploads (Flower's ``min-replies``, default 1).
@@ -41,10 +49,12 @@ sampled client; ``k`` needs ``k`` accepted uploads (Flower's ``min-replies``, de
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -66,6 +76,23 @@ from bayesfl.strategies.base import RoundPlan, ServerState, Strategy, derived_se
 
 EvaluationMode = Literal["inline", "carried"]
 EVALUATION_MODES: tuple[str, ...] = ("inline", "carried")
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (module docstring), then on
+    again with one collection of the youngest generation, which holds every object the block
+    allocated: the cycles among them are freed then. A collector the caller had disabled stays
+    disabled and nothing is collected."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(0)
 
 
 # ---- receive: decode, size, key, screen ------------------------------------------------------
@@ -291,10 +318,11 @@ class RoundLoop:
         caller's RNG state comes back). In ``"carried"`` mode the last evaluated round stays in
         :attr:`pending` for the transport's final message."""
         for r in range(first, self.rounds + 1):
-            with torch.random.fork_rng(devices=self.rng_devices):
-                record = self.run_round(r)
-            if record is not None:
-                self.hooks.round_complete(record)
+            with collector_paused():
+                with torch.random.fork_rng(devices=self.rng_devices):
+                    record = self.run_round(r)
+                if record is not None:
+                    self.hooks.round_complete(record)
 
     def evaluates(self, round: int) -> bool:
         """Whether ``round`` is evaluated (``evaluate_every``; the last always is)."""
@@ -413,6 +441,17 @@ class RoundLoop:
             warnings.warn(message, UploadsRejectedWarning, stacklevel=4)
 
 
-__all__ = ["EVALUATION_MODES", "CarriedRound", "EvaluationMode", "InlineEvaluation", "Receipt",
-           "RoundHooks",
-           "RoundLoop", "RoundTrace", "evaluation_keys", "receive_uploads", "round_record"]
+__all__ = [
+    "EVALUATION_MODES",
+    "CarriedRound",
+    "EvaluationMode",
+    "InlineEvaluation",
+    "Receipt",
+    "RoundHooks",
+    "RoundLoop",
+    "RoundTrace",
+    "collector_paused",
+    "evaluation_keys",
+    "receive_uploads",
+    "round_record",
+]

@@ -13,14 +13,16 @@ what the loop hands them. The same federation runs under both evaluation modes:
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
 
 from bayesfl.data.clients import ClientData
 from bayesfl.engine.channel import Collected, Reply, Step
-from bayesfl.engine.rounds import RoundLoop, RoundTrace, receive_uploads
+from bayesfl.engine.rounds import RoundLoop, RoundTrace, collector_paused, receive_uploads
 from bayesfl.errors import BayesFLError, UploadsRejectedWarning
 from bayesfl.evaluation import merge_evaluations
 from bayesfl.messages import decode, encode
@@ -147,7 +149,8 @@ class Transport:
         self.states_at_completion.append(self.loop.state)
 
 
-def run(mode, *, bad_round=None, min_replies=None, evaluate_every=1, **script):
+def run(mode, *, bad_round=None, min_replies=None, evaluate_every=1, hooks=Transport,
+        **script):
     """A whole run under ``mode``; a carried run ends with the final message (every client
     evaluates the last state), as a transport's final step does."""
     context = StrategyContext(3, 4, LocalTraining(epochs=1, lr=1e-2, batch_size=5),
@@ -155,7 +158,7 @@ def run(mode, *, bad_round=None, min_replies=None, evaluate_every=1, **script):
                               clients=CLIENTS)
     strategy = UnevaluableAfter(context, bad_round)
     federation = Federation(strategy, **script)
-    transport = Transport(federation)
+    transport = hooks(federation)
     loop = transport.loop = RoundLoop(
         strategy, federation, transport, state=strategy.init(), seed=SEED, rounds=ROUNDS,
         first_round=1, fraction=1.0, training=range(CLIENTS), evaluation=mode,
@@ -304,3 +307,48 @@ def test_an_unknown_evaluation_mode_is_refused():
     with pytest.raises(ValueError, match="evaluation mode 'later'"):
         RoundLoop(strategy, Federation(strategy), None, state={}, seed=0, rounds=1,
                   first_round=1, fraction=1.0, training=[0], evaluation="later")
+
+
+class Cyclic:
+    """An object in a reference cycle with itself: only the cyclic collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_a_round_runs_with_the_cyclic_collector_paused_and_frees_its_cycles_when_it_ends():
+    seen, cycles = [], []
+
+    class Watching(Transport):
+        def round_started(self, round):
+            seen.append(("started", gc.isenabled()))
+            cycle = Cyclic()
+            cycles.append(weakref.ref(cycle))
+            return []
+
+        def round_complete(self, record):
+            seen.append(("complete", gc.isenabled()))
+            super().round_complete(record)
+
+    assert gc.isenabled()
+    transport, _ = run("inline", hooks=Watching)
+    # paused from the round's start to its completion (checkpoint included), on again after
+    assert seen == [(step, False) for _ in range(ROUNDS) for step in ("started", "complete")]
+    assert gc.isenabled()
+    assert len(transport.records) == ROUNDS
+    # each round's cycle was freed by the collection at its end, not kept for the run
+    assert [ref() for ref in cycles] == [None] * ROUNDS
+
+
+def test_a_collector_the_caller_disabled_stays_disabled():
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="inside"), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("inside")
+    assert gc.isenabled()  # back on after an error in the block
