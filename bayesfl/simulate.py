@@ -83,7 +83,12 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
     run_setup,
     sample_clients,
 )
-from bayesfl.engine.state import client_states, restore_round, save_round
+from bayesfl.engine.state import (
+    client_states,
+    compact_client_states,
+    restore_round,
+    save_round,
+)
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
     aggregate_or_keep,
     all_rejected_message,
@@ -559,6 +564,7 @@ class _Run:
         self.metrics_log.append(record)
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
+        self._compact_states()
         if self.run_dir is not None:
             self._checkpoint(record["round"],
                              self.seconds_before + time.perf_counter() - self.start)
@@ -589,6 +595,14 @@ class _Run:
     def client_key(self, client_id: int) -> bytes | None:
         """Client ``client_id``'s HMAC key, or None when messages are not authenticated."""
         return None if self.keys is None else self.keys.client_key(client_id)
+
+    def _compact_states(self) -> None:
+        """Restack the clients' states when the round stacks their row views keep alive
+        outgrow them (:func:`~bayesfl.engine.state.compact_client_states`: a fraction of the
+        clients trains each round)."""
+        states = compact_client_states({c.client_id: c.state for c in self.clients})
+        for c in self.clients:
+            c.state = states[c.client_id]
 
     # ---- checkpoints ----------------------------------------------------------------------
     def _checkpoint(self, r: int, seconds: float) -> None:

@@ -49,6 +49,7 @@ from torch.func import functional_call, vmap
 
 from bayesfl.adam import Adam, StackedAdam
 from bayesfl.errors import ConfigError, LocalTrainingWarning
+from bayesfl.stacked_rows import row_views, stack_rows
 
 Objective = Callable[[object, Tensor], Tensor]
 """``objective(model_output, labels) -> per-sample losses (B,)``."""
@@ -382,9 +383,11 @@ def train_stacked(
 ) -> None:
     """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
-    used). The trained values replace the trainable entries of the ``parameters[k]`` dicts
-    (new tensors, one storage per client; the tensors the dicts held are never written, so
-    they may be a client state's own). A client whose loss becomes non-finite stops there
+    used). The trained values replace the trainable entries of the ``parameters[k]`` dicts:
+    new tensors, client ``k``'s being row ``k`` of one new stacked tensor per name (views
+    sharing its memory, :func:`bayesfl.stacked_rows.row_views`: the next stacking of these
+    clients takes them as they lie); the tensors the dicts held are never written, so they
+    may be a client state's own. A client whose loss becomes non-finite stops there
     (module docstring): its parameters are no longer updated, while the others train on (the
     masked Adam takes over from the stacked one, same formula).
 
@@ -411,7 +414,7 @@ def train_stacked(
     frozen_names = [n for n in names if n not in train_names]
     per_model = list(parameters)
     with torch.no_grad():
-        stacked = _stack_named(per_model)
+        stacked = _stack_named(per_model, copy=True)  # written in place below
         # leaves of autograd (the gradient below), updated in place under no_grad by Adam
         train_p = {n: stacked[n].requires_grad_() for n in train_names}
         frozen_p = {n: stacked[n] for n in frozen_names}
@@ -481,9 +484,9 @@ def train_stacked(
                     state.step(train_p, g, (mb.sum(dim=1) > 0) & ~stopped, lr=config.lr,
                                b1=b1, b2=b2, eps=config.eps)
     state = g = None  # the moments and the last gradients: as large as the parameters
-    for n in train_names:  # one clone per client: its own storage, not a view of the stack
-        for p, value in zip(per_model, train_p[n].detach().unbind(0), strict=True):
-            p[n] = value.clone()
+    for n in train_names:  # each client's row of the stack (a view: no copy per client)
+        for p, value in zip(per_model, row_views(train_p[n]), strict=True):
+            p[n] = value
 
 
 def has_running_stats(module: nn.Module) -> bool:
@@ -628,10 +631,13 @@ def forward_stacked_tensors(
     return torch.cat(outs) if len(outs) != 1 else outs[0]
 
 
-def _stack_named(named: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """``{name: stack of that tensor over the dicts}`` (detached copies)."""
+def _stack_named(named: Sequence[dict[str, Tensor]], *, copy: bool = False
+                 ) -> dict[str, Tensor]:
+    """``{name: stack of that tensor over the dicts}``, detached: views of the tensors'
+    memory where they already lie stacked (:func:`bayesfl.stacked_rows.stack_rows`) unless
+    ``copy``, else copies."""
     if not named:
         return {}
     if not torch.is_grad_enabled():  # the stack is not part of any graph: skip the detaches
-        return {n: torch.stack([d[n] for d in named]) for n in named[0]}
-    return {n: torch.stack([d[n].detach() for d in named]) for n in named[0]}
+        return {n: stack_rows([d[n] for d in named], copy=copy) for n in named[0]}
+    return {n: stack_rows([d[n].detach() for d in named], copy=copy) for n in named[0]}

@@ -34,6 +34,7 @@ import torch
 from bayesfl.checkpoint import save_checkpoint
 from bayesfl.engine.steps import cached_upload_problem, server_state_problem
 from bayesfl.errors import CheckpointError
+from bayesfl.stacked_rows import held_bytes, stack_rows
 from bayesfl.strategies.base import ClientState, ServerState, Strategy
 
 METRICS_TENSOR = "run/metrics.jsonl"
@@ -65,12 +66,14 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
 
 
 def stack_client_states(
-        clients: Mapping[int, ClientState]) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        clients: Mapping[int, ClientState], *, copy: bool = False,
+) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
     """The clients' states grouped by layout (state names, shapes and dtypes, in the order
     the clients come), each group as (its client ids, each name's states stacked along a new
-    first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``) or
-    views them where they already lie stacked, so :func:`client_states` gives back each state
-    exactly."""
+    first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``) or,
+    unless ``copy``, views them where they already lie stacked (:func:`stack_rows`: the rows a
+    batched fit gave its clients, or a resumed run's), so :func:`client_states` gives back
+    each state exactly."""
     by_layout: dict[tuple, tuple[list[int], list[ClientState]]] = {}
     for cid, client_state in clients.items():
         layout = tuple((k, tuple(v.shape), v.dtype, v.device)
@@ -78,23 +81,34 @@ def stack_client_states(
         ids, states = by_layout.setdefault(layout, ([], []))
         ids.append(int(cid))
         states.append(client_state)
-    return [(ids, {k: _stacked([s[k] for s in states]) for k in sorted(states[0])})
+    return [(ids, {k: stack_rows([s[k] for s in states], copy=copy)
+                  for k in sorted(states[0])})
             for ids, states in by_layout.values()]
 
 
-def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(rows)``; without the copy (470 MB at 16,000 FedLog clients) when the
-    rows already are consecutive rows of one tensor (the states of a resumed run's clients
-    not trained since: rows of the checkpoint's stacked tensors), as a view of that tensor's
-    memory: the same bits either way. (A batched fit gives each client a clone of its row.)"""
-    first = rows[0]
-    size, offset = first.numel(), first.storage_offset()
-    if size and first.is_contiguous():
-        base = first.untyped_storage().data_ptr()
-        if all(t.is_contiguous() and t.untyped_storage().data_ptr() == base
-               and t.storage_offset() == offset + i * size for i, t in enumerate(rows)):
-            return first.as_strided((len(rows), *first.shape), (size, *first.stride()), offset)
-    return torch.stack(rows)
+def compact_client_states(
+        clients: Mapping[int, ClientState], *, slack: float = 2.0) -> dict[int, ClientState]:
+    """The clients' states, restacked when the memory they keep alive is more than ``slack``
+    times their own bytes (else the same state objects).
+
+    A batched fit leaves each client's trained tensors as row views of its round's stack
+    (:mod:`bayesfl.stacked_rows`): with every client trained every round, the stacks the states
+    hold are exactly the states; with a fraction sampled, a client not trained since keeps its
+    last round's whole stack alive, and those stacks would add up over the rounds. Restacking
+    copies every layout group's tensors into one new stack per name and gives each client its
+    row: the states then hold their own bytes once (and the next checkpoint writes those stacks
+    without a copy). ``slack`` bounds the memory the states hold at ``slack`` times their size
+    and makes the restacking rare (a round trains a fraction ``f`` of the clients: one restack
+    every ``~(slack - 1) / f`` rounds).
+    """
+    own, held = held_bytes(t for state in clients.values() for t in state.values())
+    if held <= slack * own:
+        return dict(clients)
+    out: dict[int, ClientState] = {}
+    for ids, stacked in stack_client_states(clients, copy=True):
+        for i, cid in enumerate(ids):
+            out[cid] = {**clients[cid], **{k: v[i] for k, v in stacked.items()}}
+    return {cid: out.get(cid, clients[cid]) for cid in clients}
 
 
 def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
@@ -219,4 +233,5 @@ def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[st
 
 
 __all__ = ["CHECKPOINT_FORMAT", "CLIENTS_PREFIX", "METRICS_TENSOR", "SavedRound", "client_states",
-           "foreign_message", "restore_round", "save_round", "stack_client_states"]
+           "compact_client_states", "foreign_message", "restore_round", "save_round",
+           "stack_client_states"]
