@@ -119,8 +119,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"
+"""PyTorch's switch (since 2.2) for backing CPU tensors of 2 MiB and more with transparent huge
+pages (``madvise``): read once, at the process's first tensor allocation."""
+
+
+def use_huge_pages() -> None:
+    """Ask PyTorch to back large CPU tensors with transparent huge pages (sets
+    :data:`HUGE_PAGES_VARIABLE` to 1 unless the environment sets it; ``THP_MEM_ALLOC_ENABLE=0``
+    opts out). Takes effect only before the process allocates its first tensor: the command
+    line calls it first thing.
+
+    Why: a simulator round allocates and frees tensors of hundreds of MB (the stacked bodies
+    of every client, their gradients, the checkpoint's stacks), and with 4 KiB pages every
+    fresh one costs a page fault per 4 KiB on first touch: a 256 MB clone took 0.165 s with
+    them and 0.054 s with 2 MiB pages; a 16,000-client FedLog round 12.2 -> ~10 s on this
+    machine (bench/simulate_scale.py). Resident memory stayed within 1% (2.80 GB peak both
+    ways). On a kernel whose THP setting is ``never`` the switch changes nothing."""
+    os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bayesfl`` console script; returns the exit code."""
+    use_huge_pages()
     from calibration.errors import CalibrationError
     from inference.errors import InferenceError
 

@@ -33,14 +33,18 @@ Generating MNIST-1D takes about 1 ms a sample here (3 minutes for 160,000): ``--
 DIR`` keeps the generated arrays in ``DIR`` (a ``.pt`` file of two tensors written by this
 bench) for the next invocation.
 
+Each run's PyTorch backs its large tensors with transparent huge pages, as the ``bayesfl``
+command does (:func:`bayesfl.cli.use_huge_pages`); ``--huge-pages off`` measures without.
+
 Usage: ``python bench/simulate_scale.py [--clients 16000] [--peer-clients 4000]
-[--data-cache DIR]``.
+[--data-cache DIR] [--huge-pages on|off]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -52,6 +56,8 @@ from pathlib import Path
 # `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
 # calibration package: use the repository root instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bayesfl.cli import HUGE_PAGES_VARIABLE  # noqa: E402 - after the path fix above
 
 SAMPLES_PER_CLIENT = 10
 ROUNDS = 2
@@ -130,11 +136,14 @@ def run_one(clients: int, cache: Path | None) -> dict:
             "bytes_up": result.summary["bytes_up"]}
 
 
-def run_child(clients: int, cache: Path | None) -> dict:
+def run_child(clients: int, cache: Path | None, huge_pages: bool) -> dict:
     command = [sys.executable, __file__, "--child", "--clients", str(clients)]
     if cache is not None:
         command += ["--data-cache", str(cache)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    # the child's PyTorch reads the switch at its first allocation: set it in its environment
+    # (what the bayesfl command does for itself, bayesfl.cli.use_huge_pages)
+    env = {**os.environ, HUGE_PAGES_VARIABLE: "1" if huge_pages else "0"}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"the run at {clients} clients failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -159,6 +168,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16_000)
     parser.add_argument("--peer-clients", type=int, default=4_000)
     parser.add_argument("--data-cache", type=Path, default=None)
+    parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
+                        help="back large tensors with transparent huge pages, as the bayesfl "
+                             "command does (default on)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -166,9 +178,10 @@ def main() -> None:
         return
     print(f"FedLog, MNIST-1D ({SAMPLES_PER_CLIENT} samples per client, shards:2), mlp:100 -> 32 "
           f"features, 1 local epoch, {ROUNDS} rounds after round 0, checkpoints on, batched, "
-          "1 torch thread; each run in its own process")
-    peer = run_child(args.peer_clients, args.data_cache)
-    main_run = run_child(args.clients, args.data_cache)
+          f"1 torch thread, huge pages {args.huge_pages}; each run in its own process")
+    huge_pages = args.huge_pages == "on"
+    peer = run_child(args.peer_clients, args.data_cache, huge_pages)
+    main_run = run_child(args.clients, args.data_cache, huge_pages)
     for run in (peer, main_run):
         show(run)
     worst = max(r["total"] for r in after_round_0(main_run))
@@ -187,7 +200,7 @@ def main() -> None:
         "split": {k: statistics.fmean(r[k] for r in after_round_0(main_run)) for k in SPLIT},
         "peak_rss_gb": main_run["peak_rss_gb"], "peer_seconds_per_round": peer_mean,
         "peer_peak_rss_gb": peer["peak_rss_gb"], "scaling": scaling,
-        "accuracy": main_run["accuracy"]}))
+        "accuracy": main_run["accuracy"], "huge_pages": huge_pages}))
 
 
 if __name__ == "__main__":
