@@ -128,6 +128,7 @@ def receive_uploads(server: Strategy, plan: RoundPlan, participants: Sequence[in
     bytes_up: list[int] = []
     floats_up = 0
     received: list[tuple[int, Message]] = []
+    max_bytes = plan.max_upload_bytes  # one limit for the round (computed from the schema)
     for cid in participants:
         if cid in collected.unreadable:
             reasons[cid] = collected.unreadable[cid]
@@ -141,7 +142,7 @@ def receive_uploads(server: Strategy, plan: RoundPlan, participants: Sequence[in
         try:
             if not arrived:
                 raise MessageRejected("not a bayesfl message: the reply carries no upload")
-            message = decode(data, max_bytes=plan.max_upload_bytes, key=key_of(cid))
+            message = decode(data, max_bytes=max_bytes, key=key_of(cid))
         except MessageRejected as err:
             reasons[cid] = err.reason
             floats_up += reply.elements
