@@ -45,6 +45,7 @@ import json
 import os
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,8 +119,14 @@ def save_checkpoint(
     meta: Mapping[str, Any],
     *,
     fingerprint: str | None = None,
-) -> None:
+    durable_in_background: bool = False,
+) -> PendingWrite:
     """Write ``tensors`` and ``meta`` to ``path`` atomically (temp file, fsync, ``os.replace``).
+
+    ``durable_in_background``: return once the bytes are written (the tensors are no longer
+    read), with the fsync and the rename left to a thread: ``wait()`` the returned
+    :class:`PendingWrite` before relying on the file (:func:`write_atomically`). Otherwise
+    the file is in place on return.
 
     Args:
         path: destination file (conventionally ``*.safetensors``); its directory must exist.
@@ -167,7 +174,8 @@ def save_checkpoint(
         _pwrite_all(fd, _PENDING_MARK.replace(_PENDING_DIGEST.encode(), digest.encode()),
                     start)
 
-    write_atomically(Path(path), parts, before_sync=with_digest)
+    return write_atomically(Path(path), parts, before_sync=with_digest,
+                            durable_in_background=durable_in_background)
 
 
 _PENDING_DIGEST = "0" * 64
@@ -186,15 +194,23 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 
 def write_atomically(path: Path, data: bytes | Sequence[Any], *,
-                     before_sync: Callable[[int], None] | None = None) -> None:
+                     before_sync: Callable[[int], None] | None = None,
+                     durable_in_background: bool = False) -> PendingWrite:
     """Replace ``path`` by ``data`` (bytes, or bytes-like parts written one after the other)
     so readers see the old or the new content, never a mix. ``before_sync(fd)``, if given,
     may change the temporary file (by ``os.pwrite``) after the data are written and before
     they are made durable: the kernel is asked to start writing them to the disk first, so
     the work it does overlaps that wait.
 
+    ``durable_in_background``: the bytes are written (and ``data`` no longer read) when this
+    returns; making them durable and renaming the file over ``path`` (fsync, rename, the
+    directory's fsync: waiting on the disk, ~1 s for a 470 MB checkpoint) goes on in a thread,
+    and the returned :class:`PendingWrite`'s ``wait()`` ends it. Until then ``path`` holds
+    its previous content. Otherwise that happens here and the returned write is complete.
+
     Raises:
-        CheckpointError: the write failed; the old file is intact and the temp file removed.
+        CheckpointError: the write failed; the old file is intact and the temp file removed
+            (from ``wait()`` when it failed in the background).
     """
     directory = path.parent if str(path.parent) else Path(".")
     try:
@@ -203,25 +219,88 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
     except OSError as err:
         raise CheckpointError(f"cannot create a temporary file in {directory}: {err}") from err
     try:
-        with os.fdopen(handle, "wb", buffering=0) as temp:
-            _write_parts(temp.fileno(), [data] if isinstance(data, bytes | bytearray) else data)
-            if before_sync is not None:
-                if hasattr(os, "posix_fadvise"):  # start the write-back (Linux), not wait
-                    with contextlib.suppress(OSError):  # (a hint: some file systems refuse it)
-                        os.posix_fadvise(temp.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                before_sync(temp.fileno())
+        _write_parts(handle, [data] if isinstance(data, bytes | bytearray) else data)
+        if before_sync is not None:
+            if hasattr(os, "posix_fadvise"):  # start the write-back (Linux), not wait
+                with contextlib.suppress(OSError):  # (a hint: some file systems refuse it)
+                    os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
+            before_sync(handle)
+    except BaseException as err:
+        _discard(handle, temp_name)
+        if isinstance(err, OSError):
+            raise _write_failed(path, err) from err
+        raise
+
+    def make_durable() -> None:
+        try:
             # durable before it is renamed: a crash after the rename must find the new
             # bytes under the name, not an empty or partly written file
-            os.fsync(temp.fileno())
-        os.replace(temp_name, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(temp_name)
-        if isinstance(err, OSError):
-            raise CheckpointError(f"writing checkpoint {path} failed ({err}); the previous "
-                                  "checkpoint, if any, is unchanged") from err
-        raise
-    _fsync_directory(directory)
+            try:
+                os.fsync(handle)
+            finally:
+                os.close(handle)  # once: a second close could hit a reused descriptor
+            os.replace(temp_name, path)
+        except BaseException as err:
+            with contextlib.suppress(OSError):
+                os.unlink(temp_name)
+            if isinstance(err, OSError):
+                raise _write_failed(path, err) from err
+            raise
+        _fsync_directory(directory)
+
+    if durable_in_background:
+        return PendingWrite(make_durable)
+    make_durable()
+    return PendingWrite(None)
+
+
+class PendingWrite:
+    """A file write whose last steps may run in a background thread
+    (:func:`write_atomically`); :meth:`wait` returns when the file is in place."""
+
+    def __init__(self, finish: Callable[[], None] | None) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if finish is not None:
+            def run() -> None:
+                try:
+                    finish()
+                except BaseException as err:  # handed to wait(): a thread cannot raise
+                    self._error = err
+            # not a daemon: an interpreter that exits first waits for the file to be in place
+            self._thread = threading.Thread(target=run, name="bayesfl-durable-write")
+            self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        """Whether the write has finished (successfully or not)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the file is in place (or its write failed).
+
+        Raises:
+            CheckpointError: the write failed (raised once; the previous file is intact).
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def _discard(handle: int, temp_name: str) -> None:
+    """Close and remove a temporary file whose write failed (what is already gone is fine)."""
+    with contextlib.suppress(OSError):
+        os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(temp_name)
+
+
+def _write_failed(path: Path, err: OSError) -> CheckpointError:
+    return CheckpointError(f"writing checkpoint {path} failed ({err}); the previous "
+                           "checkpoint, if any, is unchanged")
 
 
 def _write_parts(fd: int, parts: Iterable[Any]) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bayesfl.checkpoint import save_checkpoint
+from bayesfl.checkpoint import PendingWrite, save_checkpoint
 from bayesfl.engine.steps import cached_upload_problem, server_state_problem
 from bayesfl.errors import CheckpointError
 from bayesfl.stacked_rows import held_bytes, stack_rows
@@ -49,8 +49,10 @@ CLIENTS_PREFIX = "clients/"
 def save_round(path: Path, *, round: int, first_round: int, seconds: float,
                identity: Mapping[str, Any], fingerprint: str, state: ServerState,
                clients: Mapping[int, ClientState], metrics_text: bytes | bytearray,
-               transport: str) -> None:
-    """Write the checkpoint of round ``round`` to ``path`` atomically (module docstring)."""
+               transport: str, durable_in_background: bool = False) -> PendingWrite:
+    """Write the checkpoint of round ``round`` to ``path`` atomically (module docstring);
+    ``durable_in_background``: its fsync and rename go on in a thread, ended by the returned
+    write's ``wait()`` (:func:`bayesfl.checkpoint.save_checkpoint`)."""
     tensors = {f"server/{k}": v for k, v in state.items()}
     groups = stack_client_states(clients)
     for g, (ids, stacked) in enumerate(groups):
@@ -62,7 +64,8 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
     meta = {"format": CHECKPOINT_FORMAT, "round": round, "first_round": first_round,
             "seconds": seconds, "config": dict(identity), "server_keys": sorted(state),
             "client_groups": [sorted(stacked) for _, stacked in groups], "transport": transport}
-    save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
+    return save_checkpoint(path, tensors, meta, fingerprint=fingerprint,
+                           durable_in_background=durable_in_background)
 
 
 def stack_client_states(

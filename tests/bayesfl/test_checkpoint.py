@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,48 @@ def test_an_interrupt_mid_write_leaves_the_previous_checkpoint_and_propagates(tm
     monkeypatch.setattr(checkpoint_module.os, "fsync", interrupt)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(path, *server_state(2))
+    monkeypatch.undo()
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(1))
+    assert [p.name for p in tmp_path.iterdir()] == ["state.safetensors"]
+
+
+def test_a_background_write_leaves_the_previous_file_until_it_is_in_place(tmp_path,
+                                                                          monkeypatch):
+    path = tmp_path / "state.safetensors"
+    save_checkpoint(path, *server_state(1))
+    disk = threading.Event()
+    real_fsync = os.fsync
+
+    def slow_disk(fd):  # the fsync waits until the test lets the disk answer
+        assert disk.wait(timeout=60)
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint_module.os, "fsync", slow_disk)
+    pending = save_checkpoint(path, *server_state(2), durable_in_background=True)
+    # the call has returned with the bytes written; the name still holds round 1, whole
+    assert not pending.done
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(1))
+    disk.set()
+    pending.wait()
+    assert pending.done
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["state.safetensors"]
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_background_write_that_fails_says_so_when_waited_for(tmp_path, monkeypatch, failing):
+    path = tmp_path / "state.safetensors"
+    save_checkpoint(path, *server_state(1))
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.os, failing, crash)
+    pending = save_checkpoint(path, *server_state(2), durable_in_background=True)
+    with pytest.raises(CheckpointError, match=r"disk full.*previous checkpoint, if any, is "
+                                              r"unchanged"):
+        pending.wait()
+    pending.wait()  # said once: the failure is not raised again
     monkeypatch.undo()
     assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(1))
     assert [p.name for p in tmp_path.iterdir()] == ["state.safetensors"]
