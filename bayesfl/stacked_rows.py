@@ -58,11 +58,15 @@ def held_bytes(tensors: Iterable[Tensor]) -> tuple[int, int]:
     alive): equal for tensors that each own their memory; a row view of a stack counts the
     whole stack once, however many of its rows are given."""
     own = 0
-    storages: dict[tuple[str, int], int] = {}
+    storages: dict[tuple[torch.device, int], int] = {}
     for t in tensors:
-        own += t.numel() * t.element_size()
-        storage = t.untyped_storage()
-        storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        size = t.element_size()
+        own += t.numel() * size
+        # the storage's address from the tensor's own (no storage object per tensor: a
+        # simulator holds 64,000 of them); the storage itself only for one not seen yet
+        key = (t.device, t.data_ptr() - t.storage_offset() * size)
+        if key not in storages:
+            storages[key] = t.untyped_storage().nbytes()
     return own, sum(storages.values())
 
 
