@@ -125,6 +125,19 @@ def test_mc_predictive_accepts_given_draws():
         posterior.predict_proba(x, method="mc", samples=torch.zeros(3, 4, 5))
 
 
+def test_mc_predictive_is_the_mean_of_each_draws_softmax():
+    # distinct draws, each row's probabilities taken draw by draw: the batched layout (rows,
+    # classes, draws) must pair every draw's classes with that draw. Float64 sums of 7 terms
+    # in another order: equal to 1e-15.
+    posterior = ConjugatePosterior(None, statistics()[0])
+    x = torch.randn(9, 3, dtype=torch.float64)
+    draws = posterior.sample(7, generator=torch.Generator().manual_seed(1))
+    augmented = torch.cat([torch.ones(9, 1, dtype=torch.float64), x], dim=1)
+    expected = torch.stack([torch.softmax(augmented @ w.T, dim=1) for w in draws]).mean(0)
+    torch.testing.assert_close(posterior.predict_proba(x, method="mc", samples=draws),
+                               expected, rtol=0, atol=1e-15)
+
+
 def test_inputs_with_the_constant_feature_or_nan_are_rejected():
     posterior = ConjugatePosterior(None, statistics()[0])
     with pytest.raises(InvalidInputError, match="without a constant 1"):
