@@ -1,14 +1,17 @@
 """The embedded simulator: outputs, rejection of poisoned uploads, resume, batching."""
 
+import importlib
 import json
 import re
 
 import pytest
 import torch
 
+from bayesfl.engine.state import compact_client_states
 from bayesfl.errors import CheckpointError, ConfigError
 from bayesfl.messages import Message, decode, encode
 from bayesfl.simulate import CHECKPOINT_NAME, sample_clients, simulate
+from bayesfl.stacked_rows import held_bytes
 from tests.devices import DEVICES
 
 # a small, fast experiment: 6 clients with 2 classes each of a 4-class Gaussian mixture
@@ -477,3 +480,31 @@ def test_the_summary_names_the_experiment():
     s = simulate("fedavg", **{**SMALL, "rounds": 1}).summary
     assert (s["strategy"], s["dataset"], s["partition"], s["clients"], s["rounds"], s["seed"],
             s["body"]) == ("fedavg", "gaussian_mixture", "shards:2", 6, 1, 3, "mlp:16")
+
+
+def test_with_a_fraction_sampled_the_stacks_client_states_keep_alive_stay_within_twice_them(
+        monkeypatch):
+    # a batched fit leaves each client's trained tensors as row views of its round's stack; a
+    # client not sampled since keeps that whole stack alive. Half the clients train each
+    # round, so without restacking the stacks held grow past twice the states; the
+    # simulator's restack after each round keeps them within (engine.state docstring)
+    simulate_module = importlib.import_module("bayesfl.simulate")
+    ratios = []
+
+    def ratio(states):
+        own, held = held_bytes(t for s in states.values() for t in s.values())
+        return held / own
+
+    def watching(clients, **options):
+        out = compact_client_states(clients, **options)
+        ratios.append((ratio(clients), ratio(out)))
+        return out
+
+    monkeypatch.setattr(simulate_module, "compact_client_states", watching)
+    result = simulate("fedlog", **{**SMALL, "clients": 16, "fraction": 0.5, "rounds": 8,
+                                   "dataset_options": {**SMALL["dataset_options"], "n": 960}})
+    assert len(ratios) == 9  # round 0 and rounds 1-8
+    assert max(before for before, _ in ratios) > 2.0  # the restack was needed
+    assert max(after for _, after in ratios) <= 2.0
+    final = {c.client_id: c.state for c in result.clients}
+    assert ratio(final) <= 2.0
