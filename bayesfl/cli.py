@@ -133,9 +133,10 @@ def use_huge_pages() -> None:
     Why: a simulator round allocates and frees tensors of hundreds of MB (the stacked bodies
     of every client, their gradients, the checkpoint's stacks), and with 4 KiB pages every
     fresh one costs a page fault per 4 KiB on first touch: a 256 MB clone took 0.165 s with
-    them and 0.054 s with 2 MiB pages; a 16,000-client FedLog round 12.2 -> ~10 s on this
-    machine (bench/simulate_scale.py). Resident memory stayed within 1% (2.80 GB peak both
-    ways). On a kernel whose THP setting is ``never`` the switch changes nothing."""
+    them and 0.054 s with 2 MiB pages. In a whole 16,000-client FedLog round
+    (bench/simulate_scale.py) the gain stayed inside the 2-core test machine's run-to-run
+    spread (8.5 s a round without, 6.9-10.0 s with), at the same peak memory (2.75-2.84 GB).
+    On a kernel whose THP setting is ``never`` the switch changes nothing."""
     os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")
 
 
