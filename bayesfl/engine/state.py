@@ -108,10 +108,10 @@ def compact_client_states(
     if held <= slack * own:
         return dict(clients)
     out: dict[int, ClientState] = {}
-    for ids, stacked in stack_client_states(clients, copy=True):
+    for ids, stacked in stack_client_states(clients, copy=True):  # every client, every name
         for i, cid in enumerate(ids):
-            out[cid] = {**clients[cid], **{k: v[i] for k, v in stacked.items()}}
-    return {cid: out.get(cid, clients[cid]) for cid in clients}
+            out[cid] = {k: v[i] for k, v in stacked.items()}
+    return {cid: out[cid] for cid in clients}
 
 
 def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
