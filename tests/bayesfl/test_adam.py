@@ -131,8 +131,20 @@ def test_a_training_step_in_a_fresh_process_does_not_import_torch_dynamo():
 
 
 # ---- StackedAdam: many clients' parameters on a leading axis, stepping together ------------
+def laid_out(grads: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """``grads`` with the same values, each matrix laid out as ``layout`` says: "contiguous",
+    or "transposed" per client (as a vmapped linear layer's weight gradient comes)."""
+    if layout == "contiguous":
+        return grads
+    out = {n: g.transpose(-1, -2).contiguous().transpose(-1, -2) if g.dim() > 2 else g
+           for n, g in grads.items()}
+    assert not out["w"].is_contiguous() and torch.equal(out["w"], grads["w"])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("lr", [1e-3, 0.3])
-def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
+def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr, layout):
     # every operation of the update is elementwise with coefficients that depend only on the
     # shared step count, so each client's rows go through exactly its own Adam's arithmetic:
     # equal with torch.equal, not just close (Adam itself equals torch.optim.Adam, above).
@@ -148,7 +160,7 @@ def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
     for step in range(4):  # gradients of a different scale per client and per step
         grads = {n: torch.randn((k, *s), generator=g) * 10.0 ** torch.arange(-2, k - 2).view(
             (k,) + (1,) * len(s)) * (step + 1) for n, s in shapes.items()}
-        together.step(stacked, grads, lr=lr, b1=0.9, b2=0.999, eps=1e-8)
+        together.step(stacked, laid_out(grads, layout), lr=lr, b1=0.9, b2=0.999, eps=1e-8)
         for c, (params, optimizer) in enumerate(zip(clients, own, strict=True)):
             for n, p in params.items():
                 p.grad = grads[n][c].clone()
@@ -161,8 +173,10 @@ def test_stacked_adam_equals_each_clients_own_adam_bit_for_bit(lr):
             assert torch.equal(together.v[n][c], optimizer.state[p]["exp_avg_sq"]), (c, n)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("b1", [0.9, 0.3])
-def test_a_fresh_stacked_adams_last_step_keeps_no_moments_and_equals_each_clients_adam(b1):
+def test_a_fresh_stacked_adams_last_step_keeps_no_moments_and_equals_each_clients_adam(b1,
+                                                                                        layout):
     # the batched trainer's step when a client group has one mini-batch per epoch: the update
     # runs on zeroed moments of one slice at a time, never on whole zeroed buffers; the same
     # arithmetic, so the same bits as each client's own first Adam step (torch.equal), zero
@@ -176,7 +190,8 @@ def test_a_fresh_stacked_adams_last_step_keeps_no_moments_and_equals_each_client
     together = StackedAdam.zeros(stacked)
     for round in range(2):  # a reset state behaves as a fresh one
         start = {n: v.clone() for n, v in stacked.items()}
-        together.step(stacked, grads, lr=1e-2, b1=b1, b2=0.999, eps=1e-8, last=True)
+        together.step(stacked, laid_out(grads, layout), lr=1e-2, b1=b1, b2=0.999, eps=1e-8,
+                      last=True)
         assert together.m == {} and together.v == {} and together.steps == 1
         for c in range(k):
             params = {n: v[c].clone() for n, v in start.items()}
