@@ -250,6 +250,7 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
     model_state,
+    seeded_rng,
 )
 from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, tune_head
 from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
@@ -679,8 +680,8 @@ class FedSI(Strategy):
         seed derived from the run seed and the client id."""
         model = self.initial_model(config)
         if self.head_init == "per_client":
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(derived_seed(self.context.seed, 23, config.client_id))
+            with seeded_rng(derived_seed(self.context.seed, 23, config.client_id),
+                            model.head.weight.device):
                 model.head.reset_parameters()
         return model_state(model)
 
