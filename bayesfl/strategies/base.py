@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -160,7 +161,14 @@ class StrategyContext:
 
     def init_seed(self, body: str) -> int:
         """The initialisation seed of every network of body spec ``body`` (one per spec)."""
-        return derived_seed(self.seed, 11, self.bodies.index(body))
+        return _spec_seed(self.seed, self.bodies.index(body))
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_seed(seed: int, spec_index: int) -> int:
+    """``derived_seed(seed, 11, spec_index)``, memoised: every client asks for its spec's
+    (16,000 clients' set-up spent 0.6 s hashing the same few seeds)."""
+    return derived_seed(seed, 11, spec_index)
 
 
 @dataclass(frozen=True)

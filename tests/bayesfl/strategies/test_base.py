@@ -5,7 +5,7 @@ import torch
 
 from bayesfl.bodies import build_body
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import seeded_rng
+from bayesfl.strategies.base import derived_seed, seeded_rng
 from tests.bayesfl.strategies.strategy_helpers import FEATURE_DIM, INPUT_DIM, context
 from tests.devices import DEVICES
 
@@ -76,3 +76,12 @@ def test_clients_of_one_spec_and_seed_start_equal_each_with_its_own_tensors():
         assert not torch.equal(first[name], third[name])
     again = strategy.init_client(configs[2])  # the copies are not the cache: it is unchanged
     assert all(torch.equal(again[name], third[name]) for name in third)
+
+
+def test_each_body_spec_has_its_own_init_seed_derived_from_the_run_seed():
+    # one seed per spec, the same for every client of it (memoised: asked once per client)
+    strategy = make_strategy("fedavg", context(sizes=(5, 5, 5, 5), bodies=("mlp:8", "mlp:6")))
+    seeds = [strategy.context.client_config(k).init_seed for k in range(4)]
+    assert seeds[0] == seeds[2] == derived_seed(strategy.context.seed, 11, 0)
+    assert seeds[1] == seeds[3] == derived_seed(strategy.context.seed, 11, 1)
+    assert seeds[0] != seeds[1]
