@@ -85,3 +85,20 @@ def test_each_body_spec_has_its_own_init_seed_derived_from_the_run_seed():
     assert seeds[0] == seeds[2] == derived_seed(strategy.context.seed, 11, 0)
     assert seeds[1] == seeds[3] == derived_seed(strategy.context.seed, 11, 1)
     assert seeds[0] != seeds[1]
+
+
+def test_a_strategy_with_its_own_initial_model_builds_every_clients_network():
+    # a subclass may initialise from more than (spec, seed): nothing is shared between clients
+    from bayesfl.strategies import FedAvg
+
+    class PerClientInit(FedAvg):
+        def initial_model(self, config):
+            model = super().initial_model(config)
+            with torch.no_grad():
+                next(model.parameters()).fill_(float(config.client_id))
+            return model
+
+    strategy = PerClientInit(context())
+    states = [strategy.init_client(strategy.context.client_config(k)) for k in range(3)]
+    firsts = [next(iter(state.values())) for state in states]
+    assert [float(first.flatten()[0]) for first in firsts] == [0.0, 1.0, 2.0]
