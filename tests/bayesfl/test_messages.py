@@ -556,3 +556,63 @@ def test_validate_many_gives_each_message_its_first_problem(kinds):
         want = _first_problem(message, schema, strategy="fedlog", round=3, direction="up",
                               client_id=cid)
         assert (reason is None) == (want is None) and (want is None or reason.startswith(want))
+
+
+# ---- a round's uploads: one layout, many senders ---------------------------------------------
+SENDERS = [7, -1, 0, 10, 123456789012, 7]
+
+
+@pytest.mark.parametrize("authenticated", [False, True])
+def test_uploads_of_one_layout_are_the_bytes_their_metadata_makes(authenticated):
+    # encode fills one header layout in with each sender's id and digest: the bytes must be
+    # those the safetensors builder writes for the message's metadata, sender after sender
+    from bayesfl.messages import read_safetensors_metadata, safetensors_bytes
+
+    ring = KeyRing.generate()
+    for sender in SENDERS:
+        key = ring.client_key(sender) if authenticated else None
+        message = Message(Header("fedlog", 3, sender, "up"), fedlog_upload().tensors)
+        data = encode(message, key=key)
+        metadata = read_safetensors_metadata(data)
+        assert metadata["bayesfl.client_id"] == str(sender)
+        assert data == safetensors_bytes(message.tensors, metadata)
+        assert_same_message(decode(data, key=key), message)
+
+
+def test_a_known_header_from_another_sender_is_read_with_that_senders_id_and_values():
+    # the second and later uploads of a layout are read from the first one's parse: each must
+    # still come back with its own sender, values and digest check
+    messages = [Message(Header("fedlog", 4, sender, "up"),
+                        fedlog_upload(stats=torch.full((4, 5), float(i))).tensors)
+                for i, sender in enumerate(SENDERS)]
+    for message in messages:
+        assert_same_message(decode(encode(message)), message)
+    forged = encode(messages[1]).replace(b'"bayesfl.client_id":"-1"',
+                                         b'"bayesfl.client_id":"99"')
+    with pytest.raises(MessageRejected, match="digest mismatch"):
+        decode(forged)  # another sender's id without its digest
+    flipped = bytearray(encode(messages[2]))
+    flipped[-1] ^= 0x01
+    with pytest.raises(MessageRejected, match="digest mismatch"):
+        decode(bytes(flipped))
+
+
+def test_a_known_header_with_other_data_sizes_or_a_second_id_is_read_in_full():
+    data = encode(fedlog_upload())
+    decode(data)
+    with pytest.raises(MessageRejected, match=r"hold .* bytes of the"):
+        decode(data + b"\x00" * 8)  # the known header, data that do not fit it
+    # the same header but for a second client id: not the known one (read in full, where the
+    # JSON's last value wins and the digest, bound to id 7, does not verify)
+    twice = _with_header(data, lambda text: text.replace(
+        b'"bayesfl.client_id":"7"', b'"bayesfl.client_id":"7","bayesfl.client_id":"8"'))
+    with pytest.raises(MessageRejected, match="digest mismatch"):
+        decode(twice)
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """``data`` with its header's JSON text edited by ``edit`` (length and padding redone)."""
+    end = 8 + int.from_bytes(data[:8], "little")
+    header = edit(data[8:end].rstrip(b" "))
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + data[end:]
