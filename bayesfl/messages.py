@@ -25,6 +25,7 @@ client (see :class:`KeyRing`); distributing them is the deployment's job.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -303,9 +304,9 @@ def encode(msg: Message, *, key: bytes | None = None) -> bytes:
               tuple((name, t.dtype, t.shape) for name, t in tensors.items()))
     template = _ENCODE_TEMPLATES.get(layout)
     if template is None:
+        if len(_ENCODE_TEMPLATES) >= _KNOWN_HEADERS_MAX:  # the oldest forgotten (a round's)
+            _forget_oldest(_ENCODE_TEMPLATES)
         template = _ENCODE_TEMPLATES[layout] = _EncodeTemplate.of(msg, key is not None, raw)
-        if len(_ENCODE_TEMPLATES) > _KNOWN_HEADERS_MAX:  # the oldest forgotten (a round's)
-            _ENCODE_TEMPLATES.pop(next(iter(_ENCODE_TEMPLATES)))
     if template.pieces is None:
         return safetensors_bytes(tensors, _metadata(h, key is not None, str(h.client_id),
                                                     digest), raw=raw)
@@ -616,8 +617,15 @@ def _remember_header(masked: bytes, known: _KnownHeader) -> None:
     """Keep ``known`` for headers that mask to ``masked`` (the oldest of
     :data:`_KNOWN_HEADERS_MAX` forgotten: a header holds its round)."""
     if len(_KNOWN_HEADERS) >= _KNOWN_HEADERS_MAX:
-        _KNOWN_HEADERS.pop(next(iter(_KNOWN_HEADERS)), None)
+        _forget_oldest(_KNOWN_HEADERS)
     _KNOWN_HEADERS[masked] = known
+
+
+def _forget_oldest(cache: dict) -> None:
+    """Drop ``cache``'s oldest entry (a no-op where another thread changed it meanwhile: a
+    cache may be one entry over its bound, never wrong)."""
+    with contextlib.suppress(StopIteration, KeyError, RuntimeError):
+        del cache[next(iter(cache))]
 
 
 _DTYPES_BY_NAME = {name: dtype for dtype, (name, _) in _SAFETENSORS_DTYPES.items()}

@@ -616,3 +616,14 @@ def _with_header(data: bytes, edit) -> bytes:
     header = edit(data[8:end].rstrip(b" "))
     header += b" " * (-len(header) % 8)
     return len(header).to_bytes(8, "little") + header + data[end:]
+
+
+def test_the_header_caches_stay_bounded_over_many_rounds():
+    # one layout per round: a long run must not grow them (each keeps its newest 64)
+    import bayesfl.messages as messages
+
+    for r in range(3 * messages._KNOWN_HEADERS_MAX):
+        message = Message(Header("fedlog", r, 1, "up"), {"a": torch.full((2,), float(r))})
+        assert_same_message(decode(encode(message)), message)
+    assert len(messages._ENCODE_TEMPLATES) <= messages._KNOWN_HEADERS_MAX
+    assert len(messages._KNOWN_HEADERS) <= messages._KNOWN_HEADERS_MAX
