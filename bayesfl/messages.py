@@ -352,9 +352,8 @@ class _EncodeTemplate:
             return cls(None, [])
         before, rest = text.split(ident)
         middle, after = rest.split(digest)
-        order = sorted(msg.tensors, key=lambda n: (-_described(msg.tensors[n].dtype,
-                                                               msg.tensors[n].shape)[2], n))
-        return cls((before, middle, after), order)
+        name_of = {id(array): name for name, array in raw.items()}  # the parts' own order
+        return cls((before, middle, after), [name_of[id(part)] for part in parts[1:]])
 
     def fill(self, client_id: str, digest: str, raw: Mapping[str, np.ndarray]) -> bytes:
         """The message's bytes: the header with these values, then the tensors' bytes."""
@@ -552,8 +551,8 @@ def _read_message_header(data: bytes) -> tuple[list[tuple], dict[str, str], Head
 # byte for byte, to one already parsed and checked, but for those two values (each a plain
 # integer or hex string, found once), is read from what that parse found instead of parsed
 # again (json, depth, entries: ~2/3 of decoding a small upload).
-_CLIENT_ID_KEY = b'"bayesfl.client_id":"'
-_DIGEST_KEYS = (b'"bayesfl.sha256":"', b'"bayesfl.hmac-sha256":"')
+_CLIENT_ID_KEY = f'"{_PREFIX}client_id":"'.encode()
+_DIGEST_KEYS = (f'"{_PREFIX}sha256":"'.encode(), f'"{_HMAC}":"'.encode())
 _KNOWN_HEADERS: dict[bytes, _KnownHeader] = {}
 _KNOWN_HEADERS_MAX = 64
 
