@@ -42,11 +42,14 @@ the JSON in the metadata is parsed with its size and nesting bounded.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
 import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -123,13 +126,15 @@ def save_checkpoint(
     *,
     fingerprint: str | None = None,
     durable_in_background: bool = False,
+    keep_spare: bool = False,
 ) -> PendingWrite:
     """Write ``tensors`` and ``meta`` to ``path`` atomically (temp file, fsync, ``os.replace``).
 
     ``durable_in_background``: return once the bytes are written (the tensors are no longer
     read), with the fsync and the rename left to a thread: ``wait()`` the returned
     :class:`PendingWrite` before relying on the file (:func:`write_atomically`). Otherwise
-    the file is in place on return.
+    the file is in place on return. ``keep_spare``: the replaced file is kept and
+    overwritten by the next save (:func:`write_atomically`; :func:`discard_spare` at the end).
 
     Args:
         path: destination file (conventionally ``*.safetensors``); its directory must exist.
@@ -178,7 +183,7 @@ def save_checkpoint(
                     start)
 
     return write_atomically(Path(path), parts, before_sync=with_digest,
-                            durable_in_background=durable_in_background)
+                            durable_in_background=durable_in_background, keep_spare=keep_spare)
 
 
 _PENDING_DIGEST = "0" * 64
@@ -198,7 +203,8 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 def write_atomically(path: Path, data: bytes | Sequence[Any], *,
                      before_sync: Callable[[int], None] | None = None,
-                     durable_in_background: bool = False) -> PendingWrite:
+                     durable_in_background: bool = False,
+                     keep_spare: bool = False) -> PendingWrite:
     """Replace ``path`` by ``data`` (bytes, or bytes-like parts written one after the other)
     so readers see the old or the new content, never a mix. ``before_sync(fd)``, if given,
     may change the temporary file (by ``os.pwrite``) after the data are written and before
@@ -211,20 +217,38 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
     and the returned :class:`PendingWrite`'s ``wait()`` ends it. Until then ``path`` holds
     its previous content. Otherwise that happens here and the returned write is complete.
 
+    ``keep_spare``: for a file written again and again (a run's checkpoint, every round).
+    The file it replaces is kept as :func:`spare_path` (the two names swapped atomically,
+    Linux's ``renameat2(RENAME_EXCHANGE)``) and the next write overwrites that spare in place
+    instead of creating a file: its pages are still in the page cache, while a new file's
+    need fresh memory (470 MB: 0.10-0.14 s against 1.0-1.1 s on this project's VMs, whose
+    freed memory goes back to the host). The spare costs the file's size on the disk until
+    :func:`discard_spare`; where the swap is not supported the old file is replaced as usual.
+
     Raises:
         CheckpointError: the write failed; the old file is intact and the temp file removed
             (from ``wait()`` when it failed in the background).
     """
     directory = path.parent if str(path.parent) else Path(".")
-    try:
-        handle, temp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.",
-                                             suffix=".tmp")
-    except OSError as err:
-        raise CheckpointError(f"cannot create a temporary file in {directory}: {err}") from err
+    spare = spare_path(path) if keep_spare else None
+    opened = _open_spare(spare) if spare is not None else None
+    if opened is not None:
+        handle, temp_name = opened, str(spare)
+    else:
+        try:
+            handle, temp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.",
+                                                 suffix=".tmp")
+        except OSError as err:
+            raise CheckpointError(f"cannot create a temporary file in {directory}: "
+                                  f"{err}") from err
     try:
         _write_parts(handle, [data] if isinstance(data, bytes | bytearray) else data)
+        if opened is not None:  # a spare may be longer than this file
+            os.ftruncate(handle, os.lseek(handle, 0, os.SEEK_CUR))
         if before_sync is not None:
-            if hasattr(os, "posix_fadvise"):  # start the write-back (Linux), not wait
+            # start the write-back (Linux), not wait; not when a spare is kept: this drops
+            # the file's pages once written back, and they are what its next write reuses
+            if hasattr(os, "posix_fadvise") and spare is None:
                 with contextlib.suppress(OSError):  # (a hint: some file systems refuse it)
                     os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
             before_sync(handle)
@@ -242,7 +266,11 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
                 os.fsync(handle)
             finally:
                 os.close(handle)  # once: a second close could hit a reused descriptor
-            os.replace(temp_name, path)
+            if spare is not None and _exchange(temp_name, path):
+                if temp_name != str(spare):  # the old file, under the temporary name now
+                    _keep_as_spare(temp_name, spare)
+            else:
+                os.replace(temp_name, path)
         except BaseException as err:
             with contextlib.suppress(OSError):
                 os.unlink(temp_name)
@@ -255,6 +283,87 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
         return PendingWrite(make_durable)
     make_durable()
     return PendingWrite(None)
+
+
+def spare_path(path: Path) -> Path:
+    """Where ``write_atomically(path, ..., keep_spare=True)`` keeps the file it replaced (a
+    name :mod:`bayesfl.run_directory` takes for a temporary file)."""
+    return path.with_name(f".{path.name}.spare.tmp")
+
+
+def discard_spare(path: Path) -> None:
+    """Delete the spare :func:`write_atomically` keeps for ``path`` (``keep_spare``), if any:
+    when the writes end, it is only a copy of an older file."""
+    with contextlib.suppress(FileNotFoundError):
+        spare = spare_path(path)
+        if spare.is_symlink() or spare.is_file():
+            spare.unlink()
+
+
+def _keep_as_spare(name: str, spare: Path) -> None:
+    """Rename the replaced file ``name`` to ``spare``; if that fails, delete it (the new file
+    is in place either way: only the next write's saving is lost)."""
+    try:
+        os.replace(name, spare)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+
+
+def _open_spare(spare: Path) -> int | None:
+    """``spare`` opened to be overwritten, or None if it is missing or not a regular file of
+    ours with one link (a symlink is not followed; a FIFO does not block the open)."""
+    flags = (os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    try:
+        handle = os.open(spare, flags)
+    except OSError:
+        return None
+    info = os.fstat(handle)
+    ours = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and ours:
+        os.set_blocking(handle, True)
+        return handle
+    os.close(handle)
+    return None
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_NO_EXCHANGE = frozenset({errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EXDEV,
+                          errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+"""``renameat2`` errors that mean "not swapped, replace instead": no file to swap with yet,
+or a file system (or kernel) without ``RENAME_EXCHANGE``."""
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    """glibc's ``renameat2`` (Linux; Python's ``os`` has no flags for a rename), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it (glibc < 2.28, some musl)
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                         ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(first: str | Path, second: str | Path) -> bool:
+    """Swap the two names atomically; False if ``second`` does not exist or the swap is not
+    supported here (nothing changed)."""
+    rename = _renameat2()
+    if rename is None:
+        return False
+    if rename(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second),
+              _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(second))
 
 
 class PendingWrite:

@@ -61,7 +61,12 @@ import torch
 from tqdm.auto import tqdm
 
 from bayesfl.calibrate import CalibrationOutcome, calibrate_run
-from bayesfl.checkpoint import PendingWrite, config_fingerprint, load_checkpoint
+from bayesfl.checkpoint import (
+    PendingWrite,
+    config_fingerprint,
+    discard_spare,
+    load_checkpoint,
+)
 from bayesfl.config import (
     CONFIG_FIELDS,
     SimulationConfig,
@@ -472,7 +477,11 @@ class _Run:
         try:
             self.loop.run(first)
         finally:  # the last checkpoint is in place when the rounds end, even by an error
-            self._checkpoint_in_place()
+            try:
+                self._checkpoint_in_place()
+            finally:
+                if self.run_dir is not None:
+                    discard_spare(self.run_dir / CHECKPOINT_NAME)
         last_eval = self.last_eval
         bar.close()
         last_round = max(config.rounds, first - 1)
@@ -614,14 +623,16 @@ class _Run:
         16,000 clients) overlap the next round and are waited for before the next checkpoint
         and when the rounds end (:meth:`_checkpoint_in_place`). The tensors it holds are
         written before this returns (the next round replaces client states, it does not
-        write into them, but nothing relies on that)."""
+        write into them, but nothing relies on that). Each write overwrites the checkpoint
+        before last, kept as a spare until the rounds end (its pages are still in memory: 0.1
+        instead of ~1 s at 16,000 clients, :func:`bayesfl.checkpoint.write_atomically`)."""
         self._checkpoint_in_place()
         self.pending_checkpoint = save_round(
             self.run_dir / CHECKPOINT_NAME, round=r, first_round=self.first_round,
             seconds=seconds, identity=self.identity, fingerprint=self.fingerprint,
             state=self.state, clients={c.client_id: c.state for c in self.clients},
             metrics_text=self.metrics_log.text, transport="simulator",
-            durable_in_background=True)
+            durable_in_background=True, keep_spare=True)
 
     def _checkpoint_in_place(self) -> None:
         """Wait for the last checkpoint's fsync and rename (CheckpointError if they failed)."""

@@ -49,10 +49,12 @@ CLIENTS_PREFIX = "clients/"
 def save_round(path: Path, *, round: int, first_round: int, seconds: float,
                identity: Mapping[str, Any], fingerprint: str, state: ServerState,
                clients: Mapping[int, ClientState], metrics_text: bytes | bytearray,
-               transport: str, durable_in_background: bool = False) -> PendingWrite:
+               transport: str, durable_in_background: bool = False,
+               keep_spare: bool = False) -> PendingWrite:
     """Write the checkpoint of round ``round`` to ``path`` atomically (module docstring);
     ``durable_in_background``: its fsync and rename go on in a thread, ended by the returned
-    write's ``wait()`` (:func:`bayesfl.checkpoint.save_checkpoint`)."""
+    write's ``wait()``; ``keep_spare``: the replaced checkpoint is overwritten by the next
+    (:func:`bayesfl.checkpoint.save_checkpoint`)."""
     tensors = {f"server/{k}": v for k, v in state.items()}
     groups = stack_client_states(clients)
     for g, (ids, stacked) in enumerate(groups):
@@ -65,7 +67,7 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
             "seconds": seconds, "config": dict(identity), "server_keys": sorted(state),
             "client_groups": [sorted(stacked) for _, stacked in groups], "transport": transport}
     return save_checkpoint(path, tensors, meta, fingerprint=fingerprint,
-                           durable_in_background=durable_in_background)
+                           durable_in_background=durable_in_background, keep_spare=keep_spare)
 
 
 def stack_client_states(

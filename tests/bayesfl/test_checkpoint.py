@@ -416,3 +416,95 @@ def test_the_digest_written_after_the_tensors_is_the_files_own(tmp_path):
     assert read_safetensors_metadata(path.read_bytes())["bayesfl.sha256"] == digest
     assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), (tensors, meta))
 
+
+
+# ---- keep_spare: the replaced file is kept and the next write overwrites it in place ------
+
+needs_exchange = pytest.mark.skipif(checkpoint_module._renameat2() is None,
+                                    reason="needs Linux's renameat2(RENAME_EXCHANGE)")
+
+
+@needs_exchange
+def test_a_kept_spare_is_the_file_before_last_and_the_next_write_overwrites_it_in_place(
+        tmp_path):
+    path = tmp_path / "state.safetensors"
+    spare = checkpoint_module.spare_path(path)
+    save_checkpoint(path, *server_state(1), keep_spare=True)
+    assert not spare.exists()  # nothing was replaced yet
+    save_checkpoint(path, *server_state(2), keep_spare=True)
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(2))
+    assert_state_equal(load_checkpoint(spare, fingerprint=FINGERPRINT), server_state(1))
+    spare_inode = spare.stat().st_ino
+    save_checkpoint(path, *server_state(3), keep_spare=True)
+    # round 3 went into round 1's file (its pages reused), and round 2's file is the spare
+    assert path.stat().st_ino == spare_inode
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(3))
+    assert_state_equal(load_checkpoint(spare, fingerprint=FINGERPRINT), server_state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [spare.name, path.name]
+    checkpoint_module.discard_spare(path)
+    checkpoint_module.discard_spare(path)  # (none left: nothing to do)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@needs_exchange
+def test_a_shorter_file_written_over_a_longer_spare_is_exactly_its_own_bytes(tmp_path):
+    path = tmp_path / "state.safetensors"
+    big = {"w": torch.randn(1000, 100)}
+    for _ in range(2):  # the second write leaves the first, 400 kB, as the spare
+        save_checkpoint(path, big, {"fingerprint": FINGERPRINT}, keep_spare=True)
+    tensors, meta = server_state(4)
+    save_checkpoint(path, tensors, meta, keep_spare=True)
+    save_checkpoint(tmp_path / "plain.safetensors", tensors, meta)
+    assert path.read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+
+
+@needs_exchange
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "hard link", "directory"])
+def test_a_spare_that_is_not_a_plain_file_of_ours_is_never_written_through(tmp_path, kind):
+    path = tmp_path / "state.safetensors"
+    spare = checkpoint_module.spare_path(path)
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    if kind == "symlink":
+        spare.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(spare)  # opening it to write must not wait for a reader
+    elif kind == "hard link":
+        os.link(victim, spare)
+    else:
+        spare.mkdir()
+    save_checkpoint(path, *server_state(1), keep_spare=True)
+    save_checkpoint(path, *server_state(2), keep_spare=True)
+    assert victim.read_bytes() == b"precious"
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(2))
+
+
+def test_without_the_swap_a_kept_spare_is_a_plain_replace(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "_renameat2", lambda: None)  # e.g. not Linux
+    path = tmp_path / "state.safetensors"
+    for r in (1, 2, 3):
+        save_checkpoint(path, *server_state(r), keep_spare=True)
+        assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(r))
+        assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@needs_exchange
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failed_write_into_the_spare_leaves_the_checkpoint_and_drops_the_spare(
+        tmp_path, monkeypatch, background):
+    path = tmp_path / "state.safetensors"
+    for r in (1, 2):
+        save_checkpoint(path, *server_state(r), keep_spare=True)
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.os, "fsync", crash)
+    with pytest.raises(CheckpointError, match="previous checkpoint, if any, is unchanged"):
+        save_checkpoint(path, *server_state(3), keep_spare=True,
+                        durable_in_background=background).wait()
+    monkeypatch.undo()
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(2))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the torn spare is gone
+    save_checkpoint(path, *server_state(4), keep_spare=True)
+    assert_state_equal(load_checkpoint(path, fingerprint=FINGERPRINT), server_state(4))

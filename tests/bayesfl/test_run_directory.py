@@ -36,6 +36,7 @@ def test_force_removes_the_files_a_run_writes_and_nothing_else(tmp_path):
     for name in RUN_FILES:
         (tmp_path / name).write_text("old")
     (tmp_path / f".{CHECKPOINT_NAME}.x1y2.tmp").write_text("torn")  # a kill mid-write
+    (tmp_path / f".{CHECKPOINT_NAME}.spare.tmp").write_text("older")  # the one before last
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "plots").mkdir()
     (tmp_path / "summary.json.bak").write_text("mine too")
@@ -53,6 +54,7 @@ def test_force_does_not_remove_a_directory_named_like_a_run_file(tmp_path):
 def test_resume_removes_the_temp_files_of_unfinished_checkpoint_writes(tmp_path):
     """kill -9 during a checkpoint's write leaves its temp file (the rename never came)."""
     (tmp_path / f".{CHECKPOINT_NAME}.x1y2.tmp").write_text("torn")
+    (tmp_path / f".{CHECKPOINT_NAME}.spare.tmp").write_text("older")  # a killed run's spare
     (tmp_path / CHECKPOINT_NAME).write_text("kept")
     (tmp_path / ".notes.tmp").write_text("mine")
     prepare_run_directory(tmp_path, resume=True, force=False)

@@ -9,7 +9,7 @@ import torch
 
 from bayesfl.engine.state import compact_client_states
 from bayesfl.errors import CheckpointError, ConfigError
-from bayesfl.messages import Message, decode, encode
+from bayesfl.messages import Message, decode, encode, read_safetensors_metadata
 from bayesfl.simulate import CHECKPOINT_NAME, sample_clients, simulate
 from bayesfl.stacked_rows import held_bytes
 from tests.devices import DEVICES
@@ -29,6 +29,30 @@ def numbers(metrics):
 
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_checkpoint_overwrites_the_one_before_last_and_none_is_left_at_the_end(
+        tmp_path, monkeypatch):
+    """The checkpoint a round replaces is kept as a spare, which the next round's checkpoint
+    overwrites in place (its pages are still in memory: bayesfl.checkpoint.write_atomically);
+    a finished run holds only its own checkpoint."""
+    import bayesfl.checkpoint as checkpoint_module
+
+    opened = []
+    real_open_spare = checkpoint_module._open_spare
+
+    def open_spare(spare):
+        handle = real_open_spare(spare)
+        opened.append(handle is not None)
+        return handle
+
+    monkeypatch.setattr(checkpoint_module, "_open_spare", open_spare)
+    simulate("fedlog", out=tmp_path, **{**SMALL, "rounds": 3})
+    if checkpoint_module._renameat2() is not None:  # (elsewhere a plain replace: no spare)
+        assert opened == [False, False, True, True]  # rounds 0-3: a spare from round 2 on
+    assert sorted(p.name for p in tmp_path.glob(f".{CHECKPOINT_NAME}*")) == []
+    header = read_safetensors_metadata((tmp_path / CHECKPOINT_NAME).read_bytes())
+    assert json.loads(header["bayesfl.meta"])["round"] == 3
 
 
 def test_run_directory_holds_metrics_summary_manifest_partition_and_plots(tmp_path):
