@@ -329,6 +329,48 @@ def test_an_invalid_upload_and_a_killed_supernode_do_not_stop_the_run(tmp_path):
     assert [c["client_id"] for c in summary["per_client"]] == [0, 1]
 
 
+OWNER = """\
+import sys, time
+from bayesfl.flower.local import LocalFederation
+fed = LocalFederation(1, start_timeout=300.0)
+fed.start()
+print(*[p.pid for p in [fed.superlink, *fed.supernodes]], flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.flower
+def test_a_federation_whose_owner_is_killed_does_not_outlive_it():
+    """SIGKILL leaves its owner no stop() to run: the SuperLink and SuperNode it started get
+    SIGTERM from the kernel instead (with_parent_death_signal), and none is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bayesfl.flower.local import with_parent_death_signal
+
+    if with_parent_death_signal(["x"]) == ["x"]:
+        pytest.skip("no parent-death signal on this platform")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(pids) == 2, "the owner did not start its federation"
+        started = {pid: _start_time(pid) for pid in pids}
+        assert all(started.values())
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=30)
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and any(
+                _start_time(pid) == when for pid, when in started.items()):
+            time.sleep(0.1)
+        assert not [pid for pid, when in started.items() if _start_time(pid) == when]
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        owner.stdout.close()
+
+
 def test_the_example_app_lists_every_key_bayesfl_flower_sends():
     # `flwr run --run-config` refuses keys the app's pyproject.toml does not list: every
     # setting of `bayesfl run` and every deployment flag must be there, and the listed
