@@ -227,6 +227,8 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
     need fresh memory (470 MB: 0.10-0.14 s against 1.0-1.1 s on this project's VMs, whose
     freed memory goes back to the host). The spare costs the file's size on the disk until
     :func:`discard_spare`; where the swap is not supported the old file is replaced as usual.
+    A write with a spare must not begin before the previous one to ``path`` has ended (its
+    ``wait()``): both would write into the spare.
 
     Raises:
         CheckpointError: the write failed; the old file is intact and the temp file removed
