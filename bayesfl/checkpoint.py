@@ -272,7 +272,7 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
             finally:
                 os.close(handle)  # once: a second close could hit a reused descriptor
             if spare is not None and _exchange(temp_name, path):
-                if temp_name != str(spare):  # the old file, under the temporary name now
+                if opened is None:  # the old file, under a new temporary name now
                     _keep_as_spare(temp_name, spare)
             else:
                 os.replace(temp_name, path)
