@@ -360,11 +360,11 @@ def test_pad_stack_pads_each_tensor_to_the_longest_with_zeros():
     assert mixed.dtype == torch.float64 and mixed.tolist() == [[1.0, 1.0], [1.0, 0.0]]
 
 
-@pytest.mark.parametrize("strategy", ["fedlog", "fedavg"])
+@pytest.mark.parametrize("strategy", ["fedlog", "fedavg", "fedproto"])
 def test_a_batched_fit_in_a_fresh_process_does_not_import_sympy(strategy):
     # F.cross_entropy under vmap runs torch's nll_loss decomposition, whose shape checks
-    # import sympy (0.6 s per process on a quiet machine); FedLog's objective and the
-    # FedAvg family's (bayesfl.strategies.networks.cross_entropy_per_sample) are
+    # import sympy (0.6 s per process on a quiet machine); FedLog's objective, the FedAvg
+    # family's and FedProto's (bayesfl.strategies.networks.cross_entropy_per_sample) are
     # cross_entropy_per_sample, which vmaps without it
     code = textwrap.dedent(f"""
         import sys

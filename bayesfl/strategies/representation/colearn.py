@@ -155,7 +155,7 @@ from bayesfl.strategies.base import (
     derived_seed,
     model_state,
 )
-from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.strategies.networks import PrototypeNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
@@ -644,7 +644,7 @@ class CoLearn(PersonalStrategy):
                generator: torch.Generator) -> tuple[dict[str, Tensor], Tensor]:
         """Per-sample CE, KD and disc terms of a mini-batch (module docstring), features."""
         logits, features = model(x)
-        ce = nn.functional.cross_entropy(logits, y, reduction="none")
+        ce = cross_entropy_per_sample(logits, y)
         gap = (features - targets["prototypes"][y]).pow(2)
         gap = gap.sum(1) if self.kd_reduction == "sum" else gap.mean(1)
         kd = targets["present"][y] * gap

@@ -44,7 +44,7 @@ from bayesfl.strategies.base import (
     StrategyContext,
     model_state,
 )
-from bayesfl.strategies.networks import ClassifierNet, batched_apply
+from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_number
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
@@ -202,7 +202,7 @@ class FederatedDistillation(PersonalStrategy):
 
         def terms(net: nn.Module, x: Tensor, y: Tensor, _: torch.Generator):
             z = net(x)
-            return {"ce": nn.functional.cross_entropy(z, y, reduction="none"),
+            return {"ce": cross_entropy_per_sample(z, y),
                     "distill": distillation_terms(z, teacher, present, y, self.temperature)}, z
 
         extra = self.train_personal(model, state, data, terms, generator)

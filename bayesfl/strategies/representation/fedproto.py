@@ -50,7 +50,7 @@ from bayesfl.strategies.base import (
     stacked_tensors,
     with_parameters,
 )
-from bayesfl.strategies.networks import PrototypeNet, batched_apply
+from bayesfl.strategies.networks import PrototypeNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_number
 from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_problem, num_samples_tensor
 from bayesfl.training import train_plain, train_stacked
@@ -65,7 +65,7 @@ class PrototypeObjective:
 
     def __call__(self, output: tuple[Tensor, Tensor], labels: Tensor) -> Tensor:
         logits, features = output
-        loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+        loss = cross_entropy_per_sample(logits, labels)
         gap = (features - self.prototypes[labels]).pow(2).mean(dim=-1)
         return loss + self.lam * self.present[labels] * gap
 
