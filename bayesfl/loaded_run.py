@@ -35,7 +35,12 @@ from bayesfl.errors import BayesFLError, CheckpointError, ConfigError
 from bayesfl.executor import SimulatedClient
 from bayesfl.messages import decode
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, RESULT_NAME, parse_metrics
-from bayesfl.run_result import BROADCAST_TENSOR, header_metadata, read_run_result
+from bayesfl.run_result import (
+    BROADCAST_TENSOR,
+    header_metadata,
+    read_run_result,
+    result_client_states,
+)
 from bayesfl.simulate import SimulationResult
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import ClientConfig, StrategyContext
@@ -126,9 +131,15 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
         bodies=tuple(context_meta["bodies"]), clients=int(context_meta["clients"]))
     strategy = make_strategy(config.strategy, context, **config.strategy_options)
     personal = {int(k) for k in meta.get("personalized", [])}
-    clients = [_client(strategy, context, entry, tensors, device_, path,
-                       personalized=entry.get("client_id") in personal)
-               for entry in meta["clients"]]
+    configs = [_client_config(entry, path) for entry in meta["clients"]]
+    try:
+        saved = result_client_states(tensors, meta, [c.client_id for c in configs])
+    except ValueError as err:
+        raise CheckpointError(f"{path} is corrupt ({_one_line(err)}); run it again with "
+                              "--force (force=True)") from err
+    clients = [_client(strategy, context, config, saved[config.client_id], device_, path,
+                       personalized=config.client_id in personal)
+               for config in configs]
     for spec in dict.fromkeys(c.config.body for c in clients):
         strategy.template(spec)  # built now: the loaded run needs no body factory later
     state = {k[len("server/"):]: v.to(device_) for k, v in tensors.items()
@@ -199,21 +210,23 @@ def _check_not_continued(root: Path, fingerprint: str) -> None:
             "has not finished", "was continued with other settings and has not finished"))
 
 
-def _client(strategy: Any, context: StrategyContext, entry: dict[str, Any],
-            tensors: dict[str, torch.Tensor], device: torch.device, path: Path,
-            personalized: bool) -> SimulatedClient:
-    """Client ``entry``'s config, its saved state (checked against a fresh client's layout:
-    the same names, shapes and dtypes, plus any entries personalisation added) and an empty
-    data record of the run's input shape."""
+def _client_config(entry: Any, path: Path) -> ClientConfig:
+    """The config of a client ``entry`` of the result's meta."""
     try:
-        config = ClientConfig(int(entry["client_id"]), str(entry["body"]),
-                              int(entry["init_seed"]))
+        return ClientConfig(int(entry["client_id"]), str(entry["body"]),
+                            int(entry["init_seed"]))
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{path} is corrupt (client entry {entry!r}); run it again with "
                               "--force") from err
+
+
+def _client(strategy: Any, context: StrategyContext, config: ClientConfig,
+            state: dict[str, torch.Tensor], device: torch.device, path: Path,
+            personalized: bool) -> SimulatedClient:
+    """The client of ``config`` with its saved ``state`` (checked against a fresh client's
+    layout: the same names, shapes and dtypes, plus any entries personalisation added) and an
+    empty data record of the run's input shape."""
     fresh = strategy.init_client(config)  # builds the body: a missing factory fails here
-    prefix = f"client/{config.client_id}/"
-    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     layout = {k: (tuple(v.shape), v.dtype) for k, v in fresh.items()}
     saved = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
     if personalized:  # personalisation may add entries (e.g. FedBABU's flag), never change one

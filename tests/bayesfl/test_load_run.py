@@ -177,7 +177,65 @@ def test_another_format_version_is_refused_naming_both(copied):
     fingerprint = header_metadata(path)["bayesfl.fingerprint"]
     tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
     save_checkpoint(path, tensors, {**meta, "version": 99}, fingerprint=fingerprint)
-    with pytest.raises(CheckpointError, match="format version 99; this bayesfl reads version 1"):
+    with pytest.raises(CheckpointError,
+                       match="format version 99; this bayesfl reads versions 1, 2"):
+        load_run(copied)
+
+
+def as_version_1(path):
+    """Rewrite the result file ``path`` in version 1's layout, as bayesfl before 2026-11-28
+    wrote it: one ``client/<k>/<name>`` tensor per client and name, no ``client_groups``."""
+    from bayesfl.checkpoint import load_checkpoint
+    from bayesfl.engine.state import client_states
+    from bayesfl.run_result import header_metadata
+
+    fingerprint = header_metadata(path)["bayesfl.fingerprint"]
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    states = client_states(tensors, meta, [c["client_id"] for c in meta["clients"]])
+    old = {k: v for k, v in tensors.items() if not k.startswith("clients/")}
+    old.update({f"client/{cid}/{k}": v.clone() for cid, state in states.items()
+                for k, v in state.items()})
+    meta = {k: v for k, v in meta.items() if k != "client_groups"}
+    save_checkpoint(path, old, {**meta, "version": 1}, fingerprint=fingerprint)
+
+
+def test_a_version_1_result_loads_the_same_states_and_predictions(fedlog_run, copied):
+    result, _ = fedlog_run
+    as_version_1(copied / RESULT_NAME)
+    run = load_run(copied)
+    for k in range(SMALL["clients"]):
+        saved, original = run.client_state(k), result.client_state(k)
+        assert saved.keys() == original.keys()
+        assert all(torch.equal(saved[name], original[name]) for name in saved)
+        assert torch.equal(run.predict_proba(k, inputs()), result.predict_proba(k, inputs()))
+
+
+def test_a_version_1_result_with_a_stray_client_tensor_is_refused(copied):
+    from bayesfl.checkpoint import load_checkpoint
+    from bayesfl.run_result import header_metadata
+
+    path = copied / RESULT_NAME
+    as_version_1(path)
+    fingerprint = header_metadata(path)["bayesfl.fingerprint"]
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    for stray in ("client/7/model.w", "client/x/model.w", "client/0/"):
+        save_checkpoint(path, {**tensors, stray: torch.zeros(1)}, meta,
+                        fingerprint=fingerprint)
+        with pytest.raises(CheckpointError, match=r"corrupt.*is not the state of a client"):
+            load_run(copied)
+
+
+def test_a_result_whose_stacked_states_miss_a_client_is_refused(copied):
+    from bayesfl.checkpoint import load_checkpoint
+    from bayesfl.run_result import header_metadata
+
+    path = copied / RESULT_NAME
+    fingerprint = header_metadata(path)["bayesfl.fingerprint"]
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    meta["clients"].append({"client_id": 3, "body": meta["clients"][0]["body"],
+                            "init_seed": 0})
+    save_checkpoint(path, tensors, meta, fingerprint=fingerprint)
+    with pytest.raises(CheckpointError, match=r"corrupt.*missing \[3\]"):
         load_run(copied)
 
 
@@ -204,10 +262,21 @@ def test_result_file_holds_no_pickle_only_tensors_and_json(fedlog_run):
     raw = (out / RESULT_NAME).read_bytes()
     header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
     meta = json.loads(header["__metadata__"]["bayesfl.meta"])
-    assert meta["format"] == "bayesfl-run-result" and meta["version"] == 1
+    assert meta["format"] == "bayesfl-run-result" and meta["version"] == 2
     names = [k for k in header if k != "__metadata__"]
-    assert "run/evaluation" in names and any(k.startswith("client/0/") for k in names)
-    assert np.isin(["server", "client", "run"], [k.split("/")[0] for k in names]).all()
+    assert "run/evaluation" in names and "clients/0/ids" in names
+    assert np.isin(["server", "clients", "run"], [k.split("/")[0] for k in names]).all()
+    # the clients' states stacked, one tensor per name and layout group, a row per client
+    assert meta["client_groups"] == [sorted(result_state_names(fedlog_run))]
+    ids = header["clients/0/ids"]
+    assert ids["dtype"] == "I64" and ids["shape"] == [SMALL["clients"]]
+    for name in meta["client_groups"][0]:
+        assert header[f"clients/0/state/{name}"]["shape"][0] == SMALL["clients"]
+
+
+def result_state_names(run):
+    result, _ = run
+    return result.client_state(0).keys()
 
 
 def test_a_flower_run_is_refused_saying_its_client_states_stay_at_the_sites(copied):
