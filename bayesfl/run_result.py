@@ -28,7 +28,8 @@ meta                    ``format``, ``version``, ``identity`` (the configuration
 
 Version 2 stacks the clients' states; version 1 (bayesfl before 2026-11-28) held one tensor
 per client and name, ``client/<k>/<name>``, and :func:`bayesfl.load_run` looked up each
-client's among all of them: quadratic in the clients (10.3 s at 4,000 clients, 1.4 s now).
+client's among all of them: quadratic in the clients (at 16,000 clients 99-105 s, now
+1.7-2.3 s).
 Both versions are read (:func:`result_client_states`).
 
 The file's fingerprint is :func:`~bayesfl.checkpoint.config_fingerprint` of ``identity``, the
