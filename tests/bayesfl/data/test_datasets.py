@@ -100,6 +100,154 @@ def test_mnist1d_is_deterministic_by_seed_and_leaves_global_rngs_untouched():
     assert random.getstate() == python_before
 
 
+# ---- MNIST-1D sets kept under the data root ---------------------------------------------
+@pytest.fixture
+def small_sets_kept(monkeypatch):
+    """Sets of 100 samples or more are kept (the real bound, 10,000, takes seconds to make)."""
+    import bayesfl.data.datasets as datasets
+
+    monkeypatch.setattr(datasets, "MNIST1D_CACHE_MIN_SAMPLES", 100)
+
+
+@pytest.fixture
+def generations(monkeypatch):
+    """The number of times the package's generator has run since the fixture was set up."""
+    import mnist1d.data
+
+    calls = []
+    make_dataset = mnist1d.data.make_dataset
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return make_dataset(*args, **kwargs)
+
+    monkeypatch.setattr(mnist1d.data, "make_dataset", counted)
+    return calls
+
+
+def kept_files(root):
+    return sorted((Path(root) / "mnist1d").glob("*.npz"))
+
+
+def test_a_large_mnist1d_set_is_kept_and_read_back_equal_without_generating(
+        tmp_path, small_sets_kept, generations, no_network):
+    made = load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 1 and len(kept_files(tmp_path)) == 1
+    again = load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 1  # read, not generated
+    assert torch.equal(again.x, made.x) and torch.equal(again.y, made.y)
+    assert again.x.dtype == torch.float32 and again.y.dtype == torch.int64
+    assert (again.name, again.num_classes, again.input_shape) == ("mnist1d", 10, (40,))
+    # another seed or size is another set: generated and kept beside it
+    other = load_dataset("mnist1d", seed=5, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 2 and len(kept_files(tmp_path)) == 2
+    assert not torch.equal(other.x, made.x)
+    assert no_network == []
+
+
+def test_a_small_mnist1d_set_is_not_kept(tmp_path, generations):
+    load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)  # below 10,000
+    load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 2 and not (tmp_path / "mnist1d").exists()
+
+
+def damage_by_rewriting(path):
+    np.savez(path, x=np.zeros((120, 40), dtype=np.float64), y=np.zeros(120, dtype=np.int64))
+
+
+def damage_with_another_shape(path):
+    np.savez(path, x=np.zeros((119, 40), dtype=np.float32), y=np.zeros(119, dtype=np.int64))
+
+
+def damage_with_labels_out_of_range(path):
+    with np.load(path) as kept:
+        x = kept["x"]
+    np.savez(path, x=x, y=np.full(120, 10, dtype=np.int64))
+
+
+def damage_with_a_non_finite_input(path):
+    with np.load(path) as kept:
+        x, y = kept["x"].copy(), kept["y"]
+    x[3, 7] = np.nan
+    np.savez(path, x=x, y=y)
+
+
+def damage_with_pickled_objects(path):
+    np.savez(path, x=np.array([{"a": 1}] * 120, dtype=object), y=np.zeros(120, dtype=np.int64))
+
+
+def damage_with_an_extra_member(path):
+    with np.load(path) as kept:
+        x, y = kept["x"], kept["y"]
+    np.savez(path, x=x, y=y, z=np.zeros(1))
+
+
+def damage_by_truncating(path):
+    path.write_bytes(path.read_bytes()[:300])
+
+
+def damage_with_a_huge_member(path):
+    # a member far larger than the set: refused by its size before any array is allocated
+    np.savez(path, x=np.zeros((120, 4000), dtype=np.float32), y=np.zeros(120, dtype=np.int64))
+
+
+def damage_with_a_header_claiming_a_huge_array(path):
+    # 10^12 x 40 floats declared, 16 bytes present: the header is refused, nothing allocated
+    import io
+    import zipfile
+
+    with np.load(path) as kept:
+        y = kept["y"]
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**12, 40)})
+    labels = io.BytesIO()
+    np.lib.format.write_array(labels, y)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("x.npy", header.getvalue() + bytes(16))
+        archive.writestr("y.npy", labels.getvalue())
+
+
+@pytest.mark.parametrize("damage", [
+    damage_with_a_header_claiming_a_huge_array, damage_by_rewriting, damage_with_another_shape,
+    damage_with_labels_out_of_range, damage_with_a_non_finite_input, damage_with_pickled_objects,
+    damage_with_an_extra_member, damage_by_truncating, damage_with_a_huge_member])
+def test_a_damaged_kept_mnist1d_set_is_generated_again_and_rewritten(
+        tmp_path, small_sets_kept, generations, damage):
+    made = load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    [path] = kept_files(tmp_path)
+    damage(path)
+    again = load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 2  # generated again, not read
+    assert torch.equal(again.x, made.x) and torch.equal(again.y, made.y)
+    third = load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    assert len(generations) == 2 and torch.equal(third.x, made.x)  # the rewritten file
+
+
+def test_an_unwritable_data_root_costs_only_the_next_generation(tmp_path, small_sets_kept,
+                                                                generations):
+    root = tmp_path / "root"
+    root.write_text("a file where the folder would go")  # mkdir fails: not a directory
+    data = load_dataset("mnist1d", seed=4, root=str(root), num_samples=120)
+    assert data.x.shape == (120, 40)
+    load_dataset("mnist1d", seed=4, root=str(root), num_samples=120)
+    assert len(generations) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]  # no temporary left
+
+
+def test_a_kept_set_is_named_by_the_versions_of_the_code_that_generated_it(monkeypatch):
+    import scipy
+
+    from bayesfl.data.datasets import _mnist1d_cache_path
+
+    args = {"seed": 0, "num_samples": 10_000}
+    path = _mnist1d_cache_path(Path("/root"), args)
+    assert path.parent == Path("/root/mnist1d") and path.suffix == ".npz"
+    assert _mnist1d_cache_path(Path("/root"), {**args, "seed": 1}) != path
+    monkeypatch.setattr(scipy, "__version__", "0.0.0")
+    assert _mnist1d_cache_path(Path("/root"), args) != path
+
+
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10", "cifar100"])
 def test_torchvision_sets_without_files_give_a_data_error_saying_where_to_put_them(
         tmp_path, no_network, name):
