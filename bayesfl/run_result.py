@@ -54,7 +54,7 @@ from bayesfl.checkpoint import (
     save_checkpoint,
 )
 from bayesfl.config import SimulationConfig
-from bayesfl.engine.state import CLIENTS_PREFIX, client_states, stack_client_states
+from bayesfl.engine.state import client_states, stacked_client_tensors
 from bayesfl.errors import BayesFLError, CheckpointError
 from bayesfl.messages import encode, read_safetensors_metadata
 from bayesfl.run_directory import RESULT_NAME
@@ -85,12 +85,9 @@ def save_run_result(run_dir: str | Path, result: Any) -> Path:
         CheckpointError: the write failed (nothing half-written is left).
     """
     path = Path(run_dir) / RESULT_NAME
-    tensors: dict[str, torch.Tensor] = {f"server/{k}": v for k, v in result.state.items()}
-    groups = stack_client_states({c.client_id: result.client_state(c.client_id)
-                                  for c in result.clients})
-    for g, (ids, stacked) in enumerate(groups):
-        tensors[f"{CLIENTS_PREFIX}{g}/ids"] = torch.tensor(ids, dtype=torch.int64)
-        tensors.update({f"{CLIENTS_PREFIX}{g}/state/{k}": v for k, v in stacked.items()})
+    stacked, client_groups = stacked_client_tensors(
+        {c.client_id: result.client_state(c.client_id) for c in result.clients})
+    tensors = {**{f"server/{k}": v for k, v in result.state.items()}, **stacked}
     tensors[BROADCAST_TENSOR] = torch.from_numpy(
         np.frombuffer(encode(result.evaluation_broadcast), dtype=np.uint8).copy())
     context = result.strategy.context
@@ -112,7 +109,7 @@ def save_run_result(run_dir: str | Path, result: Any) -> Path:
         "personalized": sorted(result.personalized),
         "novel": list(result.novel),
         "body_factories": body_provenance(result.config.body),
-        "client_groups": [sorted(stacked) for _, stacked in groups],
+        "client_groups": client_groups,
     }
     save_checkpoint(path, tensors, meta, fingerprint=config_fingerprint(meta["identity"]))
     return path
@@ -156,6 +153,10 @@ def read_run_result(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
     return tensors, meta
 
 
+_V1_CLIENT_PREFIX = "client/"
+"""Where a version 1 result kept client ``k``'s tensor ``name``: ``client/<k>/<name>``."""
+
+
 def result_client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                          client_ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
     """Each client's saved state (name -> tensor) of a result read by :func:`read_run_result`,
@@ -178,9 +179,6 @@ def result_client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str,
             raise ValueError(f"tensor {key!r} is not the state of a client of this run")
         states[int(cid)][name] = value
     return states
-
-
-_V1_CLIENT_PREFIX = "client/"
 
 
 def _one_line(err: BaseException) -> str:

@@ -55,19 +55,29 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
     ``durable_in_background``: its fsync and rename go on in a thread, ended by the returned
     write's ``wait()``; ``keep_spare``: the replaced checkpoint is overwritten by the next
     (:func:`bayesfl.checkpoint.save_checkpoint`)."""
-    tensors = {f"server/{k}": v for k, v in state.items()}
-    groups = stack_client_states(clients)
-    for g, (ids, stacked) in enumerate(groups):
-        tensors[f"{CLIENTS_PREFIX}{g}/ids"] = torch.tensor(ids, dtype=torch.int64)
-        tensors.update({f"{CLIENTS_PREFIX}{g}/state/{k}": v for k, v in stacked.items()})
+    stacked, client_groups = stacked_client_tensors(clients)
+    tensors = {**{f"server/{k}": v for k, v in state.items()}, **stacked}
     tensors["rng/torch"] = torch.get_rng_state()
     tensors[METRICS_TENSOR] = torch.from_numpy(
         np.frombuffer(bytes(metrics_text), dtype=np.uint8).copy())
     meta = {"format": CHECKPOINT_FORMAT, "round": round, "first_round": first_round,
             "seconds": seconds, "config": dict(identity), "server_keys": sorted(state),
-            "client_groups": [sorted(stacked) for _, stacked in groups], "transport": transport}
+            "client_groups": client_groups, "transport": transport}
     return save_checkpoint(path, tensors, meta, fingerprint=fingerprint,
                            durable_in_background=durable_in_background, keep_spare=keep_spare)
+
+
+def stacked_client_tensors(clients: Mapping[int, ClientState]
+                           ) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """The clients' states as a file's tensors, stacked per layout group (module docstring:
+    ``clients/<g>/ids`` and ``clients/<g>/state/<name>``), and the meta's ``client_groups``
+    (each group's state names), which :func:`client_states` reads back."""
+    tensors: dict[str, torch.Tensor] = {}
+    groups = stack_client_states(clients)
+    for g, (ids, stacked) in enumerate(groups):
+        tensors[f"{CLIENTS_PREFIX}{g}/ids"] = torch.tensor(ids, dtype=torch.int64)
+        tensors.update({f"{CLIENTS_PREFIX}{g}/state/{k}": v for k, v in stacked.items()})
+    return tensors, [sorted(stacked) for _, stacked in groups]
 
 
 def stack_client_states(
@@ -239,4 +249,4 @@ def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[st
 
 __all__ = ["CHECKPOINT_FORMAT", "CLIENTS_PREFIX", "METRICS_TENSOR", "SavedRound", "client_states",
            "compact_client_states", "foreign_message", "restore_round", "save_round",
-           "stack_client_states"]
+           "stack_client_states", "stacked_client_tensors"]
