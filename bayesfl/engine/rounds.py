@@ -334,68 +334,33 @@ class RoundLoop:
         when its evaluation is carried to the next message (:attr:`pending`). A carried
         round before it is completed on the way."""
         t0 = time.perf_counter()
-        server, hooks = self.server, self.hooks
+        server = self.server
         torch.manual_seed(derived_seed(self.seed, r))
-        events = list(hooks.round_started(r))
-        participants = [self.training[i] for i in
-                        sample_clients(len(self.training), self.fraction, self.seed, r)]
-        sent = hooks.reachable(participants)
-        if len(sent) != len(participants):
-            reached = set(sent)
-            events += [{"client_id": cid, "node_id": None, "step": "fit",
-                        "reason": "sampled client has no connected node"}
-                       for cid in participants if cid not in reached]
+        events = list(self.hooks.round_started(r))
+        participants, sent = self._sample(r, events)
         plan = server.configure(self.state, r)
         t_encode = time.perf_counter()
         down = encode(plan.broadcast, key=self.server_key)
         t_encode = time.perf_counter() - t_encode
-        hooks.broadcast_encoded(r, down)
-        steps = {cid: Step(fit=down) for cid in sent}
-        pending = self.pending
-        if pending is not None:  # the previous round's evaluation rides on this message
-            for cid in hooks.reachable(self.training):
-                step = steps.setdefault(cid, Step())
-                step.evaluate, step.evaluate_round = pending.eval_bytes, pending.round
-        t_exchange, cpu_exchange = time.perf_counter(), time.process_time()
-        self.channel.send(r, sorted(steps), steps)
-        collected = self.channel.collect(time.monotonic() + self.round_timeout)
-        t_exchange, cpu_exchange = (time.perf_counter() - t_exchange,
-                                    time.process_time() - cpu_exchange)
-        if pending is not None:  # the previous round is complete: record and checkpoint
-            self.complete_carried(collected, collected.seconds)
+        self.hooks.broadcast_encoded(r, down)
+        collected, t_exchange, cpu_exchange = self._exchange(r, sent, down)
         events += [e for e in collected.events if e["step"] != "evaluate"]
         receipt = receive_uploads(server, plan, participants, collected, key_of=self.client_key)
         self._warn_all_rejected(r, receipt)
         # No upload may stop the run: an aggregate that fails, is not finite, or cannot be
         # evaluated is dropped with its reason, and the round keeps the previous state.
         previous = self.state
-        skipped = aggregate_error = None
-        need = None if self.min_replies is None else (self.min_replies or len(participants))
         t_aggregate = time.perf_counter()
-        if need is not None and len(receipt.accepted) < need:
-            skipped = (f"{len(receipt.accepted)} accepted upload(s) < min-replies {need}: "
-                       "round skipped, previous state kept")
-        else:
-            self.state, aggregate_error = aggregate_or_keep(server, self.state, receipt.accepted,
-                                                            r, self.seed)
+        skipped, aggregate_error = self._aggregate(r, len(participants), receipt.accepted)
         t_aggregate = time.perf_counter() - t_aggregate
         record = round_record(r, participants=participants, sent=len(sent), receipt=receipt,
                               plan=plan, broadcast_bytes=len(down))
         evaluated = self.evaluates(r)
         t_eval = time.perf_counter()
-        eval_bytes = b""
-        if evaluated and self.evaluation == "inline":
-            self.state, (bytes_down_evaluation, evaluation), reverted = evaluate_or_revert(
-                self.state, previous, lambda state: self.evaluate_inline(r, state))
-            evaluation_keys(record, evaluation, server, bytes_down_evaluation)
-            aggregate_error = reverted or aggregate_error
-        elif evaluated:  # carried: only the broadcast is built now (it must build)
-            self.state, eval_bytes, reverted = evaluate_or_revert(
-                self.state, previous, lambda state: encode(server.configure_evaluation(state, r),
-                                                           key=self.server_key))
-            aggregate_error = reverted or aggregate_error
+        eval_bytes, reverted = self._evaluate(r, record, previous) if evaluated else (b"", None)
+        aggregate_error = reverted or aggregate_error
         t_eval = time.perf_counter() - t_eval
-        hooks.record_extras(record, RoundTrace(
+        self.hooks.record_extras(record, RoundTrace(
             r, plan, sent, collected, receipt.accepted, receipt.rejections, events,
             seconds_encode=t_encode, seconds_exchange=t_exchange,
             seconds_exchange_cpu=cpu_exchange, seconds_receipt=receipt.seconds,
@@ -414,6 +379,67 @@ class RoundLoop:
             self.pending = CarriedRound(r, eval_bytes, record)
             return None
         return record
+
+    def _sample(self, r: int, events: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """Round ``r``'s sampled training clients and those of them the transport can reach
+        (an event in ``events`` for each one it cannot)."""
+        participants = [self.training[i] for i in
+                        sample_clients(len(self.training), self.fraction, self.seed, r)]
+        sent = self.hooks.reachable(participants)
+        if len(sent) != len(participants):
+            reached = set(sent)
+            events += [{"client_id": cid, "node_id": None, "step": "fit",
+                        "reason": "sampled client has no connected node"}
+                       for cid in participants if cid not in reached]
+        return participants, sent
+
+    def _exchange(self, r: int, sent: list[int], down: bytes
+                  ) -> tuple[Collected, float, float]:
+        """Send round ``r``'s broadcast ``down`` to ``sent`` (with the carried evaluation of
+        the previous round to every reachable training client, which that round's completion
+        then reads) and collect the replies: (collected, wall seconds, CPU seconds)."""
+        steps = {cid: Step(fit=down) for cid in sent}
+        pending = self.pending
+        if pending is not None:  # the previous round's evaluation rides on this message
+            for cid in self.hooks.reachable(self.training):
+                step = steps.setdefault(cid, Step())
+                step.evaluate, step.evaluate_round = pending.eval_bytes, pending.round
+        t_exchange, cpu_exchange = time.perf_counter(), time.process_time()
+        self.channel.send(r, sorted(steps), steps)
+        collected = self.channel.collect(time.monotonic() + self.round_timeout)
+        t_exchange, cpu_exchange = (time.perf_counter() - t_exchange,
+                                    time.process_time() - cpu_exchange)
+        if pending is not None:  # the previous round is complete: record and checkpoint
+            self.complete_carried(collected, collected.seconds)
+        return collected, t_exchange, cpu_exchange
+
+    def _aggregate(self, r: int, sampled: int, accepted: Sequence[Message]
+                   ) -> tuple[str | None, str | None]:
+        """Aggregate round ``r``'s accepted uploads into :attr:`state`, or keep it: (why the
+        round was skipped — fewer than ``min_replies`` of the ``sampled`` clients' uploads —,
+        why the aggregate was dropped), each None when it was not."""
+        need = None if self.min_replies is None else (self.min_replies or sampled)
+        if need is not None and len(accepted) < need:
+            return (f"{len(accepted)} accepted upload(s) < min-replies {need}: "
+                    "round skipped, previous state kept"), None
+        self.state, aggregate_error = aggregate_or_keep(self.server, self.state, accepted, r,
+                                                        self.seed)
+        return None, aggregate_error
+
+    def _evaluate(self, r: int, record: dict[str, Any], previous: ServerState
+                  ) -> tuple[bytes, str | None]:
+        """Evaluate round ``r``'s new :attr:`state` (``"inline"``: now, into ``record``;
+        ``"carried"``: only its broadcast is built, to ride on the next message), reverting to
+        ``previous`` when that fails: (the carried broadcast or b"", why it reverted or None)."""
+        if self.evaluation == "inline":
+            self.state, (bytes_down_evaluation, evaluation), reverted = evaluate_or_revert(
+                self.state, previous, lambda state: self.evaluate_inline(r, state))
+            evaluation_keys(record, evaluation, self.server, bytes_down_evaluation)
+            return b"", reverted
+        self.state, eval_bytes, reverted = evaluate_or_revert(  # it must build
+            self.state, previous, lambda state: encode(self.server.configure_evaluation(state, r),
+                                                       key=self.server_key))
+        return eval_bytes, reverted
 
     def complete_carried(self, collected: Collected, seconds: float) -> None:
         """Complete the :attr:`pending` round with the evaluations in ``collected`` (the
