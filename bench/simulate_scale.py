@@ -29,9 +29,15 @@ rounds do the same work per client, so ``scaling = round(16,000) / round(4,000)`
 the simulator's cost is linear in the clients and above 4 where per-client overheads grow
 with the population (e.g. a per-round pass over a ledger of all clients).
 
-Generating MNIST-1D takes about 1 ms a sample here (3 minutes for 160,000): ``--data-cache
-DIR`` keeps the generated arrays in ``DIR`` (a ``.pt`` file of two tensors written by this
-bench) for the next invocation.
+After the rounds it times the finished run's tail: writing ``result.safetensors`` (at the
+run's end) and reading the run back with :func:`bayesfl.load_run` (with its ``load_run
+scaling`` against the peer: 4.0 for x4 clients when linear, 16 if it were quadratic, as
+before the result file's version 2). Peak RSS is taken before the run is read back.
+
+Generating MNIST-1D takes 0.2-1 ms a sample by machine (35 s to 3 minutes for 160,000); the
+data root keeps sets of 10,000 samples or more (:mod:`bayesfl.data.datasets`), and
+``--data-cache DIR`` keeps the arrays in ``DIR`` (a ``.pt`` file of two tensors written by
+this bench) for the next invocation.
 
 Each run's PyTorch backs its large tensors with transparent huge pages, as the ``bayesfl``
 command does (:func:`bayesfl.cli.use_huge_pages`); ``--huge-pages off`` measures without.
@@ -100,6 +106,17 @@ def run_one(clients: int, cache: Path | None) -> dict:
         checkpoint_seconds[kwargs["round"]] = time.perf_counter() - t
 
     simulator.save_round = timed_save_round
+    results = importlib.import_module("bayesfl.run_result")
+    save_run_result = results.save_run_result
+    result_seconds: list[float] = []
+
+    def timed_save_run_result(*args, **kwargs):  # the run's result file, written at its end
+        t = time.perf_counter()
+        path = save_run_result(*args, **kwargs)
+        result_seconds.append(time.perf_counter() - t)
+        return path
+
+    results.save_run_result = timed_save_run_result
     ends: dict[int, float] = {}
     cpu_ends: dict[int, float] = {}
 
@@ -112,6 +129,13 @@ def run_one(clients: int, cache: Path | None) -> dict:
             batch_size=10, lr=1e-3, progress=False, data=data,
             dataset_options={"num_samples": SAMPLES_PER_CLIENT * clients}, threads=1,
             out=Path(out) / "run", round_callback=round_done)
+        # the peak of the run itself, before the finished run is read back beside it
+        peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        t = time.perf_counter()
+        loaded = importlib.import_module("bayesfl.loaded_run").load_run(Path(out) / "run")
+        load_seconds = time.perf_counter() - t
+        assert len(loaded.clients) == clients
+        del loaded
     rounds = []
     for m in result.metrics:
         r = m["round"]
@@ -130,8 +154,8 @@ def run_one(clients: int, cache: Path | None) -> dict:
         # which other processes sharing the machine do not stretch as they do the wall time
         cpu = cpu_ends[r] - cpu_ends[r - 1] if r - 1 in cpu_ends else float("nan")
         rounds.append({"round": r, "total": total, **split, "cpu": cpu})
-    return {"clients": clients, "rounds": rounds,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    return {"clients": clients, "rounds": rounds, "peak_rss_gb": peak_rss_gb,
+            "save_result_s": result_seconds[0], "load_run_s": load_seconds,
             "accuracy": result.summary["accuracy"], "ece": result.summary["ece"],
             "bytes_up": result.summary["bytes_up"]}
 
@@ -190,6 +214,11 @@ def main() -> None:
     cpu = statistics.fmean(r["cpu"] for r in after_round_0(main_run))
     scaling = mean / peer_mean
     factor = args.clients / args.peer_clients
+    print(f"\nthe finished run: its result file written in {main_run['save_result_s']:.2f} s "
+          f"and read back by bayesfl.load_run in {main_run['load_run_s']:.2f} s at "
+          f"{args.clients:,} clients; {peer['save_result_s']:.2f} s and "
+          f"{peer['load_run_s']:.2f} s at {args.peer_clients:,} (load_run scaling "
+          f"{main_run['load_run_s'] / peer['load_run_s']:.2f} for x{factor:g} clients)")
     print(f"\n{args.clients:,} clients: {mean:.2f} s per round after round 0 (slowest "
           f"{worst:.2f} s; {cpu:.2f} CPU s), peak RSS {main_run['peak_rss_gb']:.2f} GB; "
           f"{args.peer_clients:,} clients: {peer_mean:.2f} s; scaling {scaling:.2f} "
@@ -200,7 +229,9 @@ def main() -> None:
         "split": {k: statistics.fmean(r[k] for r in after_round_0(main_run)) for k in SPLIT},
         "peak_rss_gb": main_run["peak_rss_gb"], "peer_seconds_per_round": peer_mean,
         "peer_peak_rss_gb": peer["peak_rss_gb"], "scaling": scaling,
-        "accuracy": main_run["accuracy"], "huge_pages": huge_pages}))
+        "accuracy": main_run["accuracy"], "huge_pages": huge_pages,
+        "save_result_s": main_run["save_result_s"], "load_run_s": main_run["load_run_s"],
+        "peer_save_result_s": peer["save_result_s"], "peer_load_run_s": peer["load_run_s"]}))
 
 
 if __name__ == "__main__":
