@@ -3,6 +3,7 @@ directory without one refused with what to do."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,6 +209,32 @@ def test_a_version_1_result_loads_the_same_states_and_predictions(fedlog_run, co
         assert saved.keys() == original.keys()
         assert all(torch.equal(saved[name], original[name]) for name in saved)
         assert torch.equal(run.predict_proba(k, inputs()), result.predict_proba(k, inputs()))
+
+
+RECORDED_V1 = Path(__file__).parent / "recorded" / "run_result_v1"
+"""A run directory written by bayesfl at fc2e273 (result version 1): FedLog on digits, 3 iid
+clients, 1 round, ``mlp:8`` bodies with 4 features, seed 0."""
+
+
+def test_a_run_directory_written_by_version_1_code_loads_its_own_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(RECORDED_V1, run_dir)
+    run = load_run(run_dir)
+    assert json.loads((run_dir / "summary.json").read_text()) == run.summary
+    raw = load_file(run_dir / RESULT_NAME)  # read independently of bayesfl
+    assert sorted({k.split("/")[1] for k in raw if k.startswith("client/")}) == ["0", "1", "2"]
+    for k in range(3):
+        state = run.client_state(k)
+        stored = {n[len(f"client/{k}/"):]: v for n, v in raw.items()
+                  if n.startswith(f"client/{k}/")}
+        assert state.keys() == stored.keys()
+        assert all(torch.equal(state[n], stored[n]) for n in state)
+        probs = run.predict_proba(k, inputs())
+        assert probs.shape == (6, 10) and torch.isfinite(probs).all()
+        # float64 probabilities: each row sums to 1 up to rounding of ten terms
+        torch.testing.assert_close(probs.sum(1), torch.ones(6, dtype=probs.dtype))
 
 
 def test_a_version_1_result_with_a_stray_client_tensor_is_refused(copied):
