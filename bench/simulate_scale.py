@@ -35,7 +35,7 @@ scaling`` against the peer: 4.0 for x4 clients when linear, 16 if it were quadra
 before the result file's version 2). Peak RSS is taken before the run is read back.
 
 Generating MNIST-1D takes 0.2-1 ms a sample by machine (35 s to 3 minutes for 160,000); the
-data root keeps sets of 10,000 samples or more (:mod:`bayesfl.data.datasets`), and
+data root keeps sets of 1,000 samples or more (:mod:`bayesfl.data.datasets`), and
 ``--data-cache DIR`` keeps the arrays in ``DIR`` (a ``.pt`` file of two tensors written by
 this bench) for the next invocation.
 

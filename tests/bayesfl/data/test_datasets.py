@@ -2,6 +2,8 @@
 
 import random
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +105,7 @@ def test_mnist1d_is_deterministic_by_seed_and_leaves_global_rngs_untouched():
 # ---- MNIST-1D sets kept under the data root ---------------------------------------------
 @pytest.fixture
 def small_sets_kept(monkeypatch):
-    """Sets of 100 samples or more are kept (the real bound, 10,000, takes seconds to make)."""
+    """Sets of 100 samples or more are kept (the real bound, 1,000, takes a second to make)."""
     import bayesfl.data.datasets as datasets
 
     monkeypatch.setattr(datasets, "MNIST1D_CACHE_MIN_SAMPLES", 100)
@@ -146,7 +148,7 @@ def test_a_large_mnist1d_set_is_kept_and_read_back_equal_without_generating(
 
 
 def test_a_small_mnist1d_set_is_not_kept(tmp_path, generations):
-    load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)  # below 10,000
+    load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)  # below 1,000
     load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
     assert len(generations) == 2 and not (tmp_path / "mnist1d").exists()
 
@@ -235,17 +237,34 @@ def test_an_unwritable_data_root_costs_only_the_next_generation(tmp_path, small_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]  # no temporary left
 
 
-def test_a_kept_set_is_named_by_the_versions_of_the_code_that_generated_it(monkeypatch):
-    import scipy
+def test_a_kept_set_is_named_by_its_seed_size_and_the_generating_code_versions(monkeypatch):
+    import importlib.metadata
 
     from bayesfl.data.datasets import _mnist1d_cache_path
 
-    args = {"seed": 0, "num_samples": 10_000}
-    path = _mnist1d_cache_path(Path("/root"), args)
+    path = _mnist1d_cache_path(Path("/root"), 0, 10_000)
     assert path.parent == Path("/root/mnist1d") and path.suffix == ".npz"
-    assert _mnist1d_cache_path(Path("/root"), {**args, "seed": 1}) != path
-    monkeypatch.setattr(scipy, "__version__", "0.0.0")
-    assert _mnist1d_cache_path(Path("/root"), args) != path
+    assert _mnist1d_cache_path(Path("/root"), 1, 10_000) != path
+    assert _mnist1d_cache_path(Path("/root"), 0, 10_010) != path
+    version = importlib.metadata.version
+    for package in ("mnist1d", "numpy", "scipy"):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda name, p=package: "0.0.0" if name == p else version(name))
+        assert _mnist1d_cache_path(Path("/root"), 0, 10_000) != path, package
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert _mnist1d_cache_path(Path("/root"), 0, 10_000) == path
+
+
+def test_a_kept_set_is_read_without_importing_mnist1d(tmp_path, small_sets_kept):
+    # reading a kept set back spares the package's import (1.2 s: SciPy, matplotlib)
+    load_dataset("mnist1d", seed=4, root=str(tmp_path), num_samples=120)
+    code = (f"import sys; from bayesfl.data.datasets import load_dataset; "
+            f"import bayesfl.data.datasets as d; d.MNIST1D_CACHE_MIN_SAMPLES = 100; "
+            f"data = load_dataset('mnist1d', seed=4, root={str(tmp_path)!r}, num_samples=120); "
+            f"print(data.x.shape[0], 'mnist1d' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.split() == ["120", "False"]
 
 
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10", "cifar100"])
