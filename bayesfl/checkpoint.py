@@ -22,9 +22,9 @@ most of the CPU: the same bytes as 8 stacked tensors take ~0.5-0.9 CPU s instead
 ``durable_in_background=True`` leaves them to a thread (:class:`PendingWrite`), and the
 simulator's next round runs meanwhile (waiting on the disk, ~1 s a round at 16,000 clients,
 no longer in the round's time). Writing 470 MB into a new file needs as much fresh page cache,
-which on this project's VMs (freed memory goes back to the host) cost ~1.0 s of the ~0.5
-above; ``keep_spare=True`` writes over the file replaced one write before, whose pages are
-still cached (0.10-0.14 s), and skips the ``DONTNEED`` hint, which would drop them.
+which on this project's VMs (freed memory goes back to the host) made the write itself take
+0.95-1.14 s; ``keep_spare=True`` writes over the file replaced one write before, whose pages
+are still cached (0.10-0.14 s), and skips the ``DONTNEED`` hint, which would drop them.
 
 The file's safetensors metadata holds ``bayesfl.meta`` (``meta`` as JSON), ``bayesfl.fingerprint``
 (the run configuration's :func:`config_fingerprint`) and ``bayesfl.sha256`` (a digest of the
