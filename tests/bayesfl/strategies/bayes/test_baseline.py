@@ -1,7 +1,8 @@
 """The shared skeleton of the whole-network Bayesian baselines (bayesfl/strategies/bayes/
-baseline.py) changed no number: FedPA, pFedBayes and FedPop give exactly the metrics,
-predictions and posterior probabilities they gave before it existed; the Gaussian posteriors it
-builds are inference's, round-trip through their state and check inputs as bayesfl does."""
+baseline.py) changed no number: FedPA, pFedBayes and FedPop give the metrics, predictions and
+posterior probabilities they gave before it existed (to within any CPU's rounding); the
+Gaussian posteriors it builds are inference's, round-trip through their state and check inputs
+as bayesfl does."""
 
 from __future__ import annotations
 
@@ -28,13 +29,35 @@ OPTIONS = {
     "fedpop": {"sgld_burn_in": 4, "sgld_samples": 2, "sgld_thinning": 1, "final_samples": 3},
 }
 
-# Exact equality is legitimate here: the same data, seeds and single thread on the same torch
-# build and CPU kernels give the same bits, so a refactor that moves code without changing the
-# arithmetic leaves every figure identical; any difference is a change of the computation.
-# Another torch version or CPU capability may round differently in the last bits: there the
-# test says so and skips instead of comparing.
-SAME_MACHINE = (torch.__version__ == RECORDED["torch"]
-                and torch.backends.cpu.get_cpu_capability() == RECORDED["cpu_capability"])
+# The recording is compared within TOLERANCE, not bit for bit, so that the test runs (and can
+# fail) on every CPU: the same arithmetic rounds differently in the last bits under another
+# kernel set, and even the recording's own kernel set does not reproduce it on another CPU model
+# (ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine differs, MKL picking its own code path).
+# Measured on 2026-11-28 against this recording, torch 2.14.1: native AVX-512, avx2,
+# avx2 + MKL_CBWR=AVX2, default, default + MKL_CBWR=COMPATIBLE differ from it by at most
+# 3.6e-7 (pFedBayes' client-2 NLL; float32 training, figures of order 1), while a change of the
+# computation moves them far more: FedPA's learning rate 0.1% higher moves a figure by 4e-5,
+# pFedBayes' by 6.5e-3, one more SGLD burn-in step FedPop's by 4.9e-2. TOLERANCE sits between,
+# eleven times the rounding seen and a tenth of the smallest change tried. Counts, bytes,
+# participants and rejections are compared exactly.
+TOLERANCE = 4e-6
+
+
+def assert_close(got, want, where: str = "") -> None:
+    """``got`` equals the recorded ``want`` (JSON values): floats within TOLERANCE, every other
+    value (ints, strings, the structure itself) exactly; ``where`` names the first mismatch."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_close(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) or isinstance(got, float):
+        assert abs(got - want) <= TOLERANCE, f"{where}: {got!r} != {want!r} within {TOLERANCE}"
+    else:
+        assert got == want, where
 
 
 @pytest.fixture
@@ -54,23 +77,22 @@ def without_timings(metrics: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SAME_MACHINE, reason=(
-    f"figures recorded with torch {RECORDED['torch']} on {RECORDED['cpu_capability']} kernels; "
-    "other builds may round differently in the last bits"))
+@pytest.mark.trained
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_the_three_runs_give_exactly_what_they_gave_before_the_skeleton(name, one_thread):
+def test_the_three_runs_give_what_they_gave_before_the_skeleton_on_any_cpu(name, one_thread):
     result = simulate(name, "digits", clients=3, partition="iid", rounds=2, seed=0,
                       progress=False, local_epochs=1, batch_size=64, threads=1,
                       strategy_options=OPTIONS[name])
     recorded = RECORDED["runs"][name]
-    assert without_timings(result.metrics) == recorded["metrics"]
+    assert_close(without_timings(result.metrics), recorded["metrics"], "metrics")
     x = result.clients[1].data.test_x[:5]
     predicted = result.strategy.predict(result.clients[1].config, result.client_state(1),
                                         result.evaluation_broadcast, x)
-    assert {k: v.tolist() for k, v in predicted.items()} == recorded["predict"]
+    assert_close({k: v.tolist() for k, v in predicted.items()}, recorded["predict"], "predict")
     posterior = result.posterior(1)
     options = {} if name == "fedpop" else {"generator": torch.Generator().manual_seed(0)}
-    assert posterior.predict_proba(x, **options).tolist() == recorded["posterior_probs"]
+    assert_close(posterior.predict_proba(x, **options).tolist(), recorded["posterior_probs"],
+                 "posterior_probs")
 
 
 @pytest.mark.parametrize("name", ["fedpa", "pfedbayes"])
