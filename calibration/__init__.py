@@ -1,4 +1,5 @@
-"""Calibration metrics, mergeable accumulators, reliability diagrams and reports.
+"""Calibration metrics, mergeable accumulators, reliability diagrams and reports; uncertainty
+scores, out-of-distribution detection and selective-prediction metrics.
 
 Takes probabilities (or logits, when told so) and integer labels; knows nothing about
 federation or posteriors. Plotting (seaborn) is imported only when a diagram is drawn.
@@ -30,8 +31,16 @@ from calibration.metrics import (
     positive_class_stats,
     reliability_stats,
 )
+from calibration.ood import AurocAccumulator, ScoreCounts, aupr, auroc, fpr_at_tpr, ood_report
 from calibration.prediction_files import Predictions, load_predictions
 from calibration.report import CalibrationReport, ReportRow, report
+from calibration.selective import (
+    accuracy_at_coverage,
+    aurc,
+    e_aurc,
+    optimal_aurc,
+    risk_coverage,
+)
 from calibration.smooth_ece import (
     SmoothECE,
     SmoothReliabilityCurve,
@@ -52,6 +61,12 @@ from calibration.temperature import (
     temperature_report,
     temperature_search,
 )
+from calibration.uncertainty import (
+    entropy_decomposition,
+    max_probability,
+    ood_scores,
+    predictive_entropy,
+)
 
 _PLOTTING = {"reliability_diagram", "save_figure"}
 
@@ -67,6 +82,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Accumulator",
+    "AurocAccumulator",
     "BinStats",
     "Binning",
     "CalibrationError",
@@ -79,30 +95,44 @@ __all__ = [
     "NativeKernelError",
     "Predictions",
     "ReportRow",
+    "ScoreCounts",
     "SmoothECE",
     "SmoothReliabilityCurve",
     "TemperatureAtBoundWarning",
     "TemperatureFit",
     "TemperatureReport",
     "accuracy",
+    "accuracy_at_coverage",
     "apply_temperature",
+    "aupr",
+    "aurc",
+    "auroc",
     "bootstrap_ece",
     "brier",
     "classwise_ece",
+    "e_aurc",
     "ece",
+    "entropy_decomposition",
     "evaluate",
     "fit_temperature",
+    "fpr_at_tpr",
     "l2_calibration_error",
     "load_predictions",
+    "max_probability",
     "mce",
     "minimize_temperature",
     "nll",
     "nll_derivatives",
+    "ood_report",
+    "ood_scores",
+    "optimal_aurc",
     "positive_class_ece",
     "positive_class_stats",
+    "predictive_entropy",
     "reliability_diagram",
     "reliability_stats",
     "report",
+    "risk_coverage",
     "save_figure",
     "smooth_calibration_error",
     "smooth_ece",
