@@ -132,10 +132,10 @@ def _check_both(n_in: int, n_ood: int, what: str) -> None:
         raise InvalidInputError(f"{what} needs rows to score; got none")
     if n_in == 0 or n_ood == 0:
         missing = "in-distribution" if n_in == 0 else "out-of-distribution"
-        present = n_ood if n_in == 0 else n_in
+        present = f"{n_ood} OOD" if n_in == 0 else f"{n_in} in-distribution"
         raise InvalidInputError(
             f"{what} needs both in-distribution and out-of-distribution rows; got {present} rows "
-            f"and no {missing} ones (add {missing} rows, e.g. merge the states of clients that "
+            f"and no {missing} rows (add {missing} rows, e.g. merge the states of clients that "
             "hold them; is_ood must be True/1 for OOD rows)"
         )
     if 2 * n_in * n_ood >= _INT64_LIMIT:
