@@ -24,6 +24,7 @@ pytest.importorskip("flwr")
 from flwr.app import ConfigRecord, RecordDict
 from safetensors.torch import load_file
 
+from bayesfl.engine.state import save_round
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.flower.local import LocalFederation, _start_time
 from bayesfl.flower.protocol import (
@@ -34,6 +35,8 @@ from bayesfl.flower.protocol import (
     record_values,
     unpack,
 )
+from bayesfl.messages import read_safetensors_metadata
+from bayesfl.run_directory import CHECKPOINT_NAME
 from bayesfl.simulate import simulate
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import PREDICTIVE, Evaluation, StrategyContext
@@ -92,6 +95,28 @@ def assert_matches_simulator(out: Path, summary: dict[str, Any], strategy: str,
                 sim.summary["map_plugin"][key], abs=1e-12), f"map_plugin {key}"
     assert summary["bytes_up"] == sim.summary["bytes_up"]
     assert summary["bytes_down"] == sim.summary["bytes_down"]
+
+
+def checkpointed_round(path: Path) -> int | None:
+    """The round of the checkpoint at ``path`` (from its safetensors header only), or None
+    while there is none: the checkpoint is written atomically after each round is complete."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+    except FileNotFoundError:
+        return None
+    return json.loads(read_safetensors_metadata(head + header)["bayesfl.meta"])["round"]
+
+
+def test_checkpointed_round_reads_the_round_a_checkpoint_was_written_for(tmp_path):
+    path = tmp_path / CHECKPOINT_NAME
+    assert checkpointed_round(path) is None
+    for r in (0, 1):
+        save_round(path, round=r, first_round=1, seconds=0.0, identity={}, fingerprint="f",
+                   state={"w": torch.zeros(2)}, clients={}, metrics_text=b"",
+                   transport="flower")
+        assert checkpointed_round(path) == r
 
 
 def listening_addresses(pids: set[int]) -> set[str]:
@@ -291,27 +316,34 @@ def test_a_probabilistic_head_on_flower_equals_the_simulator(federation, tmp_pat
 @pytest.mark.slow  # ~2-3 minutes: Flower declares a SIGKILLed node dead after missed heartbeats
 def test_an_invalid_upload_and_a_killed_supernode_do_not_stop_the_run(tmp_path):
     # the tamper app's client 1 uploads NaN in round 1; SuperNode 2 is SIGKILLed once round 1
-    # is recorded (evaluate-every 100: rounds 0 and 1 are recorded as they end, unevaluated).
-    # The run must reject the one, log the other and complete round 2 with the two clients
-    # left.
+    # is complete: its checkpoint (written atomically after the round's record, evaluate-every
+    # 100: rounds 0 and 1 are recorded as they end, unevaluated) says round 1, so node 2's
+    # round-1 upload is in and only round 2 can miss it. The run must reject the one, log the
+    # other and complete round 2 with the two clients left.
     out = tmp_path / "run"
+    killed = threading.Event()
+    run_over = threading.Event()
     with LocalFederation(3, start_timeout=300.0) as fed:
         def kill_after_round_one() -> None:
-            deadline = time.monotonic() + RUN_TIMEOUT
-            metrics = out / "metrics.jsonl"
-            while time.monotonic() < deadline:
-                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            # the checkpoint is replaced whole (write-then-rename), never seen half-written,
+            # unlike a line being appended to metrics.jsonl
+            while not run_over.wait(0.2):
+                if (checkpointed_round(out / CHECKPOINT_NAME) or 0) >= 1:
                     fed.kill_node(2)
+                    killed.set()
                     return
-                time.sleep(0.5)
 
         killer = threading.Thread(target=kill_after_round_one, daemon=True)
         killer.start()
         # the dead node's messages wait round-timeout at most (Flower notices a SIGKILLed
         # node after two missed heartbeats, ~60 s)
-        summary = run_on_flower(fed, out, "fedlog", 2, app=TAMPER_APP,
-                                **{"round-timeout": 120.0})
-        killer.join(timeout=5)
+        try:
+            summary = run_on_flower(fed, out, "fedlog", 2, app=TAMPER_APP,
+                                    **{"round-timeout": 120.0})
+        finally:
+            run_over.set()
+            killer.join(timeout=30)
+        assert killed.is_set(), "the run ended before its round-1 checkpoint was seen"
         pids = federation_pids(fed) | {fed.supernodes[2].pid}
     # stopped on leaving the block: every process it started and their descendants
     assert not [pid for pid in pids if _start_time(pid) is not None]
