@@ -163,17 +163,47 @@ def watch_divergence() -> Iterator[dict[int, str]]:
         _DIVERGED.reset(token)
 
 
-def _stopped(generator: torch.Generator, loss: float, epoch: int, step: int,
-             config: LocalTraining) -> None:
-    """Record (inside :func:`watch_divergence`) or warn that a client's training stopped."""
-    reason = (f"local training loss became {loss} at epoch {epoch + 1} of {config.epochs}, "
-              f"mini-batch {step + 1}, and training stopped there; lower the learning rate "
-              f"(lr {config.lr:g}) or check the client's inputs for extreme values")
+def record_divergence(generator: torch.Generator, reason: str, *, stacklevel: int = 2) -> None:
+    """Say that the local computation of the client whose generator of the round is
+    ``generator`` went non-finite and stopped, for ``reason`` (what happened and what to do).
+
+    Inside :func:`watch_divergence` (the simulator) the reason is recorded for the caller, who
+    undoes the client's round and sends nothing; elsewhere a :class:`LocalTrainingWarning`
+    says so (``stacklevel`` counted from the caller of this function). The one guard of every
+    local loop: :func:`train_plain`, :func:`train_stacked` and the strategies with their own
+    loops (:func:`loss_diverged`)."""
     records = _DIVERGED.get()
     if records is None:
-        warnings.warn(reason, LocalTrainingWarning, stacklevel=3)
+        warnings.warn(reason, LocalTrainingWarning, stacklevel=stacklevel + 1)
     else:
         records.setdefault(id(generator), reason)
+
+
+def loss_diverged(loss: Tensor, generator: torch.Generator, *, epoch: int, step: int,
+                  epochs: int, lr: float) -> bool:
+    """Whether the mini-batch ``loss`` is non-finite; if so the stop is recorded or warned
+    about (:func:`record_divergence`) and the caller's loop must stop before the step it would
+    poison. ``epoch`` and ``step`` count from 0; ``epochs`` and ``lr`` are the loop's, named in
+    the reason. Strategies with their own training loops call it on every loss they step on,
+    before ``backward``::
+
+        if loss_diverged(loss, generator, epoch=epoch, step=step, epochs=E, lr=lr):
+            return  # the parameters stay those of the last finite mini-batch
+    """
+    if bool(torch.isfinite(loss).all()):
+        return False
+    _stopped(generator, float(loss.detach().reshape(-1)[0]) if loss.numel() == 1 else
+             float("nan"), epoch, step, epochs, lr, stacklevel=3)
+    return True
+
+
+def _stopped(generator: torch.Generator, loss: float, epoch: int, step: int, epochs: int,
+             lr: float, stacklevel: int = 2) -> None:
+    """Record (inside :func:`watch_divergence`) or warn that a client's training stopped."""
+    reason = (f"local training loss became {loss} at epoch {epoch + 1} of {epochs}, "
+              f"mini-batch {step + 1}, and training stopped there; lower the learning rate "
+              f"(lr {lr:g}) or check the client's inputs for extreme values")
+    record_divergence(generator, reason, stacklevel=stacklevel + 1)
 
 
 def train_plain(
@@ -222,8 +252,9 @@ def train_plain(
                 loss = objective(model(x[idx]), y[idx]).mean()
                 if penalty is not None:
                     loss = loss + penalty(dict(zip(train_names, params, strict=True)))
-                if not bool(torch.isfinite(loss)):  # its gradient would poison every weight
-                    _stopped(generator, float(loss.detach()), epoch, step, config)
+                # its gradient would poison every weight
+                if loss_diverged(loss, generator, epoch=epoch, step=step,
+                                 epochs=config.epochs, lr=config.lr):
                     return
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -465,7 +496,8 @@ def train_stacked(
             finite = torch.isfinite(losses)
             if not bool(finite.all()):  # rare: stop those clients, the others go on
                 for k in torch.nonzero(~finite & ~stopped).flatten().tolist():
-                    _stopped(generators[k], float(losses[k]), epoch, s, config)
+                    _stopped(generators[k], float(losses[k]), epoch, s, config.epochs,
+                             config.lr)
                 stopped |= ~finite
                 if isinstance(state, StackedAdam):  # it cannot leave rows out
                     m, v = state.moments(train_p)

@@ -83,6 +83,7 @@ from bayesfl.strategies.base import (
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
 from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.robust import DECLARED
+from bayesfl.training import loss_diverged
 from inference.network_gaussian import (
     NetworkGaussian,
     Prepare,
@@ -349,9 +350,12 @@ class FedPA(NetworkGaussianBaseline):
         for epoch in range(training.epochs):
             total, steps = None, 0
             order = torch.randperm(n, generator=generator).to(x.device)
-            for start in range(0, n, training.batch_size):
+            for step, start in enumerate(range(0, n, training.batch_size)):
                 idx = order[start : start + training.batch_size]
                 loss = F.cross_entropy(model(x[idx]), y[idx])
+                if loss_diverged(loss, generator, epoch=epoch, step=step,
+                                 epochs=training.epochs, lr=self.client_lr):
+                    return samples, flatten(dict(model.named_parameters()), layout).detach()
                 for p in params:
                     p.grad = None
                 loss.backward()

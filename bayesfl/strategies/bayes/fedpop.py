@@ -56,6 +56,7 @@ Registry name: ``fedpop``.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +64,7 @@ from torch import Tensor, nn
 
 from bayesfl.adam import Adam
 from bayesfl.data.clients import ClientData
-from bayesfl.errors import MessageRejected
+from bayesfl.errors import LocalTrainingWarning, MessageRejected
 from bayesfl.messages import Message
 from bayesfl.posterior import ClientPosterior, client_posterior
 from bayesfl.strategies.base import (
@@ -78,7 +79,9 @@ from bayesfl.strategies.base import (
 from bayesfl.strategies.bayes.baseline import BayesianBaseline
 from bayesfl.strategies.networks import batched_apply
 from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.training import loss_diverged, record_divergence
 from inference.ensemble import EnsemblePosterior
+from inference.errors import NumericalError
 from inference.laplace_head import find_mode
 from inference.linear_model import augment_with_bias
 from inference.options import Likelihood
@@ -260,7 +263,16 @@ class FedPop(BayesianBaseline):
         prior with the draws fixed (module docstring); uploads body and prior."""
         body, mean, std = self._received(config, state, broadcast)
         seed = int(torch.randint(2**62, (1,), generator=generator))
-        draws, mode = self._draw(body, data, mean, std, seed, final=False, state=state)
+        try:
+            draws, mode = self._draw(body, data, mean, std, seed, final=False, state=state)
+        except NumericalError as err:  # this client's features: its round stops here
+            record_divergence(generator, (
+                f"the SGLD draws of the personal head failed ({err}); check the client's "
+                f"inputs for extreme values or lower sgld_step_size ({self.sgld_step_size:g})"))
+            tensors = {BODY + n: p for n, p in body.named_parameters()}
+            tensors[PRIOR_MEAN] = mean.to(torch.float32)
+            tensors[PRIOR_STD] = torch.tensor([std], dtype=torch.float32)
+            return dict(state), self.upload(broadcast, config, data, tensors)
         prior_mean = mean.clone().to(torch.float32).requires_grad_(True)
         log_std = torch.tensor(math.log(std), requires_grad=True)
         self._train(body, draws.to(torch.float32), prior_mean, log_std, data, generator)
@@ -279,11 +291,14 @@ class FedPop(BayesianBaseline):
         optimizer = Adam(params, lr=training.lr, betas=training.betas, eps=training.eps)
         n, x, y = data.num_train, data.train_x, data.train_y
         body.train()
-        for _ in range(training.epochs):
+        for epoch in range(training.epochs):
             order = torch.randperm(n, generator=generator).to(x.device)
-            for start in range(0, n, training.batch_size):
+            for step, start in enumerate(range(0, n, training.batch_size)):
                 idx = order[start : start + training.batch_size]
                 loss = self.local_loss(body(x[idx]), y[idx], draws, prior_mean, log_std, n)
+                if loss_diverged(loss, generator, epoch=epoch, step=step,
+                                 epochs=training.epochs, lr=training.lr):
+                    return
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -311,10 +326,21 @@ class FedPop(BayesianBaseline):
         broadcast: Message,
         generator: torch.Generator,
     ) -> ClientState:
-        """``final_samples`` head draws under the final global body and prior."""
+        """``final_samples`` head draws under the final global body and prior; where they
+        fail on this client's data (extreme inputs), a warning, and the prior mean as its head
+        (one client's data never stop the run)."""
         body, mean, std = self._received(config, state, broadcast)
         seed = int(torch.randint(2**62, (1,), generator=generator))
-        draws, mode = self._draw(body, data, mean, std, seed, final=True, state=state)
+        try:
+            draws, mode = self._draw(body, data, mean, std, seed, final=True, state=state)
+        except NumericalError as err:
+            warnings.warn(
+                f"client {config.client_id}: the SGLD draws of its personal head failed "
+                f"({err}); it predicts with the population's prior mean head instead. Check "
+                f"the client's inputs for extreme values or lower sgld_step_size "
+                f"({self.sgld_step_size:g}).", LocalTrainingWarning, stacklevel=2)
+            kept = {MODE: state[MODE]} if MODE in state else {}
+            return model_state(body) | {DRAWS: torch.zeros(1, *self.head_shape)} | kept
         return model_state(body) | {DRAWS: draws.to(torch.float32), MODE: mode}
 
     def _heads(self, config: ClientConfig, state: ClientState,

@@ -91,6 +91,7 @@ from bayesfl.strategies.base import (
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
 from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.uploads import weighted_mean
+from bayesfl.training import loss_diverged
 from inference.network_gaussian import NetworkGaussian, flatten
 
 MU, RHO = "mu.", "rho."
@@ -256,17 +257,23 @@ class PFedBayes(NetworkGaussianBaseline):
                           betas=training.betas, eps=training.eps)
         n = data.num_train
         x, y = data.train_x, data.train_y
-        for _ in range(training.epochs):
+        for epoch in range(training.epochs):
             order = torch.randperm(n, generator=generator).to(x.device)
-            for start in range(0, n, training.batch_size):
+            for step, start in enumerate(range(0, n, training.batch_size)):
                 idx = order[start : start + training.batch_size]
                 for _ in range(self.personal_steps):
                     loss = self.personal_loss(model, mu, rho, g_mu, g_rho, x[idx], y[idx], n,
                                               generator)
+                    if loss_diverged(loss, generator, epoch=epoch, step=step,
+                                     epochs=training.epochs, lr=self.lr):
+                        return
                     opt_personal.zero_grad(set_to_none=True)
                     loss.backward()
                     opt_personal.step()
                 loss = self.global_loss(mu, rho, g_mu, g_rho, n)
+                if loss_diverged(loss, generator, epoch=epoch, step=step,
+                                 epochs=training.epochs, lr=self.global_lr):
+                    return
                 opt_global.zero_grad(set_to_none=True)
                 loss.backward()
                 opt_global.step()

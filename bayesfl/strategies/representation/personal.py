@@ -32,6 +32,7 @@ from bayesfl.strategies.base import (
     derived_seed,
     model_state,
 )
+from bayesfl.training import loss_diverged
 
 OPTIM_PREFIX = "optim."
 LOSS_PREFIX = "loss."
@@ -166,10 +167,13 @@ class PersonalStrategy(Strategy):
             if epoch > 0 and t.reset_optimizer_each_epoch and not self.keep_optimizer:
                 opt = self._optimizer(model, state)
             order = torch.randperm(n, generator=generator).to(x.device)
-            for start in range(0, n, t.batch_size):
+            for step, start in enumerate(range(0, n, t.batch_size)):
                 idx = order[start : start + t.batch_size]
                 parts, features = terms(model, x[idx], y[idx], generator)
                 loss = sum(weights[k] * parts[k] for k in self.LOSS_TERMS).mean()
+                if loss_diverged(loss, generator, epoch=epoch, step=step, epochs=t.epochs,
+                                 lr=t.lr):
+                    break
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -179,6 +183,9 @@ class PersonalStrategy(Strategy):
                     seen += len(idx)
                     if on_last_epoch is not None:
                         on_last_epoch(idx, features.detach())
+            else:
+                continue
+            break  # the loss diverged: the model stays as of the last finite mini-batch
         logs = {LOSS_PREFIX + k: torch.tensor([v / max(seen, 1)], dtype=torch.float64)
                 for k, v in sums.items()}
         return {**self._saved_optimizer(model, opt, state), **logs}
