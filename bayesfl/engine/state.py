@@ -36,6 +36,7 @@ from bayesfl.engine.steps import cached_upload_problem, server_state_problem
 from bayesfl.errors import CheckpointError
 from bayesfl.stacked_rows import held_bytes, stack_rows
 from bayesfl.strategies.base import ClientState, ServerState, Strategy
+from bayesfl.strategies.robust import declared_ledger_problem
 
 METRICS_TENSOR = "run/metrics.jsonl"
 """Checkpoint tensor holding ``metrics.jsonl`` as bytes."""
@@ -234,7 +235,8 @@ def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[st
     try:
         state = {k: tensors[f"server/{k}"].to(device) for k in meta["server_keys"]}
         problem = (server_state_problem(state, fresh) or cached_upload_problem(
-            state, server.upload_schema(fresh, min(last + 1, rounds)), num_clients))
+            state, server.upload_schema(fresh, min(last + 1, rounds)), num_clients)
+            or declared_ledger_problem(state, num_clients))
         if problem is not None:
             raise ValueError(problem)
         rng = tensors["rng/torch"]

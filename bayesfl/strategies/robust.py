@@ -148,6 +148,28 @@ def declared_problems(
     return reasons
 
 
+def declared_ledger_problem(state: Mapping[str, Tensor], num_clients: int) -> str | None:
+    """The first ``declared/<client id>`` tensor of a server state received from outside (a
+    checkpoint to resume) that this run cannot have written: not an int64 scalar, a count
+    below 1, or a client id outside ``0 .. num_clients - 1``; None if the ledger fits. (A
+    declared count is read with ``int()`` every round: a wrong shape would stop the run
+    there.)"""
+    for name, tensor in state.items():
+        if not name.startswith(DECLARED):
+            continue
+        cid = name[len(DECLARED):]
+        if not cid.isdigit() or int(cid) >= num_clients:
+            return (f"server tensor {name!r} names no client of this run "
+                    f"(0 to {num_clients - 1})")
+        if tensor.dtype != torch.int64 or tensor.dim() != 0:
+            return (f"server tensor {name!r} is {tensor.dtype} of shape {tuple(tensor.shape)}; "
+                    "a declared sample count is a torch.int64 scalar")
+        if int(tensor) < 1:
+            return (f"server tensor {name!r} declares {int(tensor)} samples; a declared "
+                    "sample count is at least 1")
+    return None
+
+
 def declarations(
     state: Mapping[str, Tensor], client_ids: Sequence[int], counts: Sequence[int]
 ) -> dict[str, Tensor]:

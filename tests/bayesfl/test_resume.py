@@ -206,6 +206,34 @@ def test_a_server_state_that_a_fresh_run_could_not_have_is_refused_naming_the_te
     assert expected in str(info.value) and "--force" in str(info.value)
 
 
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda t: torch.tensor([int(t), 1, 1]), "server tensor 'declared/0' is torch.int64 of "
+     "shape (3,); a declared sample count is a torch.int64 scalar"),
+    (lambda t: t.double(), "server tensor 'declared/0' is torch.float64 of shape (); a "
+     "declared sample count is a torch.int64 scalar"),
+    (lambda t: torch.tensor(-5), "server tensor 'declared/0' declares -5 samples; a declared "
+     "sample count is at least 1"),
+])
+def test_a_forged_declared_sample_count_is_refused_by_shape_and_dtype(cut, change, expected):
+    # the ledger of first declared counts (bayesfl/strategies/robust.py) is added as the run
+    # goes: no fresh-state counterpart checks it, so its own rule does
+    _forge_server_tensor(cut, "declared/0", change)
+    with pytest.raises(CheckpointError, match="not written by this run") as info:
+        simulate("fedavg", out=cut, resume=True, **SMALL)
+    assert expected in str(info.value) and "--force" in str(info.value)
+
+
+def test_a_declared_sample_count_of_a_client_this_run_has_not_is_refused(cut):
+    path, fingerprint = cut / CHECKPOINT_NAME, _fingerprint(cut)
+    tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
+    tensors["server/declared/9"] = torch.tensor(5)
+    save_checkpoint(path, tensors, {**meta, "server_keys": [*meta["server_keys"], "declared/9"]},
+                    fingerprint=fingerprint)
+    with pytest.raises(CheckpointError, match="server tensor 'declared/9' names no client of "
+                                              r"this run \(0 to 3\)"):
+        simulate("fedavg", out=cut, resume=True, **SMALL)
+
+
 def test_a_missing_server_tensor_is_named(cut):
     path, fingerprint = cut / CHECKPOINT_NAME, _fingerprint(cut)
     tensors, meta = load_checkpoint(path, fingerprint=fingerprint)
