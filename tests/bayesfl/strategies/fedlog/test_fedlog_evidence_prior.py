@@ -27,6 +27,5 @@ def test_the_servers_scale_is_the_evidence_choice_under_its_prior_nu(build):
         assert chosen[nu] == pytest.approx(expected, rel=1e-5), nu
     # 39 samples: a prior worth 100 of them shrinks the class means and with them s (well
     # beyond the 1e-5 above: 2.03, 1.70, 1.13 at nu = 1, 10, 100; the bodies are trained with
-    # the head of each nu, so only the
-    # direction and a clear gap are asserted, not values)
+    # the head of each nu, so only the direction and a clear gap are asserted, not values)
     assert chosen[100.0] < 0.9 * chosen[1.0]
