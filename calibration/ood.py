@@ -1,7 +1,7 @@
 """Out-of-distribution detection metrics of any score, and a mergeable (federated) AUROC.
 
 Convention: **a higher score means more likely out-of-distribution** (entropy, mutual
-information, the negated maximum probability of :func:`calibration.ood_scores`). For a confidence
+information, the negated maximum probability of `calibration.ood_scores`). For a confidence
 (higher = more in-distribution, e.g. the maximum probability itself) pass
 ``higher_is_ood=False``: the scores are negated, which is exact, so ties and order are kept.
 
@@ -26,7 +26,7 @@ exactly: rows sharing a score are flagged together):
   It equals ``fpr[np.searchsorted(tpr_curve, tpr)]`` of ``roc_curve(..., drop_intermediate=False)``.
 
 All of them are functions of the number of in-distribution and OOD rows at each distinct score,
-which is what :class:`AurocAccumulator` keeps: the state of several clients merges exactly, and
+which is what `AurocAccumulator` keeps: the state of several clients merges exactly, and
 the merged metrics equal those of the pooled rows bitwise, in any merge order.
 """
 
@@ -250,8 +250,8 @@ def ood_report(scores_in: Any, scores_out: Any, *, higher_is_ood: bool = True,
     """All detection metrics of in-distribution scores (N_in,) against OOD scores (N_out,).
 
     Returns a dict: ``auroc``, ``aupr_out``, ``aupr_in``, ``fpr_at_tpr`` (at ``tpr``, 0.95 by
-    default: FPR@95), ``tpr``, ``n_in``, ``n_ood``. Same definitions as :func:`auroc`,
-    :func:`aupr` and :func:`fpr_at_tpr` on the concatenated rows.
+    default: FPR@95), ``tpr``, ``n_in``, ``n_ood``. Same definitions as `auroc`,
+    `aupr` and `fpr_at_tpr` on the concatenated rows.
     """
     tpr = _check_tpr(tpr)
     inside = _score_vector(scores_in, "scores_in")
@@ -270,22 +270,22 @@ class AurocAccumulator:
 
     * **exact** (default, ``n_bins=None``): the number of in-distribution and OOD rows at each
       distinct score. Merging adds the counts of equal scores, so the merged state is the pooled
-      rows' state and :meth:`compute` gives bitwise the metrics of :func:`ood_report` on the
+      rows' state and `compute` gives bitwise the metrics of `ood_report` on the
       pooled rows, in any merge order. Its size is 24 bytes per *distinct* score (up to the
       number of rows: float scores rarely repeat), and a client reveals every distinct score it
       saw with how many of its in-distribution and OOD rows had it (its labelled scores, without
       row order).
     * **binned** (``n_bins`` and ``score_range=(low, high)``): counts per equal-width bin on
       [low, high], scores outside the range counted in the end bins. Its size, 16 bytes per bin,
-      is fixed (``n_bins`` at most :data:`calibration.binning.MAX_BINS`, checked before
+      is fixed (``n_bins`` at most `calibration.binning.MAX_BINS`, checked before
       anything is allocated), and a client reveals only this histogram over public edges. Only
       the AUROC is computed, treating rows that share a bin as tied; bins are ordered like the
       scores, so only pairs of an OOD and an in-distribution row in the same bin can be scored
       differently from the exact AUROC (1/2 instead of 0, 1/2 or 1), hence
       ``|AUROC_binned - AUROC_exact| <= auroc_error_bound = (1/2) sum_b in_b ood_b /
-      (n_in n_ood)``, half the fraction of pairs sharing a bin, reported by :meth:`compute`.
+      (n_in n_ood)``, half the fraction of pairs sharing a bin, reported by `compute`.
 
-    ``update`` adds rows, ``merge`` (or ``+``, ``sum(...)``, :meth:`merged`) returns a new
+    ``update`` adds rows, ``merge`` (or ``+``, ``sum(...)``, `merged`) returns a new
     accumulator, ``state_dict``/``from_state_dict`` carry the state as tensors.
     """
 
@@ -339,7 +339,7 @@ class AurocAccumulator:
         return twin
 
     def update(self, scores: Any, is_ood: Any, *, higher_is_ood: bool = True) -> AurocAccumulator:
-        """Add rows: ``scores`` (N,) and ``is_ood`` (N,) as for :func:`auroc`; returns self."""
+        """Add rows: ``scores`` (N,) and ``is_ood`` (N,) as for `auroc`; returns self."""
         values = _score_vector(scores)
         labels = _labels(is_ood, values.shape[0], values.device)
         values = _oriented(values, higher_is_ood)
@@ -440,7 +440,7 @@ class AurocAccumulator:
     def compute(self, tpr: float = 0.95) -> dict[str, float]:
         """Metrics dict.
 
-        Exact variant: the dict of :func:`ood_report` (``auroc``, ``aupr_out``, ``aupr_in``,
+        Exact variant: the dict of `ood_report` (``auroc``, ``aupr_out``, ``aupr_in``,
         ``fpr_at_tpr``, ``tpr``, ``n_in``, ``n_ood``). Binned variant: ``auroc``,
         ``auroc_error_bound`` (the bound on its distance to the exact AUROC), ``n_in``,
         ``n_ood``, ``n_bins``.
@@ -476,7 +476,7 @@ class AurocAccumulator:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor],
                         device: torch.device | str | None = None) -> AurocAccumulator:
-        """Rebuild an accumulator from :meth:`state_dict` output, validating it first."""
+        """Rebuild an accumulator from `state_dict` output, validating it first."""
         if not isinstance(state, Mapping):
             raise InvalidInputError(
                 f"an AurocAccumulator state is a mapping of name -> tensor; got "

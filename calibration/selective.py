@@ -4,7 +4,7 @@ A selective classifier answers the rows it is most confident about and abstains 
 Two ways to pass the rows, told apart by the first argument's number of dimensions:
 
 * ``(probs, labels)``: probabilities (N, C) (logits with ``from_logits=True``) and integer labels
-  (N,), validated like every metric of :mod:`calibration`; a row is correct when its argmax is
+  (N,), validated like every metric of `calibration`; a row is correct when its argmax is
   its label, and its confidence is its maximum probability unless ``confidence`` (N,) is given
   (any real score, higher = more confident: e.g. ``-mutual_information`` of posterior draws);
 * ``(confidence, correct)``: a confidence (N,) and per-row correctness (N,), booleans or 0/1.
@@ -134,7 +134,7 @@ def aurc(probs_or_confidence: Any, labels_or_correct: Any, *, confidence: Any = 
          from_logits: bool = False) -> float:
     """Area under the risk-coverage curve, in [0, 1]; lower is better.
 
-    See the module notes: the step area of :func:`risk_coverage`, tie groups accepted together.
+    See the module notes: the step area of `risk_coverage`, tie groups accepted together.
     """
     accepted, wrong, n_rows, _ = _curve(probs_or_confidence, labels_or_correct, confidence,
                                         from_logits)
@@ -143,7 +143,7 @@ def aurc(probs_or_confidence: Any, labels_or_correct: Any, *, confidence: Any = 
 
 def e_aurc(probs_or_confidence: Any, labels_or_correct: Any, *, confidence: Any = None,
            from_logits: bool = False) -> float:
-    """Excess AURC: :func:`aurc` minus :func:`optimal_aurc` of the same rows, >= 0 (up to
+    """Excess AURC: `aurc` minus `optimal_aurc` of the same rows, >= 0 (up to
     rounding); 0 for a confidence that ranks every correct row strictly above every error."""
     accepted, wrong, n_rows, n_errors = _curve(probs_or_confidence, labels_or_correct,
                                                confidence, from_logits)

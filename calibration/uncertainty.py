@@ -7,11 +7,11 @@ Two input shapes, told apart by their number of dimensions (never by their value
   ensemble members, Laplace or MFVI samples); the predictive is their mean over draws.
 
 Every entry must be finite and >= 0 and every row must sum to 1 within
-:func:`calibration.row_scores.sum_tolerance` (1e-3 for float32/float64). Entropies are in nats
+`calibration.row_scores.sum_tolerance` (1e-3 for float32/float64). Entropies are in nats
 with ``0 log 0 = 0``, computed in float64 whatever the input dtype, on the input's device.
 
-Score convention (shared with :mod:`calibration.ood`): **a higher score means more likely
-out-of-distribution** (more uncertain). :func:`ood_scores` therefore returns the *negated*
+Score convention (shared with `calibration.ood`): **a higher score means more likely
+out-of-distribution** (more uncertain). `ood_scores` therefore returns the *negated*
 maximum probability for ``kind="max_prob"`` (negation is exact, so ties and order are kept);
 pass ``higher_is_ood=False`` to the detection metrics to use a confidence (higher = more
 in-distribution) as it is.
@@ -29,7 +29,7 @@ from calibration.inputs import as_tensor
 from calibration.row_scores import sum_tolerance
 
 SCORE_KINDS = ("entropy", "max_prob", "mutual_information", "expected_entropy")
-"""The kinds :func:`ood_scores` computes (the last two need posterior draws (S, N, C))."""
+"""The kinds `ood_scores` computes (the last two need posterior draws (S, N, C))."""
 
 
 def _probabilities(probs: Any, name: str, shape: str, ndim: int) -> Tensor:
@@ -80,7 +80,7 @@ def _entropy(probs: Tensor) -> Tensor:
 def predictive_entropy(probs: Any) -> Tensor:
     """Entropy ``-sum_c p_c log p_c`` (nats) of each row of ``probs`` (N, C): (N,) float64.
 
-    For posterior draws (S, N, C) use :func:`entropy_decomposition` (its ``total`` is the
+    For posterior draws (S, N, C) use `entropy_decomposition` (its ``total`` is the
     entropy of the mean over draws).
     """
     return _entropy(_probabilities(probs, "probs", "(N, C)", 2))
@@ -137,7 +137,7 @@ def ood_scores(probs: Any, kind: str = "entropy") -> Tensor:
     * ``"max_prob"``: the *negated* maximum probability ``-max_c p_c`` (of the mean over draws),
       so that higher is more OOD; pass ``max_probability(...)`` with ``higher_is_ood=False`` to
       the metrics to keep the confidence itself;
-    * ``"mutual_information"``: the epistemic part of :func:`entropy_decomposition` (needs draws);
+    * ``"mutual_information"``: the epistemic part of `entropy_decomposition` (needs draws);
     * ``"expected_entropy"``: its aleatoric part (needs draws).
     """
     if kind not in SCORE_KINDS:
