@@ -33,10 +33,12 @@ the merged metrics equal those of the pooled rows bitwise, in any merge order.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -183,11 +185,8 @@ def _fpr_at_tpr(counts: ScoreCounts, tpr: float) -> float:
 
 
 def _check_tpr(tpr: Any) -> float:
-    if isinstance(tpr, bool) or not isinstance(tpr, int | float):
-        try:
-            tpr = float(tpr)  # numpy scalars, 0-d tensors
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"tpr must be a number in (0, 1]; got {tpr!r}") from None
+    if isinstance(tpr, bool | np.bool_) or not isinstance(tpr, numbers.Real):
+        raise InvalidInputError(f"tpr must be a number in (0, 1] (e.g. 0.95); got {tpr!r}")
     tpr = float(tpr)
     if not (0.0 < tpr <= 1.0):
         raise InvalidInputError(f"tpr must lie in (0, 1] (e.g. 0.95); got {tpr!r}")
@@ -286,7 +285,10 @@ class AurocAccumulator:
       (n_in n_ood)``, half the fraction of pairs sharing a bin, reported by `compute`.
 
     ``update`` adds rows, ``merge`` (or ``+``, ``sum(...)``, `merged`) returns a new
-    accumulator, ``state_dict``/``from_state_dict`` carry the state as tensors.
+    accumulator, ``state_dict``/``from_state_dict`` carry the state as tensors. Every client
+    must score the same way (the same score, the same ``higher_is_ood``). For many exact states
+    use `merged` (one sort of all their values); a chain of pairwise merges re-sorts the growing
+    state at each step.
     """
 
     def __init__(self, n_bins: int | None = None, score_range: tuple[float, float] | None = None,

@@ -30,6 +30,7 @@ the overall error rate.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -156,7 +157,7 @@ def accuracy_at_coverage(probs_or_confidence: Any, labels_or_correct: Any,
     """Accuracy among the most confident rows covering at least ``coverage`` (in (0, 1]) of
     all rows; the risk at that coverage is 1 minus it. Tie groups are kept whole (see the
     module notes), so the coverage reached can be larger than asked."""
-    if isinstance(coverage, bool) or not isinstance(coverage, int | float | np.floating):
+    if isinstance(coverage, bool | np.bool_) or not isinstance(coverage, numbers.Real):
         raise InvalidInputError(f"coverage must be a number in (0, 1]; got {coverage!r}")
     coverage = float(coverage)
     if not (0.0 < coverage <= 1.0):

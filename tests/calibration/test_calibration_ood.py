@@ -313,6 +313,9 @@ def test_invalid_options():
         fpr_at_tpr([0.1, 0.2], [0, 1], tpr=0.0)
     with pytest.raises(InvalidInputError, match="tpr"):
         fpr_at_tpr([0.1, 0.2], [0, 1], tpr=1.5)
+    with pytest.raises(InvalidInputError, match="tpr"):
+        fpr_at_tpr([0.1, 0.2], [0, 1], tpr="0.9")
+    assert fpr_at_tpr([0.1, 0.2], [0, 1], tpr=np.float32(0.5)) == 0.0
     with pytest.raises(InvalidInputError, match="positive"):
         aupr([0.1, 0.2], [0, 1], positive="outlier")
     with pytest.raises(InvalidInputError, match="higher_is_ood"):
