@@ -102,6 +102,7 @@ from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, calle
     evaluate_or_revert,
     non_finite_problem,
     round_view,
+    run_rejected_message,
     screen_uploads,
     server_state_problem,
     summary_extras,
@@ -110,6 +111,7 @@ from bayesfl.errors import (
     CheckpointError,
     ConfigError,
     LocalTrainingWarning,
+    UploadsRejectedWarning,
 )
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
@@ -512,6 +514,9 @@ class _Run:
                     [self.clients[i] for i in self.novel], broadcast, n_bins=config.n_bins,
                     keep_probs=False, states=personalized or None))
         seconds = self.seconds_before + time.perf_counter() - start
+        rejected = run_rejected_message(metrics)
+        if rejected is not None:
+            warnings.warn(rejected, UploadsRejectedWarning, stacklevel=3)
         summary = build_summary(config, metrics, last_eval, seconds)
         summary["personalized"] = bool(personalized)
         summary["data"] = self.data_identity

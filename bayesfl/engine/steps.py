@@ -134,6 +134,23 @@ def all_rejected_message(round: int, rejections: Sequence[Mapping[str, Any]],
             "listed under 'rejections' in metrics.jsonl (this warning is given once per run).")
 
 
+def run_rejected_message(metrics: Sequence[Mapping[str, Any]]) -> str | None:
+    """The warning for a run in which uploads came back and not one was accepted in any
+    round (:class:`~bayesfl.errors.UploadsRejectedWarning`, given at the end of the run, after
+    :func:`all_rejected_message`'s once-per-run round warning), naming up to three distinct
+    reasons; None when any upload was accepted or none came back."""
+    rejections = [r for m in metrics for r in m.get("rejections", [])]
+    if not rejections or any(m.get("accepted", 0) for m in metrics):
+        return None
+    reasons = list(dict.fromkeys(str(r["reason"]) for r in rejections))
+    shown = "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+    return (f"every upload of the run was rejected ({len(rejections)} in {len(metrics)} "
+            f"rounds: {shown}), so no round changed the server state and the run's figures "
+            "are those of its initial state. Fix the shared cause (the body, the data, the "
+            "strategy's options, or what alters the uploads on their way) and run it again; "
+            "every rejection is listed under 'rejections' in summary.json.")
+
+
 def aggregate_or_keep(server: Strategy, state: ServerState, accepted: Sequence[Message],
                       round: int, seed: int) -> tuple[ServerState, str | None]:
     """``(new state, None)``, or ``(state, why it was kept)`` when ``aggregate`` fails or
@@ -210,5 +227,6 @@ def summary_extras(summary: dict[str, Any], *, novel: Sequence[int],
 
 
 __all__ = ["SERVER_SEED_KEY", "aggregate_or_keep", "build_summary", "cached_upload_problem",
-           "evaluate_or_revert", "non_finite_problem", "round_view", "screen_uploads",
+           "evaluate_or_revert", "non_finite_problem", "round_view", "run_rejected_message",
+           "screen_uploads",
            "server_state_problem", "summary_extras"]

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +77,13 @@ from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.rounds import CarriedRound, RoundLoop, RoundTrace
 from bayesfl.engine.setup import novel_clients, run_identity, run_setup
 from bayesfl.engine.state import restore_round, save_round
-from bayesfl.engine.steps import build_summary, summary_extras
-from bayesfl.errors import BayesFLError, CheckpointError, MessageRejected
+from bayesfl.engine.steps import build_summary, run_rejected_message, summary_extras
+from bayesfl.errors import (
+    BayesFLError,
+    CheckpointError,
+    MessageRejected,
+    UploadsRejectedWarning,
+)
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.flower.protocol import (
     CALIBRATE,
@@ -493,6 +499,10 @@ class FlowerServer:
                 final_events: list[dict[str, Any]],
                 novel_eval: RoundEvaluation | None) -> dict[str, Any]:
         metrics = self.metrics_log.records
+        rejected = run_rejected_message(metrics)
+        if rejected is not None:
+            warnings.warn(rejected, UploadsRejectedWarning, stacklevel=2)
+            _log(rejected)
         evaluated = [m for m in metrics if m.get("accuracy") is not None]
         summary = build_summary(self.config, evaluated, last, 0.0)
         for key in ("bytes_up", "bytes_down", "bytes_down_evaluation", "floats_up",

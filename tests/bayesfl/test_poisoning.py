@@ -199,11 +199,47 @@ def test_a_round_whose_every_upload_is_rejected_warns_once_and_keeps_its_state()
         run = simulate("fedavg", clients=3, rounds=2, seed=0, progress=False,
                        upload_hook=lambda r, cid, data: data[:100])
     told = [w for w in caught if issubclass(w.category, UploadsRejectedWarning)]
-    assert len(told) == 1
+    assert len(told) == 2  # the first such round, then the end of the run: nothing accepted
     assert "round 1: all 3 uploads were rejected" in str(told[0].message)
     assert "corrupt or foreign bytes" in str(told[0].message)
+    assert str(told[1].message).startswith("every upload of the run was rejected")
     assert [m["accepted"] for m in run.metrics] == [0, 0]
     assert all(len(m["rejections"]) == 3 for m in run.metrics)
+
+
+def test_a_fedlog_run_whose_every_upload_is_rejected_warns_at_its_end_what_to_do():
+    # FedLog's init round and both training rounds lose every upload: the round warning comes
+    # once (round 0), and the end of the run says that nothing was ever accepted, so its
+    # figures are its initial state's, and what to do.
+    import warnings
+
+    from bayesfl.errors import UploadsRejectedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = simulate("fedlog", clients=3, rounds=2, seed=0, progress=False,
+                       upload_hook=lambda r, cid, data: data[:100])
+    told = [str(w.message) for w in caught if issubclass(w.category, UploadsRejectedWarning)]
+    assert len(told) == 2, told
+    assert told[0].startswith("round 0: all 3 uploads were rejected")
+    assert told[1].startswith("every upload of the run was rejected (9 in 3 rounds: ")
+    assert "corrupt or foreign bytes" in told[1]
+    assert "figures are those of its initial state" in told[1]
+    assert "'rejections' in summary.json" in told[1]
+    assert run.summary["rejected_uploads"] == 9
+
+
+def test_a_run_with_one_accepted_round_gives_no_end_of_run_warning():
+    import warnings
+
+    from bayesfl.errors import UploadsRejectedWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        simulate("fedlog", clients=3, rounds=2, seed=0, progress=False,
+                 upload_hook=lambda r, cid, data: data[:100] if r != 2 else data)
+    told = [str(w.message) for w in caught if issubclass(w.category, UploadsRejectedWarning)]
+    assert len(told) == 1 and told[0].startswith("round 0: all 3 uploads were rejected")
 
 
 def test_one_accepted_upload_is_enough_to_stay_quiet():
