@@ -24,6 +24,7 @@ and the fitted posterior's ``prior_selection`` records the outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -31,7 +32,14 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
-from inference.hyperparameters import DEFAULT_BOUNDS, Criterion, search_log_space
+from inference.hyperparameters import (
+    DEFAULT_BOUNDS,
+    Criterion,
+    HyperparameterChoice,
+    check_bounds,
+    search_log_space,
+)
+from inference.laplace_marglik import EvidenceSearch
 from inference.linear_model import log_likelihood, training_tensors
 from inference.options import (
     CovarianceStructure,
@@ -294,21 +302,28 @@ def fit_laplace_head(
         raise InvalidInputError(f"elbo_max_iter must be at least 1; got {elbo_max_iter}.")
     fit.approximation, fit.num_draws, fit.seed = approximation, num_draws, seed
     fit.elbo_max_iter = int(elbo_max_iter)
-    choice = None
+    choice: HyperparameterChoice | None = None
     if method is None:
         value = float(prior_precision)
     else:
         if method is PriorPrecisionMethod.MARGLIK:
+            choice = fit.newton_evidence_search(prior_precision_bounds)
             criterion = Criterion(fit.log_evidence, "log_evidence", method.value, maximise=True)
         else:
             criterion = Criterion(fit.validation_nll(validation_data, PredictiveMethod.parse(
                 validation_method, "validation_method")), "validation_nll", method.value,
                 maximise=False)
-        choice = search_log_space(criterion, "prior_precision", prior_precision_bounds,
-                                  points_per_decade=_GRID_DENSITY[method],
-                                  refine=method is PriorPrecisionMethod.MARGLIK)
+        if choice is None:
+            choice = search_log_space(criterion, "prior_precision", prior_precision_bounds,
+                                      points_per_decade=_GRID_DENSITY[method],
+                                      refine=method is PriorPrecisionMethod.MARGLIK)
         value = choice.value
     posterior = fit.final(value)
+    if choice is not None and choice.method == "marglik" and choice.at_bound is None:
+        # The Newton search's last evidence is at an iterate one tiny step from the mode:
+        # report the returned posterior's own (what log_marginal_likelihood computes).
+        choice = dataclasses.replace(choice, criterion=_log_evidence(
+            fit.last_laplace, inputs, targets, likelihood, noise_std))
     posterior.prior_selection = choice
     return posterior
 
@@ -372,9 +387,34 @@ class _LaplaceFit:
                                  self.prior_mean, self.structure, self.rank, self.likelihood,
                                  self.noise_std)
 
+    def newton_evidence_search(self, bounds: tuple[float, float]) -> HyperparameterChoice | None:
+        """The ``"marglik"`` choice by :class:`~inference.laplace_marglik.EvidenceSearch` (a
+        handful of mode refits), where it applies: a full covariance and Newton modes. ``None``
+        elsewhere, or if it does not converge: the caller then runs the grid-and-Brent search,
+        which maximises the same function."""
+        d = self.num_classes * self.inputs.shape[1]
+        solver = MapSolver.parse(self.solver or ("newton" if d <= NEWTON_MAX_PARAMETERS
+                                                 else "lbfgs"), "solver")
+        if self.structure is not CovarianceStructure.FULL or solver is not MapSolver.NEWTON:
+            return None
+        lower, upper = check_bounds(bounds, "prior_precision_bounds")
+        search = EvidenceSearch(self.inputs, self.targets, self.num_classes, self.prior_mean,
+                                self.likelihood, self.noise_std, self.max_iter)
+        start = (self.prior_mean.clone() if isinstance(self.prior_mean, Tensor) else
+                 torch.full((d,), float(self.prior_mean), dtype=torch.float64,
+                            device=self.inputs.device))
+        initial = math.sqrt(lower * upper)  # the middle of the interval in log λ
+        try:
+            choice, mode = search.search((lower, upper), start, initial)
+        except NumericalError:
+            return None
+        self._last_mode = mode
+        return choice
+
     def final(self, prior_precision: float) -> GaussianPosterior:
         """The posterior of the requested approximation at ``prior_precision``."""
         laplace = self.posterior(prior_precision)
+        self.last_laplace = laplace
         if self.approximation is GaussianApproximation.LAPLACE:
             return laplace
         return self.variational(laplace, prior_precision, self.num_draws, self.seed)

@@ -20,12 +20,18 @@ def cholesky_with_jitter(matrix: Tensor, what: str = "precision") -> Tensor:
     useful sense and :class:`NumericalError` reports its smallest eigenvalue.
     """
     a = matrix.to(torch.float64)
+    a = 0.5 * (a + a.transpose(-1, -2))
+    # The first try without jitter, checked afterwards: LAPACK reports a NaN pivot as a failure
+    # (and NaN or inf anywhere in a symmetric matrix reaches a pivot), so the full finiteness
+    # scan is only needed to explain a failure.
+    factor, info = torch.linalg.cholesky_ex(a)
+    if int(info.max()) == 0 and bool(torch.isfinite(factor.diagonal(dim1=-2, dim2=-1)).all()):
+        return factor
     if not torch.isfinite(a).all():
         raise NumericalError(f"the {what} matrix contains NaN or inf.")
-    a = 0.5 * (a + a.transpose(-1, -2))
     scale = a.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(torch.finfo(torch.float64).tiny)
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    for jitter in JITTER_SCHEDULE:
+    for jitter in JITTER_SCHEDULE[1:]:
         factor, info = torch.linalg.cholesky_ex(a + jitter * scale * eye)
         if int(info.max()) == 0:
             return factor
