@@ -19,7 +19,8 @@ conjugate          :func:`inference.conjugate.feature_scale.            Conjugat
                    fit_conjugate_head`; options: ``prior=ConjugatePrior(
                    ...)`` or its fields (``chi``, ``nu``), ``solver``,
                    ``feature_scale`` (default ``"conditional"``),
-                   ``feature_scale_bounds``, ``validation_data``
+                   ``feature_scale_bounds``, ``validation_data``,
+                   ``max_root_steps``
 laplace            :func:`inference.laplace_head.fit_laplace_head`     GaussianPosterior
 mfvi               :func:`inference.mfvi.fit_mfvi_head`                GaussianPosterior (diag)
 sgld               :func:`inference.sgld.fit_sgld_head`                EnsemblePosterior
@@ -71,10 +72,12 @@ def _fit_conjugate(
     feature_scale: float | str = "conditional",
     feature_scale_bounds: tuple[float, float] = (1e-4, 1e4),
     validation_data: tuple[Any, Any] | None = None,
+    max_root_steps: int | None = None,
 ) -> Posterior:
     """FedLog's conjugate head: ``prior=ConjugatePrior(...)`` or its fields (``chi``, ``nu``),
-    ``solver=``, and the feature scale (:func:`inference.conjugate.feature_scale.
-    fit_conjugate_head`: chosen by the training labels' likelihood unless given)."""
+    ``solver=``, ``max_root_steps=`` (the exact solver's step limit, default 500), and the
+    feature scale (:func:`inference.conjugate.feature_scale.fit_conjugate_head`: chosen by the
+    training labels' likelihood unless given)."""
     from inference.conjugate import ConjugatePrior
     from inference.conjugate.feature_scale import fit_conjugate_head
 
@@ -86,7 +89,9 @@ def _fit_conjugate(
     return fit_conjugate_head(features, labels, num_classes, prior=prior, solver=solver,
                               feature_scale=feature_scale,
                               feature_scale_bounds=feature_scale_bounds,
-                              validation_data=validation_data)
+                              validation_data=validation_data,
+                              **({} if max_root_steps is None else
+                                 {"max_root_steps": max_root_steps}))
 
 
 def _fit_subnet_laplace(model, loader, **options) -> Posterior:

@@ -238,6 +238,7 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
     "feature_scale": POSITIVE,
     "num_draws": COUNT,
     "elbo_max_iter": COUNT,
+    "max_root_steps": COUNT,
     "empirical_bayes_warmup": NumberRule(low=0.0, high=1.0, high_open=True),
 }
 

@@ -47,6 +47,7 @@ from torch import Tensor
 from inference.conjugate.evidence import evidence_feature_scale
 from inference.conjugate.posterior import ConjugatePosterior, Solver
 from inference.conjugate.prior import ConjugatePrior
+from inference.conjugate.solver import DEFAULT_MAX_ROOT_STEPS
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
 from inference.hyperparameters import (
@@ -67,6 +68,7 @@ def fit_conjugate_head(
     feature_scale: float | FeatureScaleMethod | str = FeatureScaleMethod.CONDITIONAL,
     feature_scale_bounds: tuple[float, float] = DEFAULT_BOUNDS,
     validation_data: tuple[Any, Any] | None = None,
+    max_root_steps: int = DEFAULT_MAX_ROOT_STEPS,
 ) -> ConjugatePosterior:
     """The conjugate posterior of a head on fixed features, its feature scale chosen or given.
 
@@ -79,6 +81,7 @@ def fit_conjugate_head(
             (module docstring).
         feature_scale_bounds: ``(lower, upper)`` search interval of ``s``.
         validation_data: ``(features (V, m), labels (V,))`` for ``"validation"``.
+        max_root_steps: the exact solver's step limit (:class:`ConjugatePosterior`).
 
     Returns:
         The :class:`ConjugatePosterior`; its ``feature_scale_selection`` records the choice
@@ -92,21 +95,23 @@ def fit_conjugate_head(
     statistics = SufficientStatistics.from_features(features, labels, num_classes)
     prior = ConjugatePrior() if prior is None else prior
     if not isinstance(feature_scale, str):
-        return ConjugatePosterior(prior, statistics, solver=solver, feature_scale=feature_scale)
+        return ConjugatePosterior(prior, statistics, solver=solver, feature_scale=feature_scale,
+                                  max_root_steps=max_root_steps)
     method = FeatureScaleMethod.parse(feature_scale, "feature_scale")
     if method is FeatureScaleMethod.EVIDENCE:
         square_sum = float(features.to(torch.float64).pow(2).sum())
         choice = evidence_feature_scale(statistics, square_sum, prior=prior,
                                         bounds=feature_scale_bounds)
         posterior = ConjugatePosterior(prior, statistics, solver=solver,
-                                       feature_scale=choice.value)
+                                       feature_scale=choice.value, max_root_steps=max_root_steps)
         posterior.feature_scale_selection = choice
         return posterior
     if method is FeatureScaleMethod.CONDITIONAL:
         data = (features, labels)
     else:
         data = _validation_tensors(validation_data, statistics, num_classes)
-    criterion = Criterion(_label_nll(statistics, prior, solver, *data), _CRITERION_NAMES[method],
+    criterion = Criterion(_label_nll(statistics, prior, solver, *data,
+                                     max_root_steps=max_root_steps), _CRITERION_NAMES[method],
                           method.value, maximise=False)
     choice = search_log_space(criterion, "feature_scale", feature_scale_bounds)
     # The largest scale searched as good as the choice (NLL falling to its end, or to 0 in
@@ -118,7 +123,8 @@ def fit_conjugate_head(
             "training set, so the conditional choice is unbounded and overconfident; pass "
             "feature_scale='validation' with validation_data, or a number.", UserWarning,
             stacklevel=2)
-    posterior = ConjugatePosterior(prior, statistics, solver=solver, feature_scale=choice.value)
+    posterior = ConjugatePosterior(prior, statistics, solver=solver, feature_scale=choice.value,
+                                   max_root_steps=max_root_steps)
     posterior.feature_scale_selection = choice
     return posterior
 
@@ -128,14 +134,15 @@ _CRITERION_NAMES = {FeatureScaleMethod.CONDITIONAL: "training_nll",
 
 
 def _label_nll(statistics: SufficientStatistics, prior: ConjugatePrior, solver: Solver,
-               features: Tensor, labels: Tensor):
+               features: Tensor, labels: Tensor, *, max_root_steps: int = DEFAULT_MAX_ROOT_STEPS):
     """``s -> mean −log p(y | s phi, W*(s))`` (nats) over ``features``, ``labels``."""
     inputs = torch.cat([torch.ones_like(features[:, :1]), features], dim=1).to(
         device=statistics.device, dtype=torch.float64)
     labels = labels.to(statistics.device)
 
     def nll(scale: float) -> float:
-        head = ConjugatePosterior(prior, statistics, solver=solver, feature_scale=scale).map()
+        head = ConjugatePosterior(prior, statistics, solver=solver, feature_scale=scale,
+                                  max_root_steps=max_root_steps).map()
         return float(torch.nn.functional.cross_entropy(inputs @ head.T, labels))
 
     return nll

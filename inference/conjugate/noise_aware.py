@@ -278,11 +278,12 @@ class NoisyConjugatePosterior(ConjugatePosterior):
         generator: torch.Generator | None = None,
         method: SampleMethod = "laplace",
         warmup_steps: int | None = None,
+        max_tree_depth: int = 8,
     ) -> Tensor:
         """``n`` head draws ``(n, C, m + 1)``: ``"laplace"`` from the noise-aware Gaussian;
         ``"nuts"`` the exact face-value posterior plus the linearised noise term."""
         draws = super().sample(n, generator=generator, method=method,
-                               warmup_steps=warmup_steps)
+                               warmup_steps=warmup_steps, max_tree_depth=max_tree_depth)
         if method != "nuts" or self.noise_variance == 0.0:
             return draws
         laplace = self.laplace()
@@ -300,6 +301,7 @@ class NoisyConjugatePosterior(ConjugatePosterior):
             prior, self.statistics.to(device), self.noise_variance,
             count_from_noise=self.count_from_noise, solver=self.solver,
             feature_scale=self.feature_scale)
+        moved.max_root_steps = self.max_root_steps
         if self._map is not None:
             moved._map = self._map.to(device)
         return moved

@@ -38,7 +38,8 @@ def sample_nuts(
         num_samples: draws kept after warm-up (>= 1).
         warmup_steps: adaptation steps (default ``max(100, num_samples // 2)``).
         generator: seeds the chain (see module docstring).
-        max_tree_depth: NUTS tree-depth cap.
+        max_tree_depth: NUTS tree-depth cap: at most ``2 ** max_tree_depth`` leapfrog steps
+            per draw (an integer >= 1).
 
     Returns:
         Draws of shape ``(num_samples, C, k)``, float64, on ``laplace.mean``'s device.
@@ -47,6 +48,9 @@ def sample_nuts(
 
     if num_samples < 1:
         raise InvalidInputError(f"num_samples must be >= 1, got {num_samples}")
+    if isinstance(max_tree_depth, bool) or not isinstance(max_tree_depth, int) \
+            or max_tree_depth < 1:
+        raise InvalidInputError(f"max_tree_depth must be an integer >= 1, got {max_tree_depth!r}")
     warmup = max(100, num_samples // 2) if warmup_steps is None else int(warmup_steps)
     device = laplace.mean.device
     cpu_laplace = laplace.to("cpu")
@@ -74,7 +78,9 @@ def sample_nuts(
     if not bool(torch.isfinite(draws).all()):
         raise NumericalError(
             f"NUTS produced non-finite draws ({int((~torch.isfinite(draws)).sum())} of "
-            f"{draws.numel()} numbers); give it more adaptation (warmup_steps, now {warmup}), or "
-            "draw with method='laplace', which needs no adaptation"
+            f"{draws.numel()} numbers). Give it more adaptation (warmup_steps=, now {warmup}) "
+            f"or a longer trajectory per draw (max_tree_depth=, now {max_tree_depth}: at most "
+            "2**depth leapfrog steps), both arguments of sample(..., method='nuts'); or draw "
+            "with method='laplace', which needs no adaptation"
         )
     return draws.to(device)

@@ -28,7 +28,13 @@ from torch import Tensor
 from inference.conjugate.laplace import ConjugateLaplace
 from inference.conjugate.nuts import sample_nuts
 from inference.conjugate.prior import ConjugatePrior
-from inference.conjugate.solver import map_objective, solve_map, solve_map_adam
+from inference.conjugate.solver import (
+    DEFAULT_MAX_ROOT_STEPS,
+    checked_max_steps,
+    map_objective,
+    solve_map,
+    solve_map_adam,
+)
 from inference.conjugate.statistics import SufficientStatistics
 from inference.errors import InvalidInputError
 from inference.hyperparameters import HyperparameterChoice
@@ -49,6 +55,8 @@ class ConjugatePosterior:
         solver: ``"exact"`` (spec §2.3, default) or ``"adam"`` (the paper's loop, spec §2.2).
         feature_scale: ``s > 0`` (see the module docstring); ``chi`` lives in the scaled
             space (it is a pseudo-statistic of ``[1, s phi]``).
+        max_root_steps: the exact solver's step limit
+            (:func:`~inference.conjugate.solver.solve_map`'s ``max_steps``; an integer >= 1).
 
     Attributes:
         feature_scale_selection: how :func:`inference.fit_head` chose ``feature_scale`` (a
@@ -69,7 +77,9 @@ class ConjugatePosterior:
         statistics: SufficientStatistics,
         solver: Solver = "exact",
         feature_scale: float = 1.0,
+        max_root_steps: int = DEFAULT_MAX_ROOT_STEPS,
     ) -> None:
+        self.max_root_steps = checked_max_steps(max_root_steps, "max_root_steps")
         if not isinstance(statistics, SufficientStatistics):
             raise InvalidInputError("statistics must be a SufficientStatistics")
         if solver not in _SOLVER_CODES:
@@ -122,7 +132,8 @@ class ConjugatePosterior:
         """The MAP in the model's coordinates (the head of ``[1, s phi]``)."""
         if self._map is None:
             if self.solver == "exact":
-                self._map = solve_map(self.natural_statistic, self.natural_count)
+                self._map = solve_map(self.natural_statistic, self.natural_count,
+                                      max_steps=self.max_root_steps)
             else:
                 self._map, _ = solve_map_adam(self.natural_statistic, self.natural_count)
         return self._map
@@ -165,13 +176,15 @@ class ConjugatePosterior:
         generator: torch.Generator | None = None,
         method: SampleMethod = "laplace",
         warmup_steps: int | None = None,
+        max_tree_depth: int = 8,
     ) -> Tensor:
         """``n`` head draws, shape ``(n, C, m + 1)``, float64, on the posterior's device.
 
         ``"laplace"`` draws from ``N(W*, H^-1)`` through the structured factor (``generator``
         must live on the posterior's device); ``"nuts"`` runs pyro's NUTS on the CPU on the
         exact log posterior (whitened by the Laplace factor), with ``warmup_steps`` adaptation
-        steps (default ``max(100, n // 2)``), seeded from ``generator``.
+        steps (default ``max(100, n // 2)``) and at most ``2 ** max_tree_depth`` leapfrog steps
+        per draw, seeded from ``generator``.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidInputError(f"n must be a positive integer, got {n!r}")
@@ -180,7 +193,7 @@ class ConjugatePosterior:
         if method == "nuts":
             draws = sample_nuts(
                 self.laplace(), self.natural_statistic, self.natural_count, n,
-                warmup_steps=warmup_steps, generator=generator,
+                warmup_steps=warmup_steps, generator=generator, max_tree_depth=max_tree_depth,
             )
             return draws * self._column_scale.to(draws.device)
         raise InvalidInputError(f"method must be 'laplace' or 'nuts', got {method!r}")
@@ -242,7 +255,8 @@ class ConjugatePosterior:
         prior = ConjugatePrior(chi=chi.to(device) if isinstance(chi, Tensor) else chi,
                                nu=self.prior.nu)
         moved = ConjugatePosterior(prior, self.statistics.to(device), solver=self.solver,
-                                   feature_scale=self.feature_scale)
+                                   feature_scale=self.feature_scale,
+                                   max_root_steps=self.max_root_steps)
         if self._map is not None:
             moved._map = self._map.to(device)
         return moved

@@ -32,7 +32,11 @@ from torch import Tensor
 from inference.conjugate.lambert import lambert_w0_from_log
 from inference.errors import InvalidInputError, NumericalError
 
-_MAX_ROOT_STEPS = 500
+DEFAULT_MAX_ROOT_STEPS = 500
+"""The root-find's step limit unless given (``max_steps`` of :func:`solve_map`,
+``max_root_steps`` of :class:`~inference.conjugate.ConjugatePosterior`, of
+:func:`~inference.conjugate.feature_scale.fit_conjugate_head` and of
+``inference.fit_head("conjugate", ...)``); Newton inside the bracket needs a few dozen."""
 # Bound on C * max_y ||S_y|| / N. The root l = log Z is at most log C + (C a_max / N)^2 (equal
 # when every row has the same norm), so beyond this bound l, and the squared row norms of W,
 # could exceed ~1e300.
@@ -60,13 +64,14 @@ def map_gradient(W: Tensor, S: Tensor, N: float | Tensor) -> Tensor:
     return S - N * p.unsqueeze(-1) * W / 2.0
 
 
-def solve_map(S: Tensor, N: float | Tensor) -> Tensor:
+def solve_map(S: Tensor, N: float | Tensor, *, max_steps: int = DEFAULT_MAX_ROOT_STEPS) -> Tensor:
     """Exact maximiser of ``J(W) = <W, S> - N logsumexp_y(||W_y||^2 / 4)`` (spec §2.3).
 
     Args:
         S: any finite real matrix, shape ``(C, k)`` (here ``k`` counts every column, the bias
             column included); any float dtype and device.
         N: a finite number > 0 (float or 0-dim tensor).
+        max_steps: the scalar root-find's step limit (an integer >= 1).
 
     Returns:
         ``W``, float64, shape ``(C, k)``, on ``S``'s device. Each row is a non-negative multiple
@@ -74,13 +79,17 @@ def solve_map(S: Tensor, N: float | Tensor) -> Tensor:
 
     Raises:
         InvalidInputError: ``S`` not a finite 2-D matrix, ``N`` not a finite positive number,
-            or ``C max_y ||S_y|| / N`` above 1e150 (the head could overflow float64).
+            ``C max_y ||S_y|| / N`` above 1e150 (the head could overflow float64), or
+            ``max_steps`` not an integer >= 1.
+        NumericalError: the root-find did not converge in ``max_steps`` steps (the message
+            says how to raise the limit or solve by Adam instead).
     """
     S = _checked_statistic(S)
     N = _checked_count(N)
+    max_steps = checked_max_steps(max_steps, "max_steps")
     S64 = S.to(torch.float64)
     row_norms = torch.linalg.vector_norm(S64, dim=1).cpu()
-    row_scales = _row_norm_ratios(row_norms, N)  # u_y / a_y on the CPU, 0 for empty rows
+    row_scales = _row_norm_ratios(row_norms, N, max_steps)  # u_y / a_y on the CPU, 0 for empty rows
     return S64 * row_scales.to(S64.device).unsqueeze(1)
 
 
@@ -112,7 +121,14 @@ def solve_map_adam(
     return W.detach(), steps
 
 
-def _row_norm_ratios(row_norms: Tensor, N: float) -> Tensor:
+def checked_max_steps(value: object, name: str) -> int:
+    """``value`` as a step limit: an integer >= 1 (InvalidInputError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _row_norm_ratios(row_norms: Tensor, N: float, max_steps: int) -> Tensor:
     """``u_y / a_y`` for every class (0 where ``a_y = 0``), float64 on the CPU."""
     C = row_norms.numel()
     present = row_norms > 0
@@ -126,7 +142,7 @@ def _row_norm_ratios(row_norms: Tensor, N: float) -> Tensor:
         )
     log_a = torch.where(present, torch.log(row_norms), torch.zeros_like(row_norms))
     b = 0.5 * math.log(2.0) + log_a - math.log(N)
-    l = _solve_log_partition(b, present, C, a_max / N)
+    l = _solve_log_partition(b, present, C, a_max / N, max_steps)
     w, _ = lambert_w0_from_log(2.0 * (b + l))
     ratios = torch.sqrt(2.0 * w) / torch.where(present, row_norms, torch.ones_like(row_norms))
     return torch.where(present, ratios, torch.zeros_like(ratios))
@@ -139,12 +155,13 @@ def _log_class_probabilities(b: Tensor, present: Tensor, l: float) -> tuple[Tens
     return log_p, torch.where(present, w, torch.zeros_like(w))
 
 
-def _solve_log_partition(b: Tensor, present: Tensor, C: int, norm_ratio: float) -> float:
+def _solve_log_partition(b: Tensor, present: Tensor, C: int, norm_ratio: float,
+                         max_steps: int) -> float:
     """Root of ``F(l) = logsumexp(log p(l))`` by Newton safeguarded with bisection."""
     lo = max(math.log(C), norm_ratio**2)
     hi = math.log(C) + (C * norm_ratio) ** 2  # finite: C * norm_ratio <= _MAX_NORM_RATIO
     l = lo
-    for _ in range(_MAX_ROOT_STEPS):
+    for _ in range(max_steps):
         log_p, w = _log_class_probabilities(b, present, l)
         value = float(torch.logsumexp(log_p, dim=0))
         if value > 0:
@@ -160,13 +177,16 @@ def _solve_log_partition(b: Tensor, present: Tensor, C: int, norm_ratio: float) 
         if abs(candidate - l) <= 2 * torch.finfo(torch.float64).eps * abs(l) or hi <= lo:
             return candidate
         l = candidate
-    # Not expected for valid statistics (the bracket is finite and Newton converges
-    # quadratically inside it); the figures let a report reproduce it.
+    # Not expected for valid statistics with the default limit (the bracket is finite and
+    # Newton converges quadratically inside it); the figures let a report reproduce it.
     raise NumericalError(
-        f"the FedLog MAP root-find did not converge in {_MAX_ROOT_STEPS} steps (bracket "
-        f"[{lo:.6g}, {hi:.6g}], C = {C}, max ||S_y|| / N = {norm_ratio:.3g}); this is a bug: "
-        "please report it with these figures; meanwhile solve_map_adam(S, N) solves the same "
-        "problem by Adam"
+        f"the FedLog MAP root-find did not converge in {max_steps} steps (bracket "
+        f"[{lo:.6g}, {hi:.6g}], C = {C}, max ||S_y|| / N = {norm_ratio:.3g}). Raise the step "
+        "limit: max_root_steps= of ConjugatePosterior, fit_conjugate_head or "
+        "inference.fit_head('conjugate', ...), max_steps= of solve_map (default "
+        f"{DEFAULT_MAX_ROOT_STEPS}); or solve the same problem with solver='adam' "
+        "(solve_map_adam, about 1% short of the optimum). Newton needs a few dozen steps here, "
+        "so if the default limit was not enough, please report these figures"
     )
 
 

@@ -173,3 +173,43 @@ def test_state_dict_round_trips_through_weights_only_load():
     assert restored.solver == "adam" and restored.natural_count == posterior.natural_count
     torch.testing.assert_close(restored.natural_statistic, posterior.natural_statistic,
                                rtol=0, atol=0)
+
+
+def test_nuts_non_finite_draws_say_what_to_change_and_its_step_limit_is_an_argument(monkeypatch):
+    """pyro's NUTS replaced by a stand-in that records its settings and returns NaN draws:
+    the error names each way out, and ``sample`` passes ``max_tree_depth`` (NUTS's limit of
+    2**depth leapfrog steps per draw) and ``warmup_steps`` on."""
+    import pyro.infer.mcmc as mcmc_module
+
+    from inference.errors import NumericalError
+
+    seen = {}
+
+    class FakeNUTS:
+        def __init__(self, **kwargs):
+            seen["nuts"] = kwargs
+
+    class FakeMCMC:
+        def __init__(self, kernel, num_samples, warmup_steps, initial_params, **_):
+            seen["warmup"] = warmup_steps
+            self.shape = (num_samples, *initial_params["z"].shape)
+
+        def run(self):
+            pass
+
+        def get_samples(self):
+            return {"z": torch.full(self.shape, float("nan"), dtype=torch.float64)}
+
+    monkeypatch.setattr(mcmc_module, "NUTS", FakeNUTS)
+    monkeypatch.setattr(mcmc_module, "MCMC", FakeMCMC)
+    post = ConjugatePosterior(ConjugatePrior(), statistics()[0])
+    with pytest.raises(NumericalError) as info:
+        post.sample(3, method="nuts", warmup_steps=7, max_tree_depth=5)
+    assert seen["nuts"]["max_tree_depth"] == 5 and seen["warmup"] == 7
+    message = str(info.value)
+    assert "NUTS produced non-finite draws" in message
+    assert "warmup_steps=" in message and "now 7" in message
+    assert "max_tree_depth=" in message and "now 5" in message
+    assert "method='laplace'" in message
+    with pytest.raises(InvalidInputError, match="max_tree_depth must be an integer >= 1"):
+        post.sample(3, method="nuts", max_tree_depth=0)

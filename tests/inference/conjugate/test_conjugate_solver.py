@@ -260,14 +260,41 @@ def test_statistics_that_would_overflow_the_head_are_rejected():
         solve_map(many, 1.0)
 
 
-def test_a_root_find_out_of_steps_names_its_figures_and_the_other_solver(monkeypatch):
+def test_a_root_find_out_of_steps_names_its_figures_and_the_other_solver():
     # Valid statistics converge in a few Newton steps; one step is not enough for this one, so
-    # the cap is what makes the failure reachable.
-    import inference.conjugate.solver as solver
+    # the cap (max_steps) is what makes the failure reachable.
     from inference.errors import NumericalError
 
-    monkeypatch.setattr(solver, "_MAX_ROOT_STEPS", 1)
     S = torch.tensor([[3.0, 1.0], [0.5, 2.0], [1.0, 1.0]], dtype=torch.float64)
     with pytest.raises(NumericalError, match=r"did not converge in 1 steps \(bracket .*C = 3.*"
                        r"solve_map_adam"):
-        solve_map(S, 10.0)
+        solve_map(S, 10.0, max_steps=1)
+
+
+def test_a_root_find_out_of_steps_says_how_to_raise_the_limit_and_the_limit_is_reachable():
+    from inference import fit_head
+    from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
+    from inference.errors import NumericalError
+
+    g = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(60, 4, generator=g), torch.arange(60) % 5
+    stats = SufficientStatistics.from_features(features, labels, 5)
+    S, N = stats.table.double(), float(stats.n) + 1.0  # the default prior's (chi 0, nu 1)
+    with pytest.raises(NumericalError) as info:
+        solve_map(S, N, max_steps=1)
+    message = str(info.value)
+    assert "did not converge in 1 steps" in message
+    assert "max_root_steps=" in message and "solver='adam'" in message
+    # the default converges, and so does any limit at or above what it needs
+    torch.testing.assert_close(solve_map(S, N, max_steps=50), solve_map(S, N), rtol=0, atol=0)
+    # reachable where users build heads: the posterior and fit_head("conjugate", ...)
+    with pytest.raises(NumericalError, match="did not converge in 1 steps"):
+        ConjugatePosterior(ConjugatePrior(), stats, max_root_steps=1).map()
+    with pytest.raises(NumericalError, match="did not converge in 1 steps"):
+        fit_head("conjugate", features, labels, num_classes=5, feature_scale=1.0,
+                 max_root_steps=1).map()  # the MAP is solved when first asked for
+    assert ConjugatePosterior(ConjugatePrior(), stats, max_root_steps=1).to("cpu") \
+        .max_root_steps == 1
+    for bad in (0, 2.5, True):
+        with pytest.raises(InvalidInputError, match="max_steps must be an integer >= 1"):
+            solve_map(S, N, max_steps=bad)
