@@ -68,3 +68,32 @@ def test_the_federated_precision_is_the_pooled_evidence_maximiser_under_a_nonzer
     torch.testing.assert_close(combined.mean.reshape(-1), mean, atol=1e-10, rtol=0)
     torch.testing.assert_close(combined.covariance(), torch.linalg.inv(precision), atol=1e-10,
                                rtol=0)
+
+
+def test_the_average_under_a_nonzero_mean_is_the_mixture_with_that_prior_counted_once():
+    # average(): the moment-matched mixture (computed here from the clients' means and
+    # covariances) with the same federated prior as combine's, its likelihood term the total
+    # minus that prior, shift λ μ₀ included
+    from inference.gaussian import average
+
+    x, y, _ = regression()
+    options = dict(likelihood="gaussian", noise_std=NOISE, prior_mean=PRIOR_MEAN)
+    clients = [fit_laplace_head(xk, yk, 1, **options)
+               for xk, yk in zip(x.chunk(3), y.chunk(3), strict=True)]
+    averaged = average(clients)
+    lam = combine(clients).prior_selection.value
+    assert averaged.prior_selection.value == lam
+    w = torch.tensor([c.n_data for c in clients], dtype=F64)
+    w = w / w.sum()
+    means = torch.stack([c.mean.reshape(-1) for c in clients])
+    mean = (w[:, None] * means).sum(0)
+    centred = means - mean
+    cov = sum(wk * c.covariance() for wk, c in zip(w, clients, strict=True)) \
+        + centred.T @ (w[:, None] * centred)
+    # float64 moments and one 3 x 3 inversion each way: 1e-10 absolute
+    torch.testing.assert_close(averaged.mean.reshape(-1), mean, atol=1e-10, rtol=0)
+    torch.testing.assert_close(averaged.covariance(), cov, atol=1e-10, rtol=0)
+    torch.testing.assert_close(averaged.prior.shift, lam * PRIOR_MEAN, atol=1e-10, rtol=1e-12)
+    precision = torch.linalg.inv(cov)
+    torch.testing.assert_close(averaged.likelihood.shift, precision @ mean - lam * PRIOR_MEAN,
+                               atol=1e-8, rtol=0)
