@@ -154,24 +154,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"bayesfl flower: error: {word.partition('=')[0]} is not offered on "
                       f"Flower: {NOT_ON_FLOWER[name]}", file=sys.stderr)
                 return EXIT_USAGE
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit:  # --help (or a usage error): its text is flushed while we can still
+        _flush_stdout()  # tell a reader that left from an error
+        raise
     try:
         if args.command == "strategies":
-            return _list_strategies(args.names)
-        if args.command == "flower":
-            return run_flower(args)
-        return _run(args, argv)
+            code = _list_strategies(args.names)
+        elif args.command == "flower":
+            code = run_flower(args)
+        else:
+            code = _run(args, argv)
+        # a listing shorter than the pipe's buffer is written here, not in the interpreter's
+        # final flush, where a closed pipe could only be reported ("Exception ignored", 120)
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:
-        # The reader went away (`bayesfl strategies | head`): that is how a pipe ends, not an
-        # error. Point stdout at devnull so the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return _reader_left()
     except (BayesFLError, InferenceError, CalibrationError, OSError) as err:
         print(f"bayesfl: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("bayesfl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _reader_left() -> int:
+    """stdout's reader went away (``bayesfl strategies | head``): that is how a pipe ends, not
+    an error. As the Python docs advise (``signal`` module, "Note on SIGPIPE"), point stdout at
+    devnull so that the interpreter's final flush does not raise again; exit code 0."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 0
+
+
+def _flush_stdout() -> None:
+    """Flush stdout now; a reader that went away is :func:`_reader_left`."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _reader_left()
 
 
 CLI_SPELLINGS = {"pass download=True": "pass --download", "use download=True": "use --download"}

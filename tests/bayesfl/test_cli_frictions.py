@@ -92,6 +92,28 @@ def test_the_flower_command_names_each_duration_for_what_it_spans():
     assert "rounds_s" not in durations_line(10.0, 9.0, None)
 
 
+@pytest.mark.parametrize("args", [["strategies"], ["strategies", "fedavg"], ["--help"],
+                                  ["run", "--help"]])
+def test_a_listing_piped_into_head_that_has_left_ends_quietly(args):
+    # `bayesfl strategies fedavg | head -1` as a user's shell runs it: Python's stdout to a pipe
+    # is block-buffered (no PYTHONUNBUFFERED), so a listing shorter than the buffer is written
+    # only when the interpreter flushes it on exit. `head -1` has read its line and left before
+    # the listing comes (the sleep), so that flush meets a closed pipe: the command must still
+    # end quietly, as it does when the write fails earlier.
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    command = shlex.join([sys.executable, "-m", "bayesfl", *args])
+    script = f"set -o pipefail; {{ echo first; sleep 1; {command}; }} | head -1; echo \"rc=$?\""
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120,
+                          check=False, env=env)
+    assert done.stdout.splitlines() == ["first", "rc=0"], done.stdout
+    assert done.stderr == ""
+
+
 def test_a_reader_that_leaves_early_ends_the_listing_quietly():
     # `bayesfl strategies | head -1`: the reader closes the pipe before the listing is written.
     # Closing our end first makes every write fail, whatever the pipe buffer holds.
