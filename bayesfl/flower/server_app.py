@@ -544,9 +544,12 @@ class FlowerServer:
         new = sorted(online - set(self.nodes.values()) - self.refused)
         if not new:
             return events
+        # keyed by placeholders (-1, -2, ...) until a node says which client it serves
         requests = {-1 - i: (node, pack(round=0)) for i, node in enumerate(new)}
         exchange = self.channel.exchange(INFO, requests, step="discover")
-        events += exchange.events
+        events += [{**e, "client_id": None,  # unknown: the node never said who it is
+                    "reason": f"discovery request to node {e['node_id']} unanswered: "
+                              f"{e['reason']}"} for e in exchange.events]
         for key, reply in exchange.replies.items():
             node = requests[key][0]
             problem, cid = self._admit(reply)

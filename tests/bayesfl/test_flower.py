@@ -588,7 +588,7 @@ def test_foreign_silent_and_vanishing_nodes_are_logged_and_the_run_goes_on(task_
     assert (0, 100, "discover", "the node's run fingerprint differs from the server's (other "
             "settings, data or bayesfl version)") in first
     assert {e["reason"] for e in records[0]["events"] if e["node_id"] == 101} \
-        == {"no reply within 0.2 s"}
+        == {"discovery request to node 101 unanswered: no reply within 0.2 s"}
     assert {(0, None, "fit", "sampled client has no connected node"),
             (1, None, "fit", "sampled client has no connected node")} <= first
     # node 2's evaluation of round 1 would ride on round 2's message: it is gone by then
@@ -606,8 +606,22 @@ def test_a_node_that_never_answers_skips_every_round_that_needs_all_uploads(task
     summary = serve(config, silent={1}).run()
     assert summary["skipped_rounds"] == [1, 2]
     assert {(e["round"], e["node_id"], e["step"], e["reason"]) for e in summary["events"]
-            if e["node_id"] == 101} >= {(1, 101, "discover", "no reply within 0.2 s")}
+            if e["node_id"] == 101} >= {(1, 101, "discover", "discovery request to node 101 "
+                                                               "unanswered: no reply within 0.2 s")}
     assert [c["client_id"] for c in summary["per_client"]] == [0, 2]
+
+
+def test_an_unanswered_discovery_request_is_logged_by_its_node_not_as_a_negative_client(
+        task_identity):
+    # node 1 never answers its discovery request: who it is stays unknown, so its event names
+    # the node and no client (before: client -1, -2, ... for the requests' placeholder keys)
+    config = {**SMALL, "strategy": "fedavg", "round-timeout": 0.2, "node-wait": 0.0,
+              "poll-interval": 0.01}
+    summary = serve(config, silent={1}).run()
+    assert all(e["client_id"] is None or e["client_id"] >= 0 for e in summary["events"])
+    asked = [e for e in summary["events"] if e["step"] == "discover"]  # asked again each round
+    assert asked and {(e["client_id"], e["node_id"], e["reason"]) for e in asked} == {
+        (None, 101, "discovery request to node 101 unanswered: no reply within 0.2 s")}
 
 
 def test_a_resumed_run_says_so_in_its_manifest(task_identity, tmp_path):
