@@ -26,11 +26,11 @@ client takes part in every round; ``"full"``: the whole model every round).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg
-from bayesfl.strategies.averaging.fedpart_schedule import SCHEDULE_OPTIONS
 from bayesfl.strategies.averaging.fedprox import FedProx
 from bayesfl.strategies.base import StrategyContext
 
@@ -55,13 +55,20 @@ class _PartMixin:
     ) -> None:
         if "schedule" in options:
             raise ConfigError(f"{type(self).name} sets its own schedule; give its options "  # type: ignore[attr-defined]
-                              f"({', '.join(SCHEDULE_OPTIONS)}) directly")
+                              f"({', '.join(part_options())}) directly")
         schedule = {"kind": "fedpart", "rounds_per_group": rounds_per_group,
                     "full_rounds_per_cycle": full_rounds_per_cycle,
                     "warmup_rounds": warmup_rounds, "cycles": cycles, "order": order,
                     "group_prefixes": group_prefixes, "min_group_size": min_group_size,
                     "downlink": downlink}
         super().__init__(context, schedule=schedule, **options)  # type: ignore[call-arg]
+
+
+def part_options() -> tuple[str, ...]:
+    """The FedPart options, in their declared order: the keyword-only parameters of
+    :class:`_PartMixin` (so a refusal that lists them cannot fall behind a new one)."""
+    return tuple(p.name for p in inspect.signature(_PartMixin.__init__).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 class FedPart(_PartMixin, FedAvg):

@@ -534,9 +534,24 @@ def test_built_directly_fedpart_runs_the_papers_schedule_defaults():
 
 def test_fedpart_refuses_a_schedule_option_naming_its_own_options():
     context = StrategyContext(num_classes=3, feature_dim=4, input_shape=(6,))
-    # (the list names the schedule's own options; group_prefixes, min_group_size and
-    # downlink, which FedPart also takes flat, are not in it)
+    # (the list names every option FedPart takes flat, the schedule's and group_prefixes,
+    # min_group_size and downlink)
     with pytest.raises(ConfigError, match=r"^fedpart sets its own schedule; give its options "
                        r"\(rounds_per_group, full_rounds_per_cycle, warmup_rounds, cycles, "
-                       r"order\) directly$"):
+                       r"order, group_prefixes, min_group_size, downlink\) directly$"):
         make_strategy("fedpart", context, schedule="fedpart")
+
+
+@pytest.mark.parametrize("name", ["fedpart", "fedprox-part"])
+def test_the_own_schedule_refusal_lists_every_declared_fedpart_option(name):
+    import inspect
+
+    from bayesfl.strategies.averaging.fedpart import _PartMixin
+
+    declared = [p.name for p in inspect.signature(_PartMixin.__init__).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(declared) == 8  # R, F, warm-up, cycles, order, groups, min size, downlink
+    with pytest.raises(ConfigError) as info:
+        make_strategy(name, context(), schedule="fedpart")
+    listed = str(info.value).split("(")[1].split(")")[0].split(", ")
+    assert listed == declared, str(info.value)
