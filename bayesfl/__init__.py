@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API 
     from bayesfl.executor import ClientExecutor, SimulatedClient
     from bayesfl.loaded_run import LoadedRun, load_run
     from bayesfl.posterior import ClientPosterior
+    from bayesfl.shift_evaluation import ShiftReport, evaluate_shift
     from bayesfl.simulate import SimulationConfig, SimulationResult, simulate
     from bayesfl.strategies import (
         STRATEGIES,
@@ -60,6 +61,8 @@ _EXPORTS: dict[str, str] = {
     "LoadedRun": "bayesfl.loaded_run",
     "load_run": "bayesfl.loaded_run",
     "ClientPosterior": "bayesfl.posterior",
+    "ShiftReport": "bayesfl.shift_evaluation",
+    "evaluate_shift": "bayesfl.shift_evaluation",
     "SimulationConfig": "bayesfl.simulate",
     "SimulationResult": "bayesfl.simulate",
     "simulate": "bayesfl.simulate",
@@ -88,12 +91,14 @@ __all__ = [
     "LoadedRun",
     "MessageRejected",
     "RoundPlan",
+    "ShiftReport",
     "SimulatedClient",
     "SimulationConfig",
     "SimulationResult",
     "Strategy",
     "StrategyContext",
     "data",
+    "evaluate_shift",
     "load_dataset",
     "load_run",
     "make_clients",

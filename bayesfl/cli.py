@@ -5,7 +5,9 @@
 the strategies (each one's first sentence and options with their defaults); ``bayesfl strategies
 NAME`` shows one in full, each option's meaning read from its docstrings (:func:`option_docs`).
 ``bayesfl flower`` runs the same experiment on a local Flower deployment
-(:mod:`bayesfl.flower.command`).
+(:mod:`bayesfl.flower.command`). ``bayesfl evaluate RUN_DIR --shift rotate:15,30 --ood
+unseen-labels`` evaluates a finished run on shifted and out-of-distribution rows
+(:mod:`bayesfl.evaluate_command`).
 
 The settings themselves (names, kinds, help, the TOML and flag readers) are
 :mod:`bayesfl.settings`, which the Flower command and protocol read too. One vocabulary: every
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bayesfl.errors import BayesFLError, ConfigError
+from bayesfl.evaluate_command import add_parser as add_evaluate_parser
+from bayesfl.evaluate_command import run_evaluate
 from bayesfl.flower.command import NOT_ON_FLOWER, run_flower
 from bayesfl.flower.command import add_parser as add_flower_parser
 from bayesfl.run_directory import CHECKPOINT_NAME
@@ -116,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
         "with names, those strategies in full (each option's meaning).")
     listing.add_argument("names", nargs="*", metavar="NAME", help="strategies to show in full")
     add_flower_parser(commands)
+    add_evaluate_parser(commands)
     return parser
 
 
@@ -164,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _list_strategies(args.names)
         elif args.command == "flower":
             code = run_flower(args)
+        elif args.command == "evaluate":
+            code = run_evaluate(args)
         else:
             code = _run(args, argv)
         # a listing shorter than the pipe's buffer is written here, not in the interpreter's

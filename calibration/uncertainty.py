@@ -19,6 +19,7 @@ in-distribution) as it is.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -122,7 +123,10 @@ def _decomposition(samples: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     total = _entropy(mean)
     aleatoric = _entropy(samples).mean(0)
     # KL(p_s || p̄) = sum_c p_sc (log p_sc - log p̄_c); p̄_c = 0 forces p_sc = 0 (term 0).
-    log_ratio = torch.where(samples > 0, samples.log() - mean.log(), 0.0)
+    # p̄_c >= p_sc / S bounds the log ratio by log S; the clamp keeps that bound where the
+    # mean of subnormal draws underflows to 0 (log p̄_c = -inf would give an infinite score)
+    log_ratio = torch.where(samples > 0, samples.log() - mean.log(), 0.0).clamp_(
+        max=math.log(samples.shape[0]))
     epistemic = (samples * log_ratio).sum(-1).mean(0).clamp_(min=0.0)
     return total, aleatoric, epistemic
 

@@ -119,3 +119,14 @@ def test_invalid_draws():
     draws[1, 2] = [0.7, 0.7]
     with pytest.raises(InvalidInputError, match=r"row \(1, 2\).*sums to 1.4"):
         entropy_decomposition(draws)
+
+
+def test_mutual_information_stays_finite_when_the_mean_of_subnormal_draws_underflows():
+    # one draw gives a class 1e-323 (subnormal), the others 0: the mean over 32 draws underflows
+    # to 0, and log(p / mean) must not become inf (p_sc / S <= mean bounds it by log S)
+    draws = torch.zeros(32, 1, 3, dtype=torch.float64)
+    draws[:, 0, 0] = 1.0
+    draws[0, 0, 1] = 1e-323
+    assert draws.mean(0)[0, 1] == 0.0
+    score = ood_scores(draws, kind="mutual_information")
+    assert torch.isfinite(score).all() and 0.0 <= float(score[0]) < 1e-300
