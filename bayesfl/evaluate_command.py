@@ -1,7 +1,7 @@
-"""``bayesfl evaluate RUN_DIR``: shift suites on a finished run (:func:`bayesfl.evaluate_shift`).
+"""``bayesfl evaluate RUN_DIR``: shift suites on a finished run (`bayesfl.evaluate_shift`).
 
 ``bayesfl evaluate runs/demo --shift rotate:15,30,60,90 --shift noise:0.1,0.2 --ood
-unseen-labels`` loads the run (:func:`bayesfl.load_run`), rebuilds its clients' data from its
+unseen-labels`` loads the run (`bayesfl.load_run`), rebuilds its clients' data from its
 configuration, evaluates every client on its shifted test rows and on the OOD rows, merges the
 clients' states, prints the pooled tables and writes ``shift_report.json``,
 ``shift_report.md``, ``shift_metrics.png`` and ``risk_coverage.png`` into ``--out`` (default

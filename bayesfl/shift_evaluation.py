@@ -1,10 +1,10 @@
 """Shift suites on a finished run: shifted inputs, rows off the training distribution, and
-selective prediction, per client and pooled: :func:`evaluate_shift` -> :class:`ShiftReport`.
+selective prediction, per client and pooled: `evaluate_shift` -> `ShiftReport`.
 
 What is measured (every figure for the headline predictive and, for posterior strategies, the
 MAP plug-in beside it):
 
-* **Shifted inputs** (:mod:`bayesfl.shifts`): each client's own test rows under each shift at
+* **Shifted inputs** (`bayesfl.shifts`): each client's own test rows under each shift at
   each severity (severity 0, the clean rows, is always included): accuracy, NLL, ECE, Brier,
   and selective prediction by the maximum probability: AURC and the accuracy at a coverage
   (default 80%).
@@ -17,9 +17,9 @@ MAP plug-in beside it):
   (runs with ``novel_fraction``), the in-distribution rows client k's own test rows. A client
   with no OOD rows (it trained on every label) is left out, and said so in ``notes``.
 
-**Federated by construction.** Each client's part is :func:`client_shift_states`: mergeable
-states only (:class:`calibration.Accumulator` for accuracy/NLL/ECE/Brier; for selective
-prediction and OOD detection the exact :class:`calibration.AurocAccumulator`, a count of rows
+**Federated by construction.** Each client's part is `client_shift_states`: mergeable
+states only (`calibration.Accumulator` for accuracy/NLL/ECE/Brier; for selective
+prediction and OOD detection the exact `calibration.AurocAccumulator`, a count of rows
 per distinct score). The pooled figures are the merge of the clients' states: exactly those
 of the concatenated rows (the selective table keys rows by their confidence and counts the
 errors among them, so the pooled risk-coverage curve, AURC and accuracy at a coverage are
@@ -27,7 +27,7 @@ the concatenated rows' too). Pooled is over the clients that trained; the novel 
 merge is reported apart (``scope="novel"``).
 
 The data: a run directory does not keep them, so they are rebuilt from the run's configuration
-exactly as the run built them (:func:`bayesfl.engine.setup.run_setup`), and checked against
+exactly as the run built them (`bayesfl.engine.setup.run_setup`), and checked against
 the digest the run recorded (``summary["data"]["sha256"]``). A run on your own data
 (``simulate(data=...)``) needs them again: ``evaluate_shift(run, data=(x, y))``.
 
@@ -66,11 +66,11 @@ from calibration import risk_coverage as risk_coverage_curve
 from calibration.errors import CalibrationError
 
 OOD_KINDS = ("unseen-labels", "novel-clients")
-"""The out-of-distribution row sets :func:`evaluate_shift` knows (module notes)."""
+"""The out-of-distribution row sets `evaluate_shift` knows (module notes)."""
 
 SCORES = ("entropy", "max_prob", "mutual_information")
 """OOD scores (higher = more likely OOD; ``max_prob`` is negated): see
-:func:`calibration.ood_scores`. ``mutual_information`` needs posterior draws."""
+`calibration.ood_scores`. ``mutual_information`` needs posterior draws."""
 
 CLEAN = "none"
 """The shift name of the clean rows (severity 0)."""
@@ -88,12 +88,12 @@ class ClientShiftStates:
 
     Attributes:
         client_id: the client.
-        calibration: ``(shift, severity, predictive)`` -> :class:`calibration.Accumulator`.
+        calibration: ``(shift, severity, predictive)`` -> `calibration.Accumulator`.
         selective: ``(shift, severity, predictive)`` -> exact
-            :class:`calibration.AurocAccumulator` whose "scores" are the negated confidences
+            `calibration.AurocAccumulator` whose "scores" are the negated confidences
             and whose "OOD" rows are the errors (the rows per distinct confidence: everything
             risk-coverage needs).
-        detection: ``(ood, predictive, score)`` -> exact :class:`calibration.AurocAccumulator`.
+        detection: ``(ood, predictive, score)`` -> exact `calibration.AurocAccumulator`.
     """
 
     client_id: int
@@ -104,7 +104,7 @@ class ClientShiftStates:
 
 def selective_state(probs: Tensor, labels: Tensor) -> AurocAccumulator:
     """The selective table of ``probs`` (N, C) and ``labels`` (N,): rows per distinct maximum
-    probability, errors counted apart (see :class:`ClientShiftStates`)."""
+    probability, errors counted apart (see `ClientShiftStates`)."""
     confidence, predicted = probs.max(dim=1)
     wrong = predicted.cpu() != labels.cpu()
     return AurocAccumulator().update(confidence.cpu(), wrong, higher_is_ood=False)
@@ -144,7 +144,7 @@ def client_shift_states(
             client's state).
         x, y: the client's test rows.
         shifts: the input shifts; the clean rows are always evaluated.
-        image_shape, value_range: as :func:`bayesfl.shifts.apply_shift` takes them.
+        image_shape, value_range: as `bayesfl.shifts.apply_shift` takes them.
         n_bins: the calibration bins.
         noise_generator: draws the noise once (the same draws at every severity).
         ood_rows: ood name -> (in-distribution rows, OOD rows) of this client.
@@ -187,7 +187,7 @@ def client_shift_states(
 # ==== the report ==============================================================================
 @dataclass
 class ShiftReport:
-    """What :func:`evaluate_shift` returns: flat rows of figures, ready for tables and plots.
+    """What `evaluate_shift` returns: flat rows of figures, ready for tables and plots.
 
     Attributes:
         settings: what was evaluated (run directory, strategy, shifts, ood, seed, bins,
@@ -225,7 +225,7 @@ class ShiftReport:
                 "shift": self.shift, "ood": self.ood, "notes": self.notes}
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """The JSON text of :meth:`to_dict`, also written to ``path`` when given."""
+        """The JSON text of `to_dict`, also written to ``path`` when given."""
         text = json.dumps(_finite(self.to_dict()), indent=2) + "\n"
         if path is not None:
             Path(path).write_text(text)
@@ -365,10 +365,10 @@ def evaluate_shift(
     """Shift suites on a finished run (module notes).
 
     Args:
-        run: what :func:`bayesfl.load_run` returns (or :func:`bayesfl.simulate` returned).
+        run: what `bayesfl.load_run` returns (or `bayesfl.simulate` returned).
         shifts: input shifts: ``[("rotate", [15, 30, 60, 90]), ("noise", [0.1, 0.2])]``,
             ``"contrast:0.5,0.8"`` strings or a mapping kind -> severities
-            (:mod:`bayesfl.shifts`: ``rotate`` in degrees, ``noise`` sigma in units of the data's
+            (`bayesfl.shifts`: ``rotate`` in degrees, ``noise`` sigma in units of the data's
             range, ``contrast`` the fraction removed in [0, 1]).
         ood: out-of-distribution row sets: ``"unseen-labels"``, ``"novel-clients"``.
         seed: seeds the noise and the posterior draws.
@@ -382,7 +382,7 @@ def evaluate_shift(
         progress: show a progress bar over the clients.
 
     Returns:
-        A :class:`ShiftReport`.
+        A `ShiftReport`.
 
     Raises:
         ConfigError: an unknown shift or OOD set, a bad severity, rotate/contrast on data that

@@ -1,4 +1,4 @@
-"""Plots of a :class:`~bayesfl.shift_evaluation.ShiftReport`: accuracy, NLL and ECE against
+"""Plots of a `ShiftReport`: accuracy, NLL and ECE against
 severity (``shift_metrics.png``), and pooled risk-coverage curves (``risk_coverage.png``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The readable tables of a :class:`~bayesfl.shift_evaluation.ShiftReport`
+"""The readable tables of a `ShiftReport`
 (``shift_report.md``, and what ``bayesfl evaluate`` prints)."""
 
 from __future__ import annotations

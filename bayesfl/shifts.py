@@ -5,7 +5,7 @@ transform takes a batch ``x`` (N, *input_shape) and returns a new float tensor o
 shape, dtype and device; severity 0 returns the inputs unchanged (bitwise).
 
 **The data's range** ``[low, high]`` is the minimum and maximum over every input of the data
-set (:func:`data_range`; for digits [0, 1], for the normalised ``mnist_5k`` [-0.4242, 2.8215]).
+set (`data_range`; for digits [0, 1], for the normalised ``mnist_5k`` [-0.4242, 2.8215]).
 Noise and contrast results are clipped to it; rotation fills the corners it uncovers with
 ``low`` (zero fill for pixels in [0, 1]; the background of normalised MNIST).
 
@@ -16,11 +16,11 @@ Transforms (``s`` the severity):
   about the image centre, bilinear, the uncovered corners filled with ``low``. A multiple of
   90 degrees moves pixel centres onto pixel centres, so ``rotate(x, 90)`` equals
   ``torch.rot90(x, 1, dims=(-2, -1))`` on a square image, exactly. Needs the images' shape
-  (:func:`image_shape_of`): inputs of 3 dims (C, H, W) are images; the flat ``digits`` rows
+  (`image_shape_of`): inputs of 3 dims (C, H, W) are images; the flat ``digits`` rows
   are 8x8 images; other flat rows only with ``image_shape`` given.
 * ``noise`` (sigma >= 0): ``clip(x + s * (high - low) * eps, low, high)``, ``eps`` standard
   normal per entry. Sigma is in units of the data's range (for pixels in [0, 1], in pixel
-  units). ``eps`` is drawn from ``generator``: :func:`apply_shift`'s callers draw it once per
+  units). ``eps`` is drawn from ``generator``: `apply_shift`'s callers draw it once per
   client and use the same draws at every severity (common random numbers: a curve over
   severities is not made jagged by fresh noise). Works on any data.
 * ``contrast`` (s in [0, 1], the fraction of contrast removed): ``clip(m + (1 - s) * (x - m),
@@ -43,7 +43,7 @@ from torch import Tensor
 from bayesfl.errors import ConfigError, DataError
 
 SHIFT_KINDS = ("rotate", "noise", "contrast")
-"""The input shifts :func:`apply_shift` knows."""
+"""The input shifts `apply_shift` knows."""
 
 SEVERITY_BOUNDS: dict[str, tuple[float, float]] = {
     "rotate": (-math.inf, math.inf),
@@ -103,7 +103,7 @@ def parse_shift(text: str) -> Shift:
 
 def check_shift(kind: Any, severities: Any) -> Shift:
     """``Shift(kind, severities)`` checked: a known kind, at least one severity, each a finite
-    real number within :data:`SEVERITY_BOUNDS` (duplicates dropped, order kept).
+    real number within `SEVERITY_BOUNDS` (duplicates dropped, order kept).
 
     Raises:
         ConfigError: what was wrong and the valid values.
@@ -136,7 +136,7 @@ def check_shift(kind: Any, severities: Any) -> Shift:
 
 
 def as_shifts(shifts: Any) -> list[Shift]:
-    """Shifts given as :class:`Shift`, ``"kind:s1,s2"`` strings or ``(kind, severities)``
+    """Shifts given as `Shift`, ``"kind:s1,s2"`` strings or ``(kind, severities)``
     pairs (a mapping kind -> severities too), checked; one entry per kind."""
     if shifts is None:
         return []
@@ -171,7 +171,7 @@ def image_shape_of(input_shape: Sequence[int], dataset: str | None = None,
 
     ``image_shape`` (given) wins: it must hold as many numbers as one input; (H, W) means one
     channel. Else inputs of 3 dims are (C, H, W), of 2 dims (H, W), and flat inputs are images
-    only for the data sets of :data:`IMAGE_DATASETS` (``digits``: 8x8).
+    only for the data sets of `IMAGE_DATASETS` (``digits``: 8x8).
 
     Raises:
         ConfigError: ``image_shape`` that does not fit one input.
