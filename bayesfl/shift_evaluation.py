@@ -243,23 +243,28 @@ class ShiftReport:
         ``risk_coverage.png`` in ``out_dir``; returns their paths."""
         from bayesfl.shift_plots import plot_shift_report
 
-        return plot_shift_report(self, Path(out_dir))
+        return plot_shift_report(self, _directory(out_dir))
 
     def write(self, out_dir: str | Path, *, plots: bool = True) -> list[Path]:
         """``shift_report.json``, ``shift_report.md`` and (``plots``) the plots into
         ``out_dir`` (created); returns the paths written."""
-        out = Path(out_dir)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"cannot create {out}: {err.strerror or err}; choose another "
-                              "output directory (--out)") from err
+        out = _directory(out_dir)
         paths = [out / "shift_report.json", out / "shift_report.md"]
         self.to_json(paths[0])
         paths[1].write_text(self.to_markdown())
         if plots:
             paths += self.plot(out)
         return paths
+
+
+def _directory(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create {out}: {err.strerror or err}; choose another "
+                          "output directory (--out)") from err
+    return out
 
 
 def _finite(value: Any) -> Any:

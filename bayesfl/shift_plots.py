@@ -117,10 +117,8 @@ def risk_coverage_figure(report: Any) -> Figure:
                          or len(report.predictives) == 1 else None)
                 ax.step(curve[0], curve[1], where="post", color=colour,
                         linestyle=style["linestyle"], linewidth=1.6, label=label)
-        ax.axvline(coverage, color="0.5", linewidth=0.8, linestyle=":")
-        ax.annotate(f"{100 * coverage:g}% coverage", (coverage, 1.0), xycoords=("data",
-                    "axes fraction"), xytext=(-3, -12), textcoords="offset points",
-                    ha="right", fontsize=8, color="0.4")
+        ax.axvline(coverage, color="0.5", linewidth=0.8, linestyle=":",
+                   label=f"{100 * coverage:g}% coverage")
         ax.set(xlim=(0, 1.01), ylim=(0, None), xlabel="coverage (most confident rows kept)",
                ylabel="risk (error rate among kept rows)",
                title=f"{kind} ({SEVERITY_UNITS[kind]})" if kind else "clean rows")
