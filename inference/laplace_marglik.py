@@ -52,6 +52,11 @@ MAX_STEPS = 40
 #: Half the squared Newton decrement of the mode at which it counts as found, nats (as
 #: :func:`inference.laplace_head.find_mode`).
 MODE_TOL = 1e-12
+#: The evidence gain (nats) a further step may promise at most when the search ends: well
+#: below what any use of λ resolves, and 10x below the tests' 1e-9 nats.
+GAIN_TOL = 1e-10
+#: The largest step in ``log λ`` (e-folds) of one iteration of the search.
+MAX_STEP = 2.0
 #: Half the squared Newton decrement below which Newton takes full steps (nats; the quadratic
 #: regime).
 NEAR_MODE = 1e-4
@@ -66,7 +71,7 @@ class _Point:
     covariance: Tensor    # (d, d), Σ = (λI + H)⁻¹ at the mode
     evidence: float       # E(λ), nats
     slope: float          # dE/dt, t = log λ
-    curvature: float      # d²E/dt² of the fixed-curvature evidence (≤ 0 near a maximum)
+    mackay: float         # log of MacKay's fixed-point update of λ from this point
 
 
 class EvidenceSearch:
@@ -140,10 +145,11 @@ class EvidenceSearch:
         third = self._third_order(mode, covariance, direction)
         trace = float(covariance.diagonal().sum())
         slope_lam = 0.5 * (d / lam - sq_norm - trace - third)
-        curv_lam = 0.5 * (-d / lam**2 + 2.0 * float(centred @ -direction)
-                          + float((covariance * covariance).sum()))
-        return _Point(log_precision, mode, covariance, evidence, lam * slope_lam,
-                      lam * slope_lam + lam**2 * curv_lam)
+        # the λ at which the slope would vanish with γ = d − λ tr Σ − λ T held: MacKay's update
+        effective = d - lam * trace - lam * third
+        mackay = (math.log(max(effective, 1e-12 * d) / sq_norm) if sq_norm > 0
+                  else log_precision + MAX_STEP)
+        return _Point(log_precision, mode, covariance, evidence, lam * slope_lam, mackay)
 
     def _third_order(self, mode: Tensor, covariance: Tensor, direction: Tensor) -> float:
         """``tr(Σ DH[v])`` for ``v = direction`` (0 for a Gaussian likelihood)."""
@@ -197,7 +203,7 @@ class EvidenceSearch:
             proposal = t if at_bound is not None else self._proposal(
                 point, previous, left, right, left_seen, right_seen)
             if (at_bound is not None or abs(proposal - t) <= 0.1 * LOG_XATOL
-                    or right - left <= 0.1 * LOG_XATOL):
+                    or right - left <= 0.1 * LOG_XATOL or self._converged(point, previous)):
                 return self._choice(point, bounds, at_bound, history), mode
             previous = point
             theta = mode
@@ -226,18 +232,26 @@ class EvidenceSearch:
     @staticmethod
     def _proposal(point: _Point, previous: _Point | None, left: float, right: float,
                   left_seen: bool, right_seen: bool) -> float:
-        """The next ``log λ``: a Newton step on the slope (its secant once two points are
-        known), kept inside the bracket (bisection otherwise, or an unvisited bound)."""
+        """The next ``log λ``. Until the maximiser is bracketed by evaluated points: the secant
+        of the slope, at most twice as far as MacKay's update (the secant overshoots where
+        the slope bends, MacKay's update alone converges only linearly), or MacKay's update
+        while there is one point.
+        Bracketed: the secant, kept inside the bracket (bisection otherwise). At most
+        :data:`MAX_STEP` either way; an unvisited bound is tried before stepping past it."""
         t = point.log_precision
-        curvature = point.curvature
+        secant = None
         if previous is not None and previous.log_precision != t:
-            # the secant of the exact slope: the fixed-curvature estimate drops terms that
-            # matter where most directions are prior-dominated (there d/λ² nearly cancels)
             curvature = (point.slope - previous.slope) / (t - previous.log_precision)
-        if curvature < 0:
-            proposal = t - point.slope / curvature
-        else:  # not concave here: walk uphill two e-folds
-            proposal = t + math.copysign(2.0, point.slope)
+            if curvature < 0:
+                secant = t - point.slope / curvature
+        if left_seen and right_seen:
+            proposal = secant if secant is not None else 0.5 * (left + right)
+        else:
+            proposal = point.mackay
+            if secant is not None:  # the secant, at most twice MacKay's step
+                reach = 2.0 * abs(point.mackay - t)
+                proposal = min(max(secant, t - reach), t + reach)
+        proposal = min(max(proposal, t - MAX_STEP), t + MAX_STEP)
         if left < proposal < right:
             return proposal
         if proposal >= right and not right_seen:
@@ -245,6 +259,17 @@ class EvidenceSearch:
         if proposal <= left and not left_seen:
             return left
         return 0.5 * (left + right)
+
+    @staticmethod
+    def _converged(point: _Point, previous: _Point | None) -> bool:
+        """Whether a full step from ``point`` could raise the evidence by at most
+        :data:`GAIN_TOL` (by the slope's secant): the slope's own error (the curvature is
+        taken one tiny Newton step from the mode) is about that size."""
+        if previous is None or previous.log_precision == point.log_precision:
+            return False
+        curvature = (point.slope - previous.slope) / (
+            point.log_precision - previous.log_precision)
+        return curvature < 0 and point.slope**2 <= 2.0 * -curvature * GAIN_TOL
 
     @staticmethod
     def _at_bound(point: _Point, lo: float, hi: float) -> str | None:
