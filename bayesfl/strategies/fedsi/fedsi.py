@@ -279,6 +279,7 @@ from inference.subnet import (
 )
 from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
+from inference.subnet.lowrank import subnet_marginal_variance
 from inference.subnet.parameters import resolve_subnet_size
 
 POSTERIORS = ("subnet_full", "subnet_diag", "diag_all")
@@ -822,19 +823,44 @@ class FedSI(Strategy):
             diag = diagonal_ggn(model, batches)
             log_evidence = alpha_log_evidence(body_vector(model), mean, diag)
         subnet = self.choose_subnet(model, batches, variance, diag=diag)
-        posterior = self.laplace(model, batches, variance, subnet, diag)
+        std = self.subnet_std(model, batches, variance, subnet)
+        if std is None:
+            posterior = self.laplace(model, batches, variance, subnet, diag)
+            std = posterior.marginal_std_full()
+            if isinstance(posterior, SubnetLaplacePosterior):
+                subnet = posterior.subnet_indices
         return model_state(model), self.upload(config, data, broadcast.header.round, model,
-                                               posterior, log_evidence)
+                                               std, subnet, log_evidence)
+
+    def subnet_std(self, model: nn.Module, batches: list, variance: Tensor,
+                   subnet: Tensor | None) -> Tensor | None:
+        """The upload's ``std`` (|R|,) of the full-covariance subnet posterior, from its
+        marginal variances alone (:func:`inference.subnet.lowrank.subnet_marginal_variance`:
+        Woodbury on the GGN's low-rank factor, no |S| x |S| matrix); None where that route
+        does not apply (then :meth:`laplace` fits the dense posterior)."""
+        if subnet is None or self.posterior_kind != "subnet_full":
+            return None
+        model.head.requires_grad_(False)
+        prior = variance.to(torch.float64).reciprocal()
+        subnet = subnet.to("cpu", torch.int64)
+        marginal = subnet_marginal_variance(model, batches, subnet, prior[subnet.to(prior.device)])
+        if marginal is None:
+            return None
+        mean = body_vector(model)
+        std = torch.zeros_like(mean)
+        std[subnet.to(mean.device)] = marginal.sqrt().to(std.dtype)
+        return std
 
     def upload(self, config: ClientConfig, data: ClientData, round: int, model: nn.Module,
-               posterior: Posterior, log_evidence: Tensor | None = None) -> Message:
-        """Step 4: the message (means, stds zero outside the subnet, subnet, sample count;
-        the log evidence on :data:`ALPHA_GRID` with ``alpha_selection="evidence"``)."""
+               std: Tensor, subnet: Tensor | None, log_evidence: Tensor | None = None) -> Message:
+        """Step 4: the message (means, ``std`` (|R|,) zero outside ``subnet``, the subnet,
+        sample count; the log evidence on :data:`ALPHA_GRID` with
+        ``alpha_selection="evidence"``)."""
         tensors = {"mean": body_vector(model).to(torch.float32),
-                   "std": posterior.marginal_std_full().to(torch.float32),
+                   "std": std.to(torch.float32),
                    "num_samples": num_samples_tensor(data.num_train)}
-        if isinstance(posterior, SubnetLaplacePosterior):
-            tensors["subnet"] = posterior.subnet_indices.to(torch.int32)
+        if subnet is not None:
+            tensors["subnet"] = subnet.to(torch.int32)
         if log_evidence is not None:
             tensors["log_evidence"] = log_evidence
         return self.up_message(round, config.client_id, tensors)

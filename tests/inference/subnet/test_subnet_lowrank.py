@@ -1,0 +1,97 @@
+"""The subnet posterior's marginal variances by Woodbury on the GGN's low-rank factor
+(:mod:`inference.subnet.lowrank`) equal the dense posterior's.
+
+Tolerances: float64 models, so both routes sum the same float64 terms in another order (one
+factorises the S x S precision, the other the r x r Woodbury kernel): 1e-10 relative, far
+below any change of the algebra (a missing sample or unit moves them by > 1e-3 here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from subnet_cases import make_cnn, make_loader
+from torch import nn
+
+from inference.subnet import fit_subnet_laplace, flat_trainable_parameters
+from inference.subnet.diagonal import softmax_hessian_sqrt
+from inference.subnet.lowrank import (
+    _sample_factors,
+    softmax_hessian_sqrt_reduced,
+    subnet_marginal_variance,
+)
+
+
+def _wide_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(20, 12), nn.ReLU(), nn.Linear(12, 9), nn.Tanh(),
+                         nn.Linear(9, 4)).to(torch.float64).eval()
+
+
+def _data(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return make_loader(torch.randn(n, 20, generator=g, dtype=torch.float64), 4, seed)
+
+
+def test_reduced_softmax_hessian_sqrt_has_c_minus_1_columns_and_the_same_product():
+    p = torch.softmax(3 * torch.randn(50, 6, dtype=torch.float64), -1)
+    p[0] = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.float64)  # one-hot: Lambda = 0
+    V, full = softmax_hessian_sqrt_reduced(p), softmax_hessian_sqrt(p)
+    assert V.shape == (5, 50, 6)
+    product = torch.einsum("kbc,kbd->bcd", V, V)
+    torch.testing.assert_close(product, torch.einsum("kbc,kbd->bcd", full, full),
+                               rtol=0, atol=1e-15)
+
+
+def test_sample_factors_keep_each_samples_gram_with_at_most_min_active_j_columns():
+    g = torch.Generator().manual_seed(3)
+    Q = torch.randn(6, 5, 3, generator=g, dtype=torch.float64)
+    Q[0] = 0.0  # no active unit
+    Q[1, 1:] = 0.0  # one active unit
+    Q[2, [0, 2, 3]] = 0.0  # two active units, not the first
+    F, valid = _sample_factors(Q)
+    assert valid.sum(1).tolist() == [0, 1, 2, 3, 3, 3]
+    assert bool((F[~valid.unsqueeze(1).expand_as(F)] == 0).all())
+    torch.testing.assert_close(F @ F.transpose(1, 2), Q @ Q.transpose(1, 2), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("n", [3, 10, 25])
+def test_woodbury_variances_equal_the_dense_posteriors(n):
+    model = _wide_mlp()
+    loader = _data(n)
+    P = flat_trainable_parameters(model).numel()
+    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    # units 2-8 of the first layer (weights and biases) and a few of the second: runs of
+    # several units in two layers; with n = 3 some samples have fewer active units than C - 1
+    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
+    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
+    idx = torch.tensor(sorted(first + second))
+    dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
+    lowrank = subnet_marginal_variance(model, loader, idx, prior[idx])
+    assert lowrank is not None
+    torch.testing.assert_close(lowrank, dense, rtol=1e-10, atol=0)
+    assert float((dense * prior[idx]).min()) < 0.999  # the data shrink the variances
+
+
+def test_routes_that_do_not_apply_or_do_not_pay_return_none():
+    model = _wide_mlp()
+    P = flat_trainable_parameters(model).numel()
+    prior = torch.ones(5, dtype=torch.float64)
+    # r = n (C - 1) >= S: the dense route is the cheaper one
+    assert subnet_marginal_variance(model, _data(25), torch.arange(5), prior) is None
+    # a Conv2d entry: no Linear factorisation
+    cnn = make_cnn().eval()
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    assert subnet_marginal_variance(cnn, make_loader(x, 4), torch.arange(5), prior) is None
+    # the data shrink an entry's variance > MAX_SHRINKAGE-fold: cancellation, dense route.
+    # One input along feature 0: of one active unit's 20 weights only (u, 0) has curvature.
+    x = torch.zeros(1, 20, dtype=torch.float64)
+    x[0, 0] = 3.0
+    unit = int(torch.nonzero(model[0](x)[0] > 0)[0])
+    idx = torch.arange(unit * 20, unit * 20 + 20)
+    weak = torch.full((20,), 1e-6, dtype=torch.float64)
+    assert P > 20 and subnet_marginal_variance(model, make_loader(x, 4), idx, weak) is None
+    kept = subnet_marginal_variance(model, make_loader(x, 4), idx, weak * 1e6)
+    dense = fit_subnet_laplace(model, make_loader(x, 4), idx,
+                               torch.ones(P, dtype=torch.float64)).marginal_variance_subnet()
+    torch.testing.assert_close(kept, dense, rtol=1e-10, atol=0)
