@@ -73,7 +73,7 @@ METHODS = {
     "fl": dict(strategy="fedavg"),
     "fd": dict(strategy="fd"),
     "fedproto": dict(strategy="fedproto"),
-    "fedlog": dict(strategy="fedlog"),
+    "fedlog": dict(strategy="fedlog", strategy_options={"feature_scale": 1}),  # the paper's s
 }
 HETEROGENEOUS = ("colearn", "il", "fd")
 HETERO_BODY = "lenet5,cnn:16-32"
@@ -114,9 +114,10 @@ def run(method: str, n: int, seed: int, rounds: int, body: str = "lenet5",
     dataset = DATASET[0]
     t0 = time.perf_counter()
     config = dict(METHODS[method])
+    options = {**config.pop("strategy_options", {}), **(options or {})}
     result = simulate(clients=n, partition=f"labels:10:train={TRAIN_IMAGES // (10 * n)}:test=5",
                       rounds=rounds, seed=seed, body=body, **COMMON, **config,
-                      strategy_options=options or {})
+                      strategy_options=options)
     x, y = common_test(result, dataset)
     out = score(result, x, y)
     upload_rounds = len(result.metrics)  # round 0 included where a strategy has one

@@ -62,7 +62,10 @@ def face_value_headline(result: SimulationResult) -> dict[str, float]:
 
 
 def run(strategy: str, seed: int, rounds: int, epsilon: float | None) -> dict[str, float]:
-    options = {} if epsilon is None else {"strategy_options": {"epsilon": epsilon}}
+    # the DP variants keep s = 1, so the plain baseline does too (FedLog's default since issue
+    # 40 is the held-out scale): the gap is the noise's price alone
+    options = ({"strategy_options": {"feature_scale": 1}} if epsilon is None
+               else {"strategy_options": {"epsilon": epsilon}})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PrivacyNoiseWarning)
         result = simulate(strategy=strategy, rounds=rounds, seed=seed, **COMMON, **options)

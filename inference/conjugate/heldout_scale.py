@@ -47,23 +47,46 @@ def heldout_nll_grid(
         ``(len(grid),)`` float64 on the CPU: ``sum_i -log softmax(W*(s) [1, phi_i])[y_i]``
         (the head ``W*(s)`` acts on the unscaled features; zeros when ``V = 0``).
     """
-    if features.ndim != 2 or features.shape[1] != statistics.feature_dim:
-        raise InvalidInputError(f"held-out features must be (V, {statistics.feature_dim}), got "
+    _check_rows(statistics.feature_dim, features, labels)
+    if features.shape[0] == 0:
+        return torch.zeros(len(grid), dtype=torch.float64)
+    return heldout_nll_of_heads(grid_heads(statistics, prior, grid), features, labels)
+
+
+def grid_heads(
+    statistics: SufficientStatistics,
+    prior: ConjugatePrior,
+    grid: tuple[float, ...] = HELDOUT_SCALE_GRID,
+) -> Tensor:
+    """The MAP heads ``W*(s)`` ``(len(grid), C, m)`` float64 of ``statistics`` at every scale
+    of ``grid`` (acting on unscaled features): what :func:`heldout_nll_grid` scores with, to
+    be solved once and shared by every client scoring under the same statistics."""
+    return torch.stack([ConjugatePosterior(prior, statistics, feature_scale=scale).map()
+                        for scale in grid])
+
+
+def heldout_nll_of_heads(heads: Tensor, features: Tensor, labels: Tensor) -> Tensor:
+    """:func:`heldout_nll_grid` with the grid's heads given (:func:`grid_heads`): ``(G,)``
+    float64 on the CPU, the summed label NLL of ``features`` ``(V, m - 1)`` under each head
+    ``(G, C, m)``."""
+    _check_rows(heads.shape[-1] - 1, features, labels)
+    if features.shape[0] == 0:
+        return torch.zeros(heads.shape[0], dtype=torch.float64)
+    inputs = torch.cat([torch.ones_like(features[:, :1]), features], dim=1).to(
+        device=heads.device, dtype=torch.float64)
+    labels = labels.to(device=heads.device, dtype=torch.int64)
+    sums = [torch.nn.functional.cross_entropy(inputs @ head.T, labels, reduction="sum")
+            for head in heads.to(torch.float64)]
+    return torch.stack(sums).to(device="cpu", dtype=torch.float64)
+
+
+def _check_rows(feature_dim: int, features: Tensor, labels: Tensor) -> None:
+    if features.ndim != 2 or features.shape[1] != feature_dim:
+        raise InvalidInputError(f"held-out features must be (V, {feature_dim}), got "
                                 f"{tuple(features.shape)}")
     if labels.shape != (features.shape[0],):
         raise InvalidInputError(f"held-out labels must be ({features.shape[0]},), got "
                                 f"{tuple(labels.shape)}")
-    if features.shape[0] == 0:
-        return torch.zeros(len(grid), dtype=torch.float64)
-    device = statistics.device
-    inputs = torch.cat([torch.ones_like(features[:, :1]), features], dim=1).to(
-        device=device, dtype=torch.float64)
-    labels = labels.to(device=device, dtype=torch.int64)
-    sums = []
-    for scale in grid:
-        head = ConjugatePosterior(prior, statistics, feature_scale=scale).map()
-        sums.append(torch.nn.functional.cross_entropy(inputs @ head.T, labels, reduction="sum"))
-    return torch.stack(sums).to(device="cpu", dtype=torch.float64)
 
 
 def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID) -> float:

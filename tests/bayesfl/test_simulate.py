@@ -56,7 +56,8 @@ def test_each_checkpoint_overwrites_the_one_before_last_and_none_is_left_at_the_
 
 
 def test_run_directory_holds_metrics_summary_manifest_partition_and_plots(tmp_path):
-    result = simulate("fedlog", out=tmp_path, **SMALL)
+    # the paper's s = 1 (floats_up below counts its upload: the statistics and the count)
+    result = simulate("fedlog", out=tmp_path, strategy_options={"feature_scale": 1}, **SMALL)
     names = {p.name for p in tmp_path.iterdir()}
     assert {"metrics.jsonl", "summary.json", "manifest.json", "partition.txt", "partition.json",
             "predictions.npz", "accuracy.png", "reliability.png", CHECKPOINT_NAME} <= names
@@ -177,7 +178,7 @@ def test_heterogeneous_bodies_run_and_learn():
 
 
 def test_fedavg_uploads_the_whole_network_and_fedlog_only_statistics():
-    fedlog = simulate("fedlog", **SMALL)
+    fedlog = simulate("fedlog", strategy_options={"feature_scale": 1}, **SMALL)  # the paper's
     fedavg = simulate("fedavg", **SMALL)
     num_params = sum(t.numel() for k, t in fedavg.clients[0].state.items()
                      if k.startswith("model."))
@@ -354,7 +355,10 @@ def test_cached_statistics_make_the_head_that_of_every_clients_current_body():
     bodies (an absent client's body has not changed since it last uploaded)."""
     from inference import SufficientStatistics
 
-    result = simulate("fedlog", **{**SMALL, "rounds": 3, "fraction": 0.5})
+    # the paper's s = 1, whose statistics are those of every training example (the held-out
+    # default's are checked in tests/bayesfl/strategies/fedlog/test_fedlog_heldout_scale.py)
+    result = simulate("fedlog", **{**SMALL, "rounds": 3, "fraction": 0.5},
+                      strategy_options={"feature_scale": 1})
     s = result.strategy
     tables = []
     for c in result.clients:

@@ -252,6 +252,9 @@ def test_without_options_the_aggregate_is_bit_identical_to_the_plain_weighted_me
 
 # ---- FedLog: what an honest statistic satisfies ------------------------------------------------
 def fedlog_round(**options):
+    # the paper's s = 1: the uploads are the statistics of every training example (the
+    # held-out default keeps a slice apart, tests/bayesfl/strategies/fedlog)
+    options = {"feature_scale": 1.0} | options
     strategy = make_strategy("fedlog", context(sizes=SIZES), **options)
     clients = make_clients(strategy, SIZES)
     state = strategy.init()

@@ -60,7 +60,7 @@ def lbfgs_map(S, N):
 
 @pytest.mark.parametrize("round_", [0, 1])
 def test_server_step_equals_centralized_map_on_pooled_features(build, round_):
-    strategy, clients, state = build("fedlog", upload_dtype="float64")
+    strategy, clients, state = build("fedlog", upload_dtype="float64", feature_scale=1.0)
     if round_ == 1:  # train once so the features are not those of the initial bodies
         state, _ = run_round(strategy, clients, state, 0)
     new_state, _ = run_round(strategy, clients, state, round_)
@@ -78,7 +78,7 @@ def test_server_step_equals_centralized_map_on_pooled_features(build, round_):
 
 
 def test_float32_uploads_give_the_same_head_to_float32_rounding(build):
-    strategy, clients, state = build("fedlog")
+    strategy, clients, state = build("fedlog", feature_scale=1.0)
     new_state, ups = run_round(strategy, clients, state, 0)
     assert ups[0].tensors["statistics"].dtype == torch.float32
     table, n = pooled_table(strategy, clients)
@@ -88,7 +88,7 @@ def test_float32_uploads_give_the_same_head_to_float32_rounding(build):
 
 
 def test_upload_bias_column_is_class_counts(build):
-    strategy, clients, state = build("fedlog")
+    strategy, clients, state = build("fedlog", feature_scale=1.0)
     _, ups = run_round(strategy, clients, state, 0)
     for c, u in zip(clients, ups, strict=True):
         counts = torch.bincount(c.data.train_y, minlength=NUM_CLASSES).float()
@@ -126,7 +126,7 @@ def test_training_improves_fedlog_training_accuracy(build):
 
 
 def test_map_plugin_is_softmax_of_the_map_head_times_augmented_features(build):
-    strategy, clients, state = build("fedlog")
+    strategy, clients, state = build("fedlog", feature_scale=1.0)
     state, _ = run_round(strategy, clients, state, 0)
     c = clients[1]
     probs = predict(strategy, c, state, c.data.test_x, key=MAP_PLUGIN)
@@ -172,7 +172,7 @@ def test_fit_group_refuses_clients_with_two_body_specs(build):
 
 # ---- statistics of absent clients ---------------------------------------------------------
 def test_latest_sums_every_clients_latest_accepted_statistics(build):
-    strategy, clients, state = build("fedlog")
+    strategy, clients, state = build("fedlog", feature_scale=1.0)
     assert strategy.absent_clients == "latest"  # the default
     state, ups0 = run_round(strategy, clients, state, 0)
     state, ups1 = run_round(strategy, clients[:2], state, 1)  # client 2 does not upload
@@ -197,7 +197,7 @@ def test_latest_sums_every_clients_latest_accepted_statistics(build):
 
 
 def test_omit_sums_only_the_rounds_uploads(build):
-    strategy, clients, state = build("fedlog", absent_clients="omit")
+    strategy, clients, state = build("fedlog", absent_clients="omit", feature_scale=1.0)
     state, _ = run_round(strategy, clients, state, 0)
     state, ups1 = run_round(strategy, clients[:2], state, 1)
     tables = torch.stack([u.tensors["statistics"] for u in ups1]).double()
@@ -377,7 +377,7 @@ def test_predict_returns_the_posterior_predictive_and_the_map_plugin(build):
 
 
 def test_the_probit_predictive_is_the_conjugate_posteriors_of_the_broadcast_statistics(build):
-    strategy, clients, state = build("fedlog", predictive="probit")
+    strategy, clients, state = build("fedlog", predictive="probit", feature_scale=1.0)
     state, _ = run_round(strategy, clients, state, 0)
     state, _ = run_round(strategy, clients, state, 1)
     broadcast = evaluation_broadcast(strategy, state, 1)
@@ -694,8 +694,9 @@ def test_local_dp_averages_the_noisy_count_over_rounds_and_warns_only_beyond_its
 
 
 @pytest.mark.parametrize("name, options", [
-    ("fedlog", {}), ("fedlog", {"upload_dtype": "float64"}),
-    ("fedlog", {"feature_scale": "evidence"}), ("fedlog", {"feature_scale": "heldout"}),
+    ("fedlog", {}), ("fedlog", {"feature_scale": 1.0}),
+    ("fedlog", {"feature_scale": 1.0, "upload_dtype": "float64"}),
+    ("fedlog", {"upload_dtype": "float64"}), ("fedlog", {"feature_scale": "evidence"}),
     ("fedlog-dp-local", {"epsilon": 5.0, "clip": 1.0})])
 def test_a_groups_uploads_are_byte_for_byte_those_built_one_client_at_a_time(
         build, name, options):
@@ -712,8 +713,9 @@ def test_a_groups_uploads_are_byte_for_byte_those_built_one_client_at_a_time(
     squares = (torch.rand(k, generator=g, dtype=torch.float64) if strategy.evidence
                else [None] * k)
     scores = ([(torch.rand(3, generator=g, dtype=torch.float64),
-                torch.tensor([2.0], dtype=torch.float64)) for _ in range(k)]
-              if strategy.heldout else [None] * k)
+                torch.tensor([2.0], dtype=torch.float64),
+                torch.rand(NUM_CLASSES, FEATURE_DIM + 1, generator=g, dtype=torch.float64))
+               for _ in range(k)] if strategy.heldout else [None] * k)
     configs, datas = [c.config for c in clients], [c.data for c in clients]
     one_by_one = [strategy._upload(c, d, 1, t, gen, q, h)
                   for c, d, t, gen, q, h in zip(configs, datas, tables, generators(clients, 1),

@@ -1,7 +1,8 @@
-"""FedLog's ``feature_scale="heldout"``: every client keeps a fixed stratified share of its
-training examples out of training and out of its statistics, scores it on a grid of scales under
-the broadcast statistics, and the server takes the scale of least summed held-out NLL — equal to
-the choice on the pooled held-out examples."""
+"""FedLog's ``feature_scale="heldout"`` (the default since issue 40): every client keeps a fixed
+stratified share of its training examples out of training and out of the statistics the bodies
+train through, scores it on a grid of scales under the broadcast statistics, and the server takes
+the scale of least summed held-out NLL — equal to the choice on the pooled held-out examples;
+the slices' statistics then join the posterior (the evaluation broadcast holds every row's)."""
 
 import copy
 import math
@@ -68,9 +69,11 @@ def test_round_0_scores_nothing_and_the_scale_stays_1(build):
     assert float(state["feature_scale"]) == 1.0
 
 
-def test_the_servers_scale_is_the_pooled_held_out_choice(build):
-    strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION,
-                                     upload_dtype="float64")
+@pytest.mark.parametrize("options", [{}, {"feature_scale": "heldout"}],
+                         ids=["default", "heldout"])
+def test_the_servers_scale_is_the_pooled_held_out_choice(build, options):
+    strategy, clients, state = build("fedlog", heldout_fraction=FRACTION,
+                                     upload_dtype="float64", **options)
     state, _ = run_round(strategy, clients, state, 0)
     statistics = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
                                       privatized=True)
@@ -95,6 +98,129 @@ def test_the_servers_scale_is_the_pooled_held_out_choice(build):
     c = clients[0]
     posterior = strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, state, 1))
     assert posterior.head.feature_scale == scale != 1.0
+
+
+def test_the_servers_scale_is_a_brute_force_grid_search_on_the_pooled_held_out_rows(build):
+    """The default's choice, against a brute force written here without the library's grid
+    code: every scale of the grid, the MAP of the broadcast statistics, the pooled held-out
+    rows' NLL; the server's choice is the grid's best point refined within its neighbours."""
+    strategy, clients, state = build("fedlog", heldout_fraction=FRACTION, upload_dtype="float64")
+    state, _ = run_round(strategy, clients, state, 0)
+    stats = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
+                                 privatized=True)
+    feats, labels = [], []
+    for c in clients:
+        held = heldout_of(strategy, c)[1]
+        feats.append(network_output(strategy, c, held.train_x).double())
+        labels.append(held.train_y)
+    phi = torch.cat([torch.ones(sum(len(f) for f in feats), 1, dtype=torch.float64),
+                     torch.cat(feats)], 1)
+    y = torch.cat(labels)
+    nll = []
+    for s in HELDOUT_SCALE_GRID:
+        W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=s).map()
+        nll.append(float(-torch.log_softmax(phi @ W.T, 1)[torch.arange(len(y)), y].sum()))
+    best = int(np.argmin(nll))
+    state, _ = run_round(strategy, clients, state, 1)
+    chosen = float(state["feature_scale"])
+    low = HELDOUT_SCALE_GRID[max(best - 1, 0)]
+    high = HELDOUT_SCALE_GRID[min(best + 1, len(HELDOUT_SCALE_GRID) - 1)]
+    assert low <= chosen <= high
+    # and it is no worse on the pooled rows than the brute force's best grid point, to the
+    # parabola's accuracy
+    W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=chosen).map()
+    at_choice = float(-torch.log_softmax(phi @ W.T, 1)[torch.arange(len(y)), y].sum())
+    assert at_choice <= nll[best] + 1e-3 * abs(nll[best])
+
+
+@pytest.mark.parametrize("absent_clients", ["latest", "omit"])
+def test_the_slices_statistics_are_added_back_exactly(build, absent_clients):
+    """The evaluation posterior is that of every training row: the kept rows' statistics (what
+    the bodies train through and the slices are scored against) plus the slices', each of the
+    client's trained body, so no row is lost to the choice of s."""
+    strategy, clients, state = build("fedlog", heldout_fraction=FRACTION, upload_dtype="float64",
+                                     absent_clients=absent_clients)
+    for r in range(3):
+        state, ups = run_round(strategy, clients, state, r)
+        # every upload carries its slice's statistics, of the body after this round's training
+        for c, u in zip(clients, ups, strict=True):
+            held = heldout_of(strategy, c)[1]
+            expected = SufficientStatistics.from_features(
+                network_output(strategy, c, held.train_x).double(), held.train_y, NUM_CLASSES)
+            torch.testing.assert_close(u.tensors["heldout_statistics"], expected.table,
+                                       rtol=1e-12, atol=1e-12)
+    # final statistics = those of all rows (kept + held out) of the clients' final bodies
+    # (each part's features from its own forward pass, as the clients compute them: a pass
+    # over all rows at once rounds the float32 features differently, by ~1e-7)
+    parts = [p for c in clients for p in heldout_of(strategy, c)]
+    features = torch.cat([network_output(strategy, c, p.train_x).double()
+                          for c in clients for p in heldout_of(strategy, c)])
+    labels = torch.cat([p.train_y for p in parts])
+    everything = SufficientStatistics.from_features(features, labels, NUM_CLASSES)
+    evaluation = evaluation_broadcast(strategy, state, 2)
+    torch.testing.assert_close(evaluation.tensors["statistics"], everything.table,
+                               rtol=1e-12, atol=1e-12)
+    one_pass = SufficientStatistics.from_features(
+        torch.cat([network_output(strategy, c).double() for c in clients]),
+        torch.cat([c.data.train_y for c in clients]), NUM_CLASSES)
+    torch.testing.assert_close(evaluation.tensors["statistics"], one_pass.table,
+                               rtol=1e-6, atol=1e-6)
+    assert float(evaluation.tensors["num_samples"]) == sum(c.data.num_train for c in clients)
+    # the training broadcast keeps the kept rows' only (the slices stay held out)
+    kept = sum(heldout_of(strategy, c)[0].num_train for c in clients)
+    assert float(strategy.configure(state, 3).broadcast.tensors["num_samples"]) == kept
+    # the posterior clients evaluate with is the one of all rows, at the chosen scale
+    c = clients[0]
+    posterior = strategy.posterior(c.config, c.state, evaluation)
+    torch.testing.assert_close(posterior.head.statistics.table, everything.table,
+                               rtol=1e-12, atol=1e-12)
+    assert posterior.head.feature_scale == float(state["feature_scale"])
+
+
+def test_the_slices_statistics_are_counted_in_the_upload_bytes(build):
+    """The slice's statistics travel in the upload dtype, C x m numbers more than s = 1's
+    upload (beside the 33 + 1 float64 scores), and the transport counts every byte."""
+    from bayesfl.messages import encode
+
+    _, _, _, paper = trained_uploads(build, feature_scale=1)
+    strategy, _, _, ups = trained_uploads(build)
+    assert ups[0].tensors["heldout_statistics"].dtype == torch.float32
+    assert ups[0].tensors["heldout_statistics"].shape == (NUM_CLASSES, strategy.m)
+    extra = len(encode(ups[0])) - len(encode(paper[0]))
+    floats = NUM_CLASSES * strategy.m * 4 + (len(HELDOUT_SCALE_GRID) + 1) * 8
+    assert floats <= extra <= floats + 400  # + the three entries' names and headers
+
+
+def trained_uploads(build, **options):
+    strategy, clients, state = build("fedlog", heldout_fraction=FRACTION, **options)
+    state, _ = run_round(strategy, clients, state, 0)
+    state, ups = run_round(strategy, clients, state, 1)
+    return strategy, clients, state, ups
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda t: {"heldout_statistics": t["heldout_statistics"] * -1}, "negative"),
+        (lambda t: {"heldout_statistics": t["heldout_statistics"] * 0 + 0.5},
+         "heldout_statistics.*integral"),
+        (lambda t: {"heldout_statistics": torch.cat(
+            [t["heldout_statistics"][:, :1] * 2, t["heldout_statistics"][:, 1:]], 1)},
+         "differs from the .* scored"),
+        (lambda t: {"heldout_statistics": t["heldout_statistics"] * 1e3,
+                    "heldout_count": t["heldout_count"] * 1e3}, "exceeds"),
+        (lambda t: {"heldout_statistics": t["heldout_statistics"][:2]}, "shape"),
+    ],
+)
+def test_impossible_slice_statistics_are_rejected_with_a_reason(build, change, reason):
+    strategy, clients, state = build("fedlog", heldout_fraction=FRACTION)
+    state, _ = run_round(strategy, clients, state, 0)
+    plan = strategy.configure(state, 1)
+    _, ups = run_round(strategy, clients, state, 1)
+    tensors = {k: v.clone() for k, v in ups[1].tensors.items()}
+    bad = wire(Message(ups[1].header, {**tensors, **change(tensors)}))
+    with pytest.raises(MessageRejected, match=reason):
+        strategy.validate_upload(plan, bad, 1)
 
 
 def test_the_broadcast_is_the_statistics_and_the_scale_not_the_head(build):
@@ -189,5 +315,6 @@ def test_a_client_with_one_training_example_keeps_it_and_scores_nothing(build):
     state, ups = run_round(strategy, clients, state, 1)
     assert float(ups[0].tensors["num_samples"]) == 1
     assert float(ups[0].tensors["heldout_count"]) == 0
+    assert not bool(ups[0].tensors["heldout_statistics"].any())
     assert float(ups[1].tensors["heldout_count"]) == 3
     assert np.isfinite(float(state["feature_scale"]))
