@@ -376,12 +376,17 @@ class _LaplaceFit:
         self.num_draws, self.seed = DEFAULT_NUM_DRAWS, 0
         self.elbo_max_iter = DEFAULT_ELBO_MAX_ITER
         self._last_mode: Tensor | None = None
+        self._searched: tuple[float, Tensor] | None = None  # (λ, mode) of the evidence search
 
     def posterior(self, prior_precision: float) -> GaussianPosterior:
-        """The Laplace posterior at ``prior_precision`` (mode refitted)."""
-        mode = find_mode(self.inputs, self.targets, self.num_classes, prior_precision,
-                         self.prior_mean, self.likelihood, self.noise_std, self.solver,
-                         self.max_iter, start=self._last_mode)
+        """The Laplace posterior at ``prior_precision`` (mode refitted, unless the evidence
+        search found it at this very ``λ``)."""
+        if self._searched is not None and self._searched[0] == prior_precision:
+            mode = self._searched[1]
+        else:
+            mode = find_mode(self.inputs, self.targets, self.num_classes, prior_precision,
+                             self.prior_mean, self.likelihood, self.noise_std, self.solver,
+                             self.max_iter, start=self._last_mode)
         self._last_mode = mode
         return laplace_posterior(mode, self.inputs, self.num_classes, prior_precision,
                                  self.prior_mean, self.structure, self.rank, self.likelihood,
@@ -393,8 +398,10 @@ class _LaplaceFit:
         elsewhere, or if it does not converge: the caller then runs the grid-and-Brent search,
         which maximises the same function."""
         d = self.num_classes * self.inputs.shape[1]
-        solver = MapSolver.parse(self.solver or ("newton" if d <= NEWTON_MAX_PARAMETERS
-                                                 else "lbfgs"), "solver")
+        # A full covariance factorises a (d, d) precision at every λ anyway, so Newton's own
+        # factorisations cost nothing more at any d: the default solver is Newton here (at
+        # d = 5,130 L-BFGS's refits also stopped short of its 1e-6 gradient test).
+        solver = MapSolver.parse(self.solver or "newton", "solver")
         if self.structure is not CovarianceStructure.FULL or solver is not MapSolver.NEWTON:
             return None
         lower, upper = check_bounds(bounds, "prior_precision_bounds")
@@ -409,6 +416,7 @@ class _LaplaceFit:
         except NumericalError:
             return None
         self._last_mode = mode
+        self._searched = (choice.value, mode)
         return choice
 
     def final(self, prior_precision: float) -> GaussianPosterior:
