@@ -23,7 +23,7 @@ Figures per size: fit seconds (median of ``--repeats``, default 3; the peer once
 largest size), held-out NLL / ECE (15 bins) / accuracy of both, and the ratio peer / ours.
 One torch thread (the shared 2-core machine; the brief's rule). Prints a table, then one JSON
 line. Run: ``python bench/laplace_head_speed.py [--sizes 250x1010,1000x1010,...]
-[--repeats 3] [--no-peer]``.
+[--repeats 3] [--no-peer] [--out bench/results/laplace_head_speed.jsonl]``.
 """
 
 from __future__ import annotations
@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(f"{n}x{p}" for n, p in SIZES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--out", default=None,
+                        help="append the JSON record to this file (e.g. "
+                             "bench/results/laplace_head_speed.jsonl)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")]
@@ -134,9 +137,28 @@ def main() -> None:
             row["ratio"] = row["laplace_torch"]["fit_s"] / row["ours"]["fit_s"]
         rows.append(row)
         print(format_row(row), flush=True)
-    print(json.dumps({"bench": "laplace_head_speed", "date": date.today().isoformat(),
-                      "machine": platform.processor() or platform.machine(),
-                      "torch_threads": 1, "rows": rows}))
+    record = {"bench": "laplace_head_speed", "date": date.today().isoformat(),
+              "commit": _commit(), "machine": _machine(), "torch_threads": 1,
+              "repeats": args.repeats, "rows": rows}
+    if args.out:
+        with open(args.out, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    print(json.dumps(record))
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _machine() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()} {capability}, {torch.__version__}, 1 thread"
 
 
 def format_row(row: dict) -> str:
