@@ -104,7 +104,10 @@ finetune_lr             1e-2                 head fine-tuning Adam lr (A7; see b
 finetune_stop           "heldout_nll"        "heldout_nll": the epoch count of lowest NLL on
                                              20% of the training data held out, then that
                                              many on all of it; "fixed": finetune_epochs
-predictive              "glm_probit"         "glm_probit" (Eq. 19) or "glm_mc" (§3.2)
+predictive              "glm_probit"         "glm_probit" (Eq. 19) or "glm_mc" (§3.2); on S1
+                                             within 1% of the plug-in, and no setting chosen
+                                             without test rows widens it (docs: FedSI, "Does
+                                             the posterior earn its spread?")
 mc_samples              100                  weight-space draws of "glm_mc"
 screening_ratio         10.0                 reject an upload whose ||mean - mu|| exceeds this
                                              many times the round's median (None: off)
