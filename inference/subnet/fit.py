@@ -40,7 +40,7 @@ from inference.subnet.posterior import SubnetLaplacePosterior
 from inference.subnet.selection import select_subnet
 from inference.subnet.training_mode import eval_mode
 
-__all__ = ["fit_subnet_laplace", "subnet_ggn"]
+__all__ = ["fit_subnet_laplace", "subnet_ggn", "subnet_laplace_state"]
 
 CurvatureBackend = Literal["subnet_jacobian", "laplace_torch"]
 HessianStructure = Literal["full", "diag"]
@@ -86,6 +86,53 @@ def fit_subnet_laplace(
     Returns:
         :class:`SubnetLaplacePosterior` holding a reference to ``model``.
     """
+    mean, indices, ggn, prior_S, prior_mean_S, n_data = _subnet_terms(
+        model, loader, subnet, prior_precision, prior_mean, backend=backend,
+        hessian_structure=hessian_structure, laplace_backend=laplace_backend,
+        chunk_size=chunk_size, max_memory_bytes=max_memory_bytes,
+        filter_zero_curvature=filter_zero_curvature)
+    return SubnetLaplacePosterior(mean, indices, ggn, prior_S, prior_mean_S, model=model,
+                                  n_data=n_data)
+
+
+def subnet_laplace_state(
+    model: nn.Module,
+    loader: Iterable,
+    subnet: Tensor | Sequence[int],
+    prior_precision: float | Tensor = 1.0,
+    prior_mean: float | Tensor | None = None,
+    *,
+    hessian_structure: HessianStructure = "full",
+    chunk_size: int | None = None,
+    max_memory_bytes: int | None = None,
+) -> dict[str, Tensor]:
+    """:meth:`SubnetLaplacePosterior.state_dict` of :func:`fit_subnet_laplace`'s posterior,
+    the same tensors, without factorising the precision (a client that stores its posterior
+    and rebuilds it with :meth:`SubnetLaplacePosterior.from_state_dict` to predict factorises
+    it there, once; positive definiteness is checked then)."""
+    mean, indices, ggn, prior_S, prior_mean_S, n_data = _subnet_terms(
+        model, loader, subnet, prior_precision, prior_mean, backend="subnet_jacobian",
+        hessian_structure=hessian_structure, laplace_backend=None, chunk_size=chunk_size,
+        max_memory_bytes=max_memory_bytes, filter_zero_curvature=True)
+    if ggn.shape != (indices.numel(), indices.numel()):
+        raise InvalidInputError(f"the GGN block has shape {tuple(ggn.shape)} for "
+                                f"{indices.numel()} subnet indices")
+    device = mean.device
+    return {
+        "mean": mean.detach(),
+        "subnet_indices": indices,
+        # exactly symmetric already (subnet_ggn), as the posterior's symmetric part would be
+        "ggn": ggn.detach().to(device, torch.float64),
+        "prior_precision": prior_S.detach().to(device, torch.float64).reshape(-1),
+        "prior_mean": prior_mean_S.detach().to(device, torch.float64).reshape(-1),
+        "n_data": torch.tensor(int(n_data), dtype=torch.int64),
+    }
+
+
+def _subnet_terms(model, loader, subnet, prior_precision, prior_mean, *, backend,
+                  hessian_structure, laplace_backend, chunk_size, max_memory_bytes,
+                  filter_zero_curvature):
+    """``(mean, indices, ggn, prior_S, prior_mean_S, n_data)`` of :func:`fit_subnet_laplace`."""
     if backend not in ("subnet_jacobian", "laplace_torch"):
         raise InvalidInputError(
             f"backend must be 'subnet_jacobian' or 'laplace_torch', got {backend!r}"
@@ -128,15 +175,8 @@ def fit_subnet_laplace(
         )
     mean = flat_trainable_parameters(model)
     on = mean.device
-    return SubnetLaplacePosterior(
-        mean,
-        indices,
-        ggn,
-        prior.to(on)[indices.to(on)],
-        prior_mu.to(on)[indices.to(on)],
-        model=model,
-        n_data=n_data,
-    )
+    return (mean, indices, ggn, prior.to(on)[indices.to(on)], prior_mu.to(on)[indices.to(on)],
+            n_data)
 
 
 @torch.no_grad()

@@ -282,6 +282,7 @@ from inference.subnet import (
 )
 from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
+from inference.subnet.fit import subnet_laplace_state
 from inference.subnet.lowrank import subnet_marginal_variance
 from inference.subnet.parameters import resolve_subnet_size
 
@@ -881,9 +882,16 @@ class FedSI(Strategy):
         model = self.fine_tuned(config, state, data, mean, generator)
         batches = self.curvature_batches(data)
         subnet = self.choose_subnet(model, batches, variance, self.eval_selection)
-        posterior = self.laplace(model, batches, variance, subnet)
+        if subnet is None:
+            terms = self.laplace(model, batches, variance, subnet).state_dict()
+        else:  # the posterior's tensors; predict() factorises them once (personal_posterior)
+            model.head.requires_grad_(False)
+            structure = "diag" if self.posterior_kind == "subnet_diag" else "full"
+            terms = subnet_laplace_state(model, batches, subnet,
+                                         variance.to(torch.float64).reciprocal(),
+                                         hessian_structure=structure)
         kept = {f"{POSTERIOR_PREFIX}{k}": v.detach().clone()
-                for k, v in posterior.state_dict().items() if k != "mean"}
+                for k, v in terms.items() if k != "mean"}
         personalized = {**model_state(model), **kept,
                         PERSONALIZED: torch.ones(1, dtype=torch.bool)}
         if self.head is None:
