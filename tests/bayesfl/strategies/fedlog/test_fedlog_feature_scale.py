@@ -137,9 +137,13 @@ def test_fit_group_uploads_the_square_sums_fit_uploads(build):
     twins = copy.deepcopy(clients)
     _, plain = run_round(strategy, clients, state, 0, batched=False)
     _, batch = run_round(strategy, twins, state, 0, batched=True)
+    # The batched fit trains the stacked bodies with batched float32 kernels, the plain fit
+    # one body at a time: the same arithmetic, rounded differently by some CPUs (6e-8
+    # relative measured on AVX-512, equal on AVX2). 1e-6 is 16x that, and far below what a
+    # real difference makes: one row more or less moves the sum by about 1/N = 4e-3.
     for a, b in zip(plain, batch, strict=True):
         torch.testing.assert_close(a.tensors["square_sum"], b.tensors["square_sum"],
-                                   rtol=1e-12, atol=0)
+                                   rtol=1e-6, atol=0)
 
 
 def test_fedlog_c_clients_rebuild_the_servers_head_at_a_fixed_scale(build):
