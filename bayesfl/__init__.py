@@ -18,9 +18,10 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API docs
-    from bayesfl import data
+    from bayesfl import data, ensemble
     from bayesfl.bodies import register_body
     from bayesfl.data import Dataset, load_dataset, make_clients, partition
+    from bayesfl.ensemble import DeepEnsemble, simulate_ensemble
     from bayesfl.errors import (
         BayesFLError,
         CheckpointError,
@@ -46,6 +47,9 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     "data": "bayesfl.data",
+    "ensemble": "bayesfl.ensemble",
+    "DeepEnsemble": "bayesfl.ensemble",
+    "simulate_ensemble": "bayesfl.ensemble",
     "register_body": "bayesfl.bodies",
     "Dataset": "bayesfl.data",
     "load_dataset": "bayesfl.data",
@@ -75,7 +79,7 @@ _EXPORTS: dict[str, str] = {
 }
 """Public name -> the module it is imported from on first use (the same names as ``__all__``)."""
 
-_MODULES = frozenset({"data"})
+_MODULES = frozenset({"data", "ensemble"})
 """Public names that are modules themselves (the others are attributes of their module)."""
 
 __all__ = [
@@ -88,6 +92,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "Dataset",
+    "DeepEnsemble",
     "LoadedRun",
     "MessageRejected",
     "RoundPlan",
@@ -98,6 +103,7 @@ __all__ = [
     "Strategy",
     "StrategyContext",
     "data",
+    "ensemble",
     "evaluate_shift",
     "load_dataset",
     "load_run",
@@ -106,6 +112,7 @@ __all__ = [
     "partition",
     "register_body",
     "simulate",
+    "simulate_ensemble",
 ]
 
 

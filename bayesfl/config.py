@@ -12,6 +12,7 @@ Limits (each refused with the number that was too large):
 
 ========================  =====================================================================
 ``seed``                  0 <= seed < 2**63 (NumPy and torch seeds are non-negative)
+``data_seed``             None (the run's ``seed``) or 0 <= data_seed < 2**63
 ``feature_dim``           1 .. :data:`MAX_FEATURE_DIM` (16,384)
 ``n_bins``                1 .. :data:`MAX_BINS` (10,000), and clients x n_bins at most
                           :data:`MAX_BIN_CELLS` (2**24: the per-client calibration tables)
@@ -91,6 +92,14 @@ class SimulationConfig:
     after the last round (strategies that do; the others evaluate the global model), and their
     metrics are reported apart (``summary["novel"]``; FedSI's §IV-E experiment).
 
+    ``seed`` drives the model's randomness (initialisation, batch order, client sampling,
+    posterior draws); ``data_seed`` drives the data's: the data set's own draws
+    (``load_dataset``), the partition, the clients' train/test split, the ``calibrate``
+    hold-out and the novel clients. None (the default) is ``seed``, so a run that does not set
+    it is the run it always was; runs that differ only in ``seed`` with one ``data_seed`` hold
+    the same clients and rows (the members of a deep ensemble, :mod:`bayesfl.ensemble`).
+    :attr:`data_rng_seed` is the seed in force.
+
     Raises:
         ConfigError: a value of the wrong type or out of range (module docstring), an unknown
             strategy, or a body string without a spec.
@@ -117,6 +126,7 @@ class SimulationConfig:
     novel_fraction: float = 0.0
     strategy_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
+    data_seed: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -135,11 +145,21 @@ class SimulationConfig:
             check_dataset_options(key, self.dataset_options)
 
     @property
+    def data_rng_seed(self) -> int:
+        """The seed of everything data-related: ``data_seed``, or ``seed`` when it is None."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    @property
     def body_specs(self) -> list[str]:
         return [s.strip() for s in self.body.split(",") if s.strip()]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; ``data_seed`` only when set, so a run without one has the
+        manifest, fingerprint and run identity it had before the setting existed."""
+        out = dataclasses.asdict(self)
+        if out["data_seed"] is None:
+            del out["data_seed"]
+        return out
 
 
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(SimulationConfig))
@@ -149,6 +169,7 @@ _INTEGERS: dict[str, tuple[int, int | None]] = {
     "clients": (1, None),
     "rounds": (0, None),
     "seed": (0, _SEED_LIMIT - 1),
+    "data_seed": (0, _SEED_LIMIT - 1),
     "feature_dim": (1, MAX_FEATURE_DIM),
     "local_epochs": (0, None),
     "batch_size": (1, None),
@@ -183,6 +204,8 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
     if name == "calibrate":  # None, "temperature" or "temperature:FRACTION"
         parse_calibrate(value)
         return value if value is None else value.strip()
+    if name == "data_seed" and value is None:  # None: the run's seed
+        return None
     if name in _INTEGERS:
         low, high = _INTEGERS[name]
         return check_integer(label, value, low, high)

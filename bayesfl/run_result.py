@@ -68,11 +68,11 @@ BROADCAST_TENSOR = "run/evaluation"
 
 def run_identity(config: SimulationConfig, data_identity: dict[str, Any]) -> dict[str, Any]:
     """What a run's checkpoint fingerprints: the configuration with the data's identity
-    (``novel_fraction`` left out when 0, as the simulator does, so older runs keep theirs)."""
-    identity = {**config.to_dict(), "data": data_identity}
-    if config.novel_fraction == 0:
-        del identity["novel_fraction"]
-    return identity
+    (``novel_fraction`` left out when 0 and ``data_seed`` when None, as the simulator does, so
+    older runs keep theirs)."""
+    from bayesfl.engine.setup import run_identity as identity_of
+
+    return identity_of(config, data_identity)
 
 
 def save_run_result(run_dir: str | Path, result: Any) -> Path:

@@ -71,7 +71,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("rounds",), "rounds", "int",
             "training rounds, >= 0; 0 trains nothing and evaluates the initial model (FedLog: "
             "the head of its round 0 statistics on the initial bodies); default 30"),
-    Setting(("seed",), "seed", "int", "seed of everything random, 0 <= SEED < 2**63; default 0"),
+    Setting(("seed",), "seed", "int",
+            "seed of everything random, 0 <= SEED < 2**63 (of the data too unless --data-seed "
+            "is given); default 0"),
+    Setting(("data-seed",), "data_seed", "int",
+            "seed of the data alone: loading, partition, test split, calibrate hold-out, novel "
+            "clients; runs with one data seed and different --seed hold the same clients "
+            "(deep-ensemble members); default: --seed"),
     Setting(("body",), "body", "str",
             "body spec, or specs separated by commas assigned to clients in turn "
             "(e.g. mlp:200,mlp:100-100); default mlp:200"),

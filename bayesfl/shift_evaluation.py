@@ -34,6 +34,12 @@ the digest the run recorded (``summary["data"]["sha256"]``). A run on your own d
 Randomness: the noise draws come from ``seed`` (per client, the same draws at every severity),
 the posterior draws of the mutual information from ``seed`` too; the same run, settings and
 seed give the same report.
+
+What can be evaluated: a run (what `bayesfl.load_run` or `bayesfl.simulate` return), or any
+`ShiftSubject`: an object that rebuilds to a run's clients and predicts for each of them, such
+as a federated deep ensemble (`bayesfl.ensemble.DeepEnsemble`: its headline is the members'
+mean predictive, it has no plug-in row, and its mutual information takes each member as one
+posterior draw).
 """
 
 from __future__ import annotations
@@ -41,10 +47,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -353,6 +359,118 @@ def _condition(key: tuple[str, float, str]) -> dict[str, Any]:
     return {"shift": key[0], "severity": key[1], "predictive": key[2]}
 
 
+# ==== what is evaluated =======================================================================
+Predictor = Callable[[Tensor], dict[str, Tensor]]
+"""``predict(x) -> {predictive: probs (B, C)}``: one client's predictives of its rows ``x``."""
+
+Draws = Callable[[Tensor], Tensor]
+"""``draws(x) -> (S, B, C)``: probabilities of ``x`` under S posterior draws of one client."""
+
+
+@runtime_checkable
+class ShiftSubject(Protocol):
+    """What `evaluate_shift` evaluates: the clients of one run's data and a predictor each.
+
+    A run (`bayesfl.load_run`, `bayesfl.simulate`) is wrapped as one (`RunSubject`); a
+    `bayesfl.ensemble.DeepEnsemble` is one itself.
+
+    Attributes:
+        config: the `~bayesfl.config.SimulationConfig` the clients' data are rebuilt from
+            (`bayesfl.engine.setup.run_setup`), and whose ``n_bins`` is the default.
+        summary: a mapping whose ``"data"`` entry is the data's identity the run recorded
+            (checked against the rebuilt data).
+        run_dir: a directory named in the report's settings, or None.
+        novel: the ids of the novel clients.
+        num_clients: how many clients (the data must give as many).
+        label: what the report's settings call the predictor (e.g. the strategy's name).
+    """
+
+    config: Any
+    summary: Mapping[str, Any]
+    run_dir: Any
+    novel: tuple[int, ...]
+
+    @property
+    def num_clients(self) -> int: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def shift_predictor(self, k: int) -> Predictor:
+        """Client ``k``'s predictives (`Predictor`)."""
+        ...
+
+    def shift_draws(self, k: int, n: int, seed: int, note: list[str]) -> Draws | None:
+        """Client ``k``'s posterior draws of probabilities (`Draws`; ``n`` asked, a subject
+        with a fixed number of draws gives those), or None with the reason appended to
+        ``note``."""
+        ...
+
+    def shift_settings(self) -> dict[str, Any]:
+        """Entries added to the report's settings (e.g. the ensemble's members)."""
+        ...
+
+
+class RunSubject:
+    """A run (`bayesfl.simulate`'s result or `bayesfl.load_run`'s) as a `ShiftSubject`: each
+    client predicts with the strategy's ``predict`` of its final state (the headline and, for
+    posterior strategies, the plug-in beside it); draws come from its posterior."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.config = run.config
+        self.summary = run.summary
+        self.run_dir = run.run_dir
+        self.novel = tuple(int(k) for k in getattr(run, "novel", ()))
+        strategy = run.strategy
+        self.device = getattr(getattr(strategy, "context", None), "device", None) \
+            or torch.device("cpu")
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.run.clients)
+
+    @property
+    def label(self) -> str:
+        return self.run.config.strategy
+
+    def shift_predictor(self, k: int) -> Predictor:
+        run, device = self.run, self.device
+        config, state = run.clients[k].config, run.client_state(k)
+        strategy, broadcast = run.strategy, run.evaluation_broadcast
+
+        def predict(x: Tensor) -> dict[str, Tensor]:
+            with torch.no_grad():
+                return strategy.predict(config, state, broadcast, x.to(device))
+
+        return predict
+
+    def shift_draws(self, k: int, n: int, seed: int, note: list[str]) -> Draws | None:
+        run = self.run
+        return _posterior_draws(run.strategy, run.clients[k].config, run.client_state(k),
+                                run.evaluation_broadcast, self.device, n, seed, note)
+
+    def shift_settings(self) -> dict[str, Any]:
+        return {}
+
+
+def as_shift_subject(run: Any) -> ShiftSubject:
+    """``run`` as a `ShiftSubject`: a run wrapped (`RunSubject`), a subject as it is.
+
+    Raises:
+        ConfigError: neither a run nor a subject.
+    """
+    from bayesfl.simulate import SimulationResult
+
+    if isinstance(run, SimulationResult):
+        return RunSubject(run)
+    if isinstance(run, ShiftSubject):
+        return run
+    raise ConfigError(f"evaluate_shift takes a run: bayesfl.load_run(DIR) (or what "
+                      f"bayesfl.simulate returned), or a bayesfl.ensemble.DeepEnsemble of runs; "
+                      f"got {type(run).__name__}")
+
+
 # ==== on a run ================================================================================
 def evaluate_shift(
     run: Any,
@@ -370,7 +488,8 @@ def evaluate_shift(
     """Shift suites on a finished run (module notes).
 
     Args:
-        run: what `bayesfl.load_run` returns (or `bayesfl.simulate` returned).
+        run: what `bayesfl.load_run` returns (or `bayesfl.simulate` returned), or a
+            `bayesfl.ensemble.DeepEnsemble` of runs (any `ShiftSubject`).
         shifts: input shifts: ``[("rotate", [15, 30, 60, 90]), ("noise", [0.1, 0.2])]``,
             ``"contrast:0.5,0.8"`` strings or a mapping kind -> severities
             (`bayesfl.shifts`: ``rotate`` in degrees, ``noise`` sigma in units of the data's
@@ -379,7 +498,8 @@ def evaluate_shift(
         seed: seeds the noise and the posterior draws.
         coverage: the coverage of ``accuracy_at_coverage``, in (0, 1].
         posterior_samples: posterior draws for the mutual information (posterior strategies);
-            0: no mutual information.
+            0: no mutual information. An ensemble's draws are its members, whatever the
+            number (> 0) asked.
         image_shape: (C, H, W) of flat image rows whose data set is not known to hold images
             (rotate and contrast need images; the flat ``digits`` rows are 8x8 already).
         n_bins: calibration bins (default: the run's).
@@ -397,11 +517,7 @@ def evaluate_shift(
     """
     from tqdm.auto import tqdm
 
-    from bayesfl.simulate import SimulationResult
-
-    if not isinstance(run, SimulationResult):
-        raise ConfigError(f"evaluate_shift takes a run: bayesfl.load_run(DIR) (or what "
-                          f"bayesfl.simulate returned); got {type(run).__name__}")
+    run = as_shift_subject(run)
     shift_list = as_shifts(shifts)
     ood_list = _ood_kinds(ood)
     if not shift_list and not ood_list:
@@ -426,7 +542,7 @@ def evaluate_shift(
                 "for flat image rows give their shape (image_shape=(1, 28, 28), --image-shape "
                 "1,28,28), else use the noise shift, which works on any data")
     value_range = data_range(dataset.x)
-    novel = tuple(int(k) for k in getattr(run, "novel", ()))
+    novel = tuple(int(k) for k in run.novel)
     trained = [k for k in range(len(client_data)) if k not in novel]
     notes: list[str] = []
     ood_sets = {name: {} for name in ood_list}
@@ -448,26 +564,18 @@ def evaluate_shift(
         outside = torch.cat([client_data[k].test_x for k in novel])
         for k in trained:
             ood_sets["novel-clients"][k] = (client_data[k].test_x, outside)
-    strategy, broadcast = run.strategy, run.evaluation_broadcast
-    device = getattr(getattr(strategy, "context", None), "device", None) or torch.device("cpu")
     draws_note: list[str] = []
     states = []
     bar = tqdm(total=len(client_data), desc="shift evaluation", unit="client",
                disable=not progress)
     try:
         for k, own in enumerate(client_data):
-            config, state = run.clients[k].config, run.client_state(k)
-
-            def predict(x: Tensor, config=config, state=state) -> dict[str, Tensor]:
-                with torch.no_grad():
-                    return strategy.predict(config, state, broadcast, x.to(device))
-
+            predict = run.shift_predictor(k)
             rows = {name: sets[k] for name, sets in ood_sets.items() if k in sets}
             draws = None
             if rows and posterior_samples and not draws_note:
-                draws = _posterior_draws(strategy, config, state, broadcast, device,
-                                         posterior_samples, derived_seed(seed, _DRAWS_KEY, k),
-                                         draws_note)
+                draws = run.shift_draws(k, posterior_samples,
+                                        derived_seed(seed, _DRAWS_KEY, k), draws_note)
             generator = torch.Generator().manual_seed(derived_seed(seed, _NOISE_KEY, k))
             states.append(client_shift_states(
                 predict, own.test_x, own.test_y, shifts=shift_list, image_shape=shape,
@@ -481,7 +589,7 @@ def evaluate_shift(
     notes += draws_note
     settings = {
         "run_dir": None if run.run_dir is None else str(run.run_dir),
-        "strategy": run.config.strategy, "dataset": dataset.name,
+        "strategy": run.label, "dataset": dataset.name,
         "clients": len(client_data), "novel_clients": list(novel),
         "partition": run.config.partition, "rounds": run.config.rounds,
         "shifts": {s.kind: list(s.severities) for s in shift_list},
@@ -491,6 +599,7 @@ def evaluate_shift(
         "image_shape": None if shape is None else list(shape),
         "data_range": list(value_range),
         "predictive_names": dict(PREDICTIVE_NAMES),
+        **run.shift_settings(),
     }
     return build_report(states, novel=novel, settings=settings, coverage=coverage, notes=notes)
 
@@ -540,7 +649,7 @@ def _run_data(run: Any, data: Any) -> tuple[Any, list[Any]]:
                               "run directory does not keep them; pass them again: "
                               "evaluate_shift(run, ..., data=(x, y))")
         config = run.config
-        dataset = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+        dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
     else:
         dataset = as_dataset(data)
     if isinstance(recorded, Mapping) and "sha256" in recorded:
@@ -550,9 +659,9 @@ def _run_data(run: Any, data: Any) -> tuple[Any, list[Any]]:
                             f"differs from the run's {str(recorded['sha256'])[:12]}); pass the "
                             "data the run was trained on")
     setup = run_setup(run.config, dataset, torch.device("cpu"))
-    if len(setup.client_data) != len(run.clients):
+    if len(setup.client_data) != run.num_clients:
         raise DataError(f"the data give {len(setup.client_data)} clients, the run has "
-                        f"{len(run.clients)}")
+                        f"{run.num_clients}")
     return dataset, setup.client_data
 
 
@@ -593,6 +702,7 @@ def _posterior_draws(strategy: Any, config: Any, state: Any, broadcast: Any,
     return draws
 
 
-__all__ = ["CLEAN", "OOD_KINDS", "SCORES", "ClientShiftStates", "ShiftReport", "build_report",
+__all__ = ["CLEAN", "OOD_KINDS", "SCORES", "ClientShiftStates", "Draws", "Predictor",
+           "RunSubject", "ShiftReport", "ShiftSubject", "as_shift_subject", "build_report",
            "client_shift_states", "evaluate_shift", "format_severity", "selective_rows",
            "selective_state", "unseen_label_rows"]

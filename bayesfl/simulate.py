@@ -243,7 +243,8 @@ def simulate(
         clients: the number of clients.
         partition: how the data are split among them (``iid``, ``dirichlet:ALPHA``, ...).
         rounds: federated rounds.
-        seed: the run's seed (data split, initialisation, sampling).
+        seed: the run's seed (initialisation, batch order, sampling; and the data's draws
+            unless ``data_seed`` is given).
         dataset: the data set's name (default ``"digits"``); with ``data``, a label for those
             data (default ``"custom"``).
         out: run directory for metrics, summary, manifest, plots and checkpoints; None
@@ -267,7 +268,9 @@ def simulate(
             your own zero-argument factory of a ``torch.nn.Module``, :mod:`bayesfl.bodies`;
             feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
-            novel_fraction, strategy_options, dataset_options).
+            novel_fraction, data_seed, strategy_options, dataset_options). ``data_seed``
+            seeds the data alone (loading, partition, test split, calibrate hold-out, novel
+            clients); None (default) takes ``seed``.
 
     Raises:
         ConfigError: unknown names or options, values of the wrong type or out of range
@@ -380,7 +383,7 @@ class _Run:
         self.run_dir = run_dir
         self.device = resolve_device(config.device)
         self.dataset = data if data is not None else load_dataset(
-            config.dataset, seed=config.seed, **config.dataset_options)
+            config.dataset, seed=config.data_rng_seed, **config.dataset_options)
         # what the data really were (shapes and a digest of the contents) is part of the
         # fingerprint: a run resumes only with the data it started with
         self.data_identity = dataset_identity(self.dataset, custom=data is not None)
@@ -408,7 +411,7 @@ class _Run:
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
         self.channel = InProcessChannel(self)
         # novel clients (novel_fraction) never train: rounds sample and evaluate the others
-        self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
+        self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
         self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
         self.first_round = 0 if self.server.init_round else 1
         # the one round loop of every transport, evaluating each round within it ("inline":

@@ -44,7 +44,8 @@ class RunSetup:
 def run_identity(config: SimulationConfig, data: Any) -> dict[str, Any]:
     """What a run's checkpoint and its nodes are fingerprinted by: the configuration and the
     data's identity (runs without novel clients leave ``novel_fraction`` out, so their
-    fingerprints are those of versions before it existed)."""
+    fingerprints are those of versions before it existed; so do runs without a ``data_seed``:
+    :meth:`~bayesfl.config.SimulationConfig.to_dict` leaves it out)."""
     identity = {**config.to_dict(), "data": data}
     if config.novel_fraction == 0:
         del identity["novel_fraction"]
@@ -53,16 +54,20 @@ def run_identity(config: SimulationConfig, data: Any) -> dict[str, Any]:
 
 def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) -> RunSetup:
     """The clients' data and the strategy context of a run (every transport
-    calls it, so all build the same clients and strategy from the same config)."""
+    calls it, so all build the same clients and strategy from the same config).
+
+    The data side (partition, test split, ``calibrate`` hold-out) draws from
+    ``config.data_rng_seed``; the strategy context (model initialisation) from ``config.seed``.
+    """
     check_model_size(config, tuple(dataset.input_shape))  # before any body is built
     client_data = make_clients(dataset, config.clients, config.partition,
-                               seed=config.seed, test_fraction=config.test_fraction)
+                               seed=config.data_rng_seed, test_fraction=config.test_fraction)
     # calibrate: every client holds out part of its training data, before any training
     calibration = parse_calibrate(config.calibrate)
     held_out = {}
     if calibration is not None:
         client_data, held_out = hold_out(
-            client_data, calibration.held_out_fraction, config.seed)
+            client_data, calibration.held_out_fraction, config.data_rng_seed)
     # a batch larger than every client's training set is full-batch training: clamping it
     # bounds the batched schedule (clients x batch) by the data, whatever was asked for
     largest = max(d.num_train for d in client_data)

@@ -202,6 +202,7 @@ def build_summary(
         "clients": config.clients,
         "rounds": config.rounds,
         "seed": config.seed,
+        **({} if config.data_seed is None else {"data_seed": config.data_seed}),
         "body": config.body,
         **last.headline(),
         "per_client": last.per_client,

@@ -136,7 +136,7 @@ def _node(run: tuple[tuple[str, Any], ...], partition_id: int, num_partitions: i
     device = resolve_device(config.device)
     if options.data_loader is not None:
         return _site_node(config, options, partition_id, device)
-    dataset = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
     setup = run_setup(config, dataset, device)
     strategy = make_strategy(config.strategy, setup.context, **config.strategy_options)
     fingerprint = config_fingerprint(run_identity(config, dataset_identity(dataset)))
@@ -194,7 +194,7 @@ def _site_node(config: SimulationConfig, options: FlowerOptions, partition_id: i
     site = site_data(options.data_loader, partition_id)
     # the strategy context (classes, input shape) comes from the run's named data set, as on
     # the server; the site's data must have that shape
-    reference = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+    reference = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
     if tuple(site.input_shape) != tuple(reference.input_shape) or \
             int(site.y.max()) >= reference.num_classes:
         raise DataError(f"site {partition_id}'s data ({tuple(site.input_shape)}, labels up to "
@@ -223,7 +223,7 @@ def _split_site(site: Any, partition_id: int, config: SimulationConfig) -> Clien
         raise DataError(f"site {partition_id} has {len(labels)} sample(s): it needs at least "
                         "2 (one to train on, one to test)")
     train, test = stratified_split(labels, config.test_fraction,
-                                   np.random.default_rng([config.seed, partition_id, 26]))
+                                   np.random.default_rng([config.data_rng_seed, partition_id, 26]))
     train, test = np.asarray(train, dtype=np.int64), np.asarray(test, dtype=np.int64)
     return ClientData(client_id=partition_id, train_x=site.x[train], train_y=site.y[train],
                       test_x=site.x[test], test_y=site.y[test], train_indices=train,

@@ -22,7 +22,7 @@ The run configuration is Flower's run config (``[tool.flwr.app.config]`` in the 
 ``dataset-option.NAME`` (a TOML table ``[tool.flwr.app.config.option]``) or as one string of
 ``KEY=VALUE`` pairs (``option = "alpha=0.01 prior=2.0"``: Flower's ``--run-config`` overrides
 only keys the app's ``pyproject.toml`` lists), and the keys of :class:`FlowerOptions` for the
-deployment. ``out = ""`` and ``threads = 0`` mean "not set".
+deployment. ``out = ""``, ``threads = 0`` and ``data-seed = ""`` mean "not set".
 """
 
 from __future__ import annotations
@@ -151,6 +151,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             table[rest] = value
         elif name in _UNSET_WHEN_EMPTY and value in ("", 0):
             continue  # the app's pyproject lists every key; "" / 0 means not set
+        elif name == "data-seed" and isinstance(value, str) and not value.strip():
+            continue  # "": the run's seed (0 is a seed, so only "" means not set)
         elif name in _FLOWER_KEYS and name not in ("out", "resume", "force", "threads"):
             flower[_FLOWER_KEYS[name]] = value
         elif name in _OPTION_KEYS and isinstance(value, str):

@@ -305,7 +305,7 @@ class FlowerServer:
         self.device = resolve_device(config.device)
         # the server loads the data set only for its shapes and the partition's sizes (the
         # same setup as every node's); nothing it trains or evaluates reads the data
-        dataset = load_dataset(config.dataset, seed=config.seed, **config.dataset_options)
+        dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
         self.data_identity = dataset_identity(dataset)
         self.identity = run_identity(config, self.data_identity)
         if self.options.data_loader is not None:  # every site loads its own data
@@ -322,7 +322,7 @@ class FlowerServer:
         self.refused: set[int] = set()  # node ids refused at discovery
         self.num_test: dict[int, int] = {}
         self.num_train: dict[int, int] = {}
-        self.novel = novel_clients(config.clients, config.novel_fraction, config.seed)
+        self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.strategy.init_round else 1
         self.seconds_before = 0.0

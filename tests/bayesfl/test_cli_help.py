@@ -181,7 +181,8 @@ def test_every_flag_bayesfl_flower_offers_is_accepted_by_the_flower_run():
     from bayesfl.settings import SETTINGS
 
     value = {"strategy": "fedlog", "dataset": "gaussian_mixture", "clients": 3,
-             "partition": "iid", "rounds": 1, "seed": 1, "body": "mlp:8", "feature_dim": 4,
+             "partition": "iid", "rounds": 1, "seed": 1, "data_seed": 2, "body": "mlp:8",
+             "feature_dim": 4,
              "local_epochs": 1, "lr": 0.01, "batch_size": 8, "fraction": 1.0,
              "test_fraction": 0.25, "novel_fraction": 0.34, "n_bins": 10,
              "calibrate": "temperature", "device": "cpu", "batched": False,

@@ -738,6 +738,23 @@ SITES = {"strategy": "fedavg", "dataset": "digits", "clients": 3, "partition": "
          "threads": 1, "data-loader": "site_app.site_data:load"}
 
 
+def test_a_data_seed_on_flower_equals_the_simulator(task_identity):
+    # data-seed drives the data on every node and on the server (data set draws, partition,
+    # calibrate hold-out, novel clients); seed the models: Flower equals the simulator with it
+    extra = {"calibrate": "temperature", "novel_fraction": 0.34}
+    summary = serve({**SMALL, "strategy": "fedlog", "threads": 1, "data-seed": 11,
+                     "calibrate": "temperature", "novel-fraction": 0.34}).run()
+    sim = simulate_small("fedlog", data_seed=11, **extra)
+    assert summary["events"] == [] and summary["data_seed"] == sim.summary["data_seed"] == 11
+    assert_figures_equal(summary, sim.summary, "headline")
+    assert summary["novel"]["clients"] == sim.summary["novel"]["clients"]
+    assert_figures_equal(summary["novel"], sim.summary["novel"], "novel")
+    assert summary["calibration"]["temperature"] == pytest.approx(
+        sim.summary["calibration"]["temperature"], rel=1e-6)
+    # and the data seed is not the seed: the same run without it has other data
+    assert simulate_small("fedlog", **extra).summary["data"] != sim.summary["data"]
+
+
 def test_each_node_loads_its_own_site_data_with_the_run_configs_loader(task_identity,
                                                                        monkeypatch, tmp_path):
     # site k holds digits k, k+3, ... (599 each); it splits them 3:1 into train and test itself,
