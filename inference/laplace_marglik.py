@@ -43,6 +43,7 @@ from torch import Tensor
 
 from inference.errors import NumericalError
 from inference.gaussian import cholesky_with_jitter
+from inference.head_objective import likelihood_hessian, negative_log_posterior
 from inference.hyperparameters import LOG_XATOL, HyperparameterChoice
 from inference.options import Likelihood
 
@@ -98,8 +99,6 @@ class EvidenceSearch:
     # -- the objective and its derivatives ----------------------------------------------------
 
     def _objective(self, theta: Tensor, prior_precision: float) -> Tensor:
-        from inference.laplace_head import negative_log_posterior
-
         return negative_log_posterior(theta, self.inputs, self.targets, self.num_classes,
                                       prior_precision, self.prior_mean, self.likelihood,
                                       self.noise_std)
@@ -107,8 +106,6 @@ class EvidenceSearch:
     def _newton(self, theta: Tensor, prior_precision: float) -> tuple[Tensor, Tensor, float]:
         """At ``theta``: the Newton step, ``chol(λI + H(theta))`` and half the squared Newton
         decrement (nats)."""
-        from inference.laplace_head import likelihood_hessian
-
         theta_req = theta.detach().requires_grad_(True)
         value = self._objective(theta_req, prior_precision)
         (grad,) = torch.autograd.grad(value, theta_req)
