@@ -39,7 +39,7 @@ class Accumulator:
 
     def __init__(self, n_bins: int = 15, device: torch.device | str | None = None) -> None:
         self.n_bins = check_n_bins(n_bins)
-        self._device = _device(device)
+        self._device = as_device(device)
         self._held: dict[str, Tensor] | None = None
         # (stacked state, row) when the state is that row of a stack (:meth:`per_group`)
         self._row: tuple[dict[str, Tensor], int] | None = None
@@ -308,7 +308,7 @@ class Accumulator:
         correct, confidence = tensors["bin_correct_counts"], tensors["bin_confidence_sums"]
         if bool((correct > counts).any()) or bool((confidence > counts * (1 + 1e-9)).any()):
             raise InvalidInputError("per-bin sums exceed the bin counts: inconsistent state")
-        target = _device(device) or counts.device
+        target = as_device(device) or counts.device
         accumulator = cls(n_bins, device=target)
         accumulator._state = {
             "bin_counts": counts.to(target, torch.int64).clone(),
@@ -363,7 +363,7 @@ def _stacked_states(items: list[Accumulator], device: torch.device) -> dict[str,
             for key in _STATE_KEYS}
 
 
-def _device(device: torch.device | str | None) -> torch.device | None:
+def as_device(device: torch.device | str | None) -> torch.device | None:
     """``device`` as a torch.device (None stays None), or InvalidInputError."""
     if device is None:
         return None

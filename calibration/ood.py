@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from calibration.accumulator import _device
+from calibration.accumulator import as_device
 from calibration.binning import check_n_bins
 from calibration.errors import InvalidInputError
 from calibration.inputs import as_tensor, flag, index_array
@@ -71,7 +71,7 @@ class ScoreCounts:
 
 
 # -- validation ------------------------------------------------------------------------------
-def _score_vector(scores: Any, name: str = "scores") -> Tensor:
+def score_vector(scores: Any, name: str = "scores") -> Tensor:
     """(N,) finite real scores as float64 (``-0.0`` read as ``0.0``), N may be 0."""
     tensor = as_tensor(scores, name)
     if tensor.ndim != 1:
@@ -124,7 +124,7 @@ def _count(values: Tensor, is_ood: Tensor) -> ScoreCounts:
 def score_counts(scores: Any, is_ood: Any, *, higher_is_ood: bool = True) -> ScoreCounts:
     """Validate ``scores`` (N,) and ``is_ood`` (N,) and count the rows at each distinct score
     (scores negated when ``higher_is_ood=False``). Empty input gives empty counts."""
-    values = _score_vector(scores)
+    values = score_vector(scores)
     labels = _labels(is_ood, values.shape[0], values.device)
     return _count(_oriented(values, higher_is_ood), labels)
 
@@ -253,8 +253,8 @@ def ood_report(scores_in: Any, scores_out: Any, *, higher_is_ood: bool = True,
     `aupr` and `fpr_at_tpr` on the concatenated rows.
     """
     tpr = _check_tpr(tpr)
-    inside = _score_vector(scores_in, "scores_in")
-    outside = _score_vector(scores_out, "scores_out").to(inside.device)
+    inside = score_vector(scores_in, "scores_in")
+    outside = score_vector(scores_out, "scores_out").to(inside.device)
     values = _oriented(torch.cat([inside, outside]), higher_is_ood)
     labels = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
     labels[inside.shape[0]:] = True
@@ -293,7 +293,7 @@ class AurocAccumulator:
 
     def __init__(self, n_bins: int | None = None, score_range: tuple[float, float] | None = None,
                  device: torch.device | str | None = None) -> None:
-        self._device = _device(device)
+        self._device = as_device(device)
         self.n_bins: int | None = None
         self.edges: Tensor | None = None
         if n_bins is None:
@@ -342,7 +342,7 @@ class AurocAccumulator:
 
     def update(self, scores: Any, is_ood: Any, *, higher_is_ood: bool = True) -> AurocAccumulator:
         """Add rows: ``scores`` (N,) and ``is_ood`` (N,) as for `auroc`; returns self."""
-        values = _score_vector(scores)
+        values = score_vector(scores)
         labels = _labels(is_ood, values.shape[0], values.device)
         values = _oriented(values, higher_is_ood)
         if self.binned:
@@ -511,7 +511,7 @@ class AurocAccumulator:
             if bool((tensor < 0).any()):
                 raise InvalidInputError(f"{key} contains negative values")
             counts.append(tensor)
-        target = _device(device) or axis.device
+        target = as_device(device) or axis.device
         in_counts, ood_counts = (c.to(target, torch.int64).clone() for c in counts)
         if first == "edges":
             accumulator = cls.__new__(cls)

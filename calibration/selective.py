@@ -39,7 +39,7 @@ from torch import Tensor
 
 from calibration.errors import InvalidInputError
 from calibration.inputs import as_tensor, flag, index_array
-from calibration.ood import _score_vector
+from calibration.ood import score_vector
 from calibration.row_scores import row_scores
 
 
@@ -52,7 +52,7 @@ def _rows(first: Any, second: Any, confidence: Any, from_logits: bool) -> tuple[
         correct = scores.correct
         if confidence is None:
             return scores.confidence.to(torch.float64) + 0.0, correct
-        ranking = _score_vector(confidence, "confidence")
+        ranking = score_vector(confidence, "confidence")
         if ranking.shape[0] != correct.shape[0]:
             raise InvalidInputError(
                 f"shape mismatch: {correct.shape[0]} rows of probs but {ranking.shape[0]} "
@@ -69,7 +69,7 @@ def _rows(first: Any, second: Any, confidence: Any, from_logits: bool) -> tuple[
             "confidence= and from_logits= go with probs (N, C) and labels; with a confidence "
             "(N,) as first argument the second is the per-row correctness"
         )
-    ranking = _score_vector(given, "confidence")
+    ranking = score_vector(given, "confidence")
     outcome = as_tensor(second, "correct")
     if outcome.ndim != 1 or outcome.shape[0] != ranking.shape[0]:
         raise InvalidInputError(
