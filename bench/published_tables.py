@@ -33,7 +33,7 @@ from pathlib import Path
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.run_cache import read_jsonl  # noqa: E402
+from bench.run_cache import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
