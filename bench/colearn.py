@@ -58,7 +58,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.data.datasets import load_dataset  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
-from bench.run_cache import run_cached  # noqa: E402
+from bench.run_cache import provenance, run_cached  # noqa: E402
 from calibration.accumulator import Accumulator  # noqa: E402
 
 PAPER = {  # Table 1, MNIST, average client test accuracy (%) after 100 rounds
@@ -126,7 +126,11 @@ def run(method: str, n: int, seed: int, rounds: int, body: str = "lenet5",
     out["bytes_down_per_client_round"] = result.summary["bytes_down"] / (n * upload_rounds)
     out["rejected"] = result.summary["rejected_uploads"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
-    return out
+    out["protocol"] = {**{k: v for k, v in COMMON.items() if k != "progress"},
+                       "method": method, "clients": n, "seed": seed, "rounds": rounds,
+                       "body": body, "strategy_options": options,
+                       "train_images": TRAIN_IMAGES}
+    return out | provenance()
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:

@@ -18,7 +18,13 @@ are the same, so the comparison is paired).
 Prints a markdown table, then one JSON line: per placement and epsilon the mean figures, and
 each accuracy and NLL divided by the non-DP FedLog run's of the same seeds.
 
-Usage: ``python bench/dp_price.py [--seeds 3] [--rounds 30] [--epsilons 0.5,1,2,4,8,16]``.
+Every run is one JSON line in ``--cache`` (default ``bench/results/dp_price.jsonl``, keyed by
+strategy, epsilon, seed and rounds; with commit, date and machine, :mod:`bench.run_cache`): a
+cached run is not run again, and ``bench/published_tables.py`` generates the published DP table
+from it.
+
+Usage: ``python bench/dp_price.py [--seeds 3] [--rounds 30] [--epsilons 0.5,1,2,4,8,16]
+[--cache PATH]``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 from bayesfl.evaluation import merge_evaluations  # noqa: E402
 from bayesfl.messages import Message  # noqa: E402
 from bayesfl.simulate import SimulationResult, simulate  # noqa: E402
+from bench.run_cache import provenance, run_cached  # noqa: E402
 from inference.conjugate import PrivacyNoiseWarning  # noqa: E402
 
 COMMON = dict(dataset="digits", clients=20, partition="shards:2", feature_dim=50,
@@ -77,7 +84,17 @@ def run(strategy: str, seed: int, rounds: int, epsilon: float | None) -> dict[st
         row["noise_to_signal"] = float(s["dp_noise_to_signal"])
         row["sigma"] = float(s["dp_sigma"])
         row["warned"] = float(any(issubclass(w.category, PrivacyNoiseWarning) for w in caught))
-    return row
+    placement = next((p for p, name in PLACEMENTS.items() if name == strategy), "none")
+    return {"bench": "dp_price", "strategy": strategy, "placement": placement,
+            "epsilon": epsilon, "seed": seed, "rounds": rounds, **row,
+            "protocol": {**{k: v for k, v in COMMON.items() if k != "progress"},
+                         "clip": 2.0, "delta": 0.01, "accountant": "v2, rounds + 1 releases"},
+            **provenance()}
+
+
+def run_key(strategy: str, seed: int, rounds: int, epsilon: float | None) -> str:
+    return f"{strategy}|eps={epsilon if epsilon is None else f'{epsilon:g}'}|seed={seed}|" \
+           f"rounds={rounds}"
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -94,24 +111,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--epsilons", default="0.5,1,2,4,8,16")
+    parser.add_argument("--cache", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "dp_price.jsonl")
     args = parser.parse_args()
     epsilons = [float(e) for e in args.epsilons.split(",")]
     torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
     start = time.perf_counter()
-    plain: list[dict[str, float]] = []
-    rows: dict[tuple[str, float], list[dict[str, float]]] = {}
+    tasks = []
     for seed in range(args.seeds):
-        plain.append(run("fedlog", seed, args.rounds, None))
-        print(f"fedlog (no DP) seed {seed}: " + " ".join(
-            f"{k} {plain[-1][k]:.4f}" for k in METRICS), flush=True)
-        for placement, strategy in PLACEMENTS.items():
-            for epsilon in epsilons:
-                row = run(strategy, seed, args.rounds, epsilon)
-                rows.setdefault((placement, epsilon), []).append(row)
-                print(f"{placement:7s} eps {epsilon:<4g} seed {seed}: noise-to-signal "
-                      f"{row['noise_to_signal']:.3f} accuracy {row['accuracy']:.4f} ECE "
-                      f"{row['ece']:.4f} (face value {row['face_ece']:.4f}) NLL "
-                      f"{row['nll']:.4f} (face value {row['face_nll']:.4f})", flush=True)
+        tasks.append((run_key("fedlog", seed, args.rounds, None), run,
+                      ("fedlog", seed, args.rounds, None)))
+        tasks += [(run_key(strategy, seed, args.rounds, epsilon), run,
+                   (strategy, seed, args.rounds, epsilon))
+                  for strategy in PLACEMENTS.values() for epsilon in epsilons]
+    done = run_cached(tasks, args.cache, label=lambda k, r: (
+        f"accuracy {r['accuracy']:.4f} ECE {r['ece']:.4f} NLL {r['nll']:.4f}"
+        + (f" (face value ECE {r['face_ece']:.4f} NLL {r['face_nll']:.4f}, noise-to-signal "
+           f"{r['noise_to_signal']:.3f})" if "face_ece" in r else "")))
+    plain = [done[run_key("fedlog", seed, args.rounds, None)] for seed in range(args.seeds)]
+    rows: dict[tuple[str, float], list[dict[str, float]]] = {
+        (placement, epsilon): [done[run_key(strategy, seed, args.rounds, epsilon)]
+                               for seed in range(args.seeds)]
+        for placement, strategy in PLACEMENTS.items() for epsilon in epsilons}
     print(f"\ndigits, 20 clients, shards:2, {args.rounds} rounds (+ the init round), clip 2, "
           f"delta 0.01, v2 accountant, {args.seeds} seeds (mean ± std over seeds; accuracy = "
           "final-round mean client accuracy, ECE and NLL pooled). Headline: the noise-aware "
@@ -125,7 +146,8 @@ def main() -> None:
     for placement in PLACEMENTS:
         for epsilon in epsilons:
             group = rows[(placement, epsilon)]
-            v = {k: [r[k] for r in group] for k in group[0]}
+            v = {k: [r[k] for r in group] for k in group[0]
+                 if isinstance(group[0][k], float)}
             print(f"| {placement} | {epsilon:g} | {statistics.fmean(v['sigma']):.1f} | "
                   f"{cell(v['noise_to_signal'], 2)} | {int(sum(v['warned']))}/{len(group)} | "
                   f"{cell(v['accuracy'])} | {cell(v['ece'])} | {cell(v['nll'])} | "

@@ -9,7 +9,12 @@ the network's softmax), then one JSON line with the figures:
 FedLog's accuracy minus FedAvg's and FedLog's uplink bytes divided by FedAvg's are measured
 against FedAvg (the named peer) in the same run.
 
-Usage: ``python bench/fedlog_vs_fedavg.py [--seeds 5] [--rounds 30]``.
+Every run is one JSON line in ``--cache`` (default ``bench/results/fedlog_vs_fedavg.jsonl``,
+keyed by configuration, seed and rounds; with commit, date and machine, :mod:`bench.run_cache`):
+a cached run is not run again, and ``bench/published_tables.py`` generates the published tables
+(``fedlog_vs_fedavg``, ``fedlog_plugin``) from it.
+
+Usage: ``python bench/fedlog_vs_fedavg.py [--seeds 5] [--rounds 30] [--cache PATH]``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.simulate import simulate  # noqa: E402
+from bench.run_cache import provenance, run_cached  # noqa: E402
 
 COMMON = dict(dataset="digits", clients=20, partition="shards:2", feature_dim=50,
               local_epochs=5, lr=1e-3, batch_size=10, progress=False, threads=1)
@@ -43,6 +49,24 @@ CONFIGS = {
 }
 
 
+def run(label: str, seed: int, rounds: int) -> dict:
+    """One run's record: the headline (FedLog: posterior predictive) and MAP plug-in figures,
+    bytes, the protocol and where it ran."""
+    s = simulate(rounds=rounds, seed=seed, **COMMON, **CONFIGS[label]).summary
+    plugin = s.get("map_plugin", s)
+    return {"bench": "fedlog_vs_fedavg", "label": label, "seed": seed, "rounds": rounds,
+            "accuracy": float(s["accuracy"]), "ece": float(s["ece"]), "nll": float(s["nll"]),
+            "bytes_up": float(s["bytes_up"]), "bytes_down": float(s["bytes_down"]),
+            "map_plugin": {k: float(plugin[k]) for k in ("accuracy", "ece", "nll")},
+            "protocol": {**{k: v for k, v in COMMON.items() if k != "progress"},
+                         **CONFIGS[label]},
+            **provenance()}
+
+
+def run_key(label: str, seed: int, rounds: int) -> str:
+    return f"{label}|seed={seed}|rounds={rounds}"
+
+
 def mean_se(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
@@ -53,26 +77,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--cache", type=Path,
+                        default=Path(__file__).resolve().parent / "results"
+                        / "fedlog_vs_fedavg.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(1)  # small models on a shared CPU: threads cost more than they gain
-    rows: dict[str, dict[str, list[float]]] = {}
     start = time.perf_counter()
-    for label, config in CONFIGS.items():
+    tasks = [(run_key(label, seed, args.rounds), run, (label, seed, args.rounds))
+             for label in CONFIGS for seed in range(args.seeds)]
+    done = run_cached(tasks, args.cache, label=lambda k, r: (
+        f"accuracy {r['accuracy']:.4f} ECE {r['ece']:.4f} NLL {r['nll']:.4f} "
+        f"bytes up {r['bytes_up']:,.0f}"))
+    rows: dict[str, dict[str, list[float]]] = {}
+    for label in CONFIGS:
         rows[label] = {k: [] for k in ("accuracy", "ece", "nll", "bytes_up", "bytes_down",
-                                       "plugin_accuracy",
-                                       "plugin_ece", "plugin_nll")}
+                                       "plugin_accuracy", "plugin_ece", "plugin_nll")}
         for seed in range(args.seeds):
-            s = simulate(rounds=args.rounds, seed=seed, **COMMON, **config).summary
-            rows[label]["accuracy"].append(s["accuracy"])
-            rows[label]["ece"].append(s["ece"])
-            rows[label]["nll"].append(s["nll"])
-            rows[label]["bytes_up"].append(float(s["bytes_up"]))
-            rows[label]["bytes_down"].append(float(s["bytes_down"]))
+            r = done.get(run_key(label, seed, args.rounds))
+            if r is None:
+                continue
+            for key in ("accuracy", "ece", "nll", "bytes_up", "bytes_down"):
+                rows[label][key].append(r[key])
             for key in ("accuracy", "ece", "nll"):
-                rows[label][f"plugin_{key}"].append(s.get("map_plugin", s)[key])
-            print(f"{label:32s} seed {seed}: accuracy {s['accuracy']:.4f} ECE {s['ece']:.4f} "
-                  f"NLL {s['nll']:.4f} bytes up {s['bytes_up']:,} down {s['bytes_down']:,}",
-                  flush=True)
+                rows[label][f"plugin_{key}"].append(r["map_plugin"][key])
     print(f"\ndigits, 20 clients, shards:2, {args.rounds} rounds, {args.seeds} seeds "
           "(mean ± standard error over seeds; accuracy = final-round mean client accuracy)\n")
     print("| strategy | accuracy | ECE (pooled) | NLL (pooled) | uplink bytes (total) | "

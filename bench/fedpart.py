@@ -58,7 +58,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bayesfl.simulate import simulate  # noqa: E402
 from bayesfl.strategies import StrategyContext, make_strategy  # noqa: E402
-from bench.run_cache import run_cached  # noqa: E402
+from bench.run_cache import provenance, run_cached  # noqa: E402
 
 BODY = "resnet8:8-16-32"
 GROUPS = 10  # resnet8: stem, 3 blocks x (2 convs + shortcut where it has one), head
@@ -94,7 +94,10 @@ def run(method: str, partition: str, seed: int, rounds: int, epochs: int, lr: fl
             "best": max(acc), "final": acc[-1], "total_bytes": sum(r["bytes_up"] for r in m),
             "total_seconds": sum(r["seconds_local_updates_cpu"] for r in m),
             "total_wall": sum(r["seconds_local_updates"] for r in m),
-            "total_flops": sum(r["flops_local"] for r in m)}
+            "total_flops": sum(r["flops_local"] for r in m),
+            "protocol": {**{k: v for k, v in COMMON.items() if k != "progress"},
+                         "rounds": rounds, "local_epochs": epochs, "lr": lr, **schedule},
+            **provenance()}
 
 
 def cumulative(xs: list[float]) -> list[float]:

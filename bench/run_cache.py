@@ -15,15 +15,50 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import multiprocessing
+import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 Task = tuple[str, Callable[..., dict], tuple]
 """(key, function, arguments): ``function(*arguments)`` returns the run's JSON-able record;
 the function must be importable (a module-level one) for ``jobs > 1``."""
+
+
+def provenance(device: str = "cpu") -> dict[str, str]:
+    """Where and when a run was measured, the fields every published figure's record carries:
+    ``commit`` (short hash of ``HEAD``: commit a bench's code before running it),
+    ``date`` (UTC, ``YYYY-MM-DD``) and ``machine`` (the CPU's model name and torch's kernel
+    level, one thread; or the GPU's name where ``device`` is ``"cuda"``)."""
+    import torch
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if device == "cuda" and torch.cuda.is_available():
+        machine = f"GPU {torch.cuda.get_device_name(0)}"
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        machine = (f"CPU {model} ({torch.backends.cpu.get_cpu_capability()}), "
+                   f"{torch.get_num_threads()} torch thread(s)")
+    return {"commit": commit, "date": datetime.now(UTC).date().isoformat(),
+            "machine": machine}
 
 
 def read_jsonl(path: Path | None) -> list[dict]:
@@ -116,4 +151,4 @@ def run_cached(tasks: Sequence[Task], cache: Path | None, *, jobs: int = 1,
     return done
 
 
-__all__ = ["Task", "read_cache", "run_cached"]
+__all__ = ["Task", "provenance", "read_cache", "read_jsonl", "run_cached"]
