@@ -11,6 +11,13 @@ from calibration.accumulator import Accumulator
 from calibration.bin_stats import BinStats
 from calibration.binning import Binning
 from calibration.bootstrap import ECEInterval, bootstrap_ece
+from calibration.conformal import (
+    ConformalScore,
+    CoverageAccumulator,
+    conformal_threshold,
+    conformity_scores,
+    prediction_sets,
+)
 from calibration.errors import (
     CalibrationError,
     CalibrationWarning,
@@ -88,6 +95,8 @@ __all__ = [
     "CalibrationError",
     "CalibrationReport",
     "CalibrationWarning",
+    "ConformalScore",
+    "CoverageAccumulator",
     "ECEInterval",
     "FileFormatError",
     "InvalidInputError",
@@ -110,6 +119,8 @@ __all__ = [
     "bootstrap_ece",
     "brier",
     "classwise_ece",
+    "conformal_threshold",
+    "conformity_scores",
     "e_aurc",
     "ece",
     "entropy_decomposition",
@@ -128,6 +139,7 @@ __all__ = [
     "optimal_aurc",
     "positive_class_ece",
     "positive_class_stats",
+    "prediction_sets",
     "predictive_entropy",
     "reliability_diagram",
     "reliability_stats",
