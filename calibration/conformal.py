@@ -229,7 +229,8 @@ def prediction_sets(probs: Any, threshold: float, score: str | ConformalScore = 
         threshold: from :func:`conformal_threshold` (or the federated search); ``inf`` gives
             every label.
         score: the score the threshold was calibrated with.
-        generator, uniforms: a randomised score's per-row ``u`` (:func:`all_label_scores`).
+        generator: draws the per-row ``u`` of a randomised score (:func:`all_label_scores`).
+        uniforms: (N,) the per-row ``u`` themselves, instead of drawing them.
     """
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
             or math.isnan(threshold):
