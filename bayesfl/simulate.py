@@ -395,6 +395,7 @@ class _Run:
         setup = run_setup(config, self.dataset, self.device)
         client_data, self.held_out, self.calibration = (setup.client_data, setup.held_out,
                                                          setup.calibration)
+        self.conformal, self.held_out_fraction = setup.conformal, setup.held_out_fraction
         context = setup.context
         # the two halves are built apart from the same run configuration, as a Flower
         # ServerApp and ClientApp would be: nothing set on one is seen by the other
@@ -527,6 +528,7 @@ class _Run:
         summary_extras(summary, novel=self.novel, novel_evaluation=novel_eval)
         summary.update(self.server.server_metrics(self.state))
         calibration = self._calibrate(broadcast, personalized, summary)
+        self._conformal(broadcast, personalized, summary)
         if self.run_dir is not None:
             self._write_results(summary, metrics, last_eval)
         return SimulationResult(config, summary, metrics, self.run_dir, self.state,
@@ -546,6 +548,25 @@ class _Run:
                                     states=personalized or None, keys=self.keys)
         summary["calibration"] = outcome.summary(summary)
         return outcome
+
+    def _conformal(self, broadcast: Message, personalized: dict[int, ClientState],
+                   summary: dict[str, Any]) -> None:
+        """The optional conformal step (:mod:`bayesfl.conformal`): ``summary["conformal"]``
+        and, with a run directory, ``conformal.md`` / ``conformal.png``."""
+        if self.conformal is None:
+            return
+        from bayesfl.conformal import conformal_run
+        from bayesfl.conformal_report import write_conformal_files
+
+        with torch.random.fork_rng(devices=self._rng_devices()):
+            outcome = conformal_run(self.client_half, self.training_clients, self.held_out,
+                                    broadcast, spec=self.conformal,
+                                    held_out_fraction=self.held_out_fraction,
+                                    run_seed=self.config.seed, states=personalized or None,
+                                    keys=self.keys)
+        summary["conformal"] = outcome.summary()
+        if self.run_dir is not None:
+            write_conformal_files(summary["conformal"], self.run_dir)
 
     def _rng_devices(self) -> list[torch.device]:
         return [self.device] if self.device.type == "cuda" else []
