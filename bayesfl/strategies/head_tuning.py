@@ -25,9 +25,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bayesfl.adam import adam_update_
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.networks import batched_apply, cross_entropy_per_sample
-from bayesfl.training import LocalTraining, Objective, ParameterFilter, train_plain
+from bayesfl.training import (
+    LocalTraining,
+    Objective,
+    ParameterFilter,
+    loss_diverged,
+    train_plain,
+)
 
 HEAD_STOPS = ("heldout_nll", "fixed")
 
@@ -81,8 +88,14 @@ def tune_head(head: nn.Module, features: Tensor, labels: Tensor, tuning: HeadTun
 
     On an accelerator the head is tuned on a CPU copy and copied back: a few thousand steps
     on a (n, d) head are kernel launches, not arithmetic (on an H200, FedSI's per-round view
-    spent most of a round launching them)."""
+    spent most of a round launching them).
+
+    A plain ``nn.Linear`` head on CPU features takes :func:`tune_linear_head`: the same
+    schedule with the cross-entropy's gradient written out (no autograd graph, no module
+    calls), ~6x cheaper a step; its numbers equal the autograd path's up to float rounding."""
     if features.device.type == "cpu":
+        if linear_head_tunable(head, features, labels):
+            return tune_linear_head(head, features, labels, tuning, generator)
         return fine_tune_stopped(head, features, labels, cross_entropy_per_sample, tuning,
                                  generator)
     local = copy.deepcopy(head).cpu()
@@ -125,3 +138,112 @@ def fine_tune_stopped(module: nn.Module, x: Tensor, labels: Tensor, objective: O
     train_plain(module, x, labels, objective, tuning.training(best_epochs),
                 generator=generator, trainable=trainable)
     return best_epochs
+
+
+def linear_head_tunable(head: nn.Module, features: Tensor, labels: Tensor) -> bool:
+    """Whether :func:`tune_linear_head` applies: a plain ``nn.Linear`` (its subclasses may
+    override ``forward``) with a bias, float32 or float64 parameters and features of its dtype
+    on the CPU, one label per row."""
+    return (type(head) is nn.Linear and head.bias is not None
+            and features.device.type == "cpu" and head.weight.device.type == "cpu"
+            and head.weight.dtype in (torch.float32, torch.float64)
+            and features.dtype == head.weight.dtype and features.dim() == 2
+            and features.shape[1] == head.in_features and labels.dim() == 1
+            and labels.shape[0] == features.shape[0])
+
+
+def tune_linear_head(head: nn.Linear, features: Tensor, labels: Tensor, tuning: HeadTuning,
+                     generator: torch.Generator) -> int:
+    """:func:`fine_tune_stopped` of a linear head by cross-entropy, with the gradient written
+    out: same held-out split, same shuffles (the same ``generator`` draws in the same order),
+    same Adam (:func:`bayesfl.adam.adam_update_`), same divergence stop and the same epoch
+    choice; returns the epoch count of the final training.
+
+    The weight and the bias are stepped as one (C, d + 1) matrix on features with a column of
+    ones appended: the mean cross-entropy of a mini-batch of B rows has gradient
+    ``((softmax(logits) - onehot(y)) / B)^T [x, 1]``, the number autograd computes, rounded in
+    another order (the tests bound the difference against :func:`fine_tune_stopped`).
+
+    Args:
+        head: updated in place; ``weight`` (C, d), ``bias`` (C,).
+        features: (n, d) in the head's dtype, on the CPU; labels: (n,) class indices.
+    """
+    n = labels.shape[0]
+    with torch.no_grad():
+        start = torch.cat([head.weight, head.bias.unsqueeze(1)], dim=1)  # (C, d + 1)
+    x = torch.cat([features, features.new_ones(n, 1)], dim=1)
+    if tuning.stop == "fixed" or n < 2 or tuning.max_epochs == 0:
+        theta = _train_linear(start.clone(), x, labels, tuning.training(tuning.max_epochs),
+                              generator)
+        _write_linear(head, theta)
+        return tuning.max_epochs
+    held = min(n - 1, max(1, math.floor(tuning.heldout_fraction * n)))
+    order = torch.randperm(n, generator=generator)
+    held_idx, fit_idx = order[:held], order[held:]
+    x_held, y_held = x[held_idx], labels[held_idx]
+
+    def held_nll(theta: Tensor) -> float:  # mean_nll's number: float64 CE of the logits
+        logits = (x_held @ theta.T).to(torch.float64)
+        return float(cross_entropy_per_sample(logits, y_held).mean())
+
+    nlls = [held_nll(start)]
+    _train_linear(start.clone(), x[fit_idx], labels[fit_idx],
+                  tuning.training(tuning.max_epochs), generator,
+                  after_epoch=lambda theta: nlls.append(held_nll(theta)))
+    best_epochs = min(range(len(nlls)), key=nlls.__getitem__)  # the first of equal minima
+    theta = _train_linear(start.clone(), x, labels, tuning.training(best_epochs), generator)
+    _write_linear(head, theta)
+    return best_epochs
+
+
+def _write_linear(head: nn.Linear, theta: Tensor) -> None:
+    with torch.no_grad():
+        head.weight.copy_(theta[:, :-1])
+        head.bias.copy_(theta[:, -1])
+
+
+def linear_ce_gradient(logits: Tensor, x: Tensor, onehot: Tensor) -> Tensor:
+    """The gradient (C, p) of the mean cross-entropy of B rows with respect to the matrix
+    ``theta`` of ``logits = x @ theta^T``: ``((softmax(logits) - onehot) / B)^T x``.
+
+    Args:
+        logits: (B, C), overwritten; x: (B, p); onehot: (B, C) one-hot labels.
+    """
+    return torch.softmax(logits, dim=1).sub_(onehot).div_(x.shape[0]).T @ x
+
+
+def _train_linear(theta: Tensor, x: Tensor, labels: Tensor, config: LocalTraining,
+                  generator: torch.Generator, after_epoch=None) -> Tensor:
+    """:func:`~bayesfl.training.train_plain` of the linear map ``x @ theta^T`` (x with its
+    column of ones) by mean cross-entropy: ``theta`` (C, d + 1) updated in place and returned.
+    One Adam state for the whole call unless ``config.reset_optimizer_each_epoch``.
+
+    Each epoch gathers its shuffled rows once (features and one-hot labels side by side), so
+    a mini-batch is a slice; the divergence check reads the sum of the logits (finite unless
+    a logit is not, or they overflow together: then the loss itself decides)."""
+    n, d, C = x.shape[0], x.shape[1], theta.shape[0]
+    rows = torch.cat([x, torch.nn.functional.one_hot(labels, C).to(x.dtype)], dim=1)
+    beta1, beta2 = config.betas
+    exp_avg = exp_avg_sq = None
+    step = 0
+    for epoch in range(config.epochs):
+        if exp_avg is None or (config.reset_optimizer_each_epoch and epoch > 0):
+            exp_avg, exp_avg_sq, step = torch.zeros_like(theta), torch.zeros_like(theta), 0
+        order = torch.randperm(n, generator=generator)
+        shuffled = rows[order]
+        for batch, first in enumerate(range(0, n, config.batch_size)):
+            chunk = shuffled[first : first + config.batch_size]
+            xb, onehot = chunk[:, :d], chunk[:, d:]
+            logits = xb @ theta.T
+            if not math.isfinite(float(logits.sum())):
+                loss = cross_entropy_per_sample(logits, onehot.argmax(1)).mean()
+                if loss_diverged(loss, generator, epoch=epoch, step=batch,
+                                 epochs=config.epochs, lr=config.lr):
+                    return theta
+            step += 1
+            adam_update_(theta, linear_ce_gradient(logits, xb, onehot), exp_avg, exp_avg_sq,
+                         float(step),
+                         lr=config.lr, beta1=beta1, beta2=beta2, eps=config.eps)
+        if after_epoch is not None:
+            after_epoch(theta)
+    return theta

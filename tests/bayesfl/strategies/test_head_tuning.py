@@ -1,15 +1,31 @@
 """Head fine-tuning stopped by held-out NLL (bayesfl.strategies.head_tuning): the epoch count is
 the held-out NLL's argmin, the final head is trained on every row for that many epochs, and
-"fixed" is the plain schedule."""
+"fixed" is the plain schedule. A linear head on CPU features takes the written-out gradient
+(tune_linear_head): the same schedule as the autograd path up to float rounding."""
 
 import pytest
 import torch
 from torch import nn
 
 from bayesfl.errors import ConfigError
-from bayesfl.strategies.head_tuning import HeadTuning, mean_nll, tune_head
+from bayesfl.strategies.head_tuning import (
+    HeadTuning,
+    fine_tune_stopped,
+    linear_ce_gradient,
+    linear_head_tunable,
+    mean_nll,
+    tune_head,
+)
 from bayesfl.strategies.networks import cross_entropy_per_sample
-from bayesfl.training import LocalTraining, train_plain
+from bayesfl.training import LocalTraining, LocalTrainingWarning, train_plain
+
+# tune_head on a linear head against the autograd path (train_plain): the same float32
+# gradient rounded in another order (~1e-7 relative a step), through Adam's normalised steps
+# of size ~lr; over these tests' <= 500 steps at lr <= 0.05 the parameters (O(1)) measured
+# within 2e-6 of each other. 2e-5 leaves room for other CPUs' rounding; a wrong gradient
+# (sign, a missing row, the bias) moves them by > 1e-2 (linear_ce_gradient is checked
+# against autograd on its own, where Adam's scale invariance cannot hide a wrong 1 / B).
+CLOSE = {"atol": 2e-5, "rtol": 0}
 
 
 def problem(n=60, d=5, classes=3, noise=0.0, seed=0):
@@ -33,7 +49,8 @@ def test_fixed_is_the_plain_schedule_on_every_row():
                 LocalTraining(epochs=7, lr=0.05, batch_size=16, reset_optimizer_each_epoch=False),
                 generator=torch.Generator().manual_seed(3))
     assert used == 7
-    assert torch.equal(head.weight, other.weight) and torch.equal(head.bias, other.bias)
+    torch.testing.assert_close(head.weight, other.weight, **CLOSE)
+    torch.testing.assert_close(head.bias, other.bias, **CLOSE)
 
 
 def test_heldout_nll_picks_the_epoch_count_then_trains_on_every_row():
@@ -57,7 +74,8 @@ def test_heldout_nll_picks_the_epoch_count_then_trains_on_every_row():
     assert used == best
     by_hand.load_state_dict(start)
     train_plain(by_hand, x, y, cross_entropy_per_sample, tuning.training(best), generator=g)
-    assert torch.equal(head.weight, by_hand.weight) and torch.equal(head.bias, by_hand.bias)
+    torch.testing.assert_close(head.weight, by_hand.weight, **CLOSE)
+    torch.testing.assert_close(head.bias, by_hand.bias, **CLOSE)
 
 
 def test_separable_labels_train_long_and_noise_labels_stop_early():
@@ -88,3 +106,63 @@ def test_bad_settings_are_refused(options, message):
     settings = {"max_epochs": 5, "lr": 0.01, "batch_size": 8, **options}
     with pytest.raises(ConfigError, match=message):
         HeadTuning(**settings)
+
+
+def test_linear_ce_gradient_is_autograds():
+    # float64: the two agree to rounding (1e-15 measured); 1e-12 catches a missing 1 / B
+    g = torch.Generator().manual_seed(4)
+    x, theta = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randn(
+        3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    cross_entropy_per_sample(x @ theta.T, y).mean().backward()
+    onehot = nn.functional.one_hot(y, 3).to(x.dtype)
+    ours = linear_ce_gradient((x @ theta.T).detach(), x, onehot)
+    torch.testing.assert_close(ours, theta.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("stop", ["heldout_nll", "fixed"])
+def test_linear_fast_path_is_the_module_path_at_fedsis_size(stop):
+    # FedSI's per-round view: 250 rows of 100 ReLU features, 10 classes, batch 50, lr 1e-2,
+    # up to 100 epochs (~550 Adam steps): the same epoch count, parameters within CLOSE
+    g = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(250, 100, generator=g))
+    w = 0.1 * torch.randn(10, 100, generator=g)
+    y = (x @ w.T + 0.5 * torch.randn(250, 10, generator=g)).argmax(1)
+    head = nn.Linear(100, 10)
+    with torch.no_grad():
+        head.weight.copy_(0.1 * torch.randn(10, 100, generator=g))
+        head.bias.copy_(0.1 * torch.randn(10, generator=g))
+    module = nn.Linear(100, 10)
+    module.load_state_dict(head.state_dict())
+    tuning = HeadTuning(100, 1e-2, 50, stop)
+    assert linear_head_tunable(head, x, y)
+    fast = tune_head(head, x, y, tuning, torch.Generator().manual_seed(5))
+    slow = fine_tune_stopped(module, x, y, cross_entropy_per_sample, tuning,
+                             torch.Generator().manual_seed(5))
+    assert fast == slow
+    torch.testing.assert_close(head.weight, module.weight, **CLOSE)
+    torch.testing.assert_close(head.bias, module.bias, **CLOSE)
+
+
+def test_linear_fast_path_stops_where_the_module_path_does_on_a_non_finite_loss():
+    # an infinite feature in one row: the loss of that row's mini-batch is not finite; both
+    # paths warn and keep the parameters of the last finite mini-batch
+    head, x, y = problem()
+    x[17, 2] = float("inf")
+    module = nn.Linear(5, 3)
+    module.load_state_dict(head.state_dict())
+    tuning = HeadTuning(3, 0.05, 16, stop="fixed")
+    with pytest.warns(LocalTrainingWarning, match="training stopped"):
+        tune_head(head, x, y, tuning, torch.Generator().manual_seed(2))
+    with pytest.warns(LocalTrainingWarning, match="training stopped"):
+        fine_tune_stopped(module, x, y, cross_entropy_per_sample, tuning,
+                          torch.Generator().manual_seed(2))
+    torch.testing.assert_close(head.weight, module.weight, **CLOSE)
+    assert bool(torch.isfinite(head.weight).all())
+
+
+def test_heads_the_fast_path_does_not_take_use_the_module_path():
+    x, y = torch.randn(8, 5), torch.zeros(8, dtype=torch.int64)
+    assert not linear_head_tunable(nn.Linear(5, 3, bias=False), x, y)
+    assert not linear_head_tunable(nn.Sequential(nn.Linear(5, 3)), x, y)
+    assert not linear_head_tunable(nn.Linear(5, 3), x.double(), y)
