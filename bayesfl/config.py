@@ -37,6 +37,7 @@ import torch
 
 from bayesfl.calibrate import parse_calibrate
 from bayesfl.checks import check_integer, check_number, describe
+from bayesfl.conformal import parse_conformal
 from bayesfl.data.datasets import check_dataset_options, dataset_key
 from bayesfl.errors import ConfigError
 from bayesfl.strategies import strategy_options
@@ -87,6 +88,10 @@ class SimulationConfig:
     ``"temperature"`` (or ``"temperature:FRACTION"``) holds out that share of each
     client's training data and fits one temperature over all clients' held-out data.
 
+    ``conformal`` ends the run with federated conformal prediction sets
+    (:mod:`bayesfl.conformal`): ``"SCORE:ALPHA[:METHOD]"``, e.g. ``"aps:0.1"``, calibrated on
+    the same held-out share of each client's training data (``calibrate``'s, default 0.2).
+
     ``novel_fraction`` holds out that share of the clients (``round(fraction x clients)``, at
     least one when > 0, drawn from the seed) from training: they never fit, only personalise
     after the last round (strategies that do; the others evaluate the global model), and their
@@ -123,6 +128,7 @@ class SimulationConfig:
     device: str = "cpu"
     authenticate: bool = False
     calibrate: str | None = None
+    conformal: str | None = None
     novel_fraction: float = 0.0
     strategy_options: dict[str, Any] = field(default_factory=dict)
     dataset_options: dict[str, Any] = field(default_factory=dict)
@@ -154,11 +160,13 @@ class SimulationConfig:
         return [s.strip() for s in self.body.split(",") if s.strip()]
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict; ``data_seed`` only when set, so a run without one has the
-        manifest, fingerprint and run identity it had before the setting existed."""
+        """The fields as a dict; ``data_seed`` and ``conformal`` only when set, so a run
+        without them has the manifest, fingerprint and run identity it had before the settings
+        existed."""
         out = dataclasses.asdict(self)
-        if out["data_seed"] is None:
-            del out["data_seed"]
+        for optional in ("data_seed", "conformal"):
+            if out[optional] is None:
+                del out[optional]
         return out
 
 
@@ -203,6 +211,9 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
     label = label or name
     if name == "calibrate":  # None, "temperature" or "temperature:FRACTION"
         parse_calibrate(value)
+        return value if value is None else value.strip()
+    if name == "conformal":  # None or "SCORE:ALPHA[:METHOD]"
+        parse_conformal(value)
         return value if value is None else value.strip()
     if name == "data_seed" and value is None:  # None: the run's seed
         return None

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bayesfl.calibrate import hold_out, parse_calibrate
+from bayesfl.calibrate import DEFAULT_HELD_OUT_FRACTION, hold_out, parse_calibrate
 from bayesfl.config import SimulationConfig, check_model_size
+from bayesfl.conformal import parse_conformal
 from bayesfl.data.clients import ClientData, make_clients
 from bayesfl.data.datasets import Dataset
 from bayesfl.errors import ConfigError
@@ -39,6 +40,10 @@ class RunSetup:
     held_out: dict[int, Any]
     calibration: Any
     context: StrategyContext
+    conformal: Any = None
+    """the parsed ``conformal`` step (:func:`bayesfl.conformal.parse_conformal`), or None;
+    it shares ``held_out`` with ``calibrate``."""
+    held_out_fraction: float = 0.0
 
 
 def run_identity(config: SimulationConfig, data: Any) -> dict[str, Any]:
@@ -64,10 +69,13 @@ def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) 
                                seed=config.data_rng_seed, test_fraction=config.test_fraction)
     # calibrate: every client holds out part of its training data, before any training
     calibration = parse_calibrate(config.calibrate)
+    conformal = parse_conformal(config.conformal)
     held_out = {}
-    if calibration is not None:
-        client_data, held_out = hold_out(
-            client_data, calibration.held_out_fraction, config.data_rng_seed)
+    fraction = 0.0
+    if calibration is not None or conformal is not None:
+        fraction = (DEFAULT_HELD_OUT_FRACTION if calibration is None
+                    else calibration.held_out_fraction)
+        client_data, held_out = hold_out(client_data, fraction, config.data_rng_seed)
     # a batch larger than every client's training set is full-batch training: clamping it
     # bounds the batched schedule (clients x batch) by the data, whatever was asked for
     largest = max(d.num_train for d in client_data)
@@ -78,7 +86,7 @@ def run_setup(config: SimulationConfig, dataset: Dataset, device: torch.device) 
         training=training, rounds=config.rounds, device=device, seed=config.seed,
         input_shape=tuple(dataset.input_shape), bodies=tuple(config.body_specs),
         clients=config.clients)
-    return RunSetup(client_data, held_out, calibration, context)
+    return RunSetup(client_data, held_out, calibration, context, conformal, fraction)
 
 
 

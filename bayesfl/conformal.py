@@ -1,0 +1,699 @@
+"""Federated conformal prediction sets: the optional final step of a run (``conformal=``).
+
+``conformal="aps:0.1"`` ends a run by giving every client prediction sets that hold the true
+label with probability >= 90% (:mod:`calibration.conformal`), from a threshold calibrated over
+*all* clients' held-out rows without any client's scores leaving it:
+
+* **Held-out rows.** As for ``calibrate`` (:mod:`bayesfl.calibrate`, which this step shares the
+  hold-out with), every client sets aside a stratified share of its *training* data before
+  training (default 0.2, or the share ``calibrate`` names) and trains on the rest; the
+  conformal guarantee needs calibration rows the model never saw.
+* **The threshold** (``SCORE:ALPHA[:METHOD]``; score ``lac``, ``aps``, ``aps-randomized``,
+  ``raps``, ``raps-randomized``): ``exact`` (the default) runs
+  :func:`calibration.federated_conformal.exact_threshold_search` over messages: the server
+  proposes thresholds (:data:`PROPOSAL_SCHEMA`), every client answers how many of its held-out
+  scores lie at or below each (:data:`REPLY_SCHEMA`), and after about 17 steps the threshold
+  is the pooled split-conformal threshold of every held-out row, bit for bit. ``one-shot`` is
+  FedCP-QQ (:func:`calibration.federated_conformal.quantile_of_quantiles`): one request
+  (``alpha`` and the number of clients), one reply per client of one local quantile and its
+  ranks (:data:`ONE_SHOT_REPLY_SCHEMA`), with the coverage bound the formula states. Both run
+  for the headline predictive and, for posterior strategies, its MAP plug-in (rows of every
+  tensor: :data:`PREDICTIVES`; a client without a plug-in answers a count of 0 for it).
+* **Evaluation.** The server broadcasts the thresholds (:data:`RESULT_SCHEMA`); every client
+  forms its sets on its own *test* rows and returns mergeable counts (rows, covered, the
+  histogram of set sizes: :class:`calibration.conformal.CoverageAccumulator`;
+  :data:`EVALUATION_SCHEMA`). The summary reports coverage and mean set size pooled *and per
+  client*: the guarantee is marginal over every client's rows, and a heterogeneous client can
+  sit below 1 - alpha while the pooled figure looks right.
+* **Messages** are :class:`bayesfl.messages.Message` s under the header strategy
+  :data:`PROTOCOL`, encoded, decoded and counted in bytes like every round's (HMAC-signed with
+  the run's keys when it authenticates). A reply is validated on receipt: its schema, then
+  what any honest reply satisfies (counts in [0, n] that never fall as the threshold rises, an
+  ``n`` that does not change; a local quantile inside the score's range with ranks that fit).
+  A client whose reply fails is dropped, the reason logged, and the search restarts over the
+  others; the run never crashes on it.
+
+The score's randomisation (``*-randomized``) draws one ``u`` per row from a generator seeded by
+the run's seed and the client id, so a run reproduces its sets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
+from bayesfl.messages import Header, KeyRing, Message, TensorSpec, decode, encode, validate
+from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, derived_seed
+from calibration.conformal import (
+    ConformalScore,
+    CoverageAccumulator,
+    all_label_scores,
+    check_alpha,
+)
+from calibration.errors import CalibrationError
+from calibration.federated_conformal import (
+    DEFAULT_PROBES,
+    LocalQuantile,
+    ThresholdCounts,
+    counts_problem,
+    exact_threshold_search,
+    one_shot_ranks,
+    quantile_of_quantiles,
+)
+
+PROTOCOL = "conformal"
+"""Header ``strategy`` of the step's messages."""
+PREDICTIVES = (PREDICTIVE, MAP_PLUGIN)
+"""The predictives a message's rows stand for, in order."""
+SCORE_NAMES = {"lac": ConformalScore("lac"), "aps": ConformalScore("aps"),
+               "aps-randomized": ConformalScore("aps", randomized=True),
+               "raps": ConformalScore("raps"),
+               "raps-randomized": ConformalScore("raps", randomized=True)}
+"""The scores ``conformal=`` names (RAPS with ``k_reg = 1``, ``lam = 0.01``)."""
+METHODS = ("exact", "one-shot")
+P = len(PREDICTIVES)
+
+PROPOSAL_SCHEMA = {"thresholds": TensorSpec((P, DEFAULT_PROBES), torch.float64, finite=False)}
+"""Server -> clients (exact): thresholds to count at, one row per predictive."""
+REPLY_SCHEMA = {"at_most": TensorSpec((P, DEFAULT_PROBES), torch.int64),
+                "count": TensorSpec((P,), torch.int64)}
+"""Client -> server (exact): scores <= each threshold, and the held-out rows per predictive."""
+ONE_SHOT_REQUEST_SCHEMA = {"alpha": TensorSpec((1,), torch.float64),
+                           "num_clients": TensorSpec((1,), torch.int64)}
+"""Server -> clients (one shot): the level and the number of clients m."""
+ONE_SHOT_REPLY_SCHEMA = {"local_quantile": TensorSpec((P,), torch.float64, finite=False),
+                         "ranks": TensorSpec((P, 2), torch.int64)}
+"""Client -> server (one shot): per predictive its local quantile and (l, n)."""
+RESULT_SCHEMA = {"thresholds": TensorSpec((P,), torch.float64, finite=False)}
+"""Server -> every client: the thresholds (NaN: no threshold for that predictive)."""
+EVALUATION_SCHEMA = {"counts": TensorSpec((P, 2), torch.int64),
+                     "size_counts": TensorSpec((P, None), torch.int64)}
+"""Client -> server: per predictive (rows, covered) and the set-size histogram (C + 1,)."""
+
+DEFAULT_HELD_OUT_FRACTION = 0.2
+_REPLY_MAX_BYTES = 64 * 1024
+_SLACK = 1e-9  # float rounding allowed on a score's range
+
+UploadHook = Callable[[int, int, bytes], bytes]
+Ask = Callable[[int, bytes, Sequence[int]], Mapping[int, "bytes | str"]]
+"""``ask(step, encoded_request, client_ids) -> client id -> encoded reply, or why none came``."""
+
+
+# ---- configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConformalSpec:
+    """A parsed ``conformal`` setting."""
+
+    name: str
+    score: ConformalScore
+    alpha: float
+    method: str = "exact"
+
+
+def parse_conformal(value: Any) -> ConformalSpec | None:
+    """``None`` or ``"SCORE:ALPHA[:METHOD]"`` (e.g. ``"aps:0.1"``, ``"lac:0.05:one-shot"``).
+
+    Raises:
+        ConfigError: an unknown score or method, or alpha outside (0, 1).
+    """
+    if value is None:
+        return None
+    example = "e.g. 'aps:0.1', 'lac:0.05' or 'raps:0.1:one-shot'"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"conformal must be None or SCORE:ALPHA[:METHOD] ({example}); got "
+                          f"{value!r}")
+    parts = value.strip().split(":")
+    if len(parts) not in (2, 3):
+        raise ConfigError(f"conformal={value!r} must be SCORE:ALPHA[:METHOD] ({example})")
+    name, alpha_text = parts[0], parts[1]
+    if name not in SCORE_NAMES:
+        raise ConfigError(f"unknown conformal score {name!r}; valid: {', '.join(SCORE_NAMES)}")
+    try:
+        alpha = check_alpha(float(alpha_text))
+    except (ValueError, CalibrationError):
+        raise ConfigError(f"the alpha in conformal={value!r} must be a number in (0, 1), the "
+                          "miscoverage level (0.1 for 90% sets)") from None
+    method = parts[2] if len(parts) == 3 else "exact"
+    if method not in METHODS:
+        raise ConfigError(f"unknown conformal method {method!r}; valid: {', '.join(METHODS)}")
+    return ConformalSpec(name, SCORE_NAMES[name], alpha, method)
+
+
+def score_upper_bound(score: ConformalScore, num_classes: int) -> float:
+    """Largest score any probabilities give: 1 (LAC, APS), ``1 + lam (C - k_reg)^+`` (RAPS)."""
+    if score.kind == "raps":
+        return 1.0 + score.lam * max(0, num_classes - score.k_reg)
+    return 1.0
+
+
+# ---- the client half ----------------------------------------------------------------------------
+@dataclass(eq=False)
+class ConformalClient:
+    """One client's half of the step: the scores of its held-out rows, never sent anywhere.
+
+    Attributes:
+        client_id: the client.
+        scores: per predictive (:data:`PREDICTIVES`) its (n,) float64 held-out scores, or None
+            for a predictive the client does not have.
+        spec: the step's settings.
+        seed: seeds the randomised score's ``u`` (calibration and test rows draw apart).
+    """
+
+    client_id: int
+    scores: list[Tensor | None]
+    spec: ConformalSpec
+    seed: int
+
+    @classmethod
+    def from_probabilities(cls, client_id: int, probs: Mapping[str, Tensor], labels: Tensor,
+                           spec: ConformalSpec, run_seed: int) -> ConformalClient:
+        """Scores of the held-out ``probs`` (key -> (n, C)) at their ``labels`` (n,)."""
+        seed = derived_seed(run_seed, 45, client_id)
+        generator = torch.Generator().manual_seed(seed)
+        scores: list[Tensor | None] = []
+        for key in PREDICTIVES:
+            if key not in probs:
+                scores.append(None)
+                continue
+            matrix = all_label_scores(probs[key].cpu(), spec.score, generator=generator)
+            scores.append(matrix.gather(1, labels.cpu().long()[:, None])[:, 0])
+        return cls(client_id, scores, spec, seed)
+
+    def reply(self, request: Message) -> Message:
+        """The answer to a proposal (exact) or to the one-shot request.
+
+        Raises:
+            MessageRejected: the request follows neither schema.
+        """
+        header = Header(PROTOCOL, request.header.round, self.client_id, "up")
+        if "thresholds" in request.tensors:
+            validate(request, PROPOSAL_SCHEMA, strategy=PROTOCOL, direction="down")
+            at_most = torch.zeros(P, DEFAULT_PROBES, dtype=torch.int64)
+            count = torch.zeros(P, dtype=torch.int64)
+            for i, s in enumerate(self.scores):
+                if s is not None:
+                    answer = ThresholdCounts.of(s, request.tensors["thresholds"][i])
+                    at_most[i], count[i] = answer.at_most, answer.count
+            return Message(header, {"at_most": at_most, "count": count})
+        validate(request, ONE_SHOT_REQUEST_SCHEMA, strategy=PROTOCOL, direction="down")
+        alpha = float(request.tensors["alpha"][0])
+        m = int(request.tensors["num_clients"][0])
+        if not 0 < alpha < 1 or m < 1:
+            raise MessageRejected(f"one-shot request needs alpha in (0, 1) and m >= 1, got "
+                                  f"{alpha}, {m}")
+        values = torch.full((P,), math.nan, dtype=torch.float64)
+        ranks = torch.zeros(P, 2, dtype=torch.int64)
+        for i, s in enumerate(self.scores):
+            if s is not None:
+                local = LocalQuantile.of(s, alpha, m)
+                values[i], ranks[i] = local.value, torch.tensor([local.ell, local.count])
+        return Message(header, {"local_quantile": values, "ranks": ranks})
+
+    def evaluate(self, result: Message, test_probs: Mapping[str, Tensor], test_labels: Tensor,
+                 num_classes: int) -> Message:
+        """Sets on the test rows at the broadcast thresholds; the coverage counts as a reply
+        (:data:`EVALUATION_SCHEMA`)."""
+        thresholds = thresholds_of(result)
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, 1))
+        counts = torch.zeros(P, 2, dtype=torch.int64)
+        sizes = torch.zeros(P, num_classes + 1, dtype=torch.int64)
+        for i, key in enumerate(PREDICTIVES):
+            if key not in test_probs or math.isnan(thresholds[i]):
+                continue
+            scores = all_label_scores(test_probs[key].cpu(), self.spec.score,
+                                      generator=generator)
+            acc = CoverageAccumulator(num_classes).update(scores <= thresholds[i],
+                                                          test_labels.cpu())
+            counts[i] = torch.tensor([acc.count, acc.covered])
+            sizes[i] = acc.size_counts
+        return Message(Header(PROTOCOL, result.header.round, self.client_id, "up"),
+                       {"counts": counts, "size_counts": sizes})
+
+
+def thresholds_of(result: Message) -> list[float]:
+    """The thresholds of a result broadcast (client side); NaN for a predictive without one.
+
+    Raises:
+        MessageRejected: not a :data:`RESULT_SCHEMA` message, or a negative threshold.
+    """
+    validate(result, RESULT_SCHEMA, strategy=PROTOCOL, direction="down")
+    values = [float(v) for v in result.tensors["thresholds"]]
+    if any(v < 0 for v in values):  # every score is >= 0
+        raise MessageRejected(f"conformal thresholds must be >= 0, got {values}")
+    return values
+
+
+# ---- the server half ----------------------------------------------------------------------------
+@dataclass
+class ConformalSearch:
+    """The outcome of the threshold step (both methods).
+
+    Attributes:
+        thresholds: per predictive the threshold (inf: every label; None: nobody has it).
+        details: per predictive what the method reports (rank, rows, steps or coverage bound).
+        participants: client ids whose replies the final thresholds used.
+        steps: requests sent (a restart adds its own).
+        restarts: searches started again after a client was dropped.
+        bytes_up, bytes_down: encoded bytes of every reply / of every request and result
+            times its recipients.
+        floats_up, floats_down: the same as numbers.
+        rejections: ``{"step", "client_id", "reason"}`` per dropped client.
+        error: why no threshold was found, or None.
+    """
+
+    thresholds: list[float | None]
+    details: list[dict[str, Any]]
+    participants: list[int]
+    steps: int = 0
+    restarts: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    floats_up: int = 0
+    floats_down: int = 0
+    rejections: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+class _Restart(Exception):  # noqa: N818 - control flow: some participant was dropped
+    pass
+
+
+def _message(step: int, tensors: dict[str, Tensor]) -> Message:
+    return Message(Header(PROTOCOL, step, -1, "down"), tensors)
+
+
+def _received(data: Any, schema: dict, step: int, client_id: int, key: bytes | None) -> Message:
+    message = decode(data, max_bytes=_REPLY_MAX_BYTES, key=key)
+    validate(message, schema, strategy=PROTOCOL, round=step, direction="up",
+             client_id=client_id)
+    return message
+
+
+def conformal_search_over(
+    ask: Ask, client_ids: Sequence[int], spec: ConformalSpec, num_classes: int, *,
+    upload_hook: UploadHook | None = None, keys: KeyRing | None = None,
+) -> ConformalSearch:
+    """The server's threshold step with the clients reached through ``ask`` (in this process
+    or over a transport's channel): validation, restarts and byte counts as the module says."""
+    outcome = ConformalSearch([None] * P, [{} for _ in range(P)], list(client_ids))
+    active = list(client_ids)
+    while active:
+        try:
+            once = _exact_once if spec.method == "exact" else _one_shot_once
+            once(ask, active, spec, num_classes, upload_hook, keys, outcome)
+            outcome.participants = list(active)
+            return outcome
+        except _Restart:
+            dropped = {r["client_id"] for r in outcome.rejections}
+            active = [c for c in active if c not in dropped]
+            outcome.restarts += 1
+        except CalibrationError as err:
+            outcome.error = str(err)
+            return outcome
+    outcome.participants = []
+    outcome.error = "no client with held-out data took part (or every reply was rejected)"
+    return outcome
+
+
+def _collect(ask: Ask, active: Sequence[int], step: int, down: bytes, schema: dict,
+             floats_up: int, upload_hook: UploadHook | None, keys: KeyRing | None,
+             outcome: ConformalSearch, check: Callable[[int, Message], str | None],
+             ) -> dict[int, Message]:
+    outcome.steps += 1
+    outcome.bytes_down += len(down) * len(active)
+    answers = ask(step, down, list(active))
+    replies: dict[int, Message] = {}
+    rejected = False
+    for cid in active:
+        up = answers.get(cid, "no reply")
+        if isinstance(up, str):
+            outcome.rejections.append({"step": step, "client_id": cid, "reason": up})
+            rejected = True
+            continue
+        if upload_hook is not None:
+            up = upload_hook(step, cid, up)
+        outcome.bytes_up += len(up) if isinstance(up, bytes | bytearray) else 0
+        outcome.floats_up += floats_up
+        try:
+            message = _received(up, schema, step, cid,
+                                None if keys is None else keys.client_key(cid))
+            problem = check(cid, message)
+            if problem is not None:
+                raise MessageRejected(problem, client_id=cid)
+        except MessageRejected as err:
+            outcome.rejections.append({"step": step, "client_id": cid, "reason": err.reason})
+            rejected = True
+            continue
+        replies[cid] = message
+    if rejected:
+        raise _Restart
+    return replies
+
+
+def _exact_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_classes: int,
+                upload_hook: UploadHook | None, keys: KeyRing | None,
+                outcome: ConformalSearch) -> None:
+    server_key = None if keys is None else keys.server_key
+    upper = score_upper_bound(spec.score, num_classes)
+    searches: list[Any] = [None] * P
+    proposals: list[Tensor | None] = [None] * P
+    counts: dict[tuple[int, int], int] = {}
+    first = True
+    while True:
+        rows = torch.full((P, DEFAULT_PROBES), math.inf, dtype=torch.float64)
+        for i in range(P):
+            if proposals[i] is not None:
+                rows[i, :proposals[i].shape[0]] = proposals[i]
+        step = outcome.steps
+        down = encode(_message(step, {"thresholds": rows}), key=server_key)
+        outcome.floats_down += P * DEFAULT_PROBES * len(active)
+
+        def check(cid: int, message: Message, rows: Tensor = rows) -> str | None:
+            for i in range(P):
+                n = int(message.tensors["count"][i])
+                if n == 0:
+                    if bool((message.tensors["at_most"][i] != 0).any()):
+                        return f"counts without rows for {PREDICTIVES[i]}"
+                    continue
+                answer = ThresholdCounts(rows[i], message.tensors["at_most"][i], n)
+                problem = counts_problem(answer, counts.get((cid, i)))
+                if problem is not None:
+                    return f"{PREDICTIVES[i]}: {problem}"
+                # every honest score lies in [0, upper]: counts at thresholds outside agree
+                below = answer.at_most[rows[i] < 0]
+                above = answer.at_most[rows[i] >= upper * (1 + _SLACK)]
+                if bool((below != 0).any()) or bool((above != n).any()):
+                    return f"{PREDICTIVES[i]}: counts outside the score's range [0, {upper:g}]"
+            return None
+
+        replies = _collect(ask, active, step, down, REPLY_SCHEMA, P * (DEFAULT_PROBES + 1),
+                           upload_hook, keys, outcome, check)
+        for cid, message in replies.items():
+            for i in range(P):
+                counts.setdefault((cid, i), int(message.tensors["count"][i]))
+        totals: list[ThresholdCounts | None] = [None] * P
+        for i in range(P):
+            n = sum(int(replies[c].tensors["count"][i]) for c in active)
+            if first:  # the rows of +inf told every client's n: a search per predictive held
+                if n > 0:
+                    searches[i] = exact_threshold_search(spec.alpha)
+                    infinity = next(searches[i])
+                    totals[i] = ThresholdCounts(infinity, torch.tensor([n]), n)
+            elif proposals[i] is not None:
+                width = proposals[i].shape[0]
+                at_most = torch.zeros(width, dtype=torch.int64)
+                for c in active:
+                    at_most += replies[c].tensors["at_most"][i, :width]
+                totals[i] = ThresholdCounts(proposals[i], at_most, n)
+        first = False
+        for i in range(P):
+            if totals[i] is None:
+                continue
+            try:
+                proposals[i] = searches[i].send(totals[i])
+            except StopIteration as finished:
+                result = finished.value
+                proposals[i] = None
+                outcome.thresholds[i] = result.threshold
+                outcome.details[i] = {"rank": result.rank, "held_out_rows": result.count,
+                                      "search_steps": outcome.steps}
+        if all(p is None for p in proposals):
+            return
+
+
+def _one_shot_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_classes: int,
+                   upload_hook: UploadHook | None, keys: KeyRing | None,
+                   outcome: ConformalSearch) -> None:
+    server_key = None if keys is None else keys.server_key
+    upper = score_upper_bound(spec.score, num_classes)
+    step = outcome.steps
+    request = _message(step, {"alpha": torch.tensor([spec.alpha], dtype=torch.float64),
+                              "num_clients": torch.tensor([len(active)], dtype=torch.int64)})
+    down = encode(request, key=server_key)
+    outcome.floats_down += 2 * len(active)
+
+    def check(cid: int, message: Message) -> str | None:
+        for i in range(P):
+            value = float(message.tensors["local_quantile"][i])
+            ell, n = (int(v) for v in message.tensors["ranks"][i])
+            if n == 0 and ell == 0:
+                if not math.isnan(value):
+                    return f"{PREDICTIVES[i]}: a quantile without rows"
+                continue
+            if n < 1 or not 1 <= ell <= n + 1:
+                return f"{PREDICTIVES[i]}: ranks (l = {ell}, n = {n}) do not fit"
+            if (ell > n) != (value == math.inf):
+                return f"{PREDICTIVES[i]}: only a rank beyond n gives an infinite quantile"
+            expected = one_shot_ranks(len(active), n, spec.alpha)
+            if (expected[0] if expected else n + 1) != ell:
+                return f"{PREDICTIVES[i]}: rank l = {ell} is not the rule's for n = {n}"
+            if ell <= n and not 0.0 <= value <= upper * (1 + _SLACK):
+                return f"{PREDICTIVES[i]}: local quantile {value} outside [0, {upper:g}]"
+        return None
+
+    replies = _collect(ask, active, step, down, ONE_SHOT_REPLY_SCHEMA, 3 * P, upload_hook,
+                       keys, outcome, check)
+    for i in range(P):
+        uploads = [LocalQuantile(float(replies[c].tensors["local_quantile"][i]),
+                                 int(replies[c].tensors["ranks"][i, 0]),
+                                 int(replies[c].tensors["ranks"][i, 1]))
+                   for c in active if int(replies[c].tensors["ranks"][i, 1]) > 0]
+        if not uploads:
+            continue
+        result = quantile_of_quantiles(uploads, spec.alpha)
+        outcome.thresholds[i] = result.threshold
+        outcome.details[i] = {"rank": result.rank, "coverage_bound": result.coverage_bound,
+                              "clients": result.clients,
+                              "held_out_rows": sum(u.count for u in uploads)}
+
+
+def result_message(step: int, thresholds: Sequence[float | None]) -> Message:
+    return _message(step, {"thresholds": torch.tensor(
+        [math.nan if t is None else t for t in thresholds], dtype=torch.float64)})
+
+
+def evaluation_problem(message: Message, num_classes: int) -> str | None:
+    """None if a coverage reply is consistent (covered <= rows, sizes sum to the rows)."""
+    sizes = message.tensors["size_counts"]
+    if sizes.shape[1] != num_classes + 1:
+        return f"size histogram has {sizes.shape[1]} bins, expected {num_classes + 1}"
+    for i in range(P):
+        rows, covered = (int(v) for v in message.tensors["counts"][i])
+        if rows < 0 or not 0 <= covered <= rows or bool((sizes[i] < 0).any()) \
+                or int(sizes[i].sum()) != rows:
+            return f"{PREDICTIVES[i]}: inconsistent coverage counts"
+    return None
+
+
+def evaluation_over(
+    ask: Ask, client_ids: Sequence[int], search: ConformalSearch, num_classes: int, *,
+    keys: KeyRing | None = None,
+) -> tuple[dict[int, list[CoverageAccumulator | None]], list[dict[str, Any]]]:
+    """Broadcast the thresholds and collect every client's coverage counts (validated; a bad
+    reply is left out and logged). Returns client id -> per predictive its accumulator (None
+    where it has no rows), and the rejections."""
+    server_key = None if keys is None else keys.server_key
+    step = search.steps
+    down = encode(result_message(step, search.thresholds), key=server_key)
+    search.bytes_down += len(down) * len(client_ids)
+    search.floats_down += P * len(client_ids)
+    answers = ask(step, down, list(client_ids))
+    out: dict[int, list[CoverageAccumulator | None]] = {}
+    rejections = []
+    for cid in client_ids:
+        up = answers.get(cid, "no reply")
+        try:
+            if isinstance(up, str):
+                raise MessageRejected(up, client_id=cid)
+            search.bytes_up += len(up)
+            message = _received(up, EVALUATION_SCHEMA, step, cid,
+                                None if keys is None else keys.client_key(cid))
+            problem = evaluation_problem(message, num_classes)
+            if problem is not None:
+                raise MessageRejected(problem, client_id=cid)
+        except MessageRejected as err:
+            rejections.append({"step": step, "client_id": cid, "reason": err.reason})
+            continue
+        accs: list[CoverageAccumulator | None] = []
+        for i in range(P):
+            state = {"counts": message.tensors["counts"][i],
+                     "size_counts": message.tensors["size_counts"][i]}
+            acc = CoverageAccumulator.from_state_dict(state)
+            accs.append(acc if acc.count > 0 else None)
+        out[cid] = accs
+    return out, rejections
+
+
+# ---- the outcome and its summary ----------------------------------------------------------------
+@dataclass
+class ConformalOutcome:
+    """The conformal step of a run.
+
+    Attributes:
+        spec: the setting.
+        search: the threshold step.
+        coverage: client id -> per predictive its test-row coverage counts (None: none).
+        evaluation_rejections: clients whose coverage reply was refused.
+        held_out_fraction: the share of training data held out.
+        held_out_samples: the held-out rows over all clients.
+        seconds: wall-clock time of the step.
+    """
+
+    spec: ConformalSpec
+    search: ConformalSearch
+    coverage: dict[int, list[CoverageAccumulator | None]]
+    evaluation_rejections: list[dict[str, Any]]
+    held_out_fraction: float
+    held_out_samples: int
+    num_classes: int
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """``summary["conformal"]``: the setting, the step's costs, and per predictive the
+        threshold with coverage and mean set size pooled and per client."""
+        search = self.search
+        n_clients = max(1, len(search.participants))
+        out: dict[str, Any] = {
+            "score": self.spec.name, "alpha": self.spec.alpha,
+            "target_coverage": 1.0 - self.spec.alpha, "method": self.spec.method,
+            "held_out_fraction": self.held_out_fraction,
+            "held_out_samples": self.held_out_samples,
+            "participants": search.participants, "steps": search.steps,
+            "restarts": search.restarts, "bytes_up": search.bytes_up,
+            "bytes_down": search.bytes_down,
+            "bytes_up_per_client": search.bytes_up / n_clients,
+            "floats_up": search.floats_up, "floats_down": search.floats_down,
+            "rejections": search.rejections + self.evaluation_rejections,
+            "error": search.error, "seconds": self.seconds, "predictives": {},
+        }
+        for i, key in enumerate(PREDICTIVES):
+            if search.thresholds[i] is None:
+                continue
+            pooled = CoverageAccumulator(self.num_classes)
+            per_client = []
+            for cid in sorted(self.coverage):
+                acc = self.coverage[cid][i]
+                if acc is None:
+                    continue
+                pooled.merge(acc)
+                figures = acc.compute()
+                per_client.append({"client_id": cid, "count": figures["count"],
+                                   "coverage": figures["coverage"],
+                                   "mean_set_size": figures["mean_set_size"]})
+            figures = pooled.compute()
+            covers = [c["coverage"] for c in per_client]
+            threshold = search.thresholds[i]
+            out["predictives"][key] = {
+                "threshold": threshold if math.isfinite(threshold) else "inf",
+                **search.details[i], **figures,
+                "coverage_client_mean": float(np.mean(covers)) if covers else math.nan,
+                "coverage_client_min": float(np.min(covers)) if covers else math.nan,
+                "clients_below_target": sum(c < 1 - self.spec.alpha for c in covers),
+                "per_client": per_client}
+        return out
+
+
+def conformal_run(
+    strategy: Any, clients: Sequence[Any], held_out: Mapping[int, Any], broadcast: Message, *,
+    spec: ConformalSpec, held_out_fraction: float, run_seed: int,
+    states: Mapping[int, Any] | None = None, upload_hook: UploadHook | None = None,
+    keys: KeyRing | None = None,
+) -> ConformalOutcome:
+    """The step after a simulation's last round (``strategy``: the client half; ``clients``:
+    the simulator's :class:`~bayesfl.executor.SimulatedClient` s). Every client with held-out
+    rows scores them with its final predictives; every client evaluates on its test rows."""
+    start = time.perf_counter()
+    server_key = None if keys is None else keys.server_key
+    halves: dict[int, ConformalClient] = {}
+    for client in clients:
+        data = held_out.get(client.client_id)
+        if data is None or data.size == 0:
+            continue
+        try:
+            halves[client.client_id] = ConformalClient.from_probabilities(
+                client.client_id, _predict(strategy, client, states, broadcast, data.x),
+                data.y, spec, run_seed)
+        except CalibrationError:  # an invalid predictive: the client sits the step out
+            continue
+
+    def ask(step: int, down: bytes, client_ids: Sequence[int]) -> dict[int, bytes | str]:
+        answers: dict[int, bytes | str] = {}
+        for cid in client_ids:
+            client_key = None if keys is None else keys.client_key(cid)
+            try:  # the client's side, from the bytes it received
+                answers[cid] = encode(halves[cid].reply(decode(down, key=server_key)),
+                                      key=client_key)
+            except (BayesFLError, CalibrationError, ValueError) as err:
+                answers[cid] = f"client failed to answer: {err}"
+        return answers
+
+    search = conformal_search_over(ask, list(halves), spec, strategy.num_classes,
+                                   upload_hook=upload_hook, keys=keys)
+    by_id = {c.client_id: c for c in clients}
+
+    def ask_evaluation(step: int, down: bytes, client_ids: Sequence[int]
+                       ) -> dict[int, bytes | str]:
+        answers: dict[int, bytes | str] = {}
+        for cid in client_ids:
+            client = by_id[cid]
+            half = halves.get(cid) or ConformalClient(cid, [None] * P, spec,
+                                                      derived_seed(run_seed, 45, cid))
+            client_key = None if keys is None else keys.client_key(cid)
+            try:
+                probs = _predict(strategy, client, states, broadcast, client.data.test_x)
+                answers[cid] = encode(half.evaluate(decode(down, key=server_key), probs,
+                                                    client.data.test_y, strategy.num_classes),
+                                      key=client_key)
+            except (BayesFLError, CalibrationError, ValueError) as err:
+                answers[cid] = f"client failed to evaluate: {err}"
+        return answers
+
+    coverage: dict[int, list[CoverageAccumulator | None]] = {}
+    rejections: list[dict[str, Any]] = []
+    if search.error is None:
+        coverage, rejections = evaluation_over(ask_evaluation, [c.client_id for c in clients],
+                                               search, strategy.num_classes, keys=keys)
+    return ConformalOutcome(spec, search, coverage, rejections, held_out_fraction,
+                            sum(d.size for d in held_out.values()), strategy.num_classes,
+                            time.perf_counter() - start)
+
+
+@torch.no_grad()
+def _predict(strategy: Any, client: Any, states: Mapping[int, Any] | None, broadcast: Message,
+             x: Tensor) -> dict[str, Tensor]:
+    """The client's predictives (key -> (n, C) float64) of inputs x (n, ...)."""
+    state = client.state if states is None else states.get(client.client_id, client.state)
+    out = strategy.predict(client.config, state, broadcast, x)
+    return {k: v.to(torch.float64).cpu() for k, v in out.items() if k in PREDICTIVES}
+
+
+__all__ = [
+    "EVALUATION_SCHEMA",
+    "METHODS",
+    "ONE_SHOT_REPLY_SCHEMA",
+    "ONE_SHOT_REQUEST_SCHEMA",
+    "PREDICTIVES",
+    "PROPOSAL_SCHEMA",
+    "PROTOCOL",
+    "REPLY_SCHEMA",
+    "RESULT_SCHEMA",
+    "SCORE_NAMES",
+    "ConformalClient",
+    "ConformalOutcome",
+    "ConformalSearch",
+    "ConformalSpec",
+    "conformal_run",
+    "conformal_search_over",
+    "evaluation_over",
+    "parse_conformal",
+    "result_message",
+    "thresholds_of",
+]
