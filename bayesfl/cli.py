@@ -400,6 +400,11 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"temperature scaling: T = {calibration['temperature']:.4g}, ECE "
               f"{after['ece']:.4f}, NLL {after['nll']:.4f} (uncalibrated above), "
               f"bytes up {calibration['bytes_up']:,}, down {calibration['bytes_down']:,}")
+    for key, f in (s.get("conformal") or {}).get("predictives", {}).items():
+        c = s["conformal"]
+        print(f"conformal sets ({c['score']}, alpha {c['alpha']:g}, {c['method']}), {key}: "
+              f"coverage {f['coverage']:.4f} (client min {f['coverage_client_min']:.4f}), "
+              f"mean set size {f['mean_set_size']:.3f}, bytes up {c['bytes_up']:,}")
     if s["rounds"] == 0:
         print("0 rounds: nothing was trained; the figures are the initial model's (for FedLog "
               "the head of its round 0 statistics on the initial bodies)")

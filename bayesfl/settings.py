@@ -98,6 +98,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("calibrate",), "calibrate", "str",
             "final calibration step: temperature, or temperature:FRACTION (the share of "
             "each client's training data held out to fit it, default 0.2); default none"),
+    Setting(("conformal",), "conformal", "str",
+            "final conformal step: prediction sets with coverage >= 1 - ALPHA, SCORE:ALPHA"
+            "[:METHOD] with SCORE lac, aps, aps-randomized, raps or raps-randomized and METHOD "
+            "exact (default: the pooled threshold over counts) or one-shot (FedCP-QQ), e.g. "
+            "aps:0.1; calibrated on the held-out share calibrate uses (0.2 without it); "
+            "default none"),
     Setting(("device",), "device", "str", "cpu, cuda, cuda:N or mps; default cpu"),
     Setting(("batched",), "batched", "toggle",
             "train clients of one architecture together, or one by one; default on"),

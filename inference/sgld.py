@@ -137,8 +137,10 @@ def sgld_update(
         new = params + 0.5 * eps * grad + eps**0.5 * noise
         return SGLDState(new, None, state.step + 1)
     if config.preconditioner is Preconditioner.LAPLACE:  # P ĝ and N(0, ε P) with P = L Lᵀ
+        # (ε/2 ĝ L + √ε ξ) Lᵀ: two passes over the (d, d) factor a step, not three (with d ~
+        # 1,000 the factor outgrows the caches and each pass is a read of it from memory)
         factor = config.covariance_factor
-        new = params + 0.5 * eps * (grad @ factor) @ factor.T + eps**0.5 * noise @ factor.T
+        new = params + (0.5 * eps * (grad @ factor) + eps**0.5 * noise) @ factor.T
         return SGLDState(new, None, state.step + 1)
     square_avg = state.square_avg
     if square_avg is None:

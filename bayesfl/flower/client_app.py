@@ -518,6 +518,11 @@ def calibrate(msg: Message, context: Context) -> Message:
                 torch.float64)
 
     with torch_threads(check_threads(node.options.threads)):
+        from bayesfl.flower.conformal_step import client_conformal_reply
+
+        conformal = client_conformal_reply(values, node, state, broadcast, step)
+        if conformal is not None:  # the conformal step rides on this query
+            return Message(pack(step=step, reply=conformal), reply_to=msg)
         proposal = part(values, "proposal", max_bytes=DEFAULT_MAX_BYTES)
         if proposal is not None:
             held = node.held_out

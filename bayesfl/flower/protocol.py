@@ -59,7 +59,7 @@ predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to
 
 _RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress")
 _OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
-_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "data-loader")
+_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "conformal", "data-loader")
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,10 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
         raise ConfigError("calibrate needs every client's held-out share of the run's data set; "
                           "with a per-site data-loader the server does not know the sites' "
                           "data: run calibrate without data-loader")
+    if options.data_loader is not None and config.conformal is not None:
+        raise ConfigError("conformal needs every client's held-out share of the run's data set; "
+                          "with a per-site data-loader the server does not know the sites' "
+                          "data: run conformal without data-loader")
     return config, options
 
 

@@ -481,6 +481,9 @@ class FlowerServer:
         calibration = self._calibrate(eval_bytes, summary)
         if calibration is not None:
             summary["calibration"] = calibration.summary(summary)
+        from bayesfl.flower.conformal_step import server_conformal_step
+
+        server_conformal_step(self, eval_bytes, summary)  # conformal=: bayesfl.conformal
         summary["seconds"] = self.seconds_before + time.perf_counter() - self.start
         if self.run_dir is not None:
             self._write_results(summary, [m for m in self.metrics_log.records
