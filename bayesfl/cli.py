@@ -3,7 +3,8 @@
 ``bayesfl run --strategy fedlog --dataset digits --clients 20 --partition shards:2 --rounds 30
 --seed 0 --out runs/demo`` runs :func:`bayesfl.simulate.simulate`. ``bayesfl strategies`` lists
 the strategies (each one's first sentence and options with their defaults); ``bayesfl strategies
-NAME`` shows one in full, each option's meaning read from its docstrings (:func:`option_docs`).
+NAME`` shows one in full, each option's meaning as the strategy declares it (:func:`option_docs`,
+from the registry :mod:`bayesfl.strategies.registry`).
 ``bayesfl flower`` runs the same experiment on a local Flower deployment
 (:mod:`bayesfl.flower.command`). ``bayesfl evaluate RUN_DIR --shift rotate:15,30 --ood
 unseen-labels`` evaluates a finished run on shifted and out-of-distribution rows
@@ -100,6 +101,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def strategies_help() -> str:
+    """The strategies of the registry by family, as ``bayesfl run --help`` lists them (a
+    strategy registered before the parser is built, such as a user's module, is listed too)."""
+    from bayesfl.strategies import FAMILIES, STRATEGIES
+
+    lines = ["strategies (--strategy NAME; `bayesfl strategies NAME` for its options):"]
+    for key, family in FAMILIES.items():
+        names = [n for n, cls in STRATEGIES.items()
+                 if getattr(cls, "registration", None) is not None
+                 and cls.registration.family == key]
+        if names:
+            lines.append(textwrap.fill(f"{family.label}: {', '.join(names)}", 100,
+                                       initial_indent="  ", subsequent_indent="    ",
+                                       break_on_hyphens=False))
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="bayesfl", description="Bayesian federated "
                                      "classification: run experiments in the embedded simulator.",
@@ -110,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a federated experiment; writes metrics.jsonl, summary.json,\n"
         "manifest.json, a checkpoint and plots into --out.",
-        epilog=RUN_EPILOG)
+        epilog=RUN_EPILOG + "\n\n" + strategies_help())
     run.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="TOML file with settings (keys: the flag names below)")
     add_settings(run)
@@ -239,7 +257,7 @@ def _list_strategies(names: Sequence[str] = ()) -> int:
             print("  no options")
         for option, (default, meaning) in docs.items():
             print(f"  {option} (default {_shown(default)})")
-            meaning = meaning or (f"(in no options table or Args section; see the docstring of "
+            meaning = meaning or (f"(no help declared; see the docstring of "
                                   f"{STRATEGIES[name].__module__})")
             print(textwrap.fill(meaning, 100, initial_indent=" " * 6,
                                 subsequent_indent=" " * 6, break_on_hyphens=False))
@@ -279,87 +297,13 @@ def strategy_summary(cls: type) -> str:
 
 
 def option_docs(name: str) -> dict[str, tuple[Any, str]]:
-    """Strategy ``name``'s options: option -> (default, meaning).
+    """Strategy ``name``'s options: option -> (default as shown, meaning), from its declaration
+    (:func:`bayesfl.strategies.registry.options_of`; a None default that stands for a value is
+    shown as that value, e.g. FedSI's ``posterior``)."""
+    from bayesfl.strategies import lookup, options_of
 
-    The defaults are the keyword defaults of the strategy's ``__init__`` (over its classes);
-    where a default is None and the class names the value it stands for (a ``default_OPTION``
-    class attribute, e.g. FedSI's ``default_posterior``), that value. The meanings come from
-    the structured parts of the docstrings, in this order, a later one winning: an options table
-    of the module docstring (an RST table whose first column is headed ``option``), then the
-    ``Args:`` sections of each class's docstring and of its ``__init__``; an option documented
-    in none of them has an empty meaning.
-    """
-    from bayesfl.strategies import STRATEGIES, strategy_options
-
-    cls = STRATEGIES[name]
-    meanings: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        module = sys.modules.get(klass.__module__)
-        meanings.update(_options_table(getattr(module, "__doc__", None)))
-        meanings.update(_args_section(klass.__doc__))
-        if "__init__" in vars(klass):
-            meanings.update(_args_section(klass.__init__.__doc__))
-    docs = {}
-    for option, default in strategy_options(name).items():
-        if default is None and isinstance(getattr(cls, f"default_{option}", None), str):
-            default = getattr(cls, f"default_{option}")
-        docs[option] = (default, meanings.get(option, "").replace("``", "`"))
-    return docs
-
-
-_RULE = re.compile(r"=+(\s+=+)+")
-
-
-def _options_table(doc: str | None) -> dict[str, str]:
-    """option -> meaning from the RST simple tables of ``doc`` headed ``option``."""
-    lines = inspect.cleandoc(doc or "").splitlines()
-    found: dict[str, str] = {}
-    i = 0
-    while i + 2 < len(lines):
-        if not (_RULE.fullmatch(lines[i].strip()) and lines[i + 1].split()[:1] == ["option"]):
-            i += 1
-            continue
-        starts = [m.start() for m in re.finditer(r"=+", lines[i])]
-        i += 3  # the header and the rule under it
-        option = None
-        while i < len(lines) and not _RULE.fullmatch(lines[i].strip()):
-            first, last = lines[i][:starts[1]].strip(), lines[i][starts[-1]:].strip()
-            if first:
-                option = first
-                found[option] = last
-            elif option is not None and last:
-                found[option] += " " + last
-            i += 1
-    return found
-
-
-def _args_section(doc: str | None) -> dict[str, str]:
-    """name -> text of the Google-style ``Args:`` section of ``doc`` (``a, b: text`` gives
-    both)."""
-    lines = inspect.cleandoc(doc or "").splitlines()
-    found: dict[str, str] = {}
-    try:
-        i = next(k for k, line in enumerate(lines) if line.strip() in ("Args:", "Arguments:"))
-    except StopIteration:
-        return found
-    indent = None
-    current: list[str] = []
-    for line in lines[i + 1:]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        if depth == 0:
-            break  # the next section
-        indent = depth if indent is None else indent
-        entry = re.match(r"\s*(\w+(?:\s*,\s*\w+)*)(?:\s*\([^)]*\))?:\s*(.*)", line)
-        if depth == indent and entry:
-            current = [n.strip() for n in entry.group(1).split(",")]
-            for n in current:
-                found[n] = entry.group(2).strip()
-        elif depth > indent:
-            for n in current:
-                found[n] += " " + line.strip()
-    return found
+    return {option.name: (option.shown_default, option.help.replace("``", "`"))
+            for option in options_of(lookup(name)).values()}
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -408,6 +352,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if s["rounds"] == 0:
         print("0 rounds: nothing was trained; the figures are the initial model's (for FedLog "
               "the head of its round 0 statistics on the initial bodies)")
+    shifted = s.get("shift_evaluation")
+    if shifted and shifted.get("report"):
+        print(f"shift evaluation: {result.run_dir / shifted['report']} (bayesfl evaluate "
+              f"{result.run_dir} shows it)")
     print(f"results in {result.run_dir}")
     return 0
 

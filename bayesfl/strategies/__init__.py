@@ -1,13 +1,14 @@
-"""Federated algorithms, one module each, on the two-halves contract of
+"""Federated algorithms, one module each in a folder per family, on the two-halves contract of
 :class:`~bayesfl.strategies.base.Strategy`, and the registry :data:`STRATEGIES` that maps names
-to them."""
+to them (:mod:`bayesfl.strategies.registry`: each strategy registers where it is defined, with
+its options declared as data)."""
 
 from __future__ import annotations
 
-import inspect
+import importlib
+import pkgutil
 from typing import Any
 
-from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.averaging.fedbabu import FedBABU
 from bayesfl.strategies.averaging.fedpart import FedPart, FedProxPart
@@ -32,63 +33,60 @@ from bayesfl.strategies.bayes.fedpop import FedPop
 from bayesfl.strategies.bayes.pfedbayes import PFedBayes
 from bayesfl.strategies.fedlog.fedlog import FedLog, FedLogC, FedLogCentralDP, FedLogLocalDP
 from bayesfl.strategies.fedsi.fedsi import FedSI, FedSIFac
+from bayesfl.strategies.registry import (
+    FAMILIES,
+    STRATEGIES,
+    Option,
+    check_options,
+    lookup,
+    options_of,
+    register_strategy,
+    sort_registry,
+    strategy_defaults,
+)
 from bayesfl.strategies.representation.colearn import CoLearn
 from bayesfl.strategies.representation.fd import FederatedDistillation
 from bayesfl.strategies.representation.fedproto import FedProto
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (
-        # the FedLog family (posterior strategies), then the FedLog paper's baselines
-        FedLog, FedLogC, FedLogLocalDP, FedLogCentralDP, FedAvg, FedPer, FedRep, FedRep1,
-        LGFedAvg, LGFedAvg2, FedBABU, FedProto,
-        # FedSI and the FedSI paper's baselines, Bayesian and not
-        FedSI, FedSIFac, LocalOnly, FedAvgFT, PFedBayes, FedPop, FedPA,
-        # partial updates (FedPart), representation sharing (CoLearn)
-        FedProx, FedPart, FedProxPart, CoLearn, FederatedDistillation,
-    )
-}
-"""Registry: strategy name -> class. The FedLog paper's named baseline variants are entries of
-their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers), ``fedrep-1`` ("FedRep 1"),
-``lg-fedavg`` ("LG-FedAvg 1", one global layer) and ``lg-fedavg-2`` ("LG-FedAvg 2")."""
+
+def _import_family_modules() -> None:
+    """Import every module of the family folders, so that each strategy registers where it
+    is defined (a new strategy module needs no line here); then put the registry in listing
+    order."""
+    for family in FAMILIES:
+        package = importlib.import_module(f"{__name__}.{family}")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    sort_registry()
+
+
+_import_family_modules()
 
 
 def strategy_options(name: str) -> dict[str, Any]:
-    """The keyword options (with defaults) that strategy ``name`` accepts."""
-    cls = _lookup(name)
-    options: dict[str, Any] = {}
-    for klass in reversed(cls.__mro__):
-        if "__init__" not in vars(klass):
-            continue
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.KEYWORD_ONLY:
-                options[p.name] = p.default
-    return options
+    """The keyword options (with their defaults) that strategy ``name`` accepts, from its
+    declaration (:func:`~bayesfl.strategies.registry.options_of`).
+
+    Raises:
+        ConfigError: an unknown name (the message lists the valid ones and the nearest).
+    """
+    return strategy_defaults(name)
 
 
 def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strategy:
-    """Build strategy ``name`` with its ``options``.
+    """Build strategy ``name`` with its ``options``, checked against its declaration.
 
     Raises:
-        ConfigError: an unknown name or option (the message lists the valid ones).
+        ConfigError: an unknown name or option (the message lists the valid ones and the
+            nearest), or an option value of the wrong type, out of bounds or not one of its
+            choices (:meth:`~bayesfl.strategies.registry.Option.check`).
     """
-    cls = _lookup(name)
-    valid = strategy_options(name)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown option(s) {unknown} for strategy {name!r}; valid: "
-                          f"{', '.join(sorted(valid)) or 'none'}")
-    return cls(context, **options)
-
-
-def _lookup(name: str) -> type[Strategy]:
-    key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
-    if key not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; valid names: {', '.join(STRATEGIES)}")
-    return STRATEGIES[key]
+    check_options(name, options)
+    return lookup(name)(context, **options)
 
 
 __all__ = [
+    "FAMILIES",
     "MAP_PLUGIN",
     "PREDICTIVE",
     "STRATEGIES",
@@ -118,11 +116,15 @@ __all__ = [
     "LGFedAvg",
     "LGFedAvg2",
     "LocalOnly",
+    "Option",
     "PFedBayes",
     "RoundPlan",
     "ServerState",
     "Strategy",
     "StrategyContext",
+    "check_options",
     "make_strategy",
+    "options_of",
+    "register_strategy",
     "strategy_options",
 ]

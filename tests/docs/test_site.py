@@ -110,13 +110,3 @@ def test_the_readme_links_into_pages_and_headings_that_exist():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
             assert anchor in {slug(h) for h in headings}, f"README: no heading #{anchor} in {path}"
-
-
-def test_the_readme_names_every_strategy():
-    """The README's strategy table is the front page's index of them: a new strategy must
-    appear there (and on its family's page, which the table links)."""
-    from bayesfl import STRATEGIES
-
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    missing = sorted(name for name in STRATEGIES if f"`{name}`" not in readme)
-    assert not missing, f"README's strategy table lacks {missing}"

@@ -17,7 +17,7 @@ is reported beside it as
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,15 +26,24 @@ from bayesfl.messages import Message
 from bayesfl.strategies.averaging.finetuning import check_finetuning, fine_tune
 from bayesfl.strategies.averaging.parameter_averaging import ParameterAveraging
 from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
+from bayesfl.strategies.registry import Option, register_strategy
 
 
+@register_strategy("fedavg",
+                   broadcast="whole network",
+                   upload="whole network, `num_samples`",
+                   aggregate="weighted mean (or coordinate median / trimmed mean, norm "
+                             "bounding); screens update norm")
 class FedAvg(ParameterAveraging):
     """Average the whole network (body and head), weighted by ``n_c``."""
 
-    name = "fedavg"
     weighted = True
 
 
+@register_strategy("fedavg-ft",
+                   broadcast="whole network",
+                   upload="whole network, `num_samples`",
+                   aggregate="as FedAvg; each client fine-tunes after training")
 class FedAvgFT(FedAvg):
     """FedAvg, then local fine-tuning to personalise (the FedSI paper's "FedAvg-FT" baseline).
 
@@ -55,8 +64,18 @@ class FedAvgFT(FedAvg):
             a head posterior on the fine-tuned network's features).
     """
 
-    name = "fedavg-ft"
     personalizes = True
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("finetune_epochs", int, None,
+               "fine-tuning epochs (None: the local training's epochs)."),
+        Option("finetune", str, "all",
+               '`"all"` (default) or `"head"` (the last layer only).'),
+        Option("finetune_stop", str, "heldout_nll",
+               '`"heldout_nll"` (default): run as many of the `finetune_epochs` as minimise the '
+               "NLL of a held-out 20% of the training data, then that many on all of it; "
+               '`"fixed"`: all of them (:mod:`bayesfl.strategies.averaging.finetuning`).'),
+    )
 
     def __init__(
         self, context: StrategyContext, *, finetune_epochs: int | None = None,

@@ -47,9 +47,14 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
 )
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.training import LocalTraining, ParameterFilter
 
 
+@register_strategy("fedbabu",
+                   broadcast="body",
+                   upload="body, `num_samples`",
+                   aggregate="weighted mean; head frozen, fine-tuned once to personalise")
 class FedBABU(ParameterAveraging):
     """Shared body, head frozen at init during training, fine-tuned once to personalise.
 
@@ -65,11 +70,20 @@ class FedBABU(ParameterAveraging):
             centred on the initial head every client shares).
     """
 
-    name = "fedbabu"
     weighted = True
     personalizes = True
     round_view: ClassVar[str | None] = (
         "each client personalised as it would be now (fine-tuned from the global body)")
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("finetune_epochs", int, 1,
+               "epochs of fine-tuning in :meth:`personalize` (0: none)."),
+        Option("finetune", str, "head",
+               'what personalisation fine-tunes: `"head"` (default) or `"all"`.'),
+        Option("finetune_stop", str, "heldout_nll",
+               '`"heldout_nll"` (default): as many of the `finetune_epochs` as minimise the NLL '
+               'of a held-out 20% of the training data; `"fixed"`: all.'),
+    )
 
     def __init__(
         self, context: StrategyContext, *, finetune_epochs: int = 1, finetune: str = "head",

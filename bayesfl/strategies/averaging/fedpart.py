@@ -27,17 +27,37 @@ client takes part in every round; ``"full"``: the whole model every round).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, ClassVar
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg
 from bayesfl.strategies.averaging.fedprox import FedProx
 from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.registry import Option, register_strategy
 
 
 class _PartMixin:
     """Flat FedPart options turned into the ``schedule`` option of a parameter-averaging
     strategy."""
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("rounds_per_group", int, 2,
+               ""),
+        Option("full_rounds_per_cycle", int, 5,
+               ""),
+        Option("warmup_rounds", int, 5,
+               ""),
+        Option("cycles", int, None,
+               ""),
+        Option("order", str, "seq",
+               ""),
+        Option("group_prefixes", list, None,
+               ""),
+        Option("min_group_size", int, 0,
+               ""),
+        Option("downlink", str, "changed",
+               ""),
+    )
 
     def __init__(
         self,
@@ -71,13 +91,23 @@ def part_options() -> tuple[str, ...]:
                  if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+@register_strategy("fedpart",
+                   broadcast="the round's active layer group (all layers in full rounds), plus "
+                             "groups changed since the previous round",
+                   upload="that group only (the schedule of round r), `num_samples`",
+                   aggregate="average of that group (the schedule: "
+                             "`averaging/fedpart_schedule.py`)")
 class FedPart(_PartMixin, FedAvg):
     """FedAvg with the FedPart schedule (module docstring)."""
 
-    name = "fedpart"
 
 
+@register_strategy("fedprox-part",
+                   broadcast="the round's active layer group (all layers in full rounds), plus "
+                             "groups changed since the previous round",
+                   upload="that group only (the schedule of round r), `num_samples`",
+                   aggregate="average of that group (the schedule: "
+                             "`averaging/fedpart_schedule.py`)")
 class FedProxPart(_PartMixin, FedProx):
     """FedProx with the FedPart schedule (module docstring)."""
 
-    name = "fedprox-part"

@@ -19,7 +19,7 @@ equal-size shards both give the same mean.)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -29,8 +29,13 @@ from bayesfl.strategies.averaging.parameter_averaging import (
     check_layer_count,
 )
 from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.registry import Option, register_strategy
 
 
+@register_strategy("fedper",
+                   broadcast="base layers",
+                   upload="base layers, `num_samples`",
+                   aggregate="weighted mean; last two layers personal")
 class FedPer(ParameterAveraging):
     """Shared base layers, personal last layers, joint local training, weighted averaging.
 
@@ -40,8 +45,13 @@ class FedPer(ParameterAveraging):
             paper's FedPer: 2).
     """
 
-    name = "fedper"
     weighted = True
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("local_layers", int, 2,
+               "how many of the network's last layers stay on the client (the FedLog paper's "
+               "FedPer: 2)."),
+    )
 
     def __init__(
         self, context: StrategyContext, *, local_layers: int = 2, **options: Any

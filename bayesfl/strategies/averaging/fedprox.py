@@ -10,7 +10,7 @@ mini-batch loss is the mean per-sample loss plus the proximal term.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -18,8 +18,13 @@ from torch import Tensor
 from bayesfl.strategies.averaging.fedavg import FedAvg
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.strategies.options import option_number
+from bayesfl.strategies.registry import Option, register_strategy
 
 
+@register_strategy("fedprox",
+                   broadcast="whole network",
+                   upload="whole network, `num_samples`",
+                   aggregate="as FedAvg; proximal local objective")
 class FedProx(FedAvg):
     """FedAvg with the proximal term ``mu / 2 ||w - w_global||^2`` in local training.
 
@@ -29,7 +34,11 @@ class FedProx(FedAvg):
         **options: the parameter-averaging options.
     """
 
-    name = "fedprox"
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("mu", float, 0.01,
+               "the proximal weight (>= 0; 0 is FedAvg).",
+               minimum=0.0),
+    )
 
     def __init__(self, context: StrategyContext, *, mu: float = 0.01, **options: Any) -> None:
         super().__init__(context, **options)

@@ -23,7 +23,7 @@ CIFAR (``lens = np.ones(num_users)``; sample counts only for the LEAF data sets)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -35,9 +35,14 @@ from bayesfl.strategies.averaging.parameter_averaging import (
 )
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.strategies.options import option_integer
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.training import LocalTraining, ParameterFilter
 
 
+@register_strategy("fedrep",
+                   broadcast="body (all but the last 2 layers)",
+                   upload="body, `num_samples`",
+                   aggregate="unweighted mean; head phase then body phase")
 class FedRep(ParameterAveraging):
     """Shared representation, personal last layers; head phase then body phase; unweighted.
 
@@ -48,8 +53,16 @@ class FedRep(ParameterAveraging):
             FedLog paper's "FedRep 2"; ``fedrep-1``: 1).
     """
 
-    name = "fedrep"
     weighted = False
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("head_epochs", int, 10,
+               "epochs of the personal-layer phase each round (paper: 10).",
+               minimum=0),
+        Option("local_layers", int, 2,
+               "how many of the network's last layers are personal (`fedrep`: 2, the FedLog "
+               "paper's \"FedRep 2\"; `fedrep-1`: 1)."),
+    )
 
     def __init__(
         self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 2,
@@ -68,10 +81,21 @@ class FedRep(ParameterAveraging):
                 (shared.__contains__, training)]
 
 
+@register_strategy("fedrep-1",
+                   broadcast="body (all but the last layer)",
+                   upload="body, `num_samples`",
+                   aggregate="unweighted mean; head phase then body phase")
 class FedRep1(FedRep):
     """FedRep with one personal layer (the head): the FedLog paper's v2 "FedRep 1"."""
 
-    name = "fedrep-1"
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("head_epochs", int, 10,
+               "epochs of the personal-layer phase each round (paper: 10).",
+               minimum=0),
+        Option("local_layers", int, 1,
+               "how many of the network's last layers are personal (`fedrep`: 2, the FedLog "
+               "paper's \"FedRep 2\"; `fedrep-1`: 1)."),
+    )
 
     def __init__(
         self, context: StrategyContext, *, head_epochs: int = 10, local_layers: int = 1,

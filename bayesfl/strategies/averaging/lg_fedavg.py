@@ -18,7 +18,7 @@ Aggregation: unweighted mean over the participating clients, as LG-FedAvg's code
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -28,8 +28,13 @@ from bayesfl.strategies.averaging.parameter_averaging import (
     only_last_layers,
 )
 from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.registry import Option, register_strategy
 
 
+@register_strategy("lg-fedavg",
+                   broadcast="last layer",
+                   upload="that layer, `num_samples`",
+                   aggregate="unweighted mean; lower layers personal")
 class LGFedAvg(ParameterAveraging):
     """Personal lower layers, shared last layers, joint local training, unweighted averaging.
 
@@ -39,8 +44,13 @@ class LGFedAvg(ParameterAveraging):
             the FedLog paper's "LG-FedAvg 1"; ``lg-fedavg-2``: 2).
     """
 
-    name = "lg-fedavg"
     weighted = False
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("global_layers", int, 1,
+               "how many of the network's last layers are averaged (`lg-fedavg`: 1, the FedLog "
+               "paper's \"LG-FedAvg 1\"; `lg-fedavg-2`: 2)."),
+    )
 
     def __init__(
         self, context: StrategyContext, *, global_layers: int = 1, **options: Any
@@ -52,10 +62,18 @@ class LGFedAvg(ParameterAveraging):
         return only_last_layers(model, self.global_layers, self.name)
 
 
+@register_strategy("lg-fedavg-2",
+                   broadcast="last 2 layers",
+                   upload="those layers, `num_samples`",
+                   aggregate="unweighted mean; lower layers personal")
 class LGFedAvg2(LGFedAvg):
     """LG-FedAvg with two global layers: the FedLog paper's "LG-FedAvg 2"."""
 
-    name = "lg-fedavg-2"
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("global_layers", int, 2,
+               "how many of the network's last layers are averaged (`lg-fedavg`: 1, the FedLog "
+               "paper's \"LG-FedAvg 1\"; `lg-fedavg-2`: 2)."),
+    )
 
     def __init__(
         self, context: StrategyContext, *, global_layers: int = 2, **options: Any

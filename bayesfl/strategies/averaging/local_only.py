@@ -15,12 +15,16 @@ from torch import nn
 
 from bayesfl.strategies.averaging.parameter_averaging import ParameterAveraging
 from bayesfl.strategies.base import ServerState
+from bayesfl.strategies.registry import register_strategy
 
 
+@register_strategy("local-only",
+                   broadcast="nothing",
+                   upload="`num_samples` only",
+                   aggregate="nothing (each client trains its own network)")
 class LocalOnly(ParameterAveraging):
     """No communication: each client trains and predicts with its own network only."""
 
-    name = "local-only"
     weighted = True
 
     def shared_parameters(self, model: nn.Module) -> frozenset[str]:

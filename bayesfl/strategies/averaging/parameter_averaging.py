@@ -119,6 +119,7 @@ from bayesfl.strategies.probabilistic_head import (
     head_posterior,
     with_head_posterior,
 )
+from bayesfl.strategies.registry import Option
 from bayesfl.strategies.robust import (
     DECLARED,
     check_robust_options,
@@ -184,6 +185,34 @@ class ParameterAveraging(Strategy):
 
     weighted: ClassVar[bool] = True
     """Weight client parameters by their sample counts when averaging."""
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("aggregation", str, "mean",
+               "`\"mean\"` (weighted as the strategy's paper does), `\"median\"` or "
+               '`"trimmed-mean"` (coordinate-wise, unweighted; Yin et al. 2018).'),
+        Option("trim_fraction", float, 0.1,
+               "beta of the trimmed mean: the fraction of values dropped at each end."),
+        Option("norm_bound", float, None,
+               "clip every update `w_c - w_global` to this L2 norm before aggregating (norm "
+               "bounding, Sun et al. 2019); None: no clipping."),
+        Option("screening_ratio", float, 10.0,
+               "reject uploads whose update norm or sample count exceeds this many times the "
+               "round's median; None: no screening.",
+               nullable=True),
+        Option("schedule", (str, dict), None,
+               'None (every round trains and sends every shared parameter), `"fedpart"` or '
+               '`{"kind": "fedpart", **options}` (module docstring).'),
+        Option("bn_stats", str, "aggregate",
+               '`"aggregate"` or `"local"` BatchNorm running statistics (module docstring).'),
+        Option("head", str, None,
+               "None (the plug-in network) or the `inference.fit_head` kind of the head "
+               "posterior each client fits when it personalises (module docstring)."),
+        Option("head_prior", str, "zero",
+               '`"zero"` (a zero-centred Laplace prior) or `"global"` (centred on the global '
+               "head where the strategy has one)."),
+        Option("head_options", dict, None,
+               "`fit_head` options of the head posterior (a table)."),
+    )
 
     def __init__(
         self,

@@ -64,6 +64,7 @@ Registry name: ``fedpa``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
 from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.robust import DECLARED
 from bayesfl.training import loss_diverged
 from inference.network_gaussian import (
@@ -206,6 +208,10 @@ def swag_gaussian(model: nn.Module, theta: Tensor, samples: Tensor, *, n_samples
                            input_shape=input_shape, prepare=prepare)
 
 
+@register_strategy("fedpa",
+                   broadcast="global network θ",
+                   upload="posterior delta Σ⁻¹(μ − θ), `num_samples`",
+                   aggregate="server step on the mean delta; screens delta norm")
 class FedPA(NetworkGaussianBaseline):
     """FedPA: IASG local posteriors, precision-weighted deltas, a server step (module docstring).
 
@@ -226,11 +232,46 @@ class FedPA(NetworkGaussianBaseline):
             times the round's median (None: no screening).
     """
 
-    name = "fedpa"
     server_only = (DECLARED, MOMENTUM)
     upload_prefix = DELTA
     update_norm_label = "delta norm"
     predict_seed_tag = 19
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("client_lr", float, 0.05,
+               "SGD learning rate of local training (IASG).",
+               minimum=1e-12),
+        Option("rho", float, 1.0,
+               "shrinkage coefficient of the covariance estimate (>= 0; 0 gives FedAvg's "
+               "delta).",
+               minimum=0.0),
+        Option("burn_in_epochs", int, 1,
+               "local epochs before the first sample (at least 1, as the reference).",
+               minimum=1),
+        Option("burn_in_rounds", int, 0,
+               "rounds that send FedAvg deltas before posterior averaging starts (rounds 1..b "
+               "draw no IASG sample; 0: every round samples).",
+               minimum=0),
+        Option("server_lr", float, 1.0,
+               "server step size.",
+               minimum=1e-12),
+        Option("server_momentum", float, 0.0,
+               "heavy-ball momentum of the server step in [0, 1).",
+               minimum=0.0),
+        Option("normalize_delta", bool, True,
+               "upload `rho_l Delta` (FedAvg's step where the samples do not spread) instead of "
+               "the paper's `Delta` (module docstring)."),
+        Option("weighted", bool, True,
+               "weight the deltas by sample counts (else uniformly: the exact product of the "
+               "local posteriors)."),
+        Option("mc_samples", int, 32,
+               "draws of the Monte Carlo predictive.",
+               minimum=1),
+        Option("screening_ratio", float, 10.0,
+               "reject uploads whose delta norm or sample count exceeds this many times the "
+               "round's median (None: no screening).",
+               minimum=1.0, nullable=True),
+    )
 
     def __init__(
         self,

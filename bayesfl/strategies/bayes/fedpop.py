@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,7 @@ from bayesfl.strategies.base import (
 from bayesfl.strategies.bayes.baseline import BayesianBaseline
 from bayesfl.strategies.networks import batched_apply
 from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.training import loss_diverged, record_divergence
 from inference.ensemble import EnsemblePosterior
 from inference.errors import NumericalError
@@ -149,6 +151,11 @@ def sample_heads(
     return draws.reshape(-1, *shape), mode
 
 
+@register_strategy("fedpop",
+                   broadcast="body, population prior over heads (m, s)",
+                   upload="body, prior, `num_samples`",
+                   aggregate="weighted mean; personal heads drawn by SGLD; screens body update "
+                             "norm")
 class FedPop(BayesianBaseline):
     """FedPop: shared body, population prior, SGLD personal heads (module docstring).
 
@@ -161,11 +168,36 @@ class FedPop(BayesianBaseline):
             many times the round's median (None: no screening).
     """
 
-    name = "fedpop"
     personalizes = True
     sharing = "shares the body"
     screened_prefix = BODY
     update_norm_label = "body update norm"
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("prior_std_init", float, 1.0,
+               "initial prior std s."),
+        Option("sgld_step_size", float, 0.05,
+               "the per-round chain.",
+               minimum=1e-12),
+        Option("sgld_burn_in", int, 50,
+               "the per-round chain.",
+               minimum=0),
+        Option("sgld_samples", int, 20,
+               "the per-round chain.",
+               minimum=1),
+        Option("sgld_thinning", int, 3,
+               "the per-round chain.",
+               minimum=1),
+        Option("final_samples", int, 100,
+               "draws of the chain run after training (thinning 5, burn-in 100).",
+               minimum=1),
+        Option("weighted", bool, True,
+               "weight the server average by sample counts."),
+        Option("screening_ratio", float, 10.0,
+               "reject uploads whose body update norm or sample count exceeds this many times "
+               "the round's median (None: no screening).",
+               minimum=1.0, nullable=True),
+    )
 
     def __init__(
         self,

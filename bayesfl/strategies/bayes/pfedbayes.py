@@ -71,6 +71,7 @@ Registry name: ``pfedbayes``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.bayes.baseline import NetworkGaussianBaseline
 from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.uploads import weighted_mean
 from bayesfl.training import loss_diverged
 from inference.network_gaussian import NetworkGaussian, flatten
@@ -117,6 +119,11 @@ def softplus_std(rho: Tensor) -> Tensor:
     return F.softplus(rho)
 
 
+@register_strategy("pfedbayes",
+                   broadcast="global Gaussian (`mu`, `rho`) over the whole network",
+                   upload="the client's localized global (`mu`, `rho`), `num_samples`",
+                   aggregate="(weighted) mean mixed with the old one by beta; screens mean "
+                             "update norm")
 class PFedBayes(NetworkGaussianBaseline):
     """pFedBayes: a personal mean-field Gaussian posterior per client (module docstring).
 
@@ -136,10 +143,44 @@ class PFedBayes(NetworkGaussianBaseline):
             many times the round's median (None: no screening).
     """
 
-    name = "pfedbayes"
     screened_prefix = MU
     update_norm_label = "mean update norm"
     predict_seed_tag = 17
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("zeta", float, 10.0,
+               "weight of the KL to the global distribution (FedSI paper: 10).",
+               minimum=0.0),
+        Option("lr", float, None,
+               "Adam learning rate of the personal posterior (None: the run's; FedSI paper: "
+               "1e-4).",
+               minimum=1e-12),
+        Option("global_lr", float, None,
+               "Adam learning rate of the localized global (None: the personal one).",
+               minimum=1e-12),
+        Option("personal_steps", int, 5,
+               "personal updates per mini-batch before one global update (5).",
+               minimum=1),
+        Option("rho_init", float, -3.0,
+               "initial `rho` of every standard deviation, personal and global (-3).",
+               minimum=-13.0),
+        Option("epsilon_std", float, 0.001,
+               "standard deviation of the draws' `eps` (0.001, the reference code's; 1: the "
+               "paper's formula), in training and in the predictive.",
+               minimum=1e-12),
+        Option("beta", float, 1.0,
+               "server mixing of the new average into the old global (1: replace).",
+               minimum=0.0),
+        Option("weighted", bool, True,
+               "weight the server average by sample counts."),
+        Option("mc_samples", int, 32,
+               "draws of the Monte Carlo predictive (32).",
+               minimum=1),
+        Option("screening_ratio", float, 10.0,
+               "reject uploads whose mean update norm or sample count exceeds this many times "
+               "the round's median (None: no screening).",
+               minimum=1.0, nullable=True),
+    )
 
     def __init__(
         self,

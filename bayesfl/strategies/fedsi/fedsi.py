@@ -265,6 +265,7 @@ from bayesfl.strategies.probabilistic_head import (
     head_posterior,
     with_head_posterior,
 )
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.robust import (
     count_problems,
     declarations,
@@ -427,18 +428,92 @@ def rebase_prior(variance: Tensor, old_alpha: float, new_alpha: float, *,
     return rebased.clamp(min=floor, max=new_alpha)
 
 
+@register_strategy("fedsi",
+                   broadcast="Gaussian (mean, variance) over the shared network",
+                   upload="subnet means, marginal stds (zeros off the subnet), subnet indices, "
+                          "`num_samples`",
+                   aggregate="the paper's mean/std rule (or product of Gaussians); head "
+                             "fine-tune and subnet refit to personalise; GLM-probit predictive; "
+                             "screens the mean's distance to the broadcast")
 class FedSI(Strategy):
     """FedSI: a Gaussian over the shared body, subnet Laplace on every client (module doc).
 
     Args: see the options table of the module docstring.
     """
 
-    name: ClassVar[str] = "fedsi"
     personalizes: ClassVar[bool] = True
     is_posterior: ClassVar[bool] = True
     default_posterior: ClassVar[str] = "subnet_full"
     round_view: ClassVar[str | None] = (
         "plug-in of a head fine-tuned on the global body (no posterior before personalisation)")
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("prior_var", float, 0.01,
+               "alpha, the base prior *variance* (§1.2, A1); the paper's is 1e-4 (see \"The "
+               "prior's variance\" below)"),
+        Option("subnet_fraction", float, 0.05,
+               "|S| = floor(fraction |R|), >= 1 (§1.4, A9; 5% MLP)"),
+        Option("subnet_size", int, None,
+               "an explicit |S| (overrides the fraction)"),
+        Option("posterior", str, None,
+               '"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
+               '"diag_all" (FedSI-Fac; its default) (A17)',
+               shown="subnet_full"),
+        Option("aggregation", str, "mean_std",
+               'variances: "mean_std" (the paper: mean of the stds, zeros included, squared), '
+               '"mean_var", "mean_nonzero" (over the clients that chose r), "moment_match" '
+               '(mixture moments), "product" (precision-weighted product of Gaussians, below) '
+               "(A4)"),
+        Option("weights", str, "uniform",
+               'client weights of the means: "uniform" (paper) or "n_i" (sample counts) (A12)'),
+        Option("variance_floor", float, 1e-12,
+               "lower clamp of g (A18)"),
+        Option("prior_in_map", bool, True,
+               "the Gaussian prior term in the local MAP (A2)"),
+        Option("map_solver", str, "proximal",
+               'how the local MAP treats the prior: "proximal" (Adam on the CE, the prior '
+               "applied exactly after each step) or \"adam\" (the prior in Adam's gradient, the "
+               "paper's literal recipe; see \"The local MAP\" below)"),
+        Option("local_lr", float, 0.01,
+               "Adam lr of local training (§5.2); None: the run's lr",
+               nullable=True),
+        Option("head_init", str, "shared",
+               'phi^0 shared by clients of a body spec, or "per_client" (§2.2, A7)'),
+        Option("filter_zero_curvature", bool, True,
+               "rank zero-curvature entries last; False: the paper's literal rule (A5)"),
+        Option("eval_selection", str, "diag_laplace",
+               "selection at personalisation: diagonal-Laplace variance at (mu, phi_fin), or "
+               '"global_var" (rank by g alone) (A6)'),
+        Option("finetune_epochs", int, 100,
+               "most head fine-tuning epochs (A7; see below)"),
+        Option("finetune_lr", float, 0.01,
+               "head fine-tuning Adam lr (A7; see below)"),
+        Option("finetune_stop", str, "heldout_nll",
+               '"heldout_nll": the epoch count of lowest NLL on 20% of the training data held '
+               'out, then that many on all of it; "fixed": finetune_epochs'),
+        Option("predictive", str, "glm_probit",
+               '"glm_probit" (Eq. 19) or "glm_mc" (§3.2); on S1 within 1% of the plug-in, and '
+               'no setting chosen without test rows widens it (docs: FedSI, "Does the posterior '
+               'earn its spread?")'),
+        Option("mc_samples", int, 100,
+               'weight-space draws of "glm_mc"'),
+        Option("screening_ratio", float, 10.0,
+               "reject an upload whose ||mean - mu|| exceeds this many times the round's median "
+               "(None: off)",
+               nullable=True),
+        Option("curvature_batch", int, 256,
+               "rows per curvature / Jacobian chunk (memory only)"),
+        Option("alpha_selection", str, "fixed",
+               '"fixed": alpha = prior_var throughout; "evidence": alpha chosen every round by '
+               "the clients' summed Laplace evidence, starting from prior_var (below)"),
+        Option("head", str, None,
+               "a probabilistic head after personalisation (`laplace`, `conjugate`, `mfvi`, "
+               "`sgld`; :mod:`bayesfl.strategies.probabilistic_head`): fitted on the client's "
+               "features of the global body, zero-centred prior; it replaces the subnet GLM "
+               "predictive (the network's plug-in stays beside it); `posterior()` returns it"),
+        Option("head_options", dict, None,
+               "`inference.fit_head` options of that head"),
+    )
 
     def __init__(
         self,
@@ -987,10 +1062,20 @@ class FedSI(Strategy):
         return self.personal_posterior(config, state)
 
 
+@register_strategy("fedsi-fac",
+                   broadcast="as FedSI",
+                   upload="means, marginal stds, `num_samples`",
+                   aggregate="as FedSI (factorised: no subnet indices)")
 class FedSIFac(FedSI):
     """FedSI-Fac: FedSI with a diagonal GGN Laplace over every body parameter (all stds
     sent; spec §6.1 item 11)."""
 
-    name: ClassVar[str] = "fedsi-fac"
     default_posterior: ClassVar[str] = "diag_all"
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("posterior", str, None,
+               '"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
+               '"diag_all" (FedSI-Fac; its default) (A17)',
+               shown="diag_all"),
+    )
+
 

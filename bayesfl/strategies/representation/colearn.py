@@ -157,6 +157,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_integer, option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
 
@@ -350,6 +351,10 @@ def peer_prototypes(pool: Tensor, present: Tensor, sources: Tensor,
     return mean.to(torch.float32), (total > 0).to(torch.float32)
 
 
+@register_strategy("colearn",
+                   broadcast="global prototypes, relayed observation sets and their sources",
+                   upload="per-class feature means, observation sets, class counts",
+                   aggregate="count-weighted means, relay; screens total count")
 class CoLearn(PersonalStrategy):
     """CoLearn: personal networks aligned through shared class prototypes and relayed
     observation sets (module docstring).
@@ -363,7 +368,6 @@ class CoLearn(PersonalStrategy):
             docstring.
     """
 
-    name: ClassVar[str] = "colearn"
     LOSS_TERMS: tuple[str, ...] = ("ce", "kd", "disc")
     STATISTICS: ClassVar[tuple[str, ...]] = ("final", "running")
     BOOTSTRAP: ClassVar[tuple[str, ...]] = ("upload", "skip", "random")
@@ -372,6 +376,62 @@ class CoLearn(PersonalStrategy):
     REDUCTION: ClassVar[tuple[str, ...]] = ("sum", "mean")
     KD_TARGET: ClassVar[tuple[str, ...]] = ("server", "peers")
     RELAY: ClassVar[tuple[str, ...]] = ("sets", "pool")
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("lam_kd", float, 10.0,
+               "",
+               minimum=0.0),
+        Option("lam_disc", float, 1.0,
+               "",
+               minimum=0.0),
+        Option("n_avg", int, 10,
+               "",
+               minimum=1),
+        Option("m_up", int, 1,
+               "",
+               minimum=1),
+        Option("m_down", int, 1,
+               "",
+               minimum=1),
+        Option("tau_disc", float, 1.0,
+               "",
+               minimum=1e-6),
+        Option("statistics", str, "final",
+               ""),
+        Option("bootstrap", str, "upload",
+               ""),
+        Option("synchronous", bool, True,
+               ""),
+        Option("peer", str, "one",
+               ""),
+        Option("weighting", str, "count",
+               ""),
+        Option("neg_reduction", str, "sum",
+               ""),
+        Option("kd_reduction", str, "mean",
+               ""),
+        Option("eps", float, 1e-07,
+               "",
+               minimum=0.0),
+        Option("relay", str, "sets",
+               ""),
+        Option("relay_pool", int, None,
+               ""),
+        Option("share_counts", bool, True,
+               ""),
+        Option("kd_target", str, "server",
+               ""),
+        Option("max_norm", float, 10000.0,
+               "",
+               minimum=0.0),
+        Option("screening_ratio", float, 10.0,
+               "",
+               minimum=1.0, nullable=True),
+        Option("independent_init", bool, True,
+               ""),
+        Option("keep_optimizer", bool, True,
+               ""),
+    )
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.representation.personal import PersonalStrategy, class_means
 from bayesfl.strategies.robust import first_reasons, screening_reasons
 
@@ -75,6 +76,10 @@ def distillation_terms(logits: Tensor, teacher: Tensor, present: Tensor, labels:
     return temperature ** 2 * present[labels].to(logits.dtype) * kl
 
 
+@register_strategy("fd",
+                   broadcast="per-class mean logits, counts, the round they were formed in",
+                   upload="per-class mean logits, class counts",
+                   aggregate="count-weighted mean per class; screens total count")
 class FederatedDistillation(PersonalStrategy):
     """FD: personal networks distilled from the clients' per-class mean logits.
 
@@ -88,8 +93,28 @@ class FederatedDistillation(PersonalStrategy):
         independent_init, keep_optimizer: :mod:`bayesfl.strategies.representation.personal`.
     """
 
-    name: ClassVar[str] = "fd"
     LOSS_TERMS: tuple[str, ...] = ("ce", "distill")
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("beta", float, 1.0,
+               "weight of the distillation term (1).",
+               minimum=0.0),
+        Option("temperature", float, 1.0,
+               "T of both softmaxes of the distillation term (1).",
+               minimum=1e-6),
+        Option("exclude_self", bool, True,
+               "distill from the aggregate without the client's own logits (True)."),
+        Option("max_abs", float, 10000.0,
+               "largest accepted |logit| in an upload.",
+               minimum=0.0),
+        Option("screening_ratio", float, 10.0,
+               "total-count screening against the round's median (None: off).",
+               minimum=1.0, nullable=True),
+        Option("independent_init", bool, True,
+               ":mod:`bayesfl.strategies.representation.personal`."),
+        Option("keep_optimizer", bool, True,
+               ":mod:`bayesfl.strategies.representation.personal`."),
+    )
 
     def __init__(
         self,

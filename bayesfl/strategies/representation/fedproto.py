@@ -52,6 +52,7 @@ from bayesfl.strategies.base import (
 )
 from bayesfl.strategies.networks import PrototypeNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_number
+from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_problem, num_samples_tensor
 from bayesfl.training import train_plain, train_stacked
 
@@ -70,6 +71,10 @@ class PrototypeObjective:
         return loss + self.lam * self.present[labels] * gap
 
 
+@register_strategy("fedproto",
+                   broadcast="global prototypes, which classes are present",
+                   upload="class prototypes, counts, `num_samples`",
+                   aggregate="count-weighted mean; nearest-prototype prediction")
 class FedProto(Strategy):
     """FedProto: personal networks; class prototypes exchanged and count-weighted averaged.
 
@@ -82,7 +87,15 @@ class FedProto(Strategy):
 
     INFERENCE: ClassVar[tuple[str, ...]] = ("prototype", "head")
 
-    name: ClassVar[str] = "fedproto"
+    OPTIONS: ClassVar[tuple[Option, ...]] = (
+        Option("lam", float, 1.0,
+               "weight of the prototype regulariser (FedProto's MNIST/FEMNIST value 1).",
+               minimum=0.0),
+        Option("weighted", bool, True,
+               "weight client prototypes by their class counts (default) or not."),
+        Option("inference", str, "prototype",
+               '`"prototype"` (nearest global prototype, default) or `"head"`.'),
+    )
 
     def __init__(
         self,
