@@ -45,8 +45,8 @@ Kind = type | tuple[type, ...]
 ``dict`` (a mapping with string keys) or ``list`` (a list or tuple); a tuple of them for
 options that take one of several forms (FedLog's ``feature_scale``: a number or a word)."""
 
-_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               dict: "a mapping", list: "a list"}
+_KIND_WORDS = {int: "an integer", float: "a finite number", str: "a string",
+               bool: "true or false", dict: "a mapping", list: "a list"}
 
 
 @dataclass(frozen=True)

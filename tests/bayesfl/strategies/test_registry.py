@@ -52,13 +52,14 @@ def test_the_registry_lists_families_in_order_with_fedlog_first():
 @pytest.mark.parametrize(("options", "message"), [
     ({"alpah": 0.1}, r"unknown option\(s\) \['alpah'\] for strategy 'fedlog-c' \(did you mean "
                      r"'alpha'\?\); valid: "),
-    ({"alpha": "big"}, r"fedlog-c alpha must be a number, got 'big'"),
-    ({"alpha": True}, r"fedlog-c alpha must be a number, got True"),
+    ({"alpha": "big"}, r"fedlog-c alpha must be a finite number, got 'big'"),
+    ({"alpha": True}, r"fedlog-c alpha must be a finite number, got True"),
     ({"mc_samples": 2.5}, r"fedlog-c mc_samples must be an integer, got 2\.5"),
     ({"predictive": 3}, r"fedlog-c predictive must be a string, got 3"),
-    ({"feature_scale": [1]}, r"fedlog-c feature_scale must be a number or a string, got \[1\]"),
+    ({"feature_scale": [1]},
+     r"fedlog-c feature_scale must be a finite number or a string, got \[1\]"),
     ({"sample_screening_ratio": "x"},
-     r"fedlog-c sample_screening_ratio must be a number or none, got 'x'"),
+     r"fedlog-c sample_screening_ratio must be a finite number or none, got 'x'"),
 ])
 def test_user_options_are_checked_against_the_declaration(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -99,7 +100,7 @@ def test_bounds_and_choices_give_one_error_each():
 def test_make_strategy_refuses_before_building(monkeypatch):
     built = []
     monkeypatch.setattr(FedAvg, "__init__", lambda self, *a, **k: built.append(k))
-    with pytest.raises(ConfigError, match="fedavg trim_fraction must be a number"):
+    with pytest.raises(ConfigError, match="fedavg trim_fraction must be a finite number"):
         make_strategy("fedavg", StrategyContext(num_classes=3, feature_dim=4),
                       trim_fraction="half")
     assert built == []
