@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what the names are, for readers, type checkers and the API 
     from bayesfl.loaded_run import LoadedRun, load_run
     from bayesfl.posterior import ClientPosterior
     from bayesfl.shift_evaluation import ShiftReport, evaluate_shift
+    from bayesfl.shift_protocol import stored_shift_report
     from bayesfl.simulate import SimulationConfig, SimulationResult, simulate
     from bayesfl.strategies import (
         STRATEGIES,
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "ClientPosterior": "bayesfl.posterior",
     "ShiftReport": "bayesfl.shift_evaluation",
     "evaluate_shift": "bayesfl.shift_evaluation",
+    "stored_shift_report": "bayesfl.shift_protocol",
     "SimulationConfig": "bayesfl.simulate",
     "SimulationResult": "bayesfl.simulate",
     "simulate": "bayesfl.simulate",
@@ -113,6 +115,7 @@ __all__ = [
     "register_body",
     "simulate",
     "simulate_ensemble",
+    "stored_shift_report",
 ]
 
 

@@ -7,6 +7,14 @@ clients' states, prints the pooled tables and writes ``shift_report.json``,
 ``shift_report.md``, ``shift_metrics.png`` and ``risk_coverage.png`` into ``--out`` (default
 ``RUN_DIR/shift``). Exit codes as ``bayesfl run``'s: 0 done, 2 bad usage or input (one line
 that says what to do).
+
+A run started with the run keys ``shift``/``ood`` stored its own report
+(:mod:`bayesfl.shift_protocol`): ``bayesfl evaluate RUN_DIR`` without ``--shift``/``--ood``
+shows it and writes it again (plots included) into ``--out``. A **Flower** run directory can
+only be shown that way: its clients' states stayed at their sites, so nothing here can predict
+for them; asking it other shifts, OOD sets or settings than those its run evaluated is an
+error that names them and says to run it again with the run keys (``bayesfl flower --shift
+... --ood ...``, or ``shift = "..."`` and ``ood = "..."`` in its run config).
 """
 
 from __future__ import annotations
@@ -83,22 +91,60 @@ def _image_shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
-    """``bayesfl evaluate``: load, evaluate, print the tables, write the files."""
-    from bayesfl.loaded_run import load_run
-    from bayesfl.shift_evaluation import evaluate_shift
+    """``bayesfl evaluate``: load, evaluate (or read the report the run stored), print the
+    tables, write the files."""
+    from bayesfl.loaded_run import load_run, run_transport
+    from bayesfl.shift_evaluation import _ood_kinds, evaluate_shift
+    from bayesfl.shift_protocol import REPORT_DIR, STATES_NAME, same_request, stored_shift_report
     from bayesfl.shifts import parse_shift
 
     shifts = [parse_shift(text) for text in args.shift]  # bad flags fail before the loading
-    run = load_run(args.run_dir, device=args.device)
-    report = evaluate_shift(run, shifts, args.ood, seed=args.seed, coverage=args.coverage,
-                            posterior_samples=args.posterior_samples,
-                            image_shape=_image_shape(args.image_shape),
-                            progress=not args.no_progress)
+    ood = _ood_kinds(args.ood)
+    report = None
+    if run_transport(args.run_dir) == "flower":
+        report = _stored(args, shifts)
+    elif not shifts and not ood and (args.run_dir / REPORT_DIR / STATES_NAME).is_file():
+        stored = stored_shift_report(args.run_dir)  # the run's own (run keys shift/ood)
+        if same_request(stored.settings, (), (), seed=args.seed, coverage=args.coverage,
+                        posterior_samples=args.posterior_samples) is None:
+            report = stored
+        else:  # its shifts again, with other settings
+            shifts, ood = list(stored.settings["shifts"].items()), stored.settings["ood"]
+    if report is None:
+        run = load_run(args.run_dir, device=args.device)
+        report = evaluate_shift(run, shifts, ood, seed=args.seed, coverage=args.coverage,
+                                posterior_samples=args.posterior_samples,
+                                image_shape=_image_shape(args.image_shape),
+                                progress=not args.no_progress)
     out = args.out if args.out is not None else args.run_dir / "shift"
     paths = report.write(out, plots=not args.no_plots)
     print(report.to_markdown())
     print("written: " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def _stored(args: argparse.Namespace, shifts: list[Any]) -> Any:
+    """The report the run stored, when it is what ``args`` ask (a Flower run: else a
+    ConfigError that names the difference and the run keys to run it again with)."""
+    from bayesfl.shift_protocol import same_request, stored_shift_report
+    from bayesfl.shifts import format_severity
+
+    report = stored_shift_report(args.run_dir)
+    settings = report.settings
+    differs = same_request(settings, shifts, args.ood, seed=args.seed,
+                           coverage=args.coverage, posterior_samples=args.posterior_samples)
+    if differs is not None:
+        wanted = " ".join(f"{s.kind}:{','.join(format_severity(v) for v in s.severities)}"
+                          for s in shifts) or " ".join(
+            f"{k}:{','.join(format_severity(v) for v in vs)}"
+            for k, vs in settings["shifts"].items())
+        ood = " ".join(args.ood) or " ".join(settings["ood"])
+        raise ConfigError(
+            f"{args.run_dir} is a Flower run: its clients' states stayed at their sites, so "
+            f"only the shift report its run made can be shown, and you asked {differs}; run "
+            f"it again with the run keys shift = \"{wanted}\" and ood = \"{ood}\" (bayesfl "
+            "flower ... --shift KIND:S1,S2 --ood SET), then bayesfl evaluate shows that report")
+    return report
 
 
 __all__ = ["EXAMPLES", "add_parser", "run_evaluate"]

@@ -18,6 +18,13 @@ under that name (a module-level function or class) or be registered again
 What a run directory does not hold: the data (a loaded run's ``clients[k].data`` has no samples,
 only the input shape; ``partition`` has the counts and sizes) and the ``calibrate`` step's
 fitted temperature (its figures are in ``summary["calibration"]``; ``calibration`` is None).
+
+A **Flower** run directory cannot be loaded: its clients' states stayed at their sites and the
+server never held them (:func:`load_run` says so). Evaluate such a run off distribution while
+it runs, with the run keys ``shift``/``ood`` (:mod:`bayesfl.shift_protocol`: every site scores
+its own state and sends mergeable states only); its report is then in ``RUN_DIR/shift``,
+returned by :func:`bayesfl.stored_shift_report` and shown by ``bayesfl evaluate RUN_DIR``. A
+simulator run directory loads, and `bayesfl.evaluate_shift` evaluates it on any shift.
 """
 
 from __future__ import annotations
@@ -83,10 +90,15 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
         takes client k's inputs) and ``predict_proba(k, x)`` (the strategy's headline
         predictive), exactly as the run had them at its end.
 
+    A Flower run directory is refused (its clients' states stayed at their sites): its shift
+    report, if the run was started with the run keys ``shift``/``ood``, is
+    :func:`bayesfl.stored_shift_report` (``bayesfl evaluate RUN_DIR``).
+
     Raises:
         CheckpointError: no finished run there (a missing directory, a run still going or
-            killed before its end, a run continued with other settings and unfinished), a
-            corrupt file, or another format version; the message says what to do.
+            killed before its end, a run continued with other settings and unfinished, a
+            Flower run), a corrupt file, or another format version; the message says what
+            to do.
         ConfigError: a body factory the run used that cannot be found in this process
             (register it with :func:`bayesfl.register_body`), an unavailable ``device``.
     """
@@ -161,11 +173,12 @@ def _unfinished(root: Path) -> str:
         where = _checkpoint_round(checkpoint)
         return (f"the run in {root} has not finished{where}: continue it with "
                 "simulate(..., out=DIR, resume=True) or bayesfl run --resume, then load it")
-    if _transport(root) == "flower":
+    if run_transport(root) == "flower":
         return (f"{root} holds a Flower run: its clients' states stay at their sites (the "
-                "server never holds them), so there is nothing to load; run the experiment "
-                "with simulate(..., out=DIR) to load it, or read summary.json and "
-                "metrics.jsonl there")
+                "server never holds them), so there is nothing to load; its shift report, "
+                "if it ran with the run keys shift/ood, is bayesfl.stored_shift_report(DIR) "
+                "(bayesfl evaluate DIR); else run the experiment with simulate(..., out=DIR) "
+                "to load it, or read summary.json and metrics.jsonl there")
     if (root / "summary.json").is_file():
         return (f"{root} holds a run written before runs saved {RESULT_NAME} (or the file was "
                 "deleted): run it again with --force (force=True) to load it")
@@ -173,8 +186,10 @@ def _unfinished(root: Path) -> str:
             "with simulate(..., out=DIR) or bayesfl run --out DIR")
 
 
-def _transport(root: Path) -> str | None:
-    """The ``transport`` its summary or manifest names (``"flower"``), or None."""
+def run_transport(root: str | Path) -> str | None:
+    """The ``transport`` a run directory's summary or manifest names (``"flower"``), or None
+    (the simulator's, or no run there)."""
+    root = Path(root)
     for name in ("summary.json", "manifest.json"):
         try:
             found = json.loads((root / name).read_text()).get("transport")
@@ -261,4 +276,4 @@ def _one_line(err: BaseException) -> str:
 
 
 
-__all__ = ["LoadedRun", "load_run"]
+__all__ = ["LoadedRun", "load_run", "run_transport"]

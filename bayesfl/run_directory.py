@@ -67,9 +67,19 @@ def prepare_run_directory(path: Path, *, resume: bool, force: bool) -> None:
                           "another output directory (--out)") from err
 
 
+SHIFT_FILES = ("shift_report.json", "shift_report.md", "shift_metrics.png",
+               "risk_coverage.png", "shift_states.safetensors")
+"""The files a run's shift step writes into ``RUN_DIR/shift`` (run keys ``shift``/``ood``,
+:mod:`bayesfl.shift_protocol`); ``force`` removes them too, so no report of an earlier run
+is taken for this one's."""
+
+
 def remove_run_files(path: Path) -> None:
-    """Delete the files a run writes into ``path`` (and checkpoint temp files), no others."""
+    """Delete the files a run writes into ``path`` (and checkpoint temp files, and its shift
+    report in ``path/shift``), no others."""
     _remove(path, lambda name: name in RUN_FILES or _is_temp(name))
+    if (path / "shift").is_dir() and not (path / "shift").is_symlink():
+        _remove(path / "shift", lambda name: name in SHIFT_FILES)
 
 
 def remove_stale_temp_files(path: Path) -> None:
@@ -158,5 +168,6 @@ def _short(items: list[Any]) -> str:
     return str(items) if len(items) <= 6 else f"[{items[0]}, {items[1]}, ..., {items[-1]}]"
 
 
-__all__ = ["CHECKPOINT_NAME", "METRICS_NAME", "RESULT_NAME", "RUN_FILES", "MetricsLog",
+__all__ = ["CHECKPOINT_NAME", "METRICS_NAME", "RESULT_NAME", "RUN_FILES", "SHIFT_FILES",
+           "MetricsLog",
            "parse_metrics", "prepare_run_directory", "remove_run_files", "remove_stale_temp_files"]

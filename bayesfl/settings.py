@@ -47,8 +47,9 @@ class Setting:
             ``threads``), or ``download``, which the readers fold into ``dataset_options``
             (:func:`fold_download`).
         kind: ``str``, ``int``, ``float``, ``path``, ``options`` (KEY=VALUE pairs / a table),
-            ``switch`` (a flag that turns the target on) or ``toggle`` (``--NAME`` /
-            ``--no-NAME``).
+            ``switch`` (a flag that turns the target on), ``toggle`` (``--NAME`` /
+            ``--no-NAME``) or ``list`` (a repeatable flag; in TOML a string or a list of
+            strings, in Flower's run config one string of words separated by spaces).
         help: the ``--help`` text.
     """
 
@@ -130,9 +131,17 @@ SETTINGS: tuple[Setting, ...] = (
             "torch threads; default half the CPU cores, 1 to 4 (small models run slower "
             "with more)"),
     Setting(("progress",), "progress", "toggle", "progress bar over rounds; default on"),
+    Setting(("shift",), "shift", "list",
+            "after the run, evaluate every client on its test rows under this input shift, "
+            "KIND:S1,S2 (rotate, noise, contrast; e.g. rotate:15,30), repeatable; the report "
+            "goes to OUT/shift as `bayesfl evaluate` writes it (on Flower each site evaluates "
+            "its own state); default none"),
+    Setting(("ood",), "ood", "list",
+            "after the run, score out-of-distribution rows: unseen-labels or novel-clients, "
+            "repeatable (with --shift or alone); default none"),
 )
 
-RUN_KEYWORDS = ("out", "resume", "force", "progress", "threads")
+RUN_KEYWORDS = ("out", "resume", "force", "progress", "threads", "shift", "ood")
 
 
 def _key(name: str) -> str:
@@ -171,6 +180,9 @@ def add_settings(run: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> N
         elif s.kind == "options":
             run.add_argument(*flags, dest=s.target, action="append", default=None,
                              metavar="KEY=VALUE", help=s.help)
+        elif s.kind == "list":
+            run.add_argument(*flags, dest=s.target, action="append", default=None,
+                             metavar=s.names[0].upper(), help=s.help)
         else:
             run.add_argument(*flags, dest=s.target, type=types[s.kind], default=None,
                              metavar=s.names[0].replace("-", "_").upper(), help=s.help)
@@ -185,6 +197,8 @@ def settings_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         settings[s.target] = parse_options(value) if s.kind == "options" else value
+        if s.kind == "list":
+            settings[s.target] = list_value(s.names[0], value)
     return fold_download(settings)
 
 
@@ -253,6 +267,8 @@ def settings_from_mapping(raw: Mapping[str, Any], source: str = "config") -> dic
                 value = not value if negated else value
             elif setting.kind == "options":
                 value = _options_value(key, value)
+            elif setting.kind == "list":
+                value = list_value(key, value)
             elif setting.kind == "path":
                 if not isinstance(value, str) or not value.strip():
                     raise ConfigError(f"{key} must be a path (a string), got {describe(value)}")
@@ -274,6 +290,32 @@ def fold_download(settings: dict[str, Any]) -> dict[str, Any]:
         settings["dataset_options"] = {**settings.get("dataset_options", {}),
                                        "download": download}
     return settings
+
+
+def list_value(key: str, value: Any) -> list[str]:
+    """A ``list`` setting: words of a string (split on spaces) or a list of strings, each
+    checked (``shift``: ``KIND:S1,S2``; ``ood``: a known set).
+
+    Raises:
+        ConfigError: not a string or a list of strings, or a word that is not valid.
+    """
+    if isinstance(value, str):
+        words = value.split()
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        words = [w for v in value for w in v.split()]
+    else:
+        raise ConfigError(f"{key} must be a string or a list of strings, got {describe(value)}")
+    name = _key(key)
+    if name == "shift":
+        from bayesfl.shifts import parse_shift
+
+        for word in words:
+            parse_shift(word)
+    elif name == "ood":
+        from bayesfl.shift_evaluation import _ood_kinds
+
+        _ood_kinds(words)
+    return words
 
 
 def _options_value(key: str, value: Any) -> dict[str, Any]:
@@ -305,5 +347,5 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 __all__ = ["MAX_CONFIG_BYTES", "RUN_KEYWORDS", "SETTINGS", "Setting", "add_settings",
-           "fold_download", "parse_options", "read_config", "settings_from_flags",
+           "fold_download", "list_value", "parse_options", "read_config", "settings_from_flags",
            "settings_from_mapping"]

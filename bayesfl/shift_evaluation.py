@@ -210,6 +210,8 @@ class ShiftReport:
         curves: ``(shift, severity, predictive)`` -> pooled (coverage, risk) arrays (plots; not
             in the JSON).
         notes: what could not be evaluated, and why.
+        states: the clients' mergeable states the figures are computed from (not in the
+            JSON; `bayesfl.shift_protocol` stores them beside the report of a run).
     """
 
     settings: dict[str, Any]
@@ -219,6 +221,7 @@ class ShiftReport:
     curves: dict[tuple[str, float, str], tuple[np.ndarray, np.ndarray]] = field(repr=False,
                                                                             default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    states: list[ClientShiftStates] = field(repr=False, default_factory=list)
 
     def rows(self, table: str = "shift", **where: Any) -> list[dict[str, Any]]:
         """The rows of ``table`` (``"shift"`` or ``"ood"``) whose fields equal ``where``, e.g.
@@ -352,7 +355,8 @@ def build_report(states: Sequence[ClientShiftStates], *, novel: Sequence[int] = 
             ood_rows.append({"scope": "pooled", "client": None, "ood": key[0],
                              "predictive": key[1], "score": key[2],
                              **_detection_row(AurocAccumulator.merged(held))})
-    return ShiftReport(dict(settings), predictives, shift_rows, ood_rows, curves, list(notes))
+    return ShiftReport(dict(settings), predictives, shift_rows, ood_rows, curves, list(notes),
+                       list(states))
 
 
 def _condition(key: tuple[str, float, str]) -> dict[str, Any]:
@@ -460,12 +464,13 @@ def as_shift_subject(run: Any) -> ShiftSubject:
     Raises:
         ConfigError: neither a run nor a subject.
     """
-    from bayesfl.simulate import SimulationResult
-
-    if isinstance(run, SimulationResult):
-        return RunSubject(run)
     if isinstance(run, ShiftSubject):
         return run
+    # a run, by what RunSubject uses of it (no import of bayesfl.simulate: the simulator
+    # imports this module for a run's own shift step)
+    if all(hasattr(run, name) for name in ("config", "summary", "clients", "strategy",
+                                           "client_state", "evaluation_broadcast")):
+        return RunSubject(run)
     raise ConfigError(f"evaluate_shift takes a run: bayesfl.load_run(DIR) (or what "
                       f"bayesfl.simulate returned), or a bayesfl.ensemble.DeepEnsemble of runs; "
                       f"got {type(run).__name__}")
@@ -534,53 +539,22 @@ def evaluate_shift(
     dataset, client_data = _run_data(run, data)
     shape = image_shape_of(dataset.input_shape, dataset.name if data is None else None,
                            image_shape)
-    for shift in shift_list:
-        if shift.kind in ("rotate", "contrast") and shape is None:
-            raise ConfigError(
-                f"shift {shift.kind!r} needs images, and the run's data ({dataset.name!r}, "
-                f"inputs of shape {tuple(dataset.input_shape)}) are not known to be images; "
-                "for flat image rows give their shape (image_shape=(1, 28, 28), --image-shape "
-                "1,28,28), else use the noise shift, which works on any data")
+    check_image_shifts(shift_list, shape, dataset)
     value_range = data_range(dataset.x)
     novel = tuple(int(k) for k in run.novel)
-    trained = [k for k in range(len(client_data)) if k not in novel]
-    notes: list[str] = []
-    ood_sets = {name: {} for name in ood_list}
-    if "unseen-labels" in ood_sets:
-        for k in trained:
-            inside, outside = unseen_label_rows(client_data, k)
-            if outside.shape[0] == 0:
-                notes.append(f"unseen-labels: client {k} trained on every label: no OOD rows")
-                continue
-            ood_sets["unseen-labels"][k] = (inside, outside)
-        if not ood_sets["unseen-labels"]:
-            raise ConfigError("unseen-labels: every client trained on every label, so there "
-                              "are no rows of an unseen label; use a run whose partition leaves "
-                              "labels out (e.g. --partition shards:2 or labels:3)")
-    if "novel-clients" in ood_sets:
-        if not novel:
-            raise ConfigError("novel-clients: this run has no novel clients; run it with "
-                              "novel_fraction (--novel-fraction 0.2) to hold some out")
-        outside = torch.cat([client_data[k].test_x for k in novel])
-        for k in trained:
-            ood_sets["novel-clients"][k] = (client_data[k].test_x, outside)
+    ood_sets, notes = ood_row_sets(client_data, novel, ood_list)
     draws_note: list[str] = []
     states = []
     bar = tqdm(total=len(client_data), desc="shift evaluation", unit="client",
                disable=not progress)
     try:
         for k, own in enumerate(client_data):
-            predict = run.shift_predictor(k)
             rows = {name: sets[k] for name, sets in ood_sets.items() if k in sets}
-            draws = None
-            if rows and posterior_samples and not draws_note:
-                draws = run.shift_draws(k, posterior_samples,
-                                        derived_seed(seed, _DRAWS_KEY, k), draws_note)
-            generator = torch.Generator().manual_seed(derived_seed(seed, _NOISE_KEY, k))
-            states.append(client_shift_states(
-                predict, own.test_x, own.test_y, shifts=shift_list, image_shape=shape,
-                value_range=value_range, n_bins=n_bins, noise_generator=generator,
-                ood_rows=rows, draws=draws, client_id=k))
+            states.append(shift_client_step(
+                k, own.test_x, own.test_y, rows, predict=run.shift_predictor(k),
+                draws=run.shift_draws, shifts=shift_list, image_shape=shape,
+                value_range=value_range, n_bins=n_bins, seed=seed,
+                posterior_samples=posterior_samples, note=draws_note))
             bar.update(1)
     except CalibrationError as err:
         raise DataError(f"the run's predictions could not be scored: {err}") from err
@@ -602,6 +576,98 @@ def evaluate_shift(
         **run.shift_settings(),
     }
     return build_report(states, novel=novel, settings=settings, coverage=coverage, notes=notes)
+
+
+def check_image_shifts(shifts: Sequence[Shift], shape: tuple[int, int, int] | None,
+                       dataset: Any) -> None:
+    """Refuse rotate/contrast on data not known to be images (``shape`` None).
+
+    Raises:
+        ConfigError: naming the shift and the data, saying what to do.
+    """
+    for shift in shifts:
+        if shift.kind in ("rotate", "contrast") and shape is None:
+            raise ConfigError(
+                f"shift {shift.kind!r} needs images, and the run's data ({dataset.name!r}, "
+                f"inputs of shape {tuple(dataset.input_shape)}) are not known to be images; "
+                "for flat image rows give their shape (image_shape=(1, 28, 28), --image-shape "
+                "1,28,28), else use the noise shift, which works on any data")
+
+
+def ood_row_sets(client_data: Sequence[Any], novel: Sequence[int], ood: Sequence[str]
+                 ) -> tuple[dict[str, dict[int, tuple[Tensor, Tensor]]], list[str]]:
+    """The out-of-distribution row sets of every client that trained: ``name -> {client ->
+    (in-distribution rows, OOD rows)}`` (module notes), and the notes on the clients left
+    out (a client that trained on every label has no unseen-label rows).
+
+    Raises:
+        ConfigError: no client has unseen-label rows, or ``novel-clients`` without novel
+            clients; the message says what to do.
+    """
+    novel = tuple(int(k) for k in novel)
+    trained = [k for k in range(len(client_data)) if k not in novel]
+    notes: list[str] = []
+    ood_sets: dict[str, dict[int, tuple[Tensor, Tensor]]] = {name: {} for name in ood}
+    if "unseen-labels" in ood_sets:
+        for k in trained:
+            inside, outside = unseen_label_rows(client_data, k)
+            if outside.shape[0] == 0:
+                notes.append(f"unseen-labels: client {k} trained on every label: no OOD rows")
+                continue
+            ood_sets["unseen-labels"][k] = (inside, outside)
+        if not ood_sets["unseen-labels"]:
+            raise ConfigError("unseen-labels: every client trained on every label, so there "
+                              "are no rows of an unseen label; use a run whose partition leaves "
+                              "labels out (e.g. --partition shards:2 or labels:3)")
+    if "novel-clients" in ood_sets:
+        if not novel:
+            raise ConfigError("novel-clients: this run has no novel clients; run it with "
+                              "novel_fraction (--novel-fraction 0.2) to hold some out")
+        outside = torch.cat([client_data[k].test_x for k in novel])
+        for k in trained:
+            ood_sets["novel-clients"][k] = (client_data[k].test_x, outside)
+    return ood_sets, notes
+
+
+def shift_client_step(
+    k: int,
+    x: Tensor,
+    y: Tensor,
+    rows: Mapping[str, tuple[Tensor, Tensor]],
+    *,
+    predict: Predictor,
+    draws: Callable[[int, int, int, list[str]], Draws | None],
+    shifts: Sequence[Shift],
+    image_shape: tuple[int, int, int] | None,
+    value_range: tuple[float, float],
+    n_bins: int,
+    seed: int,
+    posterior_samples: int,
+    note: list[str],
+) -> ClientShiftStates:
+    """Client ``k``'s part of a shift evaluation, as `evaluate_shift` runs it in this
+    process and a Flower site runs it on its own state (`bayesfl.shift_protocol`): the noise
+    and the posterior draws seeded from ``(seed, k)``, so both give the same states.
+
+    Args:
+        k: the client.
+        x, y: its test rows (N, ...) and labels (N,).
+        rows: its OOD row sets (`ood_row_sets`).
+        predict: its predictives.
+        draws: ``draws(k, n, seed, note)`` -> its posterior draws, or None with the reason
+            appended to ``note`` (not asked once ``note`` holds a reason, nor without rows).
+        shifts, image_shape, value_range, n_bins: as `client_shift_states` takes them.
+        seed: the evaluation's seed; posterior_samples: draws for the mutual information.
+        note: the reasons the mutual information is missing (appended to).
+    """
+    samples = None
+    if rows and posterior_samples and not note:
+        samples = draws(k, posterior_samples, derived_seed(seed, _DRAWS_KEY, k), note)
+    generator = torch.Generator().manual_seed(derived_seed(seed, _NOISE_KEY, k))
+    return client_shift_states(predict, x, y, shifts=shifts, image_shape=image_shape,
+                               value_range=value_range, n_bins=n_bins,
+                               noise_generator=generator, ood_rows=rows, draws=samples,
+                               client_id=k)
 
 
 def unseen_label_rows(client_data: Sequence[Any], k: int) -> tuple[Tensor, Tensor]:
@@ -704,5 +770,6 @@ def _posterior_draws(strategy: Any, config: Any, state: Any, broadcast: Any,
 
 __all__ = ["CLEAN", "OOD_KINDS", "SCORES", "ClientShiftStates", "Draws", "Predictor",
            "RunSubject", "ShiftReport", "ShiftSubject", "as_shift_subject", "build_report",
-           "client_shift_states", "evaluate_shift", "format_severity", "selective_rows",
-           "selective_state", "unseen_label_rows"]
+           "check_image_shifts",
+           "client_shift_states", "evaluate_shift", "format_severity", "ood_row_sets",
+           "selective_rows", "selective_state", "shift_client_step", "unseen_label_rows"]

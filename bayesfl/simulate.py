@@ -162,6 +162,8 @@ class SimulationResult:
         calibration: the final calibration step (``calibrate``), or None.
         novel: the ids of the novel clients (``novel_fraction``): never trained, personalised
             at the end, reported under ``summary["novel"]``.
+        shift_report: the shift evaluation the run asked for (``shift``/``ood``:
+            `bayesfl.shift_evaluation.ShiftReport`), or None.
     """
 
     config: SimulationConfig
@@ -175,6 +177,7 @@ class SimulationResult:
     personalized: dict[int, ClientState] = field(default_factory=dict)
     calibration: CalibrationOutcome | None = None
     novel: tuple[int, ...] = ()
+    shift_report: Any = None
 
     def client_state(self, client_id: int) -> ClientState:
         """Client ``client_id``'s final state (personalized where the strategy does that).
@@ -234,6 +237,8 @@ def simulate(
     round_callback: RoundCallback | None = None,
     broadcast_hook: BroadcastHook | None = None,
     data: Dataset | tuple[Any, Any] | None = None,
+    shift: Any = None,
+    ood: Any = None,
     **options: Any,
 ) -> SimulationResult:
     """Run a federated experiment (module docstring) and return its results.
@@ -264,6 +269,13 @@ def simulate(
             ``dataset`` by name; its
             identity (shapes and a SHA-256 of its contents) is recorded and fingerprinted, so
             its run resumes only with the same data.
+        shift: after the run, evaluate every client on its shifted test rows
+            (`bayesfl.evaluate_shift`'s ``shifts``: ``["rotate:15,30"]``, ...); the report is
+            ``result.shift_report`` and, with ``out``, ``out/shift`` (the files ``bayesfl
+            evaluate`` writes, and the clients' states: `bayesfl.shift_protocol`). Checked
+            before the run trains.
+        ood: out-of-distribution sets scored there too (``"unseen-labels"``,
+            ``"novel-clients"``).
         **options: the other :class:`SimulationConfig` fields (body: a spec string or
             your own zero-argument factory of a ``torch.nn.Module``, :mod:`bayesfl.bodies`;
             feature_dim,
@@ -299,15 +311,51 @@ def simulate(
         prepare_run_directory(run_dir, resume=resume, force=force)
     with torch_threads(threads):
         run = _Run(config, run_dir, data=data, resume=resume)
+        request = None
+        if shift or ood:  # refused now, before any round, if the run cannot have it
+            from bayesfl.shift_protocol import shift_request
+
+            request = shift_request(config, run.dataset, [c.data for c in run.clients],
+                                    run.novel, shift, ood)
         run.threads = threads
         run.broadcast_hook = broadcast_hook
         result = run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
                              round_callback=round_callback)
-    if run_dir is not None:  # last: a directory with it holds a finished run (load_run)
+    if run_dir is not None:  # a directory with it holds a finished run (load_run)
         from bayesfl.run_result import save_run_result
 
         save_run_result(run_dir, result)
+    if request is not None:
+        with torch_threads(threads):
+            _shift_step(result, request, data, progress)
     return result
+
+
+def _shift_step(result: SimulationResult, request: Any, data: Dataset | None,
+                progress: bool) -> None:
+    """The run's shift evaluation (run keys ``shift``/``ood``): `evaluate_shift` on the
+    finished run, into ``result.shift_report``, ``out/shift`` and ``summary["shift_evaluation"]``
+    (with the bytes the federated step would move: the request to every client, each client's
+    states up, :mod:`bayesfl.shift_protocol`)."""
+    from bayesfl.shift_evaluation import evaluate_shift
+    from bayesfl.shift_protocol import states_message, write_shift_outcome
+
+    report = evaluate_shift(result, list(request.shifts), list(request.ood),
+                            seed=request.seed, coverage=request.coverage,
+                            posterior_samples=request.posterior_samples, data=data,
+                            progress=progress)
+    result.shift_report = report
+    clients = list(range(len(result.clients)))
+    result.summary["shift_evaluation"] = {
+        "report": "shift/shift_report.json" if result.run_dir is not None else None,
+        "participants": clients, "accepted": [s.client_id for s in report.states],
+        "bytes_up": sum(len(encode(states_message(s))) for s in report.states),
+        "bytes_down": len(request.to_json().encode()) * len(clients),
+        "rejections": [], "error": None}
+    if result.run_dir is not None:
+        write_shift_outcome(result.run_dir, report, report.states, novel=result.novel,
+                            num_classes=result.strategy.context.num_classes)
+        (result.run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
 
 
 def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | None, dict]:

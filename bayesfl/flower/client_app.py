@@ -14,7 +14,9 @@ same clients the simulator builds for the same config and seed), or, with the ru
   leaves the node), then fit on the round's broadcast; the last message of a run evaluates
   and, for strategies that do, personalises and evaluates the personalised state;
 * ``query.calibrate``: the temperature-scaling step (:mod:`bayesfl.calibrate`) on the node's
-  held-out data, then its temperature-scaled evaluation.
+  held-out data, then its temperature-scaled evaluation;
+* ``query.shift``: the shift evaluation (:mod:`bayesfl.shift_protocol`) of the node's final
+  state on its own test rows: mergeable states only leave the node.
 
 The client state lives in ``context.state`` between rounds (safetensors bytes of the state's
 named tensors in a ConfigRecord; no pickle). A handler that fails raises: Flower turns that
@@ -71,6 +73,10 @@ class Node:
 
     Attributes:
         held_out: the node's held-out calibration data (``calibrate``), or None.
+        clients: every client's data of the run's data set (the rows the shift step scores
+            as out-of-distribution: :mod:`bayesfl.shift_protocol`), or None on a node that
+            loads its own data (``data-loader``).
+        novel: the run's novel clients.
     """
 
     config: SimulationConfig
@@ -81,6 +87,8 @@ class Node:
     fingerprint: str
     held_out: Any = None
     state_dir: Path | None = None
+    clients: Any = None
+    novel: tuple[int, ...] = ()
 
     @property
     def client_id(self) -> int:
@@ -122,7 +130,7 @@ def _node(run: tuple[tuple[str, Any], ...], partition_id: int, num_partitions: i
     from bayesfl.checkpoint import config_fingerprint
     from bayesfl.config import resolve_device
     from bayesfl.data.datasets import dataset_identity, load_dataset
-    from bayesfl.engine.setup import run_identity, run_setup
+    from bayesfl.engine.setup import novel_clients, run_identity, run_setup
     from bayesfl.errors import ConfigError
     from bayesfl.flower.protocol import parse_run_config
     from bayesfl.strategies import make_strategy
@@ -142,7 +150,9 @@ def _node(run: tuple[tuple[str, Any], ...], partition_id: int, num_partitions: i
     fingerprint = config_fingerprint(run_identity(config, dataset_identity(dataset)))
     return Node(config, options, strategy, setup.context.client_config(partition_id),
                 setup.client_data[partition_id], fingerprint,
-                setup.held_out.get(partition_id))
+                setup.held_out.get(partition_id), clients=setup.client_data,
+                novel=tuple(novel_clients(config.clients, config.novel_fraction,
+                                          config.data_rng_seed)))
 
 
 def site_data(loader: str, partition_id: int, node_config: dict[str, Any] | None = None):
@@ -542,6 +552,39 @@ def calibrate(msg: Message, context: Context) -> Message:
         return Message(pack(step=step, evaluation=encode(reply)), reply_to=msg)
 
 
+@app.query("shift")
+def shift(msg: Message, context: Context) -> Message:
+    """The shift evaluation on this node (:mod:`bayesfl.shift_protocol`): its own test rows
+    under the request's shifts (and its OOD rows), predicted with its final state (the
+    personalised one where it has one) and the final evaluation ``broadcast``; the reply
+    carries the mergeable states only (``reply``) and why the mutual information is missing,
+    if it is (``notes``, JSON)."""
+    import json
+
+    import torch
+
+    from bayesfl.config import check_threads, resolve_device, torch_threads
+    from bayesfl.flower.protocol import pack, part, record_values
+    from bayesfl.messages import DEFAULT_MAX_BYTES, encode
+    from bayesfl.shift_protocol import ShiftRequest, site_shift_states, states_message
+
+    node = node_of(context)
+    values = record_values(msg.content)
+    request = ShiftRequest.from_json(values.get("request"))
+    broadcast = _decoded(part(values, "broadcast", max_bytes=DEFAULT_MAX_BYTES) or b"", node)
+    record = context.state.config_records.get(STATE_RECORD)
+    slot = "personalized" if record is not None and "personalized" in record else "trained"
+    state = load_state(context, node, slot)
+    with torch_threads(check_threads(node.options.threads)), \
+            torch.random.fork_rng(devices=_rng_devices(node)):
+        states, notes = site_shift_states(
+            request, strategy=node.strategy, client=node.client, state=state,
+            broadcast=broadcast, own=node.data, all_clients=node.clients, novel=node.novel,
+            device=resolve_device(node.config.device))
+    return Message(pack(reply=encode(states_message(states)), notes=json.dumps(notes)),
+                   reply_to=msg)
+
+
 def _rng_devices(node: Node) -> list[torch.device]:
     from bayesfl.config import resolve_device
 
@@ -551,4 +594,4 @@ def _rng_devices(node: Node) -> list[torch.device]:
 
 __all__ = ["LOADED_AT", "STATE_RECORD", "Node", "app", "import_step_modules", "load_state",
            "message_timeline", "node_of", "process_started_at", "resume_state",
-           "save_round_state", "site_data", "store_state"]
+           "save_round_state", "shift", "site_data", "store_state"]

@@ -148,6 +148,8 @@ def run_config(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
         if target in ("strategy_options", "dataset_options"):
             key = "option" if target == "strategy_options" else "dataset-option"
             config[key] = " ".join(f"{k}={shlex.quote(_literal(v))}" for k, v in value.items())
+        elif isinstance(value, list | tuple):  # shift, ood: one string of words
+            config[target.replace("_", "-")] = " ".join(str(v) for v in value)
         else:
             config[target.replace("_", "-")] = value
     return config

@@ -391,6 +391,8 @@ def _toml(values: Mapping[str, Any]) -> str:
             text = repr(value)
         elif isinstance(value, str):
             text = json.dumps(value)
+        elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            text = json.dumps(" ".join(value))  # shift, ood: words in one string
         else:
             raise ConfigError(f"run config {key!r} must be a bool, number or string, got "
                               f"{type(value).__name__}")

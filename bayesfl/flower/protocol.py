@@ -8,7 +8,8 @@ upload (``upload``) and its calibration accumulator states (``evaluation``). The
 of a run carries only ``evaluate`` (and ``personalize`` for strategies that personalise: the
 reply adds ``personalized``, the accumulators of the personalised state).
 :data:`INFO` asks a node which client it is; :data:`CALIBRATE` carries the temperature-scaling
-step's proposals and result (:mod:`bayesfl.calibrate`). A message's content is one
+step's proposals and result (:mod:`bayesfl.calibrate`); :data:`SHIFT` the shift evaluation's
+request and each site's states (:mod:`bayesfl.shift_protocol`). A message's content is one
 ``ConfigRecord`` under :data:`RECORD` holding bayesfl messages as **bytes**
 (:func:`bayesfl.messages.encode`: safetensors plus a JSON header, digest or HMAC; never a
 pickle) beside a few scalars (the round, flags); replies add a ``MetricRecord`` of timings under
@@ -52,14 +53,15 @@ TIMING = "timing"
 INFO = "query.info"
 ROUND = "train.round"
 CALIBRATE = "query.calibrate"
+SHIFT = "query.shift"
 
 MAX_EVALUATION_BYTES = 4 * 2**20
 """Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
 predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to spare."""
 
-_RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress")
+_RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress", "shift", "ood")
 _OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
-_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "conformal", "data-loader")
+_UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "conformal", "data-loader", "shift", "ood")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class FlowerOptions:
         data_loader: ``package.module:function`` every SuperNode calls to load its own data
             (:func:`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
             run's data set and keeps the node's partition of it.
+        shift: input shifts (``KIND:S1,S2``) every site evaluates its final state on after the
+            run (:mod:`bayesfl.shift_protocol`); the report goes to ``out/shift``.
+        ood: out-of-distribution sets (``unseen-labels``, ``novel-clients``) scored there too.
     """
 
     out: str | None = None
@@ -100,6 +105,8 @@ class FlowerOptions:
     poll_interval: float = 0.2
     evaluate_every: int = 1
     data_loader: str | None = None
+    shift: tuple[str, ...] = ()
+    ood: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("min_replies", "min_nodes"):
@@ -153,7 +160,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             continue  # the app's pyproject lists every key; "" / 0 means not set
         elif name == "data-seed" and isinstance(value, str) and not value.strip():
             continue  # "": the run's seed (0 is a seed, so only "" means not set)
-        elif name in _FLOWER_KEYS and name not in ("out", "resume", "force", "threads"):
+        elif name in _FLOWER_KEYS and name not in _RUN_KEYWORDS:
             flower[_FLOWER_KEYS[name]] = value
         elif name in _OPTION_KEYS and isinstance(value, str):
             # a string of KEY=VALUE pairs: what `flwr run --run-config` can override
@@ -169,6 +176,9 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
         settings.pop("progress", None)
     if "out" in flower:
         flower["out"] = str(flower["out"])
+    for name in ("shift", "ood"):
+        if name in flower:
+            flower[name] = tuple(flower[name])
     if flower.get("threads") is not None:
         flower["threads"] = check_threads(flower["threads"])
     config = SimulationConfig(**settings)
@@ -185,6 +195,10 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
         raise ConfigError("conformal needs every client's held-out share of the run's data set; "
                           "with a per-site data-loader the server does not know the sites' "
                           "data: run conformal without data-loader")
+    if options.data_loader is not None and options.ood:
+        raise ConfigError("ood needs the run's data set on every site (the rows a client never "
+                          "trained on are other sites' rows); with a per-site data-loader no "
+                          "site holds them: drop ood (the input shifts work)")
     return config, options
 
 

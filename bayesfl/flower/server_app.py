@@ -33,7 +33,11 @@ The last message of a run (``evaluate``, ``personalize`` for strategies that per
 completes the last round's record, personalises, and evaluates every node, the novel clients'
 too (``summary["novel"]``). With ``calibrate``, the temperature-scaling step
 (:func:`bayesfl.calibrate.temperature_search_over`) runs over ``query.calibrate`` messages on
-the nodes' held-out data and reports as in the simulator (``summary["calibration"]``).
+the nodes' held-out data and reports as in the simulator (``summary["calibration"]``). With
+the run keys ``shift``/``ood`` every site then evaluates its final state on its own shifted
+and out-of-distribution rows over ``query.shift`` messages (:mod:`bayesfl.shift_protocol`);
+the server merges the validated states into the report ``bayesfl evaluate`` writes
+(``out/shift``, ``summary["shift_evaluation"]``).
 ``authenticate`` is simulator-only: on Flower use its TLS and SuperNode authentication.
 
 The run directory is the simulator's (``metrics.jsonl``, ``summary.json``, ``manifest.json``,
@@ -90,6 +94,7 @@ from bayesfl.flower.protocol import (
     INFO,
     MAX_EVALUATION_BYTES,
     ROUND,
+    SHIFT,
     describe_error,
     pack,
     part,
@@ -330,6 +335,14 @@ class FlowerServer:
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
         self._last_accumulators: list[Any] = []
+        self.shift_request = None  # the shift step after the run (run keys shift, ood)
+        self.shift_outcome = None
+        if self.options.shift or self.options.ood:  # refused now, before any round, if bad
+            from bayesfl.shift_protocol import shift_request
+
+            self.shift_request = shift_request(
+                config, dataset, None if self.options.data_loader is not None else
+                self.setup.client_data, self.novel, self.options.shift, self.options.ood)
         self.channel = FlowerChannel(grid, round_timeout=self.options.round_timeout,
                                      poll_interval=self.options.poll_interval,
                                      nodes={}, read=self._read_evaluation)
@@ -484,6 +497,8 @@ class FlowerServer:
         from bayesfl.flower.conformal_step import server_conformal_step
 
         server_conformal_step(self, eval_bytes, summary)  # conformal=: bayesfl.conformal
+        if self.shift_request is not None:
+            summary["shift_evaluation"] = self._shift_evaluation(eval_bytes)
         summary["seconds"] = self.seconds_before + time.perf_counter() - self.start
         if self.run_dir is not None:
             self._write_results(summary, [m for m in self.metrics_log.records
@@ -659,6 +674,70 @@ class FlowerServer:
             evaluation = merge_evaluations(evaluations) if evaluations else None
         return CalibrationOutcome(search, evaluation, held, spec.held_out_fraction,
                                   time.perf_counter() - t0)
+
+    # ---- the shift evaluation ------------------------------------------------------------
+    def _shift_evaluation(self, eval_bytes: bytes) -> dict[str, Any]:
+        """The shift step over ``query.shift`` messages (:mod:`bayesfl.shift_protocol`):
+        every connected site scores its final state on its own rows and replies with its
+        mergeable states; the report of the valid replies goes to ``out/shift``. A bad or
+        missing reply is a rejection; nothing here stops the run."""
+        from bayesfl.shift_protocol import (
+            MAX_REPLY_BYTES,
+            expected_replies,
+            federated_shift_evaluation,
+            report_settings,
+            write_shift_outcome,
+        )
+        from bayesfl.strategies.base import MAP_PLUGIN
+
+        request, config = self.shift_request, self.config
+        connected = sorted(self.nodes)
+
+        def ask(down: bytes, client_ids: Sequence[int]) -> dict[int, Any]:
+            exchange = self.channel.exchange(
+                SHIFT, {c: (self.nodes[c], pack(request=down.decode(), broadcast=eval_bytes))
+                        for c in client_ids}, step="shift")
+            answers: dict[int, Any] = {e["client_id"]: e["reason"] for e in exchange.events}
+            for cid, reply in exchange.replies.items():
+                try:
+                    values = record_values(reply.content)
+                    data = part(values, "reply", max_bytes=MAX_REPLY_BYTES)
+                    if data is None:
+                        raise MessageRejected("the shift reply carries no states")
+                    notes = json.loads(values.get("notes") or "[]")
+                    answers[cid] = (data, [str(n)[:500] for n in notes]
+                                    if isinstance(notes, list) else [])
+                except (MessageRejected, ValueError, TypeError) as err:
+                    answers[cid] = getattr(err, "reason", None) or f"unreadable reply: {err}"
+            return answers
+
+        try:
+            expected, notes = expected_replies(
+                request, None if self.options.data_loader is not None else
+                self.setup.client_data, self.novel, {c: self.num_test[c] for c in connected})
+            settings = report_settings(
+                request, run_dir=self.run_dir, strategy=config.strategy,
+                dataset=config.dataset, clients=config.clients, novel=self.novel,
+                partition=config.partition, rounds=config.rounds)
+            predictives = {PREDICTIVE, MAP_PLUGIN} if self.strategy.is_posterior \
+                else {PREDICTIVE}
+            outcome = federated_shift_evaluation(
+                ask, connected, request, expected=expected, predictives=predictives,
+                num_classes=self.num_classes, novel=self.novel, settings=settings,
+                notes=notes)
+            if outcome.report is not None and self.run_dir is not None:
+                write_shift_outcome(self.run_dir, outcome.report, outcome.states,
+                                    novel=self.novel, num_classes=self.num_classes)
+        except (BayesFLError, OSError, ValueError) as err:  # a report problem, not the run's
+            _log(f"shift evaluation failed: {err}")
+            return {"report": None, "error": f"shift evaluation failed: {err}"}
+        self.shift_outcome = outcome
+        for rejection in outcome.rejections:
+            _log(f"shift evaluation: client {rejection['client_id']} left out: "
+                 f"{rejection['reason']}")
+        _log(f"shift evaluation: {len(outcome.states)} of {len(connected)} sites, bytes up "
+             f"{outcome.bytes_up:,}, down {outcome.bytes_down:,}")
+        return outcome.summary()
 
     # ---- checkpoints and files ----------------------------------------------------------
     def _restore(self) -> int:

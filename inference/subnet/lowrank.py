@@ -183,18 +183,23 @@ def _sample_factors(Q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _woodbury_kernel(M: Tensor, F: Tensor) -> Tensor:
-    """``sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` as an (n J, n J) matrix, in row chunks."""
+    """``sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` as an (n J, n J) matrix, in row chunks.
+
+    Each chunk's ``M_u[b, b'] F_b'[u, j']`` is written in the (rows, U, n, J) layout the
+    product reads, into one buffer reused by every chunk (a permuted temporary was copied once
+    more, and a fresh buffer a chunk costs page faults)."""
     U, n, _ = M.shape
     J = F.shape[2]
     out = M.new_empty(n, J, n, J)
     F_units = F.permute(1, 0, 2)  # (U, n, J)
     F_T = F.transpose(1, 2)  # (n, J, U)
+    M_rows = M.permute(1, 0, 2)  # (n, U, n): M_rows[b, u, b'] = M_u[b, b']
     rows = max(1, min(n, ROW_CHUNK_BYTES // max(1, U * n * J * M.element_size())))
+    buffer = M.new_empty(rows, U, n, J)
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        P = M[:, a:b, :, None] * F_units[:, None]  # (U, rows, n, J): M_u[b, b'] F_b'[u, j']
-        P = P.permute(1, 0, 2, 3).reshape(b - a, U, n * J)
-        torch.bmm(F_T[a:b], P, out=out[a:b].view(b - a, J, n * J))
+        P = torch.mul(M_rows[a:b, :, :, None], F_units[None], out=buffer[: b - a])
+        torch.bmm(F_T[a:b], P.view(b - a, U, n * J), out=out[a:b].view(b - a, J, n * J))
     return out.view(n * J, n * J)
 
 

@@ -188,7 +188,8 @@ def test_every_flag_bayesfl_flower_offers_is_accepted_by_the_flower_run():
              "calibrate": "temperature", "device": "cpu", "batched": False,
              "authenticate": True, "strategy_options": {"mc_samples": 10},
              "dataset_options": {"n": 90}, "out": "/tmp/out", "resume": True, "force": False,
-             "threads": 1, "progress": False, "download": False}
+             "threads": 1, "progress": False, "download": False, "shift": ["noise:0.1"],
+             "ood": ["unseen-labels"]}
     offered = [s for s in SETTINGS if s.target not in NOT_ON_FLOWER]
     assert {s.target for s in SETTINGS} <= set(value)
     needs = {"dataset_options": {"dataset": "gaussian_mixture"},

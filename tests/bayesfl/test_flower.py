@@ -416,7 +416,7 @@ def test_the_example_app_lists_every_key_bayesfl_flower_sends():
     listed = tomllib.loads((EXAMPLE_APP / "pyproject.toml").read_text())
     listed = listed["tool"]["flwr"]["app"]["config"]
     values = {"str": "x", "int": 1, "float": 0.5, "path": "p", "options": {"a": 1},
-              "switch": True, "toggle": True}
+              "switch": True, "toggle": True, "list": ["rotate:15"]}
     settings = {s.target: values[s.kind] for s in SETTINGS if s.target != "progress"}
     sent = set(run_config(settings, Path("/tmp/out"))) | {f[2] for f in _DEPLOYMENT_FLAGS}
     assert sent - set(listed) == set()
@@ -462,10 +462,10 @@ class InProcessFederation:
         from types import SimpleNamespace
 
         from bayesfl.flower import client_app
-        from bayesfl.flower.protocol import CALIBRATE, INFO, ROUND
+        from bayesfl.flower.protocol import CALIBRATE, INFO, ROUND, SHIFT
 
         handlers = {INFO: client_app.info, ROUND: client_app.round_step,
-                    CALIBRATE: client_app.calibrate}
+                    CALIBRATE: client_app.calibrate, SHIFT: client_app.shift}
         self.pushes += 1
         if self.pushes == self.stop_at_push:
             raise ServerStoppedError
