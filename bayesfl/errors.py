@@ -13,6 +13,11 @@ class ConfigError(BayesFLError, ValueError):
     """An unknown strategy/dataset/partition name or an inconsistent experiment configuration."""
 
 
+class LoaderRefused(ConfigError):  # noqa: N818 - a node's refusal, which the run survives
+    """A run names a data loader the node's own config does not allow: the node refuses the
+    run (on Flower its reply says so, and the server goes on without it)."""
+
+
 class DataError(BayesFLError, ValueError):
     """A data set that cannot be loaded or a partition that leaves a client without data."""
 

@@ -5,10 +5,13 @@ Each SuperNode is one client: ``node_config`` gives its ``partition-id`` (the cl
 in the run config and keeps its own partition (:func:`bayesfl.engine.setup.run_setup`, the
 same clients the simulator builds for the same config and seed), or, with the run config's
 ``data-loader = "package.module:function"``, calls that function for its own data
-(:func:`site_data`; nothing is sent). Handlers:
+(:func:`site_data`; nothing is sent). Which code a node runs for its data is the site's
+decision, not the run submitter's: it calls a run's loader only when its own node config lists
+it (``data-loaders``, :func:`allowed_loader`), and refuses the run otherwise. Handlers:
 
 * ``query.info``: who the node is (client id, test-set size, the run's fingerprint, so the
-  server can refuse a node set up with other data or settings);
+  server can refuse a node set up with other data or settings), or why the node refuses the run
+  (``refused``: a data loader its node config does not allow);
 * ``train.round``: one message per round (:mod:`bayesfl.flower.protocol`): evaluate the
   previous round's state with its evaluation broadcast (accumulator states only: no prediction
   leaves the node), then fit on the round's broadcast; the last message of a run evaluates
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import lru_cache
@@ -106,9 +110,12 @@ def node_of(context: Context) -> Node:
     Raises:
         ConfigError: a node_config without an integer ``partition-id`` in ``[0, clients)``,
             or a ``num-partitions`` that differs from the run's ``clients``.
+        LoaderRefused: the run config names a ``data-loader`` this node's config does not
+            allow (:func:`allowed_loader`).
     """
     from bayesfl.errors import ConfigError
 
+    allowed_loader(context.run_config, context.node_config)
     run = tuple(sorted((str(k), v) for k, v in context.run_config.items()))
     node = dict(context.node_config)
     pid, parts = node.get("partition-id"), node.get("num-partitions")
@@ -123,6 +130,40 @@ def node_of(context: Context) -> Node:
         # one folder per run identity: a node serving several runs keeps them apart
         node_ = replace(node_, state_dir=Path(state_dir) / node_.fingerprint[:16])
     return node_
+
+
+NODE_LOADERS = "data-loaders"
+"""Node-config key of the data loaders a SuperNode allows runs to call on it: one or more
+``package.module:function`` separated by spaces or commas (``flower-supernode --node-config
+'partition-id=0 num-partitions=3 data-loaders="site.data:load"'``). Absent or empty: the node
+runs no loader, only the run's named data set."""
+
+
+def allowed_loader(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> str | None:
+    """The run config's ``data-loader`` if this node allows it, None when the run names none.
+
+    A loader is code the node imports and calls with its own data: whoever submits a run must
+    not choose it. The node's operator lists the loaders it allows in its node config
+    (:data:`NODE_LOADERS`); a run naming any other one is refused before anything is imported.
+
+    Raises:
+        LoaderRefused: the run names a loader the node config does not list (the message says
+            which, what the node allows and how to allow it).
+    """
+    from bayesfl.errors import LoaderRefused
+
+    loader = run_config.get("data-loader", run_config.get("data_loader"))
+    if loader is None or loader == "":
+        return None
+    allowed = node_config.get(NODE_LOADERS, "")
+    names = allowed.replace(",", " ").split() if isinstance(allowed, str) else []
+    if not isinstance(loader, str) or loader.strip() not in names:
+        listed = ", ".join(names) if names else "none"
+        raise LoaderRefused(
+            f"this node does not allow the data loader {loader!r} the run config names "
+            f"(its node config allows: {listed}); a node runs only the loaders its operator "
+            f"lists: flower-supernode --node-config '... {NODE_LOADERS}=\"{loader}\"'")
+    return loader.strip()
 
 
 @lru_cache(maxsize=4)
@@ -383,10 +424,18 @@ def message_timeline(msg: Message, started: float) -> dict[str, float]:
 
 @app.query("info")
 def info(msg: Message, context: Context) -> Message:
-    """Who this node is in the run: client id, data sizes, the run's fingerprint."""
+    """Who this node is in the run: client id, data sizes, the run's fingerprint; or, for a
+    run whose data loader this node does not allow, its partition id and why it refuses
+    (``refused``): the server logs it and goes on without this node."""
+    from bayesfl.errors import LoaderRefused
     from bayesfl.flower.protocol import pack
 
-    node = node_of(context)
+    try:
+        node = node_of(context)
+    except LoaderRefused as err:
+        pid = context.node_config.get("partition-id")
+        pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else -1
+        return Message(pack(client_id=pid, refused=str(err)), reply_to=msg)
     return Message(pack(client_id=node.client_id, num_partitions=node.config.clients,
                         num_train=node.data.num_train, num_test=node.data.num_test,
                         fingerprint=node.fingerprint), reply_to=msg)
@@ -592,6 +641,7 @@ def _rng_devices(node: Node) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
-__all__ = ["LOADED_AT", "STATE_RECORD", "Node", "app", "import_step_modules", "load_state",
-           "message_timeline", "node_of", "process_started_at", "resume_state",
-           "save_round_state", "shift", "site_data", "store_state"]
+__all__ = ["LOADED_AT", "NODE_LOADERS", "STATE_RECORD", "Node", "allowed_loader",
+           "app", "import_step_modules", "load_state", "message_timeline", "node_of",
+           "process_started_at", "resume_state", "save_round_state", "shift", "site_data",
+           "store_state"]

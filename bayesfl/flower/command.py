@@ -5,8 +5,8 @@ Starts a SuperLink and one SuperNode per client on 127.0.0.1
 (``examples/flower_app``, or ``--app DIR``) with the experiment as its run config, waits for
 the run's final status (``flwr ls``, not ``flwr run``'s exit code), prints the summary and
 stops every process it started. The flags are those of ``bayesfl run`` plus the deployment's
-(``--min-replies``, ``--round-timeout``, ``--evaluate-every``, ``--timeout``, ``--app``,
-``--keep``). Exit codes: 0 the run completed; 1 it failed (the SuperLink's log tail is
+(``--min-replies``, ``--round-timeout``, ``--evaluate-every``, ``--data-loader``, ``--timeout``,
+``--app``, ``--keep``). Exit codes: 0 the run completed; 1 it failed (the SuperLink's log tail is
 printed); 2 bad usage or flwr not installed.
 """
 
@@ -64,6 +64,11 @@ def add_parser(commands: Any) -> None:
     add_settings(flower, exclude=tuple(NOT_ON_FLOWER))
     for flag, kind, _, text in _DEPLOYMENT_FLAGS:
         flower.add_argument(flag, type=kind, default=None, help=text)
+    flower.add_argument("--data-loader", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                        help="every SuperNode loads its own data with FUNCTION(partition_id) "
+                        "(x, y) instead of its partition of --dataset; the local SuperNodes are "
+                        "started allowing it (node config data-loaders: a node runs only the "
+                        "loaders its operator lists)")
     flower.add_argument("--app", type=Path, default=None,
                         help="the Flower app folder to run; default examples/flower_app")
     flower.add_argument("--timeout", type=float, default=3600.0,
@@ -99,10 +104,13 @@ def run_flower(args: argparse.Namespace) -> int:
         value = getattr(args, key.replace("-", "_"))
         if value is not None:
             config[key] = value
+    node_config = {}
+    if args.data_loader:  # this machine's user is every site's operator too: allow it
+        config["data-loader"] = node_config["data-loaders"] = args.data_loader
     nodes = int(config.get("clients", 20))
     app = args.app or EXAMPLE_APP
     print(f"bayesfl: starting a SuperLink and {nodes} SuperNodes on 127.0.0.1", flush=True)
-    with LocalFederation(nodes, workdir=args.keep) as fed:
+    with LocalFederation(nodes, workdir=args.keep, node_config=node_config) as fed:
         status = fed.run(config, app=app, timeout=args.timeout,
                          done_marker=out / "summary.json")
         if not status.completed:

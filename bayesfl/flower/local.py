@@ -99,13 +99,22 @@ class LocalFederation:
         nodes: number of SuperNodes; node i gets ``partition-id=i num-partitions=nodes``.
         workdir: where FLWR_HOME and the logs go (default: a new temporary directory).
         start_timeout: seconds to wait for the SuperLink to listen.
+        node_config: more node-config keys for every SuperNode (each site's own settings,
+            e.g. ``{"data-loaders": "site.data:load"}``, the loaders it allows:
+            :data:`bayesfl.flower.client_app.NODE_LOADERS`); values bool, number or string.
+        node_configs: node i's keys over ``node_config`` (a site set up otherwise).
     """
 
     def __init__(self, nodes: int, *, workdir: str | Path | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, node_config: Mapping[str, Any] | None = None,
+                 node_configs: Mapping[int, Mapping[str, Any]] | None = None) -> None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ConfigError(f"nodes must be an integer >= 1, got {nodes!r}")
         self.num_nodes = nodes
+        self.node_config = dict(node_config or {})
+        self.node_configs = {int(i): dict(c) for i, c in (node_configs or {}).items()}
+        for extra in (self.node_config, *self.node_configs.values()):
+            node_config_text(extra)  # a value Flower cannot read is refused here
         self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(
             prefix="bayesfl-flower-")
         self.workdir = Path(workdir if workdir is not None else self._tmp.name).resolve()
@@ -165,14 +174,15 @@ class LocalFederation:
     def start_node(self, i: int) -> subprocess.Popen[bytes]:
         """Start SuperNode ``i`` (``partition-id=i``) on a free loopback port; its
         ``state-dir`` (where it keeps its client state for exact resumes) is
-        ``workdir/node-i-state``, which outlives a restart of the node."""
-        state_dir = json.dumps(str(self.workdir / f"node-{i}-state"))
+        ``workdir/node-i-state``, which outlives a restart of the node; then the keys of
+        ``node_config`` and ``node_configs[i]``."""
+        config = {"partition-id": i, "num-partitions": self.num_nodes,
+                  "state-dir": str(self.workdir / f"node-{i}-state"),
+                  **self.node_config, **self.node_configs.get(i, {})}
         return self._spawn(
             [self._script("flower-supernode"), "--insecure", "--superlink",
              f"127.0.0.1:{self.port}", "--host", "127.0.0.1", "--port", str(free_port()),
-             "--node-config",
-             f"partition-id={i} num-partitions={self.num_nodes} state-dir={state_dir}",
-             "--max-wait-time", "120"],
+             "--node-config", node_config_text(config), "--max-wait-time", "120"],
             f"supernode-{i}.log")
 
     def _wait_listening(self, process: subprocess.Popen[bytes], port: int, log: str) -> None:
@@ -400,6 +410,26 @@ def _toml(values: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_config_text(config: Mapping[str, Any]) -> str:
+    """``config`` as ``flower-supernode --node-config`` reads it: space-separated ``key=value``
+    pairs, each value a TOML literal (strings double-quoted).
+
+    Raises:
+        ConfigError: a value that is not a bool, number or string, or a string with a double
+            quote (Flower's parser ends a quoted value at the first one).
+    """
+    pairs = []
+    for key, value in config.items():
+        if isinstance(value, str) and '"' in value:
+            raise ConfigError(f"node config {key!r}: a value with a double quote cannot be "
+                              f"passed to flower-supernode, got {value!r}")
+        if isinstance(value, list | tuple) or " " in str(key) or "=" in str(key):
+            raise ConfigError(f"node config {key!r} = {value!r}: keys are words, values a "
+                              "bool, number or string")
+        pairs.append(_toml({key: value}).strip().replace('" = ', "=", 1)[1:])
+    return " ".join(pairs)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     with contextlib.suppress(OSError):
@@ -432,7 +462,7 @@ def _start_time(pid: int) -> str | None:
 
 
 __all__ = ["CONNECTION", "EXAMPLE_APP", "FlowerRunError", "LocalFederation", "RunStatus",
-           "flower_environment", "free_port"]
+           "flower_environment", "free_port", "node_config_text"]
 
 
 def _written_since(path: str | Path | None, since: float) -> bool:

@@ -88,7 +88,10 @@ class FlowerOptions:
             (FedLog's round 0 included), and always after the last.
         data_loader: ``package.module:function`` every SuperNode calls to load its own data
             (:func:`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
-            run's data set and keeps the node's partition of it.
+            run's data set and keeps the node's partition of it. A node calls it only if its
+            own node config allows it (``data-loaders``,
+            :func:`bayesfl.flower.client_app.allowed_loader`); a node that does not refuses
+            the run, and the server goes on without it.
         shift: input shifts (``KIND:S1,S2``) every site evaluates its final state on after the
             run (:mod:`bayesfl.shift_protocol`); the report goes to ``out/shift``.
         ood: out-of-distribution sets (``unseen-labels``, ``novel-clients``) scored there too.

@@ -573,6 +573,7 @@ class FlowerServer:
             problem, cid = self._admit(reply)
             if problem is not None:
                 self.refused.add(node)
+                _log(f"node {node} left out of the run: {problem}")
                 events.append({"client_id": cid, "node_id": node, "step": "discover",
                                "reason": problem})
             else:
@@ -583,6 +584,11 @@ class FlowerServer:
         """(None, client id) for a node that belongs in this run, else (why not, its id)."""
         try:
             values = dict(reply.content.config_records["bayesfl"])
+            refused = values.get("refused")
+            if isinstance(refused, str):  # e.g. a data loader its node config does not allow
+                cid = values.get("client_id")
+                valid = isinstance(cid, int) and 0 <= cid < self.config.clients
+                return f"the node refused the run: {refused[:1000]}", cid if valid else None
             cid = scalar(values, "client_id", int)
             if not 0 <= cid < self.config.clients:
                 return f"client id {cid} outside [0, {self.config.clients})", cid

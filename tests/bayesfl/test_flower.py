@@ -435,14 +435,16 @@ SMALL = {"dataset": "gaussian_mixture", "clients": 3, "partition": "iid", "round
 class InProcessFederation:
     """A Grid whose nodes (node id 100 + partition id) run the ClientApp's handlers here.
 
-    ``node_configs`` overrides a node's run config (a foreign node); ``silent`` nodes never
-    answer; ``gone`` nodes go offline after their first fit."""
+    ``node_configs`` overrides a node's run config (a foreign node); ``node_config`` adds keys
+    to every node's node config (``allows``: the data loaders they allow); ``silent`` nodes
+    never answer; ``gone`` nodes go offline after their first fit."""
 
     def __init__(self, run_config, *, node_configs=None, silent=(), gone=(), failing=(),
-                 garbage=(), state_dir=None, stop_at_push=None):
+                 garbage=(), state_dir=None, stop_at_push=None, node_config=None):
         from flwr.app import Context, RecordDict
 
         extra = {} if state_dir is None else {"state-dir": str(state_dir)}
+        extra.update(node_config or {})
         self.contexts = {
             100 + k: Context(run_id=1, node_id=100 + k,
                              node_config={"partition-id": k,
@@ -736,6 +738,8 @@ SITE_APP = Path(__file__).parent / "flower_site_app"
 SITES = {"strategy": "fedavg", "dataset": "digits", "clients": 3, "partition": "iid",
          "rounds": 1, "seed": 0, "body": "mlp:8", "feature-dim": 4, "local-epochs": 1,
          "threads": 1, "data-loader": "site_app.site_data:load"}
+ALLOWS = {"data-loaders": "site_app.site_data:load site_app.site_data:other"}
+"""Every site's node config: the loaders its operator allows runs to call on it."""
 
 
 def test_a_data_seed_on_flower_equals_the_simulator(task_identity):
@@ -761,7 +765,7 @@ def test_each_node_loads_its_own_site_data_with_the_run_configs_loader(task_iden
     # and reports only their sizes
     monkeypatch.syspath_prepend(str(SITE_APP))
     out = tmp_path / "run"
-    summary = serve({**SITES, "out": str(out)}).run()
+    summary = serve({**SITES, "out": str(out)}, node_config=ALLOWS).run()
     assert summary["events"] == [] and summary["rejections"] == []
     assert [c["count"] for c in summary["per_client"]] == [150, 150, 150]
     partition = json.loads((out / "partition.json").read_text())
@@ -774,11 +778,60 @@ def test_each_node_loads_its_own_site_data_with_the_run_configs_loader(task_iden
 def test_a_node_with_another_data_loader_is_refused(task_identity, monkeypatch):
     monkeypatch.syspath_prepend(str(SITE_APP))
     other = {**SITES, "data-loader": "site_app.site_data:other"}
-    server = serve(SITES, node_configs={0: other})
+    server = serve(SITES, node_configs={0: other}, node_config=ALLOWS)
     events = server.discover(wait=False)
     assert sorted(server.nodes) == [1, 2]
     assert [(e["client_id"], e["step"]) for e in events] == [(0, "discover")]
     assert "fingerprint differs" in events[0]["reason"]
+
+
+def test_a_node_refuses_a_data_loader_its_node_config_does_not_allow(task_identity,
+                                                                      monkeypatch):
+    # the run config names the loader, but which code a site runs is its operator's call:
+    # node 0 allows no loader, node 1 another one, node 2 this one. Nodes 0 and 1 refuse (and
+    # import nothing: the refusal comes before the loader is looked at); the server logs
+    # their reasons and the run goes on with node 2
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    imported = []
+    from bayesfl import user_code
+
+    real = user_code.import_object
+    monkeypatch.setattr(user_code, "import_object",
+                        lambda name, **kw: imported.append(name) or real(name, **kw))
+    server = serve({**SITES, "node-wait": 0.0, "round-timeout": 30.0})
+    grid = server.grid
+    grid.contexts[101].node_config["data-loaders"] = "site_app.site_data:other"
+    grid.contexts[102].node_config["data-loaders"] = "site_app.site_data:load"
+    summary = server.run()
+    assert sorted(server.nodes) == [2] and imported == ["site_app.site_data:load"]
+    refusals = {e["client_id"]: e["reason"] for e in summary["events"]
+                if e["step"] == "discover"}
+    assert sorted(refusals) == [0, 1]
+    for reason in refusals.values():
+        assert reason.startswith("the node refused the run: this node does not allow the data "
+                                 "loader 'site_app.site_data:load'"), reason
+        assert "data-loaders=" in reason  # says how to allow it
+    assert "allows: none" in refusals[0] and "allows: site_app.site_data:other" in refusals[1]
+    assert [c["client_id"] for c in summary["per_client"]] == [2]
+    # a refused node is asked once: its refusal is logged once
+    assert len([e for e in summary["events"] if e["step"] == "discover"]) == 2
+
+
+def test_a_node_allows_loaders_by_its_node_config_alone():
+    from bayesfl.errors import LoaderRefused
+    from bayesfl.flower.client_app import allowed_loader
+
+    loader = "site_app.site_data:load"
+    assert allowed_loader({"data-loader": ""}, {}) is None  # the run's named data set
+    assert allowed_loader({}, {}) is None
+    assert allowed_loader({"data-loader": loader}, {"data-loaders": f"a.b:c,{loader}"}) == loader
+    for node in ({}, {"data-loaders": ""}, {"data-loaders": "site_app.site_data:other"},
+                 {"data-loaders": 3}, {"data-loaders": "site_app.site_data"}):
+        with pytest.raises(LoaderRefused, match="does not allow the data loader"):
+            allowed_loader({"data-loader": loader}, node)
+    # the run config cannot allow it itself: only the node config counts
+    with pytest.raises(LoaderRefused):
+        allowed_loader({"data-loader": loader, "data-loaders": loader}, {})
 
 
 def test_a_data_loader_must_name_a_module_and_a_function():
@@ -793,15 +846,31 @@ def test_a_data_loader_must_name_a_module_and_a_function():
 def test_real_supernodes_load_their_site_data_as_the_in_process_nodes_do(task_identity,
                                                                          monkeypatch,
                                                                          tmp_path):
+    # SuperNode 0's operator allows no loader (flower-supernode --node-config without
+    # data-loaders): it refuses the run at discovery, the ServerApp records why (summary.json
+    # events) and the run completes with the two sites that allow it, as in process
     out = tmp_path / "run"
-    with LocalFederation(3, start_timeout=300.0) as fed:
+    with LocalFederation(3, start_timeout=300.0, node_config=ALLOWS,
+                         node_configs={0: {"data-loaders": ""}}) as fed:
         status = fed.run({**SITES, "out": str(out), "round-timeout": 400.0,
                           "node-wait": 300.0}, app=SITE_APP, timeout=RUN_TIMEOUT)
     assert status.completed, (status.status, status.details)
     summary = json.loads((out / "summary.json").read_text())
+    ((cid, reason),) = [(e["client_id"], e["reason"]) for e in summary["events"]
+                        if e["step"] == "discover"]
+    assert cid == 0 and {(e["client_id"], e["reason"]) for e in summary["events"]
+                         if e["step"] != "discover"} == {(0, "sampled client has no connected "
+                                                             "node")}, summary["events"]
+    assert reason.startswith("the node refused the run: this node does not allow the data "
+                             "loader 'site_app.site_data:load' the run config names (its node "
+                             "config allows: none)"), reason
+    assert [c["client_id"] for c in summary["per_client"]] == [1, 2]
     monkeypatch.syspath_prepend(str(SITE_APP))
-    here = serve(SITES).run()
-    assert summary["events"] == []
+    server = serve(SITES, node_config=ALLOWS)
+    server.grid.contexts[100].node_config["data-loaders"] = ""
+    here = server.run()
+    assert [(e["client_id"], e["step"], e["reason"]) for e in here["events"]] == \
+        [(e["client_id"], e["step"], e["reason"]) for e in summary["events"]]
     for key in FIGURES:
         assert summary[key] == pytest.approx(here[key], abs=1e-9), key
 
