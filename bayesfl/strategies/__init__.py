@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 from typing import Any
 
+from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg, FedAvgFT
 from bayesfl.strategies.averaging.fedbabu import FedBABU
 from bayesfl.strategies.averaging.fedpart import FedPart, FedProxPart
@@ -74,15 +75,32 @@ def strategy_options(name: str) -> dict[str, Any]:
 
 
 def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strategy:
-    """Build strategy ``name`` with its ``options``, checked against its declaration.
+    """Build strategy ``name`` with its ``options``, checked against its declaration: unknown
+    names first; then the strategy's own checks speak (their messages are the more specific),
+    and the declaration refuses what they let through.
 
     Raises:
         ConfigError: an unknown name or option (the message lists the valid ones and the
             nearest), or an option value of the wrong type, out of bounds or not one of its
             choices (:meth:`~bayesfl.strategies.registry.Option.check`).
     """
-    check_options(name, options)
-    return lookup(name)(context, **options)
+    cls = lookup(name)
+    _check_names(name, options)
+    try:
+        strategy = cls(context, **options)
+    except ConfigError:
+        raise  # the strategy's own check: the more specific message (e.g. FedLog's prior_nu)
+    except Exception:
+        check_options(name, options)  # a value the declaration refuses, said as such
+        raise
+    check_options(name, options)  # what the strategy's own checks let through
+    return strategy
+
+
+def _check_names(name: str, options: dict[str, Any]) -> None:
+    """Unknown option names first (with the nearest declared one), before any is used."""
+    declared = options_of(lookup(name))
+    check_options(name, {k: v for k, v in options.items() if k not in declared})
 
 
 __all__ = [

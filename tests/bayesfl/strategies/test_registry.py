@@ -97,13 +97,16 @@ def test_bounds_and_choices_give_one_error_each():
             option.check("s", value)
 
 
-def test_make_strategy_refuses_before_building(monkeypatch):
+def test_make_strategy_refuses_what_the_strategy_itself_lets_through(monkeypatch):
     built = []
     monkeypatch.setattr(FedAvg, "__init__", lambda self, *a, **k: built.append(k))
     with pytest.raises(ConfigError, match="fedavg trim_fraction must be a finite number"):
         make_strategy("fedavg", StrategyContext(num_classes=3, feature_dim=4),
                       trim_fraction="half")
-    assert built == []
+    with pytest.raises(ConfigError, match=r"did you mean 'trim_fraction'"):
+        make_strategy("fedavg", StrategyContext(num_classes=3, feature_dim=4),
+                      trim_fractoin=0.1)
+    assert built == [{"trim_fraction": "half"}]  # the unknown name never reached the class
 
 
 def test_a_declaration_that_differs_from_the_signature_is_refused_at_definition():
