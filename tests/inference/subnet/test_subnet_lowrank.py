@@ -95,3 +95,23 @@ def test_routes_that_do_not_apply_or_do_not_pay_return_none():
     dense = fit_subnet_laplace(model, make_loader(x, 4), idx,
                                torch.ones(P, dtype=torch.float64)).marginal_variance_subnet()
     torch.testing.assert_close(kept, dense, rtol=1e-10, atol=0)
+
+
+def test_chunked_kernel_and_quadratic_forms_equal_the_dense_posteriors(monkeypatch):
+    # at S1's sizes the kernel and the unit quadratic forms run in chunks of rows; budgets of
+    # one row a chunk, then 7 (25 rows: a partial last chunk), against the dense route at 1e-10
+    import inference.subnet.lowrank as lowrank
+
+    model = _wide_mlp()
+    loader = _data(25)
+    P = flat_trainable_parameters(model).numel()
+    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    idx = torch.tensor([u * 20 + i for u in range(2, 9) for i in range(20)])
+    dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
+    U, J = 7, 3  # the subnet's units; C - 1
+    for rows in (1, 7):
+        monkeypatch.setattr(lowrank, "ROW_CHUNK_BYTES", rows * U * 25 * J * 8)
+        monkeypatch.setattr(lowrank, "QUADRATIC_CHUNK_BYTES", rows * 25 * J * U * 8)
+        chunked = subnet_marginal_variance(model, loader, idx, prior[idx])
+        assert chunked is not None
+        torch.testing.assert_close(chunked, dense, rtol=1e-10, atol=0)
