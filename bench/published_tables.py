@@ -33,7 +33,7 @@ from pathlib import Path
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.run_cache import read_jsonl
+from bench.run_cache import read_cache, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -56,7 +56,7 @@ def mean_se(values: list[float], digits: int) -> str:
 #: estimates, the ensembles and FedLog's default (the rest is on the results page).
 README_LABELS = ("FedAvg-FT + head=laplace", "FedPer + head=laplace", "FedPer", "FedBABU",
                  "FedAvg-FT", "FedAvg-FT ensemble (M = 5)", "FedBABU ensemble (M = 5)",
-                 "FedLog (default)")
+                 "FedLog (default)", "FedLog (s = 1)")
 
 
 def s1_shift_readme_table(records: list[dict] | None = None) -> str:
@@ -190,9 +190,433 @@ def head_speed_table(records: list[dict] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 43: the figures that were typed by hand (FedLog vs FedAvg, the DP price, FedPart's one
+# cycle, CoLearn at 10 rounds), generated from run_cache files whose records carry commit, date,
+# machine and protocol. Every block says where and when its runs were measured; every claim the
+# page makes gets a verdict in words by one rule (:func:`verdict`).
+# ---------------------------------------------------------------------------------------------
+
+#: Caches written before records carried their provenance: what is known of where they ran.
+LEGACY_ORIGIN = {
+    "fedpart.jsonl": "issue 29's runs on a lent 16-core Intel Xeon beside an NVIDIA H200 (CPU "
+                     "processes, one torch thread each, 16 at a time), committed 2026-11-27 "
+                     "(1f45db1); the records carry no commit, date or machine",
+    "s1_30_h200.jsonl": "an NVIDIA H200 machine (CPU processes, one torch thread each; FedSI "
+                        "on the GPU), committed 2026-11-27 (97038cd); the records carry no "
+                        "commit, date or machine",
+}
+
+
+def source_line(name: str, records: list[dict], seeds: list[int] | None = None) -> str:
+    """One sentence naming a table's cache and where, when and at which commit its runs were
+    measured (each distinct value once), and the seeds."""
+    def distinct(key: str) -> str:
+        values = sorted({str(r[key]) for r in records if key in r})
+        return ", ".join(values) if values else "not recorded"
+
+    if not records:
+        return f"No runs in `bench/results/{name}` yet.\n"
+    where = (LEGACY_ORIGIN[name] if name in LEGACY_ORIGIN and not any("machine" in r
+                                                                        for r in records)
+             else f"{distinct('machine')}; {distinct('date')}; commit {distinct('commit')}")
+    seed_text = f", seeds {','.join(map(str, sorted(set(seeds))))}" if seeds else ""
+    return (f"Source: `bench/results/{name}` ({len(records)} runs{seed_text}): {where}.\n")
+
+
+def verdict(differences: list[float], direction: int = 1) -> str:
+    """A paired claim in words: ``holds`` when the mean difference (claim minus other, each
+    seed's pair) is on the claimed side (``direction`` +1: above 0, -1: below) by more than its
+    standard error, ``does not hold`` when it is on the other side by more than that, and
+    ``not resolved (within one standard error)`` between. One seed: its sign alone."""
+    mean = statistics.fmean(differences)
+    se = (statistics.stdev(differences) / math.sqrt(len(differences))
+          if len(differences) > 1 else 0.0)
+    if direction * mean > se:
+        return "holds"
+    if -direction * mean > se:
+        return "does not hold"
+    return "not resolved (within one standard error)"
+
+
+def paired_cell(differences: list[float], scale: float = 1.0, digits: int = 4,
+                unit: str = "") -> str:
+    scaled = [scale * d for d in differences]
+    mean = statistics.fmean(scaled)
+    text = f"{mean:+.{digits}f}"
+    if len(scaled) > 1:
+        text += f" ± {statistics.stdev(scaled) / math.sqrt(len(scaled)):.{digits}f}"
+    return text + unit
+
+
+def _records(name: str, records: list[dict] | None) -> list[dict]:
+    return list(read_cache(RESULTS / name).values()) if records is None else records
+
+
+# --- FedLog against FedAvg on digits (bench/fedlog_vs_fedavg.py) ----------------------------
+
+FEDLOG_ROWS = (("fedlog", "FedLog (s = 1)"), ("fedavg", "FedAvg"),
+               ("fedlog (mlp:200 / mlp:100-100)", "FedLog (s = 1), bodies mlp:200 / mlp:100-100"))
+
+
+def _fedlog_runs(records: list[dict], rounds: int = 30) -> dict[str, dict[int, dict]]:
+    runs: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r.get("rounds") == rounds:
+            runs.setdefault(r["label"], {})[r["seed"]] = r
+    return runs
+
+
+def fedlog_vs_fedavg_table(records: list[dict] | None = None, readme: bool = False) -> str:
+    """FedLog against FedAvg on digits: every configuration's headline predictive (FedLog's
+    posterior predictive) and, beside each posterior, its MAP plug-in; mean ± standard error
+    over seeds; the cache's provenance."""
+    records = _records("fedlog_vs_fedavg.jsonl", records)
+    runs = _fedlog_runs(records)
+    lines = ["| strategy | predictive | mean client accuracy | ECE (pooled) | NLL (pooled) | "
+             "uplink bytes (total) |", "|---|---|---|---|---|---|"]
+    seeds: list[int] = []
+    for label, name in FEDLOG_ROWS[:2] if readme else FEDLOG_ROWS:
+        by_seed = runs.get(label, {})
+        if not by_seed:
+            continue
+        seeds += list(by_seed)
+        rs = list(by_seed.values())
+        predictives = [("posterior predictive", lambda r: r), ("MAP plug-in",
+                                                               lambda r: r["map_plugin"])]
+        if not label.startswith("fedlog"):
+            predictives = [("point estimate", lambda r: r)]
+        for predictive, pick in predictives:
+            cells = [mean_se([pick(r)["accuracy"] for r in rs], 4),
+                     mean_se([pick(r)["ece"] for r in rs], 4),
+                     mean_se([pick(r)["nll"] for r in rs], 4),
+                     f"{statistics.fmean(r['bytes_up'] for r in rs):,.0f}"
+                     if predictive != "MAP plug-in" else "(same run)"]
+            lines.append(f"| {name} | {predictive} | " + " | ".join(cells) + " |")
+    used = [r for r in records if r.get("rounds") == 30]
+    return "\n".join(lines) + "\n\n" + source_line("fedlog_vs_fedavg.jsonl", used, seeds)
+
+
+def fedlog_vs_fedavg_readme_table(records: list[dict] | None = None) -> str:
+    return fedlog_vs_fedavg_table(records, readme=True)
+
+
+def fedlog_checks_table(records: list[dict] | None = None) -> str:
+    """The claims made of FedLog against FedAvg and against its own plug-in, paired by seed,
+    each with its verdict (:func:`verdict`)."""
+    records = _records("fedlog_vs_fedavg.jsonl", records)
+    runs = _fedlog_runs(records)
+    lines = ["| claim | paired by seed (mean ± standard error) | seeds | verdict |",
+             "|---|---|---|---|"]
+    ours, peer = runs.get("fedlog", {}), runs.get("fedavg", {})
+    seeds = sorted(set(ours) & set(peer))
+    if seeds:
+        gain = [ours[s]["accuracy"] - peer[s]["accuracy"] for s in seeds]
+        lines.append(f"| FedLog (s = 1) is more accurate than FedAvg | "
+                     f"{paired_cell(gain, 100, 2, ' points')} | {len(seeds)} | "
+                     f"{verdict(gain)} |")
+        ratio = [ours[s]["bytes_up"] / peer[s]["bytes_up"] for s in seeds]
+        lines.append(f"| FedLog uploads under 3% of FedAvg's bytes | "
+                     f"{100 * statistics.fmean(ratio):.2f}% of FedAvg's | {len(seeds)} | "
+                     f"{'holds' if max(ratio) < 0.03 else 'does not hold'} |")
+    for label, name in (FEDLOG_ROWS[0], FEDLOG_ROWS[2]):
+        by_seed = runs.get(label, {})
+        if not by_seed:
+            continue
+        for metric in ("nll", "ece", "accuracy"):
+            diff = [r[metric] - r["map_plugin"][metric] for r in by_seed.values()]
+            shown = metric.upper() if metric == "ece" else metric
+            claim = (f"{name}: the posterior predictive's NLL is below its plug-in's"
+                     if metric == "nll" else f"{name}: predictive minus plug-in, {shown}")
+            lines.append(f"| {claim} | {paired_cell(diff, 1, 5)} | {len(by_seed)} | "
+                         f"{verdict(diff, -1) if metric == 'nll' else '– (no claim)'} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- the price of differential privacy (bench/dp_price.py) ----------------------------------
+
+def _dp_groups(records: list[dict], rounds: int) -> dict[tuple[str, float | None], list[dict]]:
+    """(placement, ε) -> the runs of ``rounds``, over the seeds that have every row (a seed
+    an interrupted bench left half done is left out of every row, so rows stay paired)."""
+    groups: dict[tuple[str, float | None], dict[int, dict]] = {}
+    for r in records:
+        if r.get("rounds") == rounds:
+            groups.setdefault((r["placement"], r["epsilon"]), {})[r["seed"]] = r
+    complete = set.intersection(*(set(g) for g in groups.values())) if groups else set()
+    groups = {k: {s: r for s, r in g.items() if s in complete} for k, g in groups.items()}
+    order = sorted(groups, key=lambda k: ({"local": 0, "central": 1}.get(k[0], 2),
+                                          k[1] if k[1] is not None else math.inf))
+    return {k: [groups[k][s] for s in sorted(groups[k])] for k in order}
+
+
+def dp_price_table(records: list[dict] | None = None, rounds: int = 30) -> str:
+    """FedLog under local and central DP at each ε, and without DP: the noise-aware
+    predictive (the headline) and the face-value one on the same clients."""
+    records = _records("dp_price.jsonl", records)
+    groups = _dp_groups(records, rounds)
+    lines = ["| placement | ε | σ | noise-to-signal | warned | accuracy | ECE | NLL | "
+             "ECE (face value) | NLL (face value) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    seeds: list[int] = []
+    for (placement, epsilon), rs in groups.items():
+        seeds += [r["seed"] for r in rs]
+        if epsilon is None:
+            lines.append(f"| no DP (FedLog, s = 1) | ∞ | 0 | 0 | – | "
+                         f"{mean_se([r['accuracy'] for r in rs], 3)} | "
+                         f"{mean_se([r['ece'] for r in rs], 3)} | "
+                         f"{mean_se([r['nll'] for r in rs], 3)} | – | – |")
+            continue
+        lines.append(
+            f"| {placement} | {epsilon:g} | {statistics.fmean(r['sigma'] for r in rs):.1f} | "
+            f"{mean_se([r['noise_to_signal'] for r in rs], 2)} | "
+            f"{sum(int(r['warned']) for r in rs)}/{len(rs)} | "
+            + " | ".join(mean_se([r[k] for r in rs], 3)
+                         for k in ("accuracy", "ece", "nll", "face_ece", "face_nll")) + " |")
+    used = [r for rs in groups.values() for r in rs]
+    return "\n".join(lines) + "\n\n" + source_line("dp_price.jsonl", used, seeds)
+
+
+def dp_price_10_table(records: list[dict] | None = None) -> str:
+    return dp_price_table(records, rounds=10)
+
+
+def dp_checks_table(records: list[dict] | None = None) -> str:
+    """The DP section's claims at each run length: the warning fires exactly above a
+    noise-to-signal of 0.5; the smallest ε whose accuracy is within 1 point of FedLog without
+    DP (paired by seed); where the noise swamps the statistics (noise-to-signal above 0.5) the
+    noise-aware predictive's ECE and NLL are below the face-value ones."""
+    records = _records("dp_price.jsonl", records)
+    lines = ["| rounds | claim | figure | verdict |", "|---|---|---|---|"]
+    for rounds in sorted({r["rounds"] for r in records}, reverse=True):
+        groups = _dp_groups(records, rounds)
+        plain = {r["seed"]: r for r in groups.get(("none", None), [])}
+        dp = [r for (placement, _), rs in groups.items() if placement != "none" for r in rs]
+        agree = sum(bool(r["warned"]) == (r["noise_to_signal"] > 0.5) for r in dp)
+        lines.append(f"| {rounds} | the warning fires exactly where noise-to-signal > 0.5 | "
+                     f"{agree} of {len(dp)} runs | "
+                     f"{'holds' if agree == len(dp) else 'does not hold'} |")
+        for placement in ("local", "central"):
+            reached = []
+            for (where, epsilon), rs in groups.items():
+                if where != placement or not plain:
+                    continue
+                gap = [100 * (r["accuracy"] - plain[r["seed"]]["accuracy"]) for r in rs
+                       if r["seed"] in plain]
+                if gap and statistics.fmean(gap) > -1.0:
+                    reached.append((epsilon, statistics.fmean(gap)))
+            figure = (f"ε = {reached[0][0]:g} ({reached[0][1]:+.2f} points)" if reached
+                      else "no ε run reaches it")
+            lines.append(f"| {rounds} | {placement} DP: smallest ε within 1 point of FedLog's "
+                         f"accuracy without DP | {figure} | – (a measurement) |")
+        swamped = [r for r in dp if r["noise_to_signal"] > 0.5]
+        for metric in ("ece", "nll"):
+            diff = [r[metric] - r[f"face_{metric}"] for r in swamped]
+            if diff:
+                lines.append(
+                    f"| {rounds} | noise-to-signal > 0.5: the noise-aware predictive's "
+                    f"{metric.upper()} is below the face-value one | {paired_cell(diff, 1, 3)} "
+                    f"({sum(d < 0 for d in diff)} of {len(diff)} runs lower) | "
+                    f"{verdict(diff, -1)} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- FedPart (bench/fedpart.py) -------------------------------------------------------------
+
+def _fedpart_runs(records: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
+    runs: dict[str, dict[str, dict[int, dict]]] = {}
+    for r in records:
+        runs.setdefault(r["partition"], {}).setdefault(r["method"], {})[r["seed"]] = r
+    return dict(sorted(runs.items(), key=lambda item: (item[0] != "iid", item[0])))
+
+
+def fedpart_table(records: list[dict] | None = None, name: str = "fedpart_one_cycle.jsonl"
+                  ) -> str:
+    """FNU against FedPart: best and final accuracy (mean ± standard error over seeds), the
+    whole federation's uplink, the clients' measured local CPU seconds and analytic FLOPs,
+    then each claim of the paper paired by seed with its verdict."""
+    records = _records(name, records)
+    runs = _fedpart_runs(records)
+    lines = ["| partition | method | seeds | best acc | final acc | uplink MB | local CPU s | "
+             "TFLOP |", "|---|---|---|---|---|---|---|---|"]
+    checks = ["| partition | claim (the paper's, FedAvg) | figure | verdict |",
+              "|---|---|---|---|"]
+    seeds: list[int] = []
+    for partition, by_method in runs.items():
+        for method in ("FNU", "FedPart"):
+            rs = list(by_method.get(method, {}).values())
+            if not rs:
+                continue
+            seeds += [r["seed"] for r in rs]
+            lines.append(
+                f"| {partition} | {method} | {len(rs)} | "
+                f"{mean_se([r['best'] for r in rs], 4)} | "
+                f"{mean_se([r['final'] for r in rs], 4)} | "
+                f"{statistics.fmean(r['total_bytes'] for r in rs) / 1e6:.2f} | "
+                f"{statistics.fmean(r['total_seconds'] for r in rs):.1f} | "
+                f"{statistics.fmean(r['total_flops'] for r in rs) / 1e12:.3f} |")
+        fnu, part = by_method.get("FNU", {}), by_method.get("FedPart", {})
+        paired = sorted(set(fnu) & set(part))
+        if not paired:
+            continue
+
+        def ratio(key: str, part: dict = part, fnu: dict = fnu, paired: list = paired
+                  ) -> float:
+            return (statistics.fmean(part[s][key] for s in paired)
+                    / statistics.fmean(fnu[s][key] for s in paired))
+
+        up, flops, cpu = ratio("total_bytes"), ratio("total_flops"), ratio("total_seconds")
+        checks.append(f"| {partition} | 28% of FNU's upload | {100 * up:.1f}% | "
+                      f"{'holds' if up <= 0.285 else 'does not hold'} |")
+        checks.append(f"| {partition} | 73% of FNU's compute | {100 * flops:.1f}% of the FLOPs, "
+                      f"{100 * cpu:.1f}% of the measured CPU s | "
+                      f"{'holds' if max(flops, cpu) <= 0.73 else 'does not hold'} |")
+        gap = [part[s]["best"] - fnu[s]["best"] for s in paired]
+        checks.append(f"| {partition} | best accuracy equal to or above FNU's | "
+                      f"{paired_cell(gap, 100, 2, ' points')} ({len(paired)} seeds) | "
+                      f"{'holds' if statistics.fmean(gap) >= 0 else verdict(gap)} |")
+    return ("\n".join(lines) + "\n\n" + "\n".join(checks) + "\n\n"
+            + source_line(name, records, seeds))
+
+
+def fedpart_full_table(records: list[dict] | None = None) -> str:
+    """:func:`fedpart_table` of the paper's full schedule (125 rounds, ``fedpart.jsonl``)."""
+    return fedpart_table(records, name="fedpart.jsonl")
+
+
+# --- CoLearn at 10 rounds (bench/colearn.py --rounds 10) ------------------------------------
+
+COLEARN_PAPER = {"colearn": {2: 94.19, 5: 90.63, 10: 82.07}, "fl": {2: 92.64, 5: 86.79, 10: 70.06},
+                 "il": {2: 91.46, 5: 85.26, 10: 72.86}, "fd": {2: 94.45, 5: 90.55, 10: 77.90}}
+COLEARN_NAMES = {"colearn": "CoLearn", "il": "IL (`local-only`)", "fl": "FL (FedAvg)",
+                 "fd": "FD", "fedproto": "FedProto", "fedlog": "FedLog (s = 1)"}
+
+
+UPLINK = "bytes_up_per_client_round"
+
+
+def _colearn_runs(cache: dict[str, dict], rounds: int) -> dict[str, dict[str, dict[int, dict]]]:
+    """group -> 'label|N' -> seed -> record, from the cache keys
+    ``group|label|N|seed|rounds|relay=sets``."""
+    out: dict[str, dict[str, dict[int, dict]]] = {}
+    for key, record in cache.items():
+        group, label, n, seed, r, *_ = key.split("|")
+        if int(r) == rounds:
+            out.setdefault(group, {}).setdefault(f"{label}|{n}", {})[int(seed)] = record
+    return out
+
+
+def colearn_table(cache: dict[str, dict] | None = None, rounds: int = 10) -> str:
+    """CoLearn against IL, FL, FD, FedProto and FedLog at N = 2, 5, 10 (accuracy on the common
+    test set, mean ± standard error over seeds, the paper's 100-round figure in brackets; ECE
+    and NLL at N = 10; uplink per client and round), the heterogeneous-body and ablation runs,
+    and the paper's claims paired by seed with their verdicts."""
+    name = f"colearn_{rounds}.jsonl"
+    cache = read_cache(RESULTS / name) if cache is None else cache
+    runs = _colearn_runs(cache, rounds)
+    rows = runs.get("rows", {})
+    ns = sorted({int(k.split("|")[1]) for k in rows})
+    lines = ["| method | seeds | " + " | ".join(f"N={n} acc % (paper)" for n in ns)
+             + " | N=10 ECE | N=10 NLL | uplink B/client/round |",
+             "|---|---|" + "---|" * (len(ns) + 3)]
+    for label, name_ in COLEARN_NAMES.items():
+        cells = []
+        for n in ns:
+            rs = list(rows.get(f"{label}|{n}", {}).values())
+            paper = COLEARN_PAPER.get(label, {}).get(n)
+            cells.append((mean_se([100 * r["accuracy"] for r in rs], 2) if rs else "–")
+                         + (f" ({paper})" if paper is not None else ""))
+        last = list(rows.get(f"{label}|10", {}).values())
+        every = [r for k, v in rows.items() if k.startswith(f"{label}|") for r in v.values()]
+        if not every:
+            continue
+        counts = sorted({len(v) for k, v in rows.items() if k.startswith(f"{label}|")})
+        seeds_cell = (str(counts[0]) if len(counts) == 1  # the N differ: the range
+                      else f"{counts[0]}–{counts[-1]}")
+        lines.append(f"| {name_} | {seeds_cell} | " + " | ".join(cells) + " | "
+                     + (f"{statistics.fmean(r['ece'] for r in last):.3f} | "
+                        f"{statistics.fmean(r['nll'] for r in last):.3f}" if last else "– | –")
+                     + f" | {statistics.fmean(r[UPLINK] for r in every):,.0f} |")
+    extra = ["| run | N | seeds | accuracy % | ECE | NLL |", "|---|---|---|---|---|---|"]
+    for group, title in (("heterogeneous", "heterogeneous bodies (lenet5 / cnn:16-32)"),
+                         ("ablation", "ablation")):
+        for key, by_seed in runs.get(group, {}).items():
+            label, n = key.split("|")
+            rs = list(by_seed.values())
+            run_name = (f"{COLEARN_NAMES.get(label, label)}, {title}" if group == "heterogeneous"
+                        else label)
+            extra.append(f"| {run_name} | {n} | {len(rs)} | "
+                         f"{mean_se([100 * r['accuracy'] for r in rs], 2)} | "
+                         f"{statistics.fmean(r['ece'] for r in rs):.3f} | "
+                         f"{statistics.fmean(r['nll'] for r in rs):.3f} |")
+    checks = ["| claim (the paper's) | N | CoLearn minus it, paired by seed (points) | seeds | "
+              "verdict |", "|---|---|---|---|---|"]
+    for peer in ("il", "fl", "fd"):
+        for n in ns:
+            ours, theirs = rows.get(f"colearn|{n}", {}), rows.get(f"{peer}|{n}", {})
+            paired = sorted(set(ours) & set(theirs))
+            if not paired:
+                continue
+            gap = [100 * (ours[s]["accuracy"] - theirs[s]["accuracy"]) for s in paired]
+            checks.append(f"| CoLearn beats {COLEARN_NAMES[peer]} | {n} | "
+                          f"{paired_cell(gap, 1, 2)} | {len(paired)} | {verdict(gap)} |")
+    seeds = [int(k.split("|")[3]) for k in cache if int(k.split("|")[4]) == rounds]
+    used = [v for k, v in cache.items() if int(k.split("|")[4]) == rounds]
+    return ("\n".join(lines) + "\n\n" + "\n".join(extra) + "\n\n" + "\n".join(checks) + "\n\n"
+            + source_line(name, used, seeds))
+
+
+# --- the S1 table of the README (bench/fedsi_small.py on the H200 machine) ------------------
+
+#: The README's rows of S1 at 30 rounds: label in ``s1_30_h200.jsonl`` -> the name shown.
+S1_README_ROWS = {"FedPer (Laplace head)": "FedPer, `head=laplace`", "FedPop": "FedPop",
+                  "FedSI": "FedSI", "FedBABU": "FedBABU", "FedAvg-FT": "FedAvg-FT",
+                  "pFedBayes": "pFedBayes", "FedLog": "FedLog, `feature_scale=1` (the paper's)",
+                  "FedAvg": "FedAvg", "FedPA": "FedPA"}
+
+
+def s1_h200_readme_table(records: list[dict] | None = None) -> str:
+    """S1 at 30 rounds from the H200 machine's cache: each method's headline predictive and,
+    under every posterior method, its MAP plug-in from the same runs; mean ± standard error
+    over seeds; the cache's provenance."""
+    records = read_jsonl(RESULTS / "s1_30_h200.jsonl") if records is None else records
+    runs: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r.get("rounds") == 30 and not r.get("novel"):
+            runs.setdefault(r["label"], {})[r["seed"]] = r
+    lines = ["| method | predictive | seeds | accuracy (%) | ECE | NLL | Brier | uplink bytes |",
+             "|---|---|---|---|---|---|---|---|"]
+    used: list[dict] = []
+    for label, name in S1_README_ROWS.items():
+        rs = list(runs.get(label, {}).values())
+        if not rs:
+            continue
+        used += rs
+        seeds = ",".join(str(s) for s in sorted(runs[label]))
+        kinds = [("point estimate", lambda r: r["summary"])]
+        if all("map_plugin" in r["summary"] for r in rs):
+            kinds = [("posterior", kinds[0][1]),
+                     ("MAP plug-in", lambda r: r["summary"]["map_plugin"])]
+        for kind, pick in kinds:
+            up = (f"{statistics.fmean(r['summary']['bytes_up'] for r in rs):,.0f}"
+                  if kind != "MAP plug-in" else "(same run)")
+            lines.append(f"| {name} | {kind} | {seeds} | "
+                         f"{mean_se([100 * pick(r)['accuracy'] for r in rs], 2)} | "
+                         f"{mean_se([pick(r)['ece'] for r in rs], 4)} | "
+                         f"{mean_se([pick(r)['nll'] for r in rs], 3)} | "
+                         f"{mean_se([pick(r)['brier'] for r in rs], 4)} | {up} |")
+    return ("\n".join(lines) + "\n\n"
+            + source_line("s1_30_h200.jsonl", used, [r["seed"] for r in used]))
+
+
 TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
-          "s1_cost": s1_cost_table, "head_speed": head_speed_table}
+          "s1_cost": s1_cost_table, "head_speed": head_speed_table,
+          "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
+          "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
+          "fedlog_checks": fedlog_checks_table,
+          "dp_price": dp_price_table, "dp_price_10": dp_price_10_table,
+          "dp_checks": dp_checks_table,
+          "fedpart_one_cycle": fedpart_table, "fedpart_full": fedpart_full_table,
+          "colearn_10": colearn_table, "s1_h200_readme": s1_h200_readme_table}
 
 
 def render(page: str) -> str:

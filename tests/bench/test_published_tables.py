@@ -47,3 +47,157 @@ def test_a_verdict_says_does_not_hold_where_the_other_method_is_better():
     nll = next(line for line in lines if "FedPer" in line and "NLL at 30°" in line)
     auroc = next(line for line in lines if "FedPer" in line and "AUROC" in line)
     assert nll.endswith("| holds |") and auroc.endswith("| does not hold |")
+
+
+# --- issue 43: the tables that were typed by hand -------------------------------------------
+
+PROVENANCE = {"commit": "abc1234", "date": "2026-11-28",
+              "machine": "CPU Test (AVX2), 1 torch thread(s)"}
+
+
+def test_a_paired_verdict_holds_fails_or_is_unresolved_by_one_standard_error():
+    from bench.published_tables import verdict
+
+    # differences 1, 2, 3: mean 2, standard error 1/sqrt(3) = 0.577 (stdev 1)
+    assert verdict([1.0, 2.0, 3.0]) == "holds"
+    assert verdict([1.0, 2.0, 3.0], direction=-1) == "does not hold"
+    # mean 0.1, standard error 0.9/sqrt(2)·... > 0.1: not resolved either way
+    assert verdict([1.0, -0.8]).startswith("not resolved")
+    assert verdict([-0.5]) == "does not hold"  # one seed: its sign
+
+
+def test_the_paired_cell_is_the_mean_and_standard_error_of_the_differences():
+    import numpy as np
+
+    from bench.published_tables import paired_cell
+
+    diffs = [0.012, -0.003, 0.021, 0.007]
+    expected_se = np.std(diffs, ddof=1) / np.sqrt(len(diffs))  # numpy as the reference
+    assert paired_cell(diffs, 100, 3) == f"{100 * np.mean(diffs):+.3f} ± {100 * expected_se:.3f}"
+
+
+def test_a_source_line_names_machine_date_commit_and_seeds_or_a_legacy_origin():
+    from bench.published_tables import LEGACY_ORIGIN, source_line
+
+    line = source_line("x.jsonl", [PROVENANCE, PROVENANCE | {"commit": "def5678"}], [1, 0, 1])
+    assert "CPU Test (AVX2)" in line and "2026-11-28" in line
+    assert "abc1234, def5678" in line and "seeds 0,1" in line and "2 runs" in line
+    assert LEGACY_ORIGIN["fedpart.jsonl"] in source_line("fedpart.jsonl", [{"seed": 0}])
+
+
+def fedlog_record(label, seed, accuracy, nll, plugin_nll, bytes_up):
+    return {"label": label, "seed": seed, "rounds": 30, "accuracy": accuracy, "ece": 0.01,
+            "nll": nll, "bytes_up": bytes_up, "bytes_down": bytes_up,
+            "map_plugin": {"accuracy": accuracy, "ece": 0.01, "nll": plugin_nll}, **PROVENANCE}
+
+
+def test_fedlog_checks_pair_by_seed_and_say_when_the_predictive_does_not_beat_its_plug_in():
+    from bench.published_tables import fedlog_checks_table, fedlog_vs_fedavg_table
+
+    records = [fedlog_record("fedlog", s, 0.99, 0.10 + 0.01 * s, 0.09 + 0.01 * s, 1e6)
+               for s in range(3)]
+    records += [fedlog_record("fedavg", s, 0.75 + 0.01 * s, 0.7, 0.7, 50e6) for s in range(3)]
+    lines = fedlog_checks_table(records).splitlines()
+    gain = next(line for line in lines if "more accurate than FedAvg" in line)
+    assert "+23.00 ± 0.58 points" in gain and gain.endswith("| holds |")
+    nll = next(line for line in lines if "NLL is below its plug-in's" in line)
+    assert "+0.01000" in nll and nll.endswith("| does not hold |")
+    assert next(line for line in lines if "3%" in line).endswith("| holds |")  # 2% of FedAvg's
+    table = fedlog_vs_fedavg_table(records)
+    assert "| FedLog (s = 1) | MAP plug-in |" in table and "commit abc1234" in table
+
+
+def dp_record(placement, epsilon, seed, accuracy, noise_to_signal, warned, ece, face_ece):
+    strategy = {"local": "fedlog-dp-local", "central": "fedlog-dp-central"}.get(placement,
+                                                                              "fedlog")
+    record = {"strategy": strategy, "placement": placement, "epsilon": epsilon, "seed": seed,
+              "rounds": 30, "accuracy": accuracy, "ece": ece, "nll": 10 * ece, **PROVENANCE}
+    if epsilon is not None:
+        record |= {"face_ece": face_ece, "face_nll": 10 * face_ece, "sigma": 10.0,
+                   "noise_to_signal": noise_to_signal, "warned": float(warned)}
+    return record
+
+
+def test_dp_checks_find_the_smallest_epsilon_within_a_point_and_the_warning_rule():
+    from bench.published_tables import dp_checks_table, dp_price_table
+
+    records = []
+    for seed in range(2):
+        records.append(dp_record("none", None, seed, 0.99, 0, False, 0.01, 0))
+        records.append(dp_record("central", 2.0, seed, 0.50, 0.9, True, 0.2, 0.6))
+        records.append(dp_record("central", 4.0, seed, 0.985, 0.4, False, 0.02, 0.02))
+        records.append(dp_record("central", 8.0, seed, 0.99, 0.2, False, 0.01, 0.01))
+        records.append(dp_record("local", 16.0, seed, 0.97, 0.6, seed == 0, 0.1, 0.3))
+    lines = dp_checks_table(records).splitlines()
+    central = next(line for line in lines if "central DP: smallest ε" in line)
+    assert "ε = 4 (-0.50 points)" in central  # 2 is 49 points short; 4 is within one
+    assert "no ε run reaches it" in next(line for line in lines if "local DP: smallest" in line)
+    warning = next(line for line in lines if "the warning fires" in line)
+    assert "7 of 8 runs" in warning and warning.endswith("| does not hold |")  # local seed 1
+    ece = next(line for line in lines if "ECE is below the face-value" in line)
+    assert ece.endswith("| holds |")
+    table = dp_price_table(records)
+    assert "| central | 2 | 10.0 | 0.90 ± 0.00 | 2/2 | 0.500 ± 0.000 |" in table
+    # a seed an interrupted bench left half done is in no row
+    table = dp_price_table([*records, dp_record("none", None, 2, 0.5, 0, False, 0.01, 0)])
+    assert "(10 runs, seeds 0,1)" in table and "0.990 ± 0.000" in table
+
+
+def test_fedpart_verdicts_pair_by_seed_against_full_network_updates():
+    from bench.published_tables import fedpart_table
+
+    def run(method, seed, best, total_bytes, flops, seconds):
+        return {"method": method, "partition": "iid", "seed": seed, "best": best,
+                "final": best, "total_bytes": total_bytes, "total_flops": flops,
+                "total_seconds": seconds, **PROVENANCE}
+
+    records = [run("FNU", s, 0.96, 10e6, 1e12, 10.0) for s in range(2)]
+    records += [run("FedPart", s, 0.95 - 0.01 * s, 2.5e6, 0.6e12, 8.0) for s in range(2)]
+    lines = fedpart_table(records, name="test.jsonl").splitlines()
+    assert next(line for line in lines if "upload" in line).endswith("| 25.0% | holds |")
+    compute = next(line for line in lines if "compute" in line)
+    assert "60.0% of the FLOPs, 80.0% of the measured CPU s" in compute
+    assert compute.endswith("| does not hold |")  # the CPU time is above 73%
+    accuracy = next(line for line in lines if "equal to or above" in line)
+    assert "-1.50 ± 0.50 points (2 seeds)" in accuracy and accuracy.endswith("does not hold |")
+
+
+def test_colearn_table_reads_the_cache_keys_and_pairs_colearn_with_each_peer():
+    from bench.published_tables import colearn_table
+
+    def run(accuracy):
+        return {"accuracy": accuracy, "ece": 0.1, "nll": 0.5,
+                "bytes_up_per_client_round": 7280.0, **PROVENANCE}
+
+    cache = {}
+    for seed, (ours, il, fl) in enumerate([(0.90, 0.85, 0.95), (0.92, 0.86, 0.91)]):
+        cache[f"rows|colearn|10|{seed}|10|relay=sets"] = run(ours)
+        cache[f"rows|il|10|{seed}|10|relay=sets"] = run(il)
+        cache[f"rows|fl|10|{seed}|10|relay=sets"] = run(fl)
+        cache[f"rows|colearn|10|{seed}|100|relay=sets"] = run(0.0)  # another protocol: ignored
+    table = colearn_table(cache)
+    assert "| CoLearn | 2 | 91.00 ± 1.00 (82.07) |" in table
+    il = next(line for line in table.splitlines() if "beats IL" in line)
+    assert "+5.50 ± 0.50" in il and il.endswith("| holds |")
+    fl = next(line for line in table.splitlines() if "beats FL" in line)
+    assert "-2.00 ± 3.00" in fl and "not resolved" in fl
+    assert "(6 runs, seeds 0,1)" in table
+
+
+def test_the_readme_s1_table_puts_the_plug_in_under_every_posterior_method_only():
+    from bench.published_tables import s1_h200_readme_table
+
+    def run(label, seed, plugin):
+        summary = {"accuracy": 0.9, "ece": 0.02, "nll": 0.3, "brier": 0.1, "bytes_up": 1e6}
+        if plugin:
+            summary["map_plugin"] = {"accuracy": 0.9, "ece": 0.04, "nll": 0.4, "brier": 0.12}
+        return {"label": label, "seed": seed, "rounds": 30, "novel": False, "summary": summary}
+
+    table = s1_h200_readme_table([run("FedPop", 0, True), run("FedPop", 1, True),
+                                  run("FedAvg", 0, False), run("FedAvg", 0, False) | {
+                                      "rounds": 5}])
+    rows = [line for line in table.splitlines() if line.startswith("| Fed")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| FedPop", "posterior"],
+                                                  ["| FedPop", "MAP plug-in"],
+                                                  ["| FedAvg", "point estimate"]]
+    assert "0.0400 ± 0.0000" in rows[1] and "(3 runs, seeds 0,1)" in table

@@ -45,3 +45,20 @@ def test_no_run_starts_after_the_budget(tmp_path):
     done = run_cached(tasks([1, 2]), tmp_path / "runs.jsonl", budget=-1.0)
     assert done == {} and CALLS == []
     assert read_cache(tmp_path / "absent.jsonl") == {} and read_cache(None) == {}
+
+
+def test_provenance_names_the_commit_the_utc_date_and_the_machine():
+    import datetime
+    import subprocess
+
+    import torch
+
+    from bench.run_cache import provenance
+
+    record = provenance()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert record["commit"] == (head or "unknown")
+    assert datetime.date.fromisoformat(record["date"])  # YYYY-MM-DD
+    assert record["machine"].startswith("CPU ")
+    assert f"{torch.get_num_threads()} torch thread(s)" in record["machine"]
