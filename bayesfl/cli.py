@@ -257,8 +257,6 @@ def _list_strategies(names: Sequence[str] = ()) -> int:
             print("  no options")
         for option, (default, meaning) in docs.items():
             print(f"  {option} (default {_shown(default)})")
-            meaning = meaning or (f"(no help declared; see the docstring of "
-                                  f"{STRATEGIES[name].__module__})")
             print(textwrap.fill(meaning, 100, initial_indent=" " * 6,
                                 subsequent_indent=" " * 6, break_on_hyphens=False))
     return 0

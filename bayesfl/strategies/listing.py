@@ -6,8 +6,8 @@ Each table lies in its page between ``<!-- strategies:NAME -->`` and ``<!-- /str
 * ``readme`` (``README.md``): one row per family: its strategies and its docs page.
 * ``architecture`` (``docs/architecture.md``): one row per strategy: its family, the module
   that defines it, and what goes down, up and what the server does with it.
-* ``family:KEY`` (each family page under ``docs/strategies/``): the family's strategies with
-  their options and defaults (``bayesfl strategies NAME`` gives each option's meaning).
+* ``family:KEY`` (each family page under ``docs/strategies/``): every option the family's
+  strategies declare, with its default, the strategies that take it and its meaning.
 
 ``python -m bayesfl.strategies.listing`` prints the tables, ``--write`` rewrites the blocks of
 every page, and ``tests/docs/test_strategy_tables.py`` fails when a page and the registry
@@ -79,6 +79,10 @@ def architecture_table(registry: Mapping[str, type] = STRATEGIES) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ROLE = re.compile(r":\w+:`~?([^`]+)`")
+"""A Sphinx role in a help text (``:class:`x```): a code span on the page."""
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -86,12 +90,21 @@ def _shown(value: Any) -> str:
 
 
 def family_table(key: str, registry: Mapping[str, type] = STRATEGIES) -> str:
-    """A family page's table: each strategy of family ``key`` with its options."""
-    lines = ["| strategy | options (`--option NAME=VALUE`, default) |", "|---|---|"]
-    for name in _by_family(registry)[key]:
-        options = options_of(registry[name]).values()
-        shown = ", ".join(f"`{o.name}={_shown(o.shown_default)}`" for o in options) or "none"
-        lines.append(f"| `{name}` | {shown} |")
+    """A family page's options table: every option its strategies declare, once per
+    declaration, with its default, the strategies that take it and its meaning."""
+    names = _by_family(registry)[key]
+    rows: dict[int, tuple[Any, list[str]]] = {}
+    for name in names:
+        for option in options_of(registry[name]).values():
+            rows.setdefault(id(option), (option, []))[1].append(name)
+    lines = ["| option | default | strategies | meaning |", "|---|---|---|---|"]
+    for option, takers in rows.values():
+        who = "all" if takers == names and len(names) > 1 else ", ".join(
+            f"`{n}`" for n in takers)
+        meaning = _ROLE.sub(r"`\1`", " ".join(option.help.replace("``", "`").split()))
+        meaning = meaning.replace("|", "\\|")
+        lines.append(f"| `{option.name}` | `{_shown(option.shown_default)}` | {who} | "
+                     f"{meaning} |")
     return "\n".join(lines) + "\n"
 
 

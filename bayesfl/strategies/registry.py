@@ -222,9 +222,10 @@ def register_strategy(name: str, *, broadcast: str, upload: str, aggregate: str,
     :data:`FAMILIES`.
 
     Raises:
-        TypeError: the name is taken by another class, the family is unknown, or the declared
-            options differ from the keyword-only parameters of the class's ``__init__`` (names
-            or defaults): a programming error, raised when the module is imported.
+        TypeError: the name is taken by another class, the family is unknown, a declared option
+            has no help, or the declared options differ from the keyword-only parameters of the
+            class's ``__init__`` (names or defaults): a programming error, raised when the
+            module is imported.
     """
 
     def register(cls: T) -> T:
@@ -291,6 +292,10 @@ def _keywords(cls: type) -> dict[str, Any]:
 
 
 def _check_declaration(name: str, cls: type) -> None:
+    undocumented = sorted(n for n, o in options_of(cls).items() if not o.help.strip())
+    if undocumented:
+        raise TypeError(f"strategy {name!r} ({cls.__qualname__}): options without help "
+                        f"{undocumented} (every declared option says what it means)")
     declared = {n: o.default for n, o in options_of(cls).items()}
     signature = _keywords(cls)
     if declared != signature:

@@ -61,8 +61,11 @@ def test_it_appears_in_every_docs_table(registered):
     assert f"`{NAME}`" in readme_table().split("parameter averaging", 1)[1].split("\n")[0]
     row = next(r for r in architecture_table().splitlines() if f"`{NAME}`" in r)
     assert "`strategy_app.damped_fedavg`" in row and "mixed with the previous network" in row
-    row = next(r for r in family_table("averaging").splitlines() if r.startswith(f"| `{NAME}`"))
-    assert row.endswith("`head_options=None`, `damping=0.0` |")  # FedAvg's, then its own
+    row = next(r for r in family_table("averaging").splitlines() if "`damping`" in r)
+    assert row.startswith(f"| `damping` | `0.0` | `{NAME}` | share of the previous shared")
+    aggregation = next(r for r in family_table("averaging").splitlines()
+                       if r.startswith("| `aggregation`"))
+    assert "| all |" in aggregation  # it takes FedAvg's options too
 
 
 def test_it_runs_in_the_simulator_and_at_zero_damping_it_is_fedavg(registered, tmp_path):

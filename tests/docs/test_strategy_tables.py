@@ -5,7 +5,7 @@ row typed by hand, fails here."""
 
 from pathlib import Path
 
-from bayesfl.strategies import FAMILIES, STRATEGIES
+from bayesfl.strategies import FAMILIES, STRATEGIES, options_of
 from bayesfl.strategies.listing import BLOCK, PAGES, render, tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,9 +34,15 @@ def test_every_table_has_its_block_on_its_page():
         assert found[f"family:{key}"] == ROOT / "docs" / family.page
 
 
-def test_the_generated_tables_name_every_strategy_and_its_module():
-    text = "".join(table() for table in tables(builtin()).values())
+def test_the_generated_tables_name_every_strategy_its_module_and_its_options():
+    generated = tables(builtin())
+    readme, architecture = generated["readme"](), generated["architecture"]()
     for name, cls in builtin().items():
-        assert text.count(f"`{name}`") >= 3, name  # README, architecture, its family page
+        assert f"`{name}`" in readme and f"`{name}`" in architecture, name
         module = cls.__module__.removeprefix("bayesfl.strategies.").replace(".", "/") + ".py"
-        assert f"`{module}`" in text and (ROOT / "bayesfl" / "strategies" / module).is_file()
+        assert f"| `{module}` |" in architecture, name
+        assert (ROOT / "bayesfl" / "strategies" / module).is_file()
+        family = generated[f"family:{cls.registration.family}"]()
+        for option in options_of(cls).values():
+            rows = [r for r in family.splitlines() if r.startswith(f"| `{option.name}` |")]
+            assert any(f"`{name}`" in r or "| all |" in r for r in rows), (name, option.name)

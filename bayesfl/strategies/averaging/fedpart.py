@@ -17,11 +17,9 @@ bit-identical; BatchNorm running statistics follow the ``bn_stats`` option (defa
 ``"aggregate"``: the trained group's statistics are uploaded and averaged, the frozen groups'
 are restored after local training, so the evaluated global model has coherent statistics).
 
-Options: ``rounds_per_group`` (R, 2), ``full_rounds_per_cycle`` (F, 5), ``warmup_rounds``
-(5), ``cycles`` (None: until the run ends), ``order`` (``seq``, ``rev``, ``random``,
-``random-perm``), ``group_prefixes`` (manual groups), ``min_group_size`` (merge small groups),
-``downlink`` (``"changed"``: the groups changed since the previous round, exact when every
-client takes part in every round; ``"full"``: the whole model every round).
+Options: the schedule's (R rounds per group, F FULL rounds per cycle, the warm-up, the order,
+the groups, what the downlink carries), declared with their meanings in ``_PartMixin.OPTIONS``
+(``bayesfl strategies fedpart``).
 """
 
 from __future__ import annotations
@@ -42,21 +40,26 @@ class _PartMixin:
 
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("rounds_per_group", int, 2,
-               ""),
+               "R, rounds each layer group trains in a sweep (2)."),
         Option("full_rounds_per_cycle", int, 5,
-               ""),
+               "F, FULL rounds (every layer) at the start of each cycle after the first (5)."),
         Option("warmup_rounds", int, 5,
-               ""),
+               "FULL rounds before the first sweep (5)."),
         Option("cycles", int, None,
-               ""),
+               "how many cycles of sweeps; None: until the run ends."),
         Option("order", str, "seq",
-               ""),
+               "the order of the groups in a sweep: `seq` (shallow to deep), `rev`, `random` or "
+               "`random-perm`."),
         Option("group_prefixes", list, None,
-               ""),
+               "manual layer groups, as parameter-name prefixes; None: the groups of "
+               "`bayesfl.layer_groups`."),
         Option("min_group_size", int, 0,
-               ""),
+               "merge groups smaller than this many parameters into their neighbour (0: none "
+               "merged)."),
         Option("downlink", str, "changed",
-               ""),
+               "`\"changed\"`: broadcast the groups changed since the previous round (exact "
+               "when every client takes part in every round); `\"full\"`: the whole model every "
+               "round."),
     )
 
     def __init__(

@@ -177,16 +177,20 @@ class FedPop(BayesianBaseline):
         Option("prior_std_init", float, 1.0,
                "initial prior std s."),
         Option("sgld_step_size", float, 0.05,
-               "the per-round chain.",
+               "the step size of each round's SGLD chain over a client's personal head "
+               "(Laplace-preconditioned Welling-Teh steps from the posterior mode; 0.05 is the "
+               "preconditioner's default of `inference.sgld`).",
                minimum=1e-12),
         Option("sgld_burn_in", int, 50,
-               "the per-round chain.",
+               "SGLD steps discarded at the start of each round's chain (50).",
                minimum=0),
         Option("sgld_samples", int, 20,
-               "the per-round chain.",
+               "SGLD draws kept per round (20), one every `sgld_thinning` steps after the "
+               "burn-in; the round then trains the body and the prior with the draws fixed.",
                minimum=1),
         Option("sgld_thinning", int, 3,
-               "the per-round chain.",
+               "SGLD steps between two kept draws (3: 110 steps a round, about three "
+               "autocorrelation times).",
                minimum=1),
         Option("final_samples", int, 100,
                "draws of the chain run after training (thinning 5, burn-in 100).",

@@ -63,67 +63,9 @@ alpha = 1e-4 narrows the gap (ECE 0.226 against 0.189) but the body barely learn
 covariance) in the same run adds almost nothing to its plug-in: ECE 0.059 / NLL 0.332 against
 0.057 / 0.332.
 
-Options (every ambiguity of spec §8 is one, with the spec's recommended default):
-
-======================  ===================  ===================================================
-option                  default              meaning (spec)
-======================  ===================  ===================================================
-prior_var               1e-2                 alpha, the base prior *variance* (§1.2, A1);
-                                             the paper's is 1e-4 (see "The prior's
-                                             variance" below)
-subnet_fraction         0.05                 |S| = floor(fraction |R|), >= 1 (§1.4, A9; 5% MLP)
-subnet_size             None                 an explicit |S| (overrides the fraction)
-posterior               "subnet_full"        "subnet_full" (FedSI), "subnet_diag" (diagonal
-                                             posterior on the subnet), "diag_all" (FedSI-Fac;
-                                             its default) (A17)
-aggregation             "mean_std"           variances: "mean_std" (the paper: mean of the stds,
-                                             zeros included, squared), "mean_var",
-                                             "mean_nonzero" (over the clients that chose r),
-                                             "moment_match" (mixture moments), "product"
-                                             (precision-weighted product of Gaussians, below)
-                                             (A4)
-weights                 "uniform"            client weights of the means: "uniform" (paper) or
-                                             "n_i" (sample counts) (A12)
-variance_floor          1e-12                lower clamp of g (A18)
-prior_in_map            True                 the Gaussian prior term in the local MAP (A2)
-map_solver              "proximal"           how the local MAP treats the prior: "proximal"
-                                             (Adam on the CE, the prior applied exactly after
-                                             each step) or "adam" (the prior in Adam's
-                                             gradient, the paper's literal recipe; see "The
-                                             local MAP" below)
-local_lr                0.01                 Adam lr of local training (§5.2); None: the run's lr
-head_init               "shared"             phi^0 shared by clients of a body spec, or
-                                             "per_client" (§2.2, A7)
-filter_zero_curvature   True                 rank zero-curvature entries last; False: the
-                                             paper's literal rule (A5)
-eval_selection          "diag_laplace"       selection at personalisation: diagonal-Laplace
-                                             variance at (mu, phi_fin), or "global_var" (rank by
-                                             g alone) (A6)
-finetune_epochs         100                  most head fine-tuning epochs (A7; see below)
-finetune_lr             1e-2                 head fine-tuning Adam lr (A7; see below)
-finetune_stop           "heldout_nll"        "heldout_nll": the epoch count of lowest NLL on
-                                             20% of the training data held out, then that
-                                             many on all of it; "fixed": finetune_epochs
-predictive              "glm_probit"         "glm_probit" (Eq. 19) or "glm_mc" (§3.2); on S1
-                                             within 1% of the plug-in, and no setting chosen
-                                             without test rows widens it (docs: FedSI, "Does
-                                             the posterior earn its spread?")
-mc_samples              100                  weight-space draws of "glm_mc"
-screening_ratio         10.0                 reject an upload whose ||mean - mu|| exceeds this
-                                             many times the round's median (None: off)
-curvature_batch         256                  rows per curvature / Jacobian chunk (memory only)
-alpha_selection         "fixed"              "fixed": alpha = prior_var throughout; "evidence":
-                                             alpha chosen every round by the clients' summed
-                                             Laplace evidence, starting from prior_var (below)
-head                    None                 a probabilistic head after personalisation
-                                             (``laplace``, ``conjugate``, ``mfvi``, ``sgld``;
-                                             :mod:`bayesfl.strategies.probabilistic_head`):
-                                             fitted on the client's features of the global
-                                             body, zero-centred prior; it replaces the subnet
-                                             GLM predictive (the network's plug-in stays
-                                             beside it); ``posterior()`` returns it
-head_options            None                 ``inference.fit_head`` options of that head
-======================  ===================  ===================================================
+Options: every ambiguity of spec §8 is one, with the spec's recommended default, declared
+with its meaning in ``FedSI.OPTIONS`` (``bayesfl strategies fedsi`` lists them; so does the
+options table of the docs' FedSI page).
 
 Fine-tuning defaults: the spec's range is 5-10 epochs at lr 1e-3 to 1e-2 (§2.5). Measured on
 digits (5 clients, ``shards:2``, body ``mlp``, feature_dim 16, 3 rounds, batch 64): 5 epochs
@@ -438,7 +380,7 @@ def rebase_prior(variance: Tensor, old_alpha: float, new_alpha: float, *,
 class FedSI(Strategy):
     """FedSI: a Gaussian over the shared body, subnet Laplace on every client (module doc).
 
-    Args: see the options table of the module docstring.
+    Args: the options declared in ``OPTIONS`` (``bayesfl strategies fedsi``).
     """
 
     personalizes: ClassVar[bool] = True

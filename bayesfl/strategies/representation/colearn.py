@@ -73,49 +73,10 @@ downloaded ``t`` are constants: the disc term trains ``tau_u`` on peers' feature
 whose target is absent (no global prototype of ``y``; no observation of a class in set m)
 are skipped (§6.8). Each term is a batch mean.
 
-**Options** (the spec's open points, §6; defaults are its recommendations):
-
-- ``lam_kd=10``, ``lam_disc=1``, ``n_avg=10``, ``m_up=1``, ``m_down=1`` (§2).
-- ``tau_disc=1`` (§6.1): temperature of the two softmaxes inside ``h`` only.
-- ``statistics="final"`` (§6.3): prototypes and observations from an extra no-grad pass with
-  the round's final weights (eval mode); ``"running"``: from the features of the last local
-  epoch's mini-batches, as they were computed during training (no extra pass).
-- ``bootstrap="upload"`` (§6.4): a round 0 in which clients upload prototypes and
-  observations of their *initial* networks, so round 1 pulls towards real features;
-  ``"skip"``: no round 0, round 1 has no targets (CE only); ``"random"``: the paper's random
-  initial prototypes and observations (uniform on [0, 1), seeded by the run).
-- ``synchronous=True`` (§6.5): every round's clients train against the same broadcast. The
-  paper's sequential listing (later clients see fresher prototypes) is not expressible in a
-  transport that broadcasts once per round, so ``False`` is refused; partial participation
-  (``fraction``) gives stale-but-kept prototypes of the classes nobody uploaded.
-- ``peer="one"`` (§6.6): each downloaded set comes from one random peer, a class that peer
-  lacks is filled from another random peer holding it; ``"mix"``: every class of a set from
-  its own random peer (Algorithm 1's shuffled per-class buffers).
-- ``weighting="count"`` (§6.7) or ``"uniform"``.
-- ``neg_reduction="sum"`` (§6.9, the paper) or ``"mean"`` over the available negatives.
-- ``kd_reduction="mean"`` (§6.10): the squared distance divided by d' (what
-  ``nn.MSELoss`` computes); ``"sum"`` is the spec's literal reading (summed over d'). With
-  ``"sum"`` and ``lam_kd = 10`` the KD term dominates CE by orders of magnitude and every
-  client's features collapse onto one point (measured: accuracy at chance, 0.10-0.11, on
-  mnist-5k / LeNet5 and on digits / MLP, whatever the bootstrap or initialisation), while
-  ``"mean"`` beats independent learning (``bench/colearn.py``); so the default is
-  ``"mean"``, i.e. an effective ``lam_kd / d'`` on the summed distance.
-- ``eps=1e-7`` (§6.11): the clamp of ``h``.
-- ``keep_optimizer=True`` (§6.12) and ``independent_init=True`` (Algorithm 1), see
-  :mod:`bayesfl.strategies.representation.personal`.
-- ``relay="sets"`` or ``"pool"`` (Downlink above).
-- ``relay_pool=None`` (``relay="pool"`` only): how many observation sets the relay forwards
-  (None: all of the round's accepted ones); at least ``m_down + 1`` so every client finds a
-  peer's.
-- ``share_counts=True``: upload the class counts, or only the classes' presence (Privacy of
-  the counts above).
-- ``kd_target="server"``: the KD target is the server's global prototype; ``"peers"`` is
-  the paper's untested peer-to-peer proxy (§1.6): the mean, per class, of the observation
-  sets the client uses (``"sets"``: its M_down downloaded ones; ``"pool"``: every relayed
-  set it may draw from, its own excluded), so a pure relay suffices.
-- ``max_norm=1e4``: uploads with a prototype or observation of larger L2 norm are rejected.
-- ``screening_ratio=10``: an upload whose total count exceeds ``ratio`` times the round's
-  median total is rejected (a client inflating its weight); None disables it.
+**Options**: the spec's open points (§6), each with its recommendation as the default,
+declared with their meanings in ``CoLearn.OPTIONS`` (``bayesfl strategies colearn``; the docs'
+family page lists them). ``kd_reduction="mean"`` is the measured choice: ``"sum"``, the spec's
+literal reading, collapses every client's features at ``lam_kd = 10``.
 
 **Logged**: each client state keeps its last round's mean CE, KD and disc terms
 (``loss.*``, :func:`bayesfl.strategies.representation.personal.loss_log`); the server reports
@@ -379,58 +340,84 @@ class CoLearn(PersonalStrategy):
 
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("lam_kd", float, 10.0,
-               "",
+               "weight of the KD term, the squared distance of a feature to its class's target "
+               "prototype (§2; 10).",
                minimum=0.0),
         Option("lam_disc", float, 1.0,
-               "",
+               "weight of the disc term, the contrast against peers' observation sets (§2; 1).",
                minimum=0.0),
         Option("n_avg", int, 10,
-               "",
+               "samples averaged per class into one observation (`min(n_avg, n_u^c)`; §2; 10).",
                minimum=1),
         Option("m_up", int, 1,
-               "",
+               "observation sets a client uploads per round (M_up; §2; 1).",
                minimum=1),
         Option("m_down", int, 1,
-               "",
+               "observation sets of peers a client trains against per round (M_down; §2; 1).",
                minimum=1),
         Option("tau_disc", float, 1.0,
-               "",
+               "temperature of the two softmaxes inside `h` only (§6.1; 1).",
                minimum=1e-6),
         Option("statistics", str, "final",
-               ""),
+               "`\"final\"`: prototypes and observations from an extra no-grad pass with the "
+               "round's final weights (eval mode); `\"running\"`: from the features of the last "
+               "local epoch's mini-batches, as computed during training (§6.3)."),
         Option("bootstrap", str, "upload",
-               ""),
+               "`\"upload\"`: a round 0 in which clients upload prototypes and observations of "
+               "their initial networks; `\"skip\"`: no round 0 (round 1 trains on CE only); "
+               "`\"random\"`: the paper's random initial prototypes and observations (uniform "
+               "on [0, 1), seeded by the run) (§6.4)."),
         Option("synchronous", bool, True,
-               ""),
+               "every round's clients train against the same broadcast (§6.5); `false`, the "
+               "paper's sequential listing, is not expressible in a transport that broadcasts "
+               "once per round and is refused."),
         Option("peer", str, "one",
-               ""),
+               "`\"one\"`: each downloaded set from one random peer, a class it lacks filled "
+               "from another holder; `\"mix\"`: every class of a set from its own random peer "
+               "(§6.6)."),
         Option("weighting", str, "count",
-               ""),
+               "the global prototype: `\"count\"`, the count-weighted mean over the clients "
+               "holding the class, or `\"uniform\"`, their plain mean (§6.7)."),
         Option("neg_reduction", str, "sum",
-               ""),
+               "`\"sum\"` (the paper) or `\"mean\"` over the available negatives of the disc "
+               "term (§6.9)."),
         Option("kd_reduction", str, "mean",
-               ""),
+               "`\"mean\"`: the squared distance divided by d' (what `nn.MSELoss` computes); "
+               "`\"sum\"`: the spec's literal reading, summed over d' (§6.10). With `\"sum\"` "
+               "and `lam_kd = 10` every client's features collapse onto one point (accuracy at "
+               "chance, measured on mnist-5k / LeNet5 and digits / MLP), while `\"mean\"` beats "
+               "independent learning (`bench/colearn.py`)."),
         Option("eps", float, 1e-07,
-               "",
+               "the clamp of `h` to `[eps, 1 - eps]` (§6.11).",
                minimum=0.0),
         Option("relay", str, "sets",
-               ""),
+               "`\"sets\"`: the server relays M_down of the round's observation sets, each row "
+               "with its sender (the paper's downlink); `\"pool\"`: the whole pool (at most "
+               "`relay_pool` sets), from which every client draws its M_down peer sets (module "
+               "docstring, Downlink)."),
         Option("relay_pool", int, None,
-               ""),
+               "with `relay=\"pool\"`: how many observation sets the relay forwards (None: all "
+               "of the round's accepted ones); at least `m_down + 1`."),
         Option("share_counts", bool, True,
-               ""),
+               "upload the class counts (`true`) or only the classes' presence, counts clamped "
+               "to 0 / 1 (module docstring, Privacy of the counts)."),
         Option("kd_target", str, "server",
-               ""),
+               "`\"server\"`: the KD target is the server's global prototype; `\"peers\"`: the "
+               "paper's peer-to-peer proxy (§1.6), the per-class mean of the observation sets "
+               "the client uses."),
         Option("max_norm", float, 10000.0,
-               "",
+               "uploads with a prototype or observation of larger L2 norm are rejected.",
                minimum=0.0),
         Option("screening_ratio", float, 10.0,
-               "",
+               "an upload whose total count exceeds this many times the round's median total "
+               "is rejected (a client inflating its weight); None disables it.",
                minimum=1.0, nullable=True),
         Option("independent_init", bool, True,
-               ""),
+               "draw each client's network from its own seed (the CoLearn paper's independent "
+               "random w_u, Algorithm 1); `false`: one initialisation per body spec."),
         Option("keep_optimizer", bool, True,
-               ""),
+               "keep Adam's moments and step count in the client state across rounds, so a "
+               "personal model trains as one long run (§6.12); `false`: a fresh Adam per round."),
     )
 
     def __init__(

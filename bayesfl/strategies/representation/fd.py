@@ -111,9 +111,13 @@ class FederatedDistillation(PersonalStrategy):
                "total-count screening against the round's median (None: off).",
                minimum=1.0, nullable=True),
         Option("independent_init", bool, True,
-               ":mod:`bayesfl.strategies.representation.personal`."),
+               "draw each client's network from its own seed (derived from its body's init "
+               "seed and its id); `false`: one initialisation per body spec "
+               "(`bayesfl.strategies.representation.personal`)."),
         Option("keep_optimizer", bool, True,
-               ":mod:`bayesfl.strategies.representation.personal`."),
+               "keep Adam's moments and step count in the client state across rounds, so a "
+               "personal model trains as one long run; `false`: a fresh Adam per round "
+               "(`bayesfl.strategies.representation.personal`)."),
     )
 
     def __init__(

@@ -115,11 +115,23 @@ def test_a_declaration_that_differs_from_the_signature_is_refused_at_definition(
         @register_strategy("test-mismatch", family="averaging", broadcast="", upload="",
                            aggregate="")
         class Mismatch(FedAvg):
-            OPTIONS: ClassVar[tuple[Option, ...]] = (Option("alpha", float, 1.0, ""),)
+            OPTIONS: ClassVar[tuple[Option, ...]] = (Option("alpha", float, 1.0, "a"),)
 
             def __init__(self, context, *, alpha: float = 2.0, beta: int = 1, **kw):
                 super().__init__(context, **kw)
     assert "test-mismatch" not in STRATEGIES
+
+
+def test_an_option_without_help_is_refused_at_definition():
+    with pytest.raises(TypeError, match=r"options without help \['alpha'\]"):
+        @register_strategy("test-silent", family="averaging", broadcast="", upload="",
+                           aggregate="")
+        class Silent(FedAvg):
+            OPTIONS: ClassVar[tuple[Option, ...]] = (Option("alpha", float, 1.0, " "),)
+
+            def __init__(self, context, *, alpha: float = 1.0, **kw):
+                super().__init__(context, **kw)
+    assert "test-silent" not in STRATEGIES
 
 
 def test_a_taken_name_and_an_unknown_family_are_refused():
