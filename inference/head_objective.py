@@ -35,11 +35,42 @@ def likelihood_hessian(
         block = inputs.T @ inputs / noise_std**2
         return torch.kron(torch.eye(num_outputs, dtype=block.dtype, device=block.device), block)
     probs = torch.softmax(inputs @ flat_weight.reshape(num_outputs, width).T, dim=-1)  # (N, C)
-    d = num_outputs * width
-    weighted = torch.einsum("nc,np,nq->cpq", probs, inputs, inputs)  # Σ p_nc x xᵀ per class
-    hessian = torch.block_diag(*weighted)
-    outer = (probs[:, :, None] * inputs[:, None, :]).reshape(-1, d)  # rows vec(p_n ⊗ x_n)
-    return hessian - outer.T @ outer
+    return softmax_curvature(probs[None], inputs)
+
+
+def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
+    """``Σ_n E[diag p_n − p_n p_nᵀ] ⊗ x_n x_nᵀ`` from probability draws ``probs (S, N, C)``
+    (``S = 1``: the softmax likelihood's Hessian at one head), ``(d, d)`` with ``d = C (m + 1)``
+    for ``inputs (N, m + 1)``.
+
+    Block ``(c, k)`` is ``Xᵀ diag(w_ck) X`` with ``w_nck = E[δ_ck p_nc − p_nc p_nk]``: the
+    ``C (C + 1) / 2`` blocks on and above the diagonal are one GEMM ``Xᵀ [w ⊙ X]`` of
+    ``(m + 1, N)`` by ``(N, C (C + 1) / 2 · (m + 1))`` per chunk of rows, and the blocks below
+    are their transposes (each block is symmetric): ``N C² (m + 1)² / 2`` multiply-adds, against
+    ``N C² (m + 1)²`` for the product of the ``(N C, d)`` Jacobian-weighted rows with themselves.
+    """
+    num_classes, width = probs.shape[-1], inputs.shape[1]
+    upper = torch.triu_indices(num_classes, num_classes, device=inputs.device)
+    weights = (torch.diag_embed(probs.mean(0))
+               - torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0])
+    weights = weights[:, upper[0], upper[1]]  # (N, K), K = C (C + 1) / 2
+    pairs = weights.shape[1]
+    blocks = torch.zeros(width, pairs * width, dtype=inputs.dtype, device=inputs.device)
+    rows = max(1, _CHUNK_ELEMENTS // (pairs * width))
+    for start in range(0, inputs.shape[0], rows):
+        x = inputs[start:start + rows]
+        weighted = (weights[start:start + rows, :, None] * x[:, None, :]).reshape(len(x), -1)
+        blocks.addmm_(x.T, weighted)
+    blocks = blocks.reshape(width, pairs, width).permute(1, 0, 2)  # (K, m + 1, m + 1)
+    full = torch.empty(num_classes, num_classes, width, width, dtype=inputs.dtype,
+                       device=inputs.device)
+    full[upper[0], upper[1]] = blocks
+    full[upper[1], upper[0]] = blocks.transpose(1, 2)
+    return full.permute(0, 2, 1, 3).reshape(num_classes * width, num_classes * width)
+
+
+#: Elements of the weighted rows :func:`softmax_curvature` holds at once (32 MB of float64).
+_CHUNK_ELEMENTS = 4_000_000
 
 
 def likelihood_hessian_diagonal(
@@ -52,4 +83,5 @@ def likelihood_hessian_diagonal(
     return ((probs * (1 - probs)).T @ inputs**2).reshape(-1)
 
 
-__all__ = ["likelihood_hessian", "likelihood_hessian_diagonal", "negative_log_posterior"]
+__all__ = ["likelihood_hessian", "likelihood_hessian_diagonal", "negative_log_posterior",
+           "softmax_curvature"]

@@ -60,6 +60,11 @@ from inference.variational_gaussian import (
     variational_gaussian,
 )
 
+#: The prior precision at which the ``"marglik"`` search starts (clamped to the bounds). Only the
+#: work depends on it, not the maximiser: heads on network features have their evidence's
+#: maximiser at λ ≈ 1-10 (S1: 5.5-9.3), and starting at 3 rather than at 1 (the middle of the
+#: default bounds) saved 5-9 of 22-28 Newton iterations (the cold mode at 1 takes 9; issue 41).
+SEARCH_START = 3.0
 #: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
 NEWTON_MAX_PARAMETERS = 3000
 
@@ -374,11 +379,14 @@ class _LaplaceFit:
         start = (self.prior_mean.clone() if isinstance(self.prior_mean, Tensor) else
                  torch.full((d,), float(self.prior_mean), dtype=torch.float64,
                             device=self.inputs.device))
-        initial = math.sqrt(lower * upper)  # the middle of the interval in log λ
+        initial = min(max(SEARCH_START, lower), upper)
         try:
-            choice, mode = search.search((lower, upper), start, initial)
+            choice, mode = search.search_secant((lower, upper), start, initial)
         except NumericalError:
-            return None
+            try:
+                choice, mode = search.search((lower, upper), start, initial)
+            except NumericalError:
+                return None
         self._last_mode = mode
         self._searched = (choice.value, mode)
         return choice

@@ -21,7 +21,14 @@ constant ``H`` and no third term. (Dropping it gives MacKay's fixed point ``λ =
 which is near but not at the maximiser; keeping it makes the search land on the same ``λ`` as a
 fine search of ``E``, which the tests check.)
 
-The search. Newton steps in ``t = log λ`` use the exact first derivative and the second
+The default search (:meth:`EvidenceSearch.search_secant`, issue 41): the secant method on the
+exact slope in ``t = log λ``, which is close to linear in ``t``; refits at a loose mode while the
+steps are long; it stops when a step would move ``λ`` by less than :data:`LAMBDA_RTOL`
+(relative). At the S1 size it takes 4-6 refits and 16-20 Newton iterations in all, against
+10-12 refits and 33-44 iterations of the search below, which remains its fallback.
+
+The former search (:meth:`EvidenceSearch.search`). Newton steps in ``t = log λ`` use the exact
+first derivative and the second
 derivative of the fixed-curvature evidence, ``½[−d/λ² + 2 (W − μ₀)ᵀ Σ (W − μ₀) + tr Σ²]``
 (the third-order terms dropped: they are small, and only the speed of convergence depends on
 them, not where it ends). The steps are safeguarded by the bracket in which the derivative
@@ -65,6 +72,18 @@ MAX_STEP = 2.0
 #: Half the squared Newton decrement below which Newton takes full steps (nats; the quadratic
 #: regime).
 NEAR_MODE = 1e-4
+#: :meth:`EvidenceSearch.search_secant` ends when a step would change λ by less than this
+#: (relative). The evidence is flat at its maximiser: a λ this far off loses about
+#: ½ |d²E/d(log λ)²| · 1e-6 nats (≈ 1e-5 nats on S1-sized heads, whose d²E/d(log λ)² is ~10).
+LAMBDA_RTOL = 1e-3
+#: Mode refits at most of :meth:`EvidenceSearch.search_secant`.
+MAX_REFITS = 12
+#: Half the squared Newton decrement (nats) of the refits of
+#: :meth:`EvidenceSearch.search_secant` while its steps are long (it tightens with the step, to
+#: :data:`MODE_TOL` at the point it returns).
+LOOSE_MODE_TOL = 1e-3
+#: The first step of :meth:`EvidenceSearch.search_secant` (uphill), e-folds of λ.
+FIRST_STEP = 1.0
 
 
 @dataclass
@@ -73,7 +92,7 @@ class _Point:
 
     log_precision: float
     mode: Tensor          # (d,), the mode W(λ)
-    covariance: Tensor    # (d, d), Σ = (λI + H)⁻¹ at the mode
+    covariance: Tensor    # (d, d), Σ = (λI + H)⁻¹ at the mode (its factor if no slope)
     evidence: float       # E(λ), nats
     slope: float          # dE/dt, t = log λ
     mackay: float         # log of MacKay's fixed-point update of λ from this point
@@ -130,11 +149,12 @@ class EvidenceSearch:
                 t *= 0.5
         return theta + t * step
 
-    def _point(self, log_precision: float, mode: Tensor, chol: Tensor) -> _Point:
+    def _point(self, log_precision: float, mode: Tensor, chol: Tensor,
+               slope: bool = True) -> _Point:
         """Evidence and slope at ``mode`` (the curvature ``chol`` taken one Newton step
-        before it, within the mode tolerance at convergence)."""
+        before it, within the mode tolerance at convergence); ``slope=False``: the evidence
+        alone (no covariance; slope and MacKay's update NaN)."""
         lam = math.exp(log_precision)
-        covariance = torch.cholesky_inverse(chol)
         centred = mode - self.prior_mean
         sq_norm = float(centred @ centred)
         d = self.dim
@@ -142,6 +162,9 @@ class EvidenceSearch:
         with torch.no_grad():
             log_lik = -float(self._objective(mode, lam)) + 0.5 * lam * sq_norm
         evidence = log_lik - 0.5 * lam * sq_norm + 0.5 * d * math.log(lam) - 0.5 * log_det
+        if not slope:
+            return _Point(log_precision, mode, chol, evidence, math.nan, math.nan)
+        covariance = torch.cholesky_inverse(chol)
         direction = -(covariance @ centred)  # W' = dW/dλ
         third = self._third_order(mode, covariance, direction)
         trace = float(covariance.diagonal().sum())
@@ -216,21 +239,105 @@ class EvidenceSearch:
             t = proposal
         raise NumericalError(f"the evidence search did not converge in {MAX_STEPS} steps.")
 
-    def _mode(self, theta: Tensor, prior_precision: float) -> tuple[Tensor, Tensor, Tensor]:
-        """Newton from ``theta`` until half the squared decrement is ≤ :data:`MODE_TOL`:
+    def _mode(self, theta: Tensor, prior_precision: float, tol: float = MODE_TOL
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """Newton from ``theta`` until half the squared decrement is ≤ ``tol``:
         ``(mode, last iterate, chol(λI + H(last iterate)))``. The mode is the last iterate plus
         its Newton step (as :func:`~inference.laplace_head.find_mode` returns it); the
         evidence and slope are taken at the last iterate, whose factor is at hand and which is
         within that one negligible step of the mode."""
         for _ in range(self.max_iter):
             step, chol, decrement = self._newton(theta, prior_precision)
-            if decrement <= MODE_TOL:
+            if decrement <= tol:
                 return theta + step, theta, chol
             theta = (theta + step if decrement <= NEAR_MODE
                      else self._damped(theta, step, 2 * decrement, prior_precision))
         raise NumericalError(
             f"Newton did not converge in {self.max_iter} iterations at prior precision "
             f"{prior_precision:.4g}; raise max_iter, or narrow prior_precision_bounds.")
+
+    # -- the secant search (the default) ------------------------------------------------------
+
+    def search_secant(self, bounds: tuple[float, float], start: Tensor, initial: float = 1.0,
+                      rtol: float = LAMBDA_RTOL, max_refits: int = MAX_REFITS,
+                      ) -> tuple[HyperparameterChoice, Tensor]:
+        """The maximiser of ``E`` over ``log λ`` in ``bounds``, and the mode there, by the
+        secant method on the exact slope of the refitted evidence.
+
+        The slope ``dE/d(log λ)`` (third-order term included, :meth:`_point`) is close to linear
+        in ``log λ`` on a softmax head (S1-sized features: 5.6, 3.7, 0.6, −6.4 at ``log λ`` =
+        0, 1, 2, 3), so the secant through the last two refitted points lands within a few
+        percent of the root: 4-6 refits, against 10-12 for :meth:`search`, whose steps are
+        held to twice MacKay's (which converges linearly). The first step is
+        :data:`FIRST_STEP` e-folds uphill; a secant step that leaves the bracket of the root
+        is replaced by bisection, or by the unvisited bound it points past. Each refit is
+        Newton warm-started from the first-order prediction ``W − Σ (W − μ₀) Δλ``. The
+        search ends when a step would change ``λ`` by less than ``rtol`` (relative): it
+        returns that step's ``λ`` and the mode there (one more refit, no slope). While the
+        steps are long the refits stop at a looser mode (:data:`LOOSE_MODE_TOL`, tightening
+        as the steps shrink): the slope there only has to point the next step; the mode
+        returned is to :data:`MODE_TOL`.
+
+        (Why not one eigendecomposition and the evidence at fixed curvature, ``O(d)`` per
+        ``λ``: on S1-sized heads the third-order term, how the curvature moves with the mode,
+        is 35 nats of the slope's 36 at ``λ = 1`` and puts the fixed-curvature maximiser near
+        ``λ = 90`` against the refitted evidence's 8.5; a fixed-curvature surrogate cannot
+        find this criterion's maximiser. An eigendecomposition of ``d = 1,010`` also costs
+        0.17 s on one thread, 14 Cholesky factorisations.)
+
+        Raises:
+            NumericalError: no convergence in ``max_refits`` refits (the caller then falls
+            back to :meth:`search`).
+        """
+        lo, hi = math.log(bounds[0]), math.log(bounds[1])
+        tol = math.log1p(rtol)
+        t = min(max(math.log(initial), lo), hi)
+        left, right = lo, hi
+        left_seen = right_seen = False
+        theta = start.clone()
+        history: list[tuple[float, float]] = []
+        previous: _Point | None = None
+        loose = LOOSE_MODE_TOL
+        for _ in range(max_refits):
+            lam = math.exp(t)
+            mode, _, chol = self._mode(theta, lam, loose)
+            point = self._point(t, mode, chol)
+            history.append((lam, point.evidence))
+            at_bound = self._at_bound(point, lo, hi)
+            if at_bound is not None:
+                return self._choice(point, bounds, at_bound, history), mode
+            if point.slope > 0:
+                left, left_seen = t, True
+            else:
+                right, right_seen = t, True
+            step = math.copysign(FIRST_STEP, point.slope)
+            if previous is not None:
+                curvature = (point.slope - previous.slope) / (t - previous.log_precision)
+                step = (-point.slope / curvature if curvature < 0
+                        else math.copysign(MAX_STEP, point.slope))
+            proposal = t + min(max(step, -MAX_STEP), MAX_STEP)
+            if not left < proposal < right:  # the safeguard of the bracket
+                if proposal >= right and not right_seen:
+                    proposal = right
+                elif proposal <= left and not left_seen:
+                    proposal = left
+                else:
+                    proposal = 0.5 * (left + right)
+            theta = mode - point.covariance @ (mode - self.prior_mean) * (
+                math.exp(proposal) - lam)
+            if abs(proposal - t) <= tol:
+                # the secant's last proposal is closer to the root than the step is long (it
+                # converges superlinearly): the mode there, to MODE_TOL, without a slope
+                mode, _, chol = self._mode(theta, math.exp(proposal))
+                point = self._point(proposal, mode, chol, slope=False)
+                history.append((math.exp(proposal), point.evidence))
+                return self._choice(point, bounds, None, history), mode
+            # the mode's accuracy follows the step: a slope error of ~sqrt(tol) nats matters
+            # only once the step is as small
+            loose = min(LOOSE_MODE_TOL, max(MODE_TOL, 1e-4 * (proposal - t) ** 4))
+            previous, t = point, proposal
+        raise NumericalError(
+            f"the secant evidence search did not converge in {max_refits} refits.")
 
     @staticmethod
     def _proposal(point: _Point, previous: _Point | None, left: float, right: float,
@@ -296,4 +403,4 @@ class EvidenceSearch:
             evaluations=len(history), grid=tuple(sorted(history)))
 
 
-__all__ = ["MAX_STEPS", "EvidenceSearch"]
+__all__ = ["LAMBDA_RTOL", "MAX_REFITS", "MAX_STEPS", "EvidenceSearch"]

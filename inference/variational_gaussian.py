@@ -44,9 +44,14 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import cholesky_with_jitter
+from inference.head_objective import softmax_curvature
 
 #: Draws per training point for the expectations (their Monte-Carlo error averages over points).
 DEFAULT_NUM_DRAWS = 64
+#: The largest step ``ρ`` (the fixed-point map overshoots at 1: on S1-sized heads, 250 rows of
+#: 100 ReLU features, ρ = 1 alternates accepted and rejected steps for 12-13 evaluations; 0.5
+#: took 10-12 and 0.7 8-9 to the same tolerances, ELBO within 0.01 nats; issue 41).
+DEFAULT_DAMPING = 0.7
 #: ELBO evaluations at most. The digits sweep of tests/inference/test_laplace_head_scales.py
 #: (4 input scales x 50-1,200 points x both structures) converges in at most ~90.
 DEFAULT_ELBO_MAX_ITER = 300
@@ -62,7 +67,7 @@ def variational_gaussian(
     prior_mean: float,
     diagonal: bool = False,
     num_draws: int = DEFAULT_NUM_DRAWS,
-    damping: float = 0.5,
+    damping: float = DEFAULT_DAMPING,
     elbo_max_iter: int = DEFAULT_ELBO_MAX_ITER,
     tol: float | None = None,
     rtol: float | None = None,
@@ -268,30 +273,11 @@ def _logit_draw_log_probabilities(mean: Tensor, covariance: Tensor, inputs: Tens
 def _expected_curvature(probs: Tensor, inputs: Tensor, diagonal: bool) -> Tensor:
     """``E_q[H] = Σ_n E[diag p − p pᵀ] ⊗ x_n x_nᵀ`` from probability draws ``(S, N, C)``:
     ``(d, d)``, or its diagonal ``(d,)``."""
-    num_classes, width = probs.shape[-1], inputs.shape[1]
     if diagonal:
         variance = (probs * (1 - probs)).mean(0)  # (N, C): E[p_c (1 − p_c)]
         return (variance.T @ inputs**2).reshape(-1)
-    mean_p = probs.mean(0)
-    outer = torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0]
-    d = num_classes * width
-    # Σ_n E[diag p] ⊗ x xᵀ on the diagonal blocks, minus Σ_n E[p pᵀ] ⊗ x xᵀ: one product of
-    # (C², N) by (N, (m+1)²) per chunk of rows (the same sums as an einsum, ~1.6x faster).
-    curvature = torch.zeros(num_classes, num_classes, width, width, dtype=probs.dtype,
-                            device=probs.device)
-    rows = max(1, _CHUNK_ELEMENTS // (width * width))
-    for start in range(0, inputs.shape[0], rows):
-        x = inputs[start:start + rows]
-        pairs = (x[:, :, None] * x[:, None, :]).reshape(len(x), -1)  # (n, (m+1)²)
-        curvature -= (outer[start:start + rows].reshape(len(x), -1).T @ pairs).reshape(
-            num_classes, num_classes, width, width)
-    diagonal = torch.einsum("nc,np,nq->cpq", mean_p, inputs, inputs)
-    curvature[range(num_classes), range(num_classes)] += diagonal
-    return curvature.permute(0, 2, 1, 3).reshape(d, d)
+    return softmax_curvature(probs, inputs)
 
-
-#: Rows of x xᵀ products held at once by :func:`_expected_curvature` (elements; 32 MB).
-_CHUNK_ELEMENTS = 4_000_000
 
 
 #: Preconditioned conjugate gradients of the diagonal fit's mean step: relative residual and

@@ -72,3 +72,61 @@ def test_a_diagonal_head_keeps_the_grid_and_brent_search():
     x, y = separable_data()
     post = fit_laplace_head(x, y, 3, structure="diag", approximation="laplace")
     assert len(post.prior_selection.grid) == 9  # one a decade over 1e-4 .. 1e4
+
+
+def overlapping_data(n: int = 120, classes: int = 4, seed: int = 3):
+    """Clusters that overlap (no point classified with p ≈ 1): the third-order term small."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % classes
+    centres = 0.7 * torch.randn(classes, 5, generator=gen, dtype=F64)
+    return centres[y] + torch.randn(n, 5, generator=gen, dtype=F64), y
+
+
+@pytest.mark.parametrize("case", ["separable-0", "separable-1", "separable-2", "overlapping",
+                                  "prior-mean", "gaussian"])
+def test_the_secant_search_lands_where_the_former_search_lands(case):
+    """The default (secant) search against :meth:`EvidenceSearch.search`, the former default,
+    itself checked against grid-and-Brent above: the same maximiser of the same function."""
+    likelihood, mean = Likelihood.SOFTMAX, 0.0
+    if case.startswith("separable"):
+        x, y = separable_data(seed=int(case[-1]))
+    elif case == "gaussian":
+        gen = torch.Generator().manual_seed(4)
+        x = torch.randn(60, 3, generator=gen, dtype=F64)
+        y = x @ torch.tensor([1.0, -0.5, 0.3], dtype=F64) + 0.4 * torch.randn(
+            60, generator=gen, dtype=F64)
+        likelihood = Likelihood.GAUSSIAN
+    else:
+        x, y = overlapping_data()
+    classes = 1 if case == "gaussian" else int(y.max()) + 1
+    d = classes * (x.shape[1] + 1)
+    if case == "prior-mean":
+        x, y = separable_data(seed=1)
+        classes, d = 3, 15
+        mean = 0.3 * torch.randn(d, generator=torch.Generator().manual_seed(2), dtype=F64)
+    search = EvidenceSearch(augment_with_bias(x), y, classes, mean, likelihood, 0.5, 100)
+    start = torch.zeros(d, dtype=F64) + mean
+    secant, secant_mode = search.search_secant((1e-4, 1e4), start, 3.0)
+    former, former_mode = search.search((1e-4, 1e4), start, 1.0)
+    # the former stops within ~1e-6 of the root in log λ; the secant's last proposal, after a
+    # step < log(1 + 1e-3), is within ~(1e-3)² of it where the slope is smooth (superlinear
+    # convergence): 1e-4 in log λ still catches a search that stopped one step early.
+    assert abs(math.log(secant.value) - math.log(former.value)) < 1e-4
+    # the evidence is flat there: |d²E/d(log λ)²| ≲ 100 here, so 1e-4 in log λ costs ≤ 5e-7
+    # nats (one-sided: the former search reports its evidence one Newton step from the mode)
+    assert secant.criterion >= former.criterion - 1e-6
+    # the modes at (nearly) the same λ: dW/d(log λ) = −λ Σ (W − μ₀) is O(1) here
+    torch.testing.assert_close(secant_mode, former_mode, atol=1e-3, rtol=0)
+    assert secant.at_bound is None
+
+
+@pytest.mark.parametrize(("bounds", "side"), [((1e-4, 1e-2), "upper"), ((1e3, 1e4), "lower")])
+def test_the_secant_search_stops_at_the_bound_the_evidence_rises_towards(bounds, side):
+    x, y = separable_data()  # its maximiser lies near λ = 1-10 (the slope test's points)
+    search = EvidenceSearch(augment_with_bias(x), y, 3, 0.0, Likelihood.SOFTMAX, 1.0, 100)
+    choice, _ = search.search_secant(bounds, torch.zeros(15, dtype=F64), 3.0)
+    assert choice.at_bound == side
+    assert choice.value == (bounds[1] if side == "upper" else bounds[0])
+    former, _ = search.search(bounds, torch.zeros(15, dtype=F64), math.sqrt(bounds[0]
+                                                                            * bounds[1]))
+    assert former.at_bound == side

@@ -1,0 +1,55 @@
+"""The softmax head's curvature built by blocks (issue 41): the same matrix as the sum of
+per-row Kronecker products, for one head (the Hessian) and averaged over probability draws (the
+variational Gaussian's expected curvature), whatever the chunking of the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import inference.head_objective as head_objective
+from inference.head_objective import likelihood_hessian, softmax_curvature
+from inference.options import Likelihood
+
+F64 = torch.float64
+
+
+def brute_force(probs: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``mean_s Σ_n (diag p_sn − p_sn p_snᵀ) ⊗ x_n x_nᵀ`` one row and one draw at a time: the
+    definition, written independently of the block GEMM (the class index is the outer one of
+    the flat ``(C (m + 1),)`` head, as ``W.reshape(-1)`` of a ``(C, m + 1)`` head)."""
+    total = torch.zeros(probs.shape[-1] * inputs.shape[1], probs.shape[-1] * inputs.shape[1],
+                        dtype=F64)
+    for draw in probs:
+        for p, x in zip(draw, inputs, strict=True):
+            total += torch.kron(torch.diag(p) - torch.outer(p, p), torch.outer(x, x))
+    return total / probs.shape[0]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_the_block_curvature_is_the_sum_of_kronecker_products(chunk, monkeypatch):
+    if chunk is not None:  # chunks of ~chunk rows (the GEMM is accumulated over them)
+        monkeypatch.setattr(head_objective, "_CHUNK_ELEMENTS", chunk * 10 * 5)
+    gen = torch.Generator().manual_seed(0)
+    inputs = torch.randn(23, 5, generator=gen, dtype=F64)
+    probs = torch.softmax(2 * torch.randn(6, 23, 4, generator=gen, dtype=F64), -1)
+    # float64 sums of 23 x 6 terms of size ≤ ~10: a few ulps of 100, far below 1e-10
+    torch.testing.assert_close(softmax_curvature(probs, inputs), brute_force(probs, inputs),
+                               atol=1e-10, rtol=0)
+
+
+def test_one_head_s_curvature_is_the_hessian_of_its_negative_log_likelihood():
+    gen = torch.Generator().manual_seed(1)
+    inputs = torch.cat([torch.ones(40, 1, dtype=F64), torch.randn(40, 6, generator=gen,
+                                                                  dtype=F64)], 1)
+    targets = torch.randint(0, 5, (40,), generator=gen)
+    theta = torch.randn(35, generator=gen, dtype=F64)
+
+    def nll(flat):
+        logits = inputs @ flat.reshape(5, 7).T
+        return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+    reference = torch.autograd.functional.hessian(nll, theta)
+    hessian = likelihood_hessian(theta, inputs, 5, Likelihood.SOFTMAX, 1.0)
+    # both exact in float64 (sums of 40 terms): 1e-10
+    torch.testing.assert_close(hessian, reference, atol=1e-10, rtol=0)
