@@ -19,11 +19,16 @@ network), then timed: ``fit`` (the GGN) plus ``optimize_prior_precision(method="
 (100 Adam steps on the prior precision at the fixed MAP, its default), predictive
 ``glm``/``probit``. Ours is timed from features to posterior, its mode included.
 
-Figures per size: fit seconds (median of ``--repeats``, default 3; the peer once at the
-largest size), held-out NLL / ECE (15 bins) / accuracy of both, and the ratio peer / ours.
+Figures per size: fit CPU seconds (``time.process_time``, median of ``--repeats``, default
+5) and wall seconds (median of the same fits), held-out NLL / ECE (15 bins) / accuracy of
+both, and the ratio peer / ours (CPU seconds; the peer once). Beside them, the cost of the
+other two feature heads at their defaults (``fit_head("mfvi")``: 2,000 SVI steps;
+``fit_head("sgld")``: 1,000 burn-in + 200 kept steps), once each (``--other-repeats``), with
+their held-out NLL / ECE; ``--heads laplace`` leaves them out.
 One torch thread (the shared 2-core machine; the brief's rule). Prints a table, then one JSON
 line. Run: ``python bench/laplace_head_speed.py [--sizes 250x1010,1000x1010,...]
-[--repeats 3] [--no-peer] [--out bench/results/laplace_head_speed.jsonl]``.
+[--repeats 5] [--heads laplace,mfvi,sgld] [--no-peer]
+[--out bench/results/laplace_head_speed.jsonl]``.
 """
 
 from __future__ import annotations
@@ -80,15 +85,21 @@ def scores(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
             "accuracy": float((probs.argmax(1) == labels).double().mean())}
 
 
-def ours(x: torch.Tensor, y: torch.Tensor, x_test, y_test, repeats: int) -> dict:
-    times = []
+def ours(x: torch.Tensor, y: torch.Tensor, x_test, y_test, repeats: int,
+         kind: str = "laplace") -> dict:
+    """``fit_head(kind)`` at its defaults, ``repeats`` times: median CPU and wall seconds."""
+    times, walls = [], []
     for _ in range(repeats):
-        start = time.process_time()
-        post = fit_head("laplace", x, y, NUM_CLASSES)
+        start, wall = time.process_time(), time.perf_counter()
+        post = fit_head(kind, x, y, NUM_CLASSES, threads=1)
         times.append(time.process_time() - start)
-    return {"fit_s": statistics.median(times), "fit_all_s": times,
-            "prior_precision": post.prior_selection.value, **scores(
-                post.predict_proba(x_test), y_test)}
+        walls.append(time.perf_counter() - wall)
+    row = {"fit_s": statistics.median(times), "fit_all_s": times,
+           "wall_s": statistics.median(walls), "wall_all_s": walls,
+           **scores(post.predict_proba(x_test), y_test)}
+    if kind == "laplace":
+        row["prior_precision"] = post.prior_selection.value
+    return row
 
 
 def peer(x: torch.Tensor, y: torch.Tensor, x_test, y_test) -> dict:
@@ -114,7 +125,11 @@ def peer(x: torch.Tensor, y: torch.Tensor, x_test, y_test) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(f"{n}x{p}" for n, p in SIZES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--heads", default="laplace,mfvi,sgld",
+                        help="feature heads to time: laplace (always) and mfvi, sgld")
+    parser.add_argument("--other-repeats", type=int, default=1,
+                        help="fits of each of mfvi and sgld per size")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--out", default=None,
                         help="append the JSON record to this file (e.g. "
@@ -132,6 +147,9 @@ def main() -> None:
         x_test, y_test = phi[-TEST_ROWS:], labels[-TEST_ROWS:]
         x, y = phi[:n], labels[:n]
         row = {"n": n, "P": params, "ours": ours(x, y, x_test, y_test, args.repeats)}
+        for kind in ("mfvi", "sgld"):
+            if kind in args.heads.split(","):
+                row[kind] = ours(x, y, x_test, y_test, args.other_repeats, kind)
         if not args.no_peer:
             row["laplace_torch"] = peer(x, y, x_test, y_test)
             row["ratio"] = row["laplace_torch"]["fit_s"] / row["ours"]["fit_s"]
@@ -163,13 +181,18 @@ def _machine() -> str:
 
 def format_row(row: dict) -> str:
     ours_row = row["ours"]
-    text = (f"n={row['n']:>5} P={row['P']:>5}  ours {ours_row['fit_s']:7.2f} s  "
-            f"NLL {ours_row['nll']:.4f} ECE {ours_row['ece']:.4f} acc {ours_row['accuracy']:.4f}")
+    text = (f"n={row['n']:>5} P={row['P']:>5}  ours {ours_row['fit_s']:7.2f} CPU-s "
+            f"({ours_row.get('wall_s', float('nan')):.2f} wall)  NLL {ours_row['nll']:.4f} "
+            f"ECE {ours_row['ece']:.4f} acc {ours_row['accuracy']:.4f}")
     if "laplace_torch" in row:
         peer_row = row["laplace_torch"]
         text += (f" | laplace-torch {peer_row['fit_s']:7.2f} s  NLL {peer_row['nll']:.4f} "
                  f"ECE {peer_row['ece']:.4f} acc {peer_row['accuracy']:.4f} | "
                  f"ratio {row['ratio']:.1f}x")
+    for kind in ("mfvi", "sgld"):
+        if kind in row:
+            text += (f" | {kind} {row[kind]['fit_s']:7.2f} CPU-s NLL {row[kind]['nll']:.4f} "
+                     f"ECE {row[kind]['ece']:.4f}")
     return text
 
 
