@@ -1,17 +1,24 @@
-"""FedLog (Yu, Zhang & Poupart): a federated Bayesian logistic-regression head.
+r"""FedLog (Yu, Zhang & Poupart): a federated Bayesian logistic-regression head.
 
-Spec: fedlog.md of the project's shared specs. Every client keeps its body private and trains it
-with cross-entropy through the broadcast head ``W`` (C, m), m = d + 1, bias column first, which
-it does not update (§3.1). It then uploads the sufficient statistic of its training features,
-``S_c[y] = sum_{i: y_i = y} [1, phi(x_i)]`` (C, m), whose column 0 holds the class counts,
-and its sample count ``n_c`` (§1.4, §3.2). The server sums the statistics, adds the conjugate
-prior (chi = 0, nu) and sets ``W`` to the posterior MAP (exact solver of
+Paper: [FedLog: Personalized Federated Classification with Less Communication and More
+Flexibility](https://arxiv.org/abs/2407.08337) (arXiv 2407.08337; the section names below are
+its). Every client keeps its body private and trains it with cross-entropy through the
+broadcast head $W$ (C, m), $m = d + 1$, bias column first, which it does not update (section
+"FedLog", Eq. 10). It then uploads the sufficient statistic of its training features and its
+sample count $n_c$ (sections "Model Construction" and "FedLog", Eq. 11):
+
+$$S_c[y] = \sum_{i:\, y_i = y} [1, \phi(x_i)] \quad (C, m),$$
+
+whose column 0 holds the class counts. The server sums the statistics, adds the conjugate
+prior ($\chi = 0$, $\nu$) and sets $W$ to the posterior MAP (Eq. 12; exact solver of
 :mod:`inference.conjugate`).
 
-Round 0 (``init_round``) is the reference code's "pretrain" round: clients send statistics of
-their untrained bodies, so the first head is already a MAP (§3.4, §9.5).
+Round 0 (``init_round``) is the authors' code's "pretrain" round: clients send statistics of
+their untrained bodies, so the first head is already a MAP (the paper's section "FedLog" starts
+from a random head instead).
 
-**Which statistics are summed** (``absent_clients``, spec §9 item 8). ``"latest"`` (default):
+**Which statistics are summed** (``absent_clients``; the paper has every client take part in
+every round, so it does not say). ``"latest"`` (default):
 the server keeps every client's latest accepted statistics and sums them all, so a client not
 sampled this round still counts with the statistics of its current body (its body changes only
 when it trains, and then it uploads again). ``"omit"``: this round's participants only (the
@@ -21,11 +28,11 @@ from 6 clients' classes; ``"latest"`` is stable (figures in the project's archit
 
 **Prediction.** The federated posterior is the conjugate posterior of the summed statistics
 (:class:`inference.ConjugatePosterior`); clients evaluate with its posterior predictive and
-report the MAP plug-in ``softmax(W [1, phi])`` beside it. ``predictive="mc"`` (default) averages
-the softmax over ``mc_samples`` (256) draws of the posterior's Laplace approximation, seeded
-from the run seed and the round (every client of a round sees the same draws); ``"probit"``
-uses the Laplace logit moments through the probit approximation; ``"map"`` is the plug-in.
-The default was chosen by measurement on digits (20 clients, ``shards:2``, ``mlp:200``, 30
+report the MAP plug-in $\mathrm{softmax}(W [1, \phi])$ beside it. ``predictive="mc"``
+(default) averages the softmax over ``mc_samples`` (256) draws of the posterior's Laplace
+approximation, seeded from the run seed and the round (every client of a round sees the same draws);
+``"probit"`` uses the Laplace logit moments through the probit approximation; ``"map"`` is the
+plug-in. The default was chosen by measurement on digits (20 clients, ``shards:2``, ``mlp:200``, 30
 rounds, seeds 0-4, final round, 1,000 draws): the MC predictive had the lowest pooled ECE on
 all five seeds and the lowest NLL on four; probit was better than the plug-in on two seeds and
 worse on three (its one-dimensional probit correction is only an approximation of the
@@ -33,19 +40,19 @@ multi-class integral). With ~1,300 training samples the posterior is concentrate
 agree to about 1e-3 in NLL.
 
 **Feature scale** (``feature_scale``). The model fixes the within-class standard deviation of
-``[1, s phi]`` at ``1/sqrt 2`` (:class:`inference.ConjugatePosterior`); the paper has s = 1
+$[1, s\phi]$ at $1/\sqrt 2$ (:class:`inference.ConjugatePosterior`); the paper has s = 1
 (``feature_scale=1``, the default until issue 40); the default is ``"heldout"`` (below).
 ``"evidence"`` is federated type-II maximum likelihood: every round the server takes
 the s that maximises the model's log evidence (:mod:`inference.conjugate.evidence`). The
 evidence is a function of summed quantities, but not of the statistics alone: its s-dependence
-has the term ``-s^2 Q``, ``Q = sum_i ||phi_i||^2``, which the table does not determine. So each
-upload carries ``square_sum`` (Q of the client's clamped training features, float64 (1,):
-8 bytes more per upload), validated against the table (at least ``sum_y ||S_y||^2 / n_y`` by
-Cauchy-Schwarz, at most ``n d B^2``) and cached like the statistics for absent clients. The
-server keeps s in its state (reported as ``feature_scale`` in every round's metrics), solves
-the head at s, and sends s with the evaluation broadcast. DP variants keep s = 1 (Q would be a
-release outside the privacy budget); FedLog-C takes a fixed s only (:class:`FedLogC`).
-Measured (final round, seeds 0, 1, 2):
+has the term $-s^2 Q$, $Q = \sum_i \lVert\phi_i\rVert^2$, which the table does not determine.
+So each upload carries ``square_sum`` (Q of the client's clamped training features, float64
+(1,): 8 bytes more per upload), validated against the table (at least
+$\sum_y \lVert S_y\rVert^2 / n_y$ by Cauchy-Schwarz, at most $n d B^2$) and cached like the
+statistics for absent clients. The server keeps s in its state (reported as ``feature_scale`` in
+every round's metrics), solves the head at s, and sends s with the evaluation broadcast. DP variants
+keep s = 1 (Q would be a release outside the privacy budget); FedLog-C takes a fixed s only
+(:class:`FedLogC`). Measured (final round, seeds 0, 1, 2):
 
 * digits, 10 clients, ``shards:2``, 8 rounds: s = 14.0, 14.9, 14.2 (these bodies' features are
   small for the model, s = 1 is underconfident); NLL 0.103, 0.308, 0.115 -> 0.062, 0.276,
@@ -115,10 +122,10 @@ the scale, as forged statistics can pull the head. DP variants and FedLog-C keep
 s for FedLog-C).
 
 **Why the posterior predictive is the plug-in here, and stays so** (issue 40). The conjugate
-posterior is that of the generative model ``phi | y ~ N(W_y / 2, I / 2)`` in the scaled
-coordinates: its Laplace covariance is ``(N Hess A(W*))^-1``, the uncertainty of the class
-means from ``N = nu + n`` examples, so a logit's posterior variance is about
-``2 ||s phi||^2 / (N p_y)`` whatever the row: it grows with the feature norm, not with the
+posterior is that of the generative model $\phi \mid y \sim \mathcal{N}(W_y / 2, I / 2)$ in the
+scaled coordinates: its Laplace covariance is $(N \nabla^2 A(W^*))^{-1}$, the uncertainty of
+the class means from ``N = nu + n`` examples, so a logit's posterior variance is about
+$2 \lVert s\phi\rVert^2 / (N p_y)$ whatever the row: it grows with the feature norm, not with the
 distance from the training features. S1, seed 0, N = 2,501 (``bench/s1_posterior_spread.py``),
 median over the test rows of (posterior standard deviation of the top logit) / (gap between the
 two largest MAP logits): s = 1: 0.69 / 47.5 (1.4%) clean, 0.64 / 22.7 (2.8%) at 30 degrees,
@@ -146,15 +153,16 @@ what calibrates FedLog.
 
 * a *privacy placement* (:class:`NoPrivacy`, :class:`LocalDP`, :class:`CentralDP`): what a
   client releases, what an upload must satisfy (one implementation for one upload and many),
-  and how the server totals the statistics (§4.2: features clamped to [-b, b]; Gaussian noise
-  added by each client to its own statistic, or once by the server to the sum; sigma from the
-  v2 accountant by default, ``accountant="k_round"``, or v1's per-release one, ``"single"``;
-  local-DP uploads carry no ``num_samples``, which would leak n_c; DP runs report the
-  noise-to-signal of the summed statistic, ``dp_noise_to_signal``, warn when the noise swamps
+  and how the server totals the statistics (section "Differential Privacy": features clamped
+  to [-b, b]; Gaussian noise added by each client to its own statistic, or once by the server
+  to the sum; sigma from the v2 accountant by default, ``accountant="k_round"``, or v1's per-release
+  one, ``"single"``; local-DP uploads carry no ``num_samples``, which would leak n_c; DP runs report
+  the noise-to-signal of the summed statistic, ``dp_noise_to_signal``, warn when the noise swamps
   it, and evaluate with the posterior widened by the known noise, see :class:`_FedLogDP`);
 * a *broadcast policy* (:class:`HeadBroadcast` for FedLog, :class:`StatisticsBroadcast` for
-  FedLog-C, §4.1: the server broadcasts the statistic and N; each client solves the same
-  deterministic MAP and adds the compactness loss ``alpha * ||phi(x) - mean_y||^2``).
+  FedLog-C, section "Interpretation and FedLog-C": the server broadcasts the statistic and N;
+  each client solves the same deterministic MAP and adds the compactness loss
+  $\alpha \lVert\phi(x) - \bar\phi_y\rVert^2$, $\bar\phi_y$ the class mean).
 
 **What an honest upload satisfies.** Every body ends in a ReLU, and a client's features are
 bounded by ``B`` (``feature_bound``, default 1000, far above the ~5 a trained digits body
