@@ -35,12 +35,10 @@ from typing import Any
 
 import torch
 
-from bayesfl.calibrate import parse_calibrate
 from bayesfl.checks import check_integer, check_number, describe
 from bayesfl.conformal import parse_conformal
 from bayesfl.data.datasets import check_dataset_options, dataset_key
 from bayesfl.errors import ConfigError
-from bayesfl.strategies import strategy_options
 from inference.threads import (  # noqa: F401 - part of this module's API
     MAX_THREADS,
     available_cores,
@@ -106,8 +104,11 @@ class SimulationConfig:
     :attr:`data_rng_seed` is the seed in force.
 
     Raises:
-        ConfigError: a value of the wrong type or out of range (module docstring), an unknown
-            strategy, or a body string without a spec.
+        ConfigError: a value of the wrong type or out of range (module docstring), or a body
+            string without a spec. Whether the strategy, its option names and the
+            ``calibrate`` spec exist is checked at run start
+            (:func:`bayesfl.engine.preflight.check_run_config`): the config knows no strategy
+            or calibration module.
     """
 
     strategy: str = "fedlog"
@@ -144,7 +145,6 @@ class SimulationConfig:
         if not self.body_specs:
             raise ConfigError(f"body must name at least one body spec, got {self.body!r}; "
                               "e.g. 'mlp:200' or 'mlp:200,mlp:100-100'")
-        strategy_options(self.strategy)  # an unknown strategy fails before any data is loaded
         key = dataset_key(self.dataset)
         if key is not None:  # other names label data passed in (simulate(data=...))
             # checked here, before a run directory is prepared; kept as given (fingerprints)
@@ -210,7 +210,11 @@ def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
     """
     label = label or name
     if name == "calibrate":  # None, "temperature" or "temperature:FRACTION"
-        parse_calibrate(value)
+        # the spec itself is parsed at run start (bayesfl.engine.preflight), by the calibrate
+        # step's own parser: the config knows no calibration module
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"calibrate must be None or a method such as 'temperature' or "
+                              f"'temperature:0.2', got {describe(value)}")
         return value if value is None else value.strip()
     if name == "conformal":  # None or "SCORE:ALPHA[:METHOD]"
         parse_conformal(value)

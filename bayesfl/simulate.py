@@ -78,6 +78,7 @@ from bayesfl.data.clients import ClientData
 from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.preflight import check_run_config
 from bayesfl.engine.rounds import RoundLoop, RoundTrace
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
@@ -302,6 +303,7 @@ def simulate(
         dataset = "digits" if data is None else "custom"
     config = SimulationConfig(strategy=strategy, dataset=dataset, clients=clients,
                               partition=partition, rounds=rounds, seed=seed, **options)
+    check_run_config(config)  # the strategy, its option names, calibrate: before any data
     threads = check_threads(threads)
     resolve_device(config.device)  # an absent GPU is refused before anything is written
     if resume and out is None:

@@ -203,22 +203,10 @@ def test_nothing_under_flower_imports_a_private_name_of_another_module():
                       f"tests/test_imports.py: {gone}")
 
 
-KNOWN_CONFIG_IMPORTS: dict[str, str] = {
-    "bayesfl.strategies": "issue 42: strategy_options, the unknown-strategy check of "
-                          "SimulationConfig; to move to the registry at run start",
-    "bayesfl.calibrate": "issue 42: parse_calibrate; the spec parser to move below config",
-}
-"""Strategy and calibration modules ``bayesfl/config.py`` still imports, each with its issue;
-shrinks like :data:`KNOWN_CYCLES`."""
-
-
 def test_the_run_config_imports_no_strategy_or_calibration_module(graph):
     # the settings schema sits below the algorithms: a strategy's options are validated by the
     # registry (bayesfl.strategies.registry), not by the config that names the strategy
-    found = {t for t in graph["bayesfl.config"]
-             if t.startswith(("bayesfl.strategies", "bayesfl.calibrate"))}
-    packages = {t if t == "bayesfl.calibrate" else "bayesfl.strategies" for t in found}
-    new = sorted(packages - set(KNOWN_CONFIG_IMPORTS))
-    gone = sorted(set(KNOWN_CONFIG_IMPORTS) - packages)
-    assert not new, f"bayesfl/config.py imports {new}: validate at run start instead"
-    assert not gone, f"no longer imported, remove from KNOWN_CONFIG_IMPORTS: {gone}"
+    found = sorted(t for t in graph["bayesfl.config"]
+                   if t.startswith(("bayesfl.strategies", "bayesfl.calibrate")))
+    assert found == [], f"bayesfl/config.py imports {found}: check at run start instead " \
+                        "(bayesfl.engine.preflight)"

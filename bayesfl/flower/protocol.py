@@ -38,6 +38,7 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from bayesfl.config import SimulationConfig, check_threads, describe
+from bayesfl.engine.preflight import check_run_config
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message, TensorSpec, decode, validate
 from bayesfl.settings import settings_from_mapping
@@ -185,6 +186,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
     if flower.get("threads") is not None:
         flower["threads"] = check_threads(flower["threads"])
     config = SimulationConfig(**settings)
+    check_run_config(config)  # the strategy, its option names, calibrate: before any data
     if config.authenticate:
         raise ConfigError("authenticate is not supported by the Flower adapter: use Flower's "
                           "TLS and SuperNode authentication (flower-superlink "

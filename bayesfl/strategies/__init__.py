@@ -38,6 +38,7 @@ from bayesfl.strategies.registry import (
     FAMILIES,
     STRATEGIES,
     Option,
+    check_option_names,
     check_options,
     lookup,
     options_of,
@@ -85,7 +86,7 @@ def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strate
             choices (:meth:`~bayesfl.strategies.registry.Option.check`).
     """
     cls = lookup(name)
-    _check_names(name, options)
+    check_option_names(name, options)
     try:
         strategy = cls(context, **options)
     except ConfigError:
@@ -95,12 +96,6 @@ def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strate
         raise
     check_options(name, options)  # what the strategy's own checks let through
     return strategy
-
-
-def _check_names(name: str, options: dict[str, Any]) -> None:
-    """Unknown option names first (with the nearest declared one), before any is used."""
-    declared = options_of(lookup(name))
-    check_options(name, {k: v for k, v in options.items() if k not in declared})
 
 
 __all__ = [
@@ -140,6 +135,7 @@ __all__ = [
     "ServerState",
     "Strategy",
     "StrategyContext",
+    "check_option_names",
     "check_options",
     "make_strategy",
     "options_of",

@@ -343,11 +343,23 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
         declared[key].check(cls.name, value)
 
 
+def check_option_names(name: str, options: Mapping[str, Any]) -> None:
+    """Check that strategy ``name`` exists and declares every name of ``options`` (not their
+    values): what a run checks at its start, before any data is loaded.
+
+    Raises:
+        ConfigError: an unknown strategy or option (the message lists the valid ones and the
+            nearest).
+    """
+    declared = options_of(lookup(name))
+    check_options(name, {k: v for k, v in options.items() if k not in declared})
+
+
 def strategy_defaults(name: str) -> dict[str, Any]:
     """The options of strategy ``name`` with their ``__init__`` defaults."""
     return {n: o.default for n, o in options_of(lookup(name)).items()}
 
 
 __all__ = ["FAMILIES", "STRATEGIES", "Family", "Kind", "Option", "Registration",
-           "check_options", "lookup", "options_of", "register_strategy", "sort_registry",
-           "strategy_defaults"]
+           "check_option_names", "check_options", "lookup", "options_of", "register_strategy",
+           "sort_registry", "strategy_defaults"]

@@ -130,9 +130,38 @@ def test_the_options_mapping_is_copied():
     assert config.strategy_options == {"alpha": 0.1}
 
 
-def test_an_unknown_strategy_is_refused_before_anything_is_loaded():
+def test_an_unknown_strategy_is_refused_at_run_start_before_anything_is_loaded(tmp_path,
+                                                                              monkeypatch):
+    # the config names a strategy; the registry judges it, at run start (the config is below
+    # the strategies: tests/test_imports.py)
+    import importlib
+
+    from bayesfl.engine.preflight import check_run_config
+
+    simulate_module = importlib.import_module("bayesfl.simulate")  # the module, not simulate()
+
+    config = SimulationConfig(strategy="fedsgd", strategy_options={"alpah": 1})
     with pytest.raises(ConfigError, match="unknown strategy 'fedsgd'"):
-        SimulationConfig(strategy="fedsgd")
+        check_run_config(config)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['alpah'\] for strategy "
+                                          r"'fedlog-c' \(did you mean 'alpha'\?\)"):
+        check_run_config(SimulationConfig(strategy="fedlog-c", strategy_options={"alpah": 1}))
+    with pytest.raises(ConfigError, match="unknown calibrate method 'platt'"):
+        check_run_config(SimulationConfig(calibrate="platt"))
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data loaded before the strategy was checked")
+
+    monkeypatch.setattr(simulate_module, "load_dataset", no_data)
+    with pytest.raises(ConfigError, match="unknown strategy 'fedsgd'"):
+        simulate_module.simulate("fedsgd", out=tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_calibrate_that_is_not_a_string_is_refused_by_the_config():
+    for bad in ("", "  ", 1, ["temperature"]):
+        with pytest.raises(ConfigError, match="calibrate must be None or a method"):
+            SimulationConfig(calibrate=bad)
 
 
 def test_cpu_resolves_and_an_absent_gpu_is_a_config_error(monkeypatch):
