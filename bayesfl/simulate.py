@@ -126,14 +126,11 @@ from bayesfl.run_directory import (
 )
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import (
-    PERSONALIZE_SEED_KEY,
     PREDICTIVE,
     ClientState,
     ServerState,
     Strategy,
-    derived_seed,
 )
-from bayesfl.training import watch_divergence
 
 UploadHook = Callable[[int, int, bytes], bytes]
 """``hook(round, client_id, encoded_upload) -> bytes actually delivered`` (tests, attacks)."""
@@ -396,18 +393,15 @@ class InProcessChannel:
         fitting = [cid for cid in client_ids if messages[cid].fit is not None]
         if fitting:
             received = decode(messages[fitting[0]].fit, key=run.server_key)
-            gens = {cid: torch.Generator().manual_seed(seed) for cid, seed in
-                    zip(fitting, client_seeds(run.config.seed, round, fitting), strict=True)}
-            before = {cid: run.clients[cid].state for cid in fitting}
-            with watch_divergence() as diverged:
-                uploads = run.executor.fit([run.clients[i] for i in fitting], received, gens)
-            for cid, upload in zip(fitting, uploads, strict=True):
-                stop = diverged.get(id(gens[cid]))
-                if stop is not None:  # a client that knows its training failed sends nothing
+            fitted = run.executor.fit([run.clients[i] for i in fitting], received,
+                                      seed=run.config.seed, round=round)
+            for cid in fitting:
+                stop = fitted.diverged.get(cid)
+                if stop is not None:  # its round undone by the client step: it sends nothing
                     out.unreadable[cid] = f"upload not sent: {stop}"
-                    run.clients[cid].state = before[cid]  # its round is undone, not half-kept
                     run._warn_divergence(round, cid, stop)
                     continue
+                upload = fitted.uploads[cid]
                 t = time.perf_counter()
                 data = encode(upload, key=run.client_key(cid))
                 self.seconds_encode += time.perf_counter() - t
@@ -546,9 +540,6 @@ class _Run:
         personalized: dict[int, ClientState] = {}
         with torch.random.fork_rng(devices=self._rng_devices()):
             if self.client_half.personalizes:
-                gens = {c.client_id: torch.Generator().manual_seed(
-                    derived_seed(config.seed, PERSONALIZE_SEED_KEY, c.client_id))
-                    for c in self.clients}
                 # personalisation can take as long as the rounds (FedSI refits every
                 # client's Laplace): a bar of its own, one step per client
                 # (mininterval 0: every client's step is shown, they are seconds apart)
@@ -556,7 +547,8 @@ class _Run:
                           desc=f"{config.strategy}: personalising", leave=False,
                           mininterval=0) as bar:
                     personalized = self.executor.personalize(
-                        self.clients, broadcast, gens, on_client=lambda _: bar.update(1))
+                        self.clients, broadcast, seed=config.seed, round=last_round,
+                        on_client=lambda _: bar.update(1))
                 last_eval = None
             if last_eval is None:  # personalised, or resumed a finished run: evaluate once
                 last_eval = merge_evaluations(self.executor.evaluate(

@@ -130,10 +130,12 @@ def receive_uploads(server: Strategy, plan: RoundPlan, participants: Sequence[in
     received: list[tuple[int, Message]] = []
     max_bytes = plan.max_upload_bytes  # one limit for the round (computed from the schema)
     for cid in participants:
-        if cid in collected.unreadable:
-            reasons[cid] = collected.unreadable[cid]
         reply = collected.replies.get(cid)
-        if reply is None:
+        if cid in collected.unreadable or reply is None:
+            # no upload: unanswered, unreadable, or nothing sent (a diverged client, whose
+            # reply may still carry its evaluation of the previous round)
+            if cid in collected.unreadable:
+                reasons[cid] = collected.unreadable[cid]
             bytes_up.append(0)
             continue
         data = reply.upload

@@ -15,7 +15,9 @@ it (``data-loaders``, :func:`allowed_loader`), and refuses the run otherwise. Ha
 * ``train.round``: one message per round (:mod:`bayesfl.flower.protocol`): evaluate the
   previous round's state with its evaluation broadcast (accumulator states only: no prediction
   leaves the node), then fit on the round's broadcast; the last message of a run evaluates
-  and, for strategies that do, personalises and evaluates the personalised state;
+  and, for strategies that do, personalises and evaluates the personalised state. Each is the
+  simulator's client step (:mod:`bayesfl.client.step`): a client whose training diverges
+  keeps its state from before the round and replies ``diverged`` (why) instead of an upload;
 * ``query.calibrate``: the temperature-scaling step (:mod:`bayesfl.calibrate`) on the node's
   held-out data, then its temperature-scaled evaluation;
 * ``query.shift``: the shift evaluation (:mod:`bayesfl.shift_protocol`) of the node's final
@@ -309,6 +311,28 @@ def store_state(context: Context, slot: str, state: ClientState, round: int) -> 
     context.state[STATE_RECORD] = ConfigRecord(values)
 
 
+class ContextStore:
+    """This node's :class:`~bayesfl.client.step.ClientStore`: its one client's states in
+    ``context.state`` (:func:`load_state`, :func:`store_state`); a trained state is also kept
+    in the node's ``state-dir`` (:func:`save_round_state`). ``seconds`` adds up the time spent
+    saving (the reply's ``save`` timing)."""
+
+    def __init__(self, context: Context, node: Node) -> None:
+        self.context, self.node = context, node
+        self.seconds = 0.0
+
+    def load(self, client_id: int, slot: str = "trained") -> ClientState:
+        return load_state(self.context, self.node, slot)
+
+    def save(self, client_id: int, state: ClientState, round: int,
+             slot: str = "trained") -> None:
+        t0 = time.perf_counter()
+        store_state(self.context, slot, state, round)
+        if slot == "trained":
+            save_round_state(self.node, state, round)
+        self.seconds += time.perf_counter() - t0
+
+
 # ---- the client state on the node's disk (exact resumes) -------------------------------------
 _KEEP_STATES = 3  # the server's checkpoint lags the nodes' fits by one round at most
 
@@ -485,25 +509,28 @@ def round_step(msg: Message, context: Context) -> Message:
 
 
 def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
-              timing: dict[str, float]) -> dict[str, bytes]:
+              timing: dict[str, float]) -> dict[str, Any]:
+    """The client step's fit (:func:`bayesfl.client.step.fit_clients`, the simulator's too):
+    the upload, or, for a client whose training diverged, why it sends nothing
+    (``diverged``; its state stays the one from before the round)."""
     import torch
 
+    from bayesfl.client.step import LocalClient, fit_clients
     from bayesfl.messages import encode
     from bayesfl.strategies.base import derived_seed
 
-    state = load_state(context, node)
-    seed = node.config.seed
+    store = ContextStore(context, node)
     t1 = time.perf_counter()
-    torch.manual_seed(derived_seed(seed, r))
-    gen = torch.Generator().manual_seed(derived_seed(seed, r, node.client_id))
-    state, upload = node.strategy.fit(node.client, state, node.data, broadcast, gen)
-    t2 = time.perf_counter()
-    timing["fit"] = t2 - t1
-    store_state(context, "trained", state, r)
-    save_round_state(node, state, r)
+    # the global generator as the engine's round start leaves it in the simulator
+    torch.manual_seed(derived_seed(node.config.seed, r))
+    fitted = fit_clients(node.strategy, [LocalClient(node.client, node.data)], store, broadcast,
+                         seed=node.config.seed, round=r)
+    timing["fit"] = time.perf_counter() - t1 - store.seconds
+    timing["save"] = store.seconds
+    if node.client_id in fitted.diverged:
+        return {"diverged": fitted.diverged[node.client_id]}
     t3 = time.perf_counter()
-    timing["save"] = t3 - t2
-    data = encode(upload)
+    data = encode(fitted.uploads[node.client_id])
     timing["encode"] = time.perf_counter() - t3
     return {"upload": data}
 
@@ -511,34 +538,32 @@ def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
 def _evaluate_step(context: Context, node: Node, data: bytes, r: int, *,
                    personalize: bool) -> dict[str, Any]:
     """The accumulators of the trained state (``evaluation``) and, with ``personalize``, of the
-    personalised one (``personalized``); an evaluation that fails is reported, not raised."""
-    import torch
-
+    personalised one (``personalized``), by the client step (``evaluate_clients``,
+    ``personalize_clients`` of :mod:`bayesfl.client.step`); an evaluation that fails is
+    reported, not raised."""
+    from bayesfl.client.step import LocalClient, evaluate_clients, personalize_clients
     from bayesfl.errors import BayesFLError
     from bayesfl.flower.protocol import evaluation_tensors
     from bayesfl.messages import encode
-    from bayesfl.strategies.base import PERSONALIZE_SEED_KEY, derived_seed
     from calibration.errors import CalibrationError
     from inference.errors import InferenceError
 
     broadcast = _decoded(data, node, r)
     strategy, out = node.strategy, {}
+    client, store = LocalClient(node.client, node.data), ContextStore(context, node)
 
     def evaluated(state: ClientState) -> bytes:
-        evaluation = strategy.evaluate(node.client, state, node.data, broadcast,
-                                       n_bins=node.config.n_bins)
+        (evaluation,) = evaluate_clients(strategy, [client], {node.client_id: state}, broadcast,
+                                         n_bins=node.config.n_bins)
         return encode(strategy.up_message(r, node.client_id, evaluation_tensors(evaluation)))
 
-    trained = load_state(context, node)
     try:
-        out["evaluation"] = evaluated(trained)
+        out["evaluation"] = evaluated(store.load(node.client_id))
     except (BayesFLError, InferenceError, CalibrationError) as err:
         out["evaluation-error"] = f"evaluation failed: {err}"
     if personalize:
-        gen = torch.Generator().manual_seed(
-            derived_seed(node.config.seed, PERSONALIZE_SEED_KEY, node.client_id))
-        state = strategy.personalize(node.client, trained, node.data, broadcast, gen)
-        store_state(context, "personalized", state, r)
+        (state,) = personalize_clients(strategy, [client], store, broadcast,
+                                       seed=node.config.seed, round=r).values()
         try:
             out["personalized"] = evaluated(state)
         except (BayesFLError, InferenceError, CalibrationError) as err:
@@ -641,7 +666,7 @@ def _rng_devices(node: Node) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
-__all__ = ["LOADED_AT", "NODE_LOADERS", "STATE_RECORD", "Node", "allowed_loader",
+__all__ = ["LOADED_AT", "NODE_LOADERS", "STATE_RECORD", "ContextStore", "Node", "allowed_loader",
            "app", "import_step_modules", "load_state", "message_timeline", "node_of",
            "process_started_at", "resume_state", "save_round_state", "shift", "site_data",
            "store_state"]

@@ -197,6 +197,12 @@ class FlowerChannel:
                 problem = values.get("resume-problem")
                 if isinstance(problem, str):
                     out.events.append(_event(cid, nodes[cid], "resume", problem))
+                diverged = values.get("diverged")
+                if steps[cid].fit is not None and isinstance(diverged, str) \
+                        and reply.upload is None:  # the client step's divergence guard
+                    out.unreadable[cid] = f"upload not sent: {diverged[:1000]}"
+                    out.replies[cid] = reply  # its evaluation of the previous round counts
+                    continue
                 if steps[cid].fit is not None and reply.upload is None:
                     raise MessageRejected("not a bayesfl message: the reply carries no upload")
             except MessageRejected as err:

@@ -932,3 +932,119 @@ def test_a_done_marker_counts_only_when_written_after_the_submission(tmp_path):
     marker.write_text("{}")
     written = marker.stat().st_mtime
     assert _written_since(marker, written) and not _written_since(marker, written + 1.0)
+
+
+# ---- one client step for every transport (issue 42) -----------------------------------------
+STRATEGY_METHODS = ("fit", "fit_group", "personalize", "evaluate", "evaluate_group")
+
+
+def client_step_callers(run) -> set[tuple[str, Any]]:
+    """Run ``run()`` and return (method, caller's code) of every call of a strategy's client
+    half (:data:`STRATEGY_METHODS`) from outside ``bayesfl/strategies`` (a strategy's own
+    ``fit_group`` calling its ``fit`` is inside): who drives the client half."""
+    import sys
+
+    strategies = str(Path(__file__).resolve().parents[2] / "bayesfl" / "strategies")
+    seen: set[tuple[str, Any]] = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name in STRATEGY_METHODS \
+                and code.co_filename.startswith(strategies):
+            back = frame.f_back
+            while "/torch/" in back.f_code.co_filename:  # a decorator's wrapper (no_grad)
+                back = back.f_back
+            caller = back.f_code
+            if not caller.co_filename.startswith(strategies):
+                seen.add((code.co_name, caller))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_the_simulator_and_the_flower_client_app_call_the_same_client_step(task_identity):
+    # FedBABU personalises: fit, personalise and evaluate all run. Every call of the client
+    # half, in the simulator's executor and in the Flower ClientApp's handlers, comes from the
+    # functions of bayesfl.client.step, and from the same ones on both transports
+    from bayesfl.client import step
+
+    simulated = client_step_callers(lambda: simulate_small("fedbabu"))
+    on_flower = client_step_callers(
+        lambda: serve({**SMALL, "strategy": "fedbabu", "threads": 1}).run())
+    assert simulated == on_flower
+    assert {caller for _, caller in on_flower} == {
+        step.fit_clients.__code__, step.personalize_clients.__code__,
+        step.evaluate_clients.__code__}
+
+
+DIVERGING = {**SITES, "data-loader": "site_app.site_data:overflowing", "rounds": 2,
+             "evaluate-every": 1, "body": "mlp:200"}
+"""Site 0's digit-3 inputs overflow (3e38): its training loss is non-finite every round (Adam
+keeps the weights small, so it takes a hidden unit overflowing float32: with 200 of them one
+does from the first mini-batch; mlp:8's logits stay finite, about 4e37)."""
+
+
+def assert_diverged_client_sent_nothing(records: list[dict[str, Any]]) -> None:
+    """What the simulator's divergence tests assert (tests/bayesfl/test_simulate.py): every
+    round the diverging client (0) is rejected with the guard's reason and sent 0 bytes, the
+    others' uploads are accepted."""
+    import re
+
+    assert [r["round"] for r in records] == [1, 2]
+    for record in records:
+        (rejection,) = record["rejections"]
+        assert rejection["client_id"] == 0
+        assert re.match(r"upload not sent: local training loss became (nan|inf) at epoch 1 of "
+                        r"1, mini-batch \d+, and training stopped there; lower the learning "
+                        r"rate", rejection["reason"]), rejection["reason"]
+        assert record["accepted"] == 2 and record["bytes_up_per_client"][0] == 0
+        assert all(b > 0 for b in record["bytes_up_per_client"][1:])
+
+
+def test_a_diverging_client_on_flower_sends_nothing_as_in_the_simulator(task_identity,
+                                                                        monkeypatch):
+    from safetensors.torch import load as load_tensors
+
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    server = serve(DIVERGING, node_config={"data-loaders": DIVERGING["data-loader"]})
+    summary = server.run()
+    assert_diverged_client_sent_nothing(server.metrics_log.records)
+    assert summary["rejected_uploads"] == 2
+    # its round undone: the state the node keeps is its initial one, nothing non-finite
+    record = server.grid.contexts[100].state.config_records.get("bayesfl-state")
+    assert record is None or "trained" not in record
+    for cid in (1, 2):
+        trained = load_tensors(server.grid.contexts[100 + cid].state.config_records[
+            "bayesfl-state"]["trained"])
+        assert all(bool(t.isfinite().all()) for t in trained.values() if t.is_floating_point())
+    # its own test rows overflow too: each of its evaluations fails, is reported, and the run
+    # goes on with the two others; the only other events are its rejected uploads
+    assert {(e["client_id"], e["step"]) for e in summary["events"]} == \
+        {(0, "evaluate"), (0, "fit")}, summary["events"]
+    assert all(e["reason"].startswith("upload not sent: ") for e in summary["events"]
+               if e["step"] == "fit")
+    assert [c["client_id"] for c in summary["per_client"]] == [1, 2]
+
+
+@pytest.mark.flower
+@pytest.mark.slow  # ~1-3 minutes: three SuperNodes, three messages each
+def test_a_diverging_client_on_real_supernodes_sends_nothing(task_identity, monkeypatch,
+                                                             tmp_path):
+    out = tmp_path / "run"
+    with LocalFederation(3, start_timeout=300.0,
+                         node_config={"data-loaders": DIVERGING["data-loader"]}) as fed:
+        status = fed.run({**DIVERGING, "out": str(out), "round-timeout": 400.0,
+                          "node-wait": 300.0}, app=SITE_APP, timeout=RUN_TIMEOUT,
+                         done_marker=out / "summary.json")
+    assert status.completed, (status.status, status.details)
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_diverged_client_sent_nothing(records)
+    monkeypatch.syspath_prepend(str(SITE_APP))
+    here = serve(DIVERGING, node_config={"data-loaders": DIVERGING["data-loader"]}).run()
+    for key in FIGURES:
+        assert summary[key] == pytest.approx(here[key], abs=1e-9), key
