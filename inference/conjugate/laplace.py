@@ -16,6 +16,20 @@ and a square factor ``Cov = L L^T``:
 ``w_y ∝ sqrt(p_y) v_y / sqrt(1 + 2 ||v_y||^2)`` and
 ``B_y^-1/2 = sqrt(2 / p_y) (I - (1 - s_y) v_hat_y v_hat_y^T)``, ``s_y = 1 / sqrt(1 + 2||v_y||^2)``.
 Every operation is O(C k) time and memory; dense ``(C k)^2`` matrices are built only on request.
+
+**Classes without data** (``empty``: a class whose natural statistic row is zero, e.g. a class
+held only by novel clients, or by none). Their MAP row is ``W_y = 0`` with
+``p_y = 1 / (1 + sum_{j != y} e^{a_j})``, ``a_j = ||W_j||^2 / 4``, so the curvature there,
+``N p_y / 2``, is next to nothing (``p_y ~ e^{-A}``, A ~ 10-100 for trained bodies) and the
+Laplace variance ``2 / (N p_y)`` explodes: Monte-Carlo draws then give that class logits of
+any size, and the predictive put ~72% of its mass on two such classes (digits, 5 clients,
+``shards:2``, one novel client: accuracy 0.0 against 0.99 for the plug-in). The curvature at
+the mode says nothing about this posterior: with the other rows at the MAP, ``W_y``'s density
+is ``(1 + e^{||W_y||^2 / 4 - A})^{-N}``, ``A = logsumexp_{j != y} a_j``, flat over a ball of
+radius about ``2 sqrt(A)`` and falling off like ``e^{-N ||W_y||^2 / 4}`` beyond it. For these
+classes the block is the moment-matched isotropic Gaussian of that conditional instead
+(:func:`empty_class_variance`: ``E ||W_y||^2 / k`` by quadrature), the other classes' blocks and
+the rank-one coupling are unchanged (``q_y = p_y v_y = 0``: the coupling never reaches them).
 """
 
 from __future__ import annotations
@@ -37,13 +51,25 @@ class ConjugateLaplace:
     Args:
         mean: the MAP ``W*``, float64 ``(C, k)`` (column 0 = bias).
         N: the natural count ``nu + n`` (> 0).
+        empty: ``(C,)`` bool, the classes whose natural statistic is zero (module notes: their
+            block is the moment-matched Gaussian of their conditional posterior); None: none.
     """
 
-    def __init__(self, mean: Tensor, N: float) -> None:
+    def __init__(self, mean: Tensor, N: float, empty: Tensor | None = None) -> None:
         self.mean = mean.to(torch.float64)
         self.N = float(N)
         tiny = torch.finfo(torch.float64).tiny
-        self.p = torch.softmax(self.mean.pow(2).sum(dim=1) / 4.0, dim=0).clamp(min=tiny)
+        a = self.mean.pow(2).sum(dim=1) / 4.0
+        self.p = torch.softmax(a, dim=0).clamp(min=tiny)
+        # the p of each class's block: p itself, or 2 / (N sigma^2) for a class without data
+        self.block_p = self.p.clone()
+        self.empty = None if empty is None else empty.to(self.mean.device, torch.bool)
+        if self.empty is not None and bool(self.empty.any()) and self.mean.shape[0] > 1:
+            k = self.mean.shape[1]
+            for y in torch.nonzero(self.empty).flatten().tolist():
+                others = torch.cat([a[:y], a[y + 1:]])
+                variance = empty_class_variance(float(torch.logsumexp(others, 0)), self.N, k)
+                self.block_p[y] = 2.0 / (self.N * variance)
         self.v = self.mean / 2.0
         v_norm2 = self.v.pow(2).sum(dim=1)
         self._one_plus = 1.0 + 2.0 * v_norm2  # 1 + 2 ||v_y||^2
@@ -64,21 +90,23 @@ class ConjugateLaplace:
 
     def to(self, device: torch.device | str) -> ConjugateLaplace:
         """The same approximation on ``device`` (its factors are recomputed there)."""
-        return ConjugateLaplace(self.mean.to(device), self.N)
+        return ConjugateLaplace(self.mean.to(device), self.N, self.empty)
 
     # ------------------------------------------------------------------ linear algebra
 
     def precision_matvec(self, X: Tensor) -> Tensor:
         """``H X`` for ``X`` of shape ``(..., C, k)``."""
         p = self.p.unsqueeze(-1)
-        block = p * (X / 2.0 + self.v * (self.v * X).sum(dim=-1, keepdim=True))
+        block = self.block_p.unsqueeze(-1) * (X / 2.0 + self.v * (self.v * X).sum(dim=-1,
+                                                                                keepdim=True))
         q_dot = (p * self.v * X).sum(dim=(-2, -1), keepdim=True)
         return self.N * (block - p * self.v * q_dot)
 
     def covariance_matvec(self, X: Tensor) -> Tensor:
         """``H^-1 X`` for ``X`` of shape ``(..., C, k)``."""
         c = self._c.unsqueeze(-1)
-        block = (2.0 / self.p).unsqueeze(-1) * (X - c * self.v * (self.v * X).sum(-1, keepdim=True))
+        block = (2.0 / self.block_p).unsqueeze(-1) * (X - c * self.v * (self.v * X).sum(
+            -1, keepdim=True))
         r_dot = (self.r * X).sum(dim=(-2, -1), keepdim=True)
         return (block + self.gamma * self.r * r_dot) / self.N
 
@@ -89,11 +117,11 @@ class ConjugateLaplace:
         s = 1.0 / torch.sqrt(self._one_plus)
         along = (self._v_hat * Z).sum(dim=-1, keepdim=True)
         Z = Z - (1.0 - s).unsqueeze(-1) * self._v_hat * along
-        return torch.sqrt(2.0 / (self.N * self.p)).unsqueeze(-1) * Z
+        return torch.sqrt(2.0 / (self.N * self.block_p)).unsqueeze(-1) * Z
 
     def marginal_variances(self) -> Tensor:
         """Diagonal of ``H^-1``, shape ``(C, k)``."""
-        block = (2.0 / self.p).unsqueeze(-1) * (1.0 - self._c.unsqueeze(-1) * self.v.pow(2))
+        block = (2.0 / self.block_p).unsqueeze(-1) * (1.0 - self._c.unsqueeze(-1) * self.v.pow(2))
         return (block + self.gamma * self.r.pow(2)) / self.N
 
     def dense_covariance(self) -> Tensor:
@@ -134,6 +162,40 @@ class ConjugateLaplace:
         mean = x @ self.mean.T
         along = x @ self._v_hat.T  # (B, C)
         shrink = 1.0 - 1.0 / self._one_plus  # 1 - s_y^2
-        block = (2.0 / self.p) * (x.pow(2).sum(dim=1, keepdim=True) - shrink * along.pow(2))
+        block = (2.0 / self.block_p) * (x.pow(2).sum(dim=1, keepdim=True) - shrink * along.pow(2))
         variance = (block + self.gamma * (x @ self.r.T).pow(2)) / self.N
         return mean, variance.clamp(min=0.0)
+
+
+def empty_class_variance(A: float, N: float, k: int) -> float:
+    """``E ||w||^2 / k`` under the density ``(1 + e^{||w||^2 / 4 - A})^{-N}`` on ``R^k``: the
+    per-coordinate variance of a class without data given the other classes (module notes).
+
+    A radial integral, ``int r^{k+1} g dr / int r^{k-1} g dr`` with
+    ``g = (1 + e^{r^2/4 - A})^{-N}``, by the trapezoid rule in log space on 200,001 points up to
+    where the integrand has fallen by e^-800 (checked against adaptive quadrature: tests).
+    """
+    if not (N > 0 and k >= 1 and math.isfinite(A)):
+        raise ValueError(f"empty_class_variance needs N > 0, k >= 1 and a finite A; got {N}, "
+                         f"{k}, {A}")
+
+    def log_g(r: Tensor) -> Tensor:
+        return -N * torch.nn.functional.softplus(r * r / 4.0 - A)
+
+    # the density is flat to r^2 / 4 ~ A and falls by at least e^{-N x} beyond A + x
+    r_max = 2.0 * math.sqrt(max(A, 0.0) + 1.0)
+    while float(log_g(torch.tensor(r_max, dtype=torch.float64))) + (k + 1) * math.log(r_max) > \
+            -800.0 + (k + 1) * math.log(2.0 * math.sqrt(max(A, 0.0) + 1.0)):
+        r_max *= 1.25
+    r = torch.linspace(0.0, r_max, 200_001, dtype=torch.float64)
+    base = log_g(r)
+    base[0] += math.log(0.5)  # the trapezoid's end weights (the common h cancels)
+    base[-1] += math.log(0.5)
+    log_r = torch.log(r)  # -inf at 0: r^j vanishes there for j > 0
+
+    def power(j: int) -> Tensor:
+        return torch.zeros_like(r) if j == 0 else j * log_r
+
+    moment = torch.logsumexp(base + power(k + 1), 0)
+    mass = torch.logsumexp(base + power(k - 1), 0)
+    return float(torch.exp(moment - mass)) / k

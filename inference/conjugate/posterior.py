@@ -160,7 +160,10 @@ class ConjugatePosterior:
         """Laplace approximation ``N(W*, H^-1)`` with structured covariance (cached), in the
         model's coordinates (heads of ``[1, s phi]``; the same as the body's when ``s = 1``)."""
         if self._laplace is None:
-            self._laplace = ConjugateLaplace(self._map_scaled(), self.natural_count)
+            # classes without data get the moment-matched block of their conditional
+            # posterior (inference.conjugate.laplace: their curvature at the MAP is ~0)
+            empty = (self.natural_statistic == 0).all(dim=1)
+            self._laplace = ConjugateLaplace(self._map_scaled(), self.natural_count, empty)
         return self._laplace
 
     def covariance(self) -> Tensor:
