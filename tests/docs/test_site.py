@@ -2,9 +2,12 @@
 missing from the navigation, or a docstring reference (``::: bayesfl.strategies.fedsi.fedsi``, the
 API reference) that no longer resolves fails this test, hence ``make test`` and CI."""
 
+import json
 import re
+import shutil
 import subprocess
 import sys
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,122 @@ def test_the_readme_links_into_pages_and_headings_that_exist():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M)
             assert anchor in {slug(h) for h in headings}, f"README: no heading #{anchor} in {path}"
+
+
+def doc_headings(html: str) -> list[tuple[int, str]]:
+    """(level, id) of every mkdocstrings object heading of a page, in page order."""
+    return [(int(level), ident) for level, ident in
+            re.findall(r'<h([1-6]) id="([^"]+)" class="doc doc-heading"', html)]
+
+
+@pytest.mark.slow
+def test_the_bayesfl_api_page_opens_with_simulate_and_lists_each_name_once(site):
+    """The page a reader opens first: ``simulate`` (with its signature and Returns), then
+    ``SimulationResult`` and ``load_run``; every public name of ``bayesfl`` and ``bayesfl.data``
+    once (``Dataset``, ``load_dataset``, ``make_clients`` were listed twice, and the page
+    opened with ``STRATEGIES``'s source, issue 43)."""
+    import bayesfl
+    import bayesfl.data
+
+    html = (site / "api" / "bayesfl" / "index.html").read_text(encoding="utf-8")
+    objects = [ident for level, ident in doc_headings(html) if level == 3]
+    assert objects[:3] == ["bayesfl.simulate.simulate", "bayesfl.SimulationResult",
+                           "bayesfl.SimulationConfig"]
+    assert "bayesfl.load_run" in objects[:6]
+    names = [ident.rsplit(".", 1)[-1] for ident in objects]
+    public = {n for n in bayesfl.__all__ if n not in ("data", "ensemble")} | \
+        set(bayesfl.data.__all__)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"listed more than once on the bayesfl API page: {twice}"
+    assert public <= set(names), f"not on the page: {sorted(public - set(names))}"
+    simulate = html[html.index('id="bayesfl.simulate.simulate"'):
+                    html.index('id="bayesfl.SimulationResult"')]
+    assert re.search(r'class="[^"]*doc-signature', simulate) and "Raises:" in simulate
+    # the registry's value is filled at import time: its source line says nothing ({} or a
+    # comprehension of every class)
+    registry = html[html.index('id="bayesfl.STRATEGIES"'):][:3000]
+    assert "= {" not in registry
+
+
+KATEX = ROOT / "docs" / "assets" / "katex"
+
+
+def math_items(site: Path) -> list[tuple[str, str, bool]]:
+    """(page, TeX, display?) of every formula pymdownx.arithmatex marked up on the site."""
+    found = []
+    for name, html in pages(site).items():
+        for tag, body in re.findall(r'<(span|div) class="arithmatex">(.*?)</\1>', html, re.S):
+            tex = unescape(body).strip()
+            if tex[:2] in ("\\(", "\\["):
+                tex = tex[2:-2]
+            found.append((name, tex, tag == "div"))
+    return found
+
+
+@pytest.mark.slow
+def test_math_is_marked_up_and_every_asset_is_local(site):
+    """Formulas are typeset by the KaTeX vendored under docs/assets/katex: the FedLog page has
+    its formulas marked up, every page loads KaTeX from the site itself, and no page loads a
+    script, stylesheet or font from another host (Material's Google Fonts are off): the site
+    works offline (issue 43)."""
+    formulas = math_items(site)
+    fedlog = [tex for name, tex, _ in formulas if name == "strategies/fedlog/index.html"]
+    assert len(fedlog) >= 10 and any("\\sum" in tex for tex in fedlog)
+    assert any(display for _, _, display in formulas)  # a display formula too
+    for name, html in pages(site).items():
+        remote = re.findall(r'<(?:script|link)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', html)
+        assert not remote, f"{name} loads {remote} from another host"
+        assert re.search(r'<script src="[./]*assets/katex/katex\.min\.js"', html), name
+        assert re.search(r'<link[^>]+href="[./]*assets/katex/katex\.min\.css"', html), name
+    css = (site / "assets" / "katex" / "katex.min.css").read_text(encoding="utf-8")
+    fonts = re.findall(r"url\(([^)]+)\)", css)
+    assert fonts and all(f.endswith(".woff2") for f in fonts)
+    missing = [f for f in fonts if not (site / "assets" / "katex" / f).is_file()]
+    assert not missing, f"katex.min.css names fonts the site lacks: {missing}"
+    assert "0.19.1" in (KATEX / "VENDORED.txt").read_text(encoding="utf-8")
+    assert "MIT" in (KATEX / "LICENSE").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+def test_every_formula_parses_in_the_vendored_katex(site):
+    """Each formula of the site, given to the vendored KaTeX with ``throwOnError`` (in Node,
+    where it is installed): a formula KaTeX cannot parse would show as red source text."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (the browser check covers the same where Chromium is)")
+    script = ("const katex = require(process.argv[1]);"
+              "const items = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+              "const bad = [];"
+              "for (const [where, tex, display] of items) {"
+              "  try { katex.renderToString(tex, {displayMode: display, throwOnError: true}); }"
+              "  catch (e) { bad.push([where, tex, String(e.message)]); } }"
+              "process.stdout.write(JSON.stringify(bad));")
+    items = math_items(site)
+    done = subprocess.run([node, "-e", script, str(KATEX / "katex.min.js")],
+                          input=json.dumps(items), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    bad = json.loads(done.stdout)
+    assert not bad, f"{len(bad)} of {len(items)} formulas do not parse: {bad[:3]}"
+
+
+@pytest.mark.slow
+def test_pages_in_a_1400_pixel_browser_window(site):
+    """What a reader's browser shows (headless Chromium, where it is installed; the tool is
+    tools/docs_browser.py): on every page, no table, code block or formula reaches past the
+    text column or hides its end behind a scroll bar at a 1,400-pixel window (code in a
+    language wraps, trees may scroll), every formula typeset by KaTeX without error, no raw
+    Sphinx role in the text, and nothing loaded from another host."""
+    from tools.docs_browser import check_page, chromium, site_pages
+
+    if chromium() is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    problems = {}
+    typeset = 0
+    for page in site_pages(site):
+        report = check_page(page, width=1400)
+        typeset += report["katex"]
+        if report["overflow"] or report["katex_errors"] or report["math_source"] \
+                or report["raw_roles"] or report["remote"]:
+            problems[page.parent.relative_to(site).as_posix()] = report
+    assert not problems, f"{len(problems)} pages: {json.dumps(problems, indent=1)[:4000]}"
+    assert typeset >= 10  # the FedLog page's formulas at least were typeset
