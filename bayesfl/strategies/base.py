@@ -51,7 +51,7 @@ import copy
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ from bayesfl.messages import Header, Message, Schema, validate_many
 from bayesfl.strategies.uploads import wire
 from bayesfl.training import LocalTraining
 from calibration.accumulator import Accumulator
+from inference.posterior import Posterior
 
 ServerState = dict[str, Tensor]
 ClientState = dict[str, Tensor]
@@ -507,8 +508,24 @@ class Strategy:
                                   kept, d.test_y.cpu() if keep_probs else None))
         return out
 
-    def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
-        """The federated posterior as client ``config`` holds it (posterior strategies)."""
+    def posterior(self, config: ClientConfig, state: ClientState,
+                  broadcast: Message) -> Posterior:
+        """The federated posterior as client ``config`` holds it (posterior strategies): an
+        :class:`inference.posterior.Posterior` (``mean``, ``sample``, ``predict_proba`` of the
+        client's inputs, ``to``, ``state_dict``). What ``sample(n)`` draws depends on its
+        ``kind``, each draw shaped like ``mean``:
+
+        - ``"body"`` (the FedLog family, FedPop, a probabilistic head ``head=KIND`` on any
+          strategy): the head's parameters behind the client's body (the conjugate and Laplace
+          heads: ``(n, C, d + 1)``, the class weights with their bias); the body is fixed.
+        - ``"subnet_laplace"`` (FedSI): the whole flat parameter vector ``(n, P)``, the subnet
+          entries drawn from their joint Gaussian, every other entry at the mean.
+        - ``"diagonal_laplace"`` (FedSI-Fac): ``(n, P)``, every entry from its own Gaussian.
+        - ``"network_gaussian"`` (pFedBayes, FedPA): the whole flat network ``(n, P)``.
+
+        Raises:
+            ConfigError: the strategy is not a posterior strategy.
+        """
         raise ConfigError(f"{self.name} is not a posterior strategy: it has no posterior to "
                           "return (posterior strategies: the FedLog family)")
 

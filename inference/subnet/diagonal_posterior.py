@@ -11,6 +11,7 @@ never a (P, P) matrix. Same index space, model handling and predictive methods a
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
@@ -235,6 +236,20 @@ class DiagonalLaplacePosterior:
                      device=self._mean.device, max_memory_bytes=max_memory_bytes,
                      advice="Pass a smaller chunk_size or predict on fewer inputs at once.")
         return chunk_size
+
+    def to(self, device: torch.device | str,
+           model: nn.Module | None = None) -> DiagonalLaplacePosterior:
+        """A copy on ``device`` (the posterior protocol's ``to``). The model: ``model`` if
+        given, else the held model when it is already on ``device``, else a deep copy of it
+        moved there (the original is untouched)."""
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0"
+        if model is None and self._model is not None:
+            held = next(iter(self._model.parameters()))
+            model = self._model if held.device == device else \
+                copy.deepcopy(self._model).to(device)
+        return DiagonalLaplacePosterior(self._mean.to(device), self._ggn.to(device),
+                                        self._prior_precision.to(device), model=model,
+                                        n_data=self.n_data)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only: ``mean, ggn_diagonal, prior_precision, n_data``."""

@@ -26,6 +26,7 @@ from inference.subnet import (
     subnet_ggn,
 )
 from inference.subnet.jacobian import SubnetJacobian
+from tests.devices import DEVICES
 
 
 def _case(seed=0):
@@ -125,3 +126,24 @@ def test_a_precomputed_ggn_diagonal_gives_the_same_posterior_and_a_bad_one_is_re
                 torch.zeros(n, dtype=torch.int64)):
         with pytest.raises(InvalidInputError, match="ggn_diagonal"):
             fit_diagonal_laplace(model, loader, 2.0, ggn_diagonal=bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_diagonal_posterior_moves_as_a_copy_and_satisfies_the_protocol(device):
+    from inference.posterior import Posterior
+
+    model, loader, x_test = _case(2)
+    model[-1].requires_grad_(False)
+    post = fit_diagonal_laplace(model, loader, 2.0)
+    assert isinstance(post, Posterior)
+    moved = post.to(device)
+    assert isinstance(moved, Posterior) and moved is not post
+    assert moved.mean.device.type == torch.device(device).type
+    # the same numbers, moved: equal on the CPU, and the original is untouched
+    assert torch.equal(moved.mean.cpu(), post.mean) and torch.equal(moved.variance.cpu(),
+                                                                     post.variance)
+    assert next(post.model.parameters()).device.type == "cpu"
+    probs = moved.predict_proba(x_test.to(device)).cpu()
+    # the same GLM-probit on another device: float32 Jacobians round differently on a GPU
+    assert torch.allclose(probs, post.predict_proba(x_test), rtol=0, atol=1e-5)
+    assert post.to("cpu").model is post.model  # already there: the model is not copied
