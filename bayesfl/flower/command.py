@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bayesfl.errors import ConfigError
+from bayesfl.flower.options import deployment_flags
 from bayesfl.settings import add_settings, fold_download, read_config, settings_from_flags
 
 NOT_ON_FLOWER: dict[str, str] = {
@@ -33,16 +34,6 @@ NOT_ON_FLOWER: dict[str, str] = {
 }
 """Settings of ``bayesfl run`` that ``bayesfl flower`` does not offer, with the reason (its
 ``--help`` says them); every other setting is a flag the Flower run accepts."""
-
-_DEPLOYMENT_FLAGS = (
-    ("--min-replies", int, "min-replies",
-     "fewest accepted uploads a round aggregates, else it is skipped (0: all); default 1"),
-    ("--round-timeout", float, "round-timeout",
-     "seconds a step waits for replies; default 600"),
-    ("--evaluate-every", int, "evaluate-every",
-     "evaluate every this many rounds (and after the last); default 1"),
-)
-
 
 def add_parser(commands: Any) -> None:
     """The ``flower`` subcommand on ``commands`` (argparse subparsers): ``bayesfl run``'s flags
@@ -62,13 +53,8 @@ def add_parser(commands: Any) -> None:
     flower.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="TOML file with settings (keys: the flag names)")
     add_settings(flower, exclude=tuple(NOT_ON_FLOWER))
-    for flag, kind, _, text in _DEPLOYMENT_FLAGS:
-        flower.add_argument(flag, type=kind, default=None, help=text)
-    flower.add_argument("--data-loader", default=None, metavar="PACKAGE.MODULE:FUNCTION",
-                        help="every SuperNode loads its own data with FUNCTION(partition_id) "
-                        "(x, y) instead of its partition of --dataset; the local SuperNodes are "
-                        "started allowing it (node config data-loaders: a node runs only the "
-                        "loaders its operator lists)")
+    for f in deployment_flags():  # FlowerOptions' fields that say they are flags
+        flower.add_argument(f.flag, type=f.type, default=None, help=f.help, metavar=f.metavar)
     flower.add_argument("--app", type=Path, default=None,
                         help="the Flower app folder to run; default examples/flower_app")
     flower.add_argument("--timeout", type=float, default=3600.0,
@@ -100,13 +86,13 @@ def run_flower(args: argparse.Namespace) -> int:
                f"runs/flower_{settings.get('strategy', 'fedlog')}_"
                f"{settings.get('dataset', 'digits')}_seed{settings.get('seed', 0)}")
     config = run_config(settings, out.resolve())
-    for _, _, key, _ in _DEPLOYMENT_FLAGS:
-        value = getattr(args, key.replace("-", "_"))
+    for f in deployment_flags():
+        value = getattr(args, f.key.replace("-", "_"))
         if value is not None:
-            config[key] = value
+            config[f.key] = value
     node_config = {}
-    if args.data_loader:  # this machine's user is every site's operator too: allow it
-        config["data-loader"] = node_config["data-loaders"] = args.data_loader
+    if config.get("data-loader"):  # this machine's user is every site's operator: allow it
+        node_config["data-loaders"] = config["data-loader"]
     nodes = int(config.get("clients", 20))
     app = args.app or EXAMPLE_APP
     print(f"bayesfl: starting a SuperLink and {nodes} SuperNodes on 127.0.0.1", flush=True)

@@ -28,20 +28,19 @@ deployment. ``out = ""``, ``threads = 0`` and ``data-seed = ""`` mean "not set".
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-from bayesfl.config import SimulationConfig, check_threads, describe
+from bayesfl.config import SimulationConfig, check_threads
 from bayesfl.engine.preflight import check_run_config
 from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.flower.options import FLOWER_KEYS, FlowerOptions
 from bayesfl.messages import Message, TensorSpec, decode, validate
-from bayesfl.settings import settings_from_mapping
+from bayesfl.settings import RUN_KEYWORDS, settings_from_mapping
 from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation, Strategy
 from calibration.accumulator import Accumulator
 from calibration.errors import CalibrationError
@@ -60,84 +59,8 @@ MAX_EVALUATION_BYTES = 4 * 2**20
 """Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
 predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to spare."""
 
-_RUN_KEYWORDS = ("out", "resume", "force", "threads", "progress", "shift", "ood")
 _OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
 _UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "conformal", "data-loader", "shift", "ood")
-
-
-@dataclass(frozen=True)
-class FlowerOptions:
-    """How the ServerApp drives the federation (run-config keys with ``-`` for ``_``).
-
-    Attributes:
-        out: the server's run directory (a path on the SuperLink's machine); None writes
-            nothing.
-        resume: continue the run whose checkpoint is in ``out``.
-        force: start again in a non-empty ``out`` (the files a run writes are replaced).
-        threads: torch threads of every ClientApp and of the ServerApp (None: the
-            simulator's default).
-        min_replies: the fewest accepted uploads a round aggregates; a round with fewer is
-            skipped (its state kept) and logged. 0 means all sampled clients.
-        round_timeout: seconds a step waits for its replies; a node that has not answered
-            by then is logged and left out of the step.
-        min_nodes: nodes the run waits for before it starts (0: ``clients``).
-        node_wait: seconds it waits for them; it starts with those it has after that.
-        poll_interval: seconds between two polls of the SuperLink for replies. Between
-            rounds its wait is hidden: the node that replied last sleeps 3 s after its
-            next (empty) pull, so a finer poll shortens no round (docs/flower.md, Cost).
-        evaluate_every: evaluate after every this many rounds, counted from the first
-            (FedLog's round 0 included), and always after the last.
-        data_loader: ``package.module:function`` every SuperNode calls to load its own data
-            (:func:`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
-            run's data set and keeps the node's partition of it. A node calls it only if its
-            own node config allows it (``data-loaders``,
-            :func:`bayesfl.flower.client_app.allowed_loader`); a node that does not refuses
-            the run, and the server goes on without it.
-        shift: input shifts (``KIND:S1,S2``) every site evaluates its final state on after the
-            run (:mod:`bayesfl.shift_protocol`); the report goes to ``out/shift``.
-        ood: out-of-distribution sets (``unseen-labels``, ``novel-clients``) scored there too.
-    """
-
-    out: str | None = None
-    resume: bool = False
-    force: bool = False
-    threads: int | None = None
-    min_replies: int = 1
-    round_timeout: float = 600.0
-    min_nodes: int = 0
-    node_wait: float = 120.0
-    poll_interval: float = 0.2
-    evaluate_every: int = 1
-    data_loader: str | None = None
-    shift: tuple[str, ...] = ()
-    ood: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("min_replies", "min_nodes"):
-            _check(name, getattr(self, name), int, low=0)
-        _check("evaluate_every", self.evaluate_every, int, low=1)
-        for name in ("round_timeout", "node_wait", "poll_interval"):
-            _check(name, getattr(self, name), float, low=0.0)
-        if self.poll_interval <= 0 or self.round_timeout <= 0:
-            raise ConfigError("round-timeout and poll-interval must be > 0 seconds")
-        if self.resume and self.force:
-            raise ConfigError("resume and force contradict each other; pass one")
-        if self.data_loader is not None and (not isinstance(self.data_loader, str)
-                                             or ":" not in self.data_loader):
-            raise ConfigError("run config data-loader must be 'package.module:function', got "
-                              f"{describe(self.data_loader)}")
-
-
-_FLOWER_KEYS = {f.name.replace("_", "-"): f.name for f in fields(FlowerOptions)}
-
-
-def _check(name: str, value: Any, kind: type, low: float) -> None:
-    ok = not isinstance(value, bool) and (
-        isinstance(value, int) if kind is int else isinstance(value, int | float))
-    if not ok or (kind is float and not math.isfinite(value)) or value < low:
-        raise ConfigError(f"run config {name.replace('_', '-')} must be a "
-                          f"{'whole' if kind is int else 'finite'} number >= {low}, got "
-                          f"{describe(value)}")
 
 
 def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, FlowerOptions]:
@@ -164,8 +87,8 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
             continue  # the app's pyproject lists every key; "" / 0 means not set
         elif name == "data-seed" and isinstance(value, str) and not value.strip():
             continue  # "": the run's seed (0 is a seed, so only "" means not set)
-        elif name in _FLOWER_KEYS and name not in _RUN_KEYWORDS:
-            flower[_FLOWER_KEYS[name]] = value
+        elif name in FLOWER_KEYS and name not in RUN_KEYWORDS:
+            flower[FLOWER_KEYS[name]] = value
         elif name in _OPTION_KEYS and isinstance(value, str):
             # a string of KEY=VALUE pairs: what `flwr run --run-config` can override
             pairs = shlex.split(value)
@@ -174,7 +97,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
         else:
             raw[name] = value
     settings = settings_from_mapping(raw, source="run config")
-    for name in _RUN_KEYWORDS:
+    for name in RUN_KEYWORDS:
         if name in settings and name != "progress":
             flower[name] = settings.pop(name)
         settings.pop("progress", None)

@@ -410,15 +410,16 @@ def test_the_example_app_lists_every_key_bayesfl_flower_sends():
     import tomllib
 
     from bayesfl.cli import SETTINGS
-    from bayesfl.flower.command import _DEPLOYMENT_FLAGS, run_config
+    from bayesfl.flower.command import run_config
     from bayesfl.flower.local import EXAMPLE_APP
+    from bayesfl.flower.options import deployment_flags
 
     listed = tomllib.loads((EXAMPLE_APP / "pyproject.toml").read_text())
     listed = listed["tool"]["flwr"]["app"]["config"]
     values = {"str": "x", "int": 1, "float": 0.5, "path": "p", "options": {"a": 1},
               "switch": True, "toggle": True, "list": ["rotate:15"]}
     settings = {s.target: values[s.kind] for s in SETTINGS if s.target != "progress"}
-    sent = set(run_config(settings, Path("/tmp/out"))) | {f[2] for f in _DEPLOYMENT_FLAGS}
+    sent = set(run_config(settings, Path("/tmp/out"))) | {f.key for f in deployment_flags()}
     assert sent - set(listed) == set()
     config, options = parse_run_config(listed)
     assert (config.strategy, config.clients, options.out) == ("fedlog", 3, None)
