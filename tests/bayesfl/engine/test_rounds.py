@@ -300,6 +300,25 @@ def test_receive_counts_what_arrived_in_participant_order():
     assert receipt.floats_up == 2 * collected.replies[2].elements
 
 
+def test_a_client_that_sent_nothing_is_rejected_with_its_reason_and_its_reply_kept():
+    # a diverged client on Flower: its reply carries no upload (its reason is in unreadable)
+    # but may carry its evaluation of the previous round, so the reply stays in replies; the
+    # receipt rejects it with that reason (not 'carries no upload') and counts 0 bytes up
+    context = StrategyContext(3, 4, LocalTraining(epochs=1, lr=1e-2, batch_size=5),
+                              rounds=1, input_shape=(6,), bodies=("mlp:8",), clients=CLIENTS)
+    strategy = FedAvg(context)
+    federation = Federation(strategy)
+    plan = strategy.configure(strategy.init(), 1)
+    federation.send(1, [0, 1, 2], {c: Step(fit=encode(plan.broadcast)) for c in range(CLIENTS)})
+    collected = federation.collect(0.0)
+    collected.replies[1].upload = None
+    collected.unreadable[1] = "upload not sent: local training loss became nan"
+    receipt = receive_uploads(strategy, plan, [0, 1, 2], collected)
+    assert len(receipt.accepted) == 2 and receipt.bytes_up[1] == 0
+    assert [(r["client_id"], r["reason"]) for r in receipt.rejections] == [
+        (1, "upload not sent: local training loss became nan")]
+
+
 def test_an_unknown_evaluation_mode_is_refused():
     context = StrategyContext(3, 4, rounds=1, input_shape=(6,), bodies=("mlp:8",),
                               clients=CLIENTS)
