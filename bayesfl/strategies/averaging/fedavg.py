@@ -23,9 +23,14 @@ import torch
 
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
-from bayesfl.strategies.averaging.finetuning import check_finetuning, fine_tune
+from bayesfl.strategies.averaging.finetuning import (
+    FINETUNE_SCOPES,
+    check_finetuning,
+    fine_tune,
+)
 from bayesfl.strategies.averaging.parameter_averaging import ParameterAveraging
 from bayesfl.strategies.base import ClientConfig, ClientState, StrategyContext
+from bayesfl.strategies.head_tuning import HEAD_STOPS
 from bayesfl.strategies.registry import Option, register_strategy
 
 
@@ -70,11 +75,13 @@ class FedAvgFT(FedAvg):
         Option("finetune_epochs", int, None,
                "fine-tuning epochs (None: the local training's epochs)."),
         Option("finetune", str, "all",
-               '`"all"` (default) or `"head"` (the last layer only).'),
+               '`"all"` (default) or `"head"` (the last layer only).',
+               choices=FINETUNE_SCOPES),
         Option("finetune_stop", str, "heldout_nll",
                '`"heldout_nll"` (default): run as many of the `finetune_epochs` as minimise the '
                "NLL of a held-out 20% of the training data, then that many on all of it; "
-               '`"fixed"`: all of them (:mod:`bayesfl.strategies.averaging.finetuning`).'),
+               '`"fixed"`: all of them (:mod:`bayesfl.strategies.averaging.finetuning`).',
+               choices=HEAD_STOPS),
     )
 
     def __init__(

@@ -35,7 +35,11 @@ from torch import nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
-from bayesfl.strategies.averaging.finetuning import check_finetuning, fine_tune
+from bayesfl.strategies.averaging.finetuning import (
+    FINETUNE_SCOPES,
+    check_finetuning,
+    fine_tune,
+)
 from bayesfl.strategies.averaging.parameter_averaging import (
     PERSONALIZED,
     ParameterAveraging,
@@ -47,6 +51,7 @@ from bayesfl.strategies.base import (
     StrategyContext,
     derived_seed,
 )
+from bayesfl.strategies.head_tuning import HEAD_STOPS
 from bayesfl.strategies.registry import Option, register_strategy
 from bayesfl.training import LocalTraining, ParameterFilter
 
@@ -79,10 +84,12 @@ class FedBABU(ParameterAveraging):
         Option("finetune_epochs", int, 1,
                "epochs of fine-tuning in :meth:`personalize` (0: none)."),
         Option("finetune", str, "head",
-               'what personalisation fine-tunes: `"head"` (default) or `"all"`.'),
+               'what personalisation fine-tunes: `"head"` (default) or `"all"`.',
+               choices=FINETUNE_SCOPES),
         Option("finetune_stop", str, "heldout_nll",
                '`"heldout_nll"` (default): as many of the `finetune_epochs` as minimise the NLL '
-               'of a held-out 20% of the training data; `"fixed"`: all.'),
+               'of a held-out 20% of the training data; `"fixed"`: all.',
+               choices=HEAD_STOPS),
     )
 
     def __init__(

@@ -29,7 +29,9 @@ from typing import Any, ClassVar
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg
+from bayesfl.strategies.averaging.fedpart_schedule import ORDERS
 from bayesfl.strategies.averaging.fedprox import FedProx
+from bayesfl.strategies.averaging.parameter_averaging import DOWNLINKS
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.strategies.registry import Option, register_strategy
 
@@ -49,7 +51,8 @@ class _PartMixin:
                "how many cycles of sweeps; None: until the run ends."),
         Option("order", str, "seq",
                "the order of the groups in a sweep: `seq` (shallow to deep), `rev`, `random` or "
-               "`random-perm`."),
+               "`random-perm`.",
+               choices=ORDERS),
         Option("group_prefixes", list, None,
                "manual layer groups, as parameter-name prefixes; None: the groups of "
                "`bayesfl.layer_groups`."),
@@ -59,7 +62,8 @@ class _PartMixin:
         Option("downlink", str, "changed",
                "`\"changed\"`: broadcast the groups changed since the previous round (exact "
                "when every client takes part in every round); `\"full\"`: the whole model every "
-               "round."),
+               "round.",
+               choices=DOWNLINKS),
     )
 
     def __init__(

@@ -111,6 +111,8 @@ from bayesfl.strategies.networks import (
     layer_parameter_names,
 )
 from bayesfl.strategies.probabilistic_head import (
+    HEAD_KINDS,
+    HEAD_PRIORS,
     ProbabilisticHead,
     fallback_reason,
     head_features,
@@ -121,6 +123,7 @@ from bayesfl.strategies.probabilistic_head import (
 )
 from bayesfl.strategies.registry import Option
 from bayesfl.strategies.robust import (
+    AGGREGATIONS,
     DECLARED,
     check_robust_options,
     combine,
@@ -189,7 +192,8 @@ class ParameterAveraging(Strategy):
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("aggregation", str, "mean",
                "`\"mean\"` (weighted as the strategy's paper does), `\"median\"` or "
-               '`"trimmed-mean"` (coordinate-wise, unweighted; Yin et al. 2018).'),
+               '`"trimmed-mean"` (coordinate-wise, unweighted; Yin et al. 2018).',
+               choices=AGGREGATIONS),
         Option("trim_fraction", float, 0.1,
                "beta of the trimmed mean: the fraction of values dropped at each end."),
         Option("norm_bound", float, None,
@@ -203,13 +207,16 @@ class ParameterAveraging(Strategy):
                'None (every round trains and sends every shared parameter), `"fedpart"` or '
                '`{"kind": "fedpart", **options}` (module docstring).'),
         Option("bn_stats", str, "aggregate",
-               '`"aggregate"` or `"local"` BatchNorm running statistics (module docstring).'),
+               '`"aggregate"` or `"local"` BatchNorm running statistics (module docstring).',
+               choices=BN_STATS),
         Option("head", str, None,
                "None (the plug-in network) or the `inference.fit_head` kind of the head "
-               "posterior each client fits when it personalises (module docstring)."),
+               "posterior each client fits when it personalises (module docstring).",
+               choices=HEAD_KINDS),
         Option("head_prior", str, "zero",
                '`"zero"` (a zero-centred Laplace prior) or `"global"` (centred on the global '
-               "head where the strategy has one)."),
+               "head where the strategy has one).",
+               choices=HEAD_PRIORS),
         Option("head_options", dict, None,
                "`fit_head` options of the head posterior (a table)."),
     )

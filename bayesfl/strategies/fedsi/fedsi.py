@@ -400,14 +400,16 @@ class FedSI(Strategy):
         Option("posterior", str, None,
                '"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
                '"diag_all" (FedSI-Fac; its default) (A17)',
-               shown="subnet_full"),
+               shown="subnet_full", choices=POSTERIORS),
         Option("aggregation", str, "mean_std",
                'variances: "mean_std" (the paper: mean of the stds, zeros included, squared), '
                '"mean_var", "mean_nonzero" (over the clients that chose r), "moment_match" '
                '(mixture moments), "product" (precision-weighted product of Gaussians, below) '
-               "(A4)"),
+               "(A4)",
+               choices=AGGREGATIONS),
         Option("weights", str, "uniform",
-               'client weights of the means: "uniform" (paper) or "n_i" (sample counts) (A12)'),
+               'client weights of the means: "uniform" (paper) or "n_i" (sample counts) (A12)',
+               choices=WEIGHTS),
         Option("variance_floor", float, 1e-12,
                "lower clamp of g (A18)"),
         Option("prior_in_map", bool, True,
@@ -415,28 +417,33 @@ class FedSI(Strategy):
         Option("map_solver", str, "proximal",
                'how the local MAP treats the prior: "proximal" (Adam on the CE, the prior '
                "applied exactly after each step) or \"adam\" (the prior in Adam's gradient, the "
-               "paper's literal recipe; see \"The local MAP\" below)"),
+               "paper's literal recipe; see \"The local MAP\" below)",
+               choices=MAP_SOLVERS),
         Option("local_lr", float, 0.01,
                "Adam lr of local training (§5.2); None: the run's lr",
                nullable=True),
         Option("head_init", str, "shared",
-               'phi^0 shared by clients of a body spec, or "per_client" (§2.2, A7)'),
+               'phi^0 shared by clients of a body spec, or "per_client" (§2.2, A7)',
+               choices=HEAD_INITS),
         Option("filter_zero_curvature", bool, True,
                "rank zero-curvature entries last; False: the paper's literal rule (A5)"),
         Option("eval_selection", str, "diag_laplace",
                "selection at personalisation: diagonal-Laplace variance at (mu, phi_fin), or "
-               '"global_var" (rank by g alone) (A6)'),
+               '"global_var" (rank by g alone) (A6)',
+               choices=EVAL_SELECTIONS),
         Option("finetune_epochs", int, 100,
                "most head fine-tuning epochs (A7; see below)"),
         Option("finetune_lr", float, 0.01,
                "head fine-tuning Adam lr (A7; see below)"),
         Option("finetune_stop", str, "heldout_nll",
                '"heldout_nll": the epoch count of lowest NLL on 20% of the training data held '
-               'out, then that many on all of it; "fixed": finetune_epochs'),
+               'out, then that many on all of it; "fixed": finetune_epochs',
+               choices=HEAD_STOPS),
         Option("predictive", str, "glm_probit",
                '"glm_probit" (Eq. 19) or "glm_mc" (§3.2); on S1 within 1% of the plug-in, and '
                'no setting chosen without test rows widens it (docs: FedSI, "Does the posterior '
-               'earn its spread?")'),
+               'earn its spread?")',
+               choices=PREDICTIVES),
         Option("mc_samples", int, 100,
                'weight-space draws of "glm_mc"'),
         Option("screening_ratio", float, 10.0,
@@ -447,7 +454,8 @@ class FedSI(Strategy):
                "rows per curvature / Jacobian chunk (memory only)"),
         Option("alpha_selection", str, "fixed",
                '"fixed": alpha = prior_var throughout; "evidence": alpha chosen every round by '
-               "the clients' summed Laplace evidence, starting from prior_var (below)"),
+               "the clients' summed Laplace evidence, starting from prior_var (below)",
+               choices=ALPHA_SELECTIONS),
         Option("head", str, None,
                "a probabilistic head after personalisation (`laplace`, `conjugate`, `mfvi`, "
                "`sgld`; :mod:`bayesfl.strategies.probabilistic_head`): fitted on the client's "

@@ -40,6 +40,8 @@ def test_every_strategy_declares_exactly_its_keywords_with_their_defaults(name):
     assert strategy_options(name) == keywords(cls)
     for option in declared.values():  # every default passes its own declaration
         option.check(name, option.default)
+        if option.choices is not None and option.shown_default is not None:
+            assert option.shown_default in option.choices, (name, option.name)
     assert cls.registration.family in FAMILIES and cls.name == name
 
 
