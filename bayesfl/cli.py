@@ -235,7 +235,7 @@ def _one_line(err: BaseException) -> str:
 
 def _list_strategies(names: Sequence[str] = ()) -> int:
     """``bayesfl strategies``: each strategy's summary and options; with names, those in full."""
-    from bayesfl.strategies import STRATEGIES
+    from bayesfl.strategies import STRATEGIES, options_of
 
     if not names:
         for name, cls in STRATEGIES.items():
@@ -255,11 +255,27 @@ def _list_strategies(names: Sequence[str] = ()) -> int:
         docs = option_docs(name)
         if not docs:
             print("  no options")
+        declared = options_of(STRATEGIES[name])
         for option, (default, meaning) in docs.items():
-            print(f"  {option} (default {_shown(default)})")
+            print(f"  {option} (default {_shown(default)}; {_accepts(declared[option])})")
             print(textwrap.fill(meaning, 100, initial_indent=" " * 6,
                                 subsequent_indent=" " * 6, break_on_hyphens=False))
     return 0
+
+
+def _accepts(option: Any) -> str:
+    """What a declared option accepts, in words: its kinds, choices and bounds."""
+    if option.choices is not None:
+        words = "one of " + ", ".join(_shown(c) for c in option.choices)
+        return words + (" or none" if option.nullable or option.default is None else "")
+    words = option.type_words()
+    if option.minimum is not None and option.maximum is not None:
+        words += f" in [{option.minimum:g}, {option.maximum:g}]"
+    elif option.minimum is not None:
+        words += f" >= {option.minimum:g}"
+    elif option.maximum is not None:
+        words += f" <= {option.maximum:g}"
+    return words
 
 
 def _unknown_strategy(name: str, known: Mapping[str, Any]) -> str:

@@ -123,6 +123,16 @@ def test_one_strategy_in_full_gives_each_option_its_default_and_meaning(capsys):
             '"diag_all" (FedSI-Fac; its default) (A17)') in words
 
 
+def test_one_strategy_in_full_says_what_each_option_accepts(capsys):
+    # from the declarations: kinds, bounds, choices
+    assert main(["strategies", "fedpa", "fedsi"]) == 0
+    shown = capsys.readouterr().out
+    assert "  burn_in_epochs (default 1; an integer >= 1)" in shown
+    assert "  screening_ratio (default 10.0; a finite number or none >= 1)" in shown
+    assert "  posterior (default subnet_full; one of subnet_full, subnet_diag, diag_all or none)" \
+        in shown
+
+
 @pytest.mark.parametrize(("strategy", "option", "words"), [
     ("fedlog", "mc_samples", "Laplace draws"),                     # Args: of __init__
     ("fedlog-dp-local", "delta", "privacy budget"),                # `epsilon, delta: ...`
