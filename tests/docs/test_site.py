@@ -232,3 +232,18 @@ def test_pages_in_a_1400_pixel_browser_window(site):
             problems[page.parent.relative_to(site).as_posix()] = report
     assert not problems, f"{len(problems)} pages: {json.dumps(problems, indent=1)[:4000]}"
     assert typeset >= 10  # the FedLog page's formulas at least were typeset
+
+
+@pytest.mark.slow
+def test_the_examples_page_links_every_notebook_and_script(site):
+    """Each notebook and script of examples/ is a file of the site (tools/mkdocs_examples.py)
+    and the Examples page links it (issue 43: it named them without a link)."""
+    from tools.mkdocs_examples import example_files
+
+    files = example_files()
+    assert {"own_model_and_data.py", "fedlog_vs_fedavg.ipynb"} <= {p.name for p in files}
+    html = (site / "examples" / "index.html").read_text(encoding="utf-8")
+    for path in files:
+        assert f'href="{path.name}"' in html, f"the Examples page does not link {path.name}"
+        served = site / "examples" / path.name
+        assert served.read_bytes() == path.read_bytes(), f"{path.name} is not on the site"
