@@ -146,6 +146,36 @@ RoundCallback = Callable[[int, dict], None]
 class SimulationResult:
     """What :func:`simulate` returns.
 
+    ``summary``, the final figures (also ``summary.json``; the same for a run read back with
+    :func:`bayesfl.load_run`), has these keys. Accuracies are fractions in [0, 1]; ECE, MCE,
+    Brier and NLL are of the headline predictive on the clients' test rows after the last round
+    (personalised where the strategy personalises):
+
+    - the run: ``strategy``, ``dataset``, ``partition``, ``clients``, ``rounds``, ``seed``,
+      ``data_seed`` (only when given), ``body`` (its spec string), ``data`` (the data's
+      identity: name, shapes, classes, SHA-256), ``threads`` (torch threads), ``personalized``
+      (whether the clients personalised after training), ``seconds`` (wall time);
+    - the figures: ``accuracy`` (mean over clients of each client's accuracy, the papers'
+      number), ``accuracy_pooled`` (over all test rows), ``accuracy_client_min``, ``ece``,
+      ``mce``, ``brier``, ``nll`` (pooled over all test rows), ``ece_client_mean``,
+      ``nll_client_mean``, ``confidence`` (pooled mean top-class probability: above
+      ``accuracy_pooled`` is over-confident), ``per_client`` (one dict per client:
+      ``client_id``, ``count`` and its own figures), ``best_accuracy`` and ``best_round``
+      (the best round's ``accuracy``);
+    - ``map_plugin`` (posterior strategies only): the MAP plug-in's ``accuracy``,
+      ``accuracy_pooled``, ``ece``, ``mce``, ``brier``, ``nll`` and ``confidence`` on the
+      same rows, beside the posterior predictive;
+    - communication, summed over the rounds: ``bytes_up``, ``bytes_down`` (the training
+      broadcasts), ``bytes_down_evaluation`` (the evaluation broadcasts), ``floats_up``,
+      ``floats_down``; ``rejected_uploads`` (a count) and ``rejections`` (round, client and
+      reason of each);
+    - the strategy's own final figures (``Strategy.server_metrics``, e.g. FedLog's
+      ``feature_scale``);
+    - when asked for: ``novel`` (``novel_fraction``: the held-out clients' ids and figures),
+      ``calibration`` (``calibrate``: the temperature and the figures before and after),
+      ``conformal`` (``conformal``: the conformal step's figures), ``shift_evaluation``
+      (``shift``/``ood``: what the shift report holds and where).
+
     Attributes:
         config: the run's configuration.
         summary: the dict written to ``summary.json``.
@@ -281,6 +311,12 @@ def simulate(
             novel_fraction, data_seed, strategy_options, dataset_options). ``data_seed``
             seeds the data alone (loading, partition, test split, calibrate hold-out, novel
             clients); None (default) takes ``seed``.
+
+    Returns:
+        The run's `SimulationResult`: ``summary`` (the final figures, keys listed there),
+        ``metrics`` (one dict per round), ``posterior(k)`` and ``predict_proba(k, x)``
+        (client k's predictive after the run), ``run_dir``. With ``out``, the same run is
+        read back later by :func:`bayesfl.load_run`.
 
     Raises:
         ConfigError: unknown names or options, values of the wrong type or out of range

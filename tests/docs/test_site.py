@@ -143,7 +143,11 @@ def test_the_bayesfl_api_page_opens_with_simulate_and_lists_each_name_once(site)
     assert public <= set(names), f"not on the page: {sorted(public - set(names))}"
     simulate = html[html.index('id="bayesfl.simulate.simulate"'):
                     html.index('id="bayesfl.SimulationResult"')]
-    assert re.search(r'class="[^"]*doc-signature', simulate) and "Raises:" in simulate
+    assert re.search(r'class="[^"]*doc-signature', simulate)
+    assert "Returns:" in simulate and "Raises:" in simulate
+    result = html[html.index('id="bayesfl.SimulationResult"'):
+                  html.index('id="bayesfl.SimulationConfig"')]
+    assert "map_plugin" in result and "bytes_up" in result  # summary's keys, documented
     # the registry's value is filled at import time: its source line says nothing ({} or a
     # comprehension of every class)
     registry = html[html.index('id="bayesfl.STRATEGIES"'):][:3000]
