@@ -1,41 +1,48 @@
-"""FedSI (Chen et al. 2024, "Federated Subnetwork Inference"): a Bayesian FedBABU.
+r"""FedSI (Chen et al. 2024, "Federated Subnetwork Inference"): a Bayesian FedBABU.
 
-Spec: fedsi.md of the project's shared specs (section numbers below are its). The client
-network is :class:`~bayesfl.strategies.networks.ClassifierNet`: a shared body theta (every
-``body.*`` parameter, |R| of them, flattened in ``model.body.parameters()`` order) and a
-personal linear head phi.
+Paper: [FedSI: Federated Subnetwork Inference for Efficient Uncertainty
+Quantification](https://arxiv.org/abs/2404.15657) (arXiv 2404.15657; the section numbers below
+are its, e.g. "III-B"). The client network is :class:`~bayesfl.strategies.networks.ClassifierNet`: a
+shared body theta (every ``body.*`` parameter, |R| of them, flattened in ``model.body.parameters()``
+order) and a personal linear head phi.
 
-**Server** (§2.4). It keeps a diagonal Gaussian ``N(mu, diag(g))`` over the body: ``mu`` starts
-at the body's initialisation (one init seed per body spec), ``g`` at ``prior_var`` (alpha) for
-every entry (§2.2). It broadcasts ``mean`` and ``variance`` (float32, |R| each) and aggregates
-the uploads: ``mu`` = the mean of the clients' means; the variances by ``aggregation``
-(below), entries no client made stochastic reset to alpha, then clamped to
+**Server** (section III-B, "Global Aggregation"). It keeps a diagonal Gaussian
+$\mathcal{N}(\mu, \mathrm{diag}(g))$ over the body: $\mu$ starts at the body's initialisation
+(one init seed per body spec), $g$ at ``prior_var`` ($\alpha$) for every entry (Algorithm 1's
+"Initialize"; the paper gives no values). It broadcasts ``mean`` and ``variance`` (float32, |R|
+each) and aggregates the uploads: ``mu`` = the mean of the clients' means; the variances by
+``aggregation`` (below), entries no client made stochastic reset to alpha, then clamped to
 ``[variance_floor, alpha]``.
 
-**Client round** (§2.3). Warm start theta = mu; ``local_epochs`` of Adam (``local_lr``, the
-run's batch size, one optimiser state for the whole round) on the body only, the head frozen at
-its initial value phi^0, minimising ``mean CE + (1 / 2n) sum_r (theta_r - mu_r)^2 / g_r`` (the
-broadcast Gaussian as prior, :func:`prior_penalty`); then, in eval mode at the MAP:
+**Client round** (sections III-A, steps 1-3, and III-B, "Local Updating"). Warm start
+$\theta = \mu$; ``local_epochs`` of Adam (``local_lr``, the run's batch size, one optimiser
+state for the whole round) on the body only, the head frozen at its initial value $\phi^0$,
+minimising (the broadcast Gaussian as prior, :func:`prior_penalty`)
+
+$$\overline{\mathrm{CE}} + \frac{1}{2n} \sum_r \frac{(\theta_r - \mu_r)^2}{g_r};$$
+
+Then, in eval mode at the MAP,
 :func:`inference.subnet.select_subnet` picks the |S| body entries of largest diagonal-Laplace
-variance ``1 / (diag GGN + 1/g)`` and :func:`inference.subnet.fit_subnet_laplace` fits the
-dense |S| x |S| GGN Laplace with prior precision ``1/g_S`` (GGN summed over the client's
+variance $1 / (\mathrm{diag}\,\mathrm{GGN} + 1/g)$ and :func:`inference.subnet.fit_subnet_laplace`
+fits the dense |S| x |S| GGN Laplace with prior precision ``1/g_S`` (GGN summed over the client's
 training set). Upload: ``mean`` (the MAP of every body entry, float32 (|R|,)), ``std``
 (marginal posterior standard deviations, float32 (|R|,), **exactly zero outside the subnet**),
 ``subnet`` (the declared indices, int32 (|S|,), sorted) and ``num_samples``. The head and
 the covariance never leave the client.
 
-**Personalisation** (§2.5, after training and for a novel client that never trained): the body
-is fixed at the global mean, the head is fine-tuned from phi^0 (``finetune_epochs`` of Adam at
-``finetune_lr``, the run's batch size, body frozen), then the subnet is selected again and the
-Laplace refitted at (mu, phi_fin) with prior precision ``1/g`` (fine-tune first: Eq. 17 takes
-the Jacobian at phi_fin, §8 A8). Prediction: ``{"predictive": GLM predictive (probit, or MC
-with predictive="glm_mc"), "map_plugin": softmax(f(x; mu, phi_fin))}``. Rounds before
-personalisation evaluate the global mean with the client's initial head (FedBABU's "before
-fine-tuning"); there is no client posterior then, so both keys hold that softmax.
+**Personalisation** (section III-A, step 4; after training and for a novel client that never
+trained): the body is fixed at the global mean, the head is fine-tuned from phi^0
+(``finetune_epochs`` of Adam at ``finetune_lr``, the run's batch size, body frozen), then the subnet
+is selected again and the Laplace refitted at $(\mu, \phi_{\mathrm{fin}})$ with prior precision
+$1/g$ (fine-tune first: the paper lists the Laplace step first, but Eq. 17 takes the Jacobian at
+$\phi_{\mathrm{fin}}$). Prediction: ``{"predictive": GLM predictive (probit, or MC with
+predictive="glm_mc"), "map_plugin": softmax(f(x; mu, phi_fin))}``. Rounds before personalisation
+evaluate the global mean with the client's initial head (FedBABU's "before fine-tuning"); there is
+no client posterior then, so both keys hold that softmax.
 
-**FedSI-Fac** (``fedsi-fac``, §6.1 item 11): ``posterior="diag_all"``: a diagonal GGN Laplace
-over every body entry (:class:`inference.subnet.DiagonalLaplacePosterior`), all standard
-deviations sent (no ``subnet`` tensor), diagonal GLM predictive.
+**FedSI-Fac** (``fedsi-fac``, a baseline of the paper's section IV): ``posterior="diag_all"``: a
+diagonal GGN Laplace over every body entry (:class:`inference.subnet.DiagonalLaplacePosterior`), all
+standard deviations sent (no ``subnet`` tensor), diagonal GLM predictive.
 
 **FedSI-Fac's predictive against its plug-in** (digits, 5 iid clients, 3 rounds, seed 0, one
 thread): ECE 0.427 / NLL 0.864 against the plug-in's 0.059 / 0.336 (seeds 1 and 2: 0.405 /
@@ -63,11 +70,12 @@ alpha = 1e-4 narrows the gap (ECE 0.226 against 0.189) but the body barely learn
 covariance) in the same run adds almost nothing to its plug-in: ECE 0.059 / NLL 0.332 against
 0.057 / 0.332.
 
-Options: every ambiguity of spec §8 is one, with the spec's recommended default, declared
+Options: every point the paper leaves open is one, with a recommended default, declared
 with its meaning in ``FedSI.OPTIONS`` (``bayesfl strategies fedsi`` lists them; so does the
 options table of the docs' FedSI page).
 
-Fine-tuning defaults: the spec's range is 5-10 epochs at lr 1e-3 to 1e-2 (§2.5). Measured on
+Fine-tuning defaults: the paper gives no epochs or learning rate for step 4 (section III-A); we
+tried 5-10 epochs at lr 1e-3 to 1e-2. Measured on
 digits (5 clients, ``shards:2``, body ``mlp``, feature_dim 16, 3 rounds, batch 64): 5 epochs
 at 1e-3 left the random head nearly untouched (accuracy 0.15), 5 at 1e-2 gave 0.88 and 10 at
 1e-2 gave 0.92 (NLL 0.63 -> 0.42), hence 10 at 1e-2.
