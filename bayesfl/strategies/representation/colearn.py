@@ -1,12 +1,15 @@
-"""CoLearn (Berdoz, Singh, Jaggi, Raskar 2022, "Scalable Collaborative Learning via
+r"""CoLearn (Berdoz, Singh, Jaggi, Raskar 2022, "Scalable Collaborative Learning via
 Representation Sharing"): clients share per-class features, never weights.
 
-Spec: ``shared/spec/colearn.md`` (section numbers below are its). Every client keeps a
+Paper: [Scalable Collaborative Learning via Representation
+Sharing](https://arxiv.org/abs/2211.10943) (arXiv 2211.10943; the names below are the paragraphs
+of its section 3, "Methods", and its Appendix A.3). Every client keeps a
 personal network ``f_u = tau_u o phi_u`` (its body, d' = ``feature_dim`` features after the
 body's final ReLU, then a linear classifier ``tau_u``); bodies may differ between clients as
 long as d' and the classes agree. Nothing of a network ever leaves its client.
 
-**Upload** (client -> server, per round; §1.2, the schema admits nothing else):
+**Upload** (client -> server, per round; "Implementation" and Algorithms 1-2 of Appendix A.3;
+the schema admits nothing else):
 
 =================  ==================  ===================================================
 ``prototypes``     (C, d') float32     ``t_u^c``: mean feature of all class-c samples
@@ -20,12 +23,12 @@ So an upload is ``(1 + M_up) C d'`` floats plus C integers and the message heade
 of the bodies here are non-negative (every body ends in a ReLU), which the server checks: a
 classifier's weights ``W_u`` (C, d') have the prototypes' shape but not their sign.
 
-**Server** (a relay and mean calculator; §1.4): the global prototype of class c is the
-count-weighted mean of the uploaded prototypes, ``sum_u n_u^c t_u^c / sum_u n_u^c``
+**Server** (a relay and mean calculator; Algorithms 1-2): the global prototype of class c is
+the count-weighted mean of the uploaded prototypes, $\sum_u n_u^c t_u^c / \sum_u n_u^c$
 (``weighting="uniform"``: the plain mean over the clients holding c); a class nobody
 uploaded keeps its previous prototype (or stays absent).
 
-**Downlink** (server -> client, per round; §1.5). The paper's client downloads the global
+**Downlink** (server -> client, per round; "Communication"). The paper's client downloads the global
 prototypes and ``M_down`` observation sets of *peers*: ``(M_down + 1) C d'`` floats.
 
 - ``relay="sets"`` (default, the paper's downlink): the server draws ``M_down`` of the
@@ -39,8 +42,8 @@ prototypes and ``M_down`` observation sets of *peers*: ``(M_down + 1) C d'`` flo
   same broadcast, so a client never gets a draw of its own: a row the client sent itself is
   replaced by that row of the set it used last round (which came from a peer: the client
   keeps it, the ``relay.kept*`` entries of its state); with no such row (its first round)
-  that observation is left out of the disc term (§6.8). At N clients and M_down = 1, one
-  client in N per round uses a one-round-old set; and every client of a round sees the same
+  that observation is left out of the disc term (the paper does not say). At N clients and M_down =
+  1, one client in N per round uses a one-round-old set; and every client of a round sees the same
   M_down peer sets, where the paper's clients draw theirs independently (the round's
   clients are still contrasted against peers' features; the variety comes from round to
   round).
@@ -51,7 +54,7 @@ prototypes and ``M_down`` observation sets of *peers*: ``(M_down + 1) C d'`` flo
 
 **Privacy of the counts.** The uploaded ``counts`` are each client's label histogram ``n_u^c``,
 which the paper does not send (its server "averages" the prototypes). They serve three things:
-the count-weighted global prototype (§6.7: the mean feature of class c over the federation's
+the count-weighted global prototype (the mean feature of class c over the federation's
 samples, not over its clients), the presence of a class (count 0: nothing uploaded, no
 term) and the screening of a client that inflates its weight (``screening_ratio``).
 ``share_counts=False`` uploads the presence alone (counts clamped to 0 / 1, the server
@@ -60,23 +63,26 @@ still visible, as it is in the paper from the classes it sends), the global prot
 the plain mean over the holders (``weighting="count"`` then equals ``"uniform"``: a client
 with 3 samples of a class pulls its prototype as hard as one with 300), and the screening
 becomes moot (no client weighs more than another). The default keeps the counts
-(``share_counts=True``, spec §6.7's recommendation).
+(``share_counts=True``).
 
-**Local objective** (§1.3), per sample ``(x, y)`` with ``s = phi_u(x)``, ``z = tau_u(s)``::
+**Local objective** ("Contrastive Objective", "Final Objective"), per sample $(x, y)$ with
+$s = \phi_u(x)$, $z = \tau_u(s)$:
 
-    CE(z, y) + lam_kd ||s - t_bar^y||^2 / d'   (kd_reduction="mean"; "sum": no / d')
-             + lam_disc [-log h(s, t_m^y) - sum_{c != y} log(1 - h(s, t_m^c))]
+$$\mathrm{CE}(z, y) + \lambda_{\mathrm{kd}} \frac{\lVert s - \bar t^{\,y}\rVert^2}{d'}
++ \lambda_{\mathrm{disc}} \Big[-\log h(s, t_m^y) - \sum_{c \ne y} \log\big(1 - h(s,
+t_m^c)\big)\Big]$$
 
-with ``h(s, t) = <softmax(tau_u(s) / T), softmax(tau_u(t) / T)>`` (T = ``tau_disc``, 1 in the
-paper), ``m ~ U{1..M_down}`` per sample, and ``h`` clamped to ``[eps, 1 - eps]``. The
-downloaded ``t`` are constants: the disc term trains ``tau_u`` on peers' features too. Terms
-whose target is absent (no global prototype of ``y``; no observation of a class in set m)
-are skipped (§6.8). Each term is a batch mean.
+(``kd_reduction="mean"``; ``"sum"`` drops the $1/d'$), with
+$h(s, t) = \langle \mathrm{softmax}(\tau_u(s) / T), \mathrm{softmax}(\tau_u(t) / T) \rangle$
+($T$ = ``tau_disc``, 1 in the paper), ``m ~ U{1..M_down}`` per sample, and ``h`` clamped to ``[eps,
+1 - eps]``. The downloaded ``t`` are constants: the disc term trains ``tau_u`` on peers' features
+too. Terms whose target is absent (no global prototype of ``y``; no observation of a class in set m)
+are skipped (the paper does not say). Each term is a batch mean.
 
-**Options**: the spec's open points (§6), each with its recommendation as the default,
+**Options**: the points the paper leaves open, each with a recommended default,
 declared with their meanings in ``CoLearn.OPTIONS`` (``bayesfl strategies colearn``; the docs'
-family page lists them). ``kd_reduction="mean"`` is the measured choice: ``"sum"``, the spec's
-literal reading, collapses every client's features at ``lam_kd = 10``.
+family page lists them). ``kd_reduction="mean"`` is the measured choice: ``"sum"``, the
+literal reading of the paper's objective, collapses every client's features at ``lam_kd = 10``.
 
 **Logged**: each client state keeps its last round's mean CE, KD and disc terms
 (``loss.*``, :func:`bayesfl.strategies.representation.personal.loss_log`); the server reports
@@ -91,7 +97,7 @@ the disc term penalises confident predictions on peers' not-yet-aligned features
 accuracy 0.84 at a mean confidence of 0.28 (ECE 0.56). As the prototypes spread (7.5 by round
 40) this fades: ECE 0.39 / 0.26 / 0.11 / 0.075 at rounds 15 / 20 / 30 / 40.
 
-Heterogeneous d' (§6.15) is out of scope: the run's ``feature_dim`` is every body's width.
+Heterogeneous d' is out of scope: the run's ``feature_dim`` is every body's width.
 Prediction is the client's own network (softmax of its classifier).
 """
 
