@@ -7,14 +7,15 @@ from the global body and its initial head, and from then on predicts with its ow
 parameters. Rounds before that are evaluated with the global body and the initial head (what
 FedBABU's paper reports as accuracy "before fine-tuning").
 
-Layers (spec fedlog.md §5.1): FedBABU uploads "everything except the last layer (the head is
-never trained)"; 21330 of the MNIST CNN's 21840 floats.
+Layers (the [FedLog paper](https://arxiv.org/abs/2407.08337), section "Communication Cost"): FedBABU
+uploads "everything except the last layer (the head is never trained)"; 21330 of the MNIST CNN's
+21840 floats.
 
 Aggregation: weighted by the clients' sample counts: FedBABU is FedAvg with the head frozen,
 and aggregates the body with FedAvg's n_c / n weights.
 
-Defaults (the FedLog paper gives no FedBABU hyperparameters, spec §7.1, and says it
-grid-searched them): ``finetune_epochs = 1`` and ``finetune = "head"``. The paper's abstract
+Defaults (the FedLog paper gives no FedBABU hyperparameters, section "Communication Cost", and says
+it grid-searched them): ``finetune_epochs = 1`` and ``finetune = "head"``. The paper's abstract
 fine-tunes "the head" for personalisation, hence ``"head"`` (``"all"`` fine-tunes body and head
 together, the other choice FedBABU discusses). One epoch, at the local learning rate and batch
 size.

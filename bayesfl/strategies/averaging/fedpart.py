@@ -1,9 +1,9 @@
 """FedPart (Wang et al., NeurIPS 2024, "Why Go Full? Elevating Federated Learning Through
-Partial Network Updates"; spec fedpart.md): each round trains and sends one layer group
-(:mod:`bayesfl.layer_groups`) while the rest of the network stays frozen at the global values,
-following the schedule of :mod:`bayesfl.strategies.averaging.fedpart_schedule` (warm-up FULL rounds,
-then shallow-to-deep sweeps of R rounds per group, F FULL rounds at the start of each later
-cycle).
+Partial Network Updates", [arXiv 2410.11559](https://arxiv.org/abs/2410.11559)): each round trains
+and sends one layer group (:mod:`bayesfl.layer_groups`) while the rest of the network stays frozen
+at the global values, following the schedule of :mod:`bayesfl.strategies.averaging.fedpart_schedule`
+(warm-up FULL rounds, then shallow-to-deep sweeps of R rounds per group, F FULL rounds at the start
+of each later cycle).
 
 Two registry entries carry the schedule by name with flat options: ``fedpart`` (FedAvg +
 FedPart) and ``fedprox-part`` (FedProx + FedPart); any other parameter-averaging strategy takes

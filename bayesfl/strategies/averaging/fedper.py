@@ -2,9 +2,10 @@
 layers are federated, the last ``local_layers`` layers ("personalization layers") stay on the
 client. Local training updates all layers jointly, as in FedAvg.
 
-Layers: the FedLog paper runs FedPer with the **last two layers local** (spec fedlog.md §8,
-§5.1: it uploads "everything except the last two FC layers"; 5280 of the MNIST CNN's 21840
-floats), so ``local_layers`` defaults to 2. ``local_layers=1`` keeps only the head personal.
+Layers: the FedLog paper runs FedPer with the **last two layers local** (the [FedLog
+paper](https://arxiv.org/abs/2407.08337), Table 1 and section "Communication Cost": it uploads
+"everything except the last two FC layers"; 5280 of the MNIST CNN's 21840 floats), so
+``local_layers`` defaults to 2. ``local_layers=1`` keeps only the head personal.
 
 ``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
 that head posterior on its own body's training features (the head is personal: a zero-centred

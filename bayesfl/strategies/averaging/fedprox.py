@@ -3,8 +3,8 @@ clients minimise the local loss plus the proximal term (mu / 2) ||w - w_global||
 parameters they train, which keeps local models near the round's global model.
 
 Aggregation as FedAvg (weighted by n_c). ``mu`` defaults to 0.01, the value of the FedPart
-authors' generic FedProx configs (spec fedpart.md §2: the FedPart runs do not state it); the
-mini-batch loss is the mean per-sample loss plus the proximal term.
+authors' generic FedProx configs (the [FedPart paper](https://arxiv.org/abs/2410.11559) does not
+state it); the mini-batch loss is the mean per-sample loss plus the proximal term.
 """
 
 from __future__ import annotations

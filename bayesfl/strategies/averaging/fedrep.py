@@ -3,11 +3,12 @@ Learning"): a shared representation and a personal head.
 
 Each round a client first trains its personal layers for ``head_epochs`` with the shared ones
 frozen, then the shared layers for the local epochs with the personal ones frozen; only the
-shared layers are uploaded and averaged. FedLog paper settings (spec fedlog.md §7.1): body
-epochs = local epochs, head epochs 10 (MNIST, CIFAR-10; 3 for CIFAR-100) -- the default here.
+shared layers are uploaded and averaged. [FedLog paper](https://arxiv.org/abs/2407.08337) settings
+(section "Communication Cost"): body epochs = local epochs, head epochs 10 (MNIST, CIFAR-10; 3 for
+CIFAR-100) -- the default here.
 
-Layers (spec §4.5, §8): the FedLog paper's v1 "FedRep" (v2 "FedRep 2") keeps the **last two
-layers** local, as FedPer does -- registry name ``fedrep``, ``local_layers=2``; v2 adds
+Layers (Table 1 of its two versions): the FedLog paper's v1 "FedRep" (v2 "FedRep 2") keeps the
+**last two layers** local, as FedPer does -- registry name ``fedrep``, ``local_layers=2``; v2 adds
 "FedRep 1" with one local layer (the head, as in the original FedRep paper) -- registry name
 ``fedrep-1``, ``local_layers=1``.
 

@@ -3,9 +3,10 @@ top layers. The last ``global_layers`` layers are averaged; the layers below sta
 (so clients may use different bodies when only the head is global). Local training updates
 every layer jointly.
 
-Layers (spec fedlog.md §8): the FedLog paper compares "LG-FedAvg 1" (one global layer, the
-head; 510 floats of the MNIST CNN) -- registry name ``lg-fedavg``, ``global_layers=1`` -- and
-"LG-FedAvg 2" (two global layers; 16560 floats) -- ``lg-fedavg-2``, ``global_layers=2``.
+Layers (Table 1 of the [FedLog paper](https://arxiv.org/abs/2407.08337)): the FedLog paper compares
+"LG-FedAvg 1" (one global layer, the head; 510 floats of the MNIST CNN) -- registry name
+``lg-fedavg``, ``global_layers=1`` -- and "LG-FedAvg 2" (two global layers; 16560 floats) --
+``lg-fedavg-2``, ``global_layers=2``.
 
 ``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
 that head posterior on its own body's training features (a zero-centred Laplace prior by

@@ -8,7 +8,8 @@ plus the sample count; aggregation is their mean, weighted by sample counts or n
 paper does.
 
 What is shared is counted in layers (:func:`~bayesfl.strategies.networks.layer_parameter_names`),
-as the FedLog paper describes its baselines (spec fedlog.md §5.1, §8):
+as the [FedLog paper](https://arxiv.org/abs/2407.08337) describes its baselines (section
+"Communication Cost", Table 1):
 
 =================  ===========================================  =======================
 registry name      shared with the server                       aggregation

@@ -15,7 +15,8 @@ where ``g_y`` is the teacher logit vector of class y: by default (``exclude_self
 Jeong et al.) the aggregate *without* the client's own contribution, which the client removes
 exactly when the aggregate is of the round it last uploaded in (it keeps its last upload in
 its state, ``fd.*``); otherwise the full aggregate. Samples whose class has no teacher get CE
-only. The CoLearn paper leaves FD's weight and temperature unstated (spec colearn.md §6.13):
+only. The [CoLearn paper](https://arxiv.org/abs/2211.10943) leaves FD's weight and temperature
+unstated:
 ``beta = 1`` and ``T = 1`` here, both options.
 
 Validation: non-negative counts with at least one sample, zero rows for absent classes,

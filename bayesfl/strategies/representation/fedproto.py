@@ -19,7 +19,7 @@ FedProto's aggregation equation (its extra 1/|N_y| factor would shrink the proto
 and is not applied) and of its convergence analysis. ``weighted=False`` gives the plain mean
 over those clients, which is what FedProto's published code computes.
 
-Defaults (the FedLog paper gives no FedProto hyperparameters, spec fedlog.md §7.1):
+Defaults (the [FedLog paper](https://arxiv.org/abs/2407.08337) gives no FedProto hyperparameters):
 ``lam = 1``, FedProto's tuned value for MNIST and FEMNIST (0.1 for CIFAR-10) and the optimum
 of its lambda sweep; the distance is the MSE (mean over feature dimensions), as the
 ``nn.MSELoss`` of FedProto's code. Local training (optimiser, epochs, batch size) is the
