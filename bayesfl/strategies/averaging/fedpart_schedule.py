@@ -1,7 +1,8 @@
-"""The FedPart schedule (spec fedpart.md §1.3): which layer group each round trains.
+"""The FedPart schedule: which layer group each round trains.
 
-The schedule (spec §1.3) is a pure function of the round (and, for random orders, the run's
-seed), so a resumed run follows it exactly:
+The schedule (the [FedPart paper](https://arxiv.org/abs/2410.11559), section 3.2 "Strategy for
+Selecting Trainable Layers", and the schedule of its experiments) is a pure function of the round
+(and, for random orders, the run's seed), so a resumed run follows it exactly:
 
 * rounds 1..W are FULL (warm-up, ``warmup_rounds`` W, default 5);
 * then a sweep of R rounds (``rounds_per_group``, default 2) on each of the G groups, in
@@ -125,7 +126,7 @@ class FedPartSchedule:
 
     def upload_fraction(self) -> float:
         """(F + R) / (F + R G): one cycle's uplink relative to full rounds when the groups
-        partition the model (spec §1.7), for W = F."""
+        partition the model (the paper's Eq. 5 leaves the FULL rounds out), for W = F."""
         f, r = self.full_rounds_per_cycle, self.rounds_per_group
         return (f + r) / (f + r * self.num_groups)
 
