@@ -1,4 +1,4 @@
-"""Calibration and scoring metrics for multi-class predictions.
+r"""Calibration and scoring metrics for multi-class predictions.
 
 All functions take ``probs`` (N, K) and integer ``labels`` (N,) as torch tensors (any device; the
 work stays on that device) or numpy arrays, and return Python floats.
@@ -10,10 +10,13 @@ work stays on that device) or numpy arrays, and return Python floats.
   class attaining the maximum (``argmax``) is its label. 2-class input is scored top-label like
   any other (no switch to a positive-class metric based on how many labels occur).
 * Bins: see :mod:`calibration.binning` (equal-width on [0, 1], ``[a, b)`` with the last bin
-  closed; ``binning="quantile"`` for equal-mass bins). Empty bins contribute nothing to ECE; MCE
-  is the maximum over non-empty bins.
-* Brier = mean over samples of sum over classes (p_k - 1[y=k])^2, in [0, 2].
-* NLL = mean over samples of -log max(p_y, 1e-12) (see ``PROBABILITY_FLOOR``), in nats.
+  closed; ``binning="quantile"`` for equal-mass bins). With $B_b$ the samples whose confidence
+  falls in bin b, $\mathrm{ECE} = \sum_b \frac{|B_b|}{N} \lvert \mathrm{acc}(B_b) -
+  \mathrm{conf}(B_b) \rvert$ (empty bins contribute nothing) and MCE is the largest
+  $\lvert \mathrm{acc}(B_b) - \mathrm{conf}(B_b) \rvert$ over non-empty bins.
+* Brier $= \frac{1}{N} \sum_i \sum_k (p_{ik} - [y_i = k])^2$, in [0, 2].
+* NLL $= -\frac{1}{N} \sum_i \log \max(p_{i y_i}, 10^{-12})$ (see ``PROBABILITY_FLOOR``), in
+  nats.
 """
 
 from __future__ import annotations
