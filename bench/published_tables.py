@@ -178,14 +178,18 @@ def head_speed_table(records: list[dict] | None = None) -> str:
     for record in records:
         for row in record["rows"]:
             newest[(row["n"], row["P"])] = (row, record)
-    lines = ["| n | P | ours (s) | NLL | ECE | laplace-torch (s) | NLL | ECE | peer / ours | "
-             "commit, date |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| n | P | ours (CPU-s) | wall (s) | NLL | ECE | laplace-torch (s) | NLL | ECE | "
+             "peer / ours | mfvi (s) | NLL | sgld (s) | NLL | commit, date |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (n, params), (row, record) in sorted(newest.items(), key=lambda i: (i[0][1], i[0][0])):
         ours, peer = row["ours"], row.get("laplace_torch")
         peer_cells = (f"{peer['fit_s']:.2f} | {peer['nll']:.3f} | {peer['ece']:.3f} | "
                       f"{row['ratio']:.2f}x" if peer else "– | – | – | –")
-        lines.append(f"| {n} | {params} | {ours['fit_s']:.2f} | {ours['nll']:.3f} | "
-                     f"{ours['ece']:.3f} | {peer_cells} | {record['commit']}, "
+        wall = f"{ours['wall_s']:.2f}" if "wall_s" in ours else "–"
+        other_cells = " | ".join(f"{row[kind]['fit_s']:.2f} | {row[kind]['nll']:.3f}"
+                                 if kind in row else "– | –" for kind in ("mfvi", "sgld"))
+        lines.append(f"| {n} | {params} | {ours['fit_s']:.2f} | {wall} | {ours['nll']:.3f} | "
+                     f"{ours['ece']:.3f} | {peer_cells} | {other_cells} | {record['commit']}, "
                      f"{record['date']} |")
     return "\n".join(lines) + "\n"
 

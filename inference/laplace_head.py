@@ -203,8 +203,11 @@ def fit_laplace_head(
     The prior precision ``λ`` is a number, or chosen from the data (the default, ``"marglik"``):
 
     * ``"marglik"`` maximises the Laplace log evidence (:func:`log_marginal_likelihood`) over
-      ``log λ`` in ``prior_precision_bounds``: a grid of one point a decade, then bounded Brent
-      to 1e-6 in ``log λ`` (:mod:`inference.hyperparameters`). The mode is **refitted** at every
+      ``log λ`` in ``prior_precision_bounds``: with a full covariance, the secant method on
+      the evidence's exact slope from ``λ = 3`` (``EvidenceSearch.search_secant`` in
+      :mod:`inference.laplace_marglik`: 4-6 refits, to a relative 1e-3 step in ``λ``); with a
+      diagonal or low-rank one, a grid of one point a decade, then bounded Brent to 1e-6 in
+      ``log λ`` (:mod:`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that
       prior's mode), not held at one MAP as laplace-torch's ``optimize_prior_precision`` holds
       the network's: a head's MAP is cheap to refit, and the evidence formula evaluated away
@@ -362,10 +365,11 @@ class _LaplaceFit:
                                  self.noise_std)
 
     def newton_evidence_search(self, bounds: tuple[float, float]) -> HyperparameterChoice | None:
-        """The ``"marglik"`` choice by :class:`~inference.laplace_marglik.EvidenceSearch` (a
-        handful of mode refits), where it applies: a full covariance and Newton modes. ``None``
-        elsewhere, or if it does not converge: the caller then runs the grid-and-Brent search,
-        which maximises the same function."""
+        """The ``"marglik"`` choice by :class:`~inference.laplace_marglik.EvidenceSearch` (its
+        secant search, a handful of mode refits; its former Newton search if that does not
+        converge), where it applies: a full covariance and Newton modes. ``None`` elsewhere,
+        or if neither converges: the caller then runs the grid-and-Brent search, which
+        maximises the same function."""
         d = self.num_classes * self.inputs.shape[1]
         # A full covariance factorises a (d, d) precision at every λ anyway, so Newton's own
         # factorisations cost nothing more at any d: the default solver is Newton here (at
