@@ -97,7 +97,7 @@ def test_the_listing_shows_each_strategy_with_a_whole_first_sentence(capsys):
         assert summary.endswith("."), f"{name}: cut mid-sentence: {summary!r}"
         assert "module doc" not in summary, name
     # FedSI-Fac's docstring's first line stops inside a parenthesis; the sentence goes on
-    assert "(all stds sent; spec §6.1 item 11)." in lines["fedsi-fac"]
+    assert "(all stds sent; a baseline of the paper's section IV)." in lines["fedsi-fac"]
 
 
 def test_a_default_that_the_class_names_is_shown_as_that_value(capsys):
@@ -120,7 +120,7 @@ def test_one_strategy_in_full_gives_each_option_its_default_and_meaning(capsys):
     # the meaning, whole, as FedSI declares it (wrapped, not cut)
     words = " ".join(shown.split())
     assert ('"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
-            '"diag_all" (FedSI-Fac; its default) (A17)') in words
+            '"diag_all" (FedSI-Fac; its default) (open in the paper)') in words
 
 
 def test_one_strategy_in_full_says_what_each_option_accepts(capsys):

@@ -85,7 +85,7 @@ Since then the fine-tuning length is chosen per client by held-out NLL
 count, 10 epochs left the plug-in under-confident on the paper's MNIST setting and 300
 over-confident, so the constant, not the data, decided the calibration.
 
-The Laplace runs every round (A11: ``laplace_every = 1``, the paper's schedule; no option).
+The Laplace runs every round (``laplace_every = 1``, the paper's schedule; no option).
 
 **The local MAP** (``map_solver``). The paper trains the body with Adam at 1e-2 on
 ``CE + prior``. Adam normalises each coordinate's step to about ``lr``; with the paper's prior
@@ -399,56 +399,57 @@ class FedSI(Strategy):
 
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("prior_var", float, 0.01,
-               "alpha, the base prior *variance* (§1.2, A1); the paper's is 1e-4 (see \"The "
-               "prior's variance\" below)"),
+               "alpha, the base prior *variance* (paper section III-A); the paper's is 1e-4 "
+               "(see \"The prior's variance\" below)"),
         Option("subnet_fraction", float, 0.05,
-               "|S| = floor(fraction |R|), >= 1 (§1.4, A9; 5% MLP)"),
+               "|S| = floor(fraction |R|), >= 1 (paper Eqs. 13-14; 5% MLP)"),
         Option("subnet_size", int, None,
                "an explicit |S| (overrides the fraction)"),
         Option("posterior", str, None,
                '"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
-               '"diag_all" (FedSI-Fac; its default) (A17)',
+               '"diag_all" (FedSI-Fac; its default) (open in the paper)',
                shown="subnet_full", choices=POSTERIORS),
         Option("aggregation", str, "mean_std",
                'variances: "mean_std" (the paper: mean of the stds, zeros included, squared), '
                '"mean_var", "mean_nonzero" (over the clients that chose r), "moment_match" '
                '(mixture moments), "product" (precision-weighted product of Gaussians, below) '
-               "(A4)",
+               "(open in the paper)",
                choices=AGGREGATIONS),
         Option("weights", str, "uniform",
-               'client weights of the means: "uniform" (paper) or "n_i" (sample counts) (A12)',
+               'client weights of the means: "uniform" (paper) or "n_i" (sample counts)',
                choices=WEIGHTS),
         Option("variance_floor", float, 1e-12,
-               "lower clamp of g (A18)"),
+               "lower clamp of g (open in the paper)"),
         Option("prior_in_map", bool, True,
-               "the Gaussian prior term in the local MAP (A2)"),
+               "the Gaussian prior term in the local MAP (open in the paper)"),
         Option("map_solver", str, "proximal",
                'how the local MAP treats the prior: "proximal" (Adam on the CE, the prior '
                "applied exactly after each step) or \"adam\" (the prior in Adam's gradient, the "
                "paper's literal recipe; see \"The local MAP\" below)",
                choices=MAP_SOLVERS),
         Option("local_lr", float, 0.01,
-               "Adam lr of local training (§5.2); None: the run's lr",
+               "Adam lr of local training (paper section IV); None: the run's lr",
                nullable=True),
         Option("head_init", str, "shared",
-               'phi^0 shared by clients of a body spec, or "per_client" (§2.2, A7)',
+               'phi^0 shared by clients of a body spec, or "per_client" (open in the paper)',
                choices=HEAD_INITS),
         Option("filter_zero_curvature", bool, True,
-               "rank zero-curvature entries last; False: the paper's literal rule (A5)"),
+               "rank zero-curvature entries last; False: the paper's literal rule"),
         Option("eval_selection", str, "diag_laplace",
                "selection at personalisation: diagonal-Laplace variance at (mu, phi_fin), or "
-               '"global_var" (rank by g alone) (A6)',
+               '"global_var" (rank by g alone) (open in the paper)',
                choices=EVAL_SELECTIONS),
         Option("finetune_epochs", int, 100,
-               "most head fine-tuning epochs (A7; see below)"),
+               "most head fine-tuning epochs (open in the paper; see below)"),
         Option("finetune_lr", float, 0.01,
-               "head fine-tuning Adam lr (A7; see below)"),
+               "head fine-tuning Adam lr (open in the paper; see below)"),
         Option("finetune_stop", str, "heldout_nll",
                '"heldout_nll": the epoch count of lowest NLL on 20% of the training data held '
                'out, then that many on all of it; "fixed": finetune_epochs',
                choices=HEAD_STOPS),
         Option("predictive", str, "glm_probit",
-               '"glm_probit" (Eq. 19) or "glm_mc" (§3.2); on S1 within 1% of the plug-in, and '
+               '"glm_probit" (Eq. 19) or "glm_mc" (Monte Carlo); on S1 within 1% of the plug-in, '
+               'and '
                'no setting chosen without test rows widens it (docs: FedSI, "Does the posterior '
                'earn its spread?")',
                choices=PREDICTIVES),
@@ -760,7 +761,8 @@ class FedSI(Strategy):
 
     def map_objective(self, model: nn.Module, mean: Tensor, variance: Tensor, n: int):
         """Per-sample loss of the local MAP: ``CE + prior_penalty(body, mean, variance) / n``
-        (its batch mean is the spec's §2.3b objective); plain CE with ``prior_in_map=False``."""
+        (its batch mean is the paper's local objective, section III-B); plain CE with
+        ``prior_in_map=False``."""
 
         def objective(output: Tensor, labels: Tensor) -> Tensor:
             loss = cross_entropy_per_sample(output, labels)
@@ -1026,13 +1028,13 @@ class FedSI(Strategy):
                    aggregate="as FedSI (factorised: no subnet indices)")
 class FedSIFac(FedSI):
     """FedSI-Fac: FedSI with a diagonal GGN Laplace over every body parameter (all stds
-    sent; spec §6.1 item 11)."""
+    sent; a baseline of the paper's section IV)."""
 
     default_posterior: ClassVar[str] = "diag_all"
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("posterior", str, None,
                '"subnet_full" (FedSI), "subnet_diag" (diagonal posterior on the subnet), '
-               '"diag_all" (FedSI-Fac; its default) (A17)',
+               '"diag_all" (FedSI-Fac; its default) (open in the paper)',
                shown="diag_all"),
     )
 

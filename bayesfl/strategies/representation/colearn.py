@@ -162,7 +162,7 @@ def contrastive_terms(
     logits: Tensor, observation_logits: Tensor, labels: Tensor, available: Tensor, *,
     tau: float = 1.0, eps: float = 1e-7, neg_reduction: str = "sum",
 ) -> Tensor:
-    """CoLearn's per-sample "same class?" loss (§1.3).
+    """CoLearn's per-sample "same class?" loss ("Contrastive Objective").
 
     Args:
         logits: (B, C) the client's logits of its samples, ``tau_u(s_b)``.
@@ -302,9 +302,9 @@ def received_sets(
 
 def peer_prototypes(pool: Tensor, present: Tensor, sources: Tensor,
                     client_id: int) -> tuple[Tensor, Tensor]:
-    """The peer-to-peer KD target (§1.6): per class, the mean of the relayed observation sets
-    (S, C, d) of the other clients that hold the class (``sources`` (S,) per set, or (S, C)
-    per row).
+    """The peer-to-peer KD target (the paper's "Relaxation to peer-to-peer"): per class, the
+    mean of the relayed observation sets (S, C, d) of the other clients that hold the class
+    (``sources`` (S,) per set, or (S, C) per row).
 
     Returns:
         prototypes (C, d) float32 (zero rows where no peer holds the class) and their
@@ -347,54 +347,54 @@ class CoLearn(PersonalStrategy):
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("lam_kd", float, 10.0,
                "weight of the KD term, the squared distance of a feature to its class's target "
-               "prototype (§2; 10).",
+               "prototype (paper: 10).",
                minimum=0.0),
         Option("lam_disc", float, 1.0,
-               "weight of the disc term, the contrast against peers' observation sets (§2; 1).",
+               "weight of the disc term, the contrast against peers' observation sets (paper: 1).",
                minimum=0.0),
         Option("n_avg", int, 10,
-               "samples averaged per class into one observation (`min(n_avg, n_u^c)`; §2; 10).",
+               "samples averaged per class into one observation (`min(n_avg, n_u^c)`; paper: 10).",
                minimum=1),
         Option("m_up", int, 1,
-               "observation sets a client uploads per round (M_up; §2; 1).",
+               "observation sets a client uploads per round (M_up; paper: 1).",
                minimum=1),
         Option("m_down", int, 1,
-               "observation sets of peers a client trains against per round (M_down; §2; 1).",
+               "observation sets of peers a client trains against per round (M_down; paper: 1).",
                minimum=1),
         Option("tau_disc", float, 1.0,
-               "temperature of the two softmaxes inside `h` only (§6.1; 1).",
+               "temperature of the two softmaxes inside `h` only (open in the paper; 1).",
                minimum=1e-6),
         Option("statistics", str, "final",
                "`\"final\"`: prototypes and observations from an extra no-grad pass with the "
                "round's final weights (eval mode); `\"running\"`: from the features of the last "
-               "local epoch's mini-batches, as computed during training (§6.3)."),
+               "local epoch's mini-batches, as computed during training (open in the paper)."),
         Option("bootstrap", str, "upload",
                "`\"upload\"`: a round 0 in which clients upload prototypes and observations of "
                "their initial networks; `\"skip\"`: no round 0 (round 1 trains on CE only); "
                "`\"random\"`: the paper's random initial prototypes and observations (uniform "
-               "on [0, 1), seeded by the run) (§6.4)."),
+               "on [0, 1), seeded by the run) (open in the paper)."),
         Option("synchronous", bool, True,
-               "every round's clients train against the same broadcast (§6.5); `false`, the "
-               "paper's sequential listing, is not expressible in a transport that broadcasts "
-               "once per round and is refused."),
+               "every round's clients train against the same broadcast (open in the paper); "
+               "`false`, the paper's sequential listing, is not expressible in a transport that "
+               "broadcasts once per round and is refused."),
         Option("peer", str, "one",
                "`\"one\"`: each downloaded set from one random peer, a class it lacks filled "
                "from another holder; `\"mix\"`: every class of a set from its own random peer "
-               "(§6.6)."),
+               "(open in the paper)."),
         Option("weighting", str, "count",
                "the global prototype: `\"count\"`, the count-weighted mean over the clients "
-               "holding the class, or `\"uniform\"`, their plain mean (§6.7)."),
+               "holding the class, or `\"uniform\"`, their plain mean (open in the paper)."),
         Option("neg_reduction", str, "sum",
                "`\"sum\"` (the paper) or `\"mean\"` over the available negatives of the disc "
-               "term (§6.9)."),
+               "term (open in the paper)."),
         Option("kd_reduction", str, "mean",
                "`\"mean\"`: the squared distance divided by d' (what `nn.MSELoss` computes); "
-               "`\"sum\"`: the spec's literal reading, summed over d' (§6.10). With `\"sum\"` "
+               "`\"sum\"`: the paper's literal reading, summed over d'. With `\"sum\"` "
                "and `lam_kd = 10` every client's features collapse onto one point (accuracy at "
                "chance, measured on mnist-5k / LeNet5 and digits / MLP), while `\"mean\"` beats "
                "independent learning (`bench/colearn.py`)."),
         Option("eps", float, 1e-07,
-               "the clamp of `h` to `[eps, 1 - eps]` (§6.11).",
+               "the clamp of `h` to `[eps, 1 - eps]` (open in the paper).",
                minimum=0.0),
         Option("relay", str, "sets",
                "`\"sets\"`: the server relays M_down of the round's observation sets, each row "
@@ -409,8 +409,8 @@ class CoLearn(PersonalStrategy):
                "to 0 / 1 (module docstring, Privacy of the counts)."),
         Option("kd_target", str, "server",
                "`\"server\"`: the KD target is the server's global prototype; `\"peers\"`: the "
-               "paper's peer-to-peer proxy (§1.6), the per-class mean of the observation sets "
-               "the client uses."),
+               "paper's peer-to-peer proxy (its peer-to-peer relaxation), the per-class mean of "
+               "the observation sets the client uses."),
         Option("max_norm", float, 10000.0,
                "uploads with a prototype or observation of larger L2 norm are rejected.",
                minimum=0.0),
@@ -423,7 +423,8 @@ class CoLearn(PersonalStrategy):
                "random w_u, Algorithm 1); `false`: one initialisation per body spec."),
         Option("keep_optimizer", bool, True,
                "keep Adam's moments and step count in the client state across rounds, so a "
-               "personal model trains as one long run (§6.12); `false`: a fresh Adam per round."),
+               "personal model trains as one long run (open in the paper); `false`: a fresh Adam "
+               "per round."),
     )
 
     def __init__(
@@ -728,13 +729,13 @@ class CoLearn(PersonalStrategy):
 
 
 def upload_floats(num_classes: int, feature_dim: int, m_up: int = 1) -> int:
-    """Feature floats of one CoLearn upload, ``(1 + m_up) C d'`` (spec §1.5)."""
+    """Feature floats of one CoLearn upload, ``(1 + m_up) C d'`` ("Communication")."""
     return (1 + m_up) * num_classes * feature_dim
 
 
 def downlink_floats(num_classes: int, feature_dim: int, m_down: int = 1) -> int:
     """Feature floats of the paper's download per client and round, ``(M_down + 1) C d'``
-    (spec §1.5): the global prototypes and M_down observation sets."""
+    ("Communication"): the global prototypes and M_down observation sets."""
     return (m_down + 1) * num_classes * feature_dim
 
 

@@ -7,7 +7,7 @@
 * **Adam across rounds** (``keep_optimizer=True``): the client state holds Adam's moments
   (``optim.exp_avg.<param>``, ``optim.exp_avg_sq.<param>``) and step count (``optim.step``,
   shape (1,)); local training resumes them, so a personal model trains as if its rounds were
-  one long run (CoLearn spec §6.12). ``False`` follows the run's
+  one long run (open in the CoLearn paper). ``False`` follows the run's
   :class:`~bayesfl.training.LocalTraining` (a fresh Adam per round, reset per epoch when it
   says so). The update is ``torch.optim.Adam``'s own (:class:`bayesfl.adam.Adam`, bit for bit).
 * **Per-class means** (:func:`class_means`): float64 sums over the global class list; a class
@@ -63,7 +63,7 @@ class PersonalStrategy(Strategy):
     Subclasses declare the per-batch loss terms in :attr:`LOSS_TERMS` and their weights in
     :meth:`loss_weights`; the mini-batch loss is the batch mean of ``sum_k w_k term_k``. Each
     term's unweighted mean over the last local epoch is logged in the client state as
-    ``loss.<term>``, shape (1,) float64 (spec colearn.md §6.10: log the terms apart).
+    ``loss.<term>``, shape (1,) float64 (each term apart).
     """
 
     LOSS_TERMS: tuple[str, ...] = ("ce",)
