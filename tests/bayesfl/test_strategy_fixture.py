@@ -119,3 +119,22 @@ def test_it_runs_on_real_supernodes_that_load_it_from_the_app(registered, tmp_pa
     for key in ("ece", "accuracy", "nll", "brier"):
         # the same float32 operations on both sides; 1e-6 leaves room for batch layout only
         assert summary[key] == pytest.approx(sim.summary[key], abs=1e-6), key
+
+
+def test_the_run_help_lists_every_built_in_strategy_under_its_family(capsys):
+    from bayesfl.strategies import FAMILIES
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    section = capsys.readouterr().out.split("strategies (--strategy NAME", 1)[1]
+    listed: dict[str, list[str]] = {}
+    for line in section.splitlines()[1:]:
+        if line.startswith("  ") and not line.startswith("    "):  # "  label: a, b,"
+            label, _, names = line.strip().partition(": ")
+            listed[label] = names.split(", ")
+        elif line.startswith("    "):  # a wrapped line of the same family
+            listed[label] += line.strip().split(", ")
+    listed = {label: [n.strip(",") for n in names if n] for label, names in listed.items()}
+    assert list(listed) == [f.label for f in FAMILIES.values()]
+    for name, cls in STRATEGIES.items():
+        assert name in listed[FAMILIES[cls.registration.family].label], name
