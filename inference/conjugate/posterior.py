@@ -52,7 +52,8 @@ class ConjugatePosterior:
     Args:
         prior: hyperparameters (``None`` means ``ConjugatePrior()``: chi = 0, nu = 1).
         statistics: summed statistics (possibly privatised).
-        solver: ``"exact"`` (spec §2.3, default) or ``"adam"`` (the paper's loop, spec §2.2).
+        solver: ``"exact"`` (the closed-form maximiser, :func:`inference.conjugate.solve_map`;
+            default) or ``"adam"`` (the FedLog authors' code: Adam on the paper's Eq. 12).
         feature_scale: ``s > 0`` (see the module docstring); ``chi`` lives in the scaled
             space (it is a pseudo-statistic of ``[1, s phi]``).
         max_root_steps: the exact solver's step limit

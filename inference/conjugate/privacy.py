@@ -129,7 +129,7 @@ def gaussian_sigma(
     Returns:
         ``sigma`` in the units of the table's entries (features, and counts in column 0).
 
-    Example (spec §4.2 table): ``gaussian_sigma(1, 0.01, 1, 100, 2, "single") ≈ 62.2``.
+    Example: ``gaussian_sigma(1, 0.01, 1, 100, 2, "single") ≈ 62.2``.
     """
     if not 0 < epsilon < math.inf or not 0 < delta < 1:
         raise InvalidInputError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon}, {delta}")

@@ -65,7 +65,7 @@ def map_gradient(W: Tensor, S: Tensor, N: float | Tensor) -> Tensor:
 
 
 def solve_map(S: Tensor, N: float | Tensor, *, max_steps: int = DEFAULT_MAX_ROOT_STEPS) -> Tensor:
-    """Exact maximiser of ``J(W) = <W, S> - N logsumexp_y(||W_y||^2 / 4)`` (spec §2.3).
+    """Exact maximiser of ``J(W) = <W, S> - N logsumexp_y(||W_y||^2 / 4)``.
 
     Args:
         S: any finite real matrix, shape ``(C, k)`` (here ``k`` counts every column, the bias
