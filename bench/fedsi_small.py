@@ -9,10 +9,12 @@ Adam, batch size 50, full participation, learning rates as the paper (FedSI 1e-2
 1e-4 unless it says otherwise, the rest 1e-3).
 
 Protocol, scaled: the paper runs T = 800 rounds of K = 10 local epochs (8,000 epochs over 250
-images). Here ``--rounds`` (default 5) rounds of ``--epochs`` (default 5) epochs, the README's
-table: one FedSI round costs ~22 s of CPU (its Laplace fits; ~70 s before the faster fit), so
-3 seeds of every method take about an hour on one core (FedSI with its novel-client run ~15
-CPU-minutes per seed). The baselines'
+images). Here ``--rounds`` (default 5) rounds of ``--epochs`` (default 5) epochs; the
+published table (docs/results.md) runs ``--rounds 30``. A 30-round FedSI run costs ~180 CPU-s
+on one thread of a shared 2-core machine, ~6 s a round, two thirds of it the subnet posterior's
+upload variances (FedBABU's whole run: ~10 CPU-s; ``bench/s1_cost.py``,
+``bench/results/s1_cost.jsonl``), so FedSI's 3 seeds with their novel-client runs take about
+20 CPU-minutes. The baselines'
 training accuracy is at or near 100% by then (the 250-image clients are tiny); FedSI's body,
 held by its prior variance of 1e-4, is not (see the README). Figures are final-round client
 means. Novel clients (the paper's §IV-E, Fig. 5 only): a second run of FedSI and

@@ -13,6 +13,29 @@ Usage: ``python bench/s1_cost.py [--methods fedper,fedper-laplace,...] [--seed 0
 seed, rounds) is appended to the cache with the commit and date (a cached run is skipped unless
 ``--rerun``: then it runs again and its new line, the newest, is the one the tables read); the
 last printed line is the JSON of the ratios.
+
+Where FedSI's time goes (issue 41; S1 seed 0, 3 rounds, CPU seconds a call, one thread on the
+shared 2-core machine, before (f4433dc) and after measured side by side; calls in a 30-round
+run in brackets):
+
+- local MAP (5 epochs of Adam on the body): 35 ms, unchanged [300];
+- subnet selection (diagonal GGN of the body): 21 ms, unchanged [310];
+- upload variances (``inference.subnet.lowrank``: Woodbury on the subnet GGN's low-rank
+  factor, an r x r kernel with r <= 9 n = 2,250, its Cholesky and inverse, ~r^3 = 11 GFLOP):
+  339 -> 307 ms [300], about two thirds of the run; the kernel and the unit quadratic forms
+  now run in cache-sized chunks, the LAPACK part (~60% of the call) is the floor of the exact
+  float64 route;
+- per-round view (a head fine-tuned on the global body, up to 100 epochs, chosen by held-out
+  NLL): 158 -> 40 ms [300] (the linear head's gradient written out,
+  ``bayesfl.strategies.head_tuning.tune_linear_head``);
+- personalisation (head, subnet, dense 3,925 x 3,925 subnet GGN): 440 -> 309 ms [10];
+- final GLM predictive: the posterior's equilibrated Cholesky (670 ms) and the probit
+  variances over the test rows through the triangular inverse (~400 ms) [10].
+
+FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
+the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
+(70 ms) and 110 preconditioned SGLD steps (190 ms: each reads the 1,010 x 1,010 factor from
+memory, twice since issue 41, three times before), then the local epochs.
 """
 
 from __future__ import annotations
