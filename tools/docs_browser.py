@@ -5,8 +5,11 @@ of a site built by ``mkdocs build`` (loaded from ``file://``: the site needs no 
 network) and prints, per page, what a reader would meet that the HTML alone does not tell:
 
 - ``overflow``: elements whose box reaches past the right edge of the text column (a table or
-  a formula cut off or pushed over the table of contents), and code blocks whose lines are
-  longer than the block is wide (their end is hidden behind a scroll bar);
+  a formula cut off or pushed over the table of contents), and code blocks in a language whose
+  lines are longer than the block is wide (their end hidden behind a scroll bar: they should
+  wrap, docs/assets/stylesheets/extra.css);
+- ``scrolls`` (not a problem, for information): tables and plain blocks (trees, aligned
+  output) wider than the column, which scroll inside their own frame;
 - ``math``: formulas KaTeX typeset (``.katex``), formulas it failed on (``.katex-error``) and
   formulas left as TeX source (``.arithmatex`` without KaTeX's markup);
 - ``raw_roles``: Sphinx roles (``:func:`x```) in the text a reader sees;
@@ -61,13 +64,18 @@ window.addEventListener("load", function () { setTimeout(function () {
       var past = el.getBoundingClientRect().right - edge;
       if (past > 1) { overflow.push(Math.round(past) + " px past the column: " + label(el)); }
     });
+  var scrolls = [];  // a table or a plain block (tree) wider than the column: it scrolls
   column.querySelectorAll("pre > code").forEach(function (el) {
     var hidden = el.scrollWidth - el.clientWidth;
-    if (hidden > 1) { overflow.push(hidden + " px of a code block hidden: " + label(el)); }
+    if (hidden <= 1) { return; }
+    var block = el.closest(".highlight");
+    var text = block && (block.classList.contains("language-text") ||
+                         !/\blanguage-/.test(block.className));
+    (text ? scrolls : overflow).push(hidden + " px of a code block hidden: " + label(el));
   });
   column.querySelectorAll(".md-typeset__scrollwrap").forEach(function (el) {
     var hidden = el.scrollWidth - el.clientWidth;
-    if (hidden > 1) { overflow.push(hidden + " px of a table hidden: " + label(el)); }
+    if (hidden > 1) { scrolls.push(hidden + " px of a table to scroll: " + label(el)); }
   });
   var source = column.querySelectorAll(".arithmatex").length
     - column.querySelectorAll(".arithmatex .katex").length;
@@ -82,6 +90,7 @@ window.addEventListener("load", function () { setTimeout(function () {
   var text = column.innerText || "";
   var report = {
     overflow: overflow,
+    scrolls: scrolls,
     katex: column.querySelectorAll(".katex").length,
     katex_errors: column.querySelectorAll(".katex-error").length,
     math_source: source,
@@ -174,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {report['katex']} formulas" + ("" if not bad else ", PROBLEMS"))
         for line in report["overflow"]:
             print(f"  {line}")
+        for line in report["scrolls"]:
+            print(f"  (scrolls) {line}")
         for key in ("katex_errors", "math_source", "raw_roles"):
             if report[key]:
                 print(f"  {key}: {report[key]}")
