@@ -89,9 +89,9 @@ REPLY_SCHEMA = {"at_most": TensorSpec((P, DEFAULT_PROBES), torch.int64),
 ONE_SHOT_REQUEST_SCHEMA = {"alpha": TensorSpec((1,), torch.float64),
                            "num_clients": TensorSpec((1,), torch.int64)}
 """Server -> clients (one shot): the level and the number of clients m."""
-ONE_SHOT_REPLY_SCHEMA = {"local_quantile": TensorSpec((P,), torch.float64, finite=False),
-                         "ranks": TensorSpec((P, 2), torch.int64)}
-"""Client -> server (one shot): per predictive its local quantile and (l, n)."""
+ONE_SHOT_REPLY_SCHEMA = {"local_quantile": TensorSpec((P, 3), torch.float64, finite=False)}
+"""Client -> server (one shot): per predictive its local quantile, l and n (whole numbers,
+exact in float64; one tensor keeps the message under 1 KB)."""
 RESULT_SCHEMA = {"thresholds": TensorSpec((P,), torch.float64, finite=False)}
 """Server -> every client: the thresholds (NaN: no threshold for that predictive)."""
 EVALUATION_SCHEMA = {"counts": TensorSpec((P, 2), torch.int64),
@@ -209,13 +209,14 @@ class ConformalClient:
         if not 0 < alpha < 1 or m < 1:
             raise MessageRejected(f"one-shot request needs alpha in (0, 1) and m >= 1, got "
                                   f"{alpha}, {m}")
-        values = torch.full((P,), math.nan, dtype=torch.float64)
-        ranks = torch.zeros(P, 2, dtype=torch.int64)
+        upload = torch.zeros(P, 3, dtype=torch.float64)
+        upload[:, 0] = math.nan
         for i, s in enumerate(self.scores):
             if s is not None:
                 local = LocalQuantile.of(s, alpha, m)
-                values[i], ranks[i] = local.value, torch.tensor([local.ell, local.count])
-        return Message(header, {"local_quantile": values, "ranks": ranks})
+                upload[i] = torch.tensor([local.value, local.ell, local.count],
+                                         dtype=torch.float64)
+        return Message(header, {"local_quantile": upload})
 
     def evaluate(self, result: Message, test_probs: Mapping[str, Tensor], test_labels: Tensor,
                  num_classes: int) -> Message:
@@ -262,11 +263,13 @@ class ConformalSearch:
         participants: client ids whose replies the final thresholds used.
         steps: requests sent (a restart adds its own).
         restarts: searches started again after a client was dropped.
-        bytes_up, bytes_down: encoded bytes of every reply / of every request and result
-            times its recipients.
+        bytes_up, bytes_down: encoded bytes of every reply / of every request times its
+            recipients: the calibration of the threshold.
         floats_up, floats_down: the same as numbers.
         rejections: ``{"step", "client_id", "reason"}`` per dropped client.
         error: why no threshold was found, or None.
+        evaluation_bytes_up, evaluation_bytes_down: the evaluation after it (the thresholds
+            down, the coverage counts up), counted apart.
     """
 
     thresholds: list[float | None]
@@ -280,6 +283,8 @@ class ConformalSearch:
     floats_down: int = 0
     rejections: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    evaluation_bytes_up: int = 0
+    evaluation_bytes_down: int = 0
 
 
 class _Restart(Exception):  # noqa: N818 - control flow: some participant was dropped
@@ -442,8 +447,10 @@ def _one_shot_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_cla
 
     def check(cid: int, message: Message) -> str | None:
         for i in range(P):
-            value = float(message.tensors["local_quantile"][i])
-            ell, n = (int(v) for v in message.tensors["ranks"][i])
+            value, ell_f, n_f = (float(v) for v in message.tensors["local_quantile"][i])
+            if not (ell_f.is_integer() and n_f.is_integer()) or n_f > 2**53:
+                return f"{PREDICTIVES[i]}: ranks must be whole numbers, got {ell_f}, {n_f}"
+            ell, n = int(ell_f), int(n_f)
             if n == 0 and ell == 0:
                 if not math.isnan(value):
                     return f"{PREDICTIVES[i]}: a quantile without rows"
@@ -462,10 +469,9 @@ def _one_shot_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_cla
     replies = _collect(ask, active, step, down, ONE_SHOT_REPLY_SCHEMA, 3 * P, upload_hook,
                        keys, outcome, check)
     for i in range(P):
-        uploads = [LocalQuantile(float(replies[c].tensors["local_quantile"][i]),
-                                 int(replies[c].tensors["ranks"][i, 0]),
-                                 int(replies[c].tensors["ranks"][i, 1]))
-                   for c in active if int(replies[c].tensors["ranks"][i, 1]) > 0]
+        rows = [replies[c].tensors["local_quantile"][i] for c in active]
+        uploads = [LocalQuantile(float(r[0]), int(r[1]), int(r[2])) for r in rows
+                   if int(r[2]) > 0]
         if not uploads:
             continue
         result = quantile_of_quantiles(uploads, spec.alpha)
@@ -503,8 +509,7 @@ def evaluation_over(
     server_key = None if keys is None else keys.server_key
     step = search.steps
     down = encode(result_message(step, search.thresholds), key=server_key)
-    search.bytes_down += len(down) * len(client_ids)
-    search.floats_down += P * len(client_ids)
+    search.evaluation_bytes_down += len(down) * len(client_ids)
     answers = ask(step, down, list(client_ids))
     out: dict[int, list[CoverageAccumulator | None]] = {}
     rejections = []
@@ -513,7 +518,7 @@ def evaluation_over(
         try:
             if isinstance(up, str):
                 raise MessageRejected(up, client_id=cid)
-            search.bytes_up += len(up)
+            search.evaluation_bytes_up += len(up)
             message = _received(up, EVALUATION_SCHEMA, step, cid,
                                 None if keys is None else keys.client_key(cid))
             problem = evaluation_problem(message, num_classes)
@@ -571,6 +576,8 @@ class ConformalOutcome:
             "bytes_down": search.bytes_down,
             "bytes_up_per_client": search.bytes_up / n_clients,
             "floats_up": search.floats_up, "floats_down": search.floats_down,
+            "evaluation_bytes_up": search.evaluation_bytes_up,
+            "evaluation_bytes_down": search.evaluation_bytes_down,
             "rejections": search.rejections + self.evaluation_rejections,
             "error": search.error, "seconds": self.seconds, "predictives": {},
         }

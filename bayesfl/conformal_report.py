@@ -18,7 +18,9 @@ def conformal_markdown(figures: dict[str, Any]) -> str:
              f"Calibrated on {figures['held_out_samples']} held-out rows of "
              f"{len(figures['participants'])} clients; {figures['steps']} messages, "
              f"{figures['bytes_up']:,} bytes up ({figures['bytes_up_per_client']:,.0f} per "
-             f"client), {figures['bytes_down']:,} bytes down.", ""]
+             f"client), {figures['bytes_down']:,} bytes down to calibrate the threshold; "
+             f"{figures['evaluation_bytes_up']:,} up and {figures['evaluation_bytes_down']:,} "
+             "down to evaluate.", ""]
     if figures.get("error"):
         lines += [f"No threshold: {figures['error']}", ""]
     if figures["rejections"]:

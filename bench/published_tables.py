@@ -14,6 +14,8 @@ Tables:
   plug-in where the method has one.
 * ``s1_cost`` (``s1_cost.jsonl``, ``bench/s1_cost.py``): CPU seconds of whole S1 runs and the
   ratio to each method's point-estimate peer.
+* ``s1_conformal`` (``s1_conformal.jsonl``, ``bench/s1_conformal.py``): federated conformal
+  sets in S1, coverage per client and set size, clean and under shift (issue 45).
 * ``head_speed`` (``laplace_head_speed.jsonl``, ``bench/laplace_head_speed.py``): the Laplace
   head's fit against laplace-torch's last-layer Laplace at each size (the newest record of
   each size).
@@ -611,6 +613,65 @@ def s1_h200_readme_table(records: list[dict] | None = None) -> str:
             + source_line("s1_30_h200.jsonl", used, [r["seed"] for r in used]))
 
 
+
+def _conformal_entry(run: dict, alpha: float, method: str, key: str) -> tuple:
+    """(the run's entry of that alpha and threshold, its figures of predictive ``key``)."""
+    for e in run["results"]:
+        if e["alpha"] == alpha and e["method"] == method:
+            return e, e["predictives"].get(key)
+    return None, None
+
+
+def s1_conformal_table(records: list[dict] | None = None) -> str:
+    """Issue 45: federated conformal sets (APS) in S1 at 30 rounds, mean ± standard error over
+    the seeds: with the exact threshold, pooled coverage, the lowest client's coverage and the
+    clients below the target (over all seeds), mean set size clean, rotated 60° and on unseen
+    labels; with the one-shot threshold (FedCP-QQ), pooled coverage, its stated bound and the
+    bytes a client uploads."""
+    records = read_jsonl(RESULTS / "s1_conformal.jsonl") if records is None else records
+    runs: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r.get("rounds") == 30:
+            runs.setdefault(r["label"], {})[r["seed"]] = r  # the newest run of a seed counts
+    names = {"predictive": "headline", "map_plugin": "plug-in"}
+    lines = ["| method | predictive | α | seeds | coverage | lowest client | clients below | "
+             "set size | coverage 60° | set size 60° | coverage unseen labels | "
+             "set size unseen labels | one-shot coverage (bound) | one-shot bytes up/client |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        for key in ("predictive", "map_plugin"):
+            for alpha in (0.05, 0.1):
+                exact = [_conformal_entry(by_seed[s], alpha, "exact", key)[1] for s in seeds]
+                shot = [_conformal_entry(by_seed[s], alpha, "one-shot", key) for s in seeds]
+                if not exact or any(x is None for x in exact):
+                    continue
+
+                def col(items, cond, metric, digits=3):
+                    return mean_se([x[cond][metric] for x in items], digits)
+
+                below = sum(x["clean"]["clients_below"] for x in exact)
+                clients = sum(len(x["clean"]["per_client"]) for x in exact)
+                bounds = [p["coverage_bound"] for _, p in shot if p and p["coverage_bound"]]
+                bound = f" (≥ {min(bounds):.3f})" if bounds else ""
+                lines.append(
+                    f"| {label} | {names[key]} | {alpha:g} | {','.join(map(str, seeds))} | "
+                    f"{col(exact, 'clean', 'coverage')} | {col(exact, 'clean', 'client_min')} | "
+                    f"{below} of {clients} | {col(exact, 'clean', 'mean_set_size', 2)} | "
+                    f"{col(exact, 'rotate 60', 'coverage')} | "
+                    f"{col(exact, 'rotate 60', 'mean_set_size', 2)} | "
+                    f"{col(exact, 'unseen labels', 'coverage')} | "
+                    f"{col(exact, 'unseen labels', 'mean_set_size', 2)} | "
+                    f"{mean_se([p['clean']['coverage'] for _, p in shot if p], 3)}{bound} | "
+                    f"{mean_se([e['bytes_up_per_client'] for e, _ in shot if e], 0)} |")
+    flat = [r for by_seed in runs.values() for r in by_seed.values()]
+    exact_bytes = sorted({round(e["bytes_up_per_client"]) for r in flat for e in r["results"]
+                          if e["method"] == "exact"})
+    note = (f"Exact threshold: {', '.join(f'{b:,}' for b in exact_bytes)} bytes up per client "
+            "(17 messages of 15 counts per predictive). " if exact_bytes else "")
+    return "\n".join(lines) + "\n\n" + note + source_line("s1_conformal.jsonl", flat)
+
+
 TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
@@ -620,7 +681,8 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "dp_price": dp_price_table, "dp_price_10": dp_price_10_table,
           "dp_checks": dp_checks_table,
           "fedpart_one_cycle": fedpart_table, "fedpart_full": fedpart_full_table,
-          "colearn_10": colearn_table, "s1_h200_readme": s1_h200_readme_table}
+          "colearn_10": colearn_table, "s1_h200_readme": s1_h200_readme_table,
+          "s1_conformal": s1_conformal_table}
 
 
 def render(page: str) -> str:

@@ -19,7 +19,7 @@ def test_conformal_on_flower_equals_the_simulator(task_identity, tmp_path, confo
     flower, simulated = summary["conformal"], sim.summary["conformal"]
     assert flower["error"] is None and flower["rejections"] == []
     for key in ("participants", "steps", "held_out_samples", "bytes_up", "bytes_down",
-                "floats_up", "floats_down"):
+                "floats_up", "floats_down", "evaluation_bytes_up", "evaluation_bytes_down"):
         assert flower[key] == simulated[key], key
     assert flower["predictives"].keys() == simulated["predictives"].keys() != set()
     for key, f in simulated["predictives"].items():
@@ -27,5 +27,5 @@ def test_conformal_on_flower_equals_the_simulator(task_identity, tmp_path, confo
         # so the same scores and the same threshold, bit for bit
         assert flower["predictives"][key] == f, key
     if conformal.endswith("one-shot"):
-        assert flower["bytes_up_per_client"] <= 1024
+        assert flower["bytes_up_per_client"] <= 1024  # the threshold's calibration
     assert (out / "conformal.png").exists() and (out / "conformal.md").exists()
