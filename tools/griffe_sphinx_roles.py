@@ -20,15 +20,18 @@ from typing import Any
 import griffe
 
 #: ``:role:`target```, ``:py:role:`target``` and ``:role:`title <target>```.
-ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|attr|data|obj|exc|const|term|ref|math"
-                  r"|paramref|envvar|file|command|program|option):`([^`]+)`")
+ROLE = re.compile(r":(?:py:)?(?P<role>func|class|mod|meth|attr|data|obj|exc|const|term|ref|math"
+                  r"|paramref|envvar|file|command|program|option):`(?P<target>[^`]+)`")
 
 
 def rewrite_roles(text: str) -> str:
-    """``text`` with every Sphinx role replaced by a code span (module notes)."""
+    """``text`` with every Sphinx role replaced by a code span (module notes); ``:math:`` by
+    inline math, ``$...$``."""
 
     def span(match: re.Match[str]) -> str:
-        target = match.group(1).strip()
+        target = match.group("target").strip()
+        if match.group("role") == "math":  # typeset by the site's KaTeX (pymdownx.arithmatex)
+            return f"${target}$"
         titled = re.fullmatch(r"(.+?)\s*<([^>]+)>", target)
         if titled:
             return f"`{titled.group(1).strip()}`"

@@ -11,7 +11,7 @@ from tools.griffe_sphinx_roles import rewrite_roles
     (":class:`~inference.gaussian.GaussianPosterior`", "`GaussianPosterior`"),
     (":py:meth:`Accumulator.merge`", "`Accumulator.merge`"),
     (":func:`the factory <inference.fit_head>`", "`the factory`"),
-    (":math:`\\sqrt{2}`", "`\\sqrt{2}`"),
+    (":math:`\\sqrt{2}`", "$\\sqrt{2}$"),  # math, typeset by the site's KaTeX
     ("see :mod:`calibration` and :exc:`~bayesfl.errors.ConfigError`.",
      "see `calibration` and `ConfigError`."),
 ])
