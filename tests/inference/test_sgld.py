@@ -18,6 +18,7 @@ from inference.sgld import (
     SGLDState,
     fit_sgld_head,
     laplace_covariance_factor,
+    laplace_precision_cholesky,
     linear_head_gradients,
     sgld_update,
 )
@@ -259,6 +260,29 @@ def test_laplace_preconditioned_update_scales_drift_and_noise_by_the_covariance(
         SGLDConfig(step_size=0.1, preconditioner="laplace")
 
 
+def test_laplace_update_by_the_precisions_cholesky_is_the_update_by_the_covariance_factor():
+    # R Rᵀ = P⁻¹ and L = R⁻ᵀ: two triangular solves instead of two products with L, the same
+    # step and the same noise draw; float64, conditioning ~10 here: agreement to ~1e-15,
+    # 1e-12 catches a transposed solve (which gives R⁻¹ R⁻ᵀ ≠ P)
+    g = torch.Generator().manual_seed(3)
+    A = torch.randn(6, 6, generator=g, dtype=F64)
+    precision = A @ A.T + 2 * torch.eye(6, dtype=F64)
+    chol = torch.linalg.cholesky(precision)
+    factor = torch.linalg.solve_triangular(chol, torch.eye(6, dtype=F64), upper=False).T
+    params, grad = torch.randn(3, 6, generator=g, dtype=F64), torch.randn(3, 6, generator=g,
+                                                                           dtype=F64)
+    by_factor, by_chol = (
+        sgld_update(SGLDState(params, None, 0), grad, grad,
+                    SGLDConfig(step_size=0.04, preconditioner="laplace", **option),
+                    torch.Generator().manual_seed(7))
+        for option in ({"covariance_factor": factor}, {"precision_cholesky": chol}))
+    torch.testing.assert_close(by_chol.params, by_factor.params, atol=1e-12, rtol=0)
+    noise = torch.randn(3, 6, dtype=F64, generator=torch.Generator().manual_seed(7))
+    covariance = torch.linalg.inv(precision)
+    expected = params + 0.02 * grad @ covariance + 0.2 * noise @ factor.T
+    torch.testing.assert_close(by_chol.params, expected, atol=1e-12, rtol=0)
+
+
 def test_laplace_covariance_factor_is_the_inverse_autograd_hessian():
     truth = softmax_regression()
     inputs = torch.cat([torch.ones(len(truth.labels), 1, dtype=F64), truth.features], 1)
@@ -271,6 +295,9 @@ def test_laplace_covariance_factor_is_the_inverse_autograd_hessian():
     hessian = torch.autograd.functional.hessian(negative_log_posterior, mode)
     factor = laplace_covariance_factor(mode, inputs, 2, 3.0, Likelihood.SOFTMAX, 1.0)
     torch.testing.assert_close(factor @ factor.T, torch.linalg.inv(hessian), atol=1e-12, rtol=0)
+    chol = laplace_precision_cholesky(mode, inputs, 2, 3.0, Likelihood.SOFTMAX, 1.0)
+    torch.testing.assert_close(chol @ chol.T, hessian, atol=1e-12, rtol=0)
+    assert bool((chol.triu(1) == 0).all())
 
 
 @pytest.mark.trained

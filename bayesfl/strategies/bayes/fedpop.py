@@ -87,7 +87,12 @@ from inference.errors import NumericalError
 from inference.laplace_head import find_mode
 from inference.linear_model import augment_with_bias
 from inference.options import Likelihood
-from inference.sgld import SGLDConfig, laplace_covariance_factor, linear_head_gradients, run_sgld
+from inference.sgld import (
+    SGLDConfig,
+    laplace_precision_cholesky,
+    linear_head_gradients,
+    run_sgld,
+)
 
 BODY = "body."
 PRIOR_MEAN, PRIOR_STD = "prior.mean", "prior.std"
@@ -135,10 +140,10 @@ def sample_heads(
     precision = 1.0 / prior_std**2
     start = mean.clone() if start is None else start.to(torch.float64).reshape(-1)
     mode = find_mode(inputs, labels, num_classes, precision, mean, start=start)
-    factor = laplace_covariance_factor(mode, inputs, num_classes, precision, Likelihood.SOFTMAX,
-                                       1.0)
+    chol = laplace_precision_cholesky(mode, inputs, num_classes, precision, Likelihood.SOFTMAX,
+                                      1.0)
     config = SGLDConfig(step_size, num_samples, burn_in, thinning, "laplace",
-                        covariance_factor=factor)
+                        precision_cholesky=chol)
     n = inputs.shape[0]
 
     def grad_fn(params: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
