@@ -614,6 +614,10 @@ def s1_h200_readme_table(records: list[dict] | None = None) -> str:
 
 
 
+def _mean_bytes(values: list[float]) -> str:
+    return f"{statistics.fmean(values):,.0f}" if values else "–"
+
+
 def _conformal_entry(run: dict, alpha: float, method: str, key: str) -> tuple:
     """(the run's entry of that alpha and threshold, its figures of predictive ``key``)."""
     for e in run["results"]:
@@ -663,7 +667,7 @@ def s1_conformal_table(records: list[dict] | None = None) -> str:
                     f"{col(exact, 'unseen labels', 'coverage')} | "
                     f"{col(exact, 'unseen labels', 'mean_set_size', 2)} | "
                     f"{mean_se([p['clean']['coverage'] for _, p in shot if p], 3)}{bound} | "
-                    f"{mean_se([e['bytes_up_per_client'] for e, _ in shot if e], 0)} |")
+                    f"{_mean_bytes([e['bytes_up_per_client'] for e, _ in shot if e])} |")
     flat = [r for by_seed in runs.values() for r in by_seed.values()]
     exact_bytes = sorted({round(e["bytes_up_per_client"]) for r in flat for e in r["results"]
                           if e["method"] == "exact"})

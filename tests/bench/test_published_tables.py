@@ -201,3 +201,25 @@ def test_the_readme_s1_table_puts_the_plug_in_under_every_posterior_method_only(
                                                   ["| FedPop", "MAP plug-in"],
                                                   ["| FedAvg", "point estimate"]]
     assert "0.0400 ± 0.0000" in rows[1] and "(3 runs, seeds 0,1)" in table
+
+
+def test_the_conformal_table_averages_seeds_and_counts_clients_below_the_target():
+    from bench.published_tables import s1_conformal_table
+
+    def run(seed, coverage, size):
+        clean = {"coverage": coverage, "mean_set_size": size, "client_min": coverage - 0.05,
+                 "clients_below": 2, "per_client": [coverage] * 10}
+        figures = {"threshold": 0.9, "coverage_bound": None, "clean": clean,
+                   "rotate 60": clean, "unseen labels": clean}
+        shot = {**figures, "coverage_bound": 0.91}
+        return {"label": "M", "seed": seed, "rounds": 30, "results": [
+            {"alpha": 0.1, "method": "exact", "bytes_up_per_client": 11768.0,
+             "predictives": {"predictive": figures}},
+            {"alpha": 0.1, "method": "one-shot", "bytes_up_per_client": 392.0,
+             "predictives": {"predictive": shot}}]}
+
+    table = s1_conformal_table([run(0, 0.90, 2.0), run(1, 0.92, 3.0)])
+    row = next(line for line in table.splitlines() if line.startswith("| M | headline | 0.1"))
+    assert "| 0,1 | 0.910 ± 0.010 |" in row and "4 of 20" in row and "2.50 ± 0.50" in row
+    assert "(≥ 0.910)" in row and "| 392 |" in row
+    assert "11,768 bytes up per client" in table
