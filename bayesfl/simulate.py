@@ -56,16 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from bayesfl.calibrate import CalibrationOutcome, calibrate_run
 from bayesfl.checkpoint import (
     PendingWrite,
-    config_fingerprint,
     discard_spare,
-    load_checkpoint,
 )
 from bayesfl.config import (
     CONFIG_FIELDS,
@@ -75,11 +72,11 @@ from bayesfl.config import (
     torch_threads,
 )
 from bayesfl.data.clients import ClientData
-from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
-from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.data.datasets import Dataset, load_dataset
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.preflight import check_run_config
 from bayesfl.engine.rounds import RoundLoop, RoundTrace
+from bayesfl.engine.run import FinalEvaluation, Run
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
     client_seeds,
@@ -92,7 +89,6 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
 from bayesfl.engine.state import (
     client_states,
     compact_client_states,
-    restore_round,
     save_round,
 )
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
@@ -109,10 +105,8 @@ from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, calle
     summary_extras,
 )
 from bayesfl.errors import (
-    CheckpointError,
     ConfigError,
     LocalTrainingWarning,
-    UploadsRejectedWarning,
 )
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
@@ -120,8 +114,6 @@ from bayesfl.inputs import client_index, client_inputs
 from bayesfl.messages import KeyRing, Message, decode, encode
 from bayesfl.run_directory import (
     CHECKPOINT_NAME,
-    METRICS_NAME,
-    MetricsLog,
     prepare_run_directory,
 )
 from bayesfl.strategies import make_strategy
@@ -345,17 +337,16 @@ def simulate(
     if run_dir is not None:  # before any data is loaded: a refusal costs nothing
         prepare_run_directory(run_dir, resume=resume, force=force)
     with torch_threads(threads):
-        run = _Run(config, run_dir, data=data, resume=resume)
+        run = _Run(config, run_dir, data=data, resume=resume, threads=threads)
         request = None
         if shift or ood:  # refused now, before any round, if the run cannot have it
             from bayesfl.shift_protocol import shift_request
 
             request = shift_request(config, run.dataset, [c.data for c in run.clients],
                                     run.novel, shift, ood)
-        run.threads = threads
-        run.broadcast_hook = broadcast_hook
-        result = run.execute(resume=resume, progress=progress, upload_hook=upload_hook,
-                             round_callback=round_callback)
+        run.broadcast_hook, run.round_callback = broadcast_hook, round_callback
+        run.progress, run.channel.upload_hook = progress, upload_hook
+        result = run.result()
     if run_dir is not None:  # a directory with it holds a finished run (load_run)
         from bayesfl.run_result import save_run_result
 
@@ -454,71 +445,46 @@ class InProcessChannel:
         """Nothing to release: the clients live in this process."""
 
 
-class _Run:
-    """One run: setup, the round loop, and the files it writes."""
+class _Run(Run):
+    """The simulator's side of a run (:class:`bayesfl.engine.run.Run`): the clients in this
+    process, their states in the checkpoint, the progress bars and the in-process final steps."""
 
     def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
-                 resume: bool = False):
-        self.config = config
-        self.run_dir = run_dir
-        self.device = resolve_device(config.device)
-        self.dataset = data if data is not None else load_dataset(
+                 resume: bool = False, threads: int | None = None):
+        dataset = data if data is not None else load_dataset(
             config.dataset, seed=config.data_rng_seed, **config.dataset_options)
-        # what the data really were (shapes and a digest of the contents) is part of the
-        # fingerprint: a run resumes only with the data it started with
-        self.data_identity = dataset_identity(self.dataset, custom=data is not None)
-        self.identity = run_identity(config, self.data_identity)
-        self.fingerprint = config_fingerprint(self.identity)
-        # the checkpoint to resume is read and compared before the data are partitioned or a
-        # model is built: a foreign one fails at once, naming the settings that differ
-        self.saved = self._read_checkpoint() if resume else None
-        setup = run_setup(config, self.dataset, self.device)
-        client_data, self.held_out, self.calibration = (setup.client_data, setup.held_out,
-                                                         setup.calibration)
-        self.conformal, self.held_out_fraction = setup.conformal, setup.held_out_fraction
-        context = setup.context
-        # the two halves are built apart from the same run configuration, as a Flower
-        # ServerApp and ClientApp would be: nothing set on one is seen by the other
-        self.server = make_strategy(config.strategy, context, **config.strategy_options)
+        super().__init__(config, run_dir, dataset, resume=resume, custom_data=data is not None,
+                         threads=torch.get_num_threads() if threads is None else threads)
+        context = self.setup.context
         # fresh per-run keys: they authenticate this process's messages, nothing persists
         self.keys = KeyRing.generate() if config.authenticate else None
         self.server_key = None if self.keys is None else self.keys.server_key
+        # the client half is built apart from the same run configuration, as a Flower
+        # ClientApp would be: nothing set on the server half is seen by it
         self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
-        self.clients = []
-        for d in client_data:
-            client_config = context.client_config(d.client_id)
-            self.clients.append(SimulatedClient(client_config, self._on_device(d),
-                                                self.client_half.init_client(client_config)))
+        self.clients = [SimulatedClient(context.client_config(d.client_id), self._on_device(d),
+                                        self.client_half.init_client(
+                                            context.client_config(d.client_id)))
+                        for d in self.setup.client_data]
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
         self.channel = InProcessChannel(self)
-        # novel clients (novel_fraction) never train: rounds sample and evaluate the others
-        self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
-        self.training_clients = [c for c in self.clients if c.client_id not in self.novel]
-        self.first_round = 0 if self.server.init_round else 1
-        # the one round loop of every transport, evaluating each round within it ("inline":
-        # a new aggregate whose evaluation fails is reverted in its own round), aggregating
-        # whatever uploads were accepted (no min-replies)
+        self.training_clients = [self.clients[c] for c in self.training]
+        # the one round loop, evaluating each round within it ("inline": a new aggregate whose
+        # evaluation fails is reverted in its own round), aggregating whatever uploads were
+        # accepted (no min-replies)
         self.loop = RoundLoop(
             self.server, self.channel, self, state=self.server.init(), seed=config.seed,
             rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
-            training=[c.client_id for c in self.training_clients], evaluation="inline",
-            evaluate_inline=self.evaluate_inline,
+            training=self.training, evaluation="inline", evaluate_inline=self.evaluate_inline,
             min_replies=None, server_key=self.server_key, client_key=self.client_key,
-            rng_devices=self._rng_devices())
+            rng_devices=self.rng_devices())
         self.broadcast_hook: BroadcastHook | None = None
+        self.round_callback: RoundCallback | None = None
+        self.progress = True
         self.pending_checkpoint: PendingWrite | None = None
         self.divergence_warned = False
-        self.threads = torch.get_num_threads()
-        self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
-
-    @property
-    def state(self) -> ServerState:
-        """The server state (the round loop's)."""
-        return self.loop.state
-
-    @state.setter
-    def state(self, state: ServerState) -> None:
-        self.loop.state = state
+        self.calibration: CalibrationOutcome | None = None
+        self.personalized: dict[int, ClientState] = {}
 
     def _on_device(self, data: ClientData) -> ClientData:
         return ClientData(
@@ -528,58 +494,61 @@ class _Run:
             train_indices=data.train_indices, test_indices=data.test_indices,
         )
 
-    # ---- the loop -------------------------------------------------------------------------
-    def execute(
-        self,
-        *,
-        resume: bool,
-        progress: bool,
-        upload_hook: UploadHook | None,
-        round_callback: RoundCallback | None,
-    ) -> SimulationResult:
+    def result(self) -> SimulationResult:
+        """The run (:meth:`execute`) as a :class:`SimulationResult`."""
+        summary = self.execute()
+        return SimulationResult(self.config, summary, self.metrics_log.records, self.run_dir,
+                                self.state, self.clients, self.client_half, self.broadcast,
+                                self.personalized, self.calibration, tuple(self.novel))
+
+    # ---- the run's hooks (bayesfl.engine.run.Run) -----------------------------------------
+    def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        saved = client_states(tensors, meta, [c.client_id for c in self.clients])
+        restored = [self._restored_client_state(c, saved[c.client_id]) for c in self.clients]
+        for c, client_state in zip(self.clients, restored, strict=True):
+            c.state = client_state
+
+    def _restored_client_state(self, client: SimulatedClient,
+                               state: ClientState) -> ClientState:
+        """Client ``client``'s state from a checkpoint (:func:`client_states`), checked against
+        its initial state (same names, shapes and dtypes: a client's state keeps its layout
+        across rounds)."""
+        layout = {k: (tuple(v.shape), v.dtype) for k, v in client.state.items()}
+        if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
+            raise ValueError(f"client {client.client_id}'s tensors differ from its layout")
+        return {k: v.to(self.device) for k, v in state.items()}
+
+    def rounds_starting(self, first: int) -> None:
         config = self.config
-        first = self.first_round
-        self.seconds_before = 0.0
-        self.resumed_from: int | None = None
-        if self.saved is not None:
-            first = self._restore(self.run_dir / CHECKPOINT_NAME)
-        else:
-            self.metrics_log.start()
-        metrics = self.metrics_log.records  # what the checkpoint vouches for, then this run's
-        if self.run_dir is not None:
-            self._write_setup_files()
-        start = self.start = time.perf_counter()
         # the bar counts every round of the run: after a resume it starts at the rounds done
-        bar = self.bar = tqdm(total=config.rounds + 1 - self.first_round,
-                              initial=first - self.first_round, disable=not progress,
-                              unit="round", desc=f"{config.strategy} on {config.dataset}",
-                              leave=False)
+        self.bar = tqdm(total=config.rounds + 1 - self.first_round,
+                        initial=first - self.first_round, disable=not self.progress,
+                        unit="round", desc=f"{config.strategy} on {config.dataset}", leave=False)
         description = self.server.describe()  # e.g. a FedPart schedule
-        if description and progress and first == self.first_round:
+        if description and self.progress and first == self.first_round:
             tqdm.write(description)
-        self.channel.upload_hook = upload_hook
-        self.round_callback = round_callback
         self.last_eval: RoundEvaluation | None = None
-        try:
-            self.loop.run(first)
-        finally:  # the last checkpoint is in place when the rounds end, even by an error
-            try:
-                self._checkpoint_in_place()
-            finally:
-                if self.run_dir is not None:
-                    discard_spare(self.run_dir / CHECKPOINT_NAME)
-        last_eval = self.last_eval
-        bar.close()
-        last_round = max(config.rounds, first - 1)
-        broadcast = decode(encode(self.server.configure_evaluation(self.state, last_round),
-                                  key=self.server_key), key=self.server_key)
+
+    def rounds_ended(self) -> None:
+        try:  # the last checkpoint is in place when the rounds end, even by an error
+            self._checkpoint_in_place()
+        finally:
+            if self.run_dir is not None:
+                discard_spare(self.run_dir / CHECKPOINT_NAME)
+            self.bar.close()
+
+    def final_evaluation(self, last_round: int) -> FinalEvaluation:
+        config, last_eval = self.config, self.last_eval
+        self.broadcast = broadcast = decode(encode(
+            self.server.configure_evaluation(self.state, last_round), key=self.server_key),
+            key=self.server_key)
         personalized: dict[int, ClientState] = {}
-        with torch.random.fork_rng(devices=self._rng_devices()):
+        with torch.random.fork_rng(devices=self.rng_devices()):
             if self.client_half.personalizes:
                 # personalisation can take as long as the rounds (FedSI refits every
                 # client's Laplace): a bar of its own, one step per client
                 # (mininterval 0: every client's step is shown, they are seconds apart)
-                with tqdm(total=len(self.clients), disable=not progress, unit="client",
+                with tqdm(total=len(self.clients), disable=not self.progress, unit="client",
                           desc=f"{config.strategy}: personalising", leave=False,
                           mininterval=0) as bar:
                     personalized = self.executor.personalize(
@@ -595,59 +564,34 @@ class _Run:
                 novel_eval = merge_evaluations(self.executor.evaluate(
                     [self.clients[i] for i in self.novel], broadcast, n_bins=config.n_bins,
                     keep_probs=False, states=personalized or None))
-        seconds = self.seconds_before + time.perf_counter() - start
-        rejected = run_rejected_message(metrics)
-        if rejected is not None:
-            warnings.warn(rejected, UploadsRejectedWarning, stacklevel=3)
-        summary = build_summary(config, metrics, last_eval, seconds)
-        summary["personalized"] = bool(personalized)
-        summary["data"] = self.data_identity
-        summary["threads"] = self.threads
-        summary_extras(summary, novel=self.novel, novel_evaluation=novel_eval)
-        summary.update(self.server.server_metrics(self.state))
-        calibration = self._calibrate(broadcast, personalized, summary)
-        self._conformal(broadcast, personalized, summary)
-        if self.run_dir is not None:
-            self._write_results(summary, metrics, last_eval)
-        return SimulationResult(config, summary, metrics, self.run_dir, self.state,
-                                self.clients, self.client_half, broadcast, personalized,
-                                calibration, tuple(self.novel))
+        self.personalized = personalized
+        return FinalEvaluation(last_eval, bool(personalized), novel_eval, broadcast)
 
-    def _calibrate(self, broadcast: Message, personalized: dict[int, ClientState],
-                   summary: dict[str, Any]) -> CalibrationOutcome | None:
-        """The optional final step (:mod:`bayesfl.calibrate`); its figures, beside the
-        uncalibrated ones, go to ``summary["calibration"]``."""
-        if self.calibration is None:
-            return None
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            outcome = calibrate_run(self.client_half, self.training_clients, self.held_out,
-                                    broadcast,
-                                    spec=self.calibration, n_bins=self.config.n_bins,
-                                    states=personalized or None, keys=self.keys)
-        summary["calibration"] = outcome.summary(summary)
-        return outcome
+    def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
+        """The optional calibrate (:mod:`bayesfl.calibrate`, ``summary["calibration"]``) and
+        conformal (:mod:`bayesfl.conformal`, ``summary["conformal"]`` and, with a run
+        directory, ``conformal.md`` / ``conformal.png``) steps, in process."""
+        setup, states = self.setup, self.personalized or None
+        if setup.calibration is not None:
+            with torch.random.fork_rng(devices=self.rng_devices()):
+                self.calibration = calibrate_run(
+                    self.client_half, self.training_clients, setup.held_out, final.broadcast,
+                    spec=setup.calibration, n_bins=self.config.n_bins, states=states,
+                    keys=self.keys)
+            summary["calibration"] = self.calibration.summary(summary)
+        if setup.conformal is not None:
+            from bayesfl.conformal import conformal_run
+            from bayesfl.conformal_report import write_conformal_files
 
-    def _conformal(self, broadcast: Message, personalized: dict[int, ClientState],
-                   summary: dict[str, Any]) -> None:
-        """The optional conformal step (:mod:`bayesfl.conformal`): ``summary["conformal"]``
-        and, with a run directory, ``conformal.md`` / ``conformal.png``."""
-        if self.conformal is None:
-            return
-        from bayesfl.conformal import conformal_run
-        from bayesfl.conformal_report import write_conformal_files
-
-        with torch.random.fork_rng(devices=self._rng_devices()):
-            outcome = conformal_run(self.client_half, self.training_clients, self.held_out,
-                                    broadcast, spec=self.conformal,
-                                    held_out_fraction=self.held_out_fraction,
-                                    run_seed=self.config.seed, states=personalized or None,
-                                    keys=self.keys)
-        summary["conformal"] = outcome.summary()
-        if self.run_dir is not None:
-            write_conformal_files(summary["conformal"], self.run_dir)
-
-    def _rng_devices(self) -> list[torch.device]:
-        return [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=self.rng_devices()):
+                outcome = conformal_run(self.client_half, self.training_clients,
+                                        setup.held_out, final.broadcast, spec=setup.conformal,
+                                        held_out_fraction=setup.held_out_fraction,
+                                        run_seed=self.config.seed, states=states,
+                                        keys=self.keys)
+            summary["conformal"] = outcome.summary()
+            if self.run_dir is not None:
+                write_conformal_files(summary["conformal"], self.run_dir)
 
     # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
     def round_started(self, round: int) -> list[dict[str, Any]]:
@@ -746,86 +690,3 @@ class _Run:
         pending, self.pending_checkpoint = self.pending_checkpoint, None
         if pending is not None:
             pending.wait()
-
-    def _read_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        """The run directory's checkpoint (None if there is none yet).
-
-        Raises:
-            CheckpointError: the file is unreadable, corrupt or foreign (it names the settings
-                that differ).
-        """
-        path = self.run_dir / CHECKPOINT_NAME
-        if not (path.exists() or path.is_symlink()):
-            return None
-        return load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity)
-
-    def _restore(self, path: Path) -> int:
-        """Load the run's state from the checkpoint read from ``path``; returns the next round.
-
-        Raises:
-            CheckpointError: it holds a round or state this run cannot have written.
-        """
-        tensors, meta = self.saved
-        self.saved = None
-        saved = restore_round(path, tensors, meta, first_round=self.first_round,
-                              rounds=self.config.rounds, server=self.server, fresh=self.state,
-                              num_clients=len(self.clients), device=self.device)
-        try:
-            saved_states = client_states(tensors, meta, [c.client_id for c in self.clients])
-            restored = [self._restored_client_state(c, saved_states[c.client_id])
-                        for c in self.clients]
-            torch.set_rng_state(saved.rng)
-        except (KeyError, TypeError, ValueError, RuntimeError) as err:
-            raise CheckpointError(f"checkpoint {path} was not written by this run (it does "
-                                  f"not hold this run's state: {err}); delete it or start the "
-                                  "run again with --force (force=True)") from err
-        self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
-        self.state = saved.state
-        for c, client_state in zip(self.clients, restored, strict=True):
-            c.state = client_state
-        self.seconds_before = saved.seconds
-        self.resumed_from = saved.round
-        return saved.round + 1
-
-    def _restored_client_state(self, client: SimulatedClient,
-                               state: ClientState) -> ClientState:
-        """Client ``client``'s state from a checkpoint (:func:`client_states`), checked against
-        its initial state (same names, shapes and dtypes: a client's state keeps its layout
-        across rounds)."""
-        layout = {k: (tuple(v.shape), v.dtype) for k, v in client.state.items()}
-        if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
-            raise ValueError(f"client {client.client_id}'s tensors differ from its layout")
-        return {k: v.to(self.device) for k, v in state.items()}
-
-    # ---- files ----------------------------------------------------------------------------
-    def _write_setup_files(self) -> None:
-        from bayesfl.manifest import write_manifest
-
-        write_manifest(self.run_dir / "manifest.json", self.config.to_dict(),
-                       data=self.data_identity, threads=self.threads,
-                       resumed_from_round=self.resumed_from)
-        labels = self.dataset.y
-        held = {k: h.indices for k, h in self.held_out.items() if h.indices is not None}
-        parts = [np.concatenate([c.data.train_indices, c.data.test_indices,
-                                 held.get(c.client_id, np.empty(0, np.int64))])
-                 for c in self.clients]
-        C = self.dataset.num_classes
-        counts = partition_summary(labels, parts, C)
-        (self.run_dir / "partition.txt").write_text(
-            format_partition_summary(labels, parts, C) + "\n")
-        (self.run_dir / "partition.json").write_text(json.dumps({
-            "scheme": self.config.partition, "counts": counts.tolist(),
-            "train_sizes": [c.data.num_train for c in self.clients],
-            "test_sizes": [c.data.num_test for c in self.clients],
-            "bodies": [c.body_spec for c in self.clients], "novel": list(self.novel)}) + "\n")
-
-    def _write_results(self, summary: dict, metrics: list[dict], last: RoundEvaluation) -> None:
-        from bayesfl.plots import plot_accuracy, plot_reliability
-
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        np.savez(self.run_dir / "predictions.npz", probs=last.probs.numpy(),
-                 labels=last.labels.numpy(), client_ids=last.client_ids.numpy())
-        plot_accuracy({self.config.strategy: metrics}, self.run_dir / "accuracy.png")
-        plot_reliability(last.probs, last.labels, self.run_dir / "reliability.png",
-                         n_bins=self.config.n_bins,
-                         title=f"{self.config.strategy}, final round (pooled)")

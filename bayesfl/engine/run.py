@@ -1,0 +1,275 @@
+"""The whole run, once, for every transport: :class:`Run`.
+
+setup (:func:`~bayesfl.engine.setup.run_setup`, the strategy's server half, the novel clients)
+→ resume (:meth:`Run.restore`: the server state, RNG and metrics of the checkpoint) → the
+setup files → the rounds (:class:`~bayesfl.engine.rounds.RoundLoop` over the transport's
+channel) → the final evaluation (personalise, evaluate, the novel clients) → the summary
+(:meth:`Run.summarize`) → the final steps (calibrate, conformal, shift) → the result files.
+
+A transport subclasses :class:`Run` with its channel, its round loop (evaluation mode,
+``min_replies``) and these hooks:
+
+* :meth:`Run.restore_clients`: the client states a checkpoint holds for it;
+* :meth:`Run.rounds_starting` / :meth:`Run.rounds_ended`: around the rounds (the simulator's
+  progress bar and background checkpoint write; Flower's node discovery);
+* :meth:`Run.final_evaluation`: the last evaluation, the personalisation and the novel
+  clients, returned as a :class:`FinalEvaluation`;
+* :meth:`Run.final_steps`: the steps after the summary (calibrate, conformal, shift), each
+  over the transport's query;
+* :attr:`Run.manifest_extras` and :attr:`Run.data_loader` (per-site data: no partition
+  file).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bayesfl.checkpoint import config_fingerprint, load_checkpoint
+from bayesfl.config import SimulationConfig, resolve_device
+from bayesfl.data.datasets import Dataset, dataset_identity
+from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.engine.rounds import RoundLoop
+from bayesfl.engine.setup import novel_clients, run_identity, run_setup
+from bayesfl.engine.state import foreign_message, restore_round
+from bayesfl.engine.steps import build_summary, run_rejected_message, summary_extras
+from bayesfl.errors import CheckpointError, UploadsRejectedWarning
+from bayesfl.evaluation import RoundEvaluation
+from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog
+from bayesfl.strategies import make_strategy
+from bayesfl.strategies.base import ServerState
+
+
+@dataclass
+class FinalEvaluation:
+    """What the transport's final evaluation returns (:meth:`Run.final_evaluation`).
+
+    Attributes:
+        last: the training clients' merged evaluation of their final states (personalised
+            where the strategy personalises).
+        personalized: whether the clients personalised.
+        novel: the novel clients' merged evaluation, or None.
+        broadcast: the final evaluation broadcast (what the final steps evaluate with), in
+            the transport's form (a decoded message in process, bytes over Flower).
+        extras: transport keys for the summary (Flower: ``events``, ``skipped_rounds``,
+            ``transport``).
+    """
+
+    last: RoundEvaluation
+    personalized: bool
+    novel: RoundEvaluation | None
+    broadcast: Any
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Run:
+    """One run of a strategy over a transport's channel (module docstring).
+
+    Args:
+        config: the run's configuration.
+        run_dir: its run directory, or None (nothing written, no resume).
+        dataset: the pooled data set (the Flower ServerApp loads it for shapes and sizes).
+        threads: torch threads of the run (recorded).
+        resume: resume from ``run_dir``'s checkpoint when there is one.
+        custom_data: the data were given, not loaded by name (their identity says so).
+        data_loader: per-site data (Flower's ``data-loader``): every site loads its own, the
+            fingerprint names the loader and no partition file is written.
+
+    Raises:
+        CheckpointError: ``resume`` with a corrupt or foreign checkpoint (before the data
+            are partitioned or a model is built).
+    """
+
+    loop: RoundLoop
+
+    def __init__(self, config: SimulationConfig, run_dir: Path | None, dataset: Dataset, *,
+                 threads: int, resume: bool, custom_data: bool = False,
+                 data_loader: str | None = None) -> None:
+        self.config, self.run_dir, self.dataset, self.threads = config, run_dir, dataset, threads
+        self.data_loader = data_loader
+        self.device = resolve_device(config.device)
+        # what the data really were (shapes and a digest of the contents) is part of the
+        # fingerprint: a run resumes only with the data it started with
+        self.data_identity = dataset_identity(dataset, custom=custom_data)
+        self.identity = run_identity(config, self.data_identity) if data_loader is None else \
+            {**config.to_dict(), "data": "per-site", "data-loader": data_loader}
+        self.fingerprint = config_fingerprint(self.identity)
+        # the checkpoint to resume is read and compared before the data are partitioned or a
+        # model is built: a foreign one fails at once, naming the settings that differ
+        path = None if run_dir is None else run_dir / CHECKPOINT_NAME
+        self.saved = load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity) \
+            if resume and path is not None and (path.exists() or path.is_symlink()) else None
+        self.setup = run_setup(config, dataset, self.device)
+        self.server = make_strategy(config.strategy, self.setup.context,
+                                    **config.strategy_options)
+        # novel clients (novel_fraction) never train: rounds sample and evaluate the others
+        self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
+        self.training = [c for c in range(config.clients) if c not in self.novel]
+        self.first_round = 0 if self.server.init_round else 1
+        self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
+        self.seconds_before = 0.0
+        self.resumed_from: int | None = None
+        self.manifest_extras: dict[str, Any] = {}
+        """Keys the transport adds to ``manifest.json`` (Flower: ``transport``)."""
+        self.final_accumulators: list[Any] = []
+        """The final headline accumulators, where no prediction left a client (Flower)."""
+
+    @property
+    def state(self) -> ServerState:
+        """The server state (the round loop's)."""
+        return self.loop.state
+
+    @state.setter
+    def state(self, state: ServerState) -> None:
+        self.loop.state = state
+
+    # ---- the run --------------------------------------------------------------------------
+    def execute(self) -> dict[str, Any]:
+        """Resume or start, the rounds, the final evaluation, the summary, the final steps and
+        the files; returns the summary."""
+        first = self.first_round
+        if self.saved is not None:
+            first = self.restore()
+        else:
+            self.metrics_log.start()
+        if self.run_dir is not None:
+            self.write_setup_files()
+        self.start = time.perf_counter()
+        self.rounds_starting(first)
+        try:
+            self.loop.run(first)
+        finally:
+            self.rounds_ended()
+        final = self.final_evaluation(max(self.config.rounds, first - 1))
+        summary = self.summarize(final)
+        self.final_steps(final, summary)
+        summary["seconds"] = self.seconds_before + time.perf_counter() - self.start
+        if self.run_dir is not None:
+            self.write_results(summary, final.last)
+        return summary
+
+    def summarize(self, final: FinalEvaluation) -> dict[str, Any]:
+        """The summary of the rounds and the final evaluation (without the final steps)."""
+        metrics = self.metrics_log.records
+        rejected = run_rejected_message(metrics)
+        if rejected is not None:
+            warnings.warn(rejected, UploadsRejectedWarning, stacklevel=3)
+            self.log(rejected)
+        summary = build_summary(self.config, metrics, final.last, 0.0)
+        summary.update(personalized=final.personalized, data=self.data_identity,
+                       threads=self.threads, **final.extras)
+        summary_extras(summary, novel=self.novel, novel_evaluation=final.novel)
+        summary.update(self.server.server_metrics(self.state))
+        return summary
+
+    def log(self, text: str) -> None:
+        """A line for the operator (Flower prints it; the simulator warns instead)."""
+
+    # ---- the transport's hooks ------------------------------------------------------------
+    def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The client states the checkpoint holds for this transport (none by default)."""
+
+    def rounds_starting(self, first: int) -> None:
+        """Before round ``first`` (after the setup files)."""
+
+    def rounds_ended(self) -> None:
+        """After the rounds, even when they ended by an error."""
+
+    def final_evaluation(self, last_round: int) -> FinalEvaluation:
+        raise NotImplementedError
+
+    def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
+        """The steps after the summary (calibrate, conformal, shift), into ``summary``."""
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load the run's state from the checkpoint read at setup; returns the next round.
+
+        Raises:
+            CheckpointError: it holds a round or state this run cannot have written.
+        """
+        path = self.run_dir / CHECKPOINT_NAME
+        tensors, meta = self.saved
+        self.saved = None
+        saved = restore_round(path, tensors, meta, first_round=self.first_round,
+                              rounds=self.config.rounds, server=self.server, fresh=self.state,
+                              num_clients=self.config.clients, device=self.device)
+        try:
+            self.restore_clients(tensors, meta)
+            torch.set_rng_state(saved.rng)
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(foreign_message(path).format(
+                f"it does not hold this run's state: {err}")) from err
+        self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
+        self.state = saved.state
+        self.seconds_before = saved.seconds
+        self.resumed_from = saved.round
+        return saved.round + 1
+
+    # ---- files ----------------------------------------------------------------------------
+    def write_setup_files(self) -> None:
+        """``manifest.json`` and, unless every site loads its own data, ``partition.txt`` and
+        ``partition.json`` (clients x classes counts, held-out rows included)."""
+        from bayesfl.manifest import write_manifest
+
+        write_manifest(self.run_dir / "manifest.json", self.config.to_dict(),
+                       data=self.data_identity, threads=self.threads,
+                       resumed_from_round=self.resumed_from, **self.manifest_extras)
+        if self.data_loader is not None:
+            return  # the sites' sizes are known after discovery
+        clients, labels = self.setup.client_data, self.dataset.y
+        held = {k: h.indices for k, h in self.setup.held_out.items() if h.indices is not None}
+        parts = [np.concatenate([c.train_indices, c.test_indices,
+                                 held.get(c.client_id, np.empty(0, np.int64))])
+                 for c in clients]
+        C = self.dataset.num_classes
+        counts = partition_summary(labels, parts, C)
+        (self.run_dir / "partition.txt").write_text(
+            format_partition_summary(labels, parts, C) + "\n")
+        (self.run_dir / "partition.json").write_text(json.dumps({
+            "scheme": self.config.partition, "counts": counts.tolist(),
+            "train_sizes": [c.num_train for c in clients],
+            "test_sizes": [c.num_test for c in clients],
+            "bodies": [self.setup.context.client_config(c.client_id).body for c in clients],
+            "novel": list(self.novel)}) + "\n")
+
+    def write_results(self, summary: dict[str, Any], last: RoundEvaluation) -> None:
+        """``summary.json``, ``accuracy.png`` and ``reliability.png``; with the predictions at
+        hand (in process) also ``predictions.npz``, else the diagram is drawn from the merged
+        bins (no prediction left a client)."""
+        from bayesfl.plots import plot_accuracy, plot_reliability
+
+        run_dir, name = self.run_dir, self.config.strategy
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        evaluated = [m for m in self.metrics_log.records if m.get("accuracy") is not None]
+        if evaluated:
+            plot_accuracy({name: evaluated}, run_dir / "accuracy.png")
+        if last.probs.numel():
+            np.savez(run_dir / "predictions.npz", probs=last.probs.numpy(),
+                     labels=last.labels.numpy(), client_ids=last.client_ids.numpy())
+            plot_reliability(last.probs, last.labels, run_dir / "reliability.png",
+                             n_bins=self.config.n_bins, title=f"{name}, final round (pooled)")
+            return
+        import matplotlib.pyplot as plt
+
+        from calibration.accumulator import Accumulator
+        from calibration.diagram import reliability_diagram
+
+        stats = Accumulator.merged(self.final_accumulators).bin_stats()
+        figure = reliability_diagram(stats, title=f"{name}, final round (pooled, merged bins)")
+        figure.savefig(run_dir / "reliability.png", dpi=120)
+        plt.close(figure)
+
+    def rng_devices(self) -> list[torch.device]:
+        """The devices whose RNG a round or a final step forks (CUDA devices in use)."""
+        return [self.device] if self.device.type == "cuda" else []
+
+
+__all__ = ["FinalEvaluation", "Run"]
