@@ -223,9 +223,15 @@ def source_line(name: str, records: list[dict], seeds: list[int] | None = None) 
 
     if not records:
         return f"No runs in `bench/results/{name}` yet.\n"
+    commits = list(dict.fromkeys(str(r["commit"]) for r in records if "commit" in r))
+    if len(commits) > 3:  # the shared checkout moved on while the runs went: first and last
+        commit_text = (f"{len(commits)} commits, {commits[0]} (first run) to {commits[-1]} "
+                       "(last), the shared checkout moving on under the bench")
+    else:
+        commit_text = f"commit {distinct('commit')}"
     where = (LEGACY_ORIGIN[name] if name in LEGACY_ORIGIN and not any("machine" in r
                                                                         for r in records)
-             else f"{distinct('machine')}; {distinct('date')}; commit {distinct('commit')}")
+             else f"{distinct('machine')}; {distinct('date')}; {commit_text}")
     seed_text = f", seeds {','.join(map(str, sorted(set(seeds))))}" if seeds else ""
     return (f"Source: `bench/results/{name}` ({len(records)} runs{seed_text}): {where}.\n")
 
@@ -529,7 +535,7 @@ def colearn_table(cache: dict[str, dict] | None = None, rounds: int = 10) -> str
             rs = list(rows.get(f"{label}|{n}", {}).values())
             paper = COLEARN_PAPER.get(label, {}).get(n)
             cells.append((mean_se([100 * r["accuracy"] for r in rs], 2) if rs else "–")
-                         + (f" ({paper})" if paper is not None else ""))
+                         + (f" ({paper:.2f})" if paper is not None else ""))
         last = list(rows.get(f"{label}|10", {}).values())
         every = [r for k, v in rows.items() if k.startswith(f"{label}|") for r in v.values()]
         if not every:

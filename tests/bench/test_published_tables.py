@@ -83,6 +83,8 @@ def test_a_source_line_names_machine_date_commit_and_seeds_or_a_legacy_origin():
     assert "CPU Test (AVX2)" in line and "2026-11-28" in line
     assert "abc1234, def5678" in line and "seeds 0,1" in line and "2 runs" in line
     assert LEGACY_ORIGIN["fedpart.jsonl"] in source_line("fedpart.jsonl", [{"seed": 0}])
+    moving = [PROVENANCE | {"commit": c} for c in ("c1", "c2", "c2", "c3", "c4")]
+    assert "4 commits, c1 (first run) to c4 (last)" in source_line("x.jsonl", moving)
 
 
 def fedlog_record(label, seed, accuracy, nll, plugin_nll, bytes_up):
