@@ -462,6 +462,26 @@ class RoundLoop:
         record["seconds_evaluation"] = seconds
         self.hooks.round_complete(record)
 
+    def final_message(self, last_round: int, client_ids: Sequence[int], *, personalize: bool
+                      ) -> tuple[bytes, Collected, list[dict[str, Any]]]:
+        """The run's last message to ``client_ids`` (``"carried"`` mode): evaluate the last
+        evaluated state (the :attr:`pending` round's broadcast, else the current state's),
+        personalise first when asked, and complete the pending round with the replies.
+        Returns (the evaluation broadcast, the replies, the channel's events that went to no
+        round's record: all of them when no round was pending)."""
+        pending = self.pending
+        eval_bytes = pending.eval_bytes if pending is not None else encode(
+            self.server.configure_evaluation(self.state, last_round), key=self.server_key)
+        steps = {c: Step(evaluate=eval_bytes, evaluate_round=last_round,
+                         personalize=personalize, final=True) for c in client_ids}
+        t0 = time.perf_counter()
+        self.channel.send(last_round, sorted(steps), steps)
+        collected = self.channel.collect(time.monotonic() + self.round_timeout)
+        if pending is None:
+            return eval_bytes, collected, list(collected.events)
+        self.complete_carried(collected, time.perf_counter() - t0)
+        return eval_bytes, collected, []
+
     def _warn_all_rejected(self, r: int, receipt: Receipt) -> None:
         """Warn, once per run, of a round whose every upload was rejected."""
         message = all_rejected_message(r, receipt.rejections, len(receipt.accepted))

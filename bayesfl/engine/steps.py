@@ -191,8 +191,10 @@ def build_summary(
     last: RoundEvaluation,
     seconds: float,
 ) -> dict[str, Any]:
-    """The summary dict: final-round metrics, best round, byte totals, rejections."""
-    training = [m for m in metrics if m["round"] >= 1] or metrics
+    """The summary dict: final-round metrics, the best evaluated round, byte totals and
+    rejections over every round."""
+    evaluated = [m for m in metrics if m.get("accuracy") is not None]  # evaluate-every
+    training = [m for m in evaluated if m["round"] >= 1] or evaluated
     best = max(training, key=lambda m: m["accuracy"]) if training else None
     rejections = [{"round": m["round"], **rej} for m in metrics for rej in m["rejections"]]
     return {

@@ -61,34 +61,27 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from bayesfl.calibrate import CalibrationOutcome, temperature_search_over
-from bayesfl.checkpoint import config_fingerprint, load_checkpoint
-from bayesfl.config import check_threads, resolve_device, torch_threads
-from bayesfl.data.datasets import dataset_identity, load_dataset
-from bayesfl.data.partition import format_partition_summary, partition_summary
+from bayesfl.config import check_threads, torch_threads
+from bayesfl.data.datasets import load_dataset
 from bayesfl.engine.channel import Collected, Reply, Step
-from bayesfl.engine.rounds import CarriedRound, RoundLoop, RoundTrace
-from bayesfl.engine.setup import novel_clients, run_identity, run_setup
-from bayesfl.engine.state import restore_round, save_round
-from bayesfl.engine.steps import build_summary, run_rejected_message, summary_extras
+from bayesfl.engine.rounds import RoundLoop, RoundTrace
+from bayesfl.engine.run import FinalEvaluation, Run
+from bayesfl.engine.state import save_round
 from bayesfl.errors import (
     BayesFLError,
-    CheckpointError,
     MessageRejected,
-    UploadsRejectedWarning,
 )
-from bayesfl.evaluation import RoundEvaluation, merge_evaluations
+from bayesfl.evaluation import merge_evaluations
 from bayesfl.flower.protocol import (
     CALIBRATE,
     INFO,
@@ -105,9 +98,8 @@ from bayesfl.flower.protocol import (
     timings,
 )
 from bayesfl.messages import encode
-from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog, prepare_run_directory
-from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import PREDICTIVE, Evaluation, ServerState
+from bayesfl.run_directory import CHECKPOINT_NAME, prepare_run_directory
+from bayesfl.strategies.base import PREDICTIVE, Evaluation
 
 app = ServerApp()
 
@@ -300,54 +292,38 @@ def _step_name(step: Step) -> str:
     return "fit" if step.fit is not None else "evaluate"
 
 
-class FlowerServer:
-    """One run of a strategy's server half over a Flower Grid (module docstring)."""
+class FlowerServer(Run):
+    """One run of a strategy's server half over a Flower Grid (module docstring): the engine's
+    run (:class:`bayesfl.engine.run.Run`) with node discovery, the ``"carried"`` round loop,
+    the ``flower`` record keys and the final steps over ``query.*`` messages."""
 
     def __init__(self, grid: Grid, run_config: Mapping[str, Any]) -> None:
         from bayesfl.flower.protocol import parse_run_config
 
-        self.config, self.options = parse_run_config(run_config)
-        config = self.config
-        self.run_dir = None if self.options.out is None else Path(self.options.out)
-        if self.run_dir is not None:
-            prepare_run_directory(self.run_dir, resume=self.options.resume,
-                                  force=self.options.force)
-        self.threads = check_threads(self.options.threads)
-        self.device = resolve_device(config.device)
+        config, self.options = parse_run_config(run_config)
+        run_dir = None if self.options.out is None else Path(self.options.out)
+        if run_dir is not None:
+            prepare_run_directory(run_dir, resume=self.options.resume, force=self.options.force)
         # the server loads the data set only for its shapes and the partition's sizes (the
         # same setup as every node's); nothing it trains or evaluates reads the data
         dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
-        self.data_identity = dataset_identity(dataset)
-        self.identity = run_identity(config, self.data_identity)
-        if self.options.data_loader is not None:  # every site loads its own data
-            self.identity = {**config.to_dict(), "data": "per-site",
-                             "data-loader": self.options.data_loader}
-        self.fingerprint = config_fingerprint(self.identity)
-        self.setup = run_setup(config, dataset, self.device)
-        self.labels = dataset.y
+        super().__init__(config, run_dir, dataset, threads=check_threads(self.options.threads),
+                         resume=self.options.resume, data_loader=self.options.data_loader)
+        self.manifest_extras = {"transport": "flower", "data_loader": self.options.data_loader}
+        self.strategy = self.server
         self.num_classes = dataset.num_classes
-        self.strategy = make_strategy(config.strategy, self.setup.context,
-                                      **config.strategy_options)
-        self.metrics_log = MetricsLog(None if self.run_dir is None else
-                                      self.run_dir / METRICS_NAME)
         self.refused: set[int] = set()  # node ids refused at discovery
         self.num_test: dict[int, int] = {}
         self.num_train: dict[int, int] = {}
-        self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
-        self.training = [c for c in range(config.clients) if c not in self.novel]
-        self.first_round = 0 if self.strategy.init_round else 1
-        self.seconds_before = 0.0
-        self.resumed_from: int | None = None
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
-        self._last_accumulators: list[Any] = []
         self.shift_request = None  # the shift step after the run (run keys shift, ood)
         self.shift_outcome = None
         if self.options.shift or self.options.ood:  # refused now, before any round, if bad
             from bayesfl.shift_protocol import shift_request
 
             self.shift_request = shift_request(
-                config, dataset, None if self.options.data_loader is not None else
+                config, dataset, None if self.data_loader is not None else
                 self.setup.client_data, self.novel, self.options.shift, self.options.ood)
         self.channel = FlowerChannel(grid, round_timeout=self.options.round_timeout,
                                      poll_interval=self.options.poll_interval,
@@ -356,20 +332,11 @@ class FlowerServer:
         # round's message ("carried": one message per client per round), and a round with
         # fewer than min-replies accepted uploads is skipped
         self.loop = RoundLoop(
-            self.strategy, self.channel, self, state=self.strategy.init(), seed=config.seed,
+            self.server, self.channel, self, state=self.server.init(), seed=config.seed,
             rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
             training=self.training, evaluation="carried",
             min_replies=self.options.min_replies, evaluate_every=self.options.evaluate_every,
-            round_timeout=self.options.round_timeout, rng_devices=self._rng_devices())
-
-    @property
-    def state(self) -> ServerState:
-        """The server state (the round loop's)."""
-        return self.loop.state
-
-    @state.setter
-    def state(self, state: ServerState) -> None:
-        self.loop.state = state
+            round_timeout=self.options.round_timeout, rng_devices=self.rng_devices())
 
     @property
     def nodes(self) -> dict[int, int]:
@@ -388,33 +355,66 @@ class FlowerServer:
     def grid(self, grid: Grid) -> None:
         self.channel.grid = grid
 
-    # ---- the run ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Every round, the final steps and the files; returns the summary."""
         with torch_threads(self.threads):
             try:
-                return self._run()
+                return self.execute()
             finally:
                 self.channel.close()
 
-    def _run(self) -> dict[str, Any]:
-        config = self.config
-        first = self.first_round
-        if self.options.resume and self.run_dir is not None and \
-                (self.run_dir / CHECKPOINT_NAME).exists():
-            first = self._restore()
-        else:
-            self.metrics_log.start()
-        if self.run_dir is not None:
-            self._write_setup_files()
-        self.start = time.perf_counter()
+    # ---- the run's hooks (bayesfl.engine.run.Run) ---------------------------------------
+    def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The clients' states live on their nodes: every message tells them the round."""
+        self.channel.resumed_from = meta["round"]
+
+    def rounds_starting(self, first: int) -> None:
         self.startup = self.discover(wait=True)
-        _log(f"{len(self.nodes)} of {config.clients} clients connected")
-        if self.options.data_loader is not None and self.run_dir is not None:
+        _log(f"{len(self.nodes)} of {self.config.clients} clients connected")
+        if self.data_loader is not None and self.run_dir is not None:
             self._write_site_sizes()
-        self.loop.run(first)
-        last_round = max(config.rounds, first - 1)
-        return self._final(last_round)
+
+    def final_evaluation(self, last_round: int) -> FinalEvaluation:
+        """The last message (the last round's evaluation, personalisation, the novel
+        clients) to every connected node."""
+        personalize = self.server.personalizes
+        eval_bytes, collected, unrecorded = self.loop.final_message(
+            last_round, sorted(self.nodes), personalize=personalize)
+        kind = "personalized" if personalize else "evaluation"
+        mine = [getattr(collected.replies[c], kind) for c in self.training
+                if c in collected.replies]
+        mine = [e for e in mine if e is not None]
+        if not mine:
+            raise BayesFLError("no client returned an evaluation after the last round; "
+                               "see the events in metrics.jsonl")
+        self.final_accumulators = [e.accumulators[PREDICTIVE] for e in mine]
+        novel = [getattr(collected.replies[c], kind) for c in self.novel
+                 if c in collected.replies]
+        novel = [e for e in novel if e is not None]
+        metrics = self.metrics_log.records
+        return FinalEvaluation(
+            merge_evaluations(mine), personalize,
+            merge_evaluations(novel) if novel else None, eval_bytes, extras={
+                "events": [{"round": m["round"], **e} for m in metrics
+                           for e in m.get("events", [])] + unrecorded,
+                "skipped_rounds": [m["round"] for m in metrics if m.get("skipped")],
+                "transport": "flower"})
+
+    def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
+        """Calibrate, conformal and shift over ``query.*`` messages, as the run asks."""
+        calibration = self._calibrate(final.broadcast)
+        if calibration is not None:
+            summary["calibration"] = calibration.summary(summary)
+        from bayesfl.flower.conformal_step import server_conformal_step
+
+        server_conformal_step(self, final.broadcast, summary)  # conformal=: bayesfl.conformal
+        if self.shift_request is not None:
+            summary["shift_evaluation"] = self._shift_evaluation(final.broadcast)
+        _log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
+             f"{len(summary['events'])} event(s)")
+
+    def log(self, text: str) -> None:
+        _log(text)
 
     # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
     def round_started(self, round: int) -> list[dict[str, Any]]:
@@ -466,84 +466,6 @@ class FlowerServer:
                        seconds=self.seconds_before + time.perf_counter() - self.start,
                        identity=self.identity, fingerprint=self.fingerprint, state=self.state,
                        clients={}, metrics_text=self.metrics_log.text, transport="flower")
-
-    def _final(self, last_round: int) -> dict[str, Any]:
-        """The last message: the last round's evaluation, personalisation, the novel
-        clients; then calibration and the files."""
-        pending = self.loop.pending
-        eval_bytes = pending.eval_bytes if pending is not None else \
-            encode(self.strategy.configure_evaluation(self.state, last_round))
-        personalize = self.strategy.personalizes
-        steps = {c: Step(evaluate=eval_bytes, evaluate_round=last_round,
-                         personalize=personalize, final=True) for c in sorted(self.nodes)}
-        t0 = time.perf_counter()
-        collected = self.step(last_round, steps)
-        final_events = list(collected.events)
-        trained = [collected.replies[c].evaluation for c in self.training
-                   if c in collected.replies and collected.replies[c].evaluation is not None]
-        if pending is not None:  # its events go to the last round's record
-            final_events = []
-            self.loop.complete_carried(collected, time.perf_counter() - t0)
-        kind = "personalized" if personalize else "evaluation"
-        mine = [getattr(collected.replies[c], kind) for c in self.training
-                if c in collected.replies]
-        last = self._merged([e for e in mine if e is not None]) if personalize else \
-            self._merged(trained)
-        if last is None:
-            raise BayesFLError("no client returned an evaluation after the last round; "
-                               "see the events in metrics.jsonl")
-        novel = [getattr(collected.replies[c], kind) for c in self.novel
-                 if c in collected.replies]
-        novel_eval = merge_evaluations([e for e in novel if e is not None]) \
-            if any(e is not None for e in novel) else None
-        summary = self._finish(last, personalize, final_events, novel_eval)
-        calibration = self._calibrate(eval_bytes, summary)
-        if calibration is not None:
-            summary["calibration"] = calibration.summary(summary)
-        from bayesfl.flower.conformal_step import server_conformal_step
-
-        server_conformal_step(self, eval_bytes, summary)  # conformal=: bayesfl.conformal
-        if self.shift_request is not None:
-            summary["shift_evaluation"] = self._shift_evaluation(eval_bytes)
-        summary["seconds"] = self.seconds_before + time.perf_counter() - self.start
-        if self.run_dir is not None:
-            self._write_results(summary, [m for m in self.metrics_log.records
-                                          if m.get("accuracy") is not None])
-        _log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
-             f"{len(summary['events'])} event(s)")
-        return summary
-
-    def _merged(self, evaluations: list[Evaluation]) -> RoundEvaluation | None:
-        if not evaluations:
-            return None
-        self._last_accumulators = [e.accumulators[PREDICTIVE] for e in evaluations]
-        return merge_evaluations(evaluations)
-
-    def _finish(self, last: RoundEvaluation, personalized: bool,
-                final_events: list[dict[str, Any]],
-                novel_eval: RoundEvaluation | None) -> dict[str, Any]:
-        metrics = self.metrics_log.records
-        rejected = run_rejected_message(metrics)
-        if rejected is not None:
-            warnings.warn(rejected, UploadsRejectedWarning, stacklevel=2)
-            _log(rejected)
-        evaluated = [m for m in metrics if m.get("accuracy") is not None]
-        summary = build_summary(self.config, evaluated, last, 0.0)
-        for key in ("bytes_up", "bytes_down", "bytes_down_evaluation", "floats_up",
-                    "floats_down"):
-            summary[key] = int(sum(m.get(key, 0) for m in metrics))
-        rejections = [{"round": m["round"], **rej} for m in metrics for rej in m["rejections"]]
-        summary.update(rejected_uploads=len(rejections), rejections=rejections)
-        summary["events"] = [{"round": m["round"], **e} for m in metrics
-                             for e in m.get("events", [])] + final_events
-        summary["skipped_rounds"] = [m["round"] for m in metrics if m.get("skipped")]
-        summary["personalized"] = personalized
-        summary["data"] = self.data_identity
-        summary["threads"] = self.threads
-        summary["transport"] = "flower"
-        summary_extras(summary, novel=self.novel, novel_evaluation=novel_eval)
-        summary.update(self.strategy.server_metrics(self.state))
-        return summary
 
     # ---- nodes --------------------------------------------------------------------------
     def online(self) -> set[int]:
@@ -613,26 +535,8 @@ class FlowerServer:
         return read_evaluation(self.strategy, data, round=round, client_id=client_id,
                                n_bins=self.config.n_bins, num_test=self.num_test[client_id])
 
-    # ---- a round ------------------------------------------------------------------------
-    def step(self, r: int, steps: Mapping[int, Step]) -> Collected:
-        """Send every client its step of round ``r`` and collect the replies."""
-        ids = sorted(steps)
-        self.channel.send(r, ids, steps)
-        return self.channel.collect(time.monotonic() + self.options.round_timeout)
-
-    def round(self, r: int, pending: CarriedRound | None = None
-              ) -> tuple[dict[str, Any] | None, CarriedRound | None]:
-        """Round ``r`` through the round loop (:meth:`RoundLoop.run_round`), ``pending``'s
-        evaluation riding on its message. Returns (the record of round ``r`` when it is
-        complete now, the round whose record waits for its evaluation)."""
-        if pending is not None:
-            self.loop.pending = pending
-        record = self.loop.run_round(r)
-        return record, self.loop.pending
-
     # ---- calibration --------------------------------------------------------------------
-    def _calibrate(self, eval_bytes: bytes, summary: dict[str, Any]
-                   ) -> CalibrationOutcome | None:
+    def _calibrate(self, eval_bytes: bytes) -> CalibrationOutcome | None:
         """The temperature-scaling step over ``query.calibrate`` messages (``calibrate``)."""
         spec = self.setup.calibration
         if spec is None:
@@ -725,7 +629,7 @@ class FlowerServer:
 
         try:
             expected, notes = expected_replies(
-                request, None if self.options.data_loader is not None else
+                request, None if self.data_loader is not None else
                 self.setup.client_data, self.novel, {c: self.num_test[c] for c in connected})
             settings = report_settings(
                 request, run_dir=self.run_dir, strategy=config.strategy,
@@ -751,30 +655,7 @@ class FlowerServer:
              f"{outcome.bytes_up:,}, down {outcome.bytes_down:,}")
         return outcome.summary()
 
-    # ---- checkpoints and files ----------------------------------------------------------
-    def _restore(self) -> int:
-        """The server's state, RNG and metrics from the checkpoint; returns the next round.
-
-        Raises:
-            CheckpointError: a foreign or corrupt checkpoint (naming what differs).
-        """
-        path = self.run_dir / CHECKPOINT_NAME
-        tensors, meta = load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity)
-        saved = restore_round(path, tensors, meta, first_round=self.first_round,
-                              rounds=self.config.rounds, server=self.strategy,
-                              fresh=self.state, num_clients=self.config.clients,
-                              device=self.device)
-        try:
-            torch.set_rng_state(saved.rng)
-        except RuntimeError as err:
-            raise CheckpointError(f"checkpoint {path} does not hold this run's RNG state: "
-                                  f"{err}") from err
-        self.state = saved.state
-        self.metrics_log.restore(saved.metrics, list(range(self.first_round, saved.round + 1)))
-        self.seconds_before = saved.seconds
-        self.resumed_from = self.channel.resumed_from = saved.round
-        return saved.round + 1
-
+    # ---- files ---------------------------------------------------------------------------
     def _write_site_sizes(self) -> None:
         """``partition.json`` of a per-site run: the sizes each site reported (its data never
         left it)."""
@@ -784,46 +665,6 @@ class FlowerServer:
             "test_sizes": [self.num_test.get(c) for c in range(self.config.clients)],
             "novel": list(self.novel)}) + "\n")
 
-    def _write_setup_files(self) -> None:
-        from bayesfl.manifest import write_manifest
-
-        write_manifest(self.run_dir / "manifest.json", self.config.to_dict(),
-                       data=self.data_identity, threads=self.threads,
-                       resumed_from_round=self.resumed_from, transport="flower",
-                       data_loader=self.options.data_loader)
-        if self.options.data_loader is not None:
-            return  # the sites' sizes are known after discovery (_write_site_sizes)
-        clients = self.setup.client_data
-        parts = [np.concatenate([c.train_indices, c.test_indices]) for c in clients]
-        counts = partition_summary(self.labels, parts, self.num_classes)
-        (self.run_dir / "partition.txt").write_text(
-            format_partition_summary(self.labels, parts, self.num_classes) + "\n")
-        (self.run_dir / "partition.json").write_text(json.dumps({
-            "scheme": self.config.partition, "counts": counts.tolist(),
-            "train_sizes": [c.num_train for c in clients],
-            "test_sizes": [c.num_test for c in clients],
-            "bodies": [self.setup.context.client_config(c.client_id).body
-                       for c in clients], "novel": list(self.novel)}) + "\n")
-
-    def _write_results(self, summary: dict[str, Any], metrics: list[dict[str, Any]]) -> None:
-        import matplotlib.pyplot as plt
-
-        from bayesfl.plots import plot_accuracy
-        from calibration.accumulator import Accumulator
-        from calibration.diagram import reliability_diagram
-
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if metrics:
-            plot_accuracy({self.config.strategy: metrics}, self.run_dir / "accuracy.png")
-        # the pooled reliability diagram from the merged bins: no prediction left a client
-        stats = Accumulator.merged(self._last_accumulators).bin_stats()
-        figure = reliability_diagram(stats, title=f"{self.config.strategy}, final round "
-                                     "(pooled, Flower)")
-        figure.savefig(self.run_dir / "reliability.png", dpi=120)
-        plt.close(figure)
-
-    def _rng_devices(self) -> list[torch.device]:
-        return [self.device] if self.device.type == "cuda" else []
 
 
 def _event(client_id: int, node_id: int | None, step: str, reason: str) -> dict[str, Any]:

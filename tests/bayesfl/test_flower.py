@@ -260,7 +260,7 @@ def test_a_flower_round_counts_bytes_for_the_sampled_clients_it_sent_to(connecte
     missing = [] if connected == 6 else sampled[:1]
     server.nodes = {cid: 100 + cid for cid in range(6) if cid not in missing}
     server.grid = grid = InProcessGrid(server, server.nodes.values())
-    record, pending = server.round(1)
+    record, pending = server.loop.run_round(1), server.loop.pending
     # round 1 of 3, evaluate-every 100: complete without an evaluation, none to follow
     assert pending is None and record["accuracy"] is None
     sent = [cid for cid in sampled if cid not in missing]
