@@ -16,7 +16,8 @@ def conformal_markdown(figures: dict[str, Any]) -> str:
     lines = [f"# Conformal prediction sets: {figures['score']}, alpha = {figures['alpha']:g} "
              f"(target coverage {target:.1%}), {figures['method']} threshold", "",
              f"Calibrated on {figures['held_out_samples']} held-out rows of "
-             f"{len(figures['participants'])} clients; {figures['steps']} messages, "
+             f"{len(figures['participants'])} clients; {figures['steps']} "
+             f"message{'' if figures['steps'] == 1 else 's'} to each, "
              f"{figures['bytes_up']:,} bytes up ({figures['bytes_up_per_client']:,.0f} per "
              f"client), {figures['bytes_down']:,} bytes down to calibrate the threshold; "
              f"{figures['evaluation_bytes_up']:,} up and {figures['evaluation_bytes_down']:,} "
