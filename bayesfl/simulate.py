@@ -60,10 +60,6 @@ import torch
 from tqdm.auto import tqdm
 
 from bayesfl.calibrate import CalibrationOutcome, calibrate_run
-from bayesfl.checkpoint import (
-    PendingWrite,
-    discard_spare,
-)
 from bayesfl.config import (
     CONFIG_FIELDS,
     SimulationConfig,
@@ -89,7 +85,6 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
 from bayesfl.engine.state import (
     client_states,
     compact_client_states,
-    save_round,
 )
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
     aggregate_or_keep,
@@ -112,7 +107,7 @@ from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.executor import ClientExecutor, SimulatedClient
 from bayesfl.inputs import client_index, client_inputs
 from bayesfl.messages import KeyRing, Message, decode, encode
-from bayesfl.run_directory import (
+from bayesfl.run_directory import (  # noqa: F401 - CHECKPOINT_NAME: public here too (tests)
     CHECKPOINT_NAME,
     prepare_run_directory,
 )
@@ -479,9 +474,7 @@ class _Run(Run):
             min_replies=None, server_key=self.server_key, client_key=self.client_key,
             rng_devices=self.rng_devices())
         self.broadcast_hook: BroadcastHook | None = None
-        self.round_callback: RoundCallback | None = None
         self.progress = True
-        self.pending_checkpoint: PendingWrite | None = None
         self.divergence_warned = False
         self.calibration: CalibrationOutcome | None = None
         self.personalized: dict[int, ClientState] = {}
@@ -530,12 +523,7 @@ class _Run(Run):
         self.last_eval: RoundEvaluation | None = None
 
     def rounds_ended(self) -> None:
-        try:  # the last checkpoint is in place when the rounds end, even by an error
-            self._checkpoint_in_place()
-        finally:
-            if self.run_dir is not None:
-                discard_spare(self.run_dir / CHECKPOINT_NAME)
-            self.bar.close()
+        self.bar.close()
 
     def final_evaluation(self, last_round: int) -> FinalEvaluation:
         config, last_eval = self.config, self.last_eval
@@ -624,16 +612,13 @@ class _Run(Run):
             "seconds_aggregation": trace.seconds_aggregation,
         })
 
-    def round_complete(self, record: dict[str, Any]) -> None:
-        self.metrics_log.append(record)
+    def round_recorded(self, record: dict[str, Any]) -> None:
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
         self._compact_states()
-        if self.run_dir is not None:
-            self._checkpoint(record["round"],
-                             self.seconds_before + time.perf_counter() - self.start)
-        if self.round_callback is not None:
-            self.round_callback(record["round"], record)
+
+    def client_states(self) -> dict[int, ClientState]:
+        return {c.client_id: c.state for c in self.clients}
 
     def _warn_divergence(self, r: int, client_id: int, reason: str) -> None:
         """Warn, once per run, that a client's local training stopped on a non-finite loss."""
@@ -667,26 +652,3 @@ class _Run(Run):
         states = compact_client_states({c.client_id: c.state for c in self.clients})
         for c in self.clients:
             c.state = states[c.client_id]
-
-    # ---- checkpoints ----------------------------------------------------------------------
-    def _checkpoint(self, r: int, seconds: float) -> None:
-        """Write round ``r``'s checkpoint; its fsync and rename (waiting on the disk, ~1 s at
-        16,000 clients) overlap the next round and are waited for before the next checkpoint
-        and when the rounds end (:meth:`_checkpoint_in_place`). The tensors it holds are
-        written before this returns (the next round replaces client states, it does not
-        write into them, but nothing relies on that). Each write overwrites the checkpoint
-        before last, kept as a spare until the rounds end (its pages are still in memory: 0.1
-        instead of ~1 s at 16,000 clients, :func:`bayesfl.checkpoint.write_atomically`)."""
-        self._checkpoint_in_place()
-        self.pending_checkpoint = save_round(
-            self.run_dir / CHECKPOINT_NAME, round=r, first_round=self.first_round,
-            seconds=seconds, identity=self.identity, fingerprint=self.fingerprint,
-            state=self.state, clients={c.client_id: c.state for c in self.clients},
-            metrics_text=self.metrics_log.text, transport="simulator",
-            durable_in_background=True, keep_spare=True)
-
-    def _checkpoint_in_place(self) -> None:
-        """Wait for the last checkpoint's fsync and rename (CheckpointError if they failed)."""
-        pending, self.pending_checkpoint = self.pending_checkpoint, None
-        if pending is not None:
-            pending.wait()

@@ -9,7 +9,10 @@ channel) → the final evaluation (personalise, evaluate, the novel clients) →
 A transport subclasses :class:`Run` with its channel, its round loop (evaluation mode,
 ``min_replies``) and these hooks:
 
-* :meth:`Run.restore_clients`: the client states a checkpoint holds for it;
+* :meth:`Run.client_states` / :meth:`Run.restore_clients`: the client states a checkpoint
+  holds for it;
+* :meth:`Run.round_recorded`: a round's record is complete (the loop's other hooks,
+  :class:`~bayesfl.engine.rounds.RoundHooks`, are the transport's own);
 * :meth:`Run.rounds_starting` / :meth:`Run.rounds_ended`: around the rounds (the simulator's
   progress bar and background checkpoint write; Flower's node discovery);
 * :meth:`Run.final_evaluation`: the last evaluation, the personalisation and the novel
@@ -32,19 +35,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from bayesfl.checkpoint import config_fingerprint, load_checkpoint
+from bayesfl.checkpoint import PendingWrite, config_fingerprint, discard_spare, load_checkpoint
 from bayesfl.config import SimulationConfig, resolve_device
 from bayesfl.data.datasets import Dataset, dataset_identity
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.rounds import RoundLoop
 from bayesfl.engine.setup import novel_clients, run_identity, run_setup
-from bayesfl.engine.state import foreign_message, restore_round
+from bayesfl.engine.state import foreign_message, restore_round, save_round
 from bayesfl.engine.steps import build_summary, run_rejected_message, summary_extras
 from bayesfl.errors import CheckpointError, UploadsRejectedWarning
 from bayesfl.evaluation import RoundEvaluation
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import ServerState
+from bayesfl.strategies.base import ClientState, ServerState
 
 
 @dataclass
@@ -120,6 +123,11 @@ class Run:
         """Keys the transport adds to ``manifest.json`` (Flower: ``transport``)."""
         self.final_accumulators: list[Any] = []
         """The final headline accumulators, where no prediction left a client (Flower)."""
+        self.transport = "simulator"
+        """The transport's name in the checkpoint."""
+        self.round_callback: Any = None
+        """``callback(round, record)`` after each complete (checkpointed) round, or None."""
+        self.pending_checkpoint: PendingWrite | None = None
 
     @property
     def state(self) -> ServerState:
@@ -145,8 +153,13 @@ class Run:
         self.rounds_starting(first)
         try:
             self.loop.run(first)
-        finally:
-            self.rounds_ended()
+        finally:  # the last checkpoint is in place when the rounds end, even by an error
+            try:
+                self.checkpoint_in_place()
+            finally:
+                if self.run_dir is not None:
+                    discard_spare(self.run_dir / CHECKPOINT_NAME)
+                self.rounds_ended()
         final = self.final_evaluation(max(self.config.rounds, first - 1))
         summary = self.summarize(final)
         self.final_steps(final, summary)
@@ -172,7 +185,25 @@ class Run:
     def log(self, text: str) -> None:
         """A line for the operator (Flower prints it; the simulator warns instead)."""
 
+    def round_complete(self, record: dict[str, Any]) -> None:
+        """The round loop's hook: a round's record is complete; append it to
+        ``metrics.jsonl`` (after the transport's :meth:`round_recorded`), checkpoint, and call
+        :attr:`round_callback`."""
+        self.round_recorded(record)
+        self.metrics_log.append(record)
+        if self.run_dir is not None:
+            self.checkpoint(record["round"])
+        if self.round_callback is not None:
+            self.round_callback(record["round"], record)
+
     # ---- the transport's hooks ------------------------------------------------------------
+    def round_recorded(self, record: dict[str, Any]) -> None:
+        """A round's record is complete, before it is appended (log it, add to it)."""
+
+    def client_states(self) -> dict[int, ClientState]:
+        """The client states the transport holds, for the checkpoint (none by default)."""
+        return {}
+
     def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """The client states the checkpoint holds for this transport (none by default)."""
 
@@ -189,6 +220,28 @@ class Run:
         """The steps after the summary (calibrate, conformal, shift), into ``summary``."""
 
     # ---- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, r: int) -> None:
+        """Write round ``r``'s checkpoint; its fsync and rename (waiting on the disk, ~1 s at
+        16,000 clients) overlap the next round and are waited for before the next checkpoint
+        and when the rounds end (:meth:`checkpoint_in_place`). The tensors it holds are
+        written before this returns (the next round replaces client states, it does not
+        write into them, but nothing relies on that). Each write overwrites the checkpoint
+        before last, kept as a spare until the rounds end (its pages are still in memory: 0.1
+        instead of ~1 s at 16,000 clients, :func:`bayesfl.checkpoint.write_atomically`)."""
+        self.checkpoint_in_place()
+        self.pending_checkpoint = save_round(
+            self.run_dir / CHECKPOINT_NAME, round=r, first_round=self.first_round,
+            seconds=self.seconds_before + time.perf_counter() - self.start,
+            identity=self.identity, fingerprint=self.fingerprint, state=self.state,
+            clients=self.client_states(), metrics_text=self.metrics_log.text,
+            transport=self.transport, durable_in_background=True, keep_spare=True)
+
+    def checkpoint_in_place(self) -> None:
+        """Wait for the last checkpoint's fsync and rename (CheckpointError if they failed)."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        if pending is not None:
+            pending.wait()
+
     def restore(self) -> int:
         """Load the run's state from the checkpoint read at setup; returns the next round.
 

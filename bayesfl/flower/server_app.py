@@ -76,7 +76,6 @@ from bayesfl.data.datasets import load_dataset
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.rounds import RoundLoop, RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
-from bayesfl.engine.state import save_round
 from bayesfl.errors import (
     BayesFLError,
     MessageRejected,
@@ -98,7 +97,7 @@ from bayesfl.flower.protocol import (
     timings,
 )
 from bayesfl.messages import encode
-from bayesfl.run_directory import CHECKPOINT_NAME, prepare_run_directory
+from bayesfl.run_directory import prepare_run_directory
 from bayesfl.strategies.base import PREDICTIVE, Evaluation
 
 app = ServerApp()
@@ -310,6 +309,7 @@ class FlowerServer(Run):
         super().__init__(config, run_dir, dataset, threads=check_threads(self.options.threads),
                          resume=self.options.resume, data_loader=self.options.data_loader)
         self.manifest_extras = {"transport": "flower", "data_loader": self.options.data_loader}
+        self.transport = "flower"
         self.strategy = self.server
         self.num_classes = dataset.num_classes
         self.refused: set[int] = set()  # node ids refused at discovery
@@ -453,19 +453,12 @@ class FlowerServer(Run):
             {**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
             for rej in trace.rejections]
 
-    def round_complete(self, record: dict[str, Any]) -> None:
-        """Append a round's record (evaluation included) and checkpoint after it."""
+    def round_recorded(self, record: dict[str, Any]) -> None:
+        """Log a round's record (discovery's events go to the first)."""
         if self.startup:
             record["events"] = self.startup + record["events"]
             self.startup = []
-        self.metrics_log.append(record)
         _log(_round_line(record))
-        if self.run_dir is not None:
-            save_round(self.run_dir / CHECKPOINT_NAME, round=record["round"],
-                       first_round=self.first_round,
-                       seconds=self.seconds_before + time.perf_counter() - self.start,
-                       identity=self.identity, fingerprint=self.fingerprint, state=self.state,
-                       clients={}, metrics_text=self.metrics_log.text, transport="flower")
 
     # ---- nodes --------------------------------------------------------------------------
     def online(self) -> set[int]:
