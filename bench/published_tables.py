@@ -16,6 +16,9 @@ Tables:
   ratio to each method's point-estimate peer.
 * ``s1_conformal`` (``s1_conformal.jsonl``, ``bench/s1_conformal.py``): federated conformal
   sets in S1, coverage per client and set size, clean and under shift (issue 45).
+* ``s1_full`` and ``s1_curves`` (``s1_30_h200.jsonl``, ``bench/fedsi_small.py`` on the H200
+  machine): the full S1 table at 30 rounds (every configuration, its plug-in, bold computed:
+  best beyond the standard error of the difference) and the accuracy over rounds (issue 43).
 * ``head_speed`` (``laplace_head_speed.jsonl``, ``bench/laplace_head_speed.py``): the Laplace
   head's fit against laplace-torch's last-layer Laplace at each size (the newest record of
   each size).
@@ -620,6 +623,140 @@ def s1_h200_readme_table(records: list[dict] | None = None) -> str:
 
 
 
+# --- the full S1 table of docs/results.md (bench/fedsi_small.py on the H200 machine) --------
+
+#: Rows of the full S1 table: label in ``s1_30_h200.jsonl`` -> (the name shown, the FedSI
+#: paper's figure for that method, quoted from its Tables I–II: accuracy % or
+#: "acc % / ECE / MCE / Brier"; None where the paper has none). Cache labels not listed here
+#: are appended under their own label, so no run is silently left out.
+S1_FULL_ROWS = {
+    "FedPer (Laplace head)": ("FedPer, `head=laplace`", None),
+    "FedPer": ("FedPer (`local_layers=1`; the Laplace head's plug-in)", "91.82"),
+    "FedPop": ("FedPop", "87.63 / 0.049 / 0.716 / 0.137"),
+    "FedSI": ("FedSI", "93.98 / 0.040 / 0.242 / 0.101"),
+    "FedSI-Fac": ("FedSI-Fac", "91.96 / 0.045 / 0.249 / 0.131"),
+    "FedSI (prior var 1e-1)": ("FedSI, α = 1e-1", None),
+    "FedSI (prior var 1e-4)": ("FedSI, α = 1e-4 (the paper's)", None),
+    "FedSI (paper recipe)": ("FedSI, the paper's recipe (α = 1e-4, prior in Adam's gradient, "
+                             "10 head epochs)", None),
+    "FedBABU": ("FedBABU", "91.38"),
+    "FedAvg-FT": ("FedAvg-FT", "93.15"),
+    "FedAvg-FT (Laplace head)": ("FedAvg-FT, `head=laplace`, `head_prior=global`", None),
+    "FedRep": ("FedRep", "90.68"),
+    "pFedBayes": ("pFedBayes (lr 1e-4, the paper's)", "84.61 / 0.046 / 0.257 / 0.100"),
+    "Local Only": ("Local Only", "91.38"),
+    "LG-FedAvg": ("LG-FedAvg", "91.64"),
+    "FedLog": ("FedLog, `feature_scale=1` (the paper's; the default before issue 40)", None),
+    "FedLog (evidence scale)": ("FedLog, `feature_scale=evidence`", None),
+    "FedLog-C": ("FedLog-C", None),
+    "FedAvg": ("FedAvg", "88.26"),
+    "FedPA": ("FedPA", None),
+}
+
+#: The columns compared for the bold: (summary key, scale, digits, +1 higher is better / -1
+#: lower is better).
+S1_FULL_BEST = {"accuracy": (100, 2, 1), "ece": (1, 4, -1), "nll": (1, 3, -1),
+                "brier": (1, 4, -1)}
+
+
+def _se(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def _s1_30_runs(records: list[dict]) -> dict[str, dict[int, dict]]:
+    runs: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r.get("rounds") == 30 and not r.get("novel"):
+            runs.setdefault(r["label"], {})[r["seed"]] = r  # the newest run of a seed counts
+    return runs
+
+
+def s1_full_table(records: list[dict] | None = None) -> str:
+    """The full S1 table at 30 rounds (H200 machine's cache): every configuration's headline
+    predictive and, under each posterior method, its MAP plug-in; mean ± standard error over
+    seeds; the FedSI paper's figures quoted beside. A figure is bold only where its row is best
+    in that column by more than one standard error of the seed-paired difference against
+    every other row (the standard error of the difference of the two means, √(se₁² + se₂²),
+    from the ± shown); the note names the columns where no row is."""
+    records = read_jsonl(RESULTS / "s1_30_h200.jsonl") if records is None else records
+    runs = _s1_30_runs(records)
+    labels = [label for label in S1_FULL_ROWS if label in runs]
+    labels += [label for label in runs if label not in S1_FULL_ROWS]
+    rows: list[tuple[str, dict[int, dict], str, str]] = []  # name, seed -> figures, bytes, paper
+    for label in labels:
+        by_seed = runs[label]
+        name, paper = S1_FULL_ROWS.get(label, (label, None))
+        rs = list(by_seed.values())
+        up = f"{statistics.fmean(r['summary']['bytes_up'] for r in rs):,.0f}"
+        rows.append((name, {s: r["summary"] for s, r in by_seed.items()}, up, paper or "–"))
+        if all("map_plugin" in r["summary"] for r in rs):
+            rows.append((f"{name} (MAP plug-in)",
+                         {s: r["summary"]["map_plugin"] for s, r in by_seed.items()}, "–", "–"))
+    best: dict[str, int] = {}
+    unresolved: list[str] = []
+    for key, (_, _, sign) in S1_FULL_BEST.items():
+        means = [statistics.fmean(f[key] for f in figs.values()) for _, figs, _, _ in rows]
+        top = max(range(len(rows)), key=lambda i: sign * means[i])
+        ses = [_se([f[key] for f in figs.values()]) for _, figs, _, _ in rows]
+        # the standard error of a difference of two means, from the ± a reader sees (not
+        # paired by seed: the stricter reading, and one a reader can check from the table)
+        close = [rows[i][0] for i in range(len(rows)) if i != top
+                 and sign * (means[top] - means[i]) <= math.hypot(ses[top], ses[i])]
+        shown = {"accuracy": "accuracy", "ece": "ECE", "nll": "NLL", "brier": "Brier"}[key]
+        if close:
+            unresolved.append(f"{shown} (best mean {rows[top][0]}; within one standard error: "
+                              f"{', '.join(close)})")
+        else:
+            best[key] = top
+    lines = ["| method | seeds | accuracy (%) | confidence (%) | ECE | NLL | Brier | "
+             "uplink bytes | paper: acc % / ECE / MCE / Brier |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for i, (name, figs, up, paper) in enumerate(rows):
+        fs = list(figs.values())
+        cells = []
+        for key, (scale, digits, _) in S1_FULL_BEST.items():
+            cell = mean_se([scale * f[key] for f in fs], digits)
+            cells.append(f"**{cell}**" if best.get(key) == i else cell)
+            if key == "accuracy":
+                cells.append(mean_se([100 * f["confidence"] for f in fs], 2))
+        seeds = ",".join(map(str, sorted(figs)))
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + f" | {up} | {paper} |")
+    note = ("Bold: a figure best in its column by more than the standard error of the "
+            "difference (√(se₁² + se₂²), from the ± shown) against every other row. "
+            + (f"No row is best by that margin in {'; in '.join(unresolved)}. "
+               if unresolved else "")
+            + "The paper's figures are quoted from the FedSI paper's Tables I–II (800 rounds "
+            "x 10 epochs), not measured here. ")
+    used = [r for by_seed in runs.values() for r in by_seed.values()]
+    return ("\n".join(lines) + "\n\n" + note
+            + source_line("s1_30_h200.jsonl", used, [r["seed"] for r in used]))
+
+
+#: The curves quoted under the full S1 table: label -> the name in the sentence.
+S1_CURVE_ROWS = {"FedSI": "FedSI", "FedBABU": "FedBABU",
+                 "FedSI (paper recipe)": "the paper's recipe"}
+
+
+def s1_curves_table(records: list[dict] | None = None) -> str:
+    """The S1 runs' accuracy after rounds 1, 5, 15 and 30 (each run's per-round curve: the
+    plug-in of a head fine-tuned on that round's global body), mean over seeds."""
+    records = read_jsonl(RESULTS / "s1_30_h200.jsonl") if records is None else records
+    runs = _s1_30_runs(records)
+    parts = []
+    for label, name in S1_CURVE_ROWS.items():
+        curves = [r["curve"] for r in runs.get(label, {}).values() if len(r.get("curve", [])) >= 30]
+        if not curves:
+            continue
+        points = [statistics.fmean(c[i - 1] for c in curves) for i in (1, 5, 15, 30)]
+        final = statistics.fmean(r["summary"]["accuracy"] for r in runs[label].values())
+        parts.append(f"{name} ({len(curves)} seeds): {points[0]:.3f} after round 1, "
+                     f"{points[1]:.3f} after 5, {points[2]:.3f} after 15, {points[3]:.3f} after "
+                     f"30 (final, with its headline predictive: {100 * final:.2f}%)")
+    return ("**Accuracy over rounds** (S1, the same runs; each round's figure is the plug-in of "
+            "a head fine-tuned on that round's global body, mean over seeds): "
+            + "; ".join(parts) + ".\n")
+
+
 def _mean_bytes(values: list[float]) -> str:
     return f"{statistics.fmean(values):,.0f}" if values else "–"
 
@@ -692,7 +829,8 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "dp_checks": dp_checks_table,
           "fedpart_one_cycle": fedpart_table, "fedpart_full": fedpart_full_table,
           "colearn_10": colearn_table, "s1_h200_readme": s1_h200_readme_table,
-          "s1_conformal": s1_conformal_table}
+          "s1_conformal": s1_conformal_table, "s1_full": s1_full_table,
+          "s1_curves": s1_curves_table}
 
 
 def render(page: str) -> str:

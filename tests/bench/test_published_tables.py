@@ -3,6 +3,7 @@ stored runs in bench/results/: a figure typed by hand, or a cache changed withou
 the page, fails here."""
 
 import json
+import math
 
 from bench.published_tables import (
     PAGE,
@@ -225,3 +226,30 @@ def test_the_conformal_table_averages_seeds_and_counts_clients_below_the_target(
     assert "| 0,1 | 0.910 ± 0.010 |" in row and "4 of 20" in row and "2.50 ± 0.50" in row
     assert "(≥ 0.910)" in row and "| 392 |" in row
     assert "11,768 bytes up per client" in table
+
+
+def s1_record(label, seed, ece, nll, plugin=False):
+    summary = {"accuracy": 0.9, "confidence": 0.95, "ece": ece, "mce": 0.3, "brier": 0.1,
+               "nll": nll, "bytes_up": 1000.0}
+    if plugin:
+        summary["map_plugin"] = dict(summary, ece=2 * ece, nll=2 * nll)
+    return {"label": label, "seed": seed, "rounds": 30, "novel": False, "summary": summary,
+            "curve": [0.9] * 30}
+
+
+def test_the_full_s1_table_bolds_a_figure_only_beyond_the_standard_error_of_the_difference():
+    from bench.published_tables import s1_full_table
+
+    # A's ECE 0.010 ± 0.001 against B's 0.012 ± 0.001: the difference 0.002 exceeds the
+    # difference's standard error sqrt(2) * 0.001 = 0.0014, so A's ECE is bold; A's NLL
+    # 0.20 ± 0.05 against B's 0.21 ± 0.05 is within it, so no NLL is bold and the note says so
+    records = []
+    for seed, d in enumerate((-1, 0, 1)):
+        e, n = 0.001 * math.sqrt(3) * d, 0.05 * math.sqrt(3) * d  # stdev sqrt(3)·step -> se step
+        records += [s1_record("A", seed, 0.010 + e, 0.20 + n, plugin=True),
+                    s1_record("B", seed, 0.012 + e, 0.21 - n)]
+    table = s1_full_table(records)
+    row_a = next(line for line in table.splitlines() if line.startswith("| A | "))
+    assert "**0.0100 ± 0.0010**" in row_a and "**0.200" not in table
+    assert "in NLL (best mean A; within one standard error: B)" in table
+    assert "| A (MAP plug-in) | 0,1,2 |" in table  # the plug-in beside the posterior
