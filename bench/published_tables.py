@@ -1,8 +1,8 @@
 """The published tables of issues 40 and 41, generated from the stored runs in ``bench/results/``.
 
-Each table lies in ``docs/results.md`` (and ``s1_shift_readme`` in ``README.md``) between
+Each table lies in ``docs/results.md``, ``docs/seeds.md`` or ``README.md`` (``PAGES``) between
 ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``python bench/published_tables.py`` prints
-every table, ``--write`` replaces the blocks in both pages, and
+every table, ``--write`` replaces the blocks in those pages, and
 ``tests/bench/test_published_tables.py`` fails when a page and the caches disagree.
 
 Tables:
@@ -19,6 +19,9 @@ Tables:
 * ``s1_full`` and ``s1_curves`` (``s1_30_h200.jsonl``, ``bench/fedsi_small.py`` on the H200
   machine): the full S1 table at 30 rounds (every configuration, its plug-in, bold computed:
   best beyond the standard error of the difference) and the accuracy over rounds (issue 43).
+* ``seeds_colearn``, ``seeds_relay``, ``seeds_fedpart``, ``seeds_fedlog`` (``colearn.jsonl``,
+  ``fedpart.jsonl``, ``fedlog_table1.jsonl``): ``docs/seeds.md``'s tables of the seed papers
+  at their own protocols (issue 29's runs; issue 43).
 * ``head_speed`` (``laplace_head_speed.jsonl``, ``bench/laplace_head_speed.py``): the Laplace
   head's fit against laplace-torch's last-layer Laplace at each size (the newest record of
   each size).
@@ -44,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
+SEEDS = ROOT / "docs" / "seeds.md"
+#: Every page whose table blocks are generated here.
+PAGES = (PAGE, README, SEEDS)
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -211,6 +217,15 @@ LEGACY_ORIGIN = {
     "fedpart.jsonl": "issue 29's runs on a lent 16-core Intel Xeon beside an NVIDIA H200 (CPU "
                      "processes, one torch thread each, 16 at a time), committed 2026-11-27 "
                      "(1f45db1); the records carry no commit, date or machine",
+    "colearn.jsonl": "issue 29's runs: the Table-1 rows on a lent 16-core Intel Xeon beside an "
+                     "NVIDIA H200 (CPU processes, one torch thread each, 16 at a time), the "
+                     "heterogeneous and relay runs on the 2-core development machine; committed "
+                     "2026-11-27 (ba08a4a; the relay runs f0ef2d0); the records carry no commit, "
+                     "date or machine",
+    "fedlog_table1.jsonl": "issue 29's runs on a lent 16-core Intel Xeon beside an NVIDIA H200 "
+                           "(CPU processes, one torch thread each, or the GPU where a row's "
+                           "device says cuda), committed 2026-11-27 (ba08a4a); the records "
+                           "carry no commit, date or machine",
     "s1_30_h200.jsonl": "an NVIDIA H200 machine (CPU processes, one torch thread each; FedSI "
                         "on the GPU), committed 2026-11-27 (97038cd); the records carry no "
                         "commit, date or machine",
@@ -757,6 +772,249 @@ def s1_curves_table(records: list[dict] | None = None) -> str:
             + "; ".join(parts) + ".\n")
 
 
+# --- docs/seeds.md: the seed papers at their own protocols (issue 29's runs) ----------------
+
+def mean_sd(values: list[float], digits: int) -> str:
+    """Mean ± standard deviation (seeds.md's FedPart table gives the spread, not the error)."""
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def _seed_runs(cache: dict[str, dict], group: str, rounds: int = 100
+               ) -> dict[tuple[str, int], dict[int, dict]]:
+    """(label, N) -> seed -> record of ``colearn.jsonl``'s ``group`` at ``rounds``."""
+    out: dict[tuple[str, int], dict[int, dict]] = {}
+    for key, record in cache.items():
+        g, label, n, seed, r, *_ = key.split("|")
+        if g == group and int(r) == rounds:
+            out.setdefault((label, int(n)), {})[int(seed)] = record
+    return out
+
+
+#: CoLearn's Table 1 rows in seeds.md: label -> (the first row's name, the other rows').
+SEEDS_COLEARN = {"colearn": ("CoLearn", "CoLearn"), "il": ("IL (local only)", "IL"),
+                 "fl": ("FL (FedAvg)", "FL"), "fd": ("FD", "FD")}
+
+
+def seeds_colearn_table(cache: dict[str, dict] | None = None) -> str:
+    """CoLearn's Table 1 at 100 rounds: each method at N = 2, 5, 10 (accuracy mean ± standard
+    error over seeds, the paper's figure in brackets; mean ECE, NLL, bytes per client and
+    round, seconds a run), then CoLearn minus each peer paired by seed."""
+    cache = read_cache(RESULTS / "colearn.jsonl") if cache is None else cache
+    runs = _seed_runs(cache, "rows")
+    lines = ["| method | N | accuracy % (paper) | ECE | NLL | uplink B | downlink B | s / run |",
+             "|---|---|---|---|---|---|---|---|"]
+    used: list[dict] = []
+    seeds: list[int] = []
+    for label, (first, other) in SEEDS_COLEARN.items():
+        ns = sorted(n for lab, n in runs if lab == label)
+        for i, n in enumerate(ns):
+            by_seed = runs[(label, n)]
+            rs = list(by_seed.values())
+            used += rs
+            seeds += list(by_seed)
+            paper = COLEARN_PAPER.get(label, {}).get(n)
+            lines.append(
+                f"| {first if i == 0 else other} | {n} | "
+                f"{mean_se([100 * r['accuracy'] for r in rs], 2)}"
+                + (f" ({paper:.2f})" if paper is not None else "") + " | "
+                f"{statistics.fmean(r['ece'] for r in rs):.3f} | "
+                f"{statistics.fmean(r['nll'] for r in rs):.3f} | "
+                f"{statistics.fmean(r[UPLINK] for r in rs):,.0f} | "
+                f"{statistics.fmean(r['bytes_down_per_client_round'] for r in rs):,.0f} | "
+                f"{statistics.fmean(r['seconds'] for r in rs):.0f} |")
+    paired = ["| N | minus IL | minus FL | minus FD |", "|---|---|---|---|"]
+    for n in sorted({n for lab, n in runs if lab == "colearn"}):
+        ours = runs[("colearn", n)]
+        cells = []
+        for peer in ("il", "fl", "fd"):
+            theirs = runs.get((peer, n), {})
+            both = sorted(set(ours) & set(theirs))
+            gap = [100 * (ours[s]["accuracy"] - theirs[s]["accuracy"]) for s in both]
+            cells.append(f"{paired_cell(gap, 1, 2)}" if gap else "–")
+        paired.append(f"| {n} | " + " | ".join(cells) + " |")
+    hetero = _seed_runs(cache, "heterogeneous")
+    hetero_text = ", ".join(
+        f"{COLEARN_NAMES.get(label, label).split(' (')[0]} "
+        f"{mean_se([100 * r['accuracy'] for r in by_seed.values()], 2)}% "
+        f"({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})"
+        for (label, _), by_seed in hetero.items())
+    return ("\n".join(lines) + "\n\nPaired by seed, CoLearn minus each peer (points, mean ± "
+            "standard error of the differences):\n\n" + "\n".join(paired) + "\n\n"
+            + (f"Heterogeneous bodies (lenet5 / cnn:16-32 alternating, N = 10): {hetero_text}."
+               "\n\n" if hetero_text else "")
+            + source_line("colearn.jsonl", used, seeds))
+
+
+#: The relay ablation's rows: (group, label) in ``colearn.jsonl`` at N = 5 -> the name shown.
+SEEDS_RELAY = {("rows", "colearn"): '`relay="sets"` (default, the paper\'s downlink)',
+               ("ablation", "colearn, whole-pool relay (relay = pool)"):
+                   '`relay="pool"` (every peer\'s set, drawn per client)',
+               ("ablation", "colearn, no class counts uploaded (share_counts = false)"):
+                   "`share_counts=False` (presence only)"}
+
+
+def seeds_relay_table(cache: dict[str, dict] | None = None) -> str:
+    """CoLearn's relay and class-count variants at N = 5, 100 rounds, each seed's accuracy,
+    and the whole pool minus the paper's relay paired by seed."""
+    cache = read_cache(RESULTS / "colearn.jsonl") if cache is None else cache
+    lines = ["| CoLearn at N = 5, 100 rounds | accuracy % (seeds) | mean ± se | ECE | NLL | "
+             "uplink B | downlink B |", "|---|---|---|---|---|---|---|"]
+    found: dict[str, dict[int, dict]] = {}
+    for (group, label), name in SEEDS_RELAY.items():
+        by_seed = _seed_runs(cache, group).get((label, 5), {})
+        if not by_seed:
+            continue
+        found[name] = by_seed
+        rs = [by_seed[s] for s in sorted(by_seed)]
+        accuracies = " / ".join(f"{100 * r['accuracy']:.2f}" for r in rs)
+        lines.append(
+            f"| {name} | {accuracies} "
+            f"({'/'.join(map(str, sorted(by_seed)))}) | "
+            f"{mean_se([100 * r['accuracy'] for r in rs], 2)} | "
+            f"{statistics.fmean(r['ece'] for r in rs):.3f} | "
+            f"{statistics.fmean(r['nll'] for r in rs):.3f} | "
+            f"{statistics.fmean(r[UPLINK] for r in rs):,.0f} | "
+            f"{statistics.fmean(r['bytes_down_per_client_round'] for r in rs):,.0f} |")
+    names = list(SEEDS_RELAY.values())
+    text = ""
+    if names[0] in found and names[1] in found:
+        ours, pool = found[names[0]], found[names[1]]
+        both = sorted(set(ours) & set(pool))
+        gap = [100 * (pool[s]["accuracy"] - ours[s]["accuracy"]) for s in both]
+        text = ("\nPaired by seed, the whole pool minus the paper's relay: "
+                + ", ".join(f"{g:+.2f}" for g in gap)
+                + f" points ({paired_cell(gap, 1, 2)}; {verdict(gap)} that the pool is more "
+                "accurate).\n")
+    used = [r for by_seed in found.values() for r in by_seed.values()]
+    return "\n".join(lines) + "\n" + text + "\n" + source_line("colearn.jsonl", used)
+
+
+FEDPART_PARTITIONS = {"iid": "IID", "dirichlet:1.0": "Dirichlet(1)"}
+
+
+def _fedpart_full(records: list[dict]) -> dict[str, dict[str, dict[int, dict]]]:
+    out: dict[str, dict[str, dict[int, dict]]] = {}
+    for r in records:
+        out.setdefault(r["partition"], {}).setdefault(r["method"], {})[r["seed"]] = r
+    return out
+
+
+def seeds_fedpart_table(records: list[dict] | None = None) -> str:
+    """FedPart against FNU at the paper's schedule (``fedpart.jsonl``, 125 rounds): best and
+    final accuracy (mean ± standard deviation over seeds), bytes, measured CPU seconds and
+    analytic FLOPs; FedPart over FNU (ratios of the means); the best accuracy at the end of
+    each cycle (rounds 25, 50, ..., 125)."""
+    records = _records("fedpart.jsonl", records)
+    runs = _fedpart_full(records)
+    main = ["| partition | method | best acc | final acc | uplink MB | downlink MB | "
+            "local CPU s | TFLOP | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = ["| partition | uplink FedPart / FNU | downlink | compute (CPU s) | "
+              "compute (FLOPs) |", "|---|---|---|---|---|"]
+    cycles = ["| partition | method | C = 1 (r 25) | 2 (50) | 3 (75) | 4 (100) | 5 (125) |",
+              "|---|---|---|---|---|---|---|"]
+    seeds: list[int] = []
+    for partition, by_method in sorted(runs.items(), key=lambda i: i[0] != "iid"):
+        shown = FEDPART_PARTITIONS.get(partition, partition)
+        means: dict[str, dict[str, float]] = {}
+        for method in ("FNU", "FedPart"):
+            rs = list(by_method.get(method, {}).values())
+            if not rs:
+                continue
+            seeds += [r["seed"] for r in rs]
+            means[method] = {k: statistics.fmean(r[k] for r in rs) for k in
+                             ("total_bytes", "total_bytes_down", "total_seconds", "total_flops")}
+            m = means[method]
+            main.append(f"| {shown} | {method} | {mean_sd([r['best'] for r in rs], 4)} | "
+                        f"{mean_sd([r['final'] for r in rs], 4)} | "
+                        f"{m['total_bytes'] / 1e6:.2f} | {m['total_bytes_down'] / 1e6:.2f} | "
+                        f"{m['total_seconds']:.1f} | {m['total_flops'] / 1e12:.3f} | "
+                        f"{len(rs)} |")
+            ends = [statistics.fmean(100 * max(r["accuracy"][:end]) for r in rs)
+                    for end in (25, 50, 75, 100, 125)]
+            cycles.append(f"| {shown} | {method} | " + " | ".join(f"{e:.2f}" for e in ends)
+                          + " |")
+        if len(means) == 2:
+            part, fnu = means["FedPart"], means["FNU"]
+            ratios.append(f"| {shown} | " + " | ".join(
+                f"{part[k] / fnu[k]:.3f}" for k in ("total_bytes", "total_bytes_down",
+                                                     "total_seconds", "total_flops")) + " |")
+    ratios.append("| paper (ResNet-8, Table 1) | 0.28 | - | - | 0.73 (analytic) |")
+    return ("\n".join(main) + "\n\n" + "\n".join(ratios) + "\n\nBest accuracy (%) at the end "
+            "of each cycle, mean over the seeds (the paper's columns C = 1..5):\n\n"
+            + "\n".join(cycles) + "\n\n" + source_line("fedpart.jsonl", records, seeds))
+
+
+#: FedLog's Table 1 rows: label in ``fedlog_table1.jsonl`` -> (the name shown, the paper's
+#: accuracy, the paper's uplink bytes per client and round (its bits / 8); None: not given).
+SEEDS_FEDLOG = {"fedavg": ("FedAvg", "89.76", 87360), "lg-fedavg": ("LG-FedAvg 1", "97.85", 2040),
+                "lg-fedavg-2": ("LG-FedAvg 2", "98.18", 66240),
+                "fedper": ("FedPer", "96.16", 21120),
+                "fedrep-1": ("FedRep 1 (`fedrep-1`)", "v2: 98.15", None),
+                "fedrep": ("FedRep 2 (`fedrep`)", "95.51", 21120),
+                "fedbabu": ("FedBABU", "86.30", 85320), "fedproto": ("FedProto", "98.19", 2040),
+                "fedlog": ("**FedLog**", "98.15", 2040), "fedlog-c": ("FedLog-C", "98.41", None)}
+
+
+def seeds_fedlog_table(cache: dict[str, dict] | None = None) -> str:
+    """FedLog's Table 1 at 100 rounds (``fedlog_table1.jsonl``): final and best accuracy,
+    ECE, NLL, rounds to 97%, bytes per client and round, seconds a run and the devices, the
+    paper's figures in brackets; then each seed of FedLog, FedLog-C and FedProto, and both
+    minus FedProto paired by seed."""
+    cache = read_cache(RESULTS / "fedlog_table1.jsonl") if cache is None else cache
+    runs: dict[str, dict[int, dict]] = {}
+    for key, record in cache.items():
+        label, seed, rounds = key.split("|")
+        if int(rounds) == 100:
+            runs.setdefault(label, {})[int(seed)] = record
+    lines = ["| method | accuracy % (paper) | best % | ECE | NLL | rounds to 97% | "
+             "uplink B (paper) | downlink B | s / run | seeds (device) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, (name, paper, paper_up) in SEEDS_FEDLOG.items():
+        by_seed = runs.get(label, {})
+        if not by_seed:
+            continue
+        rs = [by_seed[s] for s in sorted(by_seed)]
+        reach = [r["rounds_to_97"] for r in rs]
+        reach_text = ("never" if all(x is None for x in reach)
+                      else ", ".join("never" if x is None else str(x) for x in reach))
+        devices = [r.get("device", "cpu") for r in rs]
+        device_text = (f"{devices[0]} x {len(devices)}" if len(devices) > 1
+                       and len(set(devices)) == 1 else ", ".join(devices))
+        up = f"{statistics.fmean(r[UPLINK] for r in rs):,.0f}"
+        lines.append(
+            f"| {name} | {mean_se([100 * r['accuracy'] for r in rs], 2)} ({paper}) | "
+            f"{statistics.fmean(100 * r['best'] for r in rs):.2f} | "
+            f"{statistics.fmean(r['ece'] for r in rs):.3f} | "
+            f"{statistics.fmean(r['nll'] for r in rs):.3f} | {reach_text} | "
+            + (f"{up} ({paper_up:,})" if paper_up else up) + " | "
+            f"{statistics.fmean(r['bytes_down_per_client_round'] for r in rs):,.0f} | "
+            f"{statistics.fmean(r['seconds'] for r in rs):.0f} | {len(rs)} ({device_text}) |")
+    per_seed = []
+    for label, name in (("fedlog", "FedLog"), ("fedlog-c", "FedLog-C"),
+                        ("fedproto", "FedProto")):
+        by_seed = runs.get(label, {})
+        if by_seed:
+            per_seed.append(f"{name} " + " / ".join(f"{100 * by_seed[s]['accuracy']:.2f}"
+                                                    for s in sorted(by_seed)))
+    seeds_all = sorted({s for by_seed in runs.values() for s in by_seed})
+    text = (f"Per seed ({' / '.join(map(str, seeds_all))}): " + ", ".join(per_seed) + ".")
+    proto = runs.get("fedproto", {})
+    for label, name in (("fedlog", "FedLog"), ("fedlog-c", "FedLog-C")):
+        ours = runs.get(label, {})
+        both = sorted(set(ours) & set(proto))
+        if both:
+            gap = [100 * (ours[s]["accuracy"] - proto[s]["accuracy"]) for s in both]
+            text += (f" Paired {name} minus FedProto: {paired_cell(gap, 1, 2)} points "
+                     f"({len(both)} seeds; at least as accurate: "
+                     f"{'holds' if verdict(gap) == 'holds' else verdict(gap)}).")
+    used = [r for by_seed in runs.values() for r in by_seed.values()]
+    return ("\n".join(lines) + "\n\n" + text + "\n\n"
+            + source_line("fedlog_table1.jsonl", used, seeds_all))
+
+
 def _mean_bytes(values: list[float]) -> str:
     return f"{statistics.fmean(values):,.0f}" if values else "–"
 
@@ -830,7 +1088,9 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "fedpart_one_cycle": fedpart_table, "fedpart_full": fedpart_full_table,
           "colearn_10": colearn_table, "s1_h200_readme": s1_h200_readme_table,
           "s1_conformal": s1_conformal_table, "s1_full": s1_full_table,
-          "s1_curves": s1_curves_table}
+          "s1_curves": s1_curves_table, "seeds_colearn": seeds_colearn_table,
+          "seeds_relay": seeds_relay_table, "seeds_fedpart": seeds_fedpart_table,
+          "seeds_fedlog": seeds_fedlog_table}
 
 
 def render(page: str) -> str:
@@ -840,10 +1100,11 @@ def render(page: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"rewrite the blocks of {PAGE}")
+    parser.add_argument("--write", action="store_true",
+                        help="rewrite the blocks of " + ", ".join(p.name for p in PAGES))
     args = parser.parse_args()
     if args.write:
-        for page in (PAGE, README):
+        for page in PAGES:
             page.write_text(render(page.read_text()))
     for name, table in TABLES.items():
         print(f"<!-- table:{name} -->\n{table()}<!-- /table -->\n")

@@ -7,6 +7,7 @@ import math
 
 from bench.published_tables import (
     PAGE,
+    PAGES,
     README,
     TABLES,
     render,
@@ -16,10 +17,11 @@ from bench.published_tables import (
 
 
 def test_every_table_block_of_the_results_page_equals_its_generation_from_the_caches():
-    page, readme = PAGE.read_text(encoding="utf-8"), README.read_text(encoding="utf-8")
+    texts = {page.name: page.read_text(encoding="utf-8") for page in PAGES}
+    assert {PAGE, README} <= set(PAGES)
     for name in TABLES:
-        assert f"<!-- table:{name} -->" in page + readme, f"no {name} table block"
-    for text, where in ((page, "docs/results.md"), (readme, "README.md")):
+        assert any(f"<!-- table:{name} -->" in t for t in texts.values()), f"no {name} block"
+    for where, text in texts.items():
         assert render(text) == text, (f"{where} differs from the caches: run "
                                       "`python bench/published_tables.py --write`")
 
@@ -253,3 +255,23 @@ def test_the_full_s1_table_bolds_a_figure_only_beyond_the_standard_error_of_the_
     assert "**0.0100 ± 0.0010**" in row_a and "**0.200" not in table
     assert "in NLL (best mean A; within one standard error: B)" in table
     assert "| A (MAP plug-in) | 0,1,2 |" in table  # the plug-in beside the posterior
+
+
+def test_the_seeds_colearn_table_pairs_each_peer_by_seed():
+    import numpy as np
+
+    from bench.published_tables import seeds_colearn_table
+
+    def run(accuracy):
+        return {"accuracy": accuracy, "ece": 0.02, "nll": 0.3, "seconds": 40.0,
+                "bytes_up_per_client_round": 7280.0, "bytes_down_per_client_round": 7493.0}
+
+    ours, il = [0.95, 0.93, 0.94], [0.93, 0.92, 0.90]
+    cache = {f"rows|colearn|2|{s}|100|relay=sets": run(a) for s, a in enumerate(ours)}
+    cache |= {f"rows|il|2|{s}|100|relay=sets": run(a) for s, a in enumerate(il)}
+    cache["rows|il|2|3|100|relay=sets"] = run(0.5)  # a seed CoLearn lacks: not paired
+    diffs = 100 * (np.array(ours) - np.array(il))  # numpy as the reference
+    expected = f"{diffs.mean():+.2f} ± {diffs.std(ddof=1) / np.sqrt(3):.2f}"
+    row = next(line for line in seeds_colearn_table(cache).splitlines()
+               if line.startswith("| 2 | "))
+    assert row.startswith(f"| 2 | {expected} |")
