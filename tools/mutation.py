@@ -92,6 +92,10 @@ COVERING_TESTS: dict[str, list[str]] = {
                             "tests/bayesfl/test_resume.py"],
     # the ServerApp's round over an in-process grid; the real deployments take minutes each
     "bayesfl/flower/server_app.py": ["tests/bayesfl/test_flower.py", "-m", "not flower"],
+    "bayesfl/flower/channel.py": ["tests/bayesfl/test_flower.py", "-m", "not flower"],
+    # the run around the rounds, once for both transports
+    "bayesfl/engine/run.py": ["tests/bayesfl/test_simulate.py", "tests/bayesfl/test_resume.py",
+                              "tests/bayesfl/test_flower.py", "-m", "not flower"],
 }
 
 # A mutant's CPU limit is (its tests' clean time + 1 s) x this x 2 (mutmut's default 15 let a

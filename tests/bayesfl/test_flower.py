@@ -780,7 +780,7 @@ def test_a_node_with_another_data_loader_is_refused(task_identity, monkeypatch):
     monkeypatch.syspath_prepend(str(SITE_APP))
     other = {**SITES, "data-loader": "site_app.site_data:other"}
     server = serve(SITES, node_configs={0: other}, node_config=ALLOWS)
-    events = server.discover(wait=False)
+    events = server.channel.discover(wait=False)
     assert sorted(server.nodes) == [1, 2]
     assert [(e["client_id"], e["step"]) for e in events] == [(0, "discover")]
     assert "fingerprint differs" in events[0]["reason"]
