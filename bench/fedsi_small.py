@@ -10,7 +10,7 @@ Adam, batch size 50, full participation, learning rates as the paper (FedSI 1e-2
 
 Protocol, scaled: the paper runs T = 800 rounds of K = 10 local epochs (8,000 epochs over 250
 images). Here ``--rounds`` (default 5) rounds of ``--epochs`` (default 5) epochs; the
-published table (docs/results.md) runs ``--rounds 30``. A 30-round FedSI run costs ~180 CPU-s
+published table (docs/results.md) runs ``--rounds 30``. A 30-round FedSI run costs 165-200 CPU-s
 on one thread of a shared 2-core machine, ~6 s a round, two thirds of it the subnet posterior's
 upload variances (FedBABU's whole run: ~10 CPU-s; ``bench/s1_cost.py``,
 ``bench/results/s1_cost.jsonl``), so FedSI's 3 seeds with their novel-client runs take about
