@@ -52,7 +52,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,6 @@ from bayesfl.config import (
     resolve_device,
     torch_threads,
 )
-from bayesfl.data.clients import ClientData
 from bayesfl.data.datasets import Dataset, load_dataset
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.preflight import check_run_config
@@ -82,10 +81,7 @@ from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, calle
     run_setup,
     sample_clients,
 )
-from bayesfl.engine.state import (
-    client_states,
-    compact_client_states,
-)
+from bayesfl.engine.state import compact_client_states, restored_client_states
 from bayesfl.engine.steps import (  # noqa: F401 - public here too (tests, callers)
     aggregate_or_keep,
     all_rejected_message,
@@ -332,13 +328,9 @@ def simulate(
     if run_dir is not None:  # before any data is loaded: a refusal costs nothing
         prepare_run_directory(run_dir, resume=resume, force=force)
     with torch_threads(threads):
-        run = _Run(config, run_dir, data=data, resume=resume, threads=threads)
-        request = None
-        if shift or ood:  # refused now, before any round, if the run cannot have it
-            from bayesfl.shift_protocol import shift_request
-
-            request = shift_request(config, run.dataset, [c.data for c in run.clients],
-                                    run.novel, shift, ood)
+        run = _Run(config, run_dir, data=data, resume=resume, threads=threads, shift=shift,
+                   ood=ood)  # a shift or ood the run cannot have is refused here
+        request = run.shift_request
         run.broadcast_hook, run.round_callback = broadcast_hook, round_callback
         run.progress, run.channel.upload_hook = progress, upload_hook
         result = run.result()
@@ -445,11 +437,13 @@ class _Run(Run):
     process, their states in the checkpoint, the progress bars and the in-process final steps."""
 
     def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
-                 resume: bool = False, threads: int | None = None):
+                 resume: bool = False, threads: int | None = None, shift: Any = None,
+                 ood: Any = None):
         dataset = data if data is not None else load_dataset(
             config.dataset, seed=config.data_rng_seed, **config.dataset_options)
         super().__init__(config, run_dir, dataset, resume=resume, custom_data=data is not None,
-                         threads=torch.get_num_threads() if threads is None else threads)
+                         threads=torch.get_num_threads() if threads is None else threads,
+                         shift=shift, ood=ood)
         context = self.setup.context
         # fresh per-run keys: they authenticate this process's messages, nothing persists
         self.keys = KeyRing.generate() if config.authenticate else None
@@ -457,10 +451,11 @@ class _Run(Run):
         # the client half is built apart from the same run configuration, as a Flower
         # ClientApp would be: nothing set on the server half is seen by it
         self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
-        self.clients = [SimulatedClient(context.client_config(d.client_id), self._on_device(d),
-                                        self.client_half.init_client(
-                                            context.client_config(d.client_id)))
-                        for d in self.setup.client_data]
+        on_device = {k: self.device for k in ("train_x", "train_y", "test_x", "test_y")}
+        self.clients = [SimulatedClient(context.client_config(d.client_id), replace(d, **{
+            k: getattr(d, k).to(device) for k, device in on_device.items()}),
+            self.client_half.init_client(context.client_config(d.client_id)))
+            for d in self.setup.client_data]
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
         self.channel = InProcessChannel(self)
         self.training_clients = [self.clients[c] for c in self.training]
@@ -479,14 +474,6 @@ class _Run(Run):
         self.calibration: CalibrationOutcome | None = None
         self.personalized: dict[int, ClientState] = {}
 
-    def _on_device(self, data: ClientData) -> ClientData:
-        return ClientData(
-            client_id=data.client_id,
-            train_x=data.train_x.to(self.device), train_y=data.train_y.to(self.device),
-            test_x=data.test_x.to(self.device), test_y=data.test_y.to(self.device),
-            train_indices=data.train_indices, test_indices=data.test_indices,
-        )
-
     def result(self) -> SimulationResult:
         """The run (:meth:`execute`) as a :class:`SimulationResult`."""
         summary = self.execute()
@@ -496,20 +483,9 @@ class _Run(Run):
 
     # ---- the run's hooks (bayesfl.engine.run.Run) -----------------------------------------
     def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        saved = client_states(tensors, meta, [c.client_id for c in self.clients])
-        restored = [self._restored_client_state(c, saved[c.client_id]) for c in self.clients]
-        for c, client_state in zip(self.clients, restored, strict=True):
-            c.state = client_state
-
-    def _restored_client_state(self, client: SimulatedClient,
-                               state: ClientState) -> ClientState:
-        """Client ``client``'s state from a checkpoint (:func:`client_states`), checked against
-        its initial state (same names, shapes and dtypes: a client's state keeps its layout
-        across rounds)."""
-        layout = {k: (tuple(v.shape), v.dtype) for k, v in client.state.items()}
-        if {k: (tuple(v.shape), v.dtype) for k, v in state.items()} != layout:
-            raise ValueError(f"client {client.client_id}'s tensors differ from its layout")
-        return {k: v.to(self.device) for k, v in state.items()}
+        states = restored_client_states(tensors, meta, self.client_states(), self.device)
+        for c in self.clients:
+            c.state = states[c.client_id]
 
     def rounds_starting(self, first: int) -> None:
         config = self.config
@@ -592,10 +568,14 @@ class _Run(Run):
         if self.broadcast_hook is not None:
             self.broadcast_hook(round, data)
 
-    def evaluate_inline(self, round: int, state: ServerState) -> tuple[int, RoundEvaluation]:
-        eval_bytes, evaluation = self._evaluate(round, state)
-        self.last_eval = evaluation
-        return len(eval_bytes) * len(self.clients), evaluation
+    def evaluate_inline(self, r: int, state: ServerState) -> tuple[int, RoundEvaluation]:
+        """Every training client's evaluation of server state ``state`` after round ``r``:
+        the bytes of the evaluation broadcasts sent and the merged evaluation."""
+        eval_bytes = encode(self.server.configure_evaluation(state, r), key=self.server_key)
+        self.last_eval = merge_evaluations(self.executor.evaluate(
+            self.training_clients, decode(eval_bytes, key=self.server_key),
+            n_bins=self.config.n_bins, keep_probs=r == self.config.rounds))
+        return len(eval_bytes) * len(self.clients), self.last_eval
 
     def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
         record.update({
@@ -615,7 +595,11 @@ class _Run(Run):
     def round_recorded(self, record: dict[str, Any]) -> None:
         self.bar.update(1)
         self.bar.set_postfix(acc=f"{record['accuracy']:.3f}", ece=f"{record['ece']:.3f}")
-        self._compact_states()
+        # restack the clients' states when the round stacks their row views keep alive
+        # outgrow them (a fraction of the clients trains each round)
+        states = compact_client_states(self.client_states())
+        for c in self.clients:
+            c.state = states[c.client_id]
 
     def client_states(self) -> dict[int, ClientState]:
         return {c.client_id: c.state for c in self.clients}
@@ -631,24 +615,6 @@ class _Run(Run):
             "under 'rejections' in metrics.jsonl (this warning is given once per run).",
             LocalTrainingWarning, stacklevel=2)
 
-    def _evaluate(self, r: int, state: ServerState) -> tuple[bytes, RoundEvaluation]:
-        """Every training client's evaluation of server state ``state`` after round ``r``:
-        the encoded evaluation broadcast and the merged evaluation."""
-        eval_bytes = encode(self.server.configure_evaluation(state, r), key=self.server_key)
-        evaluations = self.executor.evaluate(self.training_clients,
-                                             decode(eval_bytes, key=self.server_key),
-                                             n_bins=self.config.n_bins,
-                                             keep_probs=r == self.config.rounds)
-        return eval_bytes, merge_evaluations(evaluations)
-
     def client_key(self, client_id: int) -> bytes | None:
         """Client ``client_id``'s HMAC key, or None when messages are not authenticated."""
         return None if self.keys is None else self.keys.client_key(client_id)
-
-    def _compact_states(self) -> None:
-        """Restack the clients' states when the round stacks their row views keep alive
-        outgrow them (:func:`~bayesfl.engine.state.compact_client_states`: a fraction of the
-        clients trains each round)."""
-        states = compact_client_states({c.client_id: c.state for c in self.clients})
-        for c in self.clients:
-            c.state = states[c.client_id]

@@ -84,6 +84,8 @@ class Run:
         custom_data: the data were given, not loaded by name (their identity says so).
         data_loader: per-site data (Flower's ``data-loader``): every site loads its own, the
             fingerprint names the loader and no partition file is written.
+        shift, ood: the run keys of the shift evaluation after the run
+            (:func:`bayesfl.shift_protocol.shift_request`, checked here: ``shift_request``).
 
     Raises:
         CheckpointError: ``resume`` with a corrupt or foreign checkpoint (before the data
@@ -94,7 +96,7 @@ class Run:
 
     def __init__(self, config: SimulationConfig, run_dir: Path | None, dataset: Dataset, *,
                  threads: int, resume: bool, custom_data: bool = False,
-                 data_loader: str | None = None) -> None:
+                 data_loader: str | None = None, shift: Any = None, ood: Any = None) -> None:
         self.config, self.run_dir, self.dataset, self.threads = config, run_dir, dataset, threads
         self.data_loader = data_loader
         self.device = resolve_device(config.device)
@@ -116,6 +118,13 @@ class Run:
         self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]
         self.first_round = 0 if self.server.init_round else 1
+        self.shift_request = None  # the shift step after the run (run keys shift, ood)
+        if shift or ood:  # refused now, before any round, if the run cannot have it
+            from bayesfl.shift_protocol import shift_request
+
+            self.shift_request = shift_request(
+                config, dataset, None if data_loader is not None else self.setup.client_data,
+                self.novel, shift, ood)
         self.metrics_log = MetricsLog(None if run_dir is None else run_dir / METRICS_NAME)
         self.seconds_before = 0.0
         self.resumed_from: int | None = None

@@ -177,6 +177,24 @@ def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
     return states
 
 
+def restored_client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                           initial: Mapping[int, ClientState], device: torch.device
+                           ) -> dict[int, ClientState]:
+    """The states of the clients ``initial`` names from a checkpoint (:func:`client_states`),
+    on ``device``, each checked against its initial state: the same names, shapes and dtypes
+    (a client's state keeps its layout across rounds).
+
+    Raises:
+        ValueError: as :func:`client_states`, or a state whose layout differs.
+    """
+    saved = client_states(tensors, meta, list(initial))
+    for cid, state in initial.items():
+        layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        if {k: (tuple(v.shape), v.dtype) for k, v in saved[cid].items()} != layout:
+            raise ValueError(f"client {cid}'s tensors differ from its layout")
+    return {cid: {k: v.to(device) for k, v in saved[cid].items()} for cid in initial}
+
+
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
         raise ValueError(f"tensor {name!r} is missing")
@@ -250,5 +268,6 @@ def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[st
 
 
 __all__ = ["CHECKPOINT_FORMAT", "CLIENTS_PREFIX", "METRICS_TENSOR", "SavedRound", "client_states",
-           "compact_client_states", "foreign_message", "restore_round", "save_round",
+           "compact_client_states", "foreign_message", "restore_round",
+           "restored_client_states", "save_round",
            "stack_client_states", "stacked_client_tensors"]

@@ -15,6 +15,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.rounds import RoundTrace
 from bayesfl.errors import MessageRejected
 from bayesfl.flower.protocol import (
     INFO,
@@ -23,11 +24,13 @@ from bayesfl.flower.protocol import (
     describe_error,
     pack,
     part,
+    read_evaluation,
     record_values,
+    round_timeline,
     scalar,
     timings,
 )
-from bayesfl.strategies.base import Evaluation
+from bayesfl.strategies.base import Evaluation, Strategy
 
 _NODE_CHECK_SECONDS = 2.0  # how often a step re-reads which nodes are online
 
@@ -54,18 +57,18 @@ class FlowerChannel:
     """The round engine's channel over a Flower Grid: one ``train.round`` message per client.
 
     ``nodes`` maps client ids to node ids (:meth:`discover` fills it, admitting nodes of a
-    client id in ``[0, clients)`` that report ``fingerprint``); ``read`` turns an encoded
-    evaluation reply of a client into an :class:`Evaluation` (MessageRejected when it is not
-    one). :meth:`discover` with ``wait`` waits up to ``node_wait`` seconds for ``min_nodes``.
+    client id in ``[0, clients)`` that report ``fingerprint``); an encoded evaluation reply is
+    read and checked against the strategy ``server`` and ``n_bins`` (:meth:`read`).
+    :meth:`discover` with ``wait`` waits up to ``node_wait`` seconds for ``min_nodes``.
     """
 
     def __init__(self, grid: Grid, *, round_timeout: float, poll_interval: float,
-                 read: Callable[[bytes, int, int], Evaluation], clients: int,
+                 server: Strategy, n_bins: int, clients: int,
                  fingerprint: str, min_nodes: int, node_wait: float) -> None:
         self.grid = grid
         self.round_timeout = round_timeout
         self.poll_interval = poll_interval
-        self.read = read
+        self.server, self.n_bins = server, n_bins
         self.clients, self.fingerprint = clients, fingerprint
         self.min_nodes, self.node_wait = min_nodes, node_wait
         self.nodes: dict[int, int] = {}
@@ -75,6 +78,12 @@ class FlowerChannel:
         self._sent: tuple[int, dict[int, Step], dict[int, int]] | None = None
         self.resumed_from: int | None = None  # told to every node: they resume their state
         self._pushed: Any = None
+
+    def read(self, data: bytes, round: int, client_id: int) -> Evaluation:
+        """Client ``client_id``'s encoded evaluation of round ``round``, checked
+        (MessageRejected when it is not one of its test set)."""
+        return read_evaluation(self.server, data, round=round, client_id=client_id,
+                               n_bins=self.n_bins, num_test=self.num_test[client_id])
 
     def online(self) -> set[int]:
         return {int(n) for n in self.grid.get_node_ids()}
@@ -301,9 +310,32 @@ def event(client_id: int | None, node_id: int | None, step: str, reason: str
     return {"client_id": client_id, "node_id": node_id, "step": step, "reason": reason}
 
 
+def round_timings(trace: RoundTrace, started_at: float) -> dict[str, Any]:
+    """A round's ``flower`` record key: the wall and polling time of its message, the slowest
+    client's seconds per step, the server's, and the critical path message by message
+    (:func:`bayesfl.flower.protocol.round_timeline`); ``started_at``: when the round began
+    (seconds since the epoch)."""
+    collected = trace.collected
+    by_client = {c: collected.replies[c].timings for c in trace.sent if c in collected.replies}
+
+    def slowest(key: str) -> float:
+        return max((t.get(key, 0.0) for t in by_client.values()), default=0.0)
+
+    return {
+        "round_wall": collected.seconds, "round_polling": collected.seconds_waiting,
+        "client_setup": slowest("setup"), "client_fit": slowest("fit"),
+        "client_evaluate": slowest("evaluate"), "client_encode": slowest("encode"),
+        "server_encode": trace.seconds_encode,
+        "server_decode_validate": trace.seconds_receipt,
+        "server_aggregate": trace.seconds_aggregation + trace.seconds_evaluation,
+        "client_import": slowest("import"), "client_save": slowest("save"),
+        "timeline": round_timeline(started_at, time.time(), by_client),
+    }
+
+
 def log(text: str) -> None:
     """A line for the ServerApp's operator."""
     print(f"[bayesfl] {text}", flush=True)
 
 
-__all__ = ["Exchange", "FlowerChannel", "event", "log"]
+__all__ = ["Exchange", "FlowerChannel", "event", "log", "round_timings"]

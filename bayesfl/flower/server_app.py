@@ -77,15 +77,11 @@ from bayesfl.errors import (
     BayesFLError,
 )
 from bayesfl.evaluation import merge_evaluations
-from bayesfl.flower.channel import Exchange, FlowerChannel, log
+from bayesfl.flower.channel import Exchange, FlowerChannel, log, round_timings
 from bayesfl.flower.conformal_step import server_conformal_step
 from bayesfl.flower.final_steps import server_calibrate_step, server_shift_step
-from bayesfl.flower.protocol import (
-    read_evaluation,
-    round_timeline,
-)
 from bayesfl.run_directory import prepare_run_directory
-from bayesfl.strategies.base import PREDICTIVE, Evaluation
+from bayesfl.strategies.base import PREDICTIVE
 
 app = ServerApp()
 
@@ -111,24 +107,18 @@ class FlowerServer(Run):
         # same setup as every node's); nothing it trains or evaluates reads the data
         dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
         super().__init__(config, run_dir, dataset, threads=check_threads(self.options.threads),
-                         resume=self.options.resume, data_loader=self.options.data_loader)
+                         resume=self.options.resume, data_loader=self.options.data_loader,
+                         shift=self.options.shift, ood=self.options.ood)
         self.manifest_extras = {"transport": "flower", "data_loader": self.options.data_loader}
         self.transport = "flower"
         self.strategy = self.server
         self.num_classes = dataset.num_classes
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
-        self.shift_request = None  # the shift step after the run (run keys shift, ood)
-        self.shift_outcome = None
-        if self.options.shift or self.options.ood:  # refused now, before any round, if bad
-            from bayesfl.shift_protocol import shift_request
-
-            self.shift_request = shift_request(
-                config, dataset, None if self.data_loader is not None else
-                self.setup.client_data, self.novel, self.options.shift, self.options.ood)
+        self.shift_outcome = None  # the shift step's (bayesfl.flower.final_steps)
         self.channel = FlowerChannel(
             grid, round_timeout=self.options.round_timeout,
-            poll_interval=self.options.poll_interval, read=self._read_evaluation,
+            poll_interval=self.options.poll_interval, server=self.server, n_bins=config.n_bins,
             clients=config.clients, fingerprint=self.fingerprint,
             min_nodes=self.options.min_nodes or config.clients, node_wait=self.options.node_wait)
         # the one round loop of every transport; each round's evaluation rides on the next
@@ -229,42 +219,15 @@ class FlowerServer(Run):
         """Nothing to do: the channel sends it."""
 
     def record_extras(self, record: dict[str, Any], trace: RoundTrace) -> None:
-        collected = trace.collected
-        fit_timings = [collected.replies[c].timings for c in trace.sent
-                       if c in collected.replies]
-        record["seconds_local_updates"] = collected.seconds
-        record["flower"] = {
-            "round_wall": collected.seconds, "round_polling": collected.seconds_waiting,
-            "client_setup": _slowest(fit_timings, "setup"),
-            "client_fit": _slowest(fit_timings, "fit"),
-            "client_evaluate": _slowest(fit_timings, "evaluate"),
-            "client_encode": _slowest(fit_timings, "encode"),
-            "server_encode": trace.seconds_encode,
-            "server_decode_validate": trace.seconds_receipt,
-            "server_aggregate": trace.seconds_aggregation + trace.seconds_evaluation,
-            "client_import": _slowest(fit_timings, "import"),
-            "client_save": _slowest(fit_timings, "save"),
-            # the critical path, message by message (bayesfl.flower.protocol.round_timeline)
-            "timeline": round_timeline(
-                self._round_started_at, time.time(),
-                {c: collected.replies[c].timings for c in trace.sent
-                 if c in collected.replies}),
-        }
-        record["events"] = trace.events + [
+        record["seconds_local_updates"] = trace.collected.seconds
+        record["flower"] = round_timings(trace, self._round_started_at)
+        record["events"] = self.startup + trace.events + [  # discovery's go to the first
             {**rej, "node_id": self.nodes.get(rej["client_id"]), "step": "fit"}
             for rej in trace.rejections]
+        self.startup = []
 
     def round_recorded(self, record: dict[str, Any]) -> None:
-        """Log a round's record (discovery's events go to the first)."""
-        if self.startup:
-            record["events"] = self.startup + record["events"]
-            self.startup = []
         log(_round_line(record))
-
-    # ---- nodes --------------------------------------------------------------------------
-    def _read_evaluation(self, data: bytes, round: int, client_id: int) -> Evaluation:
-        return read_evaluation(self.strategy, data, round=round, client_id=client_id,
-                               n_bins=self.config.n_bins, num_test=self.channel.num_test[client_id])
 
     # ---- files ---------------------------------------------------------------------------
     def _write_site_sizes(self) -> None:
@@ -276,11 +239,6 @@ class FlowerServer(Run):
             "test_sizes": [self.channel.num_test.get(c) for c in range(self.config.clients)],
             "novel": list(self.novel)}) + "\n")
 
-
-
-def _slowest(client_timings: Sequence[Mapping[str, float]], key: str) -> float:
-    """The slowest client's ``key`` seconds (0 when none reported it)."""
-    return max((t.get(key, 0.0) for t in client_timings), default=0.0)
 
 
 def _round_line(record: Mapping[str, Any]) -> str:
