@@ -333,7 +333,10 @@ def simulate(
         request = run.shift_request
         run.broadcast_hook, run.round_callback = broadcast_hook, round_callback
         run.progress, run.channel.upload_hook = progress, upload_hook
-        result = run.result()
+        summary = run.execute()
+        result = SimulationResult(config, summary, run.metrics_log.records, run_dir, run.state,
+                                  run.clients, run.client_half, run.broadcast,
+                                  run.personalized, run.calibration, tuple(run.novel))
     if run_dir is not None:  # a directory with it holds a finished run (load_run)
         from bayesfl.run_result import save_run_result
 
@@ -394,30 +397,48 @@ class InProcessChannel:
     reason goes to ``Collected.unreadable``.
     """
 
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: _Run, keys: KeyRing | None) -> None:
         self.run = run
+        self.keys = keys
+        self.server_key = None if keys is None else keys.server_key
         self.upload_hook: UploadHook | None = None
+        self.divergence_warned = False
         self._collected: Collected | None = None
         self.seconds_encode = 0.0
         """Wall seconds the last fit step spent encoding uploads (part of the local work)."""
+
+    def client_key(self, client_id: int) -> bytes | None:
+        """Client ``client_id``'s HMAC key, or None when messages are not authenticated."""
+        return None if self.keys is None else self.keys.client_key(client_id)
+
+    def warn_divergence(self, r: int, client_id: int, reason: str) -> None:
+        """Warn, once per run, that a client's local training stopped on a non-finite loss."""
+        if self.divergence_warned:
+            return
+        self.divergence_warned = True
+        warnings.warn(
+            f"round {r}, client {client_id}: {reason}. Its upload was not sent and it keeps "
+            "its state from before the round; the run goes on. Every such client is listed "
+            "under 'rejections' in metrics.jsonl (this warning is given once per run).",
+            LocalTrainingWarning, stacklevel=2)
 
     def send(self, round: int, client_ids: Sequence[int], messages: Mapping[int, Step]) -> None:
         run, out = self.run, Collected()
         self.seconds_encode = 0.0
         fitting = [cid for cid in client_ids if messages[cid].fit is not None]
         if fitting:
-            received = decode(messages[fitting[0]].fit, key=run.server_key)
+            received = decode(messages[fitting[0]].fit, key=self.server_key)
             fitted = run.executor.fit([run.clients[i] for i in fitting], received,
                                       seed=run.config.seed, round=round)
             for cid in fitting:
                 stop = fitted.diverged.get(cid)
                 if stop is not None:  # its round undone by the client step: it sends nothing
                     out.unreadable[cid] = f"upload not sent: {stop}"
-                    run._warn_divergence(round, cid, stop)
+                    self.warn_divergence(round, cid, stop)
                     continue
                 upload = fitted.uploads[cid]
                 t = time.perf_counter()
-                data = encode(upload, key=run.client_key(cid))
+                data = encode(upload, key=self.client_key(cid))
                 self.seconds_encode += time.perf_counter() - t
                 if self.upload_hook is not None:
                     data = self.upload_hook(round, cid, data)
@@ -445,9 +466,6 @@ class _Run(Run):
                          threads=torch.get_num_threads() if threads is None else threads,
                          shift=shift, ood=ood)
         context = self.setup.context
-        # fresh per-run keys: they authenticate this process's messages, nothing persists
-        self.keys = KeyRing.generate() if config.authenticate else None
-        self.server_key = None if self.keys is None else self.keys.server_key
         # the client half is built apart from the same run configuration, as a Flower
         # ClientApp would be: nothing set on the server half is seen by it
         self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
@@ -457,7 +475,10 @@ class _Run(Run):
             self.client_half.init_client(context.client_config(d.client_id)))
             for d in self.setup.client_data]
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
-        self.channel = InProcessChannel(self)
+        # fresh per-run keys: they authenticate this process's messages, nothing persists
+        self.channel = InProcessChannel(self, KeyRing.generate() if config.authenticate
+                                        else None)
+        self.keys, self.server_key = self.channel.keys, self.channel.server_key
         self.training_clients = [self.clients[c] for c in self.training]
         # the one round loop, evaluating each round within it ("inline": a new aggregate whose
         # evaluation fails is reverted in its own round), aggregating whatever uploads were
@@ -466,20 +487,11 @@ class _Run(Run):
             self.server, self.channel, self, state=self.server.init(), seed=config.seed,
             rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
             training=self.training, evaluation="inline", evaluate_inline=self.evaluate_inline,
-            min_replies=None, server_key=self.server_key, client_key=self.client_key,
+            min_replies=None, server_key=self.server_key, client_key=self.channel.client_key,
             rng_devices=self.rng_devices())
         self.broadcast_hook: BroadcastHook | None = None
         self.progress = True
-        self.divergence_warned = False
-        self.calibration: CalibrationOutcome | None = None
         self.personalized: dict[int, ClientState] = {}
-
-    def result(self) -> SimulationResult:
-        """The run (:meth:`execute`) as a :class:`SimulationResult`."""
-        summary = self.execute()
-        return SimulationResult(self.config, summary, self.metrics_log.records, self.run_dir,
-                                self.state, self.clients, self.client_half, self.broadcast,
-                                self.personalized, self.calibration, tuple(self.novel))
 
     # ---- the run's hooks (bayesfl.engine.run.Run) -----------------------------------------
     def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -531,31 +543,22 @@ class _Run(Run):
         self.personalized = personalized
         return FinalEvaluation(last_eval, bool(personalized), novel_eval, broadcast)
 
-    def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        """The optional calibrate (:mod:`bayesfl.calibrate`, ``summary["calibration"]``) and
-        conformal (:mod:`bayesfl.conformal`, ``summary["conformal"]`` and, with a run
-        directory, ``conformal.md`` / ``conformal.png``) steps, in process."""
-        setup, states = self.setup, self.personalized or None
-        if setup.calibration is not None:
-            with torch.random.fork_rng(devices=self.rng_devices()):
-                self.calibration = calibrate_run(
-                    self.client_half, self.training_clients, setup.held_out, final.broadcast,
-                    spec=setup.calibration, n_bins=self.config.n_bins, states=states,
-                    keys=self.keys)
-            summary["calibration"] = self.calibration.summary(summary)
-        if setup.conformal is not None:
-            from bayesfl.conformal import conformal_run
-            from bayesfl.conformal_report import write_conformal_files
+    def calibrate(self, final: FinalEvaluation) -> CalibrationOutcome:
+        with torch.random.fork_rng(devices=self.rng_devices()):
+            return calibrate_run(self.client_half, self.training_clients, self.setup.held_out,
+                                 final.broadcast, spec=self.setup.calibration,
+                                 n_bins=self.config.n_bins, states=self.personalized or None,
+                                 keys=self.keys)
 
-            with torch.random.fork_rng(devices=self.rng_devices()):
-                outcome = conformal_run(self.client_half, self.training_clients,
-                                        setup.held_out, final.broadcast, spec=setup.conformal,
-                                        held_out_fraction=setup.held_out_fraction,
-                                        run_seed=self.config.seed, states=states,
-                                        keys=self.keys)
-            summary["conformal"] = outcome.summary()
-            if self.run_dir is not None:
-                write_conformal_files(summary["conformal"], self.run_dir)
+    def conformal(self, final: FinalEvaluation) -> Any:
+        from bayesfl.conformal import conformal_run
+
+        with torch.random.fork_rng(devices=self.rng_devices()):
+            return conformal_run(self.client_half, self.training_clients, self.setup.held_out,
+                                 final.broadcast, spec=self.setup.conformal,
+                                 held_out_fraction=self.setup.held_out_fraction,
+                                 run_seed=self.config.seed, states=self.personalized or None,
+                                 keys=self.keys)
 
     # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
     def round_started(self, round: int) -> list[dict[str, Any]]:
@@ -603,18 +606,3 @@ class _Run(Run):
 
     def client_states(self) -> dict[int, ClientState]:
         return {c.client_id: c.state for c in self.clients}
-
-    def _warn_divergence(self, r: int, client_id: int, reason: str) -> None:
-        """Warn, once per run, that a client's local training stopped on a non-finite loss."""
-        if self.divergence_warned:
-            return
-        self.divergence_warned = True
-        warnings.warn(
-            f"round {r}, client {client_id}: {reason}. Its upload was not sent and it keeps "
-            "its state from before the round; the run goes on. Every such client is listed "
-            "under 'rejections' in metrics.jsonl (this warning is given once per run).",
-            LocalTrainingWarning, stacklevel=2)
-
-    def client_key(self, client_id: int) -> bytes | None:
-        """Client ``client_id``'s HMAC key, or None when messages are not authenticated."""
-        return None if self.keys is None else self.keys.client_key(client_id)

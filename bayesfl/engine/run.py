@@ -17,8 +17,9 @@ A transport subclasses :class:`Run` with its channel, its round loop (evaluation
   progress bar and background checkpoint write; Flower's node discovery);
 * :meth:`Run.final_evaluation`: the last evaluation, the personalisation and the novel
   clients, returned as a :class:`FinalEvaluation`;
-* :meth:`Run.final_steps`: the steps after the summary (calibrate, conformal, shift), each
-  over the transport's query;
+* :meth:`Run.calibrate` / :meth:`Run.conformal`: the final steps over the transport's query
+  (:meth:`Run.final_steps` writes their figures and files; a transport adds its own steps
+  after them: Flower's shift evaluation);
 * :attr:`Run.manifest_extras` and :attr:`Run.data_loader` (per-site data: no partition
   file).
 """
@@ -137,6 +138,7 @@ class Run:
         self.round_callback: Any = None
         """``callback(round, record)`` after each complete (checkpointed) round, or None."""
         self.pending_checkpoint: PendingWrite | None = None
+        self.calibration: Any = None  # the calibrate step's outcome, when the run has one
 
     @property
     def state(self) -> ServerState:
@@ -226,7 +228,29 @@ class Run:
         raise NotImplementedError
 
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        """The steps after the summary (calibrate, conformal, shift), into ``summary``."""
+        """The steps after the summary, as the run asks, each over the transport's query:
+        calibrate (:meth:`calibrate`: ``summary["calibration"]``, beside the uncalibrated
+        figures) and conformal (:meth:`conformal`: ``summary["conformal"]`` and, with a run
+        directory, ``conformal.md`` / ``conformal.png``). A transport adds its own after."""
+        if self.setup.calibration is not None:
+            self.calibration = self.calibrate(final)
+            summary["calibration"] = self.calibration.summary(summary)
+        if self.setup.conformal is not None:
+            from bayesfl.conformal_report import write_conformal_files
+
+            summary["conformal"] = self.conformal(final).summary()
+            if self.run_dir is not None:
+                write_conformal_files(summary["conformal"], self.run_dir)
+
+    def calibrate(self, final: FinalEvaluation) -> Any:
+        """The temperature-scaling step's outcome (:class:`bayesfl.calibrate.CalibrationOutcome`)
+        over the transport's clients, from ``final.broadcast``."""
+        raise NotImplementedError
+
+    def conformal(self, final: FinalEvaluation) -> Any:
+        """The conformal step's outcome (:class:`bayesfl.conformal.ConformalOutcome`) over the
+        transport's clients, from ``final.broadcast``."""
+        raise NotImplementedError
 
     # ---- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, r: int) -> None:

@@ -3,8 +3,8 @@ byte counts as in the simulator, carried by the calibrate step's ``query.calibra
 
 A request's record holds ``step``, the final evaluation ``broadcast`` and either ``conformal``
 (a threshold proposal or the one-shot request) or ``conformal_result`` (the thresholds); the
-node answers with ``reply``. The ServerApp calls :func:`server_conformal_step` after the
-calibrate step; the ClientApp's ``calibrate`` handler calls :func:`client_conformal_reply`
+node answers with ``reply``. The ServerApp's engine run calls :func:`server_conformal_step`
+after the calibrate step; the ClientApp's ``calibrate`` handler calls :func:`client_conformal_reply`
 first and returns its reply when the request is the conformal step's.
 """
 
@@ -21,43 +21,25 @@ from bayesfl.errors import MessageRejected
 REQUEST, RESULT = "conformal", "conformal_result"
 
 
-def server_conformal_step(server: Any, eval_bytes: bytes, summary: dict[str, Any]) -> None:
-    """Run the step over ``server``'s nodes (a :class:`bayesfl.flower.server_app.FlowerServer`)
-    when the run asks for it: ``summary["conformal"]`` and, with a run directory,
-    ``conformal.md`` / ``conformal.png``."""
-    spec = server.setup.conformal
-    if spec is None:
-        return
+def server_conformal_step(server: Any, eval_bytes: bytes) -> Any:
+    """The step over ``server``'s nodes (a :class:`bayesfl.flower.server_app.FlowerServer`;
+    the run asks for it): the threshold search on the held-out rows, then every connected
+    node's coverage. Returns the :class:`bayesfl.conformal.ConformalOutcome` (the engine
+    writes ``summary["conformal"]`` and the files)."""
     from bayesfl.conformal import ConformalOutcome, conformal_search_over, evaluation_over
-    from bayesfl.conformal_report import write_conformal_files
-    from bayesfl.flower.protocol import (
-        CALIBRATE,
-        MAX_EVALUATION_BYTES,
-        pack,
-        part,
-        record_values,
-    )
+    from bayesfl.flower.protocol import CALIBRATE, pack
 
+    spec, channel = server.setup.conformal, server.channel
     t0 = time.perf_counter()
     held = server.setup.held_out
-    connected = [c for c in server.training if c in server.nodes]
+    connected = [c for c in server.training if c in channel.nodes]
     participants = [c for c in connected if c in held and held[c].size > 0]
 
     def asker(name: str):
         def ask(step: int, down: bytes, client_ids: Sequence[int]) -> dict[int, bytes | str]:
-            exchange = server.channel.exchange(
-                CALIBRATE, {c: (server.nodes[c], pack(step=step, broadcast=eval_bytes,
-                                                      **{name: down})) for c in client_ids},
-                step="conformal", round=step)
-            answers: dict[int, bytes | str] = {e["client_id"]: e["reason"]
-                                               for e in exchange.events}
-            for cid, reply in exchange.replies.items():
-                try:
-                    answers[cid] = part(record_values(reply.content), "reply",
-                                        max_bytes=MAX_EVALUATION_BYTES) or b""
-                except MessageRejected as err:
-                    answers[cid] = err.reason
-            return answers
+            return channel.ask(CALIBRATE, {c: pack(step=step, broadcast=eval_bytes,
+                                                   **{name: down}) for c in client_ids},
+                               step="conformal", round=step)
         return ask
 
     search = conformal_search_over(asker(REQUEST), participants, spec, server.num_classes)
@@ -65,13 +47,9 @@ def server_conformal_step(server: Any, eval_bytes: bytes, summary: dict[str, Any
     if search.error is None:
         coverage, rejections = evaluation_over(asker(RESULT), connected, search,
                                                server.num_classes)
-    outcome = ConformalOutcome(spec, search, coverage, rejections,
-                               server.setup.held_out_fraction,
-                               sum(held[c].size for c in participants), server.num_classes,
-                               time.perf_counter() - t0)
-    summary["conformal"] = outcome.summary()
-    if server.run_dir is not None:
-        write_conformal_files(summary["conformal"], server.run_dir)
+    return ConformalOutcome(spec, search, coverage, rejections, server.setup.held_out_fraction,
+                            sum(held[c].size for c in participants), server.num_classes,
+                            time.perf_counter() - t0)
 
 
 def client_conformal_reply(values: dict[str, Any], node: Any, state: Any,

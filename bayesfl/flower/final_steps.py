@@ -31,14 +31,12 @@ from bayesfl.messages import encode
 from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE
 
 
-def server_calibrate_step(server: Any, eval_bytes: bytes) -> CalibrationOutcome | None:
-    """The temperature-scaling step (``calibrate``) over ``query.calibrate`` messages: the
-    search on the nodes' held-out data (:func:`bayesfl.calibrate.temperature_search_over`),
-    then every connected node evaluates its temperature-scaled predictive. None when the run
-    does not calibrate."""
+def server_calibrate_step(server: Any, eval_bytes: bytes) -> CalibrationOutcome:
+    """The temperature-scaling step (``calibrate``; the run asks for it) over
+    ``query.calibrate`` messages: the search on the nodes' held-out data
+    (:func:`bayesfl.calibrate.temperature_search_over`), then every connected node evaluates
+    its temperature-scaled predictive."""
     spec = server.setup.calibration
-    if spec is None:
-        return None
     t0 = time.perf_counter()
     channel, held = server.channel, server.setup.held_out
     connected = [c for c in server.training if c in channel.nodes]

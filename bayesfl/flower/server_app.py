@@ -69,6 +69,7 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from bayesfl.calibrate import CalibrationOutcome
 from bayesfl.config import check_threads, torch_threads
 from bayesfl.data.datasets import load_dataset
 from bayesfl.engine.rounds import RoundLoop, RoundTrace
@@ -193,16 +194,18 @@ class FlowerServer(Run):
                 "skipped_rounds": [m["round"] for m in metrics if m.get("skipped")],
                 "transport": "flower"})
 
+    def calibrate(self, final: FinalEvaluation) -> CalibrationOutcome:
+        return server_calibrate_step(self, final.broadcast)
+
+    def conformal(self, final: FinalEvaluation) -> Any:
+        return server_conformal_step(self, final.broadcast)
+
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        """Calibrate, conformal and shift over ``query.*`` messages, as the run asks."""
-        calibration = server_calibrate_step(self, final.broadcast)
-        if calibration is not None:
-            summary["calibration"] = calibration.summary(summary)
-        server_conformal_step(self, final.broadcast, summary)  # conformal=: bayesfl.conformal
+        super().final_steps(final, summary)  # calibrate, conformal
         if self.shift_request is not None:
             summary["shift_evaluation"] = server_shift_step(self, final.broadcast)
         log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
-             f"{len(summary['events'])} event(s)")
+            f"{len(summary['events'])} event(s)")
 
     def log(self, text: str) -> None:
         log(text)
