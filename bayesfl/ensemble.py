@@ -269,6 +269,9 @@ def _data_differences(a: SimulationResult, b: SimulationResult) -> list[str]:
             vb = {k: v for k, v in vb.items() if k != "download"}
         if va != vb:
             out.append(f"{name} {vb!r} vs {va!r}")
+    if (ca.conformal is None) != (cb.conformal is None):  # conformal holds rows out too
+        out.append(f"conformal {cb.conformal!r} vs {ca.conformal!r} (a conformal step holds "
+                   "out part of each client's training rows)")
     if ca.data_rng_seed != cb.data_rng_seed:
         out.append(f"data seed {cb.data_rng_seed} vs {ca.data_rng_seed} (data_seed, or seed "
                    "where data_seed is unset)")
