@@ -50,8 +50,10 @@ MARKER = re.compile(r"<!--\s*(?P<kind>not-run|file)\s*(?::\s*(?P<arg>.*?))?\s*--
 # digits pixels, passes since the diagonal fit's fix of issue 26.)
 KNOWN_PENDING: set[tuple[str, str]] = set()
 
-# Pages whose blocks run twice in a row (module docstring): the page a new reader pastes from.
-RUN_TWICE = {"docs/getting-started.md"}
+# Pages whose blocks run twice in a row (module docstring): the pages a reader pastes runs
+# from (each writes its run folders with force / --force, or a fresh folder).
+RUN_TWICE = {"docs/getting-started.md", "README.md", "docs/cli.md", "docs/flower.md",
+             "docs/shifts.md", "docs/strategies/fedsi.md"}
 
 # A page's blocks are small by rule (1-2 rounds, a few clients); this bounds a hung one.
 PAGE_TIMEOUT_S = 900
