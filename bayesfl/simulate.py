@@ -70,7 +70,7 @@ from bayesfl.config import (
 from bayesfl.data.datasets import Dataset, load_dataset
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.preflight import check_run_config
-from bayesfl.engine.rounds import RoundLoop, RoundTrace
+from bayesfl.engine.rounds import RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
 from bayesfl.engine.setup import (  # noqa: F401 - public here too (tests, callers)
     RunSetup,
@@ -469,26 +469,23 @@ class _Run(Run):
         # the client half is built apart from the same run configuration, as a Flower
         # ClientApp would be: nothing set on the server half is seen by it
         self.client_half = make_strategy(config.strategy, context, **config.strategy_options)
-        on_device = {k: self.device for k in ("train_x", "train_y", "test_x", "test_y")}
-        self.clients = [SimulatedClient(context.client_config(d.client_id), replace(d, **{
-            k: getattr(d, k).to(device) for k, device in on_device.items()}),
+        self.clients = [SimulatedClient(  # the data on the run's device
+            context.client_config(d.client_id), replace(d, **{
+                k: getattr(d, k).to(self.device) for k in ("train_x", "train_y", "test_x",
+                                                            "test_y")}),
             self.client_half.init_client(context.client_config(d.client_id)))
             for d in self.setup.client_data]
         self.executor = ClientExecutor(self.client_half, batched=config.batched)
-        # fresh per-run keys: they authenticate this process's messages, nothing persists
-        self.channel = InProcessChannel(self, KeyRing.generate() if config.authenticate
-                                        else None)
-        self.keys, self.server_key = self.channel.keys, self.channel.server_key
         self.training_clients = [self.clients[c] for c in self.training]
-        # the one round loop, evaluating each round within it ("inline": a new aggregate whose
-        # evaluation fails is reverted in its own round), aggregating whatever uploads were
-        # accepted (no min-replies)
-        self.loop = RoundLoop(
-            self.server, self.channel, self, state=self.server.init(), seed=config.seed,
-            rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
-            training=self.training, evaluation="inline", evaluate_inline=self.evaluate_inline,
-            min_replies=None, server_key=self.server_key, client_key=self.channel.client_key,
-            rng_devices=self.rng_devices())
+        # fresh per-run keys: they authenticate this process's messages, nothing persists
+        keys = KeyRing.generate() if config.authenticate else None
+        self.keys, self.server_key = keys, None if keys is None else keys.server_key
+        channel = InProcessChannel(self, keys)
+        # each round evaluated within it ("inline": a new aggregate whose evaluation fails is
+        # reverted in its own round), aggregating whatever uploads were accepted
+        self.start_loop(channel, evaluation="inline", evaluate_inline=self.evaluate_inline,
+                        min_replies=None, server_key=self.server_key,
+                        client_key=channel.client_key)
         self.broadcast_hook: BroadcastHook | None = None
         self.progress = True
         self.personalized: dict[int, ClientState] = {}

@@ -140,6 +140,17 @@ class Run:
         self.pending_checkpoint: PendingWrite | None = None
         self.calibration: Any = None  # the calibrate step's outcome, when the run has one
 
+    def start_loop(self, channel: Any, **mode: Any) -> None:
+        """The run's one round loop (:class:`~bayesfl.engine.rounds.RoundLoop`) over the
+        transport's ``channel``, with this run as its hooks; ``mode``: the transport's
+        evaluation mode and limits (``evaluation``, ``min_replies``, ...)."""
+        self.channel = channel
+        config = self.config
+        self.loop = RoundLoop(
+            self.server, channel, self, state=self.server.init(), seed=config.seed,
+            rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
+            training=self.training, rng_devices=self.rng_devices(), **mode)
+
     @property
     def state(self) -> ServerState:
         """The server state (the round loop's)."""

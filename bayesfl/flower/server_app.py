@@ -72,7 +72,7 @@ from flwr.serverapp import Grid, ServerApp
 from bayesfl.calibrate import CalibrationOutcome
 from bayesfl.config import check_threads, torch_threads
 from bayesfl.data.datasets import load_dataset
-from bayesfl.engine.rounds import RoundLoop, RoundTrace
+from bayesfl.engine.rounds import RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
 from bayesfl.errors import (
     BayesFLError,
@@ -100,37 +100,33 @@ class FlowerServer(Run):
     def __init__(self, grid: Grid, run_config: Mapping[str, Any]) -> None:
         from bayesfl.flower.protocol import parse_run_config
 
-        config, self.options = parse_run_config(run_config)
-        run_dir = None if self.options.out is None else Path(self.options.out)
+        config, options = parse_run_config(run_config)
+        self.options = options
+        run_dir = None if options.out is None else Path(options.out)
         if run_dir is not None:
-            prepare_run_directory(run_dir, resume=self.options.resume, force=self.options.force)
+            prepare_run_directory(run_dir, resume=options.resume, force=options.force)
         # the server loads the data set only for its shapes and the partition's sizes (the
         # same setup as every node's); nothing it trains or evaluates reads the data
         dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
-        super().__init__(config, run_dir, dataset, threads=check_threads(self.options.threads),
-                         resume=self.options.resume, data_loader=self.options.data_loader,
-                         shift=self.options.shift, ood=self.options.ood)
-        self.manifest_extras = {"transport": "flower", "data_loader": self.options.data_loader}
+        super().__init__(config, run_dir, dataset, threads=check_threads(options.threads),
+                         resume=options.resume, data_loader=options.data_loader,
+                         shift=options.shift, ood=options.ood)
+        self.manifest_extras = {"transport": "flower", "data_loader": options.data_loader}
         self.transport = "flower"
         self.strategy = self.server
         self.num_classes = dataset.num_classes
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
         self.shift_outcome = None  # the shift step's (bayesfl.flower.final_steps)
-        self.channel = FlowerChannel(
-            grid, round_timeout=self.options.round_timeout,
-            poll_interval=self.options.poll_interval, server=self.server, n_bins=config.n_bins,
-            clients=config.clients, fingerprint=self.fingerprint,
-            min_nodes=self.options.min_nodes or config.clients, node_wait=self.options.node_wait)
-        # the one round loop of every transport; each round's evaluation rides on the next
-        # round's message ("carried": one message per client per round), and a round with
-        # fewer than min-replies accepted uploads is skipped
-        self.loop = RoundLoop(
-            self.server, self.channel, self, state=self.server.init(), seed=config.seed,
-            rounds=config.rounds, first_round=self.first_round, fraction=config.fraction,
-            training=self.training, evaluation="carried",
-            min_replies=self.options.min_replies, evaluate_every=self.options.evaluate_every,
-            round_timeout=self.options.round_timeout, rng_devices=self.rng_devices())
+        # each round's evaluation rides on the next round's message ("carried": one message
+        # per client and round); a round with fewer than min-replies accepted uploads is skipped
+        self.start_loop(FlowerChannel(
+            grid, round_timeout=options.round_timeout, poll_interval=options.poll_interval,
+            server=self.server, n_bins=config.n_bins, clients=config.clients,
+            fingerprint=self.fingerprint, min_nodes=options.min_nodes or config.clients,
+            node_wait=options.node_wait), evaluation="carried",
+            min_replies=options.min_replies, evaluate_every=options.evaluate_every,
+            round_timeout=options.round_timeout)
 
     @property
     def nodes(self) -> dict[int, int]:
