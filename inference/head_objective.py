@@ -62,11 +62,38 @@ def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
         weighted = (weights[start:start + rows, :, None] * x[:, None, :]).reshape(len(x), -1)
         blocks.addmm_(x.T, weighted)
     blocks = blocks.reshape(width, pairs, width).permute(1, 0, 2)  # (K, m + 1, m + 1)
-    full = torch.empty(num_classes, num_classes, width, width, dtype=inputs.dtype,
+    # A diagonal block's GEMM rounds its (p, q) and (q, p) entries differently: averaged, the
+    # result is exactly symmetric (the blocks below mirror those above), which lets the
+    # Cholesky factorisations skip their d² symmetrisation (``symmetric=True``).
+    on_diagonal = upper[0] == upper[1]
+    blocks[on_diagonal] = 0.5 * (blocks[on_diagonal] + blocks[on_diagonal].transpose(1, 2))
+    # written through a (C, C, m + 1, m + 1) view of the (d, d) result: no permuted copy
+    full = torch.empty(num_classes, width, num_classes, width, dtype=inputs.dtype,
                        device=inputs.device)
-    full[upper[0], upper[1]] = blocks
-    full[upper[1], upper[0]] = blocks.transpose(1, 2)
-    return full.permute(0, 2, 1, 3).reshape(num_classes * width, num_classes * width)
+    by_block = full.permute(0, 2, 1, 3)
+    by_block[upper[0], upper[1]] = blocks
+    by_block[upper[1], upper[0]] = blocks.transpose(1, 2)
+    return full.reshape(num_classes * width, num_classes * width)
+
+
+def logit_covariance(covariance: Tensor, inputs: Tensor, num_classes: int) -> Tensor:
+    """Every point's ``C × C`` logit covariance under a head covariance ``Σ (d, d)``:
+    ``S_n[c, k] = x_nᵀ Σ_ck x_n``, ``(N, C, C)`` for ``inputs (N, m + 1)``.
+
+    By block rows of the upper triangle: ``X Σ[c, c:]`` is one GEMM per class, ``N (m + 1)²
+    C (C + 1) / 2`` multiply-adds in all (half the full contraction's, and no ``(N, C, C, m +
+    1)`` temporary; issue 41), and the lower triangle is its mirror (``Σ`` is symmetric).
+    """
+    width, count = inputs.shape[1], inputs.shape[0]
+    out = torch.empty(count, num_classes, num_classes, dtype=covariance.dtype,
+                      device=covariance.device)
+    for c in range(num_classes):
+        rows = inputs @ covariance[c * width:(c + 1) * width, c * width:]  # (N, (C - c)(m + 1))
+        out[:, c, c:] = torch.einsum("nkq,nq->nk",
+                                     rows.reshape(count, num_classes - c, width), inputs)
+    lower = torch.triu_indices(num_classes, num_classes, 1, device=covariance.device)
+    out[:, lower[1], lower[0]] = out[:, lower[0], lower[1]]
+    return out
 
 
 #: Elements of the weighted rows :func:`softmax_curvature` holds at once (32 MB of float64).
@@ -83,5 +110,5 @@ def likelihood_hessian_diagonal(
     return ((probs * (1 - probs)).T @ inputs**2).reshape(-1)
 
 
-__all__ = ["likelihood_hessian", "likelihood_hessian_diagonal", "negative_log_posterior",
-           "softmax_curvature"]
+__all__ = ["likelihood_hessian", "likelihood_hessian_diagonal", "logit_covariance",
+           "negative_log_posterior", "softmax_curvature"]

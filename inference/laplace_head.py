@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
-from inference.gaussian import GaussianPosterior, GaussianTerm, cholesky_with_jitter
+from inference.gaussian import FullPrecision, GaussianPosterior, GaussianTerm, cholesky_with_jitter
 from inference.head_objective import (
     likelihood_hessian,
     likelihood_hessian_diagonal,
@@ -409,10 +409,15 @@ class _LaplaceFit:
         diagonal = self.structure is CovarianceStructure.DIAG
         start = (laplace.natural.precision_diagonal() if diagonal
                  else laplace.natural.precision_matrix())
+        precision = laplace.natural.precision
+        # the factor the Laplace posterior caches (its evidence reuses it): one fewer (d, d)
+        # factorisation (issue 41)
+        factor = precision.cholesky() if isinstance(precision, FullPrecision) else None
         mean, curvature = variational_gaussian(
             laplace.flat_mean.to(torch.float64), start, self.inputs, self.targets,
             self.num_classes, prior_precision, self.prior_mean, diagonal=diagonal,
-            num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed)
+            num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed,
+            start_factor=factor)
         return gaussian_head_posterior(mean, curvature, self.inputs.shape, self.num_classes,
                                        prior_precision, self.prior_mean, self.structure,
                                        self.rank)

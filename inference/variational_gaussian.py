@@ -44,7 +44,7 @@ from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import cholesky_with_jitter
-from inference.head_objective import softmax_curvature
+from inference.head_objective import logit_covariance, softmax_curvature
 
 #: Draws per training point for the expectations (their Monte-Carlo error averages over points).
 DEFAULT_NUM_DRAWS = 64
@@ -72,6 +72,7 @@ def variational_gaussian(
     tol: float | None = None,
     rtol: float | None = None,
     seed: int = 0,
+    start_factor: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Mean and expected likelihood curvature of the KL-optimal Gaussian (module docstring).
 
@@ -104,6 +105,10 @@ def variational_gaussian(
         rtol: the precision has converged when the next one differs from the current by at
             most ``rtol`` (largest entry change over largest entry). Default: as ``tol``.
         seed: seed of the fixed draws.
+        start_factor: the lower Cholesky factor of ``laplace_precision`` (full fits), when the
+            caller has it (the Laplace posterior caches it for its evidence): the first ELBO
+            evaluation then factorises nothing. ``laplace_precision`` must then be exactly
+            symmetric, as the factor was computed from it.
 
     Returns:
         ``(mean (d,), expected_curvature)``: ``E_q[H]`` as ``(d, d)`` (or ``(d,)`` diagonal),
@@ -122,7 +127,11 @@ def variational_gaussian(
     rtol = default_rtol if rtol is None else rtol
     problem = _Problem(inputs, labels, num_classes, prior_precision, prior_mean, diagonal,
                        num_draws, seed)
-    state = problem.evaluate(mode.clone(), laplace_precision.clone())
+    if diagonal or start_factor is not None:
+        start = laplace_precision.clone()
+    else:
+        start = 0.5 * (laplace_precision + laplace_precision.T)
+    state = problem.evaluate(mode.clone(), start, None if diagonal else start_factor)
     rho = damping
     for _ in range(elbo_max_iter):
         if state.decrement / 2 <= tol and state.change <= rtol:
@@ -186,7 +195,7 @@ class _State:
         self.mean, self.precision, self.elbo = mean, precision, elbo
         self.gradient, self.curvature, self.target = gradient, curvature, target
         self.newton = newton
-        self.change = float((target - precision).abs().max() / precision.abs().max())
+        self.change = _max_abs(target - precision) / _max_abs(precision)
         direction = newton if newton is not None else self._solve(precision, chol, gradient)
         self.decrement = float(self.gradient @ direction)
 
@@ -204,8 +213,16 @@ class _State:
         precision = (1 - rho) * self.precision + rho * self.target
         if diagonal:
             return self.mean + rho * self.newton, precision, None
-        chol = cholesky_with_jitter(precision)
+        # exactly symmetric: a mix of the symmetrised start and curvatures assembled from
+        # mirrored blocks (the same arithmetic on both triangles)
+        chol = cholesky_with_jitter(precision, symmetric=True)
         return self.mean + rho * self._solve(precision, chol, self.gradient), precision, chol
+
+
+def _max_abs(matrix: Tensor) -> float:
+    """``max |a_ij|`` in one pass without a temporary (``abs().max()`` allocates ``d²``)."""
+    low, high = torch.aminmax(matrix)
+    return max(-float(low), float(high))
 
 
 class _Problem:
@@ -262,8 +279,7 @@ def _logit_draw_log_probabilities(mean: Tensor, covariance: Tensor, inputs: Tens
     if covariance.ndim == 1:  # diagonal: independent logits, V_n = diag(Σ_p x_np² σ²_cp)
         variance = inputs**2 @ covariance.reshape(num_classes, width).T
         return torch.log_softmax(logit_mean + variance.sqrt() * draws, dim=-1)
-    blocks = covariance.reshape(num_classes, width, num_classes, width)
-    logit_cov = torch.einsum("np,cpkq,nq->nck", inputs, blocks, inputs)
+    logit_cov = logit_covariance(covariance, inputs, num_classes)
     jitter = 1e-12 * logit_cov.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)
     eye = torch.eye(num_classes, dtype=torch.float64, device=inputs.device)
     factor = torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)

@@ -66,6 +66,11 @@ class FullPrecision(Precision):
     def _chol(self) -> Tensor:
         return cholesky_with_jitter(self.dense)
 
+    def cholesky(self) -> Tensor:
+        """The lower Cholesky factor of the precision, ``(d, d)`` float64 (cached: the one
+        :meth:`solve` and :meth:`logdet` use)."""
+        return self._chol
+
     def solve(self, rhs: Tensor) -> Tensor:
         b, column = columns(rhs)
         x = torch.cholesky_solve(b, self._chol)

@@ -1,6 +1,8 @@
 """The softmax head's curvature built by blocks (issue 41): the same matrix as the sum of
 per-row Kronecker products, for one head (the Hessian) and averaged over probability draws (the
-variational Gaussian's expected curvature), whatever the chunking of the rows."""
+variational Gaussian's expected curvature), whatever the chunking of the rows; exactly
+symmetric (the Cholesky factorisations skip their symmetrisation on it); and every point's logit
+covariance by block rows, the same as ``J_n Σ J_nᵀ`` with the Jacobian written out."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 import inference.head_objective as head_objective
-from inference.head_objective import likelihood_hessian, softmax_curvature
+from inference.gaussian import cholesky_with_jitter
+from inference.head_objective import likelihood_hessian, logit_covariance, softmax_curvature
 from inference.options import Likelihood
 
 F64 = torch.float64
@@ -53,3 +56,31 @@ def test_one_head_s_curvature_is_the_hessian_of_its_negative_log_likelihood():
     hessian = likelihood_hessian(theta, inputs, 5, Likelihood.SOFTMAX, 1.0)
     # both exact in float64 (sums of 40 terms): 1e-10
     torch.testing.assert_close(hessian, reference, atol=1e-10, rtol=0)
+
+
+def test_the_block_curvature_is_exactly_symmetric_so_its_factor_needs_no_symmetrisation():
+    gen = torch.Generator().manual_seed(2)
+    inputs = torch.randn(31, 6, generator=gen, dtype=F64)
+    probs = torch.softmax(3 * torch.randn(5, 31, 4, generator=gen, dtype=F64), -1)
+    curvature = softmax_curvature(probs, inputs)
+    assert torch.equal(curvature, curvature.T)  # mirrored blocks: bit for bit
+    precision = curvature + 0.5 * torch.eye(24, dtype=F64)
+    assert torch.equal(cholesky_with_jitter(precision, symmetric=True),
+                       cholesky_with_jitter(precision))
+
+
+@pytest.mark.parametrize("num_classes", [1, 2, 5])
+def test_logit_covariance_is_the_jacobian_sandwich_of_the_head_covariance(num_classes):
+    gen = torch.Generator().manual_seed(3)
+    width = 7
+    inputs = torch.randn(19, width, generator=gen, dtype=F64)
+    root = torch.randn(num_classes * width, num_classes * width, generator=gen, dtype=F64)
+    covariance = root @ root.T
+    eye = torch.eye(num_classes, dtype=F64)
+    # J_n = I_C ⊗ x_nᵀ maps the flat (C (m + 1),) head to the logits of point n
+    reference = torch.stack([torch.kron(eye, x[None]) @ covariance @ torch.kron(eye, x[None]).T
+                             for x in inputs])
+    out = logit_covariance(covariance, inputs, num_classes)
+    # float64 sums of ~50 products of size ~10: a few ulps of ~1e3, far below 1e-9
+    torch.testing.assert_close(out, reference, atol=1e-9, rtol=0)
+    assert torch.equal(out, out.transpose(1, 2))

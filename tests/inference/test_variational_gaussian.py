@@ -102,3 +102,25 @@ def test_it_is_the_default_reproducible_from_its_seed_and_laplace_for_a_gaussian
                             noise_std=truth.noise_std, prior_precision=truth.prior_precision,
                             approximation="variational")
     torch.testing.assert_close(post.mean, truth.mean, atol=1e-10, rtol=0)  # exact either way
+
+
+def test_a_given_start_factor_gives_the_same_gaussian_as_factorising_the_start():
+    """``start_factor`` (the Laplace posterior's cached factor, issue 41) only saves work."""
+    from inference.gaussian import cholesky_with_jitter
+    from inference.head_objective import likelihood_hessian
+    from inference.laplace_head import find_mode
+    from inference.options import Likelihood
+    from inference.variational_gaussian import variational_gaussian
+
+    x, y = two_class_data()
+    inputs = augment_with_bias(x.to(torch.float64))
+    mode = find_mode(inputs, y, 2, 1.0)
+    precision = likelihood_hessian(mode, inputs, 2, Likelihood.SOFTMAX, 1.0) + torch.eye(
+        mode.shape[0], dtype=torch.float64)
+    precision = 0.5 * (precision + precision.T)
+    plain = variational_gaussian(mode, precision, inputs, y, 2, 1.0, 0.0, num_draws=32)
+    given = variational_gaussian(mode, precision, inputs, y, 2, 1.0, 0.0, num_draws=32,
+                                 start_factor=cholesky_with_jitter(precision))
+    # the same factor of the same matrix: the same iterates up to rounding
+    for a, b in zip(plain, given, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
