@@ -67,7 +67,7 @@ from bayesfl.config import (
     resolve_device,
     torch_threads,
 )
-from bayesfl.data.datasets import Dataset, load_dataset
+from bayesfl.data.datasets import Dataset
 from bayesfl.engine.channel import Collected, Reply, Step
 from bayesfl.engine.preflight import check_run_config
 from bayesfl.engine.rounds import RoundTrace
@@ -460,11 +460,8 @@ class _Run(Run):
     def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
                  resume: bool = False, threads: int | None = None, shift: Any = None,
                  ood: Any = None):
-        dataset = data if data is not None else load_dataset(
-            config.dataset, seed=config.data_rng_seed, **config.dataset_options)
-        super().__init__(config, run_dir, dataset, resume=resume, custom_data=data is not None,
-                         threads=torch.get_num_threads() if threads is None else threads,
-                         shift=shift, ood=ood)
+        super().__init__(config, run_dir, data, resume=resume, shift=shift, ood=ood,
+                         threads=torch.get_num_threads() if threads is None else threads)
         context = self.setup.context
         # the client half is built apart from the same run configuration, as a Flower
         # ClientApp would be: nothing set on the server half is seen by it

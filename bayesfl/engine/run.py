@@ -38,7 +38,7 @@ import torch
 
 from bayesfl.checkpoint import PendingWrite, config_fingerprint, discard_spare, load_checkpoint
 from bayesfl.config import SimulationConfig, resolve_device
-from bayesfl.data.datasets import Dataset, dataset_identity
+from bayesfl.data.datasets import Dataset, dataset_identity, load_dataset
 from bayesfl.data.partition import format_partition_summary, partition_summary
 from bayesfl.engine.rounds import RoundLoop
 from bayesfl.engine.setup import novel_clients, run_identity, run_setup
@@ -79,10 +79,11 @@ class Run:
     Args:
         config: the run's configuration.
         run_dir: its run directory, or None (nothing written, no resume).
-        dataset: the pooled data set (the Flower ServerApp loads it for shapes and sizes).
+        dataset: the pooled data set given by the caller (its identity says ``custom``), or
+            None to load ``config.dataset`` by name (the Flower ServerApp loads it only for
+            its shapes and the partition's sizes).
         threads: torch threads of the run (recorded).
         resume: resume from ``run_dir``'s checkpoint when there is one.
-        custom_data: the data were given, not loaded by name (their identity says so).
         data_loader: per-site data (Flower's ``data-loader``): every site loads its own, the
             fingerprint names the loader and no partition file is written.
         shift, ood: the run keys of the shift evaluation after the run
@@ -95,15 +96,19 @@ class Run:
 
     loop: RoundLoop
 
-    def __init__(self, config: SimulationConfig, run_dir: Path | None, dataset: Dataset, *,
-                 threads: int, resume: bool, custom_data: bool = False,
-                 data_loader: str | None = None, shift: Any = None, ood: Any = None) -> None:
+    def __init__(self, config: SimulationConfig, run_dir: Path | None, dataset: Dataset | None,
+                 *, threads: int, resume: bool, data_loader: str | None = None,
+                 shift: Any = None, ood: Any = None) -> None:
+        custom = dataset is not None
+        if dataset is None:
+            dataset = load_dataset(config.dataset, seed=config.data_rng_seed,
+                                   **config.dataset_options)
         self.config, self.run_dir, self.dataset, self.threads = config, run_dir, dataset, threads
         self.data_loader = data_loader
         self.device = resolve_device(config.device)
         # what the data really were (shapes and a digest of the contents) is part of the
         # fingerprint: a run resumes only with the data it started with
-        self.data_identity = dataset_identity(dataset, custom=custom_data)
+        self.data_identity = dataset_identity(dataset, custom=custom)
         self.identity = run_identity(config, self.data_identity) if data_loader is None else \
             {**config.to_dict(), "data": "per-site", "data-loader": data_loader}
         self.fingerprint = config_fingerprint(self.identity)

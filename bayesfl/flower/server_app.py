@@ -71,7 +71,6 @@ from flwr.serverapp import Grid, ServerApp
 
 from bayesfl.calibrate import CalibrationOutcome
 from bayesfl.config import check_threads, torch_threads
-from bayesfl.data.datasets import load_dataset
 from bayesfl.engine.rounds import RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
 from bayesfl.errors import (
@@ -105,16 +104,15 @@ class FlowerServer(Run):
         run_dir = None if options.out is None else Path(options.out)
         if run_dir is not None:
             prepare_run_directory(run_dir, resume=options.resume, force=options.force)
-        # the server loads the data set only for its shapes and the partition's sizes (the
-        # same setup as every node's); nothing it trains or evaluates reads the data
-        dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
-        super().__init__(config, run_dir, dataset, threads=check_threads(options.threads),
+        # the data set is loaded only for its shapes and the partition's sizes (the same
+        # setup as every node's); nothing the server trains or evaluates reads the data
+        super().__init__(config, run_dir, None, threads=check_threads(options.threads),
                          resume=options.resume, data_loader=options.data_loader,
                          shift=options.shift, ood=options.ood)
         self.manifest_extras = {"transport": "flower", "data_loader": options.data_loader}
         self.transport = "flower"
         self.strategy = self.server
-        self.num_classes = dataset.num_classes
+        self.num_classes = self.dataset.num_classes
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
         self.shift_outcome = None  # the shift step's (bayesfl.flower.final_steps)
