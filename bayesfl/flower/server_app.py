@@ -1,15 +1,17 @@
 """The bayesfl ServerApp: the round engine (:mod:`bayesfl.engine`) driving SuperNodes over
 Flower's Grid.
 
-Per run (:class:`FlowerServer`): parse the run config (:mod:`bayesfl.flower.protocol`), build
-the strategy's server half from it exactly as the simulator does
+Per run (:class:`FlowerServer`, the engine's run :class:`bayesfl.engine.run.Run` with
+Flower's channel and hooks): parse the run config (:mod:`bayesfl.flower.protocol`), build the
+strategy's server half from it exactly as the simulator does
 (:func:`bayesfl.engine.setup.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it
-is (``query.info``: its client id, its test-set size and the run's fingerprint; a node set up
-with other settings or data is refused and logged). Then the engine's one round loop
-(:class:`bayesfl.engine.rounds.RoundLoop`, the simulator's too) runs the rounds in its
-``"carried"`` evaluation mode over :class:`FlowerChannel`, with this module's hooks (node
-discovery, the reachable nodes, the ``"flower"`` timings and ``events`` of a record, the
-checkpoint). Per round ``r``, **one message per client** (``train.round``):
+is (:meth:`bayesfl.flower.channel.FlowerChannel.discover`, ``query.info``: its client id, its
+test-set size and the run's fingerprint; a node set up with other settings or data is refused
+and logged). Then the engine's one round loop (:class:`bayesfl.engine.rounds.RoundLoop`, the
+simulator's too) runs the rounds in its ``"carried"`` evaluation mode over
+:class:`~bayesfl.flower.channel.FlowerChannel`, with this module's hooks (discovery at each
+round's start, the reachable nodes, the ``"flower"`` timings and ``events`` of a record).
+Per round ``r``, **one message per client** (``train.round``):
 
 1. sample the training clients as the simulator does (novel clients, ``novel-fraction``, never
    train); a sampled client whose node is not connected is logged as unavailable;
