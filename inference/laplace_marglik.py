@@ -26,9 +26,9 @@ exact slope in ``t = log λ``, which is close to linear in ``t``; refits at a lo
 steps are long; it stops when a step would move ``λ`` by less than :data:`LAMBDA_RTOL`
 (relative). At the S1 size it takes 4-6 refits and 16-20 Newton iterations in all, against
 10-12 refits and 33-44 iterations of the search below, which remains its fallback. Chord steps
-on the previous refit's ``Σ`` before each refit's Newton (``O(d²)`` each; :meth:`EvidenceSearch.
-_chord`) leave one exact Newton step to most refits after the first two: 16 iterations instead
-of 20 on the bench's features, the same λ to 1e-7.
+on the previous refit's ``Σ`` before each refit's Newton (``O(d²)`` each;
+``EvidenceSearch._chord``) leave one exact Newton step to most refits after the first two: 16
+iterations instead of 20 on the bench's features, the same λ to 1e-7.
 
 The former search (:meth:`EvidenceSearch.search`). Newton steps in ``t = log λ`` use the exact
 first derivative and the second
