@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from bayesfl.checks import check_integer, check_number, describe
-from bayesfl.conformal import parse_conformal
+from bayesfl.conformal_spec import parse_conformal
 from bayesfl.data.datasets import check_dataset_options, dataset_key
 from bayesfl.errors import ConfigError
 from inference.threads import (  # noqa: F401 - part of this module's API

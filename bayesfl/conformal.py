@@ -49,14 +49,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
+from bayesfl.conformal_spec import METHODS, SCORE_NAMES, ConformalSpec, parse_conformal
+from bayesfl.errors import BayesFLError, MessageRejected
 from bayesfl.messages import Header, KeyRing, Message, TensorSpec, decode, encode, validate
 from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, derived_seed
 from calibration.conformal import (
     ConformalScore,
     CoverageAccumulator,
     all_label_scores,
-    check_alpha,
 )
 from calibration.errors import CalibrationError
 from calibration.federated_conformal import (
@@ -73,12 +73,6 @@ PROTOCOL = "conformal"
 """Header ``strategy`` of the step's messages."""
 PREDICTIVES = (PREDICTIVE, MAP_PLUGIN)
 """The predictives a message's rows stand for, in order."""
-SCORE_NAMES = {"lac": ConformalScore("lac"), "aps": ConformalScore("aps"),
-               "aps-randomized": ConformalScore("aps", randomized=True),
-               "raps": ConformalScore("raps"),
-               "raps-randomized": ConformalScore("raps", randomized=True)}
-"""The scores ``conformal=`` names (RAPS with ``k_reg = 1``, ``lam = 0.01``)."""
-METHODS = ("exact", "one-shot")
 P = len(PREDICTIVES)
 
 PROPOSAL_SCHEMA = {"thresholds": TensorSpec((P, DEFAULT_PROBES), torch.float64, finite=False)}
@@ -105,46 +99,6 @@ _SLACK = 1e-9  # float rounding allowed on a score's range
 UploadHook = Callable[[int, int, bytes], bytes]
 Ask = Callable[[int, bytes, Sequence[int]], Mapping[int, "bytes | str"]]
 """``ask(step, encoded_request, client_ids) -> client id -> encoded reply, or why none came``."""
-
-
-# ---- configuration ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ConformalSpec:
-    """A parsed ``conformal`` setting."""
-
-    name: str
-    score: ConformalScore
-    alpha: float
-    method: str = "exact"
-
-
-def parse_conformal(value: Any) -> ConformalSpec | None:
-    """``None`` or ``"SCORE:ALPHA[:METHOD]"`` (e.g. ``"aps:0.1"``, ``"lac:0.05:one-shot"``).
-
-    Raises:
-        ConfigError: an unknown score or method, or alpha outside (0, 1).
-    """
-    if value is None:
-        return None
-    example = "e.g. 'aps:0.1', 'lac:0.05' or 'raps:0.1:one-shot'"
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"conformal must be None or SCORE:ALPHA[:METHOD] ({example}); got "
-                          f"{value!r}")
-    parts = value.strip().split(":")
-    if len(parts) not in (2, 3):
-        raise ConfigError(f"conformal={value!r} must be SCORE:ALPHA[:METHOD] ({example})")
-    name, alpha_text = parts[0], parts[1]
-    if name not in SCORE_NAMES:
-        raise ConfigError(f"unknown conformal score {name!r}; valid: {', '.join(SCORE_NAMES)}")
-    try:
-        alpha = check_alpha(float(alpha_text))
-    except (ValueError, CalibrationError):
-        raise ConfigError(f"the alpha in conformal={value!r} must be a number in (0, 1), the "
-                          "miscoverage level (0.1 for 90% sets)") from None
-    method = parts[2] if len(parts) == 3 else "exact"
-    if method not in METHODS:
-        raise ConfigError(f"unknown conformal method {method!r}; valid: {', '.join(METHODS)}")
-    return ConformalSpec(name, SCORE_NAMES[name], alpha, method)
 
 
 def score_upper_bound(score: ConformalScore, num_classes: int) -> float:

@@ -152,7 +152,8 @@ def test_an_unknown_strategy_is_refused_at_run_start_before_anything_is_loaded(t
     def no_data(*args, **kwargs):
         raise AssertionError("data loaded before the strategy was checked")
 
-    monkeypatch.setattr(simulate_module, "load_dataset", no_data)
+    # the engine's Run loads the data for every transport (bayesfl.engine.run)
+    monkeypatch.setattr(importlib.import_module("bayesfl.engine.run"), "load_dataset", no_data)
     with pytest.raises(ConfigError, match="unknown strategy 'fedsgd'"):
         simulate_module.simulate("fedsgd", out=tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
