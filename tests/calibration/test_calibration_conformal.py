@@ -60,11 +60,10 @@ def sample_labels(probs: torch.Tensor, seed: int) -> torch.Tensor:
 SCORE_TOLERANCE = 16 * 2.2e-16
 
 
-@pytest.mark.parametrize("kind", ["lac", "aps", "raps"])
-@pytest.mark.parametrize("randomized", [False, True])
+# every score with the forms it has (LAC has no randomised form: nothing to test, not a skip)
+@pytest.mark.parametrize(("kind", "randomized"), [("lac", False), ("aps", False), ("aps", True),
+                                                  ("raps", False), ("raps", True)])
 def test_scores_match_the_brute_force(kind: str, randomized: bool) -> None:
-    if kind == "lac" and randomized:
-        pytest.skip("LAC has no randomised form")
     probs = random_probs(40, 6, seed=1)
     probs[0] = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0, 0.0], dtype=torch.float64)  # ties
     spec = ConformalScore(kind, randomized=randomized, k_reg=2, lam=0.05)
