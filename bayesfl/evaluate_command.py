@@ -94,12 +94,12 @@ def run_evaluate(args: argparse.Namespace) -> int:
     """``bayesfl evaluate``: load, evaluate (or read the report the run stored), print the
     tables, write the files."""
     from bayesfl.loaded_run import load_run, run_transport
-    from bayesfl.shift_evaluation import _ood_kinds, evaluate_shift
+    from bayesfl.shift_evaluation import evaluate_shift, ood_kinds
     from bayesfl.shift_protocol import REPORT_DIR, STATES_NAME, same_request, stored_shift_report
     from bayesfl.shifts import parse_shift
 
     shifts = [parse_shift(text) for text in args.shift]  # bad flags fail before the loading
-    ood = _ood_kinds(args.ood)
+    ood = ood_kinds(args.ood)
     report = None
     if run_transport(args.run_dir) == "flower":
         report = _stored(args, shifts)

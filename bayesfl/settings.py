@@ -312,9 +312,9 @@ def list_value(key: str, value: Any) -> list[str]:
         for word in words:
             parse_shift(word)
     elif name == "ood":
-        from bayesfl.shift_evaluation import _ood_kinds
+        from bayesfl.shift_evaluation import ood_kinds
 
-        _ood_kinds(words)
+        ood_kinds(words)
     return words
 
 

@@ -451,7 +451,7 @@ class RunSubject:
 
     def shift_draws(self, k: int, n: int, seed: int, note: list[str]) -> Draws | None:
         run = self.run
-        return _posterior_draws(run.strategy, run.clients[k].config, run.client_state(k),
+        return posterior_draws(run.strategy, run.clients[k].config, run.client_state(k),
                                 run.evaluation_broadcast, self.device, n, seed, note)
 
     def shift_settings(self) -> dict[str, Any]:
@@ -524,7 +524,7 @@ def evaluate_shift(
 
     run = as_shift_subject(run)
     shift_list = as_shifts(shifts)
-    ood_list = _ood_kinds(ood)
+    ood_list = ood_kinds(ood)
     if not shift_list and not ood_list:
         raise ConfigError("nothing to evaluate: give shifts (e.g. [('rotate', [15, 30])], "
                           "--shift rotate:15,30) or ood sets ('unseen-labels', --ood "
@@ -687,7 +687,7 @@ def _integer(value: Any, name: str, low: int) -> int:
     return int(value)
 
 
-def _ood_kinds(ood: Any) -> list[str]:
+def ood_kinds(ood: Any) -> list[str]:
     if ood is None:
         return []
     items = [ood] if isinstance(ood, str) else list(ood)
@@ -731,7 +731,7 @@ def _run_data(run: Any, data: Any) -> tuple[Any, list[Any]]:
     return dataset, setup.client_data
 
 
-def _posterior_draws(strategy: Any, config: Any, state: Any, broadcast: Any,
+def posterior_draws(strategy: Any, config: Any, state: Any, broadcast: Any,
                      device: torch.device, n: int, seed: int, note: list[str]) -> Any:
     """``draws(x) -> (n, B, C)``: probabilities under ``n`` posterior draws of client
     ``config``'s posterior, or None (with the reason appended to ``note``) when the strategy
@@ -768,8 +768,27 @@ def _posterior_draws(strategy: Any, config: Any, state: Any, broadcast: Any,
     return draws
 
 
-__all__ = ["CLEAN", "OOD_KINDS", "SCORES", "ClientShiftStates", "Draws", "Predictor",
-           "RunSubject", "ShiftReport", "ShiftSubject", "as_shift_subject", "build_report",
-           "check_image_shifts",
-           "client_shift_states", "evaluate_shift", "format_severity", "ood_row_sets",
-           "selective_rows", "selective_state", "shift_client_step", "unseen_label_rows"]
+__all__ = [
+    "CLEAN",
+    "OOD_KINDS",
+    "SCORES",
+    "ClientShiftStates",
+    "Draws",
+    "Predictor",
+    "RunSubject",
+    "ShiftReport",
+    "ShiftSubject",
+    "as_shift_subject",
+    "build_report",
+    "check_image_shifts",
+    "client_shift_states",
+    "evaluate_shift",
+    "format_severity",
+    "ood_kinds",
+    "ood_row_sets",
+    "posterior_draws",
+    "selective_rows",
+    "selective_state",
+    "shift_client_step",
+    "unseen_label_rows",
+]

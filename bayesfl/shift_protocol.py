@@ -126,12 +126,12 @@ class ShiftRequest:
             MessageRejected: not a request (bad JSON, a field missing or of the wrong type, a
                 shift or OOD set that is not known).
         """
-        from bayesfl.shift_evaluation import _ood_kinds
+        from bayesfl.shift_evaluation import ood_kinds
 
         try:
             raw = json.loads(text)
             shifts = tuple(check_shift(kind, severities) for kind, severities in raw["shifts"])
-            ood = tuple(_ood_kinds(raw["ood"]))
+            ood = tuple(ood_kinds(raw["ood"]))
             seed, samples, bins = (raw[k] for k in ("seed", "posterior_samples", "n_bins"))
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                        for v in (seed, samples, bins)) or bins < 1:
@@ -167,11 +167,11 @@ def shift_request(config: Any, dataset: Any, client_data: Sequence[Any] | None,
             OOD rows the run will not have, OOD sets with per-site data; the message says
             what to do.
     """
-    from bayesfl.shift_evaluation import _ood_kinds, check_image_shifts
+    from bayesfl.shift_evaluation import check_image_shifts, ood_kinds
     from bayesfl.shifts import image_shape_of
 
     shift_list = as_shifts(list(shifts or ()))
-    ood_list = _ood_kinds(list(ood or ()))
+    ood_list = ood_kinds(list(ood or ()))
     shape = image_shape_of(dataset.input_shape, dataset.name)
     check_image_shifts(shift_list, shape, dataset)
     if ood_list:
@@ -219,7 +219,7 @@ def site_shift_states(request: ShiftRequest, *, strategy: Any, client: Any, stat
     Raises:
         ConfigError: OOD sets asked of a site without the run's data set.
     """
-    from bayesfl.shift_evaluation import _posterior_draws
+    from bayesfl.shift_evaluation import posterior_draws
 
     k = int(client.client_id)
     rows: dict[str, tuple[Tensor, Tensor]] = {}
@@ -235,7 +235,7 @@ def site_shift_states(request: ShiftRequest, *, strategy: Any, client: Any, stat
             return strategy.predict(client, state, broadcast, x.to(device))
 
     def draws(_: int, n: int, seed: int, note: list[str]) -> Any:
-        return _posterior_draws(strategy, client, state, broadcast, device, n, seed, note)
+        return posterior_draws(strategy, client, state, broadcast, device, n, seed, note)
 
     note: list[str] = []
     states = shift_client_step(
@@ -579,14 +579,14 @@ def same_request(settings: Mapping[str, Any], shifts: Any, ood: Any, **others: A
                  ) -> str | None:
     """None when ``shifts``/``ood`` (and the ``others`` given: seed, coverage,
     posterior_samples) ask what the stored ``settings`` hold, else what differs."""
-    from bayesfl.shift_evaluation import _ood_kinds
+    from bayesfl.shift_evaluation import ood_kinds
 
     asked = {s.kind: sorted(s.severities) for s in as_shifts(list(shifts or ()))}
     stored = {k: sorted(float(v) for v in vs) for k, vs in settings["shifts"].items()}
     differs = []
     if shifts and asked != stored:
         differs.append(f"shifts {_shown(asked)} (stored: {_shown(stored)})")
-    wanted = _ood_kinds(list(ood or ()))
+    wanted = ood_kinds(list(ood or ()))
     if ood and sorted(wanted) != sorted(settings["ood"]):
         differs.append(f"ood {', '.join(wanted)} (stored: {', '.join(settings['ood']) or 'none'})")
     for name, value in others.items():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ class FinalEvaluation:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-class Run:
+class Run(ABC):
     """One run of a strategy over a transport's channel (module docstring).
 
     Args:
@@ -209,7 +210,7 @@ class Run:
         summary.update(self.server.server_metrics(self.state))
         return summary
 
-    def log(self, text: str) -> None:
+    def log(self, text: str) -> None:  # noqa: B027 - optional hook, no-op by default
         """A line for the operator (Flower prints it; the simulator warns instead)."""
 
     def round_complete(self, record: dict[str, Any]) -> None:
@@ -224,24 +225,25 @@ class Run:
             self.round_callback(record["round"], record)
 
     # ---- the transport's hooks ------------------------------------------------------------
-    def round_recorded(self, record: dict[str, Any]) -> None:
+    def round_recorded(self, record: dict[str, Any]) -> None:  # noqa: B027 - optional hook, no-op by default
         """A round's record is complete, before it is appended (log it, add to it)."""
 
     def client_states(self) -> dict[int, ClientState]:
         """The client states the transport holds, for the checkpoint (none by default)."""
         return {}
 
-    def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    def restore_clients(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:  # noqa: B027 - optional hook, no-op by default
         """The client states the checkpoint holds for this transport (none by default)."""
 
-    def rounds_starting(self, first: int) -> None:
+    def rounds_starting(self, first: int) -> None:  # noqa: B027 - optional hook, no-op by default
         """Before round ``first`` (after the setup files)."""
 
-    def rounds_ended(self) -> None:
+    def rounds_ended(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """After the rounds, even when they ended by an error."""
 
+    @abstractmethod
     def final_evaluation(self, last_round: int) -> FinalEvaluation:
-        raise NotImplementedError
+        """Every client's evaluation after the last round, with the broadcast it used."""
 
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
         """The steps after the summary, as the run asks, each over the transport's query:
@@ -258,15 +260,15 @@ class Run:
             if self.run_dir is not None:
                 write_conformal_files(summary["conformal"], self.run_dir)
 
+    @abstractmethod
     def calibrate(self, final: FinalEvaluation) -> Any:
         """The temperature-scaling step's outcome (:class:`bayesfl.calibrate.CalibrationOutcome`)
         over the transport's clients, from ``final.broadcast``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def conformal(self, final: FinalEvaluation) -> Any:
         """The conformal step's outcome (:class:`bayesfl.conformal.ConformalOutcome`) over the
         transport's clients, from ``final.broadcast``."""
-        raise NotImplementedError
 
     # ---- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, r: int) -> None:
