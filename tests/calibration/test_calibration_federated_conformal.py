@@ -116,7 +116,8 @@ def test_one_shot_coverage_holds_by_simulation(sizes: tuple[int, ...], alpha: fl
 def test_one_shot_ranks_are_the_tightest_valid_pair() -> None:
     m, n, alpha = 6, 12, 0.1
     ell, k, cover = one_shot_ranks(m, n, alpha)
-    assert 1 <= ell <= n and 1 <= k <= m
+    assert ell in range(1, n + 1)  # a rank among a client's n scores
+    assert k in range(1, m + 1)  # a rank among the m clients' quantiles
     assert cover >= 1 - alpha
     for other_k in range(1, m + 1):  # brute force over every pair
         for other_ell in range(1, n + 1):
