@@ -10,7 +10,16 @@ sweep that CUDA tensors and machines without a C compiler use), and the floor of
 The three contenders run interleaved, round after round, and each keeps its best time, so a
 burst of load on the shared machine hits all of them alike. Prints a table, then one JSON line.
 
+The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+seeds, torch version, threads, load average before and after), is appended to ``--out``
+(default ``bench/results/calibration.jsonl``; ``--out ''`` stores nothing); the published
+table is ``calibration`` of ``bench/published_tables.py``.
+
+Targets (issue 2): at least 10x faster than netcal with three separate calls, at least 20x with
+one combined call.
+
 Usage: python bench/calibration.py [--rows N] [--classes K] [--rounds R] [--threads T]
+[--out bench/results/calibration.jsonl]
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from bench.run_cache import append_result
 from calibration import native_sweep
 from calibration.metrics import brier, ece, evaluate, mce
 
@@ -56,11 +66,15 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bins", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's choice, one per core)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: the machine is shared; 0: "
+                        "torch's choice, one per core)")
+    parser.add_argument("--out", default="bench/results/calibration.jsonl",
+                        help="append the JSON record here ('' for nowhere)")
     args = parser.parse_args()
-    if args.threads is not None:
+    if args.threads > 0:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
 
     from netcal.metrics import ECE, MCE
 
@@ -123,8 +137,9 @@ def main() -> None:
     print(f"ECE ours {combined['ece']:.9f} netcal {netcal_ece:.9f} "
           f"(|diff| {abs(combined['ece'] - netcal_ece):.1e}); "
           f"MCE |diff| {abs(combined['mce'] - netcal_mce):.1e}")
-    print(json.dumps({
-        "rows": args.rows, "classes": args.classes, "bins": bins, "rounds": args.rounds,
+    result = {
+        "bench": "calibration", "rows": args.rows, "classes": args.classes, "bins": bins,
+        "rounds": args.rounds, "times_s": times,
         "netcal_s": round(best["netcal ECE+MCE"], 4),
         "separate_s": round(best["ours ece+mce+brier (3 calls)"], 4),
         "combined_s": round(best["ours evaluate (1 call)"], 4), "floor_s": round(floor_s, 4),
@@ -132,7 +147,9 @@ def main() -> None:
         "native_sweep": kernel,
         "ratio_separate": round(ratio_separate, 2), "ratio_combined": round(ratio_combined, 2),
         "ece_abs_diff_vs_netcal": abs(combined["ece"] - netcal_ece),
-    }))
+        "mce_abs_diff_vs_netcal": abs(combined["mce"] - netcal_mce),
+    }
+    print(json.dumps(append_result(args.out, result, seeds=[0], load_before=load_before)))
 
 
 if __name__ == "__main__":

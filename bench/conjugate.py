@@ -13,18 +13,44 @@ Runs single-threaded by default (``--threads``): on a shared machine torch's spi
 intra-op threads make timings erratic. Prints a table, then one JSON line with
 ``ratio_vs_adam`` (Adam time / exact time), ``objective_gap_adam``, ``objective_gap_ours``
 (absolute gaps J_best - J) and ``stats_vs_forward`` (statistics time / forward time).
+The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+seeds, torch version, threads, load average before and after), is appended to ``--out``
+(default ``bench/results/conjugate.jsonl``; ``--out ''`` stores nothing); the published table
+is ``conjugate`` of ``bench/published_tables.py``.
+
+Targets (issue 3): ``solve_map`` at least 300x faster than the Adam loop with at least as high
+an objective; the statistics pass under 10% of the forward pass.
+
+    python bench/conjugate.py [--repeats 21] [--out bench/results/conjugate.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics as stats_lib
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from inference.conjugate import SufficientStatistics, map_objective, solve_map, solve_map_adam
+# `python bench/x.py` puts bench/ first on sys.path, where bench/calibration.py would shadow the
+# calibration package: use the repository root instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.run_cache import append_result  # noqa: E402
+from inference.conjugate import (  # noqa: E402
+    SufficientStatistics,
+    map_objective,
+    solve_map,
+    solve_map_adam,
+)
+
+#: Seeds: the solver's mixture features (0) and the statistics pass's inputs and labels (1);
+#: the bodies' weights are drawn after ``torch.manual_seed(0)``.
+SEEDS = (0, 1)
 
 
 def median_time(function, repeats: int) -> float:
@@ -120,8 +146,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--out", default="bench/results/conjugate.jsonl",
+                        help="append the JSON record here ('' for nowhere)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    torch.manual_seed(0)  # the bodies' weights (the timings do not depend on them)
 
     solver = bench_solver(num_classes=100, feature_dim=512, n=20_000, repeats=args.repeats)
     pass_ = bench_statistics(*mlp_body(), batch=2048, num_classes=100, repeats=args.repeats)
@@ -151,7 +181,10 @@ def main() -> None:
     print(f"  from_features       {cnn['time_statistics_s'] * 1e3:8.3f} ms"
           f"   ({cnn_ratio:.1%} of the forward pass; ratio of medians "
           f"{cnn['median_ratio']:.1%})")
-    print(json.dumps({
+    result = {
+        "bench": "conjugate",
+        "num_classes": 100, "columns": 513, "n": 20_000, "batch": 2048,
+        "repeats": args.repeats,
         "ratio_vs_adam": ratio,
         "objective_gap_adam": solver["gap_adam"],
         "objective_gap_ours": solver["gap_exact"],
@@ -162,7 +195,12 @@ def main() -> None:
         "time_exact_ms": solver["time_exact_s"] * 1e3,
         "time_adam_ms": solver["time_adam_s"] * 1e3,
         "adam_steps": solver["adam_steps"],
-    }))
+        "time_statistics_ms": pass_["time_statistics_s"] * 1e3,
+        "time_forward_ms": pass_["time_forward_s"] * 1e3,
+        "time_statistics_paper_cnn_ms": cnn["time_statistics_s"] * 1e3,
+        "time_forward_paper_cnn_ms": cnn["time_forward_s"] * 1e3,
+    }
+    print(json.dumps(append_result(args.out, result, seeds=SEEDS, load_before=load_before)))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,15 @@ Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / o
 ``predict_ratio``, ``max_prob_diff`` (over every peer backend), ``peak_mib`` (per
 implementation) and the round's split.
 
+The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date,
+machine, seeds, torch version, threads, load average before and after), is appended to
+``--out`` (default ``bench/results/fedsi.jsonl``; ``--out ''`` stores nothing; a ``--quick``
+or ``--random`` run stores nothing unless ``--out`` is given); the published table is
+``fedsi`` of ``bench/published_tables.py``.
+
+Targets (issue 13): fit at least 5x faster than laplace-torch's fastest backend, predictive at
+least 50x faster, probabilities equal to 1e-5, peak memory printed for both.
+
     python bench/fedsi.py            # about 5 minutes on one thread
     python bench/fedsi.py --quick    # smaller predictive and round, a smoke run
 """
@@ -67,6 +76,9 @@ from bayesfl.messages import decode, encode
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.training import LocalTraining
+from bench.run_cache import append_result
+
+DEFAULT_OUT = "bench/results/fedsi.jsonl"
 
 PEERS = ("AsdlGGN", "CurvlinopsGGN", "BackPackGGN")
 PEER_CHUNK = 100
@@ -263,6 +275,9 @@ def main() -> None:
     parser.add_argument("--random", action="store_true", help="random inputs, not mnist-5k")
     parser.add_argument("--quick", action="store_true", help="smoke run: 250 test inputs, "
                         "3 clients in the round, AsdlGGN only")
+    parser.add_argument("--out", default=None,
+                        help=f"append the JSON record here (default {DEFAULT_OUT}, none for "
+                        "--quick or --random; '' for nowhere)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     parser.add_argument("--weak-prior", action="store_true", help=argparse.SUPPRESS)
@@ -273,6 +288,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     if args.quick:
         args.test, args.round_clients = 250, 3
+    if args.out is None:
+        args.out = "" if args.quick or args.random else DEFAULT_OUT
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "client.pt"
         info = setup(args, path)
@@ -348,8 +366,9 @@ def main() -> None:
         "peak_mib": {"ours": ours["peak_mib"],
                      **{f"laplace-torch {k}": v["peak_mib"] for k, v in ok.items()}},
         "round": split,
+        "quick": args.quick,
     }
-    print(json.dumps(result))
+    print(json.dumps(append_result(args.out, result, seeds=[0], load_before=load_before)))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,14 @@ otherwise compile the ~130 modules it imports from source again (about 0.4-0.9 s
 ``--no-compile`` skips that to measure it. The load average (``os.getloadavg``) before and after
 is printed with the figures.
 
-Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog] [--no-compile]``. Last line: JSON.
+The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+seeds, torch version, threads, load average before and after), is appended to ``--out``
+(default ``bench/results/flower.jsonl``; ``--out ''`` stores nothing); the published table is
+``flower`` of ``bench/published_tables.py``. Target (issue 28): a Flower round within 8x of the
+simulator's round, with the same pooled ECE.
+
+Usage: ``python bench/flower.py [--rounds 3] [--strategy fedlog] [--no-compile]
+[--out bench/results/flower.jsonl]``. Last line: JSON.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ import torch  # noqa: E402
 
 from bayesfl.flower.local import LocalFederation  # noqa: E402
 from bayesfl.simulate import simulate  # noqa: E402
+from bench.run_cache import append_result  # noqa: E402
 
 PULL_SLEEP = 3.0
 """A SuperNode's hard-coded sleep after an empty pull (flwr 1.41
@@ -150,6 +158,8 @@ def main() -> None:
     parser.add_argument("--strategy", default="fedlog")
     parser.add_argument("--no-compile", action="store_true",
                         help="do not byte-compile the packages first (module docstring)")
+    parser.add_argument("--out", default="bench/results/flower.jsonl",
+                        help="append the JSON record here ('' for nowhere)")
     args = parser.parse_args()
     if not args.no_compile:
         for package in ("bayesfl", "inference", "calibration"):
@@ -224,7 +234,7 @@ def main() -> None:
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
-    print(json.dumps({
+    result = {
         "bench": "flower", "strategy": args.strategy, "rounds": args.rounds, "clients": 3,
         "simulator_round_s": sim_round, "flower_round_s": flower_round,
         "ratio_flower_over_simulator": ratio,
@@ -238,7 +248,9 @@ def main() -> None:
         "messages_per_client_per_round": 1,
         "byte_compiled": not args.no_compile,
         "load_average_before": load_before[0], "load_average_after": load_after[0],
-        "flower_run_s": status.seconds}))
+        "flower_run_s": status.seconds, "rows": rows}
+    print(json.dumps(append_result(args.out, result, seeds=[EXPERIMENT["seed"]],
+                                   load_before=load_before)))
 
 if __name__ == "__main__":
     main()

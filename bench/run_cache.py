@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import platform
 import subprocess
 import sys
@@ -59,6 +60,30 @@ def provenance(device: str = "cpu") -> dict[str, str]:
                    f"{torch.get_num_threads()} torch thread(s)")
     return {"commit": commit, "date": datetime.now(UTC).date().isoformat(),
             "machine": machine}
+
+
+def append_result(path: Path | str | None, result: dict, *, seeds: Sequence[int],
+                  load_before: Sequence[float], device: str = "cpu") -> dict:
+    """One bench invocation's result with its provenance, appended as one JSON line to ``path``
+    (none when ``path`` is ``None`` or empty) and returned.
+
+    The record is ``result`` plus :func:`provenance` (``commit``, ``date``, ``machine``),
+    ``seeds``, ``torch`` (its version), ``threads`` (torch's intra-op threads) and the 1, 5 and
+    15-minute load averages before the measured work (``load_before``, from ``os.getloadavg``)
+    and now (``load_after``): on a shared machine the load says how far the absolute times
+    can be trusted, and the ratio to a peer measured in the same run is the figure to quote."""
+    import torch
+
+    record = {**result, **provenance(device), "seeds": [int(s) for s in seeds],
+              "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "load_before": [round(float(v), 2) for v in load_before],
+              "load_after": [round(v, 2) for v in os.getloadavg()]}
+    if path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+    return record
 
 
 def read_jsonl(path: Path | None) -> list[dict]:
@@ -151,4 +176,4 @@ def run_cached(tasks: Sequence[Task], cache: Path | None, *, jobs: int = 1,
     return done
 
 
-__all__ = ["Task", "provenance", "read_cache", "read_jsonl", "run_cached"]
+__all__ = ["Task", "append_result", "provenance", "read_cache", "read_jsonl", "run_cached"]

@@ -42,8 +42,14 @@ this bench) for the next invocation.
 Each run's PyTorch backs its large tensors with transparent huge pages, as the ``bayesfl``
 command does (:func:`bayesfl.cli.use_huge_pages`); ``--huge-pages off`` measures without.
 
+The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+seeds, torch version, threads, load average before and after), is appended to ``--out``
+(default ``bench/results/simulate_scale.jsonl``; ``--out ''`` stores nothing); the published
+table is ``simulate_scale`` of ``bench/published_tables.py``. Target (issue 28): at most 8 s a
+round after round 0 at 16,000 clients.
+
 Usage: ``python bench/simulate_scale.py [--clients 16000] [--peer-clients 4000]
-[--data-cache DIR] [--huge-pages on|off]``.
+[--data-cache DIR] [--huge-pages on|off] [--out bench/results/simulate_scale.jsonl]``.
 """
 
 from __future__ import annotations
@@ -195,11 +201,19 @@ def main() -> None:
     parser.add_argument("--huge-pages", choices=("on", "off"), default="on",
                         help="back large tensors with transparent huge pages, as the bayesfl "
                              "command does (default on)")
+    parser.add_argument("--out", default="bench/results/simulate_scale.jsonl",
+                        help="append the JSON record here ('' for nowhere)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_one(args.clients, args.data_cache)))
         return
+    import torch
+
+    from bench.run_cache import append_result
+
+    torch.set_num_threads(1)  # the runs are children with one thread; recorded as such
+    load_before = os.getloadavg()
     print(f"FedLog, MNIST-1D ({SAMPLES_PER_CLIENT} samples per client, shards:2), mlp:100 -> 32 "
           f"features, 1 local epoch, {ROUNDS} rounds after round 0, checkpoints on, batched, "
           f"1 torch thread, huge pages {args.huge_pages}; each run in its own process")
@@ -223,15 +237,17 @@ def main() -> None:
           f"{worst:.2f} s; {cpu:.2f} CPU s), peak RSS {main_run['peak_rss_gb']:.2f} GB; "
           f"{args.peer_clients:,} clients: {peer_mean:.2f} s; scaling {scaling:.2f} "
           f"(x{factor:g} clients; equal means linear)")
-    print(json.dumps({
-        "clients": args.clients, "peer_clients": args.peer_clients,
+    result = {
+        "bench": "simulate_scale", "clients": args.clients, "peer_clients": args.peer_clients,
         "seconds_per_round": mean, "slowest_round": worst, "cpu_seconds_per_round": cpu,
         "split": {k: statistics.fmean(r[k] for r in after_round_0(main_run)) for k in SPLIT},
         "peak_rss_gb": main_run["peak_rss_gb"], "peer_seconds_per_round": peer_mean,
         "peer_peak_rss_gb": peer["peak_rss_gb"], "scaling": scaling,
         "accuracy": main_run["accuracy"], "huge_pages": huge_pages,
         "save_result_s": main_run["save_result_s"], "load_run_s": main_run["load_run_s"],
-        "peer_save_result_s": peer["save_result_s"], "peer_load_run_s": peer["load_run_s"]}))
+        "peer_save_result_s": peer["save_result_s"], "peer_load_run_s": peer["load_run_s"],
+        "rounds": main_run["rounds"], "peer_rounds": peer["rounds"]}
+    print(json.dumps(append_result(args.out, result, seeds=[0], load_before=load_before)))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,16 @@ takes seconds.
 
 Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / ours),
 ``predict_ratio`` (laplace-torch fastest predictive / ours), ``max_prob_diff`` (max abs
-difference of the probabilities over both peers).
+difference of the probabilities over both peers). The record, with its provenance
+(:func:`bench.run_cache.append_result`: commit, date, machine, seeds, torch version, threads,
+load average before and after), is appended to ``--out`` (default
+``bench/results/subnet_laplace.jsonl``; ``--out ''`` stores nothing); the published table is
+``subnet_laplace`` of ``bench/published_tables.py``.
 
-    python bench/subnet_laplace.py
+Targets (issue 6): fit at least 2x faster than laplace-torch's fastest backend, predictive at
+least 50x faster, probabilities equal to 1e-5.
+
+    python bench/subnet_laplace.py [--out bench/results/subnet_laplace.jsonl]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import sys
 import time
@@ -32,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.run_cache import append_result
 from inference.subnet import fit_subnet_laplace, select_subnet
 
 
@@ -83,10 +92,13 @@ def main() -> None:
         help="torch intra-op threads for both sides (0: torch's default). Default 1: on the "
         "shared, oversubscribed 2-core machine multi-threaded timings swing by 5-10x",
     )
+    parser.add_argument("--out", default="bench/results/subnet_laplace.jsonl",
+                        help="append the JSON record here ('' for nowhere)")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
+    load_before = os.getloadavg()
 
     from laplace import Laplace
     from laplace.curvature import AsdlGGN, CurvlinopsGGN
@@ -204,8 +216,10 @@ def main() -> None:
         "fit_ratio": fit_peer_best / fit_ours,
         "predict_ratio": pred_peer_best / pred_ours,
         "max_prob_diff": max(r["max_prob_diff"] for r in rows),
+        "fit_on": len(Xf), "predict_on": len(Xt), "repeats": args.repeats,
     }
-    print(json.dumps(result))
+    print(json.dumps(append_result(args.out, result, seeds=[args.seed],
+                                   load_before=load_before)))
 
 
 if __name__ == "__main__":
