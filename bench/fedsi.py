@@ -32,8 +32,9 @@ the second fits (steady state: a FedSI run fits every client every round in one 
 ``vmap`` machinery on first use; for laplace-torch, its backend's).
 
 Then one FedSI round with 10 clients of the same data (``labels:5:train=50``), every step of
-every client timed: local training, subnet selection, Laplace fit, and the messages (encode,
-decode, validation, aggregation).
+every client timed as ``FedSI.fit`` runs it: local training, subnet selection, the upload's
+marginal standard deviations (``FedSI.subnet_std``), and the messages (encode, decode,
+validation, aggregation).
 
 Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / ours),
 ``predict_ratio``, ``max_prob_diff`` (over every peer backend), ``peak_mib`` (per
@@ -75,8 +76,10 @@ from bayesfl.data.datasets import load_dataset
 from bayesfl.messages import decode, encode
 from bayesfl.strategies import make_strategy
 from bayesfl.strategies.base import StrategyContext
+from bayesfl.strategies.fedsi.fedsi import alpha_log_evidence, body_vector, diagonal_ggn
 from bayesfl.training import LocalTraining
 from bench.run_cache import append_result
+from inference.subnet import SubnetLaplacePosterior
 
 DEFAULT_OUT = "bench/results/fedsi.jsonl"
 
@@ -220,8 +223,11 @@ def run_child(args, name: str, path: Path, weak_prior: bool = False) -> dict:
 
 
 def one_round(args) -> dict:
-    """One FedSI round with 10 clients: CPU seconds per step, summed over clients ("Laplace
-    fit" includes the marginal standard deviations of the upload)."""
+    """One FedSI round with 10 clients, each client's step as :meth:`FedSI.fit` takes it: CPU
+    seconds per step, summed over clients. ``laplace_fit`` is the upload's marginal standard
+    deviations by the strategy's route (``FedSI.subnet_std``: Woodbury on the subnet GGN's
+    low-rank factor, no |S| x |S| matrix; the dense fit where that does not apply);
+    ``selection`` includes the evidence's diagonal GGN where ``alpha_selection="evidence"``."""
     strategy, clients = strategy_and_clients(args)
     state = strategy.init()
     split = {"local_training": 0.0, "selection": 0.0, "laplace_fit": 0.0, "messages": 0.0}
@@ -239,13 +245,23 @@ def one_round(args) -> dict:
         strategy.local_map(model, data, mean, variance,
                            torch.Generator().manual_seed(data.client_id))
         t1 = clock()
+        # what FedSI.fit does after the local MAP, step by step (its evidence branch too)
         batches = strategy.curvature_batches(data)
-        subnet = strategy.choose_subnet(model, batches, variance)
+        diag, log_evidence = None, None
+        if strategy.evidence:
+            model.head.requires_grad_(False)  # the index space is the body
+            diag = diagonal_ggn(model, batches)
+            log_evidence = alpha_log_evidence(body_vector(model), mean, diag)
+        subnet = strategy.choose_subnet(model, batches, variance, diag=diag)
         t2 = clock()
-        posterior = strategy.laplace(model, batches, variance, subnet)
-        posterior.marginal_std_full()  # the stds of the upload (cached for upload())
+        std = strategy.subnet_std(model, batches, variance, subnet)
+        if std is None:  # the dense posterior where the low-rank route does not apply
+            posterior = strategy.laplace(model, batches, variance, subnet, diag)
+            std = posterior.marginal_std_full()
+            if isinstance(posterior, SubnetLaplacePosterior):
+                subnet = posterior.subnet_indices
         t3 = clock()
-        upload = strategy.upload(config, data, 1, model, posterior)
+        upload = strategy.upload(config, data, 1, model, std, subnet, log_evidence)
         uploads.append(decode(encode(upload)))
         t4 = clock()
         split["local_training"] += t1 - t0
@@ -336,7 +352,7 @@ def main() -> None:
     split = one_round(args)
     print(f"one FedSI round, {split['clients']} clients (mnist-5k labels:5:train=50, 10 epochs, "
           f"batch 50): {split['round']:.1f} s = local training {split['local_training']:.1f} + "
-          f"selection {split['selection']:.1f} + Laplace fit {split['laplace_fit']:.1f} + "
+          f"selection {split['selection']:.1f} + upload stds {split['laplace_fit']:.1f} + "
           f"messages {split['messages']:.2f}; upload {split['upload_bytes_per_client']:,} "
           "bytes per client")
     result = {
