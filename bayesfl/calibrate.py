@@ -42,16 +42,36 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from bayesfl.data.clients import ClientData, stratified_split
-from bayesfl.errors import BayesFLError, ConfigError, MessageRejected
-from bayesfl.evaluation import RoundEvaluation, merge_evaluations
-from bayesfl.executor import SimulatedClient
+from bayesfl.calibration_spec import (
+    DEFAULT_HELD_OUT_FRACTION,
+    METHODS,
+    CalibrationSpec,
+    parse_calibrate,
+)
+from bayesfl.engine.phases import (
+    InProcessPhases,
+    Phase,
+    PhaseChannel,
+    Site,
+    UploadHook,
+    asker,
+    read_answers,
+    search_step,
+    with_restarts,
+)
+from bayesfl.errors import BayesFLError, DataError, MessageRejected
+from bayesfl.evaluation import (
+    RoundEvaluation,
+    evaluation_tensors,
+    merge_evaluations,
+    read_evaluation,
+)
+from bayesfl.holdout import HeldOut, hold_out
 from bayesfl.messages import Header, KeyRing, Message, TensorSpec, decode, encode, validate
-from bayesfl.strategies.base import PREDICTIVE, ClientState, Evaluation, Strategy
+from bayesfl.strategies.base import PREDICTIVE, Evaluation
 from calibration.accumulator import Accumulator
 from calibration.errors import CalibrationError
 from calibration.row_scores import PROBABILITY_FLOOR
@@ -65,13 +85,8 @@ from calibration.temperature import (
     temperature_search,
 )
 
-METHODS = ("temperature",)
-"""Calibration steps a run can end with."""
 PROTOCOL = "temperature-scaling"
 """Header ``strategy`` of the calibration step's messages."""
-DEFAULT_HELD_OUT_FRACTION = 0.2
-"""Share of each client's training data held out to fit T, unless the spec gives one."""
-
 PROPOSAL_SCHEMA = {"log_temperature": TensorSpec((1,), torch.float64)}
 """Server -> clients: the proposed ``s = log T``."""
 REPLY_SCHEMA = {"nll_derivatives": TensorSpec((3,), torch.float64),
@@ -82,93 +97,6 @@ RESULT_SCHEMA = {"temperature": TensorSpec((1,), torch.float64)}
 
 _REPLY_MAX_BYTES = 64 * 1024  # a reply is four numbers and a header
 _SLACK = 1e-9  # relative float rounding allowed on the bounds of an honest reply
-
-UploadHook = Callable[[int, int, bytes], bytes]
-"""``hook(step, client_id, encoded_reply) -> bytes delivered`` (tests, attacks)."""
-
-
-# ---- configuration ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """A parsed ``calibrate`` setting: the method and the held-out share of training data."""
-
-    method: str
-    held_out_fraction: float = DEFAULT_HELD_OUT_FRACTION
-
-
-def parse_calibrate(value: Any) -> CalibrationSpec | None:
-    """``None`` (no calibration step) or ``"temperature"`` / ``"temperature:FRACTION"``.
-
-    Raises:
-        ConfigError: another method, or a fraction outside (0, 1).
-    """
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"calibrate must be None or one of {METHODS} (optionally "
-                          f"'temperature:FRACTION'), got {value!r}")
-    method, sep, fraction_text = value.strip().partition(":")
-    if method not in METHODS:
-        raise ConfigError(f"unknown calibrate method {method!r}; valid: {', '.join(METHODS)} "
-                          "(e.g. 'temperature' or 'temperature:0.2')")
-    if not sep:
-        return CalibrationSpec(method)
-    try:
-        fraction = float(fraction_text)
-    except ValueError:
-        fraction = math.nan
-    if not 0.0 < fraction < 1.0:
-        raise ConfigError(f"the held-out fraction in calibrate={value!r} must be a number in "
-                          "(0, 1), e.g. 'temperature:0.2'")
-    return CalibrationSpec(method, fraction)
-
-
-# ---- held-out data ------------------------------------------------------------------------------
-@dataclass(eq=False)
-class HeldOut:
-    """A client's held-out share of its training data: x (n, ...), y (n,), pooled indices."""
-
-    x: Tensor
-    y: Tensor
-    indices: np.ndarray | None = None
-
-    @property
-    def size(self) -> int:
-        return int(self.y.shape[0])
-
-
-def hold_out(
-    clients: Sequence[ClientData], fraction: float, seed: int
-) -> tuple[list[ClientData], dict[int, HeldOut]]:
-    """Split every client's training data into what it trains on and what it holds out.
-
-    Stratified by label with :func:`bayesfl.data.clients.stratified_split` (the rule of the
-    train/test split: ``clip(round(n * fraction), 1, n - 1)`` samples); a client with fewer
-    than 2 training samples keeps them all. Seeded by ``seed`` on a stream of its own.
-
-    Returns:
-        (the clients with the reduced training data, client id -> its held-out data).
-    """
-    rng = np.random.default_rng([seed, 12])  # independent of the partition and test split
-    kept: list[ClientData] = []
-    held: dict[int, HeldOut] = {}
-    for data in clients:
-        if data.num_train < 2:
-            kept.append(data)
-            continue
-        train, out = stratified_split(data.train_y.cpu().numpy(), fraction, rng)
-        train, out = np.sort(train), np.sort(out)
-        indices = data.train_indices
-        kept.append(ClientData(
-            client_id=data.client_id,
-            train_x=data.train_x[train], train_y=data.train_y[train],
-            test_x=data.test_x, test_y=data.test_y,
-            train_indices=None if indices is None else indices[train],
-            test_indices=data.test_indices))
-        held[data.client_id] = HeldOut(data.train_x[out], data.train_y[out],
-                                       None if indices is None else indices[out])
-    return kept, held
-
 
 # ---- the client half ----------------------------------------------------------------------------
 @dataclass(eq=False)
@@ -309,10 +237,6 @@ class FederatedTemperature:
     error: str | None = None
 
 
-class _Restart(Exception):  # noqa: N818 - control flow: some participant was dropped
-    pass
-
-
 Ask = Callable[[int, bytes, Sequence[int]], Mapping[int, "bytes | str"]]
 """``ask(step, encoded_proposal, client_ids) -> client id -> encoded reply, or why none came``:
 how the search reaches the clients (in this process, or over a transport's channel)."""
@@ -359,25 +283,12 @@ def temperature_search_over(
     upload_hook: UploadHook | None = None,
     keys: KeyRing | None = None,
 ) -> FederatedTemperature:
-    """:func:`federated_temperature_search` with the clients reached through ``ask`` (the
-    Flower ServerApp asks its SuperNodes); the same validation, restarts and byte counts."""
+    """:func:`federated_temperature_search` with the clients reached through ``ask`` (a
+    transport's channel: :func:`calibrate_phase`); the same validation, restarts and byte
+    counts."""
     outcome = FederatedTemperature(fit=None, participants=list(client_ids))
-    active = list(client_ids)
-    while active:
-        try:
-            outcome.fit = _search_once(ask, active, num_classes, bounds, upload_hook, keys,
-                                       outcome)
-            outcome.participants = list(active)
-            return outcome
-        except _Restart:
-            dropped = {r["client_id"] for r in outcome.rejections}
-            active = [c for c in active if c not in dropped]
-            outcome.restarts += 1
-        except CalibrationError as err:
-            outcome.error = str(err)
-            return outcome
-    outcome.participants = []
-    outcome.error = "no client with held-out data took part (or every reply was rejected)"
+    outcome.fit = with_restarts(client_ids, outcome, lambda active: _search_once(
+        ask, active, num_classes, bounds, upload_hook, keys, outcome))
     return outcome
 
 
@@ -392,35 +303,17 @@ def _search_once(
     while True:
         step = outcome.steps
         down = encode(proposal_message(step, s), key=server_key)
-        outcome.steps += 1
-        outcome.bytes_down += len(down) * len(active)
         outcome.floats_down += len(active)
-        answers = ask(step, down, list(active))
-        points: list[NLLDerivatives] = []
-        rejected = False
-        for cid in active:
-            client_key = None if keys is None else keys.client_key(cid)
-            up = answers.get(cid, "no reply")
-            if isinstance(up, str):
-                outcome.rejections.append({"step": step, "client_id": cid, "reason": up})
-                rejected = True
-                continue
-            if upload_hook is not None:
-                up = upload_hook(step, cid, up)
-            outcome.bytes_up += len(up) if isinstance(up, bytes | bytearray) else 0
-            outcome.floats_up += 4
-            try:
-                point = _received_reply(up, step, cid, s, num_classes, counts.get(cid),
-                                        client_key)
-            except MessageRejected as err:
-                outcome.rejections.append({"step": step, "client_id": cid,
-                                           "reason": err.reason})
-                rejected = True
-                continue
+
+        def read(cid: int, up: Any, step: int = step, s: float = s) -> NLLDerivatives:
+            point = _received_reply(up, step, cid, s, num_classes, counts.get(cid),
+                                    None if keys is None else keys.client_key(cid))
             counts[cid] = point.count
-            points.append(point)
-        if rejected:
-            raise _Restart
+            return point
+
+        replies = search_step(ask, down, active, outcome, read, floats_up=4,
+                              upload_hook=upload_hook)
+        points = [replies[cid] for cid in active]
         total = points[0]
         for point in points[1:]:
             total = total + point
@@ -428,6 +321,84 @@ def _search_once(
             s = search.send(total)
         except StopIteration as done:
             return done.value
+
+
+# ---- the phase, over a transport's channel ----------------------------------------------------
+def client_reply(site: Site, down: bytes) -> bytes:
+    """A client's answer to a proposal (:data:`PROPOSAL`): four numbers about its held-out
+    rows at that T, from its final predictive (scored once per phase: ``site.memo``).
+
+    Raises:
+        DataError: the client holds no held-out rows.
+        MessageRejected: the proposal fails :data:`PROPOSAL_SCHEMA`.
+    """
+    client = site.memo.get(PROTOCOL)
+    if client is None:
+        held = site.held_out
+        if held is None or held.size == 0:
+            raise DataError(f"client {site.client_id} holds no calibration data")
+        client = site.memo[PROTOCOL] = TemperatureClient.from_probabilities(
+            site.client_id, site.predict(held.x)[PREDICTIVE], held.y)
+    return encode(client.reply(decode(down, key=site.server_key)), key=site.client_key)
+
+
+def client_evaluation(site: Site, down: bytes) -> bytes:
+    """A client's answer to the result (:data:`RESULT`): its temperature-scaled predictive's
+    calibration accumulator on its test rows, as a round's evaluation reply.
+
+    Raises:
+        MessageRejected: the result fails :data:`RESULT_SCHEMA`.
+    """
+    result = decode(down, key=site.server_key)
+    temperature = temperature_of(result)
+    probs = calibrated(site.predict(site.data.test_x)[PREDICTIVE], temperature)
+    labels = site.data.test_y.cpu()
+    accumulator = Accumulator(site.n_bins).update(probs.cpu(), labels)
+    evaluation = Evaluation(site.client_id, {PREDICTIVE: accumulator})
+    reply = site.strategy.up_message(result.header.round, site.client_id,
+                                     evaluation_tensors(evaluation))
+    return encode(reply, key=site.client_key)
+
+
+PROPOSAL = Phase("calibrate", client_reply, "query.calibrate", "proposal")
+"""The search's request: a proposed ``s = log T`` (Flower record key ``proposal``)."""
+RESULT = Phase("calibrate", client_evaluation, "query.calibrate", "result", reply="evaluation")
+"""The result broadcast: T; the reply is the client's calibrated evaluation (``evaluation``)."""
+
+
+def calibrate_phase(channel: PhaseChannel, clients: Sequence[int],
+                    held_out: Mapping[int, HeldOut], *, spec: CalibrationSpec, server: Any,
+                    n_bins: int, num_test: Mapping[int, int]) -> CalibrationOutcome:
+    """The temperature-scaling step over a transport's ``channel`` (module docstring): the
+    search over the ``clients`` with held-out rows (:data:`PROPOSAL`), then the result to
+    every client in ``clients`` (:data:`RESULT`), whose calibrated evaluations are validated
+    (:func:`bayesfl.evaluation.read_evaluation` against the strategy's ``server`` half,
+    ``n_bins`` and each client's ``num_test`` rows) and merged. A missing or rejected
+    evaluation is a rejection; the others make the figures."""
+    start = time.perf_counter()
+    keys = channel.keys
+    participants = [c for c in clients if c in held_out and held_out[c].size > 0]
+    search = temperature_search_over(asker(channel, PROPOSAL), participants, server.num_classes,
+                                     keys=keys)
+    evaluation = None
+    if search.fit is not None:
+        step = search.steps
+        result = encode(result_message(step, search.fit.temperature),
+                        key=None if keys is None else keys.server_key)
+        search.bytes_down += len(result) * len(clients)
+        search.floats_down += len(clients)
+
+        def read(cid: int, up: Any) -> Evaluation:
+            return read_evaluation(server, up, round=step, client_id=cid, n_bins=n_bins,
+                                   num_test=num_test[cid], predictives={PREDICTIVE},
+                                   key=None if keys is None else keys.client_key(cid))
+
+        evaluations, rejections = read_answers(
+            channel.ask(RESULT, step, result, list(clients)), clients, step, read)
+        search.rejections += rejections
+        evaluation = merge_evaluations(list(evaluations.values())) if evaluations else None
+    return CalibrationOutcome(search, evaluation, held_out, spec.held_out_fraction,
+                              time.perf_counter() - start)
 
 
 # ---- the step of a simulated run --------------------------------------------------------------
@@ -494,79 +465,52 @@ _FIGURES = ("accuracy", "accuracy_pooled", "ece", "mce", "brier", "nll", "ece_cl
 
 
 def calibrate_run(
-    strategy: Strategy,
-    clients: Sequence[SimulatedClient],
+    strategy: Any,
+    clients: Sequence[Any],
     held_out: Mapping[int, HeldOut],
     broadcast: Message,
     *,
     spec: CalibrationSpec,
     n_bins: int,
-    states: Mapping[int, ClientState] | None = None,
-    upload_hook: UploadHook | None = None,
+    states: Mapping[int, Any] | None = None,
     keys: KeyRing | None = None,
 ) -> CalibrationOutcome:
-    """Run the step after a simulation's last round (``strategy``: the client half).
-
-    Every client with held-out data predicts it with its final predictive (``states`` where
-    given, e.g. personalised) and takes part in the search; then the server broadcasts T and
-    every client evaluates its temperature-scaled predictive on its test data.
-    """
-    start = time.perf_counter()
-    participants: list[TemperatureClient] = []
-    for client in clients:
-        data = held_out.get(client.client_id)
-        if data is None or data.size == 0:
-            continue
-        probs = _predict(strategy, client, states, broadcast, data.x)
-        try:
-            participants.append(TemperatureClient.from_probabilities(client.client_id, probs,
-                                                                     data.y))
-        except CalibrationError:  # an invalid predictive: the client sits the step out
-            continue
-    search = federated_temperature_search(participants, strategy.num_classes,
-                                          upload_hook=upload_hook, keys=keys)
-    if search.fit is None:
-        return CalibrationOutcome(search, None, held_out, spec.held_out_fraction,
-                                  time.perf_counter() - start)
-    server_key = None if keys is None else keys.server_key
-    result = encode(result_message(search.steps, search.fit.temperature), key=server_key)
-    search.bytes_down += len(result) * len(clients)
-    search.floats_down += len(clients)
-    evaluations = []
-    for client in clients:
-        temperature = temperature_of(decode(result, key=server_key))  # what it receives
-        probs = calibrated(_predict(strategy, client, states, broadcast, client.data.test_x),
-                           temperature)
-        labels = client.data.test_y.cpu()
-        accumulator = Accumulator(n_bins).update(probs.cpu(), labels)
-        evaluations.append(Evaluation(client.client_id, {PREDICTIVE: accumulator},
-                                      {PREDICTIVE: probs.cpu()}, labels))
-    return CalibrationOutcome(search, merge_evaluations(evaluations), held_out,
-                              spec.held_out_fraction, time.perf_counter() - start)
-
-
-@torch.no_grad()
-def _predict(strategy: Strategy, client: SimulatedClient,
-             states: Mapping[int, ClientState] | None, broadcast: Message, x: Tensor) -> Tensor:
-    """The client's headline predictive (n, C) float64 of inputs x (n, ...)."""
-    state = client.state if states is None else states.get(client.client_id, client.state)
-    return strategy.predict(client.config, state, broadcast, x)[PREDICTIVE].to(torch.float64)
+    """The step in this process (:func:`calibrate_phase` over
+    :class:`bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
+    is the client half (it validates the evaluations too: both halves share the name and the
+    predictives); ``clients`` hold ``client_id``, ``config``, ``data`` and ``state`` (the
+    simulator's :class:`~bayesfl.executor.SimulatedClient` s), ``states`` their final states
+    where they differ (personalised)."""
+    sites = {c.client_id: Site(
+        c.client_id, strategy, c.config,
+        c.state if states is None else states.get(c.client_id, c.state), broadcast, c.data,
+        held_out.get(c.client_id), n_bins=n_bins,
+        server_key=None if keys is None else keys.server_key,
+        client_key=None if keys is None else keys.client_key(c.client_id)) for c in clients}
+    return calibrate_phase(InProcessPhases(sites, keys), list(sites), held_out, spec=spec,
+                           server=strategy, n_bins=n_bins,
+                           num_test={c.client_id: c.data.num_test for c in clients})
 
 
 __all__ = [
     "DEFAULT_HELD_OUT_FRACTION",
     "METHODS",
+    "PROPOSAL",
     "PROPOSAL_SCHEMA",
     "PROTOCOL",
     "REPLY_SCHEMA",
+    "RESULT",
     "RESULT_SCHEMA",
     "CalibrationOutcome",
     "CalibrationSpec",
     "FederatedTemperature",
     "HeldOut",
     "TemperatureClient",
+    "calibrate_phase",
     "calibrate_run",
     "calibrated",
+    "client_evaluation",
+    "client_reply",
     "federated_temperature_search",
     "hold_out",
     "parse_calibrate",

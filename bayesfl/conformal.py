@@ -50,7 +50,18 @@ import torch
 from torch import Tensor
 
 from bayesfl.conformal_spec import METHODS, SCORE_NAMES, ConformalSpec, parse_conformal
-from bayesfl.errors import BayesFLError, MessageRejected
+from bayesfl.engine.phases import (
+    InProcessPhases,
+    Phase,
+    PhaseChannel,
+    Site,
+    UploadHook,
+    asker,
+    read_answers,
+    search_step,
+    with_restarts,
+)
+from bayesfl.errors import DataError, MessageRejected
 from bayesfl.messages import Header, KeyRing, Message, TensorSpec, decode, encode, validate
 from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, derived_seed
 from calibration.conformal import (
@@ -58,7 +69,6 @@ from calibration.conformal import (
     CoverageAccumulator,
     all_label_scores,
 )
-from calibration.errors import CalibrationError
 from calibration.federated_conformal import (
     DEFAULT_PROBES,
     LocalQuantile,
@@ -96,7 +106,6 @@ DEFAULT_HELD_OUT_FRACTION = 0.2
 _REPLY_MAX_BYTES = 64 * 1024
 _SLACK = 1e-9  # float rounding allowed on a score's range
 
-UploadHook = Callable[[int, int, bytes], bytes]
 Ask = Callable[[int, bytes, Sequence[int]], Mapping[int, "bytes | str"]]
 """``ask(step, encoded_request, client_ids) -> client id -> encoded reply, or why none came``."""
 
@@ -241,10 +250,6 @@ class ConformalSearch:
     evaluation_bytes_down: int = 0
 
 
-class _Restart(Exception):  # noqa: N818 - control flow: some participant was dropped
-    pass
-
-
 def _message(step: int, tensors: dict[str, Tensor]) -> Message:
     return Message(Header(PROTOCOL, step, -1, "down"), tensors)
 
@@ -263,58 +268,29 @@ def conformal_search_over(
     """The server's threshold step with the clients reached through ``ask`` (in this process
     or over a transport's channel): validation, restarts and byte counts as the module says."""
     outcome = ConformalSearch([None] * P, [{} for _ in range(P)], list(client_ids))
-    active = list(client_ids)
-    while active:
-        try:
-            once = _exact_once if spec.method == "exact" else _one_shot_once
-            once(ask, active, spec, num_classes, upload_hook, keys, outcome)
-            outcome.participants = list(active)
-            return outcome
-        except _Restart:
-            dropped = {r["client_id"] for r in outcome.rejections}
-            active = [c for c in active if c not in dropped]
-            outcome.restarts += 1
-        except CalibrationError as err:
-            outcome.error = str(err)
-            return outcome
-    outcome.participants = []
-    outcome.error = "no client with held-out data took part (or every reply was rejected)"
+    once = _exact_once if spec.method == "exact" else _one_shot_once
+    with_restarts(client_ids, outcome, lambda active: once(
+        ask, active, spec, num_classes, upload_hook, keys, outcome))
     return outcome
 
 
-def _collect(ask: Ask, active: Sequence[int], step: int, down: bytes, schema: dict,
-             floats_up: int, upload_hook: UploadHook | None, keys: KeyRing | None,
-             outcome: ConformalSearch, check: Callable[[int, Message], str | None],
-             ) -> dict[int, Message]:
-    outcome.steps += 1
-    outcome.bytes_down += len(down) * len(active)
-    answers = ask(step, down, list(active))
-    replies: dict[int, Message] = {}
-    rejected = False
-    for cid in active:
-        up = answers.get(cid, "no reply")
-        if isinstance(up, str):
-            outcome.rejections.append({"step": step, "client_id": cid, "reason": up})
-            rejected = True
-            continue
-        if upload_hook is not None:
-            up = upload_hook(step, cid, up)
-        outcome.bytes_up += len(up) if isinstance(up, bytes | bytearray) else 0
-        outcome.floats_up += floats_up
-        try:
-            message = _received(up, schema, step, cid,
-                                None if keys is None else keys.client_key(cid))
-            problem = check(cid, message)
-            if problem is not None:
-                raise MessageRejected(problem, client_id=cid)
-        except MessageRejected as err:
-            outcome.rejections.append({"step": step, "client_id": cid, "reason": err.reason})
-            rejected = True
-            continue
-        replies[cid] = message
-    if rejected:
-        raise _Restart
-    return replies
+def _collect(ask: Ask, active: Sequence[int], down: bytes, schema: dict, floats_up: int,
+             upload_hook: UploadHook | None, keys: KeyRing | None, outcome: ConformalSearch,
+             check: Callable[[int, Message], str | None]) -> dict[int, Message]:
+    """One request's validated replies (:func:`bayesfl.engine.phases.search_step`): the
+    schema, then ``check``."""
+    step = outcome.steps
+
+    def read(cid: int, up: Any) -> Message:
+        message = _received(up, schema, step, cid,
+                            None if keys is None else keys.client_key(cid))
+        problem = check(cid, message)
+        if problem is not None:
+            raise MessageRejected(problem, client_id=cid)
+        return message
+
+    return search_step(ask, down, active, outcome, read, floats_up=floats_up,
+                       upload_hook=upload_hook)
 
 
 def _exact_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_classes: int,
@@ -353,7 +329,7 @@ def _exact_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_classe
                     return f"{PREDICTIVES[i]}: counts outside the score's range [0, {upper:g}]"
             return None
 
-        replies = _collect(ask, active, step, down, REPLY_SCHEMA, P * (DEFAULT_PROBES + 1),
+        replies = _collect(ask, active, down, REPLY_SCHEMA, P * (DEFAULT_PROBES + 1),
                            upload_hook, keys, outcome, check)
         for cid, message in replies.items():
             for i in range(P):
@@ -420,7 +396,7 @@ def _one_shot_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_cla
                 return f"{PREDICTIVES[i]}: local quantile {value} outside [0, {upper:g}]"
         return None
 
-    replies = _collect(ask, active, step, down, ONE_SHOT_REPLY_SCHEMA, 3 * P, upload_hook,
+    replies = _collect(ask, active, down, ONE_SHOT_REPLY_SCHEMA, 3 * P, upload_hook,
                        keys, outcome, check)
     for i in range(P):
         rows = [replies[c].tensors["local_quantile"][i] for c in active]
@@ -464,31 +440,26 @@ def evaluation_over(
     step = search.steps
     down = encode(result_message(step, search.thresholds), key=server_key)
     search.evaluation_bytes_down += len(down) * len(client_ids)
-    answers = ask(step, down, list(client_ids))
-    out: dict[int, list[CoverageAccumulator | None]] = {}
-    rejections = []
-    for cid in client_ids:
-        up = answers.get(cid, "no reply")
-        try:
-            if isinstance(up, str):
-                raise MessageRejected(up, client_id=cid)
-            search.evaluation_bytes_up += len(up)
-            message = _received(up, EVALUATION_SCHEMA, step, cid,
-                                None if keys is None else keys.client_key(cid))
-            problem = evaluation_problem(message, num_classes)
-            if problem is not None:
-                raise MessageRejected(problem, client_id=cid)
-        except MessageRejected as err:
-            rejections.append({"step": step, "client_id": cid, "reason": err.reason})
-            continue
+
+    def arrived(_: int, up: Any) -> None:
+        search.evaluation_bytes_up += len(up)
+
+    def read(cid: int, up: Any) -> list[CoverageAccumulator | None]:
+        message = _received(up, EVALUATION_SCHEMA, step, cid,
+                            None if keys is None else keys.client_key(cid))
+        problem = evaluation_problem(message, num_classes)
+        if problem is not None:
+            raise MessageRejected(problem, client_id=cid)
         accs: list[CoverageAccumulator | None] = []
         for i in range(P):
             state = {"counts": message.tensors["counts"][i],
                      "size_counts": message.tensors["size_counts"][i]}
             acc = CoverageAccumulator.from_state_dict(state)
             accs.append(acc if acc.count > 0 else None)
-        out[cid] = accs
-    return out, rejections
+        return accs
+
+    return read_answers(ask(step, down, list(client_ids)), client_ids, step, read,
+                        arrived=arrived)
 
 
 # ---- the outcome and its summary ----------------------------------------------------------------
@@ -562,78 +533,96 @@ class ConformalOutcome:
         return out
 
 
+# ---- the phase, over a transport's channel ----------------------------------------------------
+def _scored(site: Site) -> ConformalClient:
+    """The client's half: its held-out rows scored once per phase (``site.memo``)."""
+    client = site.memo.get(PROTOCOL)
+    if client is None:
+        held = site.held_out
+        if held is None or held.size == 0:
+            raise DataError(f"client {site.client_id} holds no conformal calibration rows")
+        client = site.memo[PROTOCOL] = ConformalClient.from_probabilities(
+            site.client_id, _predictives(site, held.x), held.y, site.conformal, site.seed)
+    return client
+
+
+def _predictives(site: Site, x: Tensor) -> dict[str, Tensor]:
+    """The client's predictives of :data:`PREDICTIVES` (key -> (n, C) float64, on the CPU)."""
+    return {k: v.cpu() for k, v in site.predict(x).items() if k in PREDICTIVES}
+
+
+def client_reply(site: Site, down: bytes) -> bytes:
+    """A client's answer to a threshold proposal or the one-shot request (:data:`REQUEST`),
+    from its held-out scores (:meth:`ConformalClient.reply`).
+
+    Raises:
+        DataError: the client holds no held-out rows.
+        MessageRejected: the request follows neither schema.
+    """
+    return encode(_scored(site).reply(decode(down, key=site.server_key)),
+                  key=site.client_key)
+
+
+def client_evaluation(site: Site, down: bytes) -> bytes:
+    """A client's answer to the thresholds (:data:`RESULT`): the coverage counts of its sets
+    on its test rows (:meth:`ConformalClient.evaluate`; a client without held-out rows
+    evaluates too)."""
+    client = site.memo.get(PROTOCOL) or ConformalClient(
+        site.client_id, [None] * P, site.conformal,
+        derived_seed(site.seed, 45, site.client_id))  # the seed from_probabilities takes
+    reply = client.evaluate(decode(down, key=site.server_key),
+                            _predictives(site, site.data.test_x), site.data.test_y,
+                            site.strategy.num_classes)
+    return encode(reply, key=site.client_key)
+
+
+REQUEST = Phase("conformal", client_reply, "query.calibrate", "conformal")
+"""The threshold step's request (Flower: ``query.calibrate`` record key ``conformal``)."""
+RESULT = Phase("conformal", client_evaluation, "query.calibrate", "conformal_result")
+"""The thresholds; the reply is the client's coverage counts (``conformal_result``)."""
+
+
+def conformal_phase(channel: PhaseChannel, clients: Sequence[int], held_out: Mapping[int, Any],
+                    *, spec: ConformalSpec, held_out_fraction: float, num_classes: int,
+                    upload_hook: UploadHook | None = None) -> ConformalOutcome:
+    """The conformal step over a transport's ``channel`` (module docstring): the threshold
+    step over the ``clients`` with held-out rows (:data:`REQUEST`), then every client in
+    ``clients`` forms its sets on its test rows and returns its coverage counts
+    (:data:`RESULT`), validated and merged."""
+    start = time.perf_counter()
+    participants = [c for c in clients if c in held_out and held_out[c].size > 0]
+    search = conformal_search_over(asker(channel, REQUEST), participants, spec, num_classes,
+                                   upload_hook=upload_hook, keys=channel.keys)
+    coverage: dict[int, list[CoverageAccumulator | None]] = {}
+    rejections: list[dict[str, Any]] = []
+    if search.error is None:
+        coverage, rejections = evaluation_over(asker(channel, RESULT), list(clients), search,
+                                               num_classes, keys=channel.keys)
+    return ConformalOutcome(spec, search, coverage, rejections, held_out_fraction,
+                            sum(h.size for h in held_out.values()), num_classes,
+                            time.perf_counter() - start)
+
+
 def conformal_run(
     strategy: Any, clients: Sequence[Any], held_out: Mapping[int, Any], broadcast: Message, *,
     spec: ConformalSpec, held_out_fraction: float, run_seed: int,
     states: Mapping[int, Any] | None = None, upload_hook: UploadHook | None = None,
     keys: KeyRing | None = None,
 ) -> ConformalOutcome:
-    """The step after a simulation's last round (``strategy``: the client half; ``clients``:
-    the simulator's :class:`~bayesfl.executor.SimulatedClient` s). Every client with held-out
-    rows scores them with its final predictives; every client evaluates on its test rows."""
-    start = time.perf_counter()
-    server_key = None if keys is None else keys.server_key
-    halves: dict[int, ConformalClient] = {}
-    for client in clients:
-        data = held_out.get(client.client_id)
-        if data is None or data.size == 0:
-            continue
-        try:
-            halves[client.client_id] = ConformalClient.from_probabilities(
-                client.client_id, _predict(strategy, client, states, broadcast, data.x),
-                data.y, spec, run_seed)
-        except CalibrationError:  # an invalid predictive: the client sits the step out
-            continue
-
-    def ask(step: int, down: bytes, client_ids: Sequence[int]) -> dict[int, bytes | str]:
-        answers: dict[int, bytes | str] = {}
-        for cid in client_ids:
-            client_key = None if keys is None else keys.client_key(cid)
-            try:  # the client's side, from the bytes it received
-                answers[cid] = encode(halves[cid].reply(decode(down, key=server_key)),
-                                      key=client_key)
-            except (BayesFLError, CalibrationError, ValueError) as err:
-                answers[cid] = f"client failed to answer: {err}"
-        return answers
-
-    search = conformal_search_over(ask, list(halves), spec, strategy.num_classes,
-                                   upload_hook=upload_hook, keys=keys)
-    by_id = {c.client_id: c for c in clients}
-
-    def ask_evaluation(step: int, down: bytes, client_ids: Sequence[int]
-                       ) -> dict[int, bytes | str]:
-        answers: dict[int, bytes | str] = {}
-        for cid in client_ids:
-            client = by_id[cid]
-            half = halves.get(cid) or ConformalClient(cid, [None] * P, spec,
-                                                      derived_seed(run_seed, 45, cid))
-            client_key = None if keys is None else keys.client_key(cid)
-            try:
-                probs = _predict(strategy, client, states, broadcast, client.data.test_x)
-                answers[cid] = encode(half.evaluate(decode(down, key=server_key), probs,
-                                                    client.data.test_y, strategy.num_classes),
-                                      key=client_key)
-            except (BayesFLError, CalibrationError, ValueError) as err:
-                answers[cid] = f"client failed to evaluate: {err}"
-        return answers
-
-    coverage: dict[int, list[CoverageAccumulator | None]] = {}
-    rejections: list[dict[str, Any]] = []
-    if search.error is None:
-        coverage, rejections = evaluation_over(ask_evaluation, [c.client_id for c in clients],
-                                               search, strategy.num_classes, keys=keys)
-    return ConformalOutcome(spec, search, coverage, rejections, held_out_fraction,
-                            sum(d.size for d in held_out.values()), strategy.num_classes,
-                            time.perf_counter() - start)
-
-
-@torch.no_grad()
-def _predict(strategy: Any, client: Any, states: Mapping[int, Any] | None, broadcast: Message,
-             x: Tensor) -> dict[str, Tensor]:
-    """The client's predictives (key -> (n, C) float64) of inputs x (n, ...)."""
-    state = client.state if states is None else states.get(client.client_id, client.state)
-    out = strategy.predict(client.config, state, broadcast, x)
-    return {k: v.to(torch.float64).cpu() for k, v in out.items() if k in PREDICTIVES}
+    """The step in this process (:func:`conformal_phase` over
+    :class:`bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
+    is the client half; ``clients`` hold ``client_id``, ``config``, ``data`` and ``state``
+    (the simulator's :class:`~bayesfl.executor.SimulatedClient` s), ``states`` their final
+    states where they differ (personalised)."""
+    sites = {c.client_id: Site(
+        c.client_id, strategy, c.config,
+        c.state if states is None else states.get(c.client_id, c.state), broadcast, c.data,
+        held_out.get(c.client_id), seed=run_seed, conformal=spec,
+        server_key=None if keys is None else keys.server_key,
+        client_key=None if keys is None else keys.client_key(c.client_id)) for c in clients}
+    return conformal_phase(InProcessPhases(sites, keys), list(sites), held_out, spec=spec,
+                           held_out_fraction=held_out_fraction,
+                           num_classes=strategy.num_classes, upload_hook=upload_hook)
 
 
 __all__ = [
@@ -645,12 +634,17 @@ __all__ = [
     "PROPOSAL_SCHEMA",
     "PROTOCOL",
     "REPLY_SCHEMA",
+    "REQUEST",
+    "RESULT",
     "RESULT_SCHEMA",
     "SCORE_NAMES",
     "ConformalClient",
     "ConformalOutcome",
     "ConformalSearch",
     "ConformalSpec",
+    "client_evaluation",
+    "client_reply",
+    "conformal_phase",
     "conformal_run",
     "conformal_search_over",
     "evaluation_over",

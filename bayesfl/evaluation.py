@@ -17,8 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation
+from bayesfl.errors import MessageRejected
+from bayesfl.messages import Message, TensorSpec, decode, validate
+from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation, Strategy
 from calibration.accumulator import Accumulator
+from calibration.errors import CalibrationError
 
 METRICS = ("accuracy", "ece", "mce", "brier", "nll")
 
@@ -122,6 +125,67 @@ def merge_evaluations(evaluations: Sequence[Evaluation]) -> RoundEvaluation:
     client_ids = torch.repeat_interleave(torch.tensor(ids, dtype=labels.dtype),
                                          torch.tensor([len(e.labels) for e in evaluations]))
     return RoundEvaluation(predictives, probs, labels, client_ids)
+
+
+# ---- an evaluation as a reply (both transports: the calibrate step's, Flower's rounds') ----
+MAX_EVALUATION_BYTES = 4 * 2**20
+"""Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
+predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to spare."""
+
+
+def evaluation_tensors(evaluation: Evaluation) -> dict[str, torch.Tensor]:
+    """A client's calibration accumulator states as named tensors ``KEY.STATE``."""
+    return {f"{key}.{name}": t.to("cpu")
+            for key, acc in evaluation.accumulators.items()
+            for name, t in acc.state_dict().items()}
+
+
+def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: int,
+                    n_bins: int, num_test: int, key: bytes | None = None,
+                    predictives: set[str] | None = None) -> Evaluation:
+    """A client's evaluation from its encoded reply, validated.
+
+    Checks: the bytes (:func:`bayesfl.messages.decode`, bounded), the header (strategy,
+    round, sender, direction up), the predictive keys (the headline, and the MAP plug-in for
+    posterior strategies), each accumulator state (:meth:`Accumulator.from_state_dict`), its
+    number of bins and its sample count (the client's test-set size, as it declared it).
+    ``predictives``: the keys expected (default: the strategy's evaluation's).
+
+    Raises:
+        MessageRejected: with the reason.
+    """
+    message = decode(data, max_bytes=MAX_EVALUATION_BYTES, key=key)
+    _check_header(message, strategy, round, client_id)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in message.tensors.items():
+        head, _, rest = name.partition(".")
+        groups.setdefault(head, {})[rest] = tensor
+    expected = predictives or ({PREDICTIVE, MAP_PLUGIN} if strategy.is_posterior
+                               else {PREDICTIVE})
+    if set(groups) != expected:
+        raise MessageRejected(f"evaluation holds predictives {sorted(groups)}, expected "
+                              f"{sorted(expected)}", client_id=client_id)
+    accumulators = {}
+    for key_, state in groups.items():
+        try:
+            acc = Accumulator.from_state_dict(state)
+        except CalibrationError as err:
+            raise MessageRejected(f"evaluation {key_!r}: {err}", client_id=client_id) from err
+        if acc.n_bins != n_bins or acc.count != num_test:
+            raise MessageRejected(f"evaluation {key_!r} has {acc.n_bins} bins and "
+                                  f"{acc.count} samples, expected {n_bins} bins and the "
+                                  f"client's {num_test} test samples", client_id=client_id)
+        accumulators[key_] = acc
+    return Evaluation(client_id, accumulators)
+
+
+def _check_header(message: Message, strategy: Strategy, round: int, client_id: int) -> None:
+    """The header fields of an evaluation reply (its tensors are checked as accumulator
+    states: any names, shapes and dtypes pass this schema)."""
+    schema = {k: TensorSpec(tuple(t.shape), t.dtype, finite=False)
+              for k, t in message.tensors.items()}
+    validate(message, schema, strategy=strategy.name, round=round, client_id=client_id,
+             direction="up")
 
 
 def _typed(metrics: dict[str, Any]) -> dict[str, Any]:

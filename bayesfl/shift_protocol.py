@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bayesfl.engine.phases import Phase
 from bayesfl.errors import BayesFLError, CheckpointError, ConfigError, MessageRejected
 from bayesfl.messages import (
     DEFAULT_MAX_BYTES,
@@ -49,6 +50,7 @@ from bayesfl.messages import (
     Message,
     TensorSpec,
     decode,
+    encode,
     validate,
 )
 from bayesfl.shift_evaluation import (
@@ -493,6 +495,51 @@ def federated_shift_evaluation(ask: Ask, client_ids: Sequence[int], request: Shi
     return outcome
 
 
+# ==== the phase, over a transport's channel =====================================================
+def client_states(site: Any, down: bytes) -> tuple[bytes, list[str]]:
+    """A site's answer to the shift request (:data:`REQUEST`): its states for the request
+    (:func:`site_shift_states`, on its own test rows with its final state) as one encoded
+    message, and its notes (why the mutual information is missing, if it is).
+
+    Raises:
+        MessageRejected: not a shift request.
+        ConfigError: OOD sets asked of a site without the run's data set.
+    """
+    request = ShiftRequest.from_json(down.decode())
+    states, notes = site_shift_states(
+        request, strategy=site.strategy, client=site.client, state=site.state,
+        broadcast=site.broadcast, own=site.data, all_clients=site.clients, novel=site.novel,
+        device=site.device)
+    return encode(states_message(states), key=site.client_key), notes
+
+
+REQUEST = Phase("shift", client_states, "query.shift", "request", numbered=False, text=True,
+                notes=True, max_bytes=MAX_REPLY_BYTES)
+"""The shift request (Flower: ``query.shift``, the request's JSON under ``request``; the reply
+``reply`` with the site's ``notes``)."""
+
+
+def shift_phase(channel: Any, client_ids: Sequence[int], request: ShiftRequest, *,
+                client_data: Sequence[Any] | None, num_test: Mapping[int, int],
+                predictives: set[str], num_classes: int, novel: Sequence[int],
+                settings: Mapping[str, Any]) -> ShiftOutcome:
+    """The shift evaluation over a transport's ``channel``
+    (:class:`bayesfl.engine.phases.PhaseChannel`): the request to every client in
+    ``client_ids``, each reply checked against what the run's partition (``client_data``;
+    None for per-site data) and the clients' declared ``num_test`` rows say it must hold,
+    the report from the accepted ones (:func:`federated_shift_evaluation`)."""
+    expected, notes = expected_replies(request, client_data, novel,
+                                       {c: num_test[c] for c in client_ids})
+
+    def ask(down: bytes, ids: Sequence[int]) -> Mapping[int, Any]:
+        return channel.ask(REQUEST, 0, down, list(ids))
+
+    return federated_shift_evaluation(ask, client_ids, request, expected=expected,
+                                      predictives=predictives, num_classes=num_classes,
+                                      novel=novel, settings=settings, notes=notes,
+                                      keys=channel.keys)
+
+
 # ==== in the run directory ====================================================================
 def write_shift_outcome(run_dir: Path, report: ShiftReport,
                         states: Sequence[ClientShiftStates], *, novel: Sequence[int],
@@ -602,8 +649,29 @@ def _shown(shifts: Mapping[str, Sequence[float]]) -> str:
                     for k, vs in shifts.items()) or "none"
 
 
-__all__ = ["DEFAULTS", "MAX_REPLY_BYTES", "PROTOCOL", "REPORT_DIR", "STATES_NAME", "Expected",
-           "ShiftOutcome", "ShiftRequest", "expected_replies", "federated_shift_evaluation",
-           "read_shift_states", "report_settings", "request_of_settings", "same_request",
-           "shift_request", "site_shift_states", "states_from_tensors", "states_message",
-           "states_tensors", "stored_shift_report", "write_shift_outcome"]
+__all__ = [
+    "DEFAULTS",
+    "MAX_REPLY_BYTES",
+    "PROTOCOL",
+    "REPORT_DIR",
+    "REQUEST",
+    "STATES_NAME",
+    "Expected",
+    "ShiftOutcome",
+    "ShiftRequest",
+    "client_states",
+    "expected_replies",
+    "federated_shift_evaluation",
+    "read_shift_states",
+    "report_settings",
+    "request_of_settings",
+    "same_request",
+    "shift_phase",
+    "shift_request",
+    "site_shift_states",
+    "states_from_tensors",
+    "states_message",
+    "states_tensors",
+    "stored_shift_report",
+    "write_shift_outcome",
+]

@@ -10,7 +10,7 @@ transport calls :func:`check_run_config` as soon as it has a config (the simulat
 
 from __future__ import annotations
 
-from bayesfl.calibrate import parse_calibrate
+from bayesfl.calibration_spec import parse_calibrate
 from bayesfl.config import SimulationConfig
 from bayesfl.strategies.registry import check_option_names
 

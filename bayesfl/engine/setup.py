@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from bayesfl.calibrate import DEFAULT_HELD_OUT_FRACTION, hold_out, parse_calibrate
+from bayesfl.calibration_spec import DEFAULT_HELD_OUT_FRACTION, parse_calibrate
 from bayesfl.client.seeds import client_seeds
 from bayesfl.config import SimulationConfig, check_model_size
-from bayesfl.conformal import parse_conformal
+from bayesfl.conformal_spec import parse_conformal
 from bayesfl.data.clients import ClientData, make_clients
 from bayesfl.data.datasets import Dataset
 from bayesfl.errors import ConfigError
+from bayesfl.holdout import hold_out
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.training import LocalTraining
 

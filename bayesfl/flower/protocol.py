@@ -32,18 +32,18 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from bayesfl.config import SimulationConfig, check_threads
 from bayesfl.engine.preflight import check_run_config
 from bayesfl.errors import ConfigError, MessageRejected
+from bayesfl.evaluation import (  # noqa: F401 - public here too (the ClientApp, tests)
+    MAX_EVALUATION_BYTES,
+    evaluation_tensors,
+    read_evaluation,
+)
 from bayesfl.flower.options import FLOWER_KEYS, FlowerOptions
-from bayesfl.messages import Message, TensorSpec, decode, validate
 from bayesfl.settings import RUN_KEYWORDS, settings_from_mapping
-from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, Evaluation, Strategy
-from calibration.accumulator import Accumulator
-from calibration.errors import CalibrationError
 
 RECORD = "bayesfl"
 """Key of the ConfigRecord that carries a step's bytes and scalars."""
@@ -55,9 +55,6 @@ ROUND = "train.round"
 CALIBRATE = "query.calibrate"
 SHIFT = "query.shift"
 
-MAX_EVALUATION_BYTES = 4 * 2**20
-"""Largest encoded evaluation reply accepted: accumulator states are ~3 x 8 bytes per bin and
-predictive (15 bins: about 1 KiB), so 4 MiB bounds even 10,000 bins with room to spare."""
 
 _OPTION_KEYS = ("option", "strategy-options", "dataset-option", "dataset-options")
 _UNSET_WHEN_EMPTY = ("out", "threads", "calibrate", "conformal", "data-loader", "shift", "ood")
@@ -277,62 +274,6 @@ def scalar(values: Mapping[str, Any], name: str, kind: type) -> Any:
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
         raise MessageRejected(f"field {name!r} must be {kind.__name__}, got {value!r}")
     return value
-
-
-# ---- evaluation replies -------------------------------------------------------------------
-def evaluation_tensors(evaluation: Evaluation) -> dict[str, torch.Tensor]:
-    """A client's calibration accumulator states as named tensors ``KEY.STATE``."""
-    return {f"{key}.{name}": t.to("cpu")
-            for key, acc in evaluation.accumulators.items()
-            for name, t in acc.state_dict().items()}
-
-
-def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: int,
-                    n_bins: int, num_test: int, key: bytes | None = None,
-                    predictives: set[str] | None = None) -> Evaluation:
-    """A client's evaluation from its encoded reply, validated.
-
-    Checks: the bytes (:func:`bayesfl.messages.decode`, bounded), the header (strategy,
-    round, sender, direction up), the predictive keys (the headline, and the MAP plug-in for
-    posterior strategies), each accumulator state (:meth:`Accumulator.from_state_dict`), its
-    number of bins and its sample count (the client's test-set size, as it declared it).
-    ``predictives``: the keys expected (default: the strategy's evaluation's).
-
-    Raises:
-        MessageRejected: with the reason.
-    """
-    message = decode(data, max_bytes=MAX_EVALUATION_BYTES, key=key)
-    _check_header(message, strategy, round, client_id)
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in message.tensors.items():
-        head, _, rest = name.partition(".")
-        groups.setdefault(head, {})[rest] = tensor
-    expected = predictives or ({PREDICTIVE, MAP_PLUGIN} if strategy.is_posterior
-                               else {PREDICTIVE})
-    if set(groups) != expected:
-        raise MessageRejected(f"evaluation holds predictives {sorted(groups)}, expected "
-                              f"{sorted(expected)}", client_id=client_id)
-    accumulators = {}
-    for key_, state in groups.items():
-        try:
-            acc = Accumulator.from_state_dict(state)
-        except CalibrationError as err:
-            raise MessageRejected(f"evaluation {key_!r}: {err}", client_id=client_id) from err
-        if acc.n_bins != n_bins or acc.count != num_test:
-            raise MessageRejected(f"evaluation {key_!r} has {acc.n_bins} bins and "
-                                  f"{acc.count} samples, expected {n_bins} bins and the "
-                                  f"client's {num_test} test samples", client_id=client_id)
-        accumulators[key_] = acc
-    return Evaluation(client_id, accumulators)
-
-
-def _check_header(message: Message, strategy: Strategy, round: int, client_id: int) -> None:
-    """The header fields of an evaluation reply (its tensors are checked as accumulator
-    states: any names, shapes and dtypes pass this schema)."""
-    schema = {k: TensorSpec(tuple(t.shape), t.dtype, finite=False)
-              for k, t in message.tensors.items()}
-    validate(message, schema, strategy=strategy.name, round=round, client_id=client_id,
-             direction="up")
 
 
 def describe_error(error: Any) -> str:

@@ -378,7 +378,7 @@ def test_the_runs_temperature_equals_centralised_temperature_on_the_pooled_held_
 
 def test_an_authenticated_run_signs_the_calibration_messages_too(monkeypatch):
     seen = {}
-    search = calibrate_module.federated_temperature_search
+    search = calibrate_module.temperature_search_over  # the run's search, over its channel
 
     def forged(step, client_id, data):  # client 2 signs its reply with a key of its making
         if client_id != 2:
@@ -389,7 +389,7 @@ def test_an_authenticated_run_signs_the_calibration_messages_too(monkeypatch):
         seen["keys"] = kwargs["keys"]
         return search(*args, **{**kwargs, "upload_hook": forged})
 
-    monkeypatch.setattr(calibrate_module, "federated_temperature_search", with_forger)
+    monkeypatch.setattr(calibrate_module, "temperature_search_over", with_forger)
     result = simulate("fedlog", calibrate="temperature", authenticate=True, **SMALL)
     assert isinstance(seen["keys"], KeyRing)  # the run's keys reached the step
     step = result.summary["calibration"]
