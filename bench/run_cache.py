@@ -62,6 +62,21 @@ def provenance(device: str = "cpu") -> dict[str, str]:
             "machine": machine}
 
 
+def worktree_state() -> str:
+    """``"clean"`` when the checkout's tracked files are those of ``HEAD``, else how many
+    differ (``"3 tracked files modified"``: the run measured code that is not ``commit``'s,
+    e.g. another engineer's uncommitted change in a shared checkout); ``"unknown"`` without
+    git."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, check=True,
+                                cwd=Path(__file__).resolve().parent).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    changed = [line for line in status.splitlines() if line.strip()]
+    return f"{len(changed)} tracked files modified" if changed else "clean"
+
+
 def append_result(path: Path | str | None, result: dict, *, seeds: Sequence[int],
                   load_before: Sequence[float], device: str = "cpu") -> dict:
     """One bench invocation's result with its provenance, appended as one JSON line to ``path``
@@ -71,10 +86,12 @@ def append_result(path: Path | str | None, result: dict, *, seeds: Sequence[int]
     ``seeds``, ``torch`` (its version), ``threads`` (torch's intra-op threads) and the 1, 5 and
     15-minute load averages before the measured work (``load_before``, from ``os.getloadavg``)
     and now (``load_after``): on a shared machine the load says how far the absolute times
-    can be trusted, and the ratio to a peer measured in the same run is the figure to quote."""
+    can be trusted, and the ratio to a peer measured in the same run is the figure to quote.
+    ``worktree`` (:func:`worktree_state`) says whether the code run was ``commit``'s."""
     import torch
 
-    record = {**result, **provenance(device), "seeds": [int(s) for s in seeds],
+    record = {**result, **provenance(device), "worktree": worktree_state(),
+              "seeds": [int(s) for s in seeds],
               "torch": torch.__version__, "threads": torch.get_num_threads(),
               "load_before": [round(float(v), 2) for v in load_before],
               "load_after": [round(v, 2) for v in os.getloadavg()]}
@@ -176,4 +193,5 @@ def run_cached(tasks: Sequence[Task], cache: Path | None, *, jobs: int = 1,
     return done
 
 
-__all__ = ["Task", "append_result", "provenance", "read_cache", "read_jsonl", "run_cached"]
+__all__ = ["Task", "append_result", "provenance", "read_cache", "read_jsonl", "run_cached",
+           "worktree_state"]
