@@ -1,11 +1,13 @@
 """Exact diagonal of the classification GGN over all trainable parameters.
 
-``diag GGN_r = sum_x [ sum_o p_o J_or^2 - (sum_o p_o J_or)^2 ]``, with ``p = softmax(f(x))``.
-Written with the square root of the softmax Hessian, ``Lambda = diag(p) - p p^T = M M^T`` where
-``M[:, k] = sqrt(p_k) (e_k - p)``, it is ``sum_x sum_k (J^T M[:, k])_r^2``: C backward passes of
-the vectors ``M[:, k]`` per batch (the BackPACK "DiagGGN exact" scheme). For an ``nn.Linear``
-layer with 2-D input the per-sample squares reduce to one matrix product
-``(sum_k g_k^2)^T (a^2)``; no per-sample Jacobian of all parameters is formed.
+``diag GGN_r = sum_x [ sum_o p_o J_or^2 - (sum_o p_o J_or)^2 ]``, with ``p = softmax(f(x))``
+(:func:`inference.curvature.ggn_diagonal`, used as it is for parameters outside Linear/Conv2d).
+Written with the square root of the softmax Hessian (:mod:`inference.curvature`),
+``Lambda = diag(p) - p p^T = M M^T`` where ``M[:, k] = sqrt(p_k) (e_k - p)``, it is
+``sum_x sum_k (J^T M[:, k])_r^2``: C backward passes of the vectors ``M[:, k]`` per batch (the
+BackPACK "DiagGGN exact" scheme). For an ``nn.Linear`` layer with 2-D input the per-sample
+squares reduce to one matrix product ``(sum_k g_k^2)^T (a^2)``; no per-sample Jacobian of all
+parameters is formed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from inference.curvature import ggn_diagonal, softmax_hessian_sqrt
 from inference.subnet.batches import BatchChecks, check_logits, iterate_batches
 from inference.subnet.capture import (
     ActivationCapture,
@@ -31,17 +34,6 @@ from inference.subnet.parameters import ParameterSlot, flat_trainable_parameters
 from inference.subnet.training_mode import eval_mode
 
 __all__ = ["diagonal_ggn", "softmax_hessian_sqrt"]
-
-
-def softmax_hessian_sqrt(probs: Tensor) -> Tensor:
-    """Vectors ``V`` (C, B, C) with ``sum_k V[k, b] V[k, b]^T = diag(p_b) - p_b p_b^T``.
-
-    Args:
-        probs: (B, C) softmax probabilities.
-    """
-    C = probs.shape[1]
-    eye = torch.eye(C, dtype=probs.dtype, device=probs.device)
-    return probs.sqrt().T.unsqueeze(-1) * (eye.unsqueeze(1) - probs.unsqueeze(0))
 
 
 @torch.no_grad()
@@ -93,9 +85,7 @@ def diagonal_ggn(
                 jac = generic_jacobians(model, params, [s.name for s in generic], X)
                 for slot in generic:
                     J = jac[slot.name].reshape(X.shape[0], probs.shape[1], -1)
-                    pJ = probs.unsqueeze(-1) * J
-                    part = (pJ * J).sum((0, 1)) - pJ.sum(1).square().sum(0)
-                    diag[slot.offset : slot.offset + slot.numel] += part
+                    diag[slot.offset : slot.offset + slot.numel] += ggn_diagonal(J, probs)
     checks.finish()
     return diag
 

@@ -23,10 +23,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from inference.curvature import ggn_diagonal_from_sqrt, ggn_from_sqrt, softmax_hessian_sqrt
 from inference.errors import InvalidInputError
 from inference.subnet.batches import BatchChecks, check_logits, iterate_batches
-from inference.subnet.dense import mirror_upper_, symmetrize_
-from inference.subnet.diagonal import softmax_hessian_sqrt
+from inference.subnet.dense import mirror_upper_
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory, tensor_bytes
 from inference.subnet.parameters import (
@@ -245,8 +245,8 @@ def _chunk_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor, checks: BatchChecks
     checks.update(logits, y)
     JtM = JtM.reshape(engine.n_subnet, -1)
     if diagonal_only:
-        return torch.diag(JtM.square().sum(1))
-    return symmetrize_(JtM @ JtM.T)
+        return torch.diag(ggn_diagonal_from_sqrt(JtM))
+    return ggn_from_sqrt(JtM)
 
 
 def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,

@@ -3,8 +3,9 @@
 The subnet precision is ``P = D + H``, ``D = diag(prior_precision)`` (S,) and ``H = sum_b
 J_b^T Lambda_b J_b`` over the client's n inputs. For Linear-layer entries the Jacobian factors,
 ``J[b, o, s] = G[o, b, u_s] A[b, s]`` (:meth:`SubnetJacobian.linear_factors`), and with
-``Lambda_b = V_b V_b^T``, V_b (C, C - 1) (:func:`softmax_hessian_sqrt_reduced`; the softmax
-Hessian has rank C - 1), ``H = W W^T`` with ``W[s, (b, j)] = A[b, s] Q_b[u_s, j]``,
+``Lambda_b = V_b V_b^T``, V_b (C, C - 1)
+(:func:`inference.curvature.softmax_hessian_sqrt_reduced`; the softmax Hessian has rank C - 1),
+``H = W W^T`` with ``W[s, (b, j)] = A[b, s] Q_b[u_s, j]``,
 ``Q_b = (V_b^T dlogits/dz)^T`` (U, C - 1) over the subnet's U units. Per sample only the units
 that are active (a nonzero row of Q_b) count, so ``Q_b Q_b^T = F_b F_b^T`` with F_b of
 ``r_b = min(active units, C - 1)`` columns (an LQ factor when fewer units than C - 1 are
@@ -33,6 +34,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from inference.curvature import softmax_hessian_sqrt_reduced
 from inference.errors import InvalidInputError, NumericalError
 from inference.subnet.batches import BatchChecks, iterate_batches
 from inference.subnet.dense import cholesky_overwrite, lapack_threads, mirror_upper_
@@ -53,31 +55,6 @@ ROW_CHUNK_BYTES = 64 * 2**20
 QUADRATIC_CHUNK_BYTES = 2 * 2**20
 """Working memory of one chunk of the unit quadratic forms' (rows, n (C - 1), U) intermediate:
 about a core's L2 cache, so that it is read back from there (2.4x faster than one piece)."""
-
-
-def softmax_hessian_sqrt_reduced(probs: Tensor) -> Tensor:
-    """Vectors ``V`` (C - 1, B, C) with ``sum_k V[k, b] V[k, b]^T = diag(p_b) - p_b p_b^T``.
-
-    ``Lambda = diag(sqrt p) (I - v v^T) diag(sqrt p)``, ``v = sqrt p`` (a unit vector), and
-    ``I - v v^T = R R^T`` with R the columns but one of the Householder reflector that maps v to
-    ``-e_m`` (m the largest entry of v): ``V_b = diag(sqrt p_b) R_b``, C - 1 vectors where
-    :func:`~inference.subnet.diagonal.softmax_hessian_sqrt` has C (rank C - 1 either way).
-
-    Args:
-        probs: (B, C) softmax probabilities.
-    """
-    B, C = probs.shape
-    v = probs.sqrt()
-    m = v.argmax(dim=1)
-    w = v.clone()
-    rows = torch.arange(B, device=probs.device)
-    w[rows, m] += 1.0  # w = v + e_m (v_m > 0): no cancellation; w^T w = 2 (1 + v_m)
-    householder = torch.eye(C, dtype=probs.dtype, device=probs.device) - (
-        w.unsqueeze(2) * w.unsqueeze(1)) / (1.0 + v[rows, m]).view(B, 1, 1)
-    keep = torch.ones(B, C, dtype=torch.bool, device=probs.device)
-    keep[rows, m] = False
-    R = householder.transpose(1, 2)[keep].view(B, C - 1, C)  # (B, C - 1, C): columns but m
-    return (R * v.unsqueeze(1)).permute(1, 0, 2)  # V[k, b, c] = sqrt(p_bc) R[b, c, k]
 
 
 @torch.no_grad()
