@@ -29,6 +29,12 @@ the NLL summed over every client's held-out data, without any prediction leaving
   objective changed); the run never crashes on it. A client can still bias T within those
   bounds: the step trusts its participants as much as the aggregation of statistics does.
 
+The step is a final phase (:mod:`bayesfl.engine.phases`), written once for every transport:
+:func:`calibrate_phase` on the server, :func:`client_reply` (to a proposal, :data:`PROPOSAL`)
+and :func:`client_evaluation` (to the result, :data:`RESULT`) on each client; the transport
+only carries the bytes. The setting's parser is :mod:`bayesfl.calibration_spec` and the
+hold-out split :mod:`bayesfl.holdout` (both re-exported here).
+
 The run reports the uncalibrated headline figures and the calibrated ones side by side
 (``summary["calibration"]``), with the temperature, the held-out NLL before and after, the
 communication rounds and bytes of the step, and any rejections.

@@ -33,6 +33,10 @@ label with probability >= 90% (:mod:`calibration.conformal`), from a threshold c
   A client whose reply fails is dropped, the reason logged, and the search restarts over the
   others; the run never crashes on it.
 
+The step is a final phase (:mod:`bayesfl.engine.phases`), written once for every transport:
+:func:`conformal_phase` on the server, :func:`client_reply` (:data:`REQUEST`) and
+:func:`client_evaluation` (:data:`RESULT`) on each client.
+
 The score's randomisation (``*-randomized``) draws one ``u`` per row from a generator seeded by
 the run's seed and the client id, so a run reproduces its sets.
 """
@@ -536,6 +540,7 @@ class ConformalOutcome:
 # ---- the phase, over a transport's channel ----------------------------------------------------
 def _scored(site: Site) -> ConformalClient:
     """The client's half: its held-out rows scored once per phase (``site.memo``)."""
+    _check_site(site)
     client = site.memo.get(PROTOCOL)
     if client is None:
         held = site.held_out
@@ -544,6 +549,11 @@ def _scored(site: Site) -> ConformalClient:
         client = site.memo[PROTOCOL] = ConformalClient.from_probabilities(
             site.client_id, _predictives(site, held.x), held.y, site.conformal, site.seed)
     return client
+
+
+def _check_site(site: Site) -> None:
+    if site.conformal is None:
+        raise MessageRejected("this run has no conformal step")
 
 
 def _predictives(site: Site, x: Tensor) -> dict[str, Tensor]:
@@ -567,6 +577,7 @@ def client_evaluation(site: Site, down: bytes) -> bytes:
     """A client's answer to the thresholds (:data:`RESULT`): the coverage counts of its sets
     on its test rows (:meth:`ConformalClient.evaluate`; a client without held-out rows
     evaluates too)."""
+    _check_site(site)
     client = site.memo.get(PROTOCOL) or ConformalClient(
         site.client_id, [None] * P, site.conformal,
         derived_seed(site.seed, 45, site.client_id))  # the seed from_probabilities takes

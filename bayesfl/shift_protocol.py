@@ -9,7 +9,10 @@ evaluate` writes into ``RUN_DIR/shift`` (``shift_report.json``, ``shift_report.m
 plots) and, beside it, the clients' validated states (:data:`STATES_NAME`), from which
 `stored_shift_report` rebuilds the whole report (plots included) without the clients.
 
-* **The simulator** evaluates the finished run in process with `bayesfl.evaluate_shift`.
+The step is a final phase (:mod:`bayesfl.engine.phases`), written once for both transports:
+:func:`shift_phase` on the server, :func:`client_states` on each client (:data:`REQUEST`).
+
+* **The simulator** asks its clients in process (the same request, reply and checks).
 * **Flower**: the ServerApp sends every connected site one ``query.shift`` message (the
   request as JSON, and the final evaluation broadcast); the site runs
   `bayesfl.shift_evaluation.shift_client_step` (the step `evaluate_shift` runs for each

@@ -48,7 +48,6 @@ data's identity (its fingerprint must match: a mismatch names the settings that 
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +58,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bayesfl.calibrate import CalibrationOutcome, calibrate_run
+from bayesfl.calibrate import CalibrationOutcome
 from bayesfl.config import (
     CONFIG_FIELDS,
     SimulationConfig,
@@ -69,6 +68,7 @@ from bayesfl.config import (
 )
 from bayesfl.data.datasets import Dataset
 from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.phases import InProcessPhases, Phase, Site
 from bayesfl.engine.preflight import check_run_config
 from bayesfl.engine.rounds import RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
@@ -330,48 +330,18 @@ def simulate(
     with torch_threads(threads):
         run = _Run(config, run_dir, data=data, resume=resume, threads=threads, shift=shift,
                    ood=ood)  # a shift or ood the run cannot have is refused here
-        request = run.shift_request
         run.broadcast_hook, run.round_callback = broadcast_hook, round_callback
         run.progress, run.channel.upload_hook = progress, upload_hook
         summary = run.execute()
-        result = SimulationResult(config, summary, run.metrics_log.records, run_dir, run.state,
-                                  run.clients, run.client_half, run.broadcast,
-                                  run.personalized, run.calibration, tuple(run.novel))
+        result = SimulationResult(
+            config, summary, run.metrics_log.records, run_dir, run.state, run.clients,
+            run.client_half, run.broadcast, run.personalized, run.calibration, tuple(run.novel),
+            None if run.shift_outcome is None else run.shift_outcome.report)
     if run_dir is not None:  # a directory with it holds a finished run (load_run)
         from bayesfl.run_result import save_run_result
 
         save_run_result(run_dir, result)
-    if request is not None:
-        with torch_threads(threads):
-            _shift_step(result, request, data, progress)
     return result
-
-
-def _shift_step(result: SimulationResult, request: Any, data: Dataset | None,
-                progress: bool) -> None:
-    """The run's shift evaluation (run keys ``shift``/``ood``): `evaluate_shift` on the
-    finished run, into ``result.shift_report``, ``out/shift`` and ``summary["shift_evaluation"]``
-    (with the bytes the federated step would move: the request to every client, each client's
-    states up, :mod:`bayesfl.shift_protocol`)."""
-    from bayesfl.shift_evaluation import evaluate_shift
-    from bayesfl.shift_protocol import states_message, write_shift_outcome
-
-    report = evaluate_shift(result, list(request.shifts), list(request.ood),
-                            seed=request.seed, coverage=request.coverage,
-                            posterior_samples=request.posterior_samples, data=data,
-                            progress=progress)
-    result.shift_report = report
-    clients = list(range(len(result.clients)))
-    result.summary["shift_evaluation"] = {
-        "report": "shift/shift_report.json" if result.run_dir is not None else None,
-        "participants": clients, "accepted": [s.client_id for s in report.states],
-        "bytes_up": sum(len(encode(states_message(s))) for s in report.states),
-        "bytes_down": len(request.to_json().encode()) * len(clients),
-        "rejections": [], "error": None}
-    if result.run_dir is not None:
-        write_shift_outcome(result.run_dir, report, report.states, novel=result.novel,
-                            num_classes=result.strategy.context.num_classes)
-        (result.run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
 
 
 def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | None, dict]:
@@ -404,6 +374,9 @@ class InProcessChannel:
         self.upload_hook: UploadHook | None = None
         self.divergence_warned = False
         self._collected: Collected | None = None
+        self._phases: InProcessPhases | None = None
+        self.final_broadcast: Message | None = None
+        """What the final phases predict with (the engine sets it after the last round)."""
         self.seconds_encode = 0.0
         """Wall seconds the last fit step spent encoding uploads (part of the local work)."""
 
@@ -452,10 +425,34 @@ class InProcessChannel:
     def close(self) -> None:
         """Nothing to release: the clients live in this process."""
 
+    # ---- the final phases (bayesfl.engine.phases) -----------------------------------------
+    @property
+    def num_test(self) -> dict[int, int]:
+        """Client id -> its test rows."""
+        return {c.client_id: c.data.num_test for c in self.run.clients}
+
+    def ask(self, phase: Phase, step: int, down: bytes, client_ids: Sequence[int]
+            ) -> dict[int, Any]:
+        """Every client's answer to a final phase's request, computed here from its site: its
+        final state (personalised where the strategy personalises) and the final evaluation
+        broadcast the engine set (:attr:`final_broadcast`)."""
+        if self._phases is None:
+            run = self.run
+            self._phases = InProcessPhases({c.client_id: Site(
+                c.client_id, run.client_half, c.config,
+                run.personalized.get(c.client_id, c.state), self.final_broadcast, c.data,
+                run.setup.held_out.get(c.client_id), seed=run.config.seed,
+                n_bins=run.config.n_bins, device=run.device, conformal=run.setup.conformal,
+                clients=run.setup.client_data, novel=tuple(run.novel),
+                server_key=self.server_key, client_key=self.client_key(c.client_id))
+                for c in run.clients}, self.keys)
+        return self._phases.ask(phase, step, down, client_ids)
+
 
 class _Run(Run):
     """The simulator's side of a run (:class:`bayesfl.engine.run.Run`): the clients in this
-    process, their states in the checkpoint, the progress bars and the in-process final steps."""
+    process, their states in the checkpoint, the progress bars; the final phases ask them
+    through :meth:`InProcessChannel.ask`."""
 
     def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
                  resume: bool = False, threads: int | None = None, shift: Any = None,
@@ -536,23 +533,6 @@ class _Run(Run):
                     keep_probs=False, states=personalized or None))
         self.personalized = personalized
         return FinalEvaluation(last_eval, bool(personalized), novel_eval, broadcast)
-
-    def calibrate(self, final: FinalEvaluation) -> CalibrationOutcome:
-        with torch.random.fork_rng(devices=self.rng_devices()):
-            return calibrate_run(self.client_half, self.training_clients, self.setup.held_out,
-                                 final.broadcast, spec=self.setup.calibration,
-                                 n_bins=self.config.n_bins, states=self.personalized or None,
-                                 keys=self.keys)
-
-    def conformal(self, final: FinalEvaluation) -> Any:
-        from bayesfl.conformal import conformal_run
-
-        with torch.random.fork_rng(devices=self.rng_devices()):
-            return conformal_run(self.client_half, self.training_clients, self.setup.held_out,
-                                 final.broadcast, spec=self.setup.conformal,
-                                 held_out_fraction=self.setup.held_out_fraction,
-                                 run_seed=self.config.seed, states=self.personalized or None,
-                                 keys=self.keys)
 
     # ---- the round loop's hooks (bayesfl.engine.rounds.RoundHooks) ----------------------
     def round_started(self, round: int) -> list[dict[str, Any]]:

@@ -17,9 +17,9 @@ A transport subclasses :class:`Run` with its channel, its round loop (evaluation
   progress bar and background checkpoint write; Flower's node discovery);
 * :meth:`Run.final_evaluation`: the last evaluation, the personalisation and the novel
   clients, returned as a :class:`FinalEvaluation`;
-* :meth:`Run.calibrate` / :meth:`Run.conformal`: the final steps over the transport's query
-  (:meth:`Run.final_steps` writes their figures and files; a transport adds its own steps
-  after them: Flower's shift evaluation);
+* the channel's ``ask``, ``keys`` and ``num_test``: the final phases
+  (:mod:`bayesfl.engine.phases`: calibrate, conformal, shift; :meth:`Run.final_steps` runs
+  them and writes their figures and files);
 * :attr:`Run.manifest_extras` and :attr:`Run.data_loader` (per-site data: no partition
   file).
 """
@@ -45,7 +45,7 @@ from bayesfl.engine.rounds import RoundLoop
 from bayesfl.engine.setup import novel_clients, run_identity, run_setup
 from bayesfl.engine.state import foreign_message, restore_round, save_round
 from bayesfl.engine.steps import build_summary, run_rejected_message, summary_extras
-from bayesfl.errors import CheckpointError, UploadsRejectedWarning
+from bayesfl.errors import BayesFLError, CheckpointError, UploadsRejectedWarning
 from bayesfl.evaluation import RoundEvaluation
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog
 from bayesfl.strategies import make_strategy
@@ -145,6 +145,7 @@ class Run(ABC):
         """``callback(round, record)`` after each complete (checkpointed) round, or None."""
         self.pending_checkpoint: PendingWrite | None = None
         self.calibration: Any = None  # the calibrate step's outcome, when the run has one
+        self.shift_outcome: Any = None  # the shift step's (bayesfl.shift_protocol.ShiftOutcome)
 
     def start_loop(self, channel: Any, **mode: Any) -> None:
         """The run's one round loop (:class:`~bayesfl.engine.rounds.RoundLoop`) over the
@@ -246,29 +247,78 @@ class Run(ABC):
         """Every client's evaluation after the last round, with the broadcast it used."""
 
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        """The steps after the summary, as the run asks, each over the transport's query:
-        calibrate (:meth:`calibrate`: ``summary["calibration"]``, beside the uncalibrated
-        figures) and conformal (:meth:`conformal`: ``summary["conformal"]`` and, with a run
-        directory, ``conformal.md`` / ``conformal.png``). A transport adds its own after."""
-        if self.setup.calibration is not None:
-            self.calibration = self.calibrate(final)
+        """The final phases (:mod:`bayesfl.engine.phases`) as the run asks, each over the
+        transport's channel (its ``ask``, ``keys`` and ``num_test``) with the final evaluation
+        broadcast: calibrate (:attr:`calibration`, ``summary["calibration"]`` beside the
+        uncalibrated figures), conformal (``summary["conformal"]`` and, with a run directory,
+        ``conformal.md`` / ``conformal.png``) and the shift evaluation (:meth:`shift_step`).
+        Each phase runs on a forked RNG: none draws from the run's."""
+        channel, setup, config = self.channel, self.setup, self.config
+        channel.final_broadcast = final.broadcast
+        clients = self.reachable(self.training)
+        if setup.calibration is not None:
+            from bayesfl.calibrate import calibrate_phase
+
+            with torch.random.fork_rng(devices=self.rng_devices()):
+                self.calibration = calibrate_phase(
+                    channel, clients, setup.held_out, spec=setup.calibration,
+                    server=self.server, n_bins=config.n_bins, num_test=channel.num_test)
             summary["calibration"] = self.calibration.summary(summary)
-        if self.setup.conformal is not None:
+        if setup.conformal is not None:
+            from bayesfl.conformal import conformal_phase
             from bayesfl.conformal_report import write_conformal_files
 
-            summary["conformal"] = self.conformal(final).summary()
+            with torch.random.fork_rng(devices=self.rng_devices()):
+                summary["conformal"] = conformal_phase(
+                    channel, clients, setup.held_out, spec=setup.conformal,
+                    held_out_fraction=setup.held_out_fraction,
+                    num_classes=self.dataset.num_classes).summary()
             if self.run_dir is not None:
                 write_conformal_files(summary["conformal"], self.run_dir)
+        if self.shift_request is not None:
+            with torch.random.fork_rng(devices=self.rng_devices()):
+                summary["shift_evaluation"] = self.shift_step()
 
-    @abstractmethod
-    def calibrate(self, final: FinalEvaluation) -> Any:
-        """The temperature-scaling step's outcome (:class:`bayesfl.calibrate.CalibrationOutcome`)
-        over the transport's clients, from ``final.broadcast``."""
+    def shift_step(self) -> dict[str, Any]:
+        """The shift phase (run keys ``shift``/``ood``,
+        :func:`bayesfl.shift_protocol.shift_phase`): every reachable client scores its final
+        state on its own shifted and out-of-distribution rows and replies with its mergeable
+        states; the report of the valid replies goes to :attr:`shift_outcome` and, with a run
+        directory, ``out/shift``. A bad or missing reply is a rejection; a report that cannot
+        be built or written is the summary's ``error``, never the run's. Returns
+        ``summary["shift_evaluation"]``."""
+        from bayesfl.shift_protocol import report_settings, shift_phase, write_shift_outcome
+        from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE
 
-    @abstractmethod
-    def conformal(self, final: FinalEvaluation) -> Any:
-        """The conformal step's outcome (:class:`bayesfl.conformal.ConformalOutcome`) over the
-        transport's clients, from ``final.broadcast``."""
+        request, config, num_classes = self.shift_request, self.config, self.dataset.num_classes
+        clients = sorted(self.reachable(range(config.clients)))
+        try:
+            settings = report_settings(
+                request, run_dir=self.run_dir, strategy=config.strategy, dataset=config.dataset,
+                clients=config.clients, novel=self.novel, partition=config.partition,
+                rounds=config.rounds)
+            outcome = shift_phase(
+                self.channel, clients, request, num_test=self.channel.num_test,
+                client_data=None if self.data_loader is not None else self.setup.client_data,
+                predictives={PREDICTIVE, MAP_PLUGIN} if self.server.is_posterior
+                else {PREDICTIVE}, num_classes=num_classes, novel=self.novel,
+                settings=settings)
+            if outcome.report is not None and self.run_dir is not None:
+                write_shift_outcome(self.run_dir, outcome.report, outcome.states,
+                                    novel=self.novel, num_classes=num_classes)
+        except (BayesFLError, OSError, ValueError) as err:  # a report problem, not the run's
+            self.log(f"shift evaluation failed: {err}")
+            return {"report": None, "error": f"shift evaluation failed: {err}"}
+        self.shift_outcome = outcome
+        for rejection in outcome.rejections:
+            self.log(f"shift evaluation: client {rejection['client_id']} left out: "
+                     f"{rejection['reason']}")
+        self.log(f"shift evaluation: {len(outcome.states)} of {len(clients)} sites, bytes up "
+                 f"{outcome.bytes_up:,}, down {outcome.bytes_down:,}")
+        summary = outcome.summary()
+        if self.run_dir is None:  # nothing written: no report file to name
+            summary["report"] = None
+        return summary
 
     # ---- checkpoints ----------------------------------------------------------------------
     def checkpoint(self, r: int) -> None:

@@ -1,11 +1,13 @@
 """The round engine's channel over a Flower Grid (:class:`FlowerChannel`): one ``train.round``
-message per client and round, the queries of the final steps (``query.calibrate``,
-``query.shift``), and node discovery (``query.info``: a node says which client it serves, its
-data sizes and the run's fingerprint; a node set up with other settings or data is refused).
+message per client and round, the final phases' requests (:meth:`FlowerChannel.ask`:
+``query.calibrate``, ``query.shift``), and node discovery (``query.info``: a node says which
+client it serves, its data sizes and the run's fingerprint; a node set up with other settings
+or data is refused).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
 from bayesfl.engine.channel import Collected, Reply, Step
+from bayesfl.engine.phases import Phase
 from bayesfl.engine.rounds import RoundTrace
 from bayesfl.errors import MessageRejected
 from bayesfl.flower.protocol import (
@@ -78,6 +81,9 @@ class FlowerChannel:
         self._sent: tuple[int, dict[int, Step], dict[int, int]] | None = None
         self.resumed_from: int | None = None  # told to every node: they resume their state
         self._pushed: Any = None
+        self.keys = None  # the final phases' messages: Flower authenticates its own way (TLS)
+        self.final_broadcast: bytes = b""
+        """What the final phases' requests carry to predict with (the engine sets it)."""
 
     def read(self, data: bytes, round: int, client_id: int) -> Evaluation:
         """Client ``client_id``'s encoded evaluation of round ``round``, checked
@@ -223,22 +229,34 @@ class FlowerChannel:
 
 
 
-    # ---- the final steps' queries -------------------------------------------------------
-    def ask(self, message_type: str, contents: Mapping[int, RecordDict], *, step: str,
-            round: int = 0) -> dict[int, bytes | str]:
-        """Send each client its query ``contents[client_id]`` and collect the ``reply`` part
-        of each answer: client id -> its bytes, or why none came (the ``Ask`` of
-        :mod:`bayesfl.calibrate` and :mod:`bayesfl.conformal`)."""
-        exchange = self.exchange(message_type, {c: (self.nodes[c], content)
-                                                for c, content in contents.items()},
-                                 step=step, round=round)
-        answers: dict[int, bytes | str] = {e["client_id"]: e["reason"] for e in exchange.events}
+    # ---- the final phases (bayesfl.engine.phases) ---------------------------------------
+    def ask(self, phase: Phase, step: int, down: bytes, client_ids: Sequence[int]
+            ) -> dict[int, Any]:
+        """A final phase's request ``down`` to every client in ``client_ids``, in a
+        ``phase.query`` message with the final evaluation broadcast (:attr:`final_broadcast`)
+        laid out as the phase says; each client's reply bytes (the shift phase: with its notes),
+        or why none came (:class:`bayesfl.engine.phases.PhaseChannel`)."""
+        fields: dict[str, Any] = {"step": step} if phase.numbered else {}
+        fields.update({phase.request: down.decode() if phase.text else down,
+                       "broadcast": self.final_broadcast})
+        exchange = self.exchange(phase.query, {c: (self.nodes[c], pack(**fields))
+                                               for c in client_ids},
+                                 step=phase.step, round=step)
+        answers: dict[int, Any] = {e["client_id"]: e["reason"] for e in exchange.events}
         for cid, reply in exchange.replies.items():
             try:
-                answers[cid] = part(record_values(reply.content), "reply",
-                                    max_bytes=MAX_EVALUATION_BYTES) or b""
-            except MessageRejected as err:
-                answers[cid] = err.reason
+                values = record_values(reply.content)
+                data = part(values, phase.reply, max_bytes=phase.max_bytes)
+                if data is None:
+                    raise MessageRejected(f"the {phase.step} reply carries no {phase.reply!r}")
+                if not phase.notes:
+                    answers[cid] = data
+                    continue
+                notes = json.loads(values.get("notes") or "[]")
+                answers[cid] = (data, [str(n)[:500] for n in notes]
+                                if isinstance(notes, list) else [])
+            except (MessageRejected, ValueError, TypeError) as err:
+                answers[cid] = getattr(err, "reason", None) or f"unreadable reply: {err}"
         return answers
 
     # ---- nodes --------------------------------------------------------------------------

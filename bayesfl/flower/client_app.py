@@ -573,90 +573,74 @@ def _evaluate_step(context: Context, node: Node, data: bytes, r: int, *,
 
 @app.query("calibrate")
 def calibrate(msg: Message, context: Context) -> Message:
-    """The temperature-scaling step on this node's held-out data: answer a proposal
-    (``proposal``) with four numbers, or apply the fitted temperature (``result``) and reply
-    with the calibrated accumulators of the test set (``evaluation``). ``broadcast`` is the
-    final evaluation broadcast the node predicts with (its personalised state where it has
-    one)."""
-    import torch
+    """The calibrate and conformal phases on this node (:mod:`bayesfl.engine.phases`): a
+    temperature proposal (``proposal``) or result (``result``, :mod:`bayesfl.calibrate`), a
+    conformal request (``conformal``) or the thresholds (``conformal_result``,
+    :mod:`bayesfl.conformal`), answered by the phase's client function on this node's site."""
+    from bayesfl import calibrate as temperature
+    from bayesfl import conformal
 
-    from bayesfl.calibrate import TemperatureClient, calibrated, temperature_of
-    from bayesfl.config import check_threads, torch_threads
-    from bayesfl.errors import DataError
-    from bayesfl.flower.protocol import evaluation_tensors, pack, part, record_values, scalar
-    from bayesfl.messages import DEFAULT_MAX_BYTES, decode, encode
-    from bayesfl.strategies.base import PREDICTIVE, Evaluation
-    from calibration.accumulator import Accumulator
-
-    node = node_of(context)
-    values = record_values(msg.content)
-    step = scalar(values, "step", int)
-    broadcast = _decoded(part(values, "broadcast", max_bytes=DEFAULT_MAX_BYTES) or b"", node)
-    record = context.state.config_records.get(STATE_RECORD)
-    slot = "personalized" if record is not None and "personalized" in record else "trained"
-    state = load_state(context, node, slot)
-
-    def predictive(x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return node.strategy.predict(node.client, state, broadcast, x)[PREDICTIVE].to(
-                torch.float64)
-
-    with torch_threads(check_threads(node.options.threads)):
-        from bayesfl.flower.conformal_step import client_conformal_reply
-
-        conformal = client_conformal_reply(values, node, state, broadcast, step)
-        if conformal is not None:  # the conformal step rides on this query
-            return Message(pack(step=step, reply=conformal), reply_to=msg)
-        proposal = part(values, "proposal", max_bytes=DEFAULT_MAX_BYTES)
-        if proposal is not None:
-            held = node.held_out
-            if held is None or held.size == 0:
-                raise DataError(f"client {node.client_id} holds no calibration data")
-            client = TemperatureClient.from_probabilities(node.client_id, predictive(held.x),
-                                                          held.y)
-            return Message(pack(step=step, reply=encode(client.reply(decode(proposal)))),
-                           reply_to=msg)
-        result = part(values, "result", max_bytes=DEFAULT_MAX_BYTES) or b""
-        temperature = temperature_of(decode(result))
-        probs = calibrated(predictive(node.data.test_x), temperature)
-        labels = node.data.test_y.cpu()
-        accumulator = Accumulator(node.config.n_bins).update(probs.cpu(), labels)
-        evaluation = Evaluation(node.client_id, {PREDICTIVE: accumulator})
-        reply = node.strategy.up_message(step, node.client_id, evaluation_tensors(evaluation))
-        return Message(pack(step=step, evaluation=encode(reply)), reply_to=msg)
+    return _phase_reply(msg, context, (temperature.PROPOSAL, temperature.RESULT,
+                                       conformal.REQUEST, conformal.RESULT))
 
 
 @app.query("shift")
 def shift(msg: Message, context: Context) -> Message:
     """The shift evaluation on this node (:mod:`bayesfl.shift_protocol`): its own test rows
-    under the request's shifts (and its OOD rows), predicted with its final state (the
-    personalised one where it has one) and the final evaluation ``broadcast``; the reply
+    under the request's shifts (and its OOD rows), predicted with its final state; the reply
     carries the mergeable states only (``reply``) and why the mutual information is missing,
     if it is (``notes``, JSON)."""
+    from bayesfl.shift_protocol import REQUEST
+
+    return _phase_reply(msg, context, (REQUEST,))
+
+
+def _phase_reply(msg: Message, context: Context, phases: tuple[Any, ...]) -> Message:
+    """A final phase's request answered (:class:`bayesfl.engine.phases.Phase`: the record key
+    present says which): the node's site is its final state (the personalised one where it has
+    one), its data and held-out rows and the request's final evaluation ``broadcast``.
+
+    Raises:
+        MessageRejected: a record without a request of these phases.
+    """
     import json
 
     import torch
 
     from bayesfl.config import check_threads, resolve_device, torch_threads
-    from bayesfl.flower.protocol import pack, part, record_values
-    from bayesfl.messages import DEFAULT_MAX_BYTES, encode
-    from bayesfl.shift_protocol import ShiftRequest, site_shift_states, states_message
+    from bayesfl.conformal_spec import parse_conformal
+    from bayesfl.engine.phases import Site
+    from bayesfl.errors import MessageRejected
+    from bayesfl.flower.protocol import pack, part, record_values, scalar
+    from bayesfl.messages import DEFAULT_MAX_BYTES
 
     node = node_of(context)
     values = record_values(msg.content)
-    request = ShiftRequest.from_json(values.get("request"))
+    phase = next((p for p in phases if p.request in values), None)
+    if phase is None:
+        raise MessageRejected(f"the query carries none of {[p.request for p in phases]}")
+    if phase.text:
+        down = str(values.get(phase.request)).encode()
+    else:
+        down = part(values, phase.request, max_bytes=DEFAULT_MAX_BYTES) or b""
     broadcast = _decoded(part(values, "broadcast", max_bytes=DEFAULT_MAX_BYTES) or b"", node)
     record = context.state.config_records.get(STATE_RECORD)
     slot = "personalized" if record is not None and "personalized" in record else "trained"
-    state = load_state(context, node, slot)
+    site = Site(node.client_id, node.strategy, node.client, load_state(context, node, slot),
+                broadcast, node.data, node.held_out, seed=node.config.seed,
+                n_bins=node.config.n_bins, device=resolve_device(node.config.device),
+                conformal=parse_conformal(node.config.conformal), clients=node.clients,
+                novel=node.novel)
     with torch_threads(check_threads(node.options.threads)), \
             torch.random.fork_rng(devices=_rng_devices(node)):
-        states, notes = site_shift_states(
-            request, strategy=node.strategy, client=node.client, state=state,
-            broadcast=broadcast, own=node.data, all_clients=node.clients, novel=node.novel,
-            device=resolve_device(node.config.device))
-    return Message(pack(reply=encode(states_message(states)), notes=json.dumps(notes)),
-                   reply_to=msg)
+        answer = phase.answer(site, down)
+    fields: dict[str, Any] = {"step": scalar(values, "step", int)} if phase.numbered else {}
+    if phase.notes:
+        data, notes = answer
+        fields.update({phase.reply: data, "notes": json.dumps(notes)})
+    else:
+        fields[phase.reply] = answer
+    return Message(pack(**fields), reply_to=msg)
 
 
 def _rng_devices(node: Node) -> list[torch.device]:

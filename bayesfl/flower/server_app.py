@@ -33,13 +33,16 @@ Per round ``r``, **one message per client** (``train.round``):
 
 The last message of a run (``evaluate``, ``personalize`` for strategies that personalise)
 completes the last round's record, personalises, and evaluates every node, the novel clients'
-too (``summary["novel"]``). With ``calibrate``, the temperature-scaling step
-(:func:`bayesfl.calibrate.temperature_search_over`) runs over ``query.calibrate`` messages on
-the nodes' held-out data and reports as in the simulator (``summary["calibration"]``). With
-the run keys ``shift``/``ood`` every site then evaluates its final state on its own shifted
-and out-of-distribution rows over ``query.shift`` messages (:mod:`bayesfl.shift_protocol`);
-the server merges the validated states into the report ``bayesfl evaluate`` writes
-(``out/shift``, ``summary["shift_evaluation"]``).
+too (``summary["novel"]``). Then the engine's final phases (:mod:`bayesfl.engine.phases`, the
+simulator's too) run over :meth:`~bayesfl.flower.channel.FlowerChannel.ask`: with
+``calibrate`` the temperature-scaling step (:func:`bayesfl.calibrate.calibrate_phase`) and
+with ``conformal`` the conformal step (:func:`bayesfl.conformal.conformal_phase`) over
+``query.calibrate`` messages on the nodes' held-out rows, reporting as in the simulator
+(``summary["calibration"]``, ``summary["conformal"]``); with the run keys ``shift``/``ood``
+every site evaluates its final state on its own shifted and out-of-distribution rows over
+``query.shift`` messages (:func:`bayesfl.shift_protocol.shift_phase`), and the server merges
+the validated states into the report ``bayesfl evaluate`` writes (``out/shift``,
+``summary["shift_evaluation"]``).
 ``authenticate`` is simulator-only: on Flower use its TLS and SuperNode authentication.
 
 The run directory is the simulator's (``metrics.jsonl``, ``summary.json``, ``manifest.json``,
@@ -71,7 +74,6 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from bayesfl.calibrate import CalibrationOutcome
 from bayesfl.config import check_threads, torch_threads
 from bayesfl.engine.rounds import RoundTrace
 from bayesfl.engine.run import FinalEvaluation, Run
@@ -80,8 +82,6 @@ from bayesfl.errors import (
 )
 from bayesfl.evaluation import merge_evaluations
 from bayesfl.flower.channel import Exchange, FlowerChannel, log, round_timings
-from bayesfl.flower.conformal_step import server_conformal_step
-from bayesfl.flower.final_steps import server_calibrate_step, server_shift_step
 from bayesfl.run_directory import prepare_run_directory
 from bayesfl.strategies.base import PREDICTIVE
 
@@ -117,7 +117,6 @@ class FlowerServer(Run):
         self.num_classes = self.dataset.num_classes
         self.startup: list[dict[str, Any]] = []  # discovery's events, for the first record
         self._round_started_at = time.time()
-        self.shift_outcome = None  # the shift step's (bayesfl.flower.final_steps)
         # each round's evaluation rides on the next round's message ("carried": one message
         # per client and round); a round with fewer than min-replies accepted uploads is skipped
         self.start_loop(FlowerChannel(
@@ -190,16 +189,8 @@ class FlowerServer(Run):
                 "skipped_rounds": [m["round"] for m in metrics if m.get("skipped")],
                 "transport": "flower"})
 
-    def calibrate(self, final: FinalEvaluation) -> CalibrationOutcome:
-        return server_calibrate_step(self, final.broadcast)
-
-    def conformal(self, final: FinalEvaluation) -> Any:
-        return server_conformal_step(self, final.broadcast)
-
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        super().final_steps(final, summary)  # calibrate, conformal
-        if self.shift_request is not None:
-            summary["shift_evaluation"] = server_shift_step(self, final.broadcast)
+        super().final_steps(final, summary)  # calibrate, conformal, shift
         log(f"done: accuracy {summary['accuracy']:.4f}, ECE {summary['ece']:.4f}, "
             f"{len(summary['events'])} event(s)")
 
