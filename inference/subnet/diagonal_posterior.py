@@ -12,7 +12,6 @@ never a (P, P) matrix. Same index space, model handling and predictive methods a
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
@@ -20,21 +19,17 @@ import torch
 from torch import Tensor, nn
 
 from inference.errors import InvalidInputError, NumericalError
-from inference.inputs import as_network_inputs
 from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.jacobian import SubnetJacobian
-from inference.subnet.memory import check_memory
 from inference.subnet.parameters import (
     check_prior_precision,
     flat_trainable_parameters,
     trainable_slots,
 )
-from inference.subnet.posterior import DEFAULT_CHUNK_BYTES, PredictiveMethod
-from inference.subnet.training_mode import eval_mode
+from inference.subnet.predictive import PredictiveMethod, check_method, glm_predict
 
 __all__ = ["DiagonalLaplacePosterior", "fit_diagonal_laplace"]
 
-_METHODS = ("glm_probit", "glm_mc", "map")
 _STATE_KEYS = ("mean", "ggn_diagonal", "prior_precision", "n_data")
 
 
@@ -85,6 +80,9 @@ def _checked_ggn_diagonal(diag: Tensor, n_params: int) -> Tensor:
 
 class DiagonalLaplacePosterior:
     """Factorised Gaussian over all trainable parameters.
+
+    ``sample(n)`` draws whole flat parameter vectors ``(n, P)``, each entry from its own
+    Gaussian.
 
     Args:
         mean: (P,) MAP (model dtype and device).
@@ -174,7 +172,6 @@ class DiagonalLaplacePosterior:
             self._engine = SubnetJacobian(self._model, every, self._mean)
         return self._engine
 
-    @torch.no_grad()
     def predict_proba(
         self,
         inputs: Tensor,
@@ -185,57 +182,26 @@ class DiagonalLaplacePosterior:
         chunk_size: int | None = None,
         max_memory_bytes: int | None = None,
     ) -> Tensor:
-        """Predictive class probabilities (B, C); see the module docstring for the methods.
+        """Predictive class probabilities (B, C); see the module docstring for the methods
+        (:func:`inference.subnet.predictive.glm_predict`, as the subnet posterior's).
 
         ``"glm_mc"`` draws ``n_samples`` weight-space samples ``delta = sqrt(v) z`` once and
         averages ``softmax(f + J delta)`` over them.
         """
-        method = "glm_probit" if method is None else method
-        if method not in _METHODS:
-            raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
-        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-            raise InvalidInputError(f"n_samples must be a positive int, got {n_samples!r}")
-        x = as_network_inputs(inputs, self._mean.dtype).to(self._mean.device)
+        method = check_method(method, n_samples)
         engine = self._jacobian()
-        std = self._variance.sqrt().to(self._mean.dtype)
-        deltas = None
-        if method == "glm_mc":
-            deltas = torch.randn(self.n_params, n_samples, dtype=torch.float64,
-                                 device=self._mean.device, generator=generator)
-            deltas = deltas.to(self._mean.dtype)  # scaled by sqrt(v) inside the Jacobian
-        rows = self._chunk_rows(x, engine, chunk_size, n_samples, max_memory_bytes)
-        out = []
-        with eval_mode(self._model):
-            for start in range(0, x.shape[0], rows):
-                chunk = x[start : start + rows]
-                if method == "map":
-                    out.append(torch.softmax(engine.logits(chunk), dim=-1))
-                    continue
-                Jt, logits = engine(chunk, column_scale=std)  # (P, C, B): J^T sqrt(v)
-                P, C, B = Jt.shape
-                if method == "glm_probit":
-                    f_var = Jt.square().sum(0).T  # (B, C)
-                    kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
-                    out.append(torch.softmax(kappa * logits, dim=-1))
-                else:
-                    f = (deltas.T @ Jt.reshape(P, C * B)).reshape(-1, C, B).transpose(1, 2)
-                    out.append(torch.softmax(logits.unsqueeze(0) + f, dim=-1).mean(0))
-        return torch.cat(out)
 
-    def _chunk_rows(self, x: Tensor, engine: SubnetJacobian, chunk_size: int | None,
-                    n_samples: int, max_memory_bytes: int | None) -> int:
-        with eval_mode(self._model):
-            C = engine.logits(x[:1]).shape[1]
-        itemsize = self._mean.element_size()
-        per_row = sum(engine.workspace_bytes(1, C).values()) + 2 * C * n_samples * itemsize
-        if chunk_size is None:
-            chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
-        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        check_memory({"Jacobian chunk of all parameters": per_row * chunk_size},
-                     device=self._mean.device, max_memory_bytes=max_memory_bytes,
-                     advice="Pass a smaller chunk_size or predict on fewer inputs at once.")
-        return chunk_size
+        def draws(n: int) -> Tensor:  # z; scaled by sqrt(v) inside the Jacobian
+            z = torch.randn(self.n_params, n, dtype=torch.float64, device=self._mean.device,
+                            generator=generator)
+            return z.to(self._mean.dtype)
+
+        return glm_predict(
+            self._model, engine, inputs, method,
+            column_scale=self._variance.sqrt().to(self._mean.dtype),
+            logit_variance=_diagonal_logit_variance, draws=draws, n_samples=n_samples,
+            chunk_size=chunk_size, max_memory_bytes=max_memory_bytes,
+            dtype=self._mean.dtype, device=self._mean.device)
 
     def to(self, device: torch.device | str,
            model: nn.Module | None = None) -> DiagonalLaplacePosterior:
@@ -267,3 +233,8 @@ class DiagonalLaplacePosterior:
             raise InvalidInputError(f"state is missing {missing} (expected {list(_STATE_KEYS)})")
         return cls(state["mean"], state["ggn_diagonal"], state["prior_precision"], model=model,
                    n_data=int(state["n_data"]))
+
+
+def _diagonal_logit_variance(Jt: Tensor) -> Tensor:
+    """(B, C) ``sum_r J_or(x)^2 v_r`` from ``J^T sqrt(v)`` (P, C, B)."""
+    return Jt.square().sum(0).T

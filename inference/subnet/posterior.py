@@ -22,34 +22,35 @@ never the full covariance product.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from inference.errors import InvalidInputError, NumericalError
-from inference.inputs import as_network_inputs
 from inference.subnet.dense import cholesky_overwrite, symmetric_part, triangular_inverse
 from inference.subnet.jacobian import SubnetJacobian
-from inference.subnet.memory import check_memory
 from inference.subnet.parameters import check_subnet_indices, trainable_slots
-from inference.subnet.training_mode import eval_mode
+from inference.subnet.predictive import (
+    DEFAULT_CHUNK_BYTES,  # re-exported: the default chunk budget named where it is used
+    PredictiveMethod,
+    check_method,
+    glm_predict,
+)
 
-__all__ = ["PredictiveMethod", "SubnetLaplacePosterior"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PredictiveMethod", "SubnetLaplacePosterior"]
 
-PredictiveMethod = Literal["glm_probit", "glm_mc", "map"]
-_METHODS = ("glm_probit", "glm_mc", "map")
 _STATE_KEYS = ("mean", "subnet_indices", "ggn", "prior_precision", "prior_mean", "n_data")
-# Working memory one predictive chunk may take by default (Jacobian + its float64 solve).
-DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Working memory of the factored predictive's (rows, units, S) block, per sub-chunk.
 FACTOR_CHUNK_BYTES = 32 * 2**20
 
 
 class SubnetLaplacePosterior:
     """Full-covariance Gaussian over a parameter subnet, point mass at the MAP elsewhere.
+
+    ``sample(n)`` draws whole flat parameter vectors ``(n, P)``: the subnet's entries from
+    their joint Gaussian, every other entry exactly at the MAP.
 
     Args:
         mean: (P,) MAP of all trainable parameters (model dtype, model device).
@@ -120,7 +121,6 @@ class SubnetLaplacePosterior:
         self._inverse_factor: Tensor | None = None  # L^{-1}, for the factored predictive
         self._inv_chol_eq: Tensor | None = None
         self._jacobian: SubnetJacobian | None = None
-        self._n_classes: int | None = None
         if model is not None:
             self._attach(model)
 
@@ -234,7 +234,6 @@ class SubnetLaplacePosterior:
             )
         self._model = model
         self._jacobian = None
-        self._n_classes = None
 
     def bind(self, model: nn.Module) -> SubnetLaplacePosterior:
         """A copy of this posterior (sharing tensors) that predicts with ``model``."""
@@ -253,7 +252,6 @@ class SubnetLaplacePosterior:
         return self._jacobian
 
     # ---------------------------------------------------------------- the predictive
-    @torch.no_grad()
     def predict_proba(
         self,
         inputs: Tensor,
@@ -264,7 +262,8 @@ class SubnetLaplacePosterior:
         chunk_size: int | None = None,
         max_memory_bytes: int | None = None,
     ) -> Tensor:
-        """Predictive class probabilities, (B, C), rows summing to one.
+        """Predictive class probabilities, (B, C), rows summing to one
+        (:func:`inference.subnet.predictive.glm_predict`).
 
         Args:
             inputs: (B, ...) model inputs, a tensor, NumPy array or list (moved to the
@@ -282,63 +281,35 @@ class SubnetLaplacePosterior:
                 ``DEFAULT_CHUNK_BYTES`` of working memory.
             max_memory_bytes: memory budget override for the preflight.
         """
-        method = "glm_probit" if method is None else method
-        if method not in _METHODS:
-            raise InvalidInputError(f"method must be one of {_METHODS}, got {method!r}")
-        # NumPy arrays and lists too; floating inputs cast to the network's dtype (inference.inputs)
-        inputs = as_network_inputs(inputs, self._mean.dtype)
+        method = check_method(method, n_samples)
         engine = self._subnet_jacobian()
-        x = inputs.to(self._mean.device)
-        deltas = None
-        if method == "glm_mc":
-            if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
-                raise InvalidInputError(f"n_samples must be a positive int, got {n_samples!r}")
-            z = torch.randn(
-                self.n_subnet,
-                n_samples,
-                dtype=torch.float64,
-                device=self._scale.device,
-                generator=generator,
-            )
-            eq_T = self._chol_eq.T
-            deltas = torch.linalg.solve_triangular(eq_T, z, upper=True).to(self._mean.dtype)
-        rows = self._predict_chunk_rows(x, chunk_size, n_samples, max_memory_bytes)
-        out = []
-        with eval_mode(self._model):
-            for start in range(0, x.shape[0], rows):
-                out.append(self._predict_chunk(engine, x[start : start + rows], method, deltas))
-        return torch.cat(out)
 
-    def _predict_chunk(
-        self, engine: SubnetJacobian, x: Tensor, method: str, deltas: Tensor | None
-    ) -> Tensor:
-        if method == "map":
-            return torch.softmax(engine.logits(x), dim=-1)
-        if method == "glm_probit" and self.factored:
-            factored = self._factored_variance(engine, x)
-            if factored is not None:
-                f_var, logits = factored
-                kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
-                return torch.softmax(kappa * logits, dim=-1)
-        # D^{-1} J^T, (S, C, B): the equilibration scale is folded into the Jacobian engine.
-        Jt_eq, logits = engine(x, column_scale=self._solve_scale)
+        def draws(n: int) -> Tensor:
+            # theta_S - mean_S = L^{-T} z = D^{-1} L_eq^{-T} z; D^{-1} is the column scale
+            z = torch.randn(self.n_subnet, n, dtype=torch.float64, device=self._scale.device,
+                            generator=generator)
+            return torch.linalg.solve_triangular(self._chol_eq.T, z, upper=True).to(
+                self._mean.dtype)
+
+        return glm_predict(
+            self._model, engine, inputs, method, column_scale=self._solve_scale,
+            logit_variance=self._logit_variance, draws=draws, n_samples=n_samples,
+            extra_row_bytes=self.n_subnet * self._mean.element_size(), chunk_size=chunk_size,
+            max_memory_bytes=max_memory_bytes,
+            fast_variance=self._factored_variance if self.factored else None,
+            dtype=self._mean.dtype, device=self._mean.device)
+
+    def _logit_variance(self, Jt_eq: Tensor) -> Tensor:
+        """(B, C) ``var[b, o] = J_bo P^{-1} J_bo^T = ||L_eq^{-1} D^{-1} J_bo^T||^2`` from
+        ``D^{-1} J^T`` (S, C, B).
+
+        Solved from the right on the (C*B, S) view, which BLAS reads without a copy:
+        ``A^T = (D^{-1} J^T)^T L_eq^{-T}``."""
         S, C, B = Jt_eq.shape
-        Jt_eq = Jt_eq.reshape(S, C * B)
-        if method == "glm_probit":
-            # var[b, o] = J_bo P^{-1} J_bo^T = ||L_eq^{-1} D^{-1} J_bo^T||^2
-            # Solved from the right on the (C*B, S) view, which BLAS reads without a copy:
-            # A^T = (D^{-1} J^T)^T L_eq^{-T}.
-            At = torch.linalg.solve_triangular(
-                self._solve_factor_T, Jt_eq.T, upper=True, left=False
-            )
-            f_var = At.square().sum(1).reshape(C, B).T
-            kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
-            return torch.softmax(kappa * logits, dim=-1)
-        # weight-space draws: theta_S - mean_S = L^{-T} z = D^{-1} L_eq^{-T} z, so
-        # J (theta_S - mean_S) = (J D^{-1}) (L_eq^{-T} z)
-        f_samples = (deltas.T @ Jt_eq).reshape(-1, C, B).transpose(1, 2)  # (n, B, C)
-        probs = torch.softmax(logits.unsqueeze(0) + f_samples, dim=-1)
-        return probs.mean(0)
+        At = torch.linalg.solve_triangular(
+            self._solve_factor_T, Jt_eq.reshape(S, C * B).T, upper=True, left=False
+        )
+        return At.square().sum(1).reshape(C, B).T
 
     factored: bool = True
     """Use the factored GLM-probit variance where it applies (:meth:`_factored_variance`);
@@ -379,30 +350,6 @@ class SubnetLaplacePosterior:
             W = torch.bmm(G[:, i : i + rows].permute(1, 0, 2).contiguous(), V)  # (b, C, S)
             f_var.append(torch.linalg.vector_norm(W, dim=-1).square())  # one pass, no temporary
         return torch.cat(f_var), logits
-
-    def _predict_chunk_rows(
-        self, x: Tensor, chunk_size: int | None, n_samples: int, max_memory_bytes: int | None
-    ) -> int:
-        if self._n_classes is None:  # one single-row forward pass, once
-            with eval_mode(self._model):
-                self._n_classes = self._subnet_jacobian().logits(x[:1]).shape[1]
-        C = self._n_classes
-        S, itemsize = self.n_subnet, self._mean.element_size()
-        # Jacobian temporaries, the solve (C x S) and the sampled logits, per input row.
-        per_row = sum(self._subnet_jacobian().workspace_bytes(1, C).values())
-        per_row += C * S * itemsize + 2 * C * n_samples * itemsize
-        if chunk_size is None:
-            chunk_size = max(1, min(x.shape[0], DEFAULT_CHUNK_BYTES // per_row))
-        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        check_memory(
-            {"subnet Jacobian chunk and its solve": per_row * chunk_size},
-            device=self._mean.device,
-            max_memory_bytes=max_memory_bytes,
-            advice="Pass a smaller chunk_size, predict on fewer inputs at once, or use a "
-            "smaller subnet.",
-        )
-        return chunk_size
 
     # ---------------------------------------------------------------- moving and saving
     def to(
