@@ -445,3 +445,21 @@ def test_the_tables_pull_sleep_is_the_benchs_which_is_flowers():
     from bench.published_tables import PULL_SLEEP_S
 
     assert PULL_SLEEP_S == PULL_SLEEP
+
+
+def test_the_calibration_table_lists_every_stored_runs_ratios_when_there_are_several():
+    from bench.published_tables import calibration_table
+
+    def run(commit, netcal, load):
+        times = {"netcal ECE+MCE": [netcal], "ours ece+mce+brier (3 calls)": [0.1],
+                 "ours evaluate (1 call)": [0.05], "ours evaluate, torch sweep": [0.2]}
+        return RUN | {"commit": commit, "rows": 10, "classes": 3, "bins": 15, "rounds": 1,
+                      "times_s": times, "floor_s": 0.025, "native_sweep": "native",
+                      "ece_abs_diff_vs_netcal": 0.0, "mce_abs_diff_vs_netcal": 0.0,
+                      "load_before": [load, 1.0, 1.0]}
+
+    assert "Every stored run" not in calibration_table([run("a", 1.0, 0.5)])
+    table = calibration_table([run("quiet01", 0.9, 0.5), run("busy002", 3.0, 8.0)])
+    assert _row(table, "| quiet01,") == "| quiet01, 2026-11-28 | 0.50 | 0.9000 | 9.0x | 18.0x |"
+    assert _row(table, "| busy002,") == "| busy002, 2026-11-28 | 8.00 | 3.0000 | 30.0x | 60.0x |"
+    assert _row(table, "| ours evaluate (1 call)").endswith("| 60.0x | ≥ 20x | holds |")
