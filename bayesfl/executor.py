@@ -3,9 +3,9 @@ clients of one process, alone or in groups.
 
 This is the one place clients are grouped. With ``batched``, clients that share a body spec
 (hence one network architecture) are handed to the strategy together
-(:meth:`~bayesfl.strategies.base.Strategy.fit_group`, ``predict_group``), which may train and
+(:meth:`~bayesfl.strategies.base.ClientStrategy.fit_group`, ``predict_group``), which may train and
 predict them with one vmapped call; without it, every client runs on its own
-(:meth:`~bayesfl.strategies.base.Strategy.fit`, ``evaluate``). Both give the same numbers up
+(:meth:`~bayesfl.strategies.base.ClientStrategy.fit`, ``evaluate``). Both give the same numbers up
 to float rounding. The client step itself (the divergence guard, the seeds) is the one the
 Flower ClientApp runs; here the states live in memory (:class:`MemoryStore`).
 """
@@ -25,7 +25,8 @@ from bayesfl.client.step import (
     personalize_clients,
 )
 from bayesfl.messages import Message
-from bayesfl.strategies.base import ClientState, Evaluation, Strategy
+from bayesfl.strategies.base import ClientState, ClientStrategy, Evaluation
+from bayesfl.strategies.halves import client_half
 
 
 @dataclass
@@ -60,8 +61,8 @@ class MemoryStore:
 class ClientExecutor:
     """Runs a strategy's client step over simulated clients (module docstring)."""
 
-    def __init__(self, strategy: Strategy, *, batched: bool) -> None:
-        self.strategy = strategy
+    def __init__(self, strategy: ClientStrategy, *, batched: bool) -> None:
+        self.strategy = client_half(strategy)  # the client half only (strategies.halves)
         self.batched = batched
 
     def groups(self, clients: Sequence[SimulatedClient]) -> list[list[SimulatedClient]]:

@@ -15,6 +15,9 @@ in where a client's state lives (:class:`ClientStore`: in memory in the simulato
   generator (:func:`personalize_generator`), saved under :data:`PERSONALIZED`.
 * :func:`evaluate_clients`: each client's calibration accumulators on its test set.
 
+Each function holds the strategy through its client half only
+(:func:`bayesfl.strategies.halves.client_half`): a server-half method is not there to call.
+
 The seeds (:mod:`bayesfl.client.seeds`): client ``c``'s generator of round ``r`` is seeded with
 ``derived_seed(seed, r, c)`` and its personalisation generator with
 ``derived_seed(seed, PERSONALIZE_SEED_KEY, c)``, so a client draws the same numbers wherever it
@@ -30,7 +33,8 @@ from typing import Protocol
 from bayesfl.client.seeds import fit_generators, personalize_generator
 from bayesfl.data.clients import ClientData
 from bayesfl.messages import Message
-from bayesfl.strategies.base import ClientConfig, ClientState, Evaluation, Strategy
+from bayesfl.strategies.base import ClientConfig, ClientState, ClientStrategy, Evaluation
+from bayesfl.strategies.halves import client_half
 from bayesfl.training import watch_divergence
 
 TRAINED = "trained"
@@ -96,18 +100,19 @@ def body_groups(clients: Sequence[LocalClient], *, batched: bool) -> list[list[L
     return list(groups.values())
 
 
-def fit_clients(strategy: Strategy, clients: Sequence[LocalClient], store: ClientStore,
+def fit_clients(strategy: ClientStrategy, clients: Sequence[LocalClient], store: ClientStore,
                 broadcast: Message, *, seed: int, round: int, batched: bool = False) -> Fitted:
     """Every client's local round on ``broadcast`` (module docstring).
 
     Each client fits from its :data:`TRAINED` state in ``store`` with its generator of the
     round; with ``batched``, clients of one body spec go to
-    :meth:`~bayesfl.strategies.base.Strategy.fit_group` together, else each to
-    :meth:`~bayesfl.strategies.base.Strategy.fit` (the same numbers up to float rounding).
+    :meth:`~bayesfl.strategies.base.ClientStrategy.fit_group` together, else each to
+    :meth:`~bayesfl.strategies.base.ClientStrategy.fit` (the same numbers up to float rounding).
     Within the divergence guard: a client whose training stopped on a non-finite value is in
     :attr:`Fitted.diverged` with the reason, its new state is not saved and it uploads
     nothing; every other client's state is saved for round ``round`` and its upload returned.
     """
+    strategy = client_half(strategy)  # the client step sees the client half only
     generators = fit_generators(seed, round, [c.client_id for c in clients])
     results: dict[int, tuple[ClientState, Message]] = {}
     with watch_divergence() as stopped:
@@ -134,13 +139,14 @@ def fit_clients(strategy: Strategy, clients: Sequence[LocalClient], store: Clien
     return fitted
 
 
-def personalize_clients(strategy: Strategy, clients: Sequence[LocalClient], store: ClientStore,
-                        broadcast: Message, *, seed: int, round: int,
+def personalize_clients(strategy: ClientStrategy, clients: Sequence[LocalClient],
+                        store: ClientStore, broadcast: Message, *, seed: int, round: int,
                         on_client: Callable[[int], None] | None = None
                         ) -> dict[int, ClientState]:
     """Every client's personalised state from its :data:`TRAINED` one (left as it is), saved
     under :data:`PERSONALIZED` for round ``round`` and returned; ``broadcast`` is the final
     evaluation broadcast; ``on_client(client_id)`` after each (progress)."""
+    strategy = client_half(strategy)  # the client step sees the client half only
     states = {}
     for c in clients:
         state = strategy.personalize(c.config, store.load(c.client_id), c.data, broadcast,
@@ -152,12 +158,13 @@ def personalize_clients(strategy: Strategy, clients: Sequence[LocalClient], stor
     return states
 
 
-def evaluate_clients(strategy: Strategy, clients: Sequence[LocalClient],
+def evaluate_clients(strategy: ClientStrategy, clients: Sequence[LocalClient],
                      states: Mapping[int, ClientState], broadcast: Message, *, n_bins: int,
                      keep_probs: bool = False, batched: bool = False) -> list[Evaluation]:
     """Every client's evaluation (in the order given) of its state in ``states`` on its test
     set, predictions batched over clients of one body spec when ``batched``
-    (:meth:`~bayesfl.strategies.base.Strategy.evaluate_group`)."""
+    (:meth:`~bayesfl.strategies.base.ClientStrategy.evaluate_group`)."""
+    strategy = client_half(strategy)  # the client step sees the client half only
     out: dict[int, Evaluation] = {}
     for group in body_groups(clients, batched=batched):
         evaluations = strategy.evaluate_group(

@@ -6,7 +6,7 @@ client its :class:`~bayesfl.engine.channel.Step` through the transport's
 :class:`~bayesfl.engine.channel.Channel` and collects the replies, then:
 
 1. **receives** the uploads (:func:`receive_uploads`): each is decoded with its client's key
-   under the round's size limit and screened (:meth:`Strategy.validate_uploads`); what fails
+   under the round's size limit and screened (:meth:`ServerStrategy.validate_uploads`); what fails
    is a rejection with its reason, counted in bytes like the rest;
 2. warns once per run when every upload of a round was rejected;
 3. skips the round (previous state kept, ``skipped`` in its record) when fewer than
@@ -72,7 +72,7 @@ from bayesfl.engine.steps import (
 from bayesfl.errors import MessageRejected, UploadsRejectedWarning
 from bayesfl.evaluation import RoundEvaluation, merge_evaluations
 from bayesfl.messages import Message, decode, encode
-from bayesfl.strategies.base import RoundPlan, ServerState, Strategy, derived_seed
+from bayesfl.strategies.base import RoundPlan, ServerState, ServerStrategy, derived_seed
 
 EvaluationMode = Literal["inline", "carried"]
 EVALUATION_MODES: tuple[str, ...] = ("inline", "carried")
@@ -118,7 +118,7 @@ class Receipt:
     seconds: float
 
 
-def receive_uploads(server: Strategy, plan: RoundPlan, participants: Sequence[int],
+def receive_uploads(server: ServerStrategy, plan: RoundPlan, participants: Sequence[int],
                     collected: Collected, *,
                     key_of: Callable[[int], bytes | None] = lambda _: None) -> Receipt:
     """Decode every participant's upload (``plan.max_upload_bytes``, the client's HMAC key
@@ -179,7 +179,7 @@ def round_record(round: int, *, participants: Sequence[int], sent: int, receipt:
 
 
 def evaluation_keys(record: dict[str, Any], evaluation: RoundEvaluation | None,
-                    server: Strategy, bytes_down_evaluation: int) -> None:
+                    server: ServerStrategy, bytes_down_evaluation: int) -> None:
     """A round's evaluation in its record: the headline figures (``accuracy`` None when no
     client evaluated), the strategy's round view, the per-client figures and the bytes of the
     evaluation broadcast."""
@@ -288,7 +288,7 @@ class RoundLoop:
         rng_devices: the devices whose RNG each round forks (CUDA devices in use).
     """
 
-    def __init__(self, server: Strategy, channel: Channel, hooks: RoundHooks, *,
+    def __init__(self, server: ServerStrategy, channel: Channel, hooks: RoundHooks, *,
                  state: ServerState, seed: int, rounds: int, first_round: int, fraction: float,
                  training: Sequence[int], evaluation: EvaluationMode,
                  evaluate_inline: InlineEvaluation | None = None,

@@ -35,7 +35,7 @@ from bayesfl.checkpoint import PendingWrite, save_checkpoint
 from bayesfl.engine.steps import cached_upload_problem, server_state_problem
 from bayesfl.errors import CheckpointError
 from bayesfl.stacked_rows import held_bytes, stack_rows
-from bayesfl.strategies.base import ClientState, ServerState, Strategy
+from bayesfl.strategies.base import ClientState, ServerState, ServerStrategy
 from bayesfl.strategies.robust import declared_ledger_problem
 
 METRICS_TENSOR = "run/metrics.jsonl"
@@ -229,7 +229,7 @@ def foreign_message(path: Path) -> str:
 
 
 def restore_round(path: Path, tensors: dict[str, torch.Tensor], meta: Mapping[str, Any], *,
-                  first_round: int, rounds: int, server: Strategy, fresh: ServerState,
+                  first_round: int, rounds: int, server: ServerStrategy, fresh: ServerState,
                   num_clients: int, device: torch.device) -> SavedRound:
     """The run's server state, RNG and metrics from a loaded checkpoint, checked against what
     this run can have written (format, round, elapsed time, the fresh state's layout, the

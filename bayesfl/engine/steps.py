@@ -18,7 +18,13 @@ from bayesfl.config import SimulationConfig
 from bayesfl.errors import BayesFLError
 from bayesfl.evaluation import RoundEvaluation
 from bayesfl.messages import Message, TensorSpec
-from bayesfl.strategies.base import RoundPlan, ServerState, Strategy, derived_seed
+from bayesfl.strategies.base import (
+    RoundPlan,
+    ServerState,
+    ServerStrategy,
+    StrategyConfig,
+    derived_seed,
+)
 from calibration.errors import CalibrationError
 from inference.errors import InferenceError
 
@@ -97,16 +103,16 @@ def cached_upload_problem(loaded: ServerState, schema: Mapping[str, TensorSpec],
     return None
 
 
-def round_view(strategy: Strategy) -> dict[str, str]:
+def round_view(strategy: StrategyConfig) -> dict[str, str]:
     """``{"round_view": ...}`` for a round record where the strategy evaluates rounds other
-    than by its final predictive (:attr:`Strategy.round_view`), else nothing."""
+    than by its final predictive (:attr:`StrategyConfig.round_view`), else nothing."""
     return {} if strategy.round_view is None else {"round_view": strategy.round_view}
 
 
-def screen_uploads(server: Strategy, plan: RoundPlan,
+def screen_uploads(server: ServerStrategy, plan: RoundPlan,
                    received: Sequence[tuple[int, Message]],
                    reasons: dict[int, str]) -> list[Message]:
-    """The uploads that pass :meth:`Strategy.validate_uploads` (in the order received); the
+    """The uploads that pass :meth:`ServerStrategy.validate_uploads` (in the order received); the
     reason of each other one goes into ``reasons`` (client id -> reason)."""
     verdicts = server.validate_uploads(plan, [m for _, m in received],
                                        [cid for cid, _ in received])
@@ -151,7 +157,7 @@ def run_rejected_message(metrics: Sequence[Mapping[str, Any]]) -> str | None:
             "every rejection is listed under 'rejections' in summary.json.")
 
 
-def aggregate_or_keep(server: Strategy, state: ServerState, accepted: Sequence[Message],
+def aggregate_or_keep(server: ServerStrategy, state: ServerState, accepted: Sequence[Message],
                       round: int, seed: int) -> tuple[ServerState, str | None]:
     """``(new state, None)``, or ``(state, why it was kept)`` when ``aggregate`` fails or
     returns a state that is not finite. The server's generator of round ``round`` is

@@ -1,5 +1,7 @@
 """Federated algorithms, one module each in a folder per family, on the two-halves contract of
-:class:`~bayesfl.strategies.base.Strategy`, and the registry :data:`STRATEGIES` that maps names
+:class:`~bayesfl.strategies.base.Strategy` (a ``ServerStrategy`` and a ``ClientStrategy`` over
+the shared ``StrategyConfig``; each side holds one half through a view,
+:mod:`bayesfl.strategies.halves`), and the registry :data:`STRATEGIES` that maps names
 to them (:mod:`bayesfl.strategies.registry`: each strategy registers where it is defined, with
 its options declared as data)."""
 
@@ -23,10 +25,13 @@ from bayesfl.strategies.base import (
     PREDICTIVE,
     ClientConfig,
     ClientState,
+    ClientStrategy,
     Evaluation,
     RoundPlan,
     ServerState,
+    ServerStrategy,
     Strategy,
+    StrategyConfig,
     StrategyContext,
 )
 from bayesfl.strategies.bayes.fedpa import FedPA
@@ -105,6 +110,7 @@ __all__ = [
     "STRATEGIES",
     "ClientConfig",
     "ClientState",
+    "ClientStrategy",
     "CoLearn",
     "Evaluation",
     "FedAvg",
@@ -133,7 +139,9 @@ __all__ = [
     "PFedBayes",
     "RoundPlan",
     "ServerState",
+    "ServerStrategy",
     "Strategy",
+    "StrategyConfig",
     "StrategyContext",
     "check_option_names",
     "check_options",

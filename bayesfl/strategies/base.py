@@ -17,17 +17,25 @@ drives it like this in round ``r``::
     # after training, and for a client that never trained
     state_k = strategy.personalize(config_k, state_k, data_k, broadcast, generator_k)
 
-* **Server half**: :meth:`Strategy.init` (from the run config alone: the
-  :class:`StrategyContext`), :meth:`~Strategy.configure`, :meth:`~Strategy.validate_uploads`,
-  :meth:`~Strategy.aggregate`, :meth:`~Strategy.configure_evaluation`. The server state is a
-  flat ``dict[str, Tensor]`` (checkpointable as is).
-* **Client half**: :meth:`~Strategy.init_client` (from the client's own
-  :class:`ClientConfig`), :meth:`~Strategy.fit`, :meth:`~Strategy.personalize`,
-  :meth:`~Strategy.predict`, :meth:`~Strategy.evaluate`, :meth:`~Strategy.posterior`. The
-  client state is a flat ``dict[str, Tensor]`` too (what a Flower ClientApp keeps in
-  ``Context.state``): ``model.<name>`` for every parameter and buffer of its network, plus
-  whatever else the strategy keeps. A client half needs nothing but its config, its data, its
-  state and the bytes it receives.
+* **Server half** (`ServerStrategy`): `init` (from the run config alone: the
+  `StrategyContext`), `configure`, `validate_uploads`, `aggregate`, `configure_evaluation`,
+  the round's figures (`server_metrics`, `compute_metrics`) and `describe`. The server state
+  is a flat ``dict[str, Tensor]`` (checkpointable as is).
+* **Client half** (`ClientStrategy`): `init_client` (from the client's own `ClientConfig`),
+  `fit`, `personalize`, `predict`, `evaluate`, `posterior`. The client state is a flat
+  ``dict[str, Tensor]`` too (what a Flower ClientApp keeps in ``Context.state``):
+  ``model.<name>`` for every parameter and buffer of its network, plus whatever else the
+  strategy keeps. A client half needs nothing but its config, its data, its state and the
+  bytes it receives.
+* **Shared configuration** (`StrategyConfig`, the base of both): the class attributes
+  (``name``, ``init_round``, ``personalizes``, ``is_posterior``, ``round_view``), the run
+  configuration (``context``), the declared options and the network of a body spec
+  (`template`). Both halves read it; neither writes it after construction.
+* `Strategy` is both halves in one class (``class Strategy(ServerStrategy, ClientStrategy)``),
+  so a strategy is written in one module; each side of a transport holds it through a view of
+  its own half (`bayesfl.strategies.halves`: `ServerView` in the engine, `ClientView` in the
+  client runner), which refuses the other half's methods. `SERVER_API`, `CLIENT_API` and
+  `SHARED_API` name the methods and attributes of each part.
 * **Groups**: a transport may hand a strategy several clients *with the same body* at once
   (:meth:`~Strategy.fit_group`, :meth:`~Strategy.predict_group`); strategies that can train or
   predict them together (vmap over stacked parameters) override these. A group's prediction
@@ -39,7 +47,7 @@ drives it like this in round ``r``::
 
 A strategy object holds only its configuration (options and context), which both sides build
 from the same run configuration; it is never mutated after construction (templates of client
-networks are memoised per body spec on each side, see :meth:`Strategy.template`).
+networks are memoised per body spec on each side: `StrategyConfig.MEMOS`).
 A strategy with ``init_round = True`` needs a round 0 before training starts (FedLog's
 "pretrain" round); the transport runs it with every client and counts its bytes like any other.
 """
@@ -222,30 +230,38 @@ class Evaluation:
     labels: Tensor | None = None
 
 
-class Strategy:
-    """Base of every strategy: the contract (module docstring) and shared plumbing.
+class StrategyConfig:
+    """The part of a strategy both halves read and neither writes: its declared configuration.
 
-    Subclasses set ``name`` and implement the server half (:meth:`init`,
-    :meth:`broadcast_tensors`, :meth:`upload_schema`, :meth:`aggregate`) and the client half
-    (:meth:`fit`, :meth:`predict`); they add algorithm invariants of uploads with
-    :meth:`upload_problems`.
+    That is the class attributes below, the run configuration (`context`), the options
+    (declared as data in ``OPTIONS``, `bayesfl.strategies.registry`; ``__init__`` checks
+    them and keeps them as attributes) and the network of a body spec (`build_model`,
+    `initial_model`, `template`): a pure function of the configuration, which the
+    server half needs for its initial state and the client half for its own. Everything here
+    is set at construction; afterwards only `MEMOS` change, and only by adding entries
+    (a memo of a pure function of the configuration: which half fills it first changes no
+    value either reads).
     """
 
     name: ClassVar[str] = "base"
     init_round: ClassVar[bool] = False
+    """Whether the run has a round 0 before training (FedLog's "pretrain" round)."""
     personalizes: ClassVar[bool] = False
-    """Whether :meth:`personalize` does anything (the transport skips it otherwise)."""
+    """Whether :meth:`ClientStrategy.personalize` does anything (the transport skips it
+    otherwise)."""
     is_posterior: ClassVar[bool] = False
-    """Whether :meth:`posterior` returns an :mod:`inference` posterior."""
+    """Whether :meth:`ClientStrategy.posterior` returns an :mod:`inference` posterior."""
     round_view: ClassVar[str | None] = None
     """What the figures of rounds before personalisation measure, where that is not the
     strategy's final predictive (the round records of ``metrics.jsonl`` carry it as
     ``round_view``); None: the same predictive."""
+    MEMOS: ClassVar[frozenset[str]] = frozenset({"_templates", "_initial_states"})
+    """Instance attributes that memoise pure functions of the configuration (written after
+    construction, by either half, one new key at a time; never a changed value)."""
 
     def __init__(self, context: StrategyContext) -> None:
         self.context = context
         self._templates: dict[str, nn.Module] = {}
-        self._initial_states: dict[tuple[str, int], ClientState] = {}
 
     @property
     def num_classes(self) -> int:
@@ -255,7 +271,46 @@ class Strategy:
     def feature_dim(self) -> int:
         return self.context.feature_dim
 
-    # ==== server half ======================================================================
+    def build_model(self, body: nn.Module) -> nn.Module:
+        """The client network around a body (default: the body itself)."""
+        return body
+
+    def initial_model(self, config: ClientConfig) -> nn.Module:
+        """Client ``config``'s initial network: its body spec, initialised from its seed.
+
+        The global RNG is seeded inside and restored afterwards, so building a network never
+        moves the caller's random stream (:func:`seeded_rng`; the network is built on the CPU).
+        """
+        shape, d = self.context.input_shape, self.feature_dim
+        with seeded_rng(config.init_seed):
+            body = build_body(config.body, shape, d)
+            check_feature_dim(body, shape, d)
+            model = self.build_model(body)
+        return model.to(self.context.device)
+
+    def template(self, body: str) -> nn.Module:
+        """A network of body spec ``body`` (structure only: its values are never used; client
+        values come from client states). Memoised per spec."""
+        if body not in self._templates:
+            self._templates[body] = self.initial_model(ClientConfig(0, body, 0))
+        return self._templates[body]
+
+    def header(self, round: int, client_id: int, direction: str) -> Header:
+        return Header(strategy=self.name, round=round, client_id=client_id, direction=direction)
+
+
+class ServerStrategy(StrategyConfig):
+    """The server half of a strategy: what a transport's server side calls, and nothing else.
+
+    A strategy implements `init`, `broadcast_tensors`, `upload_schema` and
+    `aggregate`, and adds the algorithm's invariants of uploads with
+    `upload_problems`; `configure`, `configure_evaluation`,
+    `validate_uploads` and `down_message` are built on them. The engine
+    (`bayesfl.engine`) and Flower's ServerApp hold a strategy through
+    `bayesfl.strategies.halves.ServerView`, which has these methods and the shared
+    configuration (`StrategyConfig`) only.
+    """
+
     def init(self) -> ServerState:  # pragma: no cover - every strategy overrides it
         """The initial server state, from the run config (:attr:`context`) alone."""
         raise TypeError(f"{type(self).__name__} must define init()")
@@ -342,30 +397,24 @@ class Strategy:
         prints its layer groups and rounds)."""
         return None
 
-    # ==== client half ======================================================================
-    def build_model(self, body: nn.Module) -> nn.Module:
-        """The client network around a body (default: the body itself)."""
-        return body
+    def down_message(self, round: int, tensors: Mapping[str, Tensor]) -> Message:
+        return Message(self.header(round, -1, "down"), wire(tensors))
 
-    def initial_model(self, config: ClientConfig) -> nn.Module:
-        """Client ``config``'s initial network: its body spec, initialised from its seed.
 
-        The global RNG is seeded inside and restored afterwards, so building a network never
-        moves the caller's random stream (:func:`seeded_rng`; the network is built on the CPU).
-        """
-        shape, d = self.context.input_shape, self.feature_dim
-        with seeded_rng(config.init_seed):
-            body = build_body(config.body, shape, d)
-            check_feature_dim(body, shape, d)
-            model = self.build_model(body)
-        return model.to(self.context.device)
+class ClientStrategy(StrategyConfig):
+    """The client half of a strategy: what a client step calls, and nothing else.
 
-    def template(self, body: str) -> nn.Module:
-        """A network of body spec ``body`` (structure only: its values are never used; client
-        values come from client states). Memoised per spec."""
-        if body not in self._templates:
-            self._templates[body] = self.initial_model(ClientConfig(0, body, 0))
-        return self._templates[body]
+    A strategy implements `fit` and `predict`; `init_client`,
+    `personalize`, `evaluate`, the group forms and `posterior` have
+    defaults. The client runner (`bayesfl.client.step`, used by the simulator's executor
+    and by Flower's ClientApp) holds a strategy through
+    `bayesfl.strategies.halves.ClientView`, which has these methods and the shared
+    configuration (`StrategyConfig`) only.
+    """
+
+    def __init__(self, context: StrategyContext) -> None:
+        super().__init__(context)
+        self._initial_states: dict[tuple[str, int], ClientState] = {}
 
     def init_client(self, config: ClientConfig) -> ClientState:
         """The client's initial state: ``model.<name>`` of its initial network, its own
@@ -373,7 +422,7 @@ class Strategy:
         once per pair and each client gets a copy of its values (60 us a client instead of
         500: 16,000 clients of one spec were 7 s of building). A subclass's own
         ``initial_model`` may use more of the config: it is called for every client."""
-        if type(self).initial_model is not Strategy.initial_model:
+        if type(self).initial_model is not StrategyConfig.initial_model:
             return model_state(self.initial_model(config))
         key = (config.body, config.init_seed)
         if key not in self._initial_states:
@@ -529,15 +578,21 @@ class Strategy:
         raise ConfigError(f"{self.name} is not a posterior strategy: it has no posterior to "
                           "return (posterior strategies: the FedLog family)")
 
-    # ==== messages =========================================================================
-    def header(self, round: int, client_id: int, direction: str) -> Header:
-        return Header(strategy=self.name, round=round, client_id=client_id, direction=direction)
-
-    def down_message(self, round: int, tensors: Mapping[str, Tensor]) -> Message:
-        return Message(self.header(round, -1, "down"), wire(tensors))
-
     def up_message(self, round: int, client_id: int, tensors: Mapping[str, Tensor]) -> Message:
         return Message(self.header(round, client_id, "up"), wire(tensors))
+
+
+class Strategy(ServerStrategy, ClientStrategy):
+    """Base of every strategy: one algorithm in its two halves (module docstring).
+
+    A subclass is registered (`bayesfl.strategies.registry.register_strategy` sets its
+    ``name``), declares its options (``OPTIONS``) and implements the server half
+    (`ServerStrategy`: `init`, `broadcast_tensors`, `upload_schema`, `aggregate`) and the client
+    half (`ClientStrategy`: `fit`, `predict`). The two halves share only `StrategyConfig`: a
+    method of one half never writes an attribute a method of the other reads
+    (``tests/bayesfl/strategies/test_halves.py`` checks it for every registered strategy over a
+    simulated run).
+    """
 
 
 def model_state(model: nn.Module) -> ClientState:
@@ -577,3 +632,18 @@ def check_one_body(configs: Sequence[ClientConfig]) -> str:
     if len(bodies) != 1:
         raise ConfigError(f"a client group must share one body spec, got {sorted(bodies)}")
     return next(iter(bodies))
+
+
+def _declared(cls: type) -> frozenset[str]:
+    """The public names a class body defines (methods, properties, class attributes)."""
+    return frozenset(n for n in vars(cls) if not n.startswith("_"))
+
+
+SHARED_API: frozenset[str] = _declared(StrategyConfig) | {"context", "registration", "OPTIONS"}
+"""What both halves may read: `StrategyConfig`'s names, the run configuration
+(``context``), the registration and the option declarations."""
+SERVER_API: frozenset[str] = _declared(ServerStrategy)
+"""The server half's methods (`ServerStrategy`): what the engine and Flower's ServerApp call."""
+CLIENT_API: frozenset[str] = _declared(ClientStrategy)
+"""The client half's methods (`ClientStrategy`): what the client runner calls."""
+assert not (SERVER_API & CLIENT_API or (SERVER_API | CLIENT_API) & SHARED_API)
