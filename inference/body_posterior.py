@@ -35,6 +35,9 @@ CHUNK_ROWS = 4096
 class BodyPosterior:
     """``head`` (an :mod:`inference` posterior over a head on body features) behind ``body``.
 
+    ``sample(n)`` draws the *head*: its posterior's draws (for the conjugate and Laplace heads
+    ``(n, C, m + 1)``, the bias in column 0); the body is fixed, never drawn.
+
     Args:
         body: the network up to the head's features, (B, *input) -> (B, m); taken in eval mode
             (not copied: the caller's module).

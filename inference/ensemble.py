@@ -39,6 +39,8 @@ class EnsemblePosterior:
 
     For a softmax head (``shape == (C, m + 1)``), :meth:`predict_proba` averages the class
     probabilities of the members (Bayesian model averaging), not their logits.
+    ``sample(n)`` draws members of the set, uniformly with replacement: ``(n, *shape)``, in
+    the members' own space.
     """
 
     kind = "ensemble"

@@ -67,6 +67,9 @@ def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
 class NetworkGaussian:
     """A Gaussian over every parameter of ``model``: ``N(mean, diag(variance) + Dᵀ D)``.
 
+    ``sample(n)`` draws the whole network as flat vectors ``(n, P)``, in
+    :func:`parameter_layout` order.
+
     Args:
         model: the network (its architecture; its values are never used), or None for a
             posterior that only samples (:meth:`bind` one later). Deep-copied, in eval mode.

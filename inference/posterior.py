@@ -31,7 +31,29 @@ from inference.errors import InvalidInputError, NumericalError
 
 @runtime_checkable
 class Posterior(Protocol):
-    """Structural type of every posterior object (see the module docstring)."""
+    """Structural type of every posterior object (see the module docstring).
+
+    ``sample(n)`` always returns ``(n, *mean.shape)``, but what a draw *is* depends on the
+    ``kind`` (each class's docstring says it too):
+
+    - ``"conjugate"``, ``"noisy_conjugate"`` (:class:`inference.ConjugatePosterior`, FedLog's
+      heads), ``"gaussian"`` (a Laplace or variational Gaussian head): head weights
+      ``(n, C, m + 1)``, the bias in column 0, in the space of the head's (scaled) features; a
+      Gaussian over another ``shape`` draws in that shape.
+    - ``"ensemble"``: members of the stored set, drawn uniformly with replacement, in the
+      members' own space (for a head: ``(n, C, m + 1)``).
+    - ``"body"`` (:class:`inference.body_posterior.BodyPosterior`): the draws of its head
+      posterior (one of the above) behind a fixed body; the body's weights are not drawn, and
+      ``predict_proba`` takes the body's *inputs*.
+    - ``"subnet_laplace"``: the whole flat parameter vector ``(n, P)`` of the network; the
+      subnet's entries from their joint Gaussian, every other entry exactly at the MAP.
+    - ``"diagonal_laplace"``: ``(n, P)``, every entry from its own Gaussian (factorised).
+    - ``"network_gaussian"``: ``(n, P)``, the whole flat network from
+      ``N(mean, diag(variance) + Dᵀ D)`` (pFedBayes, FedPA).
+
+    Flat vectors ``(n, P)`` lay out the network's (trainable) parameters in registration
+    order (:func:`inference.network_gaussian.parameter_layout`).
+    """
 
     kind: ClassVar[str]
 

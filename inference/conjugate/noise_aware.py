@@ -229,6 +229,7 @@ class NoisyConjugatePosterior(ConjugatePosterior):
     """The conjugate posterior of DP-noisy statistics, widened by the known noise (module
     docstring); satisfies :class:`inference.posterior.Posterior`.
 
+    ``sample(n)`` draws head weights ``(n, C, m + 1)``, as :class:`ConjugatePosterior` does.
     The MAP is that of the noisy statistic taken at face value; :meth:`laplace` is a
     :class:`NoiseAwareLaplace`, so ``sample``, ``covariance`` and the ``"probit"`` and ``"mc"``
     predictives carry the noise. With ``noise_variance = 0`` it is the face-value posterior.

@@ -49,6 +49,9 @@ _SOLVER_CODES: dict[str, int] = {"exact": 0, "adam": 1}
 class ConjugatePosterior:
     """Posterior over the head; satisfies :class:`inference.posterior.Posterior`.
 
+    ``sample(n)`` draws head weights ``(n, C, m + 1)`` (the bias in column 0) in the space of
+    the scaled features ``[1, s phi]``, float64.
+
     Args:
         prior: hyperparameters (``None`` means ``ConjugatePrior()``: chi = 0, nu = 1).
         statistics: summed statistics (possibly privatised).

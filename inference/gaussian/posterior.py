@@ -31,6 +31,8 @@ class GaussianPosterior:
     When ``shape == (C, m + 1)`` the Gaussian is over a linear softmax head (bias in column 0,
     see :mod:`inference.linear_model`) and :meth:`predict_proba` maps features ``(B, m)`` to
     class probabilities. Instances are immutable; the float64 factorisation is cached.
+    ``sample(n)`` draws parameters of that shape, ``(n, *shape)`` (for a head: weights in the
+    space of its features, the bias in column 0).
 
     Args:
         prior: the prior's natural parameters (counted once, whatever is combined).

@@ -112,10 +112,11 @@ class SubnetLaplacePosterior:
         if not bool(torch.isfinite(self._mean).all() & torch.isfinite(self._ggn.sum())):
             raise NumericalError("mean or GGN contains non-finite values")
         self._scale, self._chol_eq = _equilibrated_cholesky(self._ggn, prior_precision)
-        # Stored: L_eq (float64, column-major as LAPACK returns it), D (float64), and L_eq^T,
-        # D^{-1} in the model dtype for the predictive; precision, L and the covariance are
-        # rebuilt from them on demand.
-        self._solve_factor_T = self._chol_eq.T.to(mean.dtype, memory_format=torch.contiguous_format)
+        # Stored: L_eq (float64, column-major as LAPACK returns it), D (float64), and D^{-1}
+        # in the model dtype for the predictive (L_eq^T in that dtype once the triangular-solve
+        # predictive needs it: an S x S transposed copy, unused where the factored route runs);
+        # precision, L and the covariance are rebuilt from them on demand.
+        self._solve_factor_T: Tensor | None = None
         self._solve_scale = self._scale.reciprocal().to(mean.dtype)
         self._model: nn.Module | None = None
         self._inverse_factor: Tensor | None = None  # L^{-1}, for the factored predictive
@@ -306,6 +307,9 @@ class SubnetLaplacePosterior:
         Solved from the right on the (C*B, S) view, which BLAS reads without a copy:
         ``A^T = (D^{-1} J^T)^T L_eq^{-T}``."""
         S, C, B = Jt_eq.shape
+        if self._solve_factor_T is None:
+            self._solve_factor_T = self._chol_eq.T.to(self._mean.dtype,
+                                                      memory_format=torch.contiguous_format)
         At = torch.linalg.solve_triangular(
             self._solve_factor_T, Jt_eq.reshape(S, C * B).T, upper=True, left=False
         )
