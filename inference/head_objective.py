@@ -5,6 +5,9 @@ Gaussian), full or its diagonal. Shared by the Laplace head's mode and evidence
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -54,6 +57,15 @@ def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
     weights = (torch.diag_embed(probs.mean(0))
                - torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0])
     weights = weights[:, upper[0], upper[1]]  # (N, K), K = C (C + 1) / 2
+    products = _row_products(inputs)
+    if products is not None:
+        # block (c, k)'s upper triangle is Σ_n w_nck (x_n x_nᵀ)_upper: one (K, N) by (N, T) GEMM,
+        # T = (m + 1)(m + 2) / 2, half the products of the full blocks and no weighted copy
+        # of the rows; every entry of the result is gathered from it, so the mirrored
+        # entries are the same numbers (exactly symmetric)
+        upper_blocks = weights.T @ products  # (K, T)
+        index = _curvature_index(num_classes, width, str(inputs.device))
+        return upper_blocks.reshape(-1).take(index.to(inputs.device))
     pairs = weights.shape[1]
     blocks = torch.zeros(width, pairs * width, dtype=inputs.dtype, device=inputs.device)
     rows = max(1, _CHUNK_ELEMENTS // (pairs * width))
@@ -85,6 +97,24 @@ def logit_covariance(covariance: Tensor, inputs: Tensor, num_classes: int) -> Te
     1)`` temporary; issue 41), and the lower triangle is its mirror (``Σ`` is symmetric).
     """
     width, count = inputs.shape[1], inputs.shape[0]
+    # the gathers below cost about what the halved GEMM saves at N ≈ 4 (m + 1) rows
+    products = _row_products(inputs) if count >= 4 * width else None
+    if products is not None:
+        # S_n[c, k] = Σ_{p ≤ q} (x_n x_nᵀ)_pq (Σ_ck[p, q] + Σ_ck[q, p]) (the diagonal once):
+        # one (N, T) by (T, K) GEMM against the cached row products, half the products of the
+        # block rows below
+        first, second, diagonal = _covariance_index(num_classes, width,
+                                                    str(covariance.device))
+        flat = covariance.reshape(-1)
+        folded = flat.take(first) + flat.take(second)  # (K, T)
+        folded[:, diagonal] *= 0.5  # the diagonal was taken twice (exact: a power of 2)
+        upper = products @ folded.T  # (N, K)
+        pairs = torch.triu_indices(num_classes, num_classes, device=covariance.device)
+        out = torch.empty(count, num_classes, num_classes, dtype=covariance.dtype,
+                          device=covariance.device)
+        out[:, pairs[0], pairs[1]] = upper
+        out[:, pairs[1], pairs[0]] = upper
+        return out
     out = torch.empty(count, num_classes, num_classes, dtype=covariance.dtype,
                       device=covariance.device)
     for c in range(num_classes):
@@ -98,6 +128,64 @@ def logit_covariance(covariance: Tensor, inputs: Tensor, num_classes: int) -> Te
 
 #: Elements of the weighted rows :func:`softmax_curvature` holds at once (32 MB of float64).
 _CHUNK_ELEMENTS = 4_000_000
+#: Elements of the cached row products (:func:`_row_products`) at most (128 MB of float64):
+#: 1,010-parameter heads (m = 100) up to ~3,100 rows; larger inputs take the block-row path.
+_PRODUCT_ELEMENTS = 16_000_000
+#: ``[(weak reference to inputs, inputs._version, products)]``: the products of the last
+#: inputs seen (one Laplace head fit builds its curvature and logit covariances 20-30 times
+#: from the same inputs; issue 41).
+_PRODUCTS: list[tuple[weakref.ref, int, Tensor]] = []
+
+
+def _row_products(inputs: Tensor) -> Tensor | None:
+    """The upper triangles of every row's ``x_n x_nᵀ``, ``(N, T)`` with ``T = (m + 1)(m + 2) /
+    2`` in ``torch.triu_indices`` order, cached for the last ``inputs`` (same object, not
+    modified in place since); ``None`` above :data:`_PRODUCT_ELEMENTS`."""
+    count, width = inputs.shape
+    if count * width * (width + 1) // 2 > _PRODUCT_ELEMENTS:
+        return None
+    for reference, version, products in _PRODUCTS:
+        if reference() is inputs and inputs._version == version:
+            return products
+    rows, cols = torch.triu_indices(width, width, device=inputs.device)
+    products = inputs[:, rows] * inputs[:, cols]
+    _PRODUCTS[:] = [(weakref.ref(inputs, lambda _: _PRODUCTS.clear()), inputs._version,
+                     products)]
+    return products
+
+
+def _pair_numbers(size: int, device: str) -> Tensor:
+    """``(size, size)`` int64: entry ``(i, j)`` is the position of ``(min, max)`` in
+    ``torch.triu_indices(size, size)``."""
+    rows, cols = torch.triu_indices(size, size)
+    numbers = torch.empty(size, size, dtype=torch.int64)
+    numbers[rows, cols] = torch.arange(len(rows))
+    numbers[cols, rows] = torch.arange(len(rows))
+    return numbers.to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _curvature_index(num_classes: int, width: int, device: str) -> Tensor:
+    """``(d, d)`` int64: where entry ``((c, p), (k, q))`` of the curvature lies in the flat
+    ``(K, T)`` upper blocks of :func:`softmax_curvature` (``d = C (m + 1)``)."""
+    pairs, triangle = _pair_numbers(num_classes, device), _pair_numbers(width, device)
+    count = width * (width + 1) // 2
+    index = pairs[:, None, :, None] * count + triangle[None, :, None, :]
+    return index.reshape(num_classes * width, num_classes * width)
+
+
+@functools.lru_cache(maxsize=4)
+def _covariance_index(num_classes: int, width: int, device: str
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """For :func:`logit_covariance`: the flat positions in a ``(d, d)`` covariance of
+    ``Σ_ck[p, q]`` and ``Σ_ck[q, p]`` for every upper pair ``(c, k)`` (rows, ``K``) and upper
+    ``(p, q)`` (columns, ``T``), and the columns with ``p = q``."""
+    pair_rows, pair_cols = torch.triu_indices(num_classes, num_classes, device=device)
+    rows, cols = torch.triu_indices(width, width, device=device)
+    d = num_classes * width
+    first = (pair_rows[:, None] * width + rows[None, :]) * d + pair_cols[:, None] * width + cols
+    second = (pair_rows[:, None] * width + cols[None, :]) * d + pair_cols[:, None] * width + rows
+    return first, second, rows == cols
 
 
 def likelihood_hessian_diagonal(

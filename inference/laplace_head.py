@@ -44,7 +44,7 @@ from inference.hyperparameters import (
     check_bounds,
     search_log_space,
 )
-from inference.laplace_marglik import EvidenceSearch
+from inference.laplace_marglik import EvidenceSearch, newton_cg
 from inference.linear_model import log_likelihood, training_tensors
 from inference.options import (
     CovarianceStructure,
@@ -134,7 +134,9 @@ def find_mode(
 
     ``inputs`` are bias-augmented features ``(N, m + 1)`` (float64), ``targets`` int64 labels
     ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton up to
-    :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above. ``max_iter`` bounds Newton's
+    :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above; a softmax head's Newton solves its
+    steps matrix-free (:func:`~inference.laplace_marglik.newton_cg`, no factorisation), and
+    factorises only if that has not converged in ``max_iter`` steps. ``max_iter`` bounds Newton's
     iterations (L-BFGS gets at least 500 function evaluations); ``tol`` is Newton's stopping
     threshold on half the squared Newton decrement, in nats. ``start`` (a flat ``(d,)`` vector,
     default every weight at ``prior_mean``) is where the solver starts: the objective is
@@ -158,6 +160,14 @@ def find_mode(
         return negative_log_posterior(theta, inputs, targets, num_outputs, prior_precision,
                                       prior_mean, likelihood, noise_std)
 
+    if solver is MapSolver.NEWTON and likelihood is Likelihood.SOFTMAX:
+        # matrix-free Newton-CG, the same stopping rule (issue 41); the factorising Newton
+        # below only if it has not converged in max_iter steps
+        one_hot = torch.nn.functional.one_hot(targets, num_outputs).to(torch.float64)
+        start, converged = newton_cg(objective, inputs, one_hot, prior_precision, prior_mean,
+                                     start, tol, max_iter)
+        if converged:
+            return start
     if solver is MapSolver.NEWTON:
         def hessian_fn(theta: Tensor) -> Tensor:
             return likelihood_hessian(theta, inputs, num_outputs, likelihood, noise_std)

@@ -84,3 +84,49 @@ def test_logit_covariance_is_the_jacobian_sandwich_of_the_head_covariance(num_cl
     # float64 sums of ~50 products of size ~10: a few ulps of ~1e3, far below 1e-9
     torch.testing.assert_close(out, reference, atol=1e-9, rtol=0)
     assert torch.equal(out, out.transpose(1, 2))
+
+
+@pytest.mark.parametrize("draws", [1, 6])
+def test_the_row_product_path_and_the_block_row_path_give_the_same_matrices(draws, monkeypatch):
+    """Curvature and logit covariances from the cached row products ``x_n x_nᵀ`` (issue 41)
+    against the definition, and against the block-row path that larger inputs take."""
+    gen = torch.Generator().manual_seed(4)
+    width, num_classes = 6, 4
+    inputs = torch.randn(37, width, generator=gen, dtype=F64)  # 37 ≥ 4 (m + 1): products
+    probs = torch.softmax(2 * torch.randn(draws, 37, num_classes, generator=gen, dtype=F64), -1)
+    root = torch.randn(num_classes * width, num_classes * width, generator=gen, dtype=F64)
+    covariance = root @ root.T
+    eye = torch.eye(num_classes, dtype=F64)
+    sandwich = torch.stack([torch.kron(eye, x[None]) @ covariance @ torch.kron(eye, x[None]).T
+                            for x in inputs])
+    assert head_objective._row_products(inputs) is not None  # the product path runs
+    by_products = softmax_curvature(probs, inputs), logit_covariance(covariance, inputs,
+                                                                     num_classes)
+    monkeypatch.setattr(head_objective, "_PRODUCT_ELEMENTS", 0)
+    assert head_objective._row_products(inputs) is None  # the block-row path runs
+    by_blocks = softmax_curvature(probs, inputs), logit_covariance(covariance, inputs,
+                                                                   num_classes)
+    # float64 sums of ≤ 37 x 6 terms of size ≤ ~10 (curvature) and ~600 products of size ~10
+    # (covariances ~1e3): a few ulps, far below 1e-10 and 1e-9
+    for curvature in (by_products[0], by_blocks[0]):
+        torch.testing.assert_close(curvature, brute_force(probs, inputs), atol=1e-10, rtol=0)
+        assert torch.equal(curvature, curvature.T)
+    for out in (by_products[1], by_blocks[1]):
+        torch.testing.assert_close(out, sandwich, atol=1e-9, rtol=0)
+        assert torch.equal(out, out.transpose(1, 2))
+
+
+def test_the_cached_row_products_follow_the_inputs():
+    """The products are cached for the last inputs; an in-place change or other inputs of the
+    same shape get their own."""
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randn(30, 5, generator=gen, dtype=F64)
+    probs = torch.softmax(torch.randn(1, 30, 3, generator=gen, dtype=F64), -1)
+    first = softmax_curvature(probs, inputs)
+    assert head_objective._row_products(inputs) is head_objective._row_products(inputs)
+    inputs.mul_(2.0)  # in place: the curvature is 4x, not the cached one
+    torch.testing.assert_close(softmax_curvature(probs, inputs), 4 * first, atol=1e-12,
+                               rtol=0)
+    other = torch.randn(30, 5, generator=gen, dtype=F64)
+    torch.testing.assert_close(softmax_curvature(probs, other), brute_force(probs, other),
+                               atol=1e-10, rtol=0)
