@@ -927,7 +927,9 @@ class FedSI(Strategy):
             terms = subnet_laplace_state(model, batches, subnet,
                                          variance.to(torch.float64).reciprocal(),
                                          hessian_structure=structure)
-        kept = {f"{POSTERIOR_PREFIX}{k}": v.detach().clone()
+        # the terms are this call's own fresh tensors (the Laplace fit's, or the state's S x S
+        # GGN: 123 MB at |S| = 3,925); kept as they are, not copied
+        kept = {f"{POSTERIOR_PREFIX}{k}": v.detach()
                 for k, v in terms.items() if k != "mean"}
         personalized = {**model_state(model), **kept,
                         PERSONALIZED: torch.ones(1, dtype=torch.bool)}
