@@ -31,11 +31,36 @@ smallest that is still ``>= 1 - alpha`` (:func:`one_shot_ranks`), so the guarant
 for their own ``n_j`` and the server picks the smallest ``k`` whose ``M`` (computed with every
 client's actual ``(l_j, n_j)``) reaches ``1 - alpha``; for equal sizes that is the paper's
 ``(l*, k*)``. When no pair reaches ``1 - alpha`` (too few scores), the threshold is ``+inf``.
-Per client: 3 numbers up (24 bytes of payload), ``alpha`` and ``m`` down.
+Per client: 3 numbers up (24 bytes of payload), ``alpha`` and ``m`` down. **The bound holds only
+for exchangeable clients**: it needs every client's scores to be draws from one distribution
+(the paper's iid-clients assumption). Under label skew (clients whose scores differ in
+distribution) the quantile of quantiles can sit below the pooled threshold and the coverage
+below ``1 - alpha`` (S1, 5 labels per client: 0.876 against a stated 0.901).
+
+**One shot: a quantile sketch** (:func:`sketch_threshold`; the guarantee of the exact search,
+whatever the clients' heterogeneity). Client ``j`` sends its ``K_j = min(size, n_j)`` order
+statistics at the fixed ranks ``r_i = ceil(i n_j / K_j)``, ``i = 1..K_j`` (so ``r_K = n_j``:
+its largest score) and ``n_j`` (:class:`ScoreSketch`). Since ``v_i = s_(r_i) <= t`` implies at
+least ``r_i`` of its scores are ``<= t``, ``L_j(t) = max{r_i : v_i <= t}`` is a lower bound on
+its count at ``t``; the server takes the smallest sketch value ``T`` with ``sum_j L_j(T) >= k``.
+Then at least ``k`` pooled scores are ``<= T``, so ``T >= `` the pooled threshold
+*deterministically*, and the coverage is ``>= k / (N + 1) >= 1 - alpha`` under the exact
+search's assumption alone (the pooled rows exchangeable with a test row), with no condition
+on how the clients differ. The price is over-coverage, bounded by the sketch's resolution: at
+the candidate ``t'`` just below ``T`` the lower bounds sum to ``< k``, and a client's scores in
+``[t', T)`` lie strictly between two of its consecutive ranks, so fewer than
+``k + D`` pooled scores are ``< T``, ``D = sum_j (g_j - 1)`` with ``g_j`` the largest gap
+between consecutive ranks (``r_0 = 0``; ``g_j <= ceil(n_j / K_j)``). Hence ``T <= s_(k + D)``
+and, for almost surely distinct scores, ``coverage <= (k + D) / (N + 1)``
+(:attr:`SketchThreshold.coverage_upper_bound`). A client with ``n_j <= size`` sends all its
+scores (``g_j = 1``); when every client does, ``T`` is the pooled threshold exactly. Per client:
+``K_j + 1`` numbers up, nothing but the request down. What it reveals: ``K_j`` of the client's
+calibration scores (FedCP-QQ reveals one; the exact search reveals counts only).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections.abc import Generator, Sequence
@@ -344,19 +369,162 @@ def one_shot_threshold(client_scores: Sequence[Any], alpha: float) -> OneShotThr
     return quantile_of_quantiles([LocalQuantile.of(s, alpha, m) for s in client_scores], alpha)
 
 
+# ---- one shot: a quantile sketch ---------------------------------------------------------------
+SKETCH_SIZE = 32
+"""Order statistics a client sends per predictive by default: two predictives' sketches and
+counts fit a signed message under 1 KB."""
+
+
+def sketch_ranks(count: int, size: int = SKETCH_SIZE) -> list[int]:
+    """The 1-based ranks ``r_i = ceil(i n / K)``, ``i = 1..K``, ``K = min(size, n)``, of a
+    sketch of ``n = count`` scores: increasing, the last is ``n``, gaps at most ``ceil(n / K)``.
+    """
+    n = _positive(count, "count")
+    k = min(_positive(size, "size"), n)
+    return [-((-i * n) // k) for i in range(1, k + 1)]
+
+
+def _positive(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise InvalidInputError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def max_rank_gap(count: int, size: int = SKETCH_SIZE) -> int:
+    """``g``: the largest gap between consecutive ranks of :func:`sketch_ranks` (``r_0 = 0``)."""
+    ranks = [0, *sketch_ranks(count, size)]
+    return max(b - a for a, b in itertools.pairwise(ranks))
+
+
+@dataclass(frozen=True)
+class ScoreSketch:
+    """A client's one-shot sketch: the order statistics of its scores at
+    :func:`sketch_ranks` ``(count, size)``.
+
+    Attributes:
+        values: (K,) float64, non-decreasing: the ``r_i``-th smallest scores.
+        count: ``n``, the client's number of scores.
+        size: the requested ``K`` (the sketch holds ``min(size, n)`` values).
+    """
+
+    values: Tensor
+    count: int
+    size: int = SKETCH_SIZE
+
+    def __post_init__(self) -> None:
+        ranks = sketch_ranks(self.count, self.size)
+        v = self.values
+        if not isinstance(v, Tensor) or v.shape != (len(ranks),) or v.dtype != torch.float64:
+            raise InvalidInputError(f"a sketch of {self.count} scores holds {len(ranks)} float64 "
+                                    f"values, got {getattr(v, 'shape', v)!r}")
+        if not bool(torch.isfinite(v).all()) or bool((torch.diff(v) < 0).any()):
+            raise InvalidInputError("sketch values must be finite and non-decreasing")
+
+    @classmethod
+    def of(cls, scores: Any, size: int = SKETCH_SIZE) -> ScoreSketch:
+        """Client side: the sketch of its (n,) finite scores."""
+        s = torch.sort(score_vector(scores).cpu()).values
+        n = int(s.shape[0])
+        index = torch.tensor(sketch_ranks(n, size), dtype=torch.int64) - 1
+        return cls(s[index] + 0.0, n, size)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sketch_ranks(self.count, self.size)
+
+    def at_most_lower(self, thresholds: Tensor) -> Tensor:
+        """(B,) int64 lower bounds on how many of the client's scores are ``<= thresholds``."""
+        below = torch.searchsorted(self.values, thresholds, right=True)  # values <= t
+        ranks = torch.tensor([0, *self.ranks], dtype=torch.int64)
+        return ranks[below]
+
+    def below_upper(self, thresholds: Tensor) -> Tensor:
+        """(B,) int64 upper bounds on how many of the client's scores are ``< thresholds``:
+        ``r_i - 1`` for the first sketch value ``>= t`` (``n`` when none)."""
+        first = torch.searchsorted(self.values, thresholds, right=False)  # values < t
+        ranks = torch.tensor([*self.ranks, self.count + 1], dtype=torch.int64)
+        return ranks[first] - 1
+
+
+@dataclass(frozen=True)
+class SketchThreshold:
+    """The server's threshold from the clients' sketches.
+
+    Attributes:
+        threshold: the smallest sketch value whose pooled lower-bounded count reaches ``k``
+            (``inf`` when ``k > N``): ``>=`` the pooled split-conformal threshold, always.
+        rank: ``k = ceil((N + 1)(1 - alpha))``.
+        count: ``N``, the pooled number of scores.
+        alpha: the miscoverage level.
+        slack: ``D = sum_j (g_j - 1)``: ``threshold <= s_(k + D)``, the ``(k + D)``-th smallest
+            pooled score (0: the exact pooled threshold).
+        coverage_upper_bound: ``min(1, (k + D) / (N + 1))``, the marginal coverage's upper
+            bound for almost surely distinct exchangeable scores (the lower one is
+            ``k / (N + 1) >= 1 - alpha``).
+        clients: the number of sketches.
+    """
+
+    threshold: float
+    rank: int
+    count: int
+    alpha: float
+    slack: int
+    coverage_upper_bound: float
+    clients: int
+
+    @property
+    def coverage_lower_bound(self) -> float:
+        """``k / (N + 1)`` (1.0 when the threshold is infinite)."""
+        return 1.0 if self.rank > self.count else self.rank / (self.count + 1)
+
+
+def sketch_threshold(sketches: Sequence[ScoreSketch], alpha: float) -> SketchThreshold:
+    """Server side (module docstring): the smallest candidate ``T`` among the sketch values with
+    ``sum_j L_j(T) >= k``; ``T >= `` the pooled threshold whatever the clients' scores."""
+    alpha = check_alpha(alpha)
+    if not sketches:
+        raise InvalidInputError("sketch_threshold needs at least one client's sketch")
+    n = sum(s.count for s in sketches)
+    k = quantile_rank(n, alpha)
+    slack = sum(max_rank_gap(s.count, s.size) - 1 for s in sketches)
+    if k > n:
+        return SketchThreshold(math.inf, k, n, alpha, slack, 1.0, len(sketches))
+    candidates = torch.unique(torch.cat([s.values for s in sketches]))  # sorted
+    lower = sum(s.at_most_lower(candidates) for s in sketches)
+    # the largest candidate is every client's largest score: the lower bound there is N >= k
+    first = int(torch.nonzero(lower >= k)[0, 0])
+    bound = min(1.0, (k + slack) / (n + 1))
+    return SketchThreshold(float(candidates[first]) + 0.0, k, n, alpha, slack, bound,
+                           len(sketches))
+
+
+def one_shot_sketch_threshold(client_scores: Sequence[Any], alpha: float,
+                              size: int = SKETCH_SIZE) -> SketchThreshold:
+    """The sketch protocol driven in this process: each client's :class:`ScoreSketch`, then
+    the server's :func:`sketch_threshold`."""
+    return sketch_threshold([ScoreSketch.of(s, size) for s in client_scores], alpha)
+
+
 __all__ = [
     "DEFAULT_PROBES",
+    "SKETCH_SIZE",
     "ExactThreshold",
     "LocalQuantile",
     "OneShotThreshold",
+    "ScoreSketch",
+    "SketchThreshold",
     "ThresholdCounts",
     "counts_problem",
     "exact_threshold_search",
     "federated_threshold",
     "float_key",
     "key_float",
+    "max_rank_gap",
     "one_shot_coverage",
     "one_shot_ranks",
+    "one_shot_sketch_threshold",
     "one_shot_threshold",
     "quantile_of_quantiles",
+    "sketch_ranks",
+    "sketch_threshold",
 ]
