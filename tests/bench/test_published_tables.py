@@ -415,6 +415,9 @@ def test_the_scale_table_averages_the_rounds_after_round_0_and_judges_issue_28s_
     assert _row(table, "| at most 8 s").endswith("| does not hold |")
     assert _row(table, "| no more memory").endswith("| 2.50 GB | holds |")
     assert "| 4.00x | – (a measurement) |" in _row(table, "| `load_run`")
+    assert "FedLog (`feature_scale` heldout (FedLog's default; not recorded);" in table
+    assert "FedLog (`feature_scale` 1; issue 28's" in simulate_scale_table(
+        [record | {"feature_scale": 1.0}])
 
 
 def test_the_flower_table_judges_issue_28s_ratio_and_the_equal_ece():
