@@ -49,7 +49,8 @@ from bayesfl.errors import BayesFLError, CheckpointError, UploadsRejectedWarning
 from bayesfl.evaluation import RoundEvaluation
 from bayesfl.run_directory import CHECKPOINT_NAME, METRICS_NAME, MetricsLog
 from bayesfl.strategies import make_strategy
-from bayesfl.strategies.base import ClientState, ServerState
+from bayesfl.strategies.base import ClientState, ServerState, ServerStrategy
+from bayesfl.strategies.halves import server_half
 
 
 @dataclass
@@ -119,8 +120,9 @@ class Run(ABC):
         self.saved = load_checkpoint(path, fingerprint=self.fingerprint, config=self.identity) \
             if resume and path is not None and (path.exists() or path.is_symlink()) else None
         self.setup = run_setup(config, dataset, self.device)
-        self.server = make_strategy(config.strategy, self.setup.context,
-                                    **config.strategy_options)
+        # the engine holds the strategy's server half only (bayesfl.strategies.halves)
+        self.server: ServerStrategy = server_half(make_strategy(
+            config.strategy, self.setup.context, **config.strategy_options))
         # novel clients (novel_fraction) never train: rounds sample and evaluate the others
         self.novel = novel_clients(config.clients, config.novel_fraction, config.data_rng_seed)
         self.training = [c for c in range(config.clients) if c not in self.novel]

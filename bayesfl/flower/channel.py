@@ -33,7 +33,7 @@ from bayesfl.flower.protocol import (
     scalar,
     timings,
 )
-from bayesfl.strategies.base import Evaluation, Strategy
+from bayesfl.strategies.base import Evaluation, ServerStrategy
 
 _NODE_CHECK_SECONDS = 2.0  # how often a step re-reads which nodes are online
 
@@ -66,7 +66,7 @@ class FlowerChannel:
     """
 
     def __init__(self, grid: Grid, *, round_timeout: float, poll_interval: float,
-                 server: Strategy, n_bins: int, clients: int,
+                 server: ServerStrategy, n_bins: int, clients: int,
                  fingerprint: str, min_nodes: int, node_wait: float) -> None:
         self.grid = grid
         self.round_timeout = round_timeout

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from bayesfl.config import SimulationConfig
     from bayesfl.data.clients import ClientData
     from bayesfl.flower.protocol import FlowerOptions
-    from bayesfl.strategies.base import ClientConfig, ClientState, Strategy
+    from bayesfl.strategies.base import ClientConfig, ClientState, ClientStrategy
 
 app = ClientApp()
 
@@ -87,7 +87,7 @@ class Node:
 
     config: SimulationConfig
     options: FlowerOptions
-    strategy: Strategy
+    strategy: ClientStrategy
     client: ClientConfig
     data: ClientData
     fingerprint: str
@@ -95,6 +95,12 @@ class Node:
     state_dir: Path | None = None
     clients: Any = None
     novel: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        from bayesfl.strategies.halves import client_half
+
+        # the node holds the strategy's client half only (bayesfl.strategies.halves)
+        self.strategy = client_half(self.strategy)
 
     @property
     def client_id(self) -> int:

@@ -30,13 +30,17 @@ def test_a_fedlog_round_step_in_a_fresh_process_imports_nothing_heavy(tmp_path):
 
     from bayesfl.flower import client_app
     from bayesfl.messages import encode
+    from bayesfl.strategies import make_strategy
+    from bayesfl.strategies.halves import server_half
 
     context = Context(run_id=1, node_id=100, node_config={"partition-id": 0,
                                                           "num-partitions": 3},
                       state=RecordDict(), run_config=RUN_CONFIG)
-    strategy = client_app.node_of(context).strategy  # the server half, here, not in the child
+    node = client_app.node_of(context)  # it holds the client half only: the server half is
+    server = server_half(make_strategy(  # built here from the same run, not in the child
+        node.config.strategy, node.strategy.context, **node.config.strategy_options))
     broadcast = tmp_path / "broadcast.bin"
-    broadcast.write_bytes(encode(strategy.configure(strategy.init(), 1).broadcast))
+    broadcast.write_bytes(encode(server.configure(server.init(), 1).broadcast))
     code = textwrap.dedent(f"""
         import json, sys
         import flwr.supernode.cli  # what flwr-clientapp has imported before it loads the app

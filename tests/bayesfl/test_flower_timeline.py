@@ -66,6 +66,8 @@ def test_a_round_message_reply_carries_its_handlers_parts_and_the_nodes_stamps(m
     from bayesfl.flower import client_app
     from bayesfl.flower.protocol import ROUND, pack, timings
     from bayesfl.messages import encode
+    from bayesfl.strategies import make_strategy
+    from bayesfl.strategies.halves import server_half
 
     run_config = {"strategy": "fedavg", "dataset": "gaussian_mixture", "clients": 2,
                   "partition": "iid", "rounds": 1, "seed": 3, "body": "mlp:8",
@@ -76,8 +78,10 @@ def test_a_round_message_reply_carries_its_handlers_parts_and_the_nodes_stamps(m
     context = Context(run_id=1, node_id=100, node_config={"partition-id": 0,
                                                           "num-partitions": 2},
                       state=RecordDict(), run_config=run_config)
-    strategy = client_app.node_of(context).strategy
-    fit = encode(strategy.configure(strategy.init(), 1).broadcast)
+    node = client_app.node_of(context)  # it holds the client half only
+    server = server_half(make_strategy(node.config.strategy, node.strategy.context,
+                                       **node.config.strategy_options))
+    fit = encode(server.configure(server.init(), 1).broadcast)
     before = time.time()
     reply = client_app.round_step(Message(pack(round=1, fit=fit, personalize=False,
                                                final=False),
