@@ -32,6 +32,18 @@ run in brackets):
 - final GLM predictive: the posterior's equilibrated Cholesky (670 ms) and the probit
   variances over the test rows through the triangular inverse (~400 ms) [10].
 
+FedSI, a 3-round run of S1 seed 0 profiled (CPU-s, cProfile on CPU time, back to back on the
+shared machine) before (c3a2940) and after issue 41/42's subnet pass (7d68a74): 35.0 -> 32.8 in
+all, the same figures bit for bit; the upload variances 9.6 -> 9.6 (30 calls), local MAP 1.4 ->
+1.3, selection 1.5 (unchanged), per-round view 2.3 -> 2.2, personalisation 3.3 -> 2.6 (no copy of
+the 123 MB S x S GGN), final predictive 16.1 -> 15.0 (no S x S transposed copy the factored
+route never reads). What bounds FedSI's cost in this regime: each client each round factorises
+and inverts the 2,250 x 2,250 Woodbury kernel (r = n (C - 1), every sample having nine or more
+active subnet units), LAPACK ``potrf`` + ``potri`` = 0.26 CPU-s a call, ~78 CPU-s over the
+run's 300 calls: ten times FedBABU's whole run by itself, so the issue's 5x cannot be met with
+the exact float64 variances (the alternatives measured are listed in
+``inference.subnet.lowrank``'s docstring).
+
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
 (70 ms) and 110 preconditioned SGLD steps (190 ms before issue 41: each step read the
