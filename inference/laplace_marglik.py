@@ -297,7 +297,7 @@ class EvidenceSearch:
             # mode just inside a loose ``tol`` moved the search's end by ~1e-3 in log λ.)
             theta, _ = newton_cg(lambda v: self._objective(v, prior_precision), self.inputs,
                                  self._one_hot, prior_precision, self.prior_mean, theta,
-                                 MODE_TOL, self.max_iter, self._gram)
+                                 MODE_TOL, self.max_iter, self._gram, covariance)
         elif covariance is not None:
             theta = self._chord(theta, prior_precision, MODE_TOL, covariance)
         for _ in range(self.max_iter):
@@ -461,7 +461,8 @@ class EvidenceSearch:
 
 def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float,
               prior_mean: float | Tensor, theta: Tensor, tol: float, max_iter: int,
-              gram: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, bool]:
+              gram: tuple[Tensor, Tensor] | None = None, covariance: Tensor | None = None,
+              ) -> tuple[Tensor, bool]:
     """The mode of a softmax head's log posterior by damped Newton with each step solved by
     preconditioned conjugate gradients, matrix-free (issue 41).
 
@@ -470,7 +471,10 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
     returned, or ``(last point, False)`` after ``max_iter`` steps (the caller's exact Newton
     goes on from there). ``objective(theta)`` is the negative log posterior of ``inputs (N, m +
     1)``, ``one_hot`` labels ``(N, C)`` float64 and the prior ``N(μ₀, I/λ)``; ``gram``: the
-    eigenpairs of ``XᵀX`` when the caller has them.
+    eigenpairs of ``XᵀX`` when the caller has them; ``covariance``: an SPD ``(d, d)``
+    approximation of the inverse curvature (the evidence search's previous refit's ``Σ``) to
+    precondition with instead of the Kronecker form below (a refit's solves then take a few
+    iterations instead of tens, for an ``O(d²)`` product each).
 
     A curvature-vector product ``(λI + H) v = λ v + Σ_n x_n (B_n V x_n)ᵀ`` costs ``O(N C (m +
     1))``, against ``O(N C² (m + 1)²)`` for the curvature and ``O(C³ (m + 1)³)`` for its
@@ -494,6 +498,8 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
         denominator = lam + block_values[:, None].clamp_min(0.0) * gram_values[None, :]
 
         def precondition(vector: Tensor, bv=block_vectors, den=denominator) -> Tensor:
+            if covariance is not None:
+                return covariance @ vector
             rotated = bv.T @ vector.reshape(c, width) @ gram_vectors
             return (bv @ (rotated / den) @ gram_vectors.T).reshape(-1)
 

@@ -66,6 +66,14 @@ def test_newton_cg_reaches_the_mode_factorising_newton_and_lbfgs_find(prior_prec
     scale = 1e-5 / min(1.0, prior_precision) ** 0.5
     torch.testing.assert_close(mode, exact, atol=scale, rtol=0)
     torch.testing.assert_close(mode, lbfgs, atol=scale, rtol=0)
+    # preconditioned by a covariance (the search's refits: the previous refit's Σ), the same
+    precision = likelihood_hessian(prior_mean, inputs, 4, Likelihood.SOFTMAX, 1.0)
+    covariance = torch.linalg.inv(precision + prior_precision * torch.eye(36, dtype=F64))
+    by_covariance, converged = newton_cg(objective, inputs, one_hot, prior_precision,
+                                         prior_mean, prior_mean.clone(), 1e-12, 100,
+                                         covariance=covariance)
+    assert converged
+    torch.testing.assert_close(by_covariance, exact, atol=scale, rtol=0)
     # find_mode's default Newton is this one
     torch.testing.assert_close(find_mode(inputs, labels, 4, prior_precision, prior_mean),
                                mode, atol=1e-12, rtol=0)
@@ -96,7 +104,7 @@ def test_the_fit_chooses_the_same_prior_and_posterior_with_and_without_newton_cg
     fast = fit_laplace_head(features, labels, 4)
 
     def no_cg(objective, inputs, one_hot, prior_precision, prior_mean, theta, tol, max_iter,
-              gram=None):
+              gram=None, covariance=None):
         return theta, False  # the caller's factorising Newton does all the work
 
     monkeypatch.setattr(laplace_marglik, "newton_cg", no_cg)
