@@ -439,7 +439,7 @@ class InProcessChannel:
         if self._phases is None:
             run = self.run
             self._phases = InProcessPhases({c.client_id: Site(
-                c.client_id, run.client_half, c.config,
+                c.client_id, run.executor.strategy, c.config,  # the client half's view
                 run.personalized.get(c.client_id, c.state), self.final_broadcast, c.data,
                 run.setup.held_out.get(c.client_id), seed=run.config.seed,
                 n_bins=run.config.n_bins, device=run.device, conformal=run.setup.conformal,
