@@ -16,7 +16,14 @@ label with probability >= 90% (:mod:`calibration.conformal`), from a threshold c
   is the pooled split-conformal threshold of every held-out row, bit for bit. ``one-shot`` is
   FedCP-QQ (:func:`calibration.federated_conformal.quantile_of_quantiles`): one request
   (``alpha`` and the number of clients), one reply per client of one local quantile and its
-  ranks (:data:`ONE_SHOT_REPLY_SCHEMA`), with the coverage bound the formula states. Both run
+  ranks (:data:`ONE_SHOT_REPLY_SCHEMA`), with the coverage bound the formula states *for
+  exchangeable clients only* (under label skew it can fail). ``sketch`` is one request too,
+  with the exact method's guarantee whatever the clients' heterogeneity
+  (:func:`calibration.federated_conformal.sketch_threshold`): every client sends
+  :data:`~calibration.federated_conformal.SKETCH_SIZE` order statistics of its held-out scores
+  at fixed ranks and its row count (:data:`SKETCH_REPLY_SCHEMA`, under 1 KB), and the server
+  takes a threshold at or above the pooled one, over-covering by at most what the sketch's
+  rank gaps allow (reported as ``coverage_upper_bound``). All three run
   for the headline predictive and, for posterior strategies, its MAP plug-in (rows of every
   tensor: :data:`PREDICTIVES`; a client without a plug-in answers a count of 0 for it).
 * **Evaluation.** The server broadcasts the thresholds (:data:`RESULT_SCHEMA`); every client
@@ -75,12 +82,16 @@ from calibration.conformal import (
 )
 from calibration.federated_conformal import (
     DEFAULT_PROBES,
+    SKETCH_SIZE,
     LocalQuantile,
+    ScoreSketch,
     ThresholdCounts,
     counts_problem,
     exact_threshold_search,
     one_shot_ranks,
     quantile_of_quantiles,
+    sketch_ranks,
+    sketch_threshold,
 )
 
 PROTOCOL = "conformal"
@@ -100,6 +111,13 @@ ONE_SHOT_REQUEST_SCHEMA = {"alpha": TensorSpec((1,), torch.float64),
 ONE_SHOT_REPLY_SCHEMA = {"local_quantile": TensorSpec((P, 3), torch.float64, finite=False)}
 """Client -> server (one shot): per predictive its local quantile, l and n (whole numbers,
 exact in float64; one tensor keeps the message under 1 KB)."""
+SKETCH_REQUEST_SCHEMA = {"sketch_size": TensorSpec((1,), torch.int64)}
+"""Server -> clients (sketch): the sketch size ``K`` (:data:`SKETCH_SIZE`)."""
+SKETCH_REPLY_SCHEMA = {"sketch": TensorSpec((P, SKETCH_SIZE), torch.float64, finite=False),
+                       "count": TensorSpec((P,), torch.int64)}
+"""Client -> server (sketch): per predictive its order statistics at
+:func:`~calibration.federated_conformal.sketch_ranks` ``(n, K)`` (NaN past ``min(K, n)``)
+and ``n``."""
 RESULT_SCHEMA = {"thresholds": TensorSpec((P,), torch.float64, finite=False)}
 """Server -> every client: the thresholds (NaN: no threshold for that predictive)."""
 EVALUATION_SCHEMA = {"counts": TensorSpec((P, 2), torch.int64),
@@ -170,6 +188,19 @@ class ConformalClient:
                     answer = ThresholdCounts.of(s, request.tensors["thresholds"][i])
                     at_most[i], count[i] = answer.at_most, answer.count
             return Message(header, {"at_most": at_most, "count": count})
+        if "sketch_size" in request.tensors:
+            validate(request, SKETCH_REQUEST_SCHEMA, strategy=PROTOCOL, direction="down")
+            if int(request.tensors["sketch_size"][0]) != SKETCH_SIZE:
+                raise MessageRejected(f"sketch request must ask for {SKETCH_SIZE} values, got "
+                                      f"{int(request.tensors['sketch_size'][0])}")
+            sketch = torch.full((P, SKETCH_SIZE), math.nan, dtype=torch.float64)
+            count = torch.zeros(P, dtype=torch.int64)
+            for i, s in enumerate(self.scores):
+                if s is not None:
+                    local = ScoreSketch.of(s, SKETCH_SIZE)
+                    sketch[i, :local.values.shape[0]] = local.values
+                    count[i] = local.count
+            return Message(header, {"sketch": sketch, "count": count})
         validate(request, ONE_SHOT_REQUEST_SCHEMA, strategy=PROTOCOL, direction="down")
         alpha = float(request.tensors["alpha"][0])
         m = int(request.tensors["num_clients"][0])
@@ -272,7 +303,8 @@ def conformal_search_over(
     """The server's threshold step with the clients reached through ``ask`` (in this process
     or over a transport's channel): validation, restarts and byte counts as the module says."""
     outcome = ConformalSearch([None] * P, [{} for _ in range(P)], list(client_ids))
-    once = _exact_once if spec.method == "exact" else _one_shot_once
+    once = {"exact": _exact_once, "one-shot": _one_shot_once,
+            "sketch": _sketch_once}[spec.method]
     with_restarts(client_ids, outcome, lambda active: once(
         ask, active, spec, num_classes, upload_hook, keys, outcome))
     return outcome
@@ -413,6 +445,56 @@ def _one_shot_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_cla
         outcome.details[i] = {"rank": result.rank, "coverage_bound": result.coverage_bound,
                               "clients": result.clients,
                               "held_out_rows": sum(u.count for u in uploads)}
+
+
+def _sketch_once(ask: Ask, active: Sequence[int], spec: ConformalSpec, num_classes: int,
+                 upload_hook: UploadHook | None, keys: KeyRing | None,
+                 outcome: ConformalSearch) -> None:
+    server_key = None if keys is None else keys.server_key
+    upper = score_upper_bound(spec.score, num_classes)
+    request = _message(outcome.steps, {"sketch_size": torch.tensor([SKETCH_SIZE])})
+    down = encode(request, key=server_key)
+    outcome.floats_down += len(active)
+
+    def check(cid: int, message: Message) -> str | None:
+        for i in range(P):
+            n = int(message.tensors["count"][i])
+            row = message.tensors["sketch"][i]
+            if n == 0:
+                if not bool(torch.isnan(row).all()):
+                    return f"{PREDICTIVES[i]}: a sketch without rows"
+                continue
+            if n < 0:
+                return f"{PREDICTIVES[i]}: count must be >= 0, got {n}"
+            width = len(sketch_ranks(n, SKETCH_SIZE))
+            values, padding = row[:width], row[width:]
+            if not bool(torch.isnan(padding).all()) or not bool(torch.isfinite(values).all()):
+                return (f"{PREDICTIVES[i]}: a sketch of {n} rows holds {width} finite values "
+                        "then NaN")
+            if bool((torch.diff(values) < 0).any()):
+                return f"{PREDICTIVES[i]}: sketch values must be non-decreasing"
+            if not (float(values[0]) >= 0.0 and float(values[-1]) <= upper * (1 + _SLACK)):
+                return f"{PREDICTIVES[i]}: sketch values outside [0, {upper:g}]"
+        return None
+
+    replies = _collect(ask, active, down, SKETCH_REPLY_SCHEMA, P * (SKETCH_SIZE + 1),
+                       upload_hook, keys, outcome, check)
+    for i in range(P):
+        sketches = []
+        for c in active:
+            n = int(replies[c].tensors["count"][i])
+            if n > 0:
+                width = len(sketch_ranks(n, SKETCH_SIZE))
+                sketches.append(ScoreSketch(replies[c].tensors["sketch"][i, :width].clone(),
+                                            n, SKETCH_SIZE))
+        if not sketches:
+            continue
+        result = sketch_threshold(sketches, spec.alpha)
+        outcome.thresholds[i] = result.threshold
+        outcome.details[i] = {"rank": result.rank, "held_out_rows": result.count,
+                              "clients": result.clients, "sketch_slack": result.slack,
+                              "coverage_bound": result.coverage_lower_bound,
+                              "coverage_upper_bound": result.coverage_upper_bound}
 
 
 def result_message(step: int, thresholds: Sequence[float | None]) -> Message:
@@ -649,6 +731,8 @@ __all__ = [
     "RESULT",
     "RESULT_SCHEMA",
     "SCORE_NAMES",
+    "SKETCH_REPLY_SCHEMA",
+    "SKETCH_REQUEST_SCHEMA",
     "ConformalClient",
     "ConformalOutcome",
     "ConformalSearch",

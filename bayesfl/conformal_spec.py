@@ -19,8 +19,10 @@ SCORE_NAMES = {"lac": ConformalScore("lac"), "aps": ConformalScore("aps"),
                "raps": ConformalScore("raps"),
                "raps-randomized": ConformalScore("raps", randomized=True)}
 """The scores ``conformal=`` names (RAPS with ``k_reg = 1``, ``lam = 0.01``)."""
-METHODS = ("exact", "one-shot")
-"""How the threshold is found: the exact federated search, or one-shot quantile of quantiles."""
+METHODS = ("exact", "one-shot", "sketch")
+"""How the threshold is found: the exact federated search, one-shot quantile of quantiles
+(FedCP-QQ; its bound assumes exchangeable clients), or the one-shot quantile sketch (at or above
+the pooled threshold whatever the clients' heterogeneity)."""
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,15 @@ class ConformalSpec:
 
 
 def parse_conformal(value: Any) -> ConformalSpec | None:
-    """``None`` or ``"SCORE:ALPHA[:METHOD]"`` (e.g. ``"aps:0.1"``, ``"lac:0.05:one-shot"``).
+    """``None`` or ``"SCORE:ALPHA[:METHOD]"`` (e.g. ``"aps:0.1"``, ``"lac:0.05:one-shot"``,
+    ``"lac:0.1:sketch"``; METHOD in :data:`METHODS`, default ``exact``).
 
     Raises:
         ConfigError: an unknown score or method, or alpha outside (0, 1).
     """
     if value is None:
         return None
-    example = "e.g. 'aps:0.1', 'lac:0.05' or 'raps:0.1:one-shot'"
+    example = "e.g. 'aps:0.1', 'lac:0.05', 'raps:0.1:one-shot' or 'lac:0.1:sketch'"
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"conformal must be None or SCORE:ALPHA[:METHOD] ({example}); got "
                           f"{value!r}")

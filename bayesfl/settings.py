@@ -102,7 +102,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("conformal",), "conformal", "str",
             "final conformal step: prediction sets with coverage >= 1 - ALPHA, SCORE:ALPHA"
             "[:METHOD] with SCORE lac, aps, aps-randomized, raps or raps-randomized and METHOD "
-            "exact (default: the pooled threshold over counts) or one-shot (FedCP-QQ), e.g. "
+            "exact (default: the pooled threshold over counts), one-shot (FedCP-QQ, its bound "
+            "for exchangeable clients only) or sketch (one shot, at or above the pooled "
+            "threshold under any heterogeneity, < 1 KB per client), e.g. "
             "aps:0.1; calibrated on the held-out share calibrate uses (0.2 without it); "
             "default none"),
     Setting(("device",), "device", "str", "cpu, cuda, cuda:N or mps; default cpu"),

@@ -5,10 +5,12 @@ in distribution and under rotation and unseen labels.
 S1 (:mod:`bench.fedsi_small`'s ``COMMON``): ``mnist-5k``, 10 clients, ``labels:5:train=50``,
 MLP 784-100-10, batch 50, 30 rounds of 5 local epochs, lr 1e-3. Every run holds out 20% of each
 client's training rows (``conformal=``, the run step) for the threshold. After training, for
-alpha in {0.05, 0.1} and both thresholds (``exact``: the pooled threshold over counts;
-``one-shot``: FedCP-QQ), the run's own conformal step (:func:`bayesfl.conformal.conformal_run`,
+alpha in {0.05, 0.1}, every score (LAC, APS, RAPS; not randomised) and the three thresholds
+(``exact``: the pooled threshold over counts; ``one-shot``: FedCP-QQ, whose bound assumes
+exchangeable clients; ``sketch``: the one-shot quantile sketch, at or above the pooled
+threshold), the run's own conformal step (:func:`bayesfl.conformal.conformal_run`,
 the federated protocol with its messages and byte counts) calibrates on the clean held-out rows,
-and every client forms its sets (APS, not randomised) on:
+and every client forms its sets on:
 
 * its own test rows (in distribution: the coverage guarantee applies);
 * the same rows rotated by 30 and 60 degrees (bilinear, corners filled with the data's minimum,
@@ -21,9 +23,10 @@ size; for the headline predictive and, where the method has one, its MAP plug-in
 named in the ratio: the recommended configuration's mean set size at alpha = 0.1 over its
 plug-in's (< 1: the posterior's sets are smaller at the same guarantee).
 
-Usage: ``python bench/s1_conformal.py [--seeds 0,1,2] [--rounds 30] [--labels ...]``; one JSON
-line per (method, seed) is appended to ``bench/results/s1_conformal.jsonl`` (a run already there
-is skipped); the last line printed is the JSON summary.
+Usage: ``python bench/s1_conformal.py [--seeds 0,1,2] [--rounds 30] [--labels ...]
+[--scores lac,aps,raps]``; one JSON line per (method, seed, score) is appended to
+``bench/results/s1_conformal.jsonl`` (a run already there with the sketch threshold is
+skipped); the last line printed is the JSON summary (the ratio on APS).
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ METHODS = {  # label -> (strategy, options)
     "FedAvg-FT": ("fedavg-ft", {}),
 }
 ALPHAS = (0.05, 0.1)
-THRESHOLDS = ("exact", "one-shot")
+THRESHOLDS = ("exact", "one-shot", "sketch")
 ROTATIONS = (30.0, 60.0)
-SCORE = "aps"
+SCORES = ("lac", "aps", "raps")
 
 
 def _figures(accs: dict[int, CoverageAccumulator], target: float) -> dict:
@@ -78,11 +81,13 @@ def _figures(accs: dict[int, CoverageAccumulator], target: float) -> dict:
             "per_client": [round(c, 4) for c in covers]}
 
 
-def measure(label: str, seed: int, rounds: int, epochs: int) -> dict:
+def measure(label: str, seed: int, rounds: int, epochs: int,
+            scores: tuple[str, ...] = SCORES) -> list[dict]:
+    """One training of ``label`` at ``seed``; one record per score."""
     strategy, options = METHODS[label]
     t0 = time.perf_counter()
     result = simulate(strategy, rounds=rounds, seed=seed, local_epochs=epochs, lr=1e-3,
-                      strategy_options=options, conformal=f"{SCORE}:0.1", **COMMON)
+                      strategy_options=options, conformal="aps:0.1", **COMMON)
     train_s = time.perf_counter() - t0
     config = result.config
     dataset = load_dataset(config.dataset, seed=config.data_rng_seed, **config.dataset_options)
@@ -122,13 +127,25 @@ def measure(label: str, seed: int, rounds: int, epochs: int) -> dict:
             conditions["unseen labels"][k] = (predict(k, pooled_x[unseen]), pooled_y[unseen])
 
     held_probs = {k: predict(k, h.x) for k, h in held_out.items()}
+    records = [_score_record(label, seed, rounds, epochs, score, result, clients, held_out,
+                             held_probs, conditions, setup, num_classes) for score in scores]
+    for record in records:
+        record.update(provenance())
+        record["seconds"] = round(time.perf_counter() - t0, 1)
+        record["train_seconds"] = round(train_s, 1)
+    return records
+
+
+def _score_record(label: str, seed: int, rounds: int, epochs: int, score: str, result,
+                  clients, held_out, held_probs, conditions, setup, num_classes) -> dict:
+    strategy, options = METHODS[label]
     record: dict = {"label": label, "strategy": strategy, "options": options, "seed": seed,
-                    "rounds": rounds, "epochs": epochs, "score": SCORE,
+                    "rounds": rounds, "epochs": epochs, "score": score,
                     "held_out_rows": sum(h.size for h in held_out.values()),
                     "accuracy": float(result.summary["accuracy"]), "results": []}
     for alpha in ALPHAS:
         for method in THRESHOLDS:
-            spec = parse_conformal(f"{SCORE}:{alpha}:{method}")
+            spec = parse_conformal(f"{score}:{alpha}:{method}")
             outcome = conformal_run(result.strategy, clients, held_out,
                                     result.evaluation_broadcast, spec=spec,
                                     held_out_fraction=setup.held_out_fraction, run_seed=seed,
@@ -146,7 +163,8 @@ def measure(label: str, seed: int, rounds: int, epochs: int) -> dict:
                     continue
                 p = summary["predictives"][key]
                 per: dict = {"threshold": p["threshold"],
-                             "coverage_bound": p.get("coverage_bound")}
+                             "coverage_bound": p.get("coverage_bound"),
+                             "coverage_upper_bound": p.get("coverage_upper_bound")}
                 for name, rows in conditions.items():
                     accs = {}
                     for k, (probs, y) in rows.items():
@@ -159,9 +177,6 @@ def measure(label: str, seed: int, rounds: int, epochs: int) -> dict:
                 assert per["clean"]["coverage"] == p["coverage"]
                 entry["predictives"][key] = per
             record["results"].append(entry)
-    record.update(provenance())
-    record["seconds"] = round(time.perf_counter() - t0, 1)
-    record["train_seconds"] = round(train_s, 1)
     return record
 
 
@@ -171,22 +186,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--labels", default=",".join(METHODS))
+    parser.add_argument("--scores", default=",".join(SCORES))
     parser.add_argument("--cache", default=str(CACHE))
     args = parser.parse_args()
     torch.set_num_threads(1)
     cache = Path(args.cache)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for label in args.labels.split(","):
-            done = {(r["label"], r["seed"], r["rounds"]) for r in read_jsonl(cache)}
-            if (label, seed, args.rounds) in done:
+            done = {(r["label"], r["seed"], r["rounds"], r["score"])
+                    for r in read_jsonl(cache) if "sketch" in {e["method"] for e in r["results"]}}
+            scores = tuple(s for s in args.scores.split(",")
+                           if (label, seed, args.rounds, s) not in done)
+            if not scores:
                 print(f"{label} seed {seed}: cached", flush=True)
                 continue
-            record = measure(label, seed, args.rounds, args.epochs)
+            records = measure(label, seed, args.rounds, args.epochs, scores)
             with cache.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            for entry in record["results"]:
+                for record in records:
+                    f.write(json.dumps(record) + "\n")
+            for record, entry in ((r, e) for r in records for e in r["results"]):
                 for key, per in entry["predictives"].items():
-                    print(f"{label} seed {seed} a={entry['alpha']} {entry['method']:8s} "
+                    print(f"{label} seed {seed} {record['score']} a={entry['alpha']} "
+                          f"{entry['method']:8s} "
                           f"{key:10s} clean cov {per['clean']['coverage']:.4f} size "
                           f"{per['clean']['mean_set_size']:.2f} | rot60 cov "
                           f"{per['rotate 60']['coverage']:.3f} size "
@@ -199,7 +220,8 @@ def main() -> None:
     for label in METHODS:
         for key in PREDICTIVES:
             sizes = [e["predictives"][key]["clean"]["mean_set_size"]
-                     for r in records if r["label"] == label for e in r["results"]
+                     for r in records if r["label"] == label and r["score"] == "aps"
+                     for e in r["results"]
                      if e["alpha"] == 0.1 and e["method"] == "exact"
                      and key in e["predictives"]]
             if sizes:

@@ -81,6 +81,51 @@ def test_one_shot_over_messages_is_fedcp_qq_and_under_a_kilobyte() -> None:
     assert search.bytes_up / 5 <= 1024
 
 
+def test_sketch_over_messages_is_at_or_above_the_pooled_threshold_under_a_kilobyte() -> None:
+    """The sketch step (one request, one reply a client): its threshold is the calibration
+    module's sketch threshold of the same scores, never below the pooled one (here clients of
+    60 rows, over the 32 values a sketch holds, and one of 12 that sends all), within the
+    stated slack; the reply, signed, is under 1 KB on the wire."""
+    from calibration.federated_conformal import one_shot_sketch_threshold
+
+    spec = parse_conformal("lac:0.1:sketch")
+    keys = KeyRing.generate()
+    clients, _ = make_clients(spec, sizes=(60, 45, 12, 60, 2000))
+    ids = [c.client_id for c in clients]
+    search = conformal_search_over(asker(clients, keys), ids, spec, 5, keys=keys)
+    assert search.steps == 1 and search.error is None and search.rejections == []
+    for i in range(P):
+        parts = [c.scores[i] for c in clients]
+        pooled = torch.sort(torch.cat(parts)).values
+        expected = one_shot_sketch_threshold(parts, 0.1)
+        assert search.thresholds[i] == expected.threshold
+        assert search.thresholds[i] >= conformal_threshold(pooled, 0.1)
+        detail = search.details[i]
+        k, slack = detail["rank"], detail["sketch_slack"]
+        assert search.thresholds[i] <= pooled[k + slack - 1]
+        assert detail["coverage_bound"] >= 0.9
+        assert detail["coverage_upper_bound"] == min(1.0, (k + slack) / (pooled.shape[0] + 1))
+    assert search.bytes_up / len(clients) <= 1024  # the encoded, signed replies
+
+
+def test_a_tampered_sketch_is_rejected() -> None:
+    spec = parse_conformal("aps:0.1:sketch")
+    clients, _ = make_clients(spec)
+
+    def tamper(step, cid, data):
+        message = decode(data)
+        if cid == 1:
+            message.tensors["sketch"][0, :3] = torch.tensor([0.5, 0.4, 0.3])  # falls
+        if cid == 2:
+            message.tensors["count"][1] = 1000  # more rows than values sent
+        return encode(message)
+
+    search = conformal_search_over(asker(clients), [0, 1, 2, 3], spec, 5, upload_hook=tamper)
+    assert sorted(r["client_id"] for r in search.rejections) == [1, 2]
+    assert "non-decreasing" in search.rejections[0]["reason"] + search.rejections[1]["reason"]
+    assert search.participants == [0, 3]
+
+
 def test_a_client_without_a_plugin_and_too_few_rows() -> None:
     spec = parse_conformal("lac:0.05")
     clients, _ = make_clients(spec, sizes=(5, 6), plugin=False)
@@ -138,8 +183,9 @@ def test_parse_errors_say_what_to_write() -> None:
         parse_conformal("foo:0.1")
     with pytest.raises(ConfigError, match=r"\(0, 1\)"):
         parse_conformal("aps:1.5")
-    with pytest.raises(ConfigError, match="method"):
+    with pytest.raises(ConfigError, match=r"method.*sketch"):
         parse_conformal("aps:0.1:twice")
+    assert parse_conformal("lac:0.1:sketch").method == "sketch"
 
 
 def test_simulated_run_reports_conformal_sets(tmp_path) -> None:
