@@ -17,12 +17,18 @@ network with a square root of ``Lambda`` instead: ``Lambda = M M^T``, ``M`` (C, 
 (:func:`softmax_hessian_sqrt_reduced`); with ``Z = J^T M`` (P, K) per row, ``GGN = sum Z Z^T``
 (:func:`ggn_from_sqrt`) and its diagonal the row sums of ``Z^2``
 (:func:`ggn_diagonal_from_sqrt`). The subnetwork Laplace (``inference.subnet``: the full
-block, the diagonal, the low-rank factor) computes its curvature through these.
+block, the diagonal, the low-rank factor) computes its curvature through these. A linear head on
+fixed features (the Laplace head, its KL-optimal refinement, SGLD's preconditioner) has the
+Jacobian ``I_C ⊗ x^T``, and its curvature is built by blocks from the rows' products
+(:func:`softmax_curvature`, :func:`expected_head_curvature`).
 
 Shapes use B for rows (inputs), C for classes, P for parameters.
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 from torch import Tensor
@@ -30,10 +36,13 @@ from torch import Tensor
 from inference.errors import InvalidInputError
 
 __all__ = [
+    "expected_head_curvature",
     "ggn",
     "ggn_diagonal",
     "ggn_diagonal_from_sqrt",
     "ggn_from_sqrt",
+    "row_products",
+    "softmax_curvature",
     "softmax_hessian_sqrt",
     "softmax_hessian_sqrt_reduced",
     "softmax_nll_hessian",
@@ -170,3 +179,115 @@ def ggn_diagonal(jacobians: Tensor, probs: Tensor) -> Tensor:
     _check_jacobians(jacobians, probs)
     weighted = probs.unsqueeze(-1) * jacobians
     return (weighted * jacobians).sum((0, 1)) - weighted.sum(1).square().sum(0)
+
+# -- linear heads on fixed features ----------------------------------------------------------
+# A linear head ``W (C, m + 1)`` on features ``x_n`` has the per-row Jacobian ``I_C ⊗ x_nᵀ``, so
+# its GGN (the exact Hessian of the softmax NLL) is ``Σ_n Λ_n ⊗ x_n x_nᵀ``: built by blocks
+# from the rows' products, without Jacobians (issue 41; moved here from
+# ``inference.head_objective`` and ``inference.variational_gaussian``, issue 42).
+
+
+def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
+    """``Σ_n E[diag p_n − p_n p_nᵀ] ⊗ x_n x_nᵀ`` from probability draws ``probs (S, N, C)``
+    (``S = 1``: the softmax likelihood's Hessian at one head), ``(d, d)`` with ``d = C (m + 1)``
+    for ``inputs (N, m + 1)``.
+
+    Block ``(c, k)`` is ``Xᵀ diag(w_ck) X`` with ``w_nck = E[δ_ck p_nc − p_nc p_nk]``: the
+    ``C (C + 1) / 2`` blocks on and above the diagonal are one GEMM ``Xᵀ [w ⊙ X]`` of
+    ``(m + 1, N)`` by ``(N, C (C + 1) / 2 · (m + 1))`` per chunk of rows, and the blocks below
+    are their transposes (each block is symmetric): ``N C² (m + 1)² / 2`` multiply-adds, against
+    ``N C² (m + 1)²`` for the product of the ``(N C, d)`` Jacobian-weighted rows with themselves.
+    """
+    num_classes, width = probs.shape[-1], inputs.shape[1]
+    upper = torch.triu_indices(num_classes, num_classes, device=inputs.device)
+    weights = (torch.diag_embed(probs.mean(0))
+               - torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0])
+    weights = weights[:, upper[0], upper[1]]  # (N, K), K = C (C + 1) / 2
+    products = row_products(inputs)
+    if products is not None:
+        # block (c, k)'s upper triangle is Σ_n w_nck (x_n x_nᵀ)_upper: one (K, N) by (N, T) GEMM,
+        # T = (m + 1)(m + 2) / 2, half the products of the full blocks and no weighted copy
+        # of the rows; every entry of the result is gathered from it, so the mirrored
+        # entries are the same numbers (exactly symmetric)
+        upper_blocks = weights.T @ products  # (K, T)
+        index = _curvature_index(num_classes, width, str(inputs.device))
+        return upper_blocks.reshape(-1).take(index.to(inputs.device))
+    pairs = weights.shape[1]
+    blocks = torch.zeros(width, pairs * width, dtype=inputs.dtype, device=inputs.device)
+    rows = max(1, _CHUNK_ELEMENTS // (pairs * width))
+    for start in range(0, inputs.shape[0], rows):
+        x = inputs[start:start + rows]
+        weighted = (weights[start:start + rows, :, None] * x[:, None, :]).reshape(len(x), -1)
+        blocks.addmm_(x.T, weighted)
+    blocks = blocks.reshape(width, pairs, width).permute(1, 0, 2)  # (K, m + 1, m + 1)
+    # A diagonal block's GEMM rounds its (p, q) and (q, p) entries differently: averaged, the
+    # result is exactly symmetric (the blocks below mirror those above), which lets the
+    # Cholesky factorisations skip their d² symmetrisation (``symmetric=True``).
+    on_diagonal = upper[0] == upper[1]
+    blocks[on_diagonal] = 0.5 * (blocks[on_diagonal] + blocks[on_diagonal].transpose(1, 2))
+    # written through a (C, C, m + 1, m + 1) view of the (d, d) result: no permuted copy
+    full = torch.empty(num_classes, width, num_classes, width, dtype=inputs.dtype,
+                       device=inputs.device)
+    by_block = full.permute(0, 2, 1, 3)
+    by_block[upper[0], upper[1]] = blocks
+    by_block[upper[1], upper[0]] = blocks.transpose(1, 2)
+    return full.reshape(num_classes * width, num_classes * width)
+
+
+def expected_head_curvature(probs: Tensor, inputs: Tensor, diagonal: bool = False) -> Tensor:
+    """``E_q[H] = Σ_n E[diag p − p pᵀ] ⊗ x_n x_nᵀ`` from probability draws ``probs (S, N, C)``
+    of a linear head on ``inputs (N, m + 1)``: ``(d, d)`` (:func:`softmax_curvature`), or its
+    diagonal ``(d,)`` with ``diagonal`` (the KL-optimal Gaussian's expected curvature,
+    :mod:`inference.variational_gaussian`)."""
+    if diagonal:
+        variance = (probs * (1 - probs)).mean(0)  # (N, C): E[p_c (1 − p_c)]
+        return (variance.T @ inputs**2).reshape(-1)
+    return softmax_curvature(probs, inputs)
+
+
+#: Elements of the weighted rows :func:`softmax_curvature` holds at once (32 MB of float64).
+_CHUNK_ELEMENTS = 4_000_000
+#: Elements of the cached row products (:func:`row_products`) at most (128 MB of float64):
+#: 1,010-parameter heads (m = 100) up to ~3,100 rows; larger inputs take the block-row path.
+_PRODUCT_ELEMENTS = 16_000_000
+#: ``[(weak reference to inputs, inputs._version, products)]``: the products of the last
+#: inputs seen (one Laplace head fit builds its curvature and logit covariances 20-30 times
+#: from the same inputs; issue 41).
+_PRODUCTS: list[tuple[weakref.ref, int, Tensor]] = []
+
+
+def row_products(inputs: Tensor) -> Tensor | None:
+    """The upper triangles of every row's ``x_n x_nᵀ``, ``(N, T)`` with ``T = (m + 1)(m + 2) /
+    2`` in ``torch.triu_indices`` order, cached for the last ``inputs`` (same object, not
+    modified in place since); ``None`` above :data:`_PRODUCT_ELEMENTS`."""
+    count, width = inputs.shape
+    if count * width * (width + 1) // 2 > _PRODUCT_ELEMENTS:
+        return None
+    for reference, version, products in _PRODUCTS:
+        if reference() is inputs and inputs._version == version:
+            return products
+    rows, cols = torch.triu_indices(width, width, device=inputs.device)
+    products = inputs[:, rows] * inputs[:, cols]
+    _PRODUCTS[:] = [(weakref.ref(inputs, lambda _: _PRODUCTS.clear()), inputs._version,
+                     products)]
+    return products
+
+
+def _pair_numbers(size: int, device: str) -> Tensor:
+    """``(size, size)`` int64: entry ``(i, j)`` is the position of ``(min, max)`` in
+    ``torch.triu_indices(size, size)``."""
+    rows, cols = torch.triu_indices(size, size)
+    numbers = torch.empty(size, size, dtype=torch.int64)
+    numbers[rows, cols] = torch.arange(len(rows))
+    numbers[cols, rows] = torch.arange(len(rows))
+    return numbers.to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _curvature_index(num_classes: int, width: int, device: str) -> Tensor:
+    """``(d, d)`` int64: where entry ``((c, p), (k, q))`` of the curvature lies in the flat
+    ``(K, T)`` upper blocks of :func:`softmax_curvature` (``d = C (m + 1)``)."""
+    pairs, triangle = _pair_numbers(num_classes, device), _pair_numbers(width, device)
+    count = width * (width + 1) // 2
+    index = pairs[:, None, :, None] * count + triangle[None, :, None, :]
+    return index.reshape(num_classes * width, num_classes * width)

@@ -42,9 +42,10 @@ import math
 import torch
 from torch import Tensor
 
+from inference.curvature import expected_head_curvature
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import cholesky_with_jitter
-from inference.head_objective import logit_covariance, softmax_curvature
+from inference.head_objective import logit_covariance
 
 #: Draws per training point for the expectations (their Monte-Carlo error averages over points).
 DEFAULT_NUM_DRAWS = 64
@@ -261,7 +262,7 @@ class _Problem:
                     - d * math.log(lam) + log_det)
         gradient = ((self.one_hot - probs.mean(0)).T @ self.inputs).reshape(-1)
         gradient = gradient - lam * (mean - self.prior_mean)
-        curvature = _expected_curvature(probs, self.inputs, self.diagonal)
+        curvature = expected_head_curvature(probs, self.inputs, self.diagonal)
         target = curvature + (lam if self.diagonal else lam * torch.eye(
             d, dtype=torch.float64, device=mean.device))
         newton = None
@@ -284,16 +285,6 @@ def _logit_draw_log_probabilities(mean: Tensor, covariance: Tensor, inputs: Tens
     eye = torch.eye(num_classes, dtype=torch.float64, device=inputs.device)
     factor = torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)
     return torch.log_softmax(logit_mean + torch.einsum("nck,snk->snc", factor, draws), dim=-1)
-
-
-def _expected_curvature(probs: Tensor, inputs: Tensor, diagonal: bool) -> Tensor:
-    """``E_q[H] = Σ_n E[diag p − p pᵀ] ⊗ x_n x_nᵀ`` from probability draws ``(S, N, C)``:
-    ``(d, d)``, or its diagonal ``(d,)``."""
-    if diagonal:
-        variance = (probs * (1 - probs)).mean(0)  # (N, C): E[p_c (1 − p_c)]
-        return (variance.T @ inputs**2).reshape(-1)
-    return softmax_curvature(probs, inputs)
-
 
 
 #: Preconditioned conjugate gradients of the diagonal fit's mean step: relative residual and

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import inference.head_objective as head_objective
+import inference.curvature as curvature_module
 from inference.gaussian import cholesky_with_jitter
 from inference.head_objective import likelihood_hessian, logit_covariance, softmax_curvature
 from inference.options import Likelihood
@@ -32,7 +32,7 @@ def brute_force(probs: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("chunk", [None, 1, 7])
 def test_the_block_curvature_is_the_sum_of_kronecker_products(chunk, monkeypatch):
     if chunk is not None:  # chunks of ~chunk rows (the GEMM is accumulated over them)
-        monkeypatch.setattr(head_objective, "_CHUNK_ELEMENTS", chunk * 10 * 5)
+        monkeypatch.setattr(curvature_module, "_CHUNK_ELEMENTS", chunk * 10 * 5)
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randn(23, 5, generator=gen, dtype=F64)
     probs = torch.softmax(2 * torch.randn(6, 23, 4, generator=gen, dtype=F64), -1)
@@ -99,11 +99,11 @@ def test_the_row_product_path_and_the_block_row_path_give_the_same_matrices(draw
     eye = torch.eye(num_classes, dtype=F64)
     sandwich = torch.stack([torch.kron(eye, x[None]) @ covariance @ torch.kron(eye, x[None]).T
                             for x in inputs])
-    assert head_objective._row_products(inputs) is not None  # the product path runs
+    assert curvature_module.row_products(inputs) is not None  # the product path runs
     by_products = softmax_curvature(probs, inputs), logit_covariance(covariance, inputs,
                                                                      num_classes)
-    monkeypatch.setattr(head_objective, "_PRODUCT_ELEMENTS", 0)
-    assert head_objective._row_products(inputs) is None  # the block-row path runs
+    monkeypatch.setattr(curvature_module, "_PRODUCT_ELEMENTS", 0)
+    assert curvature_module.row_products(inputs) is None  # the block-row path runs
     by_blocks = softmax_curvature(probs, inputs), logit_covariance(covariance, inputs,
                                                                    num_classes)
     # float64 sums of ≤ 37 x 6 terms of size ≤ ~10 (curvature) and ~600 products of size ~10
@@ -123,7 +123,7 @@ def test_the_cached_row_products_follow_the_inputs():
     inputs = torch.randn(30, 5, generator=gen, dtype=F64)
     probs = torch.softmax(torch.randn(1, 30, 3, generator=gen, dtype=F64), -1)
     first = softmax_curvature(probs, inputs)
-    assert head_objective._row_products(inputs) is head_objective._row_products(inputs)
+    assert curvature_module.row_products(inputs) is curvature_module.row_products(inputs)
     inputs.mul_(2.0)  # in place: the curvature is 4x, not the cached one
     torch.testing.assert_close(softmax_curvature(probs, inputs), 4 * first, atol=1e-12,
                                rtol=0)
