@@ -10,7 +10,7 @@ pytest.importorskip("flwr")
 from test_flower import SMALL, serve, simulate_small, task_identity  # noqa: F401
 
 
-@pytest.mark.parametrize("conformal", ["aps:0.2", "lac:0.2:one-shot"])
+@pytest.mark.parametrize("conformal", ["aps:0.2", "lac:0.2:one-shot", "raps:0.2:sketch"])
 def test_conformal_on_flower_equals_the_simulator(task_identity, tmp_path, conformal):  # noqa: F811
     out = tmp_path / "run"
     summary = serve({**SMALL, "strategy": "fedlog", "threads": 1, "conformal": conformal,
@@ -26,6 +26,6 @@ def test_conformal_on_flower_equals_the_simulator(task_identity, tmp_path, confo
         # the same float32 predictions on both transports (one row at a time: batched=False),
         # so the same scores and the same threshold, bit for bit
         assert flower["predictives"][key] == f, key
-    if conformal.endswith("one-shot"):
+    if conformal.endswith(("one-shot", "sketch")):
         assert flower["bytes_up_per_client"] <= 1024  # the threshold's calibration
     assert (out / "conformal.png").exists() and (out / "conformal.md").exists()

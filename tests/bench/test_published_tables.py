@@ -210,26 +210,38 @@ def test_the_readme_s1_table_puts_the_plug_in_under_every_posterior_method_only(
     assert "0.0400 ± 0.0000" in rows[1] and "(3 runs, seeds 0,1)" in table
 
 
-def test_the_conformal_table_averages_seeds_and_counts_clients_below_the_target():
+def test_the_conformal_table_averages_seeds_and_states_each_acceptance_verdict():
     from bench.published_tables import s1_conformal_table
 
-    def run(seed, coverage, size):
+    def run(seed, coverage, size, shot_coverage, plugin_size):
         clean = {"coverage": coverage, "mean_set_size": size, "client_min": coverage - 0.05,
                  "clients_below": 2, "per_client": [coverage] * 10}
         figures = {"threshold": 0.9, "coverage_bound": None, "clean": clean,
                    "rotate 60": clean, "unseen labels": clean}
-        shot = {**figures, "coverage_bound": 0.91}
-        return {"label": "M", "seed": seed, "rounds": 30, "results": [
+        shot = {**figures, "coverage_bound": 0.91,
+                "clean": {**clean, "coverage": shot_coverage}}
+        sketch = {**figures, "coverage_bound": 0.9002, "coverage_upper_bound": 0.92}
+        plugin = {**figures, "clean": {**clean, "mean_set_size": plugin_size}}
+        return {"label": "M", "score": "lac", "seed": seed, "rounds": 30, "results": [
             {"alpha": 0.1, "method": "exact", "bytes_up_per_client": 11768.0,
-             "predictives": {"predictive": figures}},
+             "predictives": {"predictive": figures, "map_plugin": plugin}},
             {"alpha": 0.1, "method": "one-shot", "bytes_up_per_client": 392.0,
-             "predictives": {"predictive": shot}}]}
+             "predictives": {"predictive": shot}},
+            {"alpha": 0.1, "method": "sketch", "bytes_up_per_client": 928.0,
+             "predictives": {"predictive": sketch}}]}
 
-    table = s1_conformal_table([run(0, 0.90, 2.0), run(1, 0.92, 3.0)])
-    row = next(line for line in table.splitlines() if line.startswith("| M | headline | 0.1"))
-    assert "| 0,1 | 0.910 ± 0.010 |" in row and "4 of 20" in row and "2.50 ± 0.50" in row
-    assert "(≥ 0.910)" in row and "| 392 |" in row
-    assert "11,768 bytes up per client" in table
+    # exact: 0.910 ± 0.010, +1.0 point from 0.9 (within 1.5); FedCP-QQ 0.870 ± 0.010 against
+    # its stated 0.91 (4 SE below: fails); sketch 0.910 in [0.9002, 0.92] (holds)
+    table = s1_conformal_table([run(0, 0.90, 2.0, 0.86, 2.5), run(1, 0.92, 3.0, 0.88, 2.0)])
+    row = next(line for line in table.splitlines()
+               if line.startswith("| M | LAC | headline | 0.1"))
+    assert "| 0,1 | 0.910 ± 0.010 | holds (+1.0 points, +1.0 SE) |" in row
+    assert "4 of 20" in row and "2.50 ± 0.50" in row
+    assert "0.910 ± 0.010 [≥ 0.900, ≤ 0.920] | holds |" in row
+    assert "0.870 ± 0.010 (≥ 0.910) | **fails** |" in row
+    assert "| 11,768 / 928 / 392 |" in row
+    # the set sizes at alpha = 0.1: posterior 2.50 against plug-in 2.25: fails
+    assert "M, LAC: posterior 2.50 against plug-in 2.25, **fails**" in table
 
 
 def s1_record(label, seed, ece, nll, plugin=False):
