@@ -36,6 +36,20 @@ def conformal_markdown(figures: dict[str, Any]) -> str:
                      f"{f['coverage_client_mean']:.4f} | {f['coverage_client_min']:.4f} | "
                      f"{f['clients_below_target']} of {len(f['per_client'])} | "
                      f"{f['mean_set_size']:.3f} | {f['empty_sets']:.3f} |")
+    bounds = {"one-shot": "FedCP-QQ's stated bound on the expected coverage (for exchangeable "
+                          "clients only)",
+              "sketch": "the sketch's stated bounds on the expected coverage (under any "
+                        "client heterogeneity)"}
+    if figures["method"] in bounds:
+        stated = []
+        for key, f in figures["predictives"].items():
+            if f.get("coverage_bound") is None:
+                continue
+            upper = f.get("coverage_upper_bound")
+            stated.append(f"{LABELS.get(key, key)} >= {f['coverage_bound']:.4f}"
+                          + ("" if upper is None else f", <= {upper:.4f}"))
+        if stated:
+            lines += ["", f"{bounds[figures['method']].capitalize()}: {'; '.join(stated)}."]
     lines += ["", "Per client (test rows):", "",
               "| client | rows | " + " | ".join(f"coverage ({LABELS.get(k, k)}) | size "
                                                    f"({LABELS.get(k, k)})"
