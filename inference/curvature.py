@@ -203,7 +203,9 @@ def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
     weights = (torch.diag_embed(probs.mean(0))
                - torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0])
     weights = weights[:, upper[0], upper[1]]  # (N, K), K = C (C + 1) / 2
-    products = row_products(inputs)
+    # the gather index below is as large as the result (int64): cached only for moderate d
+    d = num_classes * width
+    products = row_products(inputs) if d * d <= _INDEX_ELEMENTS else None
     if products is not None:
         # block (c, k)'s upper triangle is Σ_n w_nck (x_n x_nᵀ)_upper: one (K, N) by (N, T) GEMM,
         # T = (m + 1)(m + 2) / 2, half the products of the full blocks and no weighted copy
@@ -250,6 +252,9 @@ _CHUNK_ELEMENTS = 4_000_000
 #: Elements of the cached row products (:func:`row_products`) at most (128 MB of float64):
 #: 1,010-parameter heads (m = 100) up to ~3,100 rows; larger inputs take the block-row path.
 _PRODUCT_ELEMENTS = 16_000_000
+#: Entries at most of :func:`softmax_curvature`'s cached gather index (``d²``, int64: 36 MB, so
+#: ``d`` up to ~2,100; larger heads take the block-row path).
+_INDEX_ELEMENTS = 4_500_000
 #: ``[(weak reference to inputs, inputs._version, products)]``: the products of the last
 #: inputs seen (one Laplace head fit builds its curvature and logit covariances 20-30 times
 #: from the same inputs; issue 41).

@@ -130,3 +130,20 @@ def test_the_cached_row_products_follow_the_inputs():
     other = torch.randn(30, 5, generator=gen, dtype=F64)
     torch.testing.assert_close(softmax_curvature(probs, other), brute_force(probs, other),
                                atol=1e-10, rtol=0)
+
+
+def test_a_head_too_large_for_the_gather_index_takes_the_block_row_path(monkeypatch):
+    """Above ``_INDEX_ELEMENTS`` the curvature is built by block rows (the gather index would be
+    as large as the result), with the same matrix."""
+    gen = torch.Generator().manual_seed(6)
+    inputs = torch.randn(33, 5, generator=gen, dtype=F64)
+    probs = torch.softmax(torch.randn(2, 33, 3, generator=gen, dtype=F64), -1)
+    monkeypatch.setattr(curvature_module, "_INDEX_ELEMENTS", 15 * 15 - 1)  # d = 15
+    calls = []
+    monkeypatch.setattr(curvature_module, "_curvature_index",
+                        lambda *args: calls.append(args))  # must not be reached
+    curvature = softmax_curvature(probs, inputs)
+    assert not calls
+    # as the product-path test: a few ulps of ~100
+    torch.testing.assert_close(curvature, brute_force(probs, inputs), atol=1e-10, rtol=0)
+    assert torch.equal(curvature, curvature.T)
