@@ -487,11 +487,17 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
     c = one_hot.shape[1]
     width = inputs.shape[1]
     x, lam = inputs, prior_precision
+    if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(theta).all())):
+        # non-finite rows or start: hand back unconverged, so the caller's factorising Newton
+        # reports it with its own error (eigh would raise torch's, CG read a zero step as done)
+        return theta, False
     gram_values, gram_vectors = gram if gram is not None else torch.linalg.eigh(x.T @ x)
     forcing = 0.5  # the relative residual of the next solve
     for _ in range(max_iter):
         probs = torch.softmax(x @ theta.reshape(c, width).T, dim=-1)  # (N, C)
         grad = ((probs - one_hot).T @ x).reshape(-1) + lam * (theta - prior_mean)
+        if not bool(torch.isfinite(grad).all()):  # overflow on the way: the same hand-back
+            return theta, False
         # B̄ ⊗ XᵀX with B̄ = mean_n B_n, i.e. Σ_n B̄ ⊗ x_n x_nᵀ
         mean_block = torch.diag(probs.mean(0)) - probs.T @ probs / len(probs)
         block_values, block_vectors = torch.linalg.eigh(mean_block)
@@ -509,6 +515,12 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
             return (weighted.T @ x).reshape(-1) + lam * vector
 
         step, squared = _preconditioned_cg(curvature_times, precondition, -grad, forcing)
+        # a solve that broke down (rounding at curvatures ~1e76 from overflowing rows) returns
+        # a short or zero step whose decrement reads as converged: check its residual (one
+        # more product) and hand back unconverged, for the factorising Newton to judge
+        missed = float((curvature_times(step) + grad).norm())
+        if not missed <= 10 * max(forcing, CG_RTOL_FLOOR) * float(grad.norm()):
+            return theta, False
         decrement = squared / 2
         # the estimate is trusted once the solve was tight (a loose one underestimates)
         if decrement <= tol / 2 and forcing <= 1e-3:

@@ -9,6 +9,7 @@ import torch
 
 import inference.laplace_head as laplace_head
 import inference.laplace_marglik as laplace_marglik
+from inference.errors import NumericalError
 from inference.head_objective import likelihood_hessian, negative_log_posterior
 from inference.laplace_head import find_mode, fit_laplace_head
 from inference.laplace_marglik import _preconditioned_cg, newton_cg
@@ -95,6 +96,29 @@ def test_newton_cg_says_when_it_has_not_converged_and_find_mode_goes_on_by_facto
     mode = find_mode(inputs, labels, 4, 1.0, max_iter=100)
     torch.testing.assert_close(find_mode(inputs, labels, 4, 1.0, solver="lbfgs"), mode,
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1e38, float("inf")])
+def test_overflowing_rows_are_never_reported_as_a_mode(scale):
+    """Rows of ~1e38 (a body fed overflowing inputs) make curvatures of ~1e76 whose CG solve
+    breaks down at a zero step, which read as a converged mode with a gradient of ~1e42 (the
+    FedPop divergence test caught it); infinite rows made torch's eigh raise its own error.
+    Newton-CG hands both back unconverged, and find_mode's factorising Newton then refuses
+    them with the project's error, as it did before Newton-CG."""
+    features, labels = relu_data(seed=1)
+    features[labels == 0] = scale
+    inputs = augment_with_bias(features)
+    one_hot = torch.nn.functional.one_hot(labels, 4).to(F64)
+
+    def objective(theta):
+        return negative_log_posterior(theta, inputs, labels, 4, 1.0, 0.0, Likelihood.SOFTMAX,
+                                      1.0)
+
+    start = torch.zeros(36, dtype=F64)
+    _, converged = newton_cg(objective, inputs, one_hot, 1.0, 0.0, start, 1e-12, 100)
+    assert not converged
+    with pytest.raises(NumericalError):
+        find_mode(inputs, labels, 4, 1.0)
 
 
 def test_the_fit_chooses_the_same_prior_and_posterior_with_and_without_newton_cg(monkeypatch):
