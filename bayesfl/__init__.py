@@ -1,8 +1,8 @@
 """bayesfl: federated classification with probabilistic heads.
 
 The federation layer: partitions, client bodies, strategies (each a server half and a client
-half that share only messages, see :mod:`bayesfl.strategies.base`), messages, the embedded
-simulator (a transport) and the CLI. Depends on :mod:`inference` and :mod:`calibration`.
+half that share only messages, see `bayesfl.strategies.base`), messages, the embedded
+simulator (a transport) and the CLI. Depends on [`inference`][inference] and `calibration`.
 
 The public names below are imported on first use (PEP 562): ``import bayesfl`` alone loads
 nothing else, so a process that needs one corner of the package (a Flower ClientApp, started

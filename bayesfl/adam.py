@@ -4,12 +4,12 @@ Why not ``torch.optim.Adam`` itself: every ``torch.optim`` optimizer wraps
 ``add_param_group`` and ``step`` in ``torch._disable_dynamo``, which imports ``torch._dynamo``
 (and sympy) the first time an optimizer is built — 1.7 s on a quiet 2-core machine, 4-10 s
 under load — and there is no supported switch to avoid it. A Flower ClientApp is a fresh
-process per message, so it paid that import at every message. :class:`Adam` is the same
+process per message, so it paid that import at every message. `Adam` is the same
 algorithm and imports nothing beyond torch.
 
 What is the same as ``torch.optim.Adam(params, lr, betas, eps, weight_decay, amsgrad,
 foreach=False)`` (its single-tensor path, the default on CPU): the arithmetic, operation by
-operation (:func:`adam_update_`), hence the parameters after every step (tested with
+operation (`adam_update_`), hence the parameters after every step (tested with
 ``torch.equal``); and the per-parameter state, ``optimizer.state[p]`` with ``"step"`` (a
 0-dim float32 CPU tensor, float64 when that is the default dtype), ``"exp_avg"``,
 ``"exp_avg_sq"`` (and ``"max_exp_avg_sq"`` with ``amsgrad``), so code that reads or seeds
@@ -17,10 +17,10 @@ Adam's moments works with either. What it leaves out: parameter groups, ``state_
 ``maximize``, complex parameters, decoupled weight decay (AdamW), ``foreach``/``fused``
 kernels (on CUDA, ``torch.optim.Adam`` defaults to ``foreach``, which rounds differently).
 
-:class:`StackedAdam` is this update over many clients' stacked parameters that all step
-together (the batched trainer's uniform case), equal to each client's own :class:`Adam` bit for
+`StackedAdam` is this update over many clients' stacked parameters that all step
+together (the batched trainer's uniform case), equal to each client's own `Adam` bit for
 bit. The batched trainer's per-client masked Adam over stacked parameters
-(:class:`bayesfl.training` ``_AdamState``, for clients with different numbers of steps) is the
+(`bayesfl.training` ``_AdamState``, for clients with different numbers of steps) is the
 same formula rearranged for fewer passes over memory and per-client step counts; it agrees
 with this one up to float rounding.
 """
@@ -136,7 +136,7 @@ class Adam:
                          max_exp_avg_sq=state.get("max_exp_avg_sq"))
 
 
-# elements of one slice of :class:`StackedAdam`'s update: its passes over a slice of 256 KiB
+# elements of one slice of `StackedAdam`'s update: its passes over a slice of 256 KiB
 # (float32) and its temporaries stay in a core's L2 cache (512 KiB here; with 1 MiB slices
 # the update of 16,000 mlp:100 clients took 1.5x as long)
 _SLICE = 1 << 16
@@ -147,15 +147,15 @@ class StackedAdam:
     of them stepping at every step (one step count, shared): ``m[name]``, ``v[name]`` (the
     moments, stacked like the parameters) and ``steps``.
 
-    :meth:`step` applies :func:`adam_update_` to slices of whole clients. Every operation of
+    `step` applies `adam_update_` to slices of whole clients. Every operation of
     it is elementwise with Python-float coefficients that depend only on the step count, so
-    each client's rows get exactly the arithmetic its own :class:`Adam` (hence
+    each client's rows get exactly the arithmetic its own `Adam` (hence
     ``torch.optim.Adam(foreach=False)``) does on them: given the same gradients, the same
     parameters and moments bit for bit (tested). ``torch.optim.Adam(fused=True)`` over the
     stack, which the batched trainer used before, rounds differently and imports
     ``torch._dynamo`` on first use. No weight decay, no AMSGrad (what local training uses).
 
-    The moments are allocated by the first step that keeps them (:meth:`zeros` allocates
+    The moments are allocated by the first step that keeps them (`zeros` allocates
     nothing): a fresh state whose only step is its last (``step(..., last=True)``: one
     mini-batch per epoch with the optimiser reset each epoch, or one step in all) runs the
     update on zeroed moments of one slice at a time instead of zeroing and keeping two
@@ -195,7 +195,7 @@ class StackedAdam:
         """One Adam step of every client: ``params`` and the moments updated in place, in
         slices of whole clients of about 256 KiB (cache-sized passes, small temporaries).
 
-        ``last``: no step follows on this state before :meth:`reset` (its moments will not
+        ``last``: no step follows on this state before `reset` (its moments will not
         be read). A fresh state then keeps no moments: each slice's update runs on zeroed
         moments of that slice's size, the same arithmetic as on zeroed buffers."""
         if self._spent:

@@ -3,9 +3,9 @@
 A body maps inputs (B, *input_shape) to features (B, feature_dim). Every body ends in a linear
 layer to ``feature_dim`` followed by a ReLU, so features are non-negative as in FedLog's
 bodies. Clients may use different specs (FedLog's flexible-architecture setting) as long as they
-agree on ``feature_dim``; :func:`check_feature_dim` verifies that.
+agree on ``feature_dim``; `check_feature_dim` verifies that.
 
-Spec forms (:data:`BODY_KINDS`):
+Spec forms (`BODY_KINDS`):
 
 ``mlp`` or ``mlp:W1-W2-...``
     Flatten, then Linear+ReLU layers of widths W1, W2, ..., then Linear(feature_dim)+ReLU.
@@ -49,22 +49,22 @@ Your own body
     be a body. Give it as a *factory*: a zero-argument callable returning a fresh module (a
     class such as ``MyNet``, or ``lambda: MyNet(64)``), called once per client (and once more,
     on PyTorch's ``meta`` device, to count its parameters against
-    :data:`bayesfl.config.MAX_PARAMETERS` before anything is allocated). Three ways to name it:
+    `bayesfl.config.MAX_PARAMETERS` before anything is allocated). Three ways to name it:
 
-    - ``simulate(body=make_body)``: the callable itself (:func:`body_spec` registers it under
+    - ``simulate(body=make_body)``: the callable itself (`body_spec` registers it under
       ``"module:qualified.name"``, the name the run's config, manifest and checkpoint record);
     - ``register_body("mynet", make_body)``, then ``body="mynet"`` anywhere a spec string is
       read: ``simulate``, ``bayesfl run --body mynet``, a TOML config, a Flower run config
       (the process that builds the bodies must have registered it);
     - ``"package.module:attribute"`` (e.g. ``--body mypkg.models:make_body``): imported with
-      :func:`bayesfl.user_code.import_object` by whichever process builds a body.
+      `bayesfl.user_code.import_object` by whichever process builds a body.
 
-    A factory's module is checked like a built-in body (:func:`build_body`): it must be an
+    A factory's module is checked like a built-in body (`build_body`): it must be an
     ``nn.Module`` with float32 parameters that maps a probe batch of two zero inputs to
     ``(2, feature_dim)``, and every call must return the same architecture (parameter names
     and shapes): clients of one spec are trained as one batch, and strategies that average
     bodies need them alike. A factory that raises, returns something else or fails the probe
-    is a :class:`~bayesfl.errors.ConfigError` naming it. Its features must also be non-negative
+    is a `ConfigError` naming it. Its features must also be non-negative
     on a probe batch (zeros and eight standard normal inputs), as the built-ins' are: FedLog's
     server rejects uploads with negative feature sums and CoLearn negative pooled features, so
     end the module in a ReLU.
@@ -105,16 +105,16 @@ def _valid_forms() -> str:
 
 
 _REGISTRY: dict[str, BodyFactory] = {}
-"""Registered name -> factory (:func:`register_body`)."""
+"""Registered name -> factory ([`register_body`][bayesfl.bodies.register_body])."""
 _ARCHITECTURES: dict[tuple[str, tuple[int, ...], int], tuple[tuple[str, tuple[int, ...]], ...]] \
     = {}
 """(spec, input_shape, feature_dim) -> the parameter and buffer names and shapes of the first
-module a factory built for it: later calls must build the same (:func:`build_body`)."""
+module a factory built for it: later calls must build the same (`build_body`)."""
 _LOCK = threading.Lock()
 
 
 def register_body(name: str, factory: BodyFactory) -> str:
-    """Make ``factory`` nameable as a body spec: ``body=name`` in :func:`bayesfl.simulate`,
+    """Make ``factory`` nameable as a body spec: ``body=name`` in `bayesfl.simulate`,
     ``--body name`` on the command line, ``body = "name"`` in a TOML or Flower run config.
 
     Registering a name again replaces its factory (re-running a notebook cell works). The
@@ -174,14 +174,14 @@ def qualified_name(factory: object) -> str:
 
 def body_spec(body: str | BodyFactory | Sequence[str | BodyFactory]) -> str:
     """The spec string of ``body``: a string as is; a factory registered under its
-    :func:`qualified_name` (which is returned); a list or tuple of these joined by commas
+    `qualified_name` (which is returned); a list or tuple of these joined by commas
     (assigned to clients in turn). This is how ``simulate(body=callable)`` turns a callable
     into what the run's configuration records.
 
     A factory that can be imported back by its qualified name (a module-level function or
-    class) can be named in a later process too (``resume``, :func:`bayesfl.load_run`); one that
+    class) can be named in a later process too (``resume``, `bayesfl.load_run`); one that
     cannot (a lambda, a local function, anything defined in ``__main__`` run as a script) must
-    be registered again there under the same name (:func:`register_body`).
+    be registered again there under the same name ([`register_body`][bayesfl.bodies.register_body]).
 
     Raises:
         ConfigError: something other than a string, a callable or a sequence of them; a module
@@ -205,7 +205,7 @@ def body_provenance(body: str) -> dict[str, dict[str, Any]]:
 
     A callable cannot be serialised: only its name is recorded. ``importable`` says whether
     another process can find the factory by its name alone (a module-level function or class
-    outside ``__main__``); if not, resuming the run or :func:`bayesfl.load_run` in a new
+    outside ``__main__``); if not, resuming the run or `bayesfl.load_run` in a new
     process needs ``register_body(spec, factory)`` first. Either way the checkpoint's tensors
     are checked against the rebuilt bodies (names, shapes, dtypes), so a different
     architecture under the same name is refused, not silently used.
@@ -290,8 +290,8 @@ def body_factory(spec: str) -> BodyFactory | None:
 def parse_body_spec(spec: str) -> tuple[str, tuple[int, ...]]:
     """Split ``"mlp:200-200"`` into ``("mlp", (200, 200))``.
 
-    A registered name (:func:`register_body`) or a ``package.module:attribute`` spec parses
-    to ``(spec, ())`` (nothing is imported here; :func:`build_body` does that).
+    A registered name (`register_body`) or a ``package.module:attribute`` spec parses
+    to ``(spec, ())`` (nothing is imported here; `build_body` does that).
 
     Raises:
         ConfigError: listing the valid forms, for an unknown kind or malformed widths.
@@ -380,7 +380,7 @@ def build_body(spec: str, input_shape: tuple[int, ...], feature_dim: int) -> nn.
 def _user_body(
     name: str, factory: BodyFactory, shape: tuple[int, ...], feature_dim: int
 ) -> nn.Module:
-    """Call a user's factory and check its module (:func:`build_body`)."""
+    """Call a user's factory and check its module (`build_body`)."""
     what = f"body factory {name!r}"
     try:
         body = factory()
@@ -492,7 +492,7 @@ def _lenet(
 ) -> nn.Module:
     """5x5 conv stages ``(channels, relu_before_pool)`` then Linear+ReLU layers of ``widths``.
 
-    A conv pads by 2 on maps smaller than :data:`_SAME_PADDING_BELOW` (module docstring);
+    A conv pads by 2 on maps smaller than `_SAME_PADDING_BELOW` (module docstring);
     pooling is skipped once the map is one pixel wide.
     """
     in_channels, height, width = image_shape

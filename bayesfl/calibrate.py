@@ -3,37 +3,37 @@
 After the last round every client holds the headline predictive (for posterior strategies the
 posterior predictive: *probabilities*, not logits). Temperature scaling of probabilities is
 ``p^(1/T)`` renormalised, i.e. ``softmax(log p / T)`` with ``log max(p, 1e-12)``
-(:func:`calibration.apply_temperature`); one T is shared by all clients and fitted to minimise
+(`calibration.apply_temperature`); one T is shared by all clients and fitted to minimise
 the NLL summed over every client's held-out data, without any prediction leaving a client:
 
 * **Held-out data.** With ``calibrate="temperature"`` each client sets aside a share of its
   *training* data before training starts (stratified by label as the train/test split is,
-  ``"temperature:FRACTION"``, default :data:`DEFAULT_HELD_OUT_FRACTION`) and trains on the rest.
+  ``"temperature:FRACTION"``, default `DEFAULT_HELD_OUT_FRACTION`) and trains on the rest.
   Fitting T on data the model was trained on would reward overconfidence (the training NLL
   falls as T -> 0); fitting it on the test data would leave no honest test figure. A client
   with fewer than two training samples holds nothing out and sits the step out.
-* **The protocol** (:mod:`calibration.temperature`'s search, driven over messages). The server
-  proposes ``s = log T`` (:data:`PROPOSAL_SCHEMA`); every participating client answers with
+* **The protocol** (`calibration.temperature`'s search, driven over messages). The server
+  proposes ``s = log T`` (`PROPOSAL_SCHEMA`); every participating client answers with
   four numbers computed on its held-out data: the summed NLL at T, its first and second
-  derivatives w.r.t. ``s`` and its sample count (:data:`REPLY_SCHEMA`). The server adds the
+  derivatives w.r.t. ``s`` and its sample count (`REPLY_SCHEMA`). The server adds the
   answers and takes a safeguarded Newton step; about 5-10 proposals reach float64 precision,
   and the result equals centralised temperature scaling on the pooled held-out data up to
-  float rounding. Finally it broadcasts T (:data:`RESULT_SCHEMA`) to every client, which
+  float rounding. Finally it broadcasts T (`RESULT_SCHEMA`) to every client, which
   applies it to its own predictive.
-* **Messages** are :class:`bayesfl.messages.Message` s under the header strategy
-  :data:`PROTOCOL`, encoded and decoded like every round's, and counted in bytes (up and down).
+* **Messages** are `bayesfl.messages.Message` s under the header strategy
+  `PROTOCOL`, encoded and decoded like every round's, and counted in bytes (up and down).
   A reply is validated on receipt: its schema, then the bounds any honest reply satisfies
-  (:func:`reply_problem`: the NLL and its derivatives of floored log-probabilities are bounded
+  (`reply_problem`: the NLL and its derivatives of floored log-probabilities are bounded
   by the floor's spread at T) and a sample count that stays the same. A client whose reply
   fails is dropped, the reason logged, and the search starts again over the others (the
   objective changed); the run never crashes on it. A client can still bias T within those
   bounds: the step trusts its participants as much as the aggregation of statistics does.
 
-The step is a final phase (:mod:`bayesfl.engine.phases`), written once for every transport:
-:func:`calibrate_phase` on the server, :func:`client_reply` (to a proposal, :data:`PROPOSAL`)
-and :func:`client_evaluation` (to the result, :data:`RESULT`) on each client; the transport
-only carries the bytes. The setting's parser is :mod:`bayesfl.calibration_spec` and the
-hold-out split :mod:`bayesfl.holdout` (both re-exported here).
+The step is a final phase (`bayesfl.engine.phases`), written once for every transport:
+`calibrate_phase` on the server, `client_reply` (to a proposal, `PROPOSAL`)
+and `client_evaluation` (to the result, `RESULT`) on each client; the transport
+only carries the bytes. The setting's parser is `bayesfl.calibration_spec` and the
+hold-out split `bayesfl.holdout` (both re-exported here).
 
 The run reports the uncalibrated headline figures and the calibrated ones side by side
 (``summary["calibration"]``), with the temperature, the held-out NLL before and after, the
@@ -130,7 +130,7 @@ class TemperatureClient:
         """The answer to a proposal: four numbers about the held-out data at that T.
 
         Raises:
-            MessageRejected: the proposal does not follow :data:`PROPOSAL_SCHEMA`.
+            MessageRejected: the proposal does not follow `PROPOSAL_SCHEMA`.
         """
         validate(proposal, PROPOSAL_SCHEMA, strategy=PROTOCOL, direction="down")
         s = float(proposal.tensors["log_temperature"][0])
@@ -146,7 +146,7 @@ def temperature_of(result: Message) -> float:
     """The T of a result broadcast (client side).
 
     Raises:
-        MessageRejected: not a :data:`RESULT_SCHEMA` message, or T not in (0, inf).
+        MessageRejected: not a `RESULT_SCHEMA` message, or T not in (0, inf).
     """
     validate(result, RESULT_SCHEMA, strategy=PROTOCOL, direction="down")
     temperature = float(result.tensors["temperature"][0])
@@ -289,8 +289,8 @@ def temperature_search_over(
     upload_hook: UploadHook | None = None,
     keys: KeyRing | None = None,
 ) -> FederatedTemperature:
-    """:func:`federated_temperature_search` with the clients reached through ``ask`` (a
-    transport's channel: :func:`calibrate_phase`); the same validation, restarts and byte
+    """`federated_temperature_search` with the clients reached through ``ask`` (a
+    transport's channel: `calibrate_phase`); the same validation, restarts and byte
     counts."""
     outcome = FederatedTemperature(fit=None, participants=list(client_ids))
     outcome.fit = with_restarts(client_ids, outcome, lambda active: _search_once(
@@ -331,12 +331,12 @@ def _search_once(
 
 # ---- the phase, over a transport's channel ----------------------------------------------------
 def client_reply(site: Site, down: bytes) -> bytes:
-    """A client's answer to a proposal (:data:`PROPOSAL`): four numbers about its held-out
+    """A client's answer to a proposal (`PROPOSAL`): four numbers about its held-out
     rows at that T, from its final predictive (scored once per phase: ``site.memo``).
 
     Raises:
         DataError: the client holds no held-out rows.
-        MessageRejected: the proposal fails :data:`PROPOSAL_SCHEMA`.
+        MessageRejected: the proposal fails `PROPOSAL_SCHEMA`.
     """
     client = site.memo.get(PROTOCOL)
     if client is None:
@@ -349,11 +349,11 @@ def client_reply(site: Site, down: bytes) -> bytes:
 
 
 def client_evaluation(site: Site, down: bytes) -> bytes:
-    """A client's answer to the result (:data:`RESULT`): its temperature-scaled predictive's
+    """A client's answer to the result (`RESULT`): its temperature-scaled predictive's
     calibration accumulator on its test rows, as a round's evaluation reply.
 
     Raises:
-        MessageRejected: the result fails :data:`RESULT_SCHEMA`.
+        MessageRejected: the result fails `RESULT_SCHEMA`.
     """
     result = decode(down, key=site.server_key)
     temperature = temperature_of(result)
@@ -376,9 +376,9 @@ def calibrate_phase(channel: PhaseChannel, clients: Sequence[int],
                     held_out: Mapping[int, HeldOut], *, spec: CalibrationSpec, server: Any,
                     n_bins: int, num_test: Mapping[int, int]) -> CalibrationOutcome:
     """The temperature-scaling step over a transport's ``channel`` (module docstring): the
-    search over the ``clients`` with held-out rows (:data:`PROPOSAL`), then the result to
-    every client in ``clients`` (:data:`RESULT`), whose calibrated evaluations are validated
-    (:func:`bayesfl.evaluation.read_evaluation` against the strategy's ``server`` half,
+    search over the ``clients`` with held-out rows (`PROPOSAL`), then the result to
+    every client in ``clients`` (`RESULT`), whose calibrated evaluations are validated
+    (`bayesfl.evaluation.read_evaluation` against the strategy's ``server`` half,
     ``n_bins`` and each client's ``num_test`` rows) and merged. A missing or rejected
     evaluation is a rejection; the others make the figures."""
     start = time.perf_counter()
@@ -481,11 +481,11 @@ def calibrate_run(
     states: Mapping[int, Any] | None = None,
     keys: KeyRing | None = None,
 ) -> CalibrationOutcome:
-    """The step in this process (:func:`calibrate_phase` over
-    :class:`bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
+    """The step in this process (`calibrate_phase` over
+    `bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
     is the client half (it validates the evaluations too: both halves share the name and the
     predictives); ``clients`` hold ``client_id``, ``config``, ``data`` and ``state`` (the
-    simulator's :class:`~bayesfl.executor.SimulatedClient` s), ``states`` their final states
+    simulator's `SimulatedClient` s), ``states`` their final states
     where they differ (personalised)."""
     sites = {c.client_id: Site(
         c.client_id, strategy, c.config,

@@ -1,8 +1,8 @@
-"""The ``calibrate`` setting: :func:`parse_calibrate` and its :class:`CalibrationSpec`.
+"""The ``calibrate`` setting: `parse_calibrate` and its `CalibrationSpec`.
 
 A small module of its own so that what reads a run's settings (the run config, the CLI, the
 Flower run config) parses the setting without importing the step itself
-(:mod:`bayesfl.calibrate`), as :mod:`bayesfl.conformal_spec` does for ``conformal``.
+(`bayesfl.calibrate`), as `bayesfl.conformal_spec` does for ``conformal``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ meanwhile and written into the header in place, and the fsync that follows waits
 instead of ~0.8 s (the same bytes as computing the digest first). The per-tensor part is
 most of the CPU: the same bytes as 8 stacked tensors take ~0.5-0.9 CPU s instead of
 ~1.3-1.8. The fsync and the rename need nothing from the caller once the bytes are written:
-``durable_in_background=True`` leaves them to a thread (:class:`PendingWrite`), and the
+``durable_in_background=True`` leaves them to a thread (`PendingWrite`), and the
 simulator's next round runs meanwhile (waiting on the disk, ~1 s a round at 16,000 clients,
 no longer in the round's time). Writing 470 MB into a new file needs as much fresh page cache,
 which on this project's VMs (freed memory goes back to the host) made the write itself take
@@ -27,9 +27,9 @@ which on this project's VMs (freed memory goes back to the host) made the write 
 are still cached (0.10-0.14 s), and skips the ``DONTNEED`` hint, which would drop them.
 
 The file's safetensors metadata holds ``bayesfl.meta`` (``meta`` as JSON), ``bayesfl.fingerprint``
-(the run configuration's :func:`config_fingerprint`) and ``bayesfl.sha256`` (a digest of the
+(the run configuration's `config_fingerprint`) and ``bayesfl.sha256`` (a digest of the
 fingerprint, the meta and the tensors). ``load_checkpoint(path, fingerprint=...)`` refuses a
-missing, corrupt or foreign file with a :class:`bayesfl.errors.CheckpointError` that says what
+missing, corrupt or foreign file with a `bayesfl.errors.CheckpointError` that says what
 to do.
 
 The fingerprint is taken from ``save_checkpoint(..., fingerprint=...)`` or else from
@@ -37,7 +37,7 @@ The fingerprint is taken from ``save_checkpoint(..., fingerprint=...)`` or else 
 checkpoint's meta and the caller hold the configuration (``meta["config"]``,
 ``load_checkpoint(..., config=...)``), the error lists the settings that differ.
 
-Only a regular file of at most :data:`MAX_CHECKPOINT_BYTES` is read: a directory, a FIFO, a
+Only a regular file of at most `MAX_CHECKPOINT_BYTES` is read: a directory, a FIFO, a
 device such as ``/dev/zero`` (also behind a symlink) or a symlink loop is refused by name, and
 the JSON in the metadata is parsed with its size and nesting bounded.
 """
@@ -135,15 +135,15 @@ def save_checkpoint(
 
     ``durable_in_background``: return once the bytes are written (the tensors are no longer
     read), with the fsync and the rename left to a thread: ``wait()`` the returned
-    :class:`PendingWrite` before relying on the file (:func:`write_atomically`). Otherwise
+    `PendingWrite` before relying on the file (`write_atomically`). Otherwise
     the file is in place on return. ``keep_spare``: the replaced file is kept and
-    overwritten by the next save (:func:`write_atomically`; :func:`discard_spare` at the end).
+    overwritten by the next save (`write_atomically`; `discard_spare` at the end).
 
     Args:
         path: destination file (conventionally ``*.safetensors``); its directory must exist.
         tensors: named tensors (any device; stored from the CPU, dtypes kept).
         meta: JSON-serialisable run state (round number, RNG seeds, history, ...).
-        fingerprint: the run's :func:`config_fingerprint`; defaults to ``meta["fingerprint"]``.
+        fingerprint: the run's `config_fingerprint`; defaults to ``meta["fingerprint"]``.
 
     Raises:
         CheckpointError: no fingerprint, meta that is not JSON, or a failed write (the previous
@@ -217,16 +217,16 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
     ``durable_in_background``: the bytes are written (and ``data`` no longer read) when this
     returns; making them durable and renaming the file over ``path`` (fsync, rename, the
     directory's fsync: waiting on the disk, ~1 s for a 470 MB checkpoint) goes on in a thread,
-    and the returned :class:`PendingWrite`'s ``wait()`` ends it. Until then ``path`` holds
+    and the returned `PendingWrite`'s ``wait()`` ends it. Until then ``path`` holds
     its previous content. Otherwise that happens here and the returned write is complete.
 
     ``keep_spare``: for a file written again and again (a run's checkpoint, every round).
-    The file it replaces is kept as :func:`spare_path` (the two names swapped atomically,
+    The file it replaces is kept as `spare_path` (the two names swapped atomically,
     Linux's ``renameat2(RENAME_EXCHANGE)``) and the next write overwrites that spare in place
     instead of creating a file: its pages are still in the page cache, while a new file's
     need fresh memory (470 MB: 0.10-0.14 s against 1.0-1.1 s on this project's VMs, whose
     freed memory goes back to the host). The spare costs the file's size on the disk until
-    :func:`discard_spare`; where the swap is not supported the old file is replaced as usual.
+    `discard_spare`; where the swap is not supported the old file is replaced as usual.
     A write with a spare must not begin before the previous one to ``path`` has ended (its
     ``wait()``): both would write into the spare.
 
@@ -292,12 +292,12 @@ def write_atomically(path: Path, data: bytes | Sequence[Any], *,
 
 def spare_path(path: Path) -> Path:
     """Where ``write_atomically(path, ..., keep_spare=True)`` keeps the file it replaced (a
-    name :mod:`bayesfl.run_directory` takes for a temporary file)."""
+    name `bayesfl.run_directory` takes for a temporary file)."""
     return path.with_name(f".{path.name}.spare.tmp")
 
 
 def discard_spare(path: Path) -> None:
-    """Delete the spare :func:`write_atomically` keeps for ``path`` (``keep_spare``), if any:
+    """Delete the spare `write_atomically` keeps for ``path`` (``keep_spare``), if any:
     when the writes end, it is only a copy of an older file."""
     with contextlib.suppress(FileNotFoundError):
         spare = spare_path(path)
@@ -373,7 +373,7 @@ def _exchange(first: str | Path, second: str | Path) -> bool:
 
 class PendingWrite:
     """A file write whose last steps may run in a background thread
-    (:func:`write_atomically`); :meth:`wait` returns when the file is in place."""
+    (`write_atomically`); `wait` returns when the file is in place."""
 
     def __init__(self, finish: Callable[[], None] | None) -> None:
         self._error: BaseException | None = None
@@ -422,7 +422,7 @@ def _write_failed(path: Path, err: OSError) -> CheckpointError:
 
 def _write_parts(fd: int, parts: Iterable[Any]) -> None:
     """Write bytes-like ``parts`` to ``fd`` one after the other, many parts to a system call
-    (``os.writev`` of up to :data:`_IOV_MAX` buffers or :data:`_WRITE_BYTES` bytes) and none
+    (``os.writev`` of up to `_IOV_MAX` buffers or `_WRITE_BYTES` bytes) and none
     copied: a checkpoint has a part per tensor (64,000 at 16,000 clients), which were
     gathered into a bytearray before (a copy of the whole file, ~0.2 s of 470 MB)."""
     batch: list[memoryview] = []
@@ -469,11 +469,11 @@ def load_checkpoint(
     config: Mapping[str, Any] | None = None,
     max_bytes: int = MAX_CHECKPOINT_BYTES,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a checkpoint written by :func:`save_checkpoint` for the run ``fingerprint``.
+    """Read a checkpoint written by `save_checkpoint` for the run ``fingerprint``.
 
     Args:
         path: the checkpoint file.
-        fingerprint: this run's :func:`config_fingerprint`.
+        fingerprint: this run's `config_fingerprint`.
         config: this run's configuration (what was fingerprinted); with it, a foreign
             checkpoint's error names the settings that differ from the ``meta["config"]`` saved.
         max_bytes: the largest file read.

@@ -1,10 +1,10 @@
 """The ground floor of every setting check: integers, numbers and values in words.
 
-These three helpers are what :mod:`bayesfl.config` (the run's settings) and the data sets'
-option checks (:func:`bayesfl.data.datasets.check_dataset_options`) both use. They live apart
-from :mod:`bayesfl.config` because that module checks strategy, data set and calibration
+These three helpers are what `bayesfl.config` (the run's settings) and the data sets'
+option checks (`bayesfl.data.datasets.check_dataset_options`) both use. They live apart
+from `bayesfl.config` because that module checks strategy, data set and calibration
 names against their registries, which sit above the data sets: a data set importing
-:mod:`bayesfl.config` would close an import cycle. This module imports nothing of bayesfl
+`bayesfl.config` would close an import cycle. This module imports nothing of bayesfl
 but its errors.
 """
 

@@ -1,23 +1,23 @@
 """The ``bayesfl`` command line.
 
 ``bayesfl run --strategy fedlog --dataset digits --clients 20 --partition shards:2 --rounds 30
---seed 0 --out runs/demo`` runs :func:`bayesfl.simulate.simulate`. ``bayesfl strategies`` lists
+--seed 0 --out runs/demo`` runs `bayesfl.simulate.simulate`. ``bayesfl strategies`` lists
 the strategies (each one's first sentence and options with their defaults); ``bayesfl strategies
-NAME`` shows one in full, each option's meaning as the strategy declares it (:func:`option_docs`,
-from the registry :mod:`bayesfl.strategies.registry`).
+NAME`` shows one in full, each option's meaning as the strategy declares it (`option_docs`,
+from the registry `bayesfl.strategies.registry`).
 ``bayesfl flower`` runs the same experiment on a local Flower deployment
-(:mod:`bayesfl.flower.command`). ``bayesfl evaluate RUN_DIR --shift rotate:15,30 --ood
+(`bayesfl.flower.command`). ``bayesfl evaluate RUN_DIR --shift rotate:15,30 --ood
 unseen-labels`` evaluates a finished run on shifted and out-of-distribution rows
-(:mod:`bayesfl.evaluate_command`).
+(`bayesfl.evaluate_command`).
 
 The settings themselves (names, kinds, help, the TOML and flag readers) are
-:mod:`bayesfl.settings`, which the Flower command and protocol read too. One vocabulary: every
+`bayesfl.settings`, which the Flower command and protocol read too. One vocabulary: every
 setting of ``bayesfl run`` is a flag, and the same names are the keys of a TOML file given with
 ``--config FILE.toml`` (dashes or underscores alike: ``feature-dim`` or ``feature_dim``). A flag
 that takes KEY=VALUE pairs (``--option``, ``--dataset-option``) is a table in TOML
 (``[option]``) or a list of ``"KEY=VALUE"`` strings; an on/off flag is a boolean
 (``no-progress = true``). Some settings have a second name, the keyword of
-:func:`~bayesfl.simulate.simulate`, accepted both as a flag and as a key: ``--bins`` /
+[`simulate`][bayesfl.simulate.simulate], accepted both as a flag and as a key: ``--bins`` /
 ``--n-bins``, ``--option`` / ``--strategy-options``, ``--dataset-option`` /
 ``--dataset-options``, ``--no-batched`` / ``batched = false``.
 Flags given on the command line override the file (options tables are merged key by key). An
@@ -149,7 +149,7 @@ pages (``madvise``): read once, at the process's first tensor allocation."""
 
 def use_huge_pages() -> None:
     """Ask PyTorch to back large CPU tensors with transparent huge pages (sets
-    :data:`HUGE_PAGES_VARIABLE` to 1 unless the environment sets it; ``THP_MEM_ALLOC_ENABLE=0``
+    `HUGE_PAGES_VARIABLE` to 1 unless the environment sets it; ``THP_MEM_ALLOC_ENABLE=0``
     opts out). Takes effect only before the process allocates its first tensor: the command
     line calls it first thing.
 
@@ -215,7 +215,7 @@ def _reader_left() -> int:
 
 
 def _flush_stdout() -> None:
-    """Flush stdout now; a reader that went away is :func:`_reader_left`."""
+    """Flush stdout now; a reader that went away is `_reader_left`."""
     try:
         sys.stdout.flush()
     except BrokenPipeError:
@@ -312,7 +312,7 @@ def strategy_summary(cls: type) -> str:
 
 def option_docs(name: str) -> dict[str, tuple[Any, str]]:
     """Strategy ``name``'s options: option -> (default as shown, meaning), from its declaration
-    (:func:`bayesfl.strategies.registry.options_of`; a None default that stands for a value is
+    (`bayesfl.strategies.registry.options_of`; a None default that stands for a value is
     shown as that value, e.g. FedSI's ``posterior``)."""
     from bayesfl.strategies import lookup, options_of
 

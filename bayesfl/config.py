@@ -1,8 +1,8 @@
-"""The run configuration: :class:`SimulationConfig`, the checks on it, and the documented limits.
+"""The run configuration: `SimulationConfig`, the checks on it, and the documented limits.
 
 Every field is checked for its type and range when a config is built, before any data is
 loaded or memory allocated, so a wrong keyword argument or TOML value is a
-:class:`~bayesfl.errors.ConfigError` that names the setting, shows what it got and says what
+[`ConfigError`][bayesfl.errors.ConfigError] that names the setting, shows what it got and says what
 is valid. Types are strict: a bool is not an integer (``clients = true`` is refused, not read as
 1), a string is not a number (``rounds = "ten"``), a float is not an integer (``seed = 1e3``),
 and a flag is ``true`` or ``false`` (``batched = "no"`` is refused, not read as true). Integers
@@ -13,14 +13,14 @@ Limits (each refused with the number that was too large):
 ========================  =====================================================================
 ``seed``                  0 <= seed < 2**63 (NumPy and torch seeds are non-negative)
 ``data_seed``             None (the run's ``seed``) or 0 <= data_seed < 2**63
-``feature_dim``           1 .. :data:`MAX_FEATURE_DIM` (16,384)
-``n_bins``                1 .. :data:`MAX_BINS` (10,000), and clients x n_bins at most
-                          :data:`MAX_BIN_CELLS` (2**24: the per-client calibration tables)
+``feature_dim``           1 .. `MAX_FEATURE_DIM` (16,384)
+``n_bins``                1 .. `MAX_BINS` (10,000), and clients x n_bins at most
+                          `MAX_BIN_CELLS` (2**24: the per-client calibration tables)
 ``batch_size``            >= 1; a batch larger than a client's training set is full-batch
-``clients x parameters``  the bodies of all clients together at most :data:`MAX_PARAMETERS`
+``clients x parameters``  the bodies of all clients together at most `MAX_PARAMETERS`
                           (10**9 float32 weights, 4 GB), counted before any is built
-``threads``               1 .. :data:`MAX_THREADS` (1,024); default :func:`default_threads`
-``lr``                    0 < lr <= :data:`MAX_LR` (1): the local Adam learning rate
+``threads``               1 .. `MAX_THREADS` (1,024); default `default_threads`
+``lr``                    0 < lr <= `MAX_LR` (1): the local Adam learning rate
 ========================  =====================================================================
 """
 
@@ -78,16 +78,16 @@ class SimulationConfig:
     clients in turn (client k gets spec ``k % len(specs)``): ``"mlp:200,mlp:100-100"``.
     ``batched`` trains clients of one architecture together (same results up to float
     rounding). ``authenticate`` signs every message with HMAC-SHA256 under per-client keys
-    drawn for the run (:class:`bayesfl.messages.KeyRing`); an upload whose HMAC does not verify
+    drawn for the run (`bayesfl.messages.KeyRing`); an upload whose HMAC does not verify
     under its sender's key is rejected. ``fraction`` of the clients (at least one) is sampled
     each training round.
 
-    ``calibrate`` ends the run with a calibration step (:mod:`bayesfl.calibrate`):
+    ``calibrate`` ends the run with a calibration step (`bayesfl.calibrate`):
     ``"temperature"`` (or ``"temperature:FRACTION"``) holds out that share of each
     client's training data and fits one temperature over all clients' held-out data.
 
     ``conformal`` ends the run with federated conformal prediction sets
-    (:mod:`bayesfl.conformal`): ``"SCORE:ALPHA[:METHOD]"``, e.g. ``"aps:0.1"``, calibrated on
+    (`bayesfl.conformal`): ``"SCORE:ALPHA[:METHOD]"``, e.g. ``"aps:0.1"``, calibrated on
     the same held-out share of each client's training data (``calibrate``'s, default 0.2).
 
     ``novel_fraction`` holds out that share of the clients (``round(fraction x clients)``, at
@@ -100,14 +100,14 @@ class SimulationConfig:
     (``load_dataset``), the partition, the clients' train/test split, the ``calibrate``
     hold-out and the novel clients. None (the default) is ``seed``, so a run that does not set
     it is the run it always was; runs that differ only in ``seed`` with one ``data_seed`` hold
-    the same clients and rows (the members of a deep ensemble, :mod:`bayesfl.ensemble`).
-    :attr:`data_rng_seed` is the seed in force.
+    the same clients and rows (the members of a deep ensemble, `bayesfl.ensemble`).
+    [`data_rng_seed`][bayesfl.config.SimulationConfig.data_rng_seed] is the seed in force.
 
     Raises:
         ConfigError: a value of the wrong type or out of range (module docstring), or a body
             string without a spec. Whether the strategy, its option names and the
             ``calibrate`` spec exist is checked at run start
-            (:func:`bayesfl.engine.preflight.check_run_config`): the config knows no strategy
+            (`bayesfl.engine.preflight.check_run_config`): the config knows no strategy
             or calibration module.
     """
 
@@ -196,7 +196,7 @@ _MAPPINGS = ("strategy_options", "dataset_options")
 
 
 def check_setting(name: str, value: Any, *, label: str | None = None) -> Any:
-    """Check one :class:`SimulationConfig` field and return it normalised (NumPy scalars to
+    """Check one `SimulationConfig` field and return it normalised (NumPy scalars to
     Python numbers, integers to floats for float fields, mappings to plain dicts).
 
     Args:
@@ -272,7 +272,7 @@ def _is_json_value(value: Any, depth: int = 0) -> bool:
 # ---- devices -------------------------------------------------------------------------------
 def parse_device(text: str) -> torch.device:
     """The torch device named by ``text`` (``cpu``, ``cuda``, ``cuda:N``, ``mps``), without
-    checking that it exists here (:func:`resolve_device` does).
+    checking that it exists here (`resolve_device` does).
 
     Raises:
         ConfigError: not a device name, or a kind of device runs do not support.
@@ -288,7 +288,7 @@ def parse_device(text: str) -> torch.device:
 
 
 def resolve_device(text: str) -> torch.device:
-    """:func:`parse_device`, then check that the device exists on this machine.
+    """`parse_device`, then check that the device exists on this machine.
 
     Raises:
         ConfigError: e.g. ``cuda`` where torch finds no GPU, or ``cuda:3`` with two GPUs.
@@ -311,7 +311,7 @@ def resolve_device(text: str) -> torch.device:
 # ---- model size ----------------------------------------------------------------------------
 def check_model_size(config: SimulationConfig, input_shape: tuple[int, ...]) -> int:
     """Count the parameters of every client's body (built on the meta device: nothing is
-    allocated) and refuse a run whose bodies together exceed :data:`MAX_PARAMETERS`.
+    allocated) and refuse a run whose bodies together exceed `MAX_PARAMETERS`.
 
     Returns:
         the total number of body parameters over all clients.
@@ -340,7 +340,7 @@ def check_model_size(config: SimulationConfig, input_shape: tuple[int, ...]) -> 
 
 # ---- threads -------------------------------------------------------------------------------
 def check_threads(value: Any) -> int:
-    """``value`` as a thread count in ``[1, MAX_THREADS]``; None means :func:`default_threads`.
+    """``value`` as a thread count in ``[1, MAX_THREADS]``; None means `default_threads`.
 
     Raises:
         ConfigError: not an integer, or out of range.

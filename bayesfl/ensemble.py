@@ -5,19 +5,19 @@ that hold the **same clients** (the same data rows, partition, train/test split,
 hold-out and novel clients) and differ only in the model's randomness (initialisation, batch
 order, client sampling, posterior draws). The run setting ``data_seed`` makes that possible:
 runs with one ``data_seed`` and different ``seed`` are such members
-(:class:`~bayesfl.config.SimulationConfig`).
+([`SimulationConfig`][bayesfl.config.SimulationConfig]).
 
-* :func:`simulate_ensemble` runs M members (``simulate(**settings)`` with member seeds derived
-  from ``seed``, ``data_seed`` fixed) and returns a :class:`DeepEnsemble`;
-* :class:`DeepEnsemble` takes M finished runs (what :func:`bayesfl.simulate` or
-  :func:`bayesfl.load_run` return; :meth:`DeepEnsemble.load` reads run directories), checks
-  that they hold the same clients (else a :class:`~bayesfl.errors.ConfigError` that says what
+* `simulate_ensemble` runs M members (``simulate(**settings)`` with member seeds derived
+  from ``seed``, ``data_seed`` fixed) and returns a [`DeepEnsemble`][bayesfl.ensemble.DeepEnsemble];
+* [`DeepEnsemble`][bayesfl.ensemble.DeepEnsemble] takes M finished runs (what `bayesfl.simulate` or
+  [`bayesfl.load_run`][bayesfl.load_run] return; `DeepEnsemble.load` reads run directories), checks
+  that they hold the same clients (else a [`ConfigError`][bayesfl.errors.ConfigError] that says what
   differs) and predicts for client k with the mean of the members' headline predictives
-  (:meth:`DeepEnsemble.predict_proba`). The members' probabilities are its posterior draws
-  (:meth:`DeepEnsemble.member_proba`, one draw per member): their mutual information
+  (`DeepEnsemble.predict_proba`). The members' probabilities are its posterior draws
+  (`DeepEnsemble.member_proba`, one draw per member): their mutual information
   (expected-entropy gap) is the ensemble's epistemic score.
-* :func:`bayesfl.evaluate_shift` takes an ensemble as it takes a run (a
-  :class:`~bayesfl.shift_evaluation.ShiftSubject`): the ``predictive`` rows are the ensemble's
+* [`bayesfl.evaluate_shift`][bayesfl.evaluate_shift] takes an ensemble as it takes a run (a
+  `ShiftSubject`): the ``predictive`` rows are the ensemble's
   mean; an ensemble has **no plug-in row** (no single model stands beside it; evaluate a member
   for that); the ``mutual_information`` OOD score takes the M members as the draws (whatever
   ``posterior_samples`` > 0 asks).
@@ -40,7 +40,7 @@ from bayesfl.simulate import SimulationResult, simulate
 from bayesfl.strategies.base import PREDICTIVE, derived_seed
 
 MEMBER_SEED_KEY = 0xE5E
-"""The derived-seed word of the members' seeds (:func:`member_seeds`)."""
+"""The derived-seed word of the members' seeds (`member_seeds`)."""
 
 DATA_FIELDS = ("dataset", "dataset_options", "clients", "partition", "test_fraction",
                "novel_fraction", "calibrate")
@@ -60,8 +60,8 @@ class DeepEnsemble:
     """M finished runs on the same clients, predicting with their mean (module docstring).
 
     Args:
-        runs: at least two runs (:func:`bayesfl.simulate` results or
-            :func:`bayesfl.load_run` results) of the same data: the same data set (its
+        runs: at least two runs (`bayesfl.simulate` results or
+            [`bayesfl.load_run`][bayesfl.load_run] results) of the same data: the same data set (its
             recorded identity), data seed in force (``data_seed``, or ``seed`` where unset),
             number of clients, partition, test fraction, novel clients and ``calibrate``
             hold-out. Their strategies and bodies may differ (a mixed ensemble); two runs of
@@ -112,7 +112,7 @@ class DeepEnsemble:
 
     @classmethod
     def load(cls, run_dirs: Sequence[str | Path], *, device: str = "cpu") -> DeepEnsemble:
-        """The ensemble of the finished runs in ``run_dirs`` (:func:`bayesfl.load_run` each).
+        """The ensemble of the finished runs in ``run_dirs`` (`bayesfl.load_run` each).
 
         Raises:
             CheckpointError: a directory without a finished run.
@@ -223,7 +223,7 @@ class DeepEnsemble:
 def simulate_ensemble(members: int = 5, *, out: str | Path | None = None,
                       **settings: Any) -> DeepEnsemble:
     """Run a federated deep ensemble: ``members`` runs of ``simulate(**settings)`` on the same
-    clients, differing only in their seeds (:func:`member_seeds`: member 0 is the single run
+    clients, differing only in their seeds (`member_seeds`: member 0 is the single run
     of ``seed``), with ``data_seed`` fixed to the settings' (default: their ``seed``).
 
     Args:
@@ -231,15 +231,15 @@ def simulate_ensemble(members: int = 5, *, out: str | Path | None = None,
         out: a directory whose ``member-M`` subdirectories hold the members' runs (each then
             loadable: ``DeepEnsemble.load(sorted(Path(out).glob("member-*")))``); None writes
             nothing.
-        **settings: :func:`bayesfl.simulate`'s arguments (``strategy``, ``dataset``,
+        **settings: `bayesfl.simulate`'s arguments (``strategy``, ``dataset``,
             ``clients``, ``partition``, ``rounds``, ``seed``, ``data_seed``, ``resume``,
             ``force``, ``progress``, ``threads``, ``data``, the other config fields).
 
     Returns:
-        The :class:`DeepEnsemble` of the members.
+        The [`DeepEnsemble`][bayesfl.ensemble.DeepEnsemble] of the members.
 
     Raises:
-        ConfigError: ``members`` < 2, or what :func:`bayesfl.simulate` raises.
+        ConfigError: ``members`` < 2, or what `bayesfl.simulate` raises.
     """
     if isinstance(members, bool) or not isinstance(members, int | np.integer) or members < 2:
         raise ConfigError(f"members must be an integer >= 2 (5 is the usual ensemble), got "

@@ -1,12 +1,12 @@
 """Exceptions raised by the federation layer, and the warnings it gives.
 
-Every error subclasses :class:`BayesFLError`; configuration problems are also ``ValueError``.
-Every warning subclasses :class:`BayesFLWarning` (a ``UserWarning``: shown by default).
+Every error subclasses `BayesFLError`; configuration problems are also ``ValueError``.
+Every warning subclasses `BayesFLWarning` (a ``UserWarning``: shown by default).
 """
 
 
 class BayesFLError(Exception):
-    """Base class of every error raised by :mod:`bayesfl`."""
+    """Base class of every error raised by `bayesfl`."""
 
 
 class ConfigError(BayesFLError, ValueError):
@@ -37,7 +37,7 @@ class CheckpointError(BayesFLError):
 
 
 class BayesFLWarning(UserWarning):
-    """Base class of every warning of :mod:`bayesfl`: something the run survives, but whose
+    """Base class of every warning of `bayesfl`: something the run survives, but whose
     results depend on it."""
 
 

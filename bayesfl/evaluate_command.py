@@ -9,7 +9,7 @@ clients' states, prints the pooled tables and writes ``shift_report.json``,
 that says what to do).
 
 A run started with the run keys ``shift``/``ood`` stored its own report
-(:mod:`bayesfl.shift_protocol`): ``bayesfl evaluate RUN_DIR`` without ``--shift``/``--ood``
+(`bayesfl.shift_protocol`): ``bayesfl evaluate RUN_DIR`` without ``--shift``/``--ood``
 shows it and writes it again (plots included) into ``--out``. A **Flower** run directory can
 only be shown that way: its clients' states stayed at their sites, so nothing here can predict
 for them; asking it other shifts, OOD sets or settings than those its run evaluated is an

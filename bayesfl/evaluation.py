@@ -1,7 +1,7 @@
 """A round's evaluation, federated: the merge of every client's calibration accumulators.
 
-Each client evaluates itself (:meth:`bayesfl.strategies.base.Strategy.evaluate`) and returns
-:class:`calibration.Accumulator` states, one per predictive (the headline and, for posterior
+Each client evaluates itself (`bayesfl.strategies.base.Strategy.evaluate`) and returns
+`calibration.Accumulator` states, one per predictive (the headline and, for posterior
 strategies, the MAP plug-in). The per-client (macro) metrics are each accumulator's; the pooled
 (micro) metrics are their merge — exactly the metrics of the concatenated predictions, and the
 same computation a Flower server does with the states it receives. Probabilities travel only
@@ -80,7 +80,7 @@ class RoundEvaluation:
     """Metrics of one evaluation of all clients.
 
     Attributes:
-        predictives: :class:`PredictiveMetrics` per predictive key (``"predictive"``, the
+        predictives: `PredictiveMetrics` per predictive key (``"predictive"``, the
             headline, and ``"map_plugin"`` for posterior strategies).
         probs: (N_test_total, C) float64 headline probabilities of all clients, client by
             client (empty when the clients were not asked for them).
@@ -102,7 +102,7 @@ class RoundEvaluation:
         return self.predictives[PREDICTIVE].pooled
 
     def headline(self) -> dict[str, Any]:
-        """The headline predictive's metrics (:meth:`PredictiveMetrics.headline`) and, for
+        """The headline predictive's metrics (`PredictiveMetrics.headline`) and, for
         posterior strategies, the MAP plug-in's under ``"map_plugin"``."""
         out: dict[str, Any] = self.predictives[PREDICTIVE].headline()
         if MAP_PLUGIN in self.predictives:
@@ -145,9 +145,9 @@ def read_evaluation(strategy: Strategy, data: bytes, *, round: int, client_id: i
                     predictives: set[str] | None = None) -> Evaluation:
     """A client's evaluation from its encoded reply, validated.
 
-    Checks: the bytes (:func:`bayesfl.messages.decode`, bounded), the header (strategy,
+    Checks: the bytes (`bayesfl.messages.decode`, bounded), the header (strategy,
     round, sender, direction up), the predictive keys (the headline, and the MAP plug-in for
-    posterior strategies), each accumulator state (:meth:`Accumulator.from_state_dict`), its
+    posterior strategies), each accumulator state (`Accumulator.from_state_dict`), its
     number of bins and its sample count (the client's test-set size, as it declared it).
     ``predictives``: the keys expected (default: the strategy's evaluation's).
 

@@ -1,13 +1,13 @@
-"""The simulator's client executor: runs the client step (:mod:`bayesfl.client.step`) over the
+"""The simulator's client executor: runs the client step (`bayesfl.client.step`) over the
 clients of one process, alone or in groups.
 
 This is the one place clients are grouped. With ``batched``, clients that share a body spec
 (hence one network architecture) are handed to the strategy together
-(:meth:`~bayesfl.strategies.base.ClientStrategy.fit_group`, ``predict_group``), which may train and
+(`fit_group`, ``predict_group``), which may train and
 predict them with one vmapped call; without it, every client runs on its own
-(:meth:`~bayesfl.strategies.base.ClientStrategy.fit`, ``evaluate``). Both give the same numbers up
+(`fit`, ``evaluate``). Both give the same numbers up
 to float rounding. The client step itself (the divergence guard, the seeds) is the one the
-Flower ClientApp runs; here the states live in memory (:class:`MemoryStore`).
+Flower ClientApp runs; here the states live in memory (`MemoryStore`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class SimulatedClient(LocalClient):
 
 
 class MemoryStore:
-    """The simulator's :class:`~bayesfl.client.step.ClientStore`: a client's trained state is
-    its :class:`SimulatedClient`'s ``state`` (what checkpoints, resumes and the result read);
+    """The simulator's `ClientStore`: a client's trained state is
+    its `SimulatedClient`'s ``state`` (what checkpoints, resumes and the result read);
     other slots (the personalised states) are kept in a dict."""
 
     def __init__(self, clients: Sequence[SimulatedClient]) -> None:
@@ -71,7 +71,7 @@ class ClientExecutor:
 
     def fit(self, clients: Sequence[SimulatedClient], broadcast: Message, *, seed: int,
             round: int) -> Fitted:
-        """Every client's local round (:func:`bayesfl.client.step.fit_clients`): updates
+        """Every client's local round (`bayesfl.client.step.fit_clients`): updates
         ``client.state`` of the clients whose round went through; their uploads, and why the
         others sent nothing."""
         return fit_clients(self.strategy, clients, MemoryStore(clients), broadcast, seed=seed,

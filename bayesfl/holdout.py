@@ -3,7 +3,7 @@ a stratified share of its *training* data before training starts, and trains on 
 
 Fitting a temperature or a conformal threshold on rows the model was trained on would reward
 overconfidence; fitting it on the test rows would leave no honest test figure. The split is
-made once, by :func:`bayesfl.engine.setup.run_setup`, the same on the server and on every node.
+made once, by `bayesfl.engine.setup.run_setup`, the same on the server and on every node.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def hold_out(
 ) -> tuple[list[ClientData], dict[int, HeldOut]]:
     """Split every client's training data into what it trains on and what it holds out.
 
-    Stratified by label with :func:`bayesfl.data.clients.stratified_split` (the rule of the
+    Stratified by label with `bayesfl.data.clients.stratified_split` (the rule of the
     train/test split: ``clip(round(n * fraction), 1, n - 1)`` samples); a client with fewer
     than 2 training samples keeps them all. Seeded by ``seed`` on a stream of its own.
 

@@ -1,15 +1,15 @@
 """What a user hands a trained federation: a client id and a batch of that client's inputs.
 
-:meth:`bayesfl.simulate.SimulationResult.predict_proba`, ``SimulationResult.posterior`` and
-the posteriors it returns (:func:`bayesfl.posterior.client_posterior`, the whole-network
-baselines' :class:`inference.NetworkGaussian`) check them here, so that a bad one is a
-:class:`~bayesfl.errors.ConfigError` (the client id) or :class:`~bayesfl.errors.DataError` (the
+`bayesfl.simulate.SimulationResult.predict_proba`, ``SimulationResult.posterior`` and
+the posteriors it returns (`bayesfl.posterior.client_posterior`, the whole-network
+baselines' `inference.NetworkGaussian`) check them here, so that a bad one is a
+[`ConfigError`][bayesfl.errors.ConfigError] (the client id) or `DataError` (the
 inputs) saying what was wrong and what to pass.
 
 Inputs may be a torch tensor, a NumPy array or a nested list of numbers, of any real dtype:
 they are converted to the dtype and device of the client's data (float32 for the bundled data
 sets), so float64 inputs work with a float32 network. Booleans, complex numbers, strings and
-objects are refused (:mod:`inference.inputs` does the conversion).
+objects are refused (`inference.inputs` does the conversion).
 """
 
 from __future__ import annotations

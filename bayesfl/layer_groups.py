@@ -4,10 +4,10 @@ Rule (the paper's Appendix A and its code): **one group = one weight-bearing lay
 Linear, Embedding, MultiheadAttention, ...) plus the affine parameters of the normalisation
 layer registered directly after it**. A residual shortcut (1x1 conv + BN) is a group of its
 own, in the place its block registers it (after the main path in
-:class:`~bayesfl.bodies.ResNet8`, as in Fling), and a classifier network's ``head`` is the
+`ResNet8`, as in Fling), and a classifier network's ``head`` is the
 last group. Groups follow module registration order, which is the forward order for the
-bodies of :mod:`bayesfl.bodies` wrapped in
-:class:`~bayesfl.strategies.networks.ClassifierNet`: ``resnet8`` with its head gives the
+bodies of `bayesfl.bodies` wrapped in
+`ClassifierNet`: ``resnet8`` with its head gives the
 paper's ten groups. A normalisation layer's running statistics (``running_mean``,
 ``running_var``) belong to its group as buffers; its ``num_batches_tracked`` counter does not
 (it only matters with ``momentum=None`` and is never sent).
@@ -89,7 +89,7 @@ def layer_groups(
 
 
 def group_sizes(model: nn.Module, **options) -> list[tuple[str, int]]:
-    """``[(group name, parameter elements)]`` of :func:`layer_groups`."""
+    """``[(group name, parameter elements)]`` of `layer_groups`."""
     return [(g.name, g.numel) for g in layer_groups(model, **options)]
 
 

@@ -1,9 +1,9 @@
-"""A finished run, loaded back from its run directory: :func:`load_run`.
+"""A finished run, loaded back from its run directory: [`load_run`][bayesfl.loaded_run.load_run].
 
-``simulate(..., out=DIR)`` ends by writing :data:`~bayesfl.run_directory.RESULT_NAME`
-(``result.safetensors``, :mod:`bayesfl.run_result`) beside ``summary.json``, ``metrics.jsonl``
+``simulate(..., out=DIR)`` ends by writing `RESULT_NAME`
+(``result.safetensors``, `bayesfl.run_result`) beside ``summary.json``, ``metrics.jsonl``
 and ``partition.json``. ``load_run(DIR)`` reads them back, re-runs nothing, and returns a
-:class:`LoadedRun`: a :class:`~bayesfl.simulate.SimulationResult` (what ``simulate`` returns,
+[`LoadedRun`][bayesfl.loaded_run.LoadedRun]: a `SimulationResult` (what ``simulate`` returns,
 so ``result.posterior(k)``, ``result.predict_proba(k, x)``, ``result.summary`` and
 ``result.metrics`` work alike) that also carries the partition and the manifest.
 
@@ -20,10 +20,10 @@ only the input shape; ``partition`` has the counts and sizes) and the ``calibrat
 fitted temperature (its figures are in ``summary["calibration"]``; ``calibration`` is None).
 
 A **Flower** run directory cannot be loaded: its clients' states stayed at their sites and the
-server never held them (:func:`load_run` says so). Evaluate such a run off distribution while
-it runs, with the run keys ``shift``/``ood`` (:mod:`bayesfl.shift_protocol`: every site scores
+server never held them (`load_run` says so). Evaluate such a run off distribution while
+it runs, with the run keys ``shift``/``ood`` (`bayesfl.shift_protocol`: every site scores
 its own state and sends mergeable states only); its report is then in ``RUN_DIR/shift``,
-returned by :func:`bayesfl.stored_shift_report` and shown by ``bayesfl evaluate RUN_DIR``. A
+returned by `bayesfl.stored_shift_report` and shown by ``bayesfl evaluate RUN_DIR``. A
 simulator run directory loads, and `bayesfl.evaluate_shift` evaluates it on any shift.
 """
 
@@ -56,10 +56,10 @@ from bayesfl.training import LocalTraining
 
 @dataclass
 class LoadedRun(SimulationResult):
-    """A finished run read back from its directory (:func:`load_run`); a
-    :class:`~bayesfl.simulate.SimulationResult` with two more attributes.
+    """A finished run read back from its directory ([`load_run`][bayesfl.loaded_run.load_run]); a
+    [`SimulationResult`][bayesfl.simulate.SimulationResult] with two more attributes.
 
-    Attributes (beyond :class:`~bayesfl.simulate.SimulationResult`'s):
+    Attributes (beyond [`SimulationResult`][bayesfl.simulate.SimulationResult]'s):
         partition: ``partition.json``: ``scheme``, ``counts`` (clients x classes),
             ``train_sizes``, ``test_sizes``, ``bodies`` (per client), ``novel``.
         manifest: ``manifest.json``: configuration, seed, package versions, git commit.
@@ -84,7 +84,7 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
         device: where the clients' networks and states are put (``"cpu"``, ``"cuda"``, ...).
 
     Returns:
-        A :class:`LoadedRun`: ``summary`` (``summary.json``), ``metrics`` (``metrics.jsonl``,
+        A `LoadedRun`: ``summary`` (``summary.json``), ``metrics`` (``metrics.jsonl``,
         one dict per round), ``partition``, ``manifest``, ``config``; ``posterior(k)``
         (posterior strategies: ``.sample(n)`` draws head parameters, ``.predict_proba(x)``
         takes client k's inputs) and ``predict_proba(k, x)`` (the strategy's headline
@@ -92,7 +92,7 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
 
     A Flower run directory is refused (its clients' states stayed at their sites): its shift
     report, if the run was started with the run keys ``shift``/``ood``, is
-    :func:`bayesfl.stored_shift_report` (``bayesfl evaluate RUN_DIR``).
+    [`bayesfl.stored_shift_report`][bayesfl.stored_shift_report] (``bayesfl evaluate RUN_DIR``).
 
     Raises:
         CheckpointError: no finished run there (a missing directory, a run still going or
@@ -100,7 +100,7 @@ def load_run(run_dir: str | Path, *, device: str = "cpu") -> LoadedRun:
             Flower run), a corrupt file, or another format version; the message says what
             to do.
         ConfigError: a body factory the run used that cannot be found in this process
-            (register it with :func:`bayesfl.register_body`), an unavailable ``device``.
+            (register it with `bayesfl.register_body`), an unavailable ``device``.
     """
     from bayesfl.config import resolve_device
 

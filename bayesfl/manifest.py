@@ -48,7 +48,7 @@ def build_manifest(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
 
     A run whose ``body`` names the user's own factories (a callable passed as ``body=``, a
     registered name, ``package.module:attribute``) also gets ``body_factories``
-    (:func:`bayesfl.bodies.body_provenance`: each factory's qualified name, whether a new
+    (`bayesfl.bodies.body_provenance`: each factory's qualified name, whether a new
     process can import it, and what resuming or loading the run needs, since a callable cannot
     be serialised)."""
     from bayesfl.bodies import body_provenance
@@ -70,7 +70,7 @@ def build_manifest(config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def write_manifest(path: str | Path, config: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    """Write :func:`build_manifest` as JSON to ``path`` and return it."""
+    """Write `build_manifest` as JSON to ``path`` and return it."""
     manifest = build_manifest(config, **extra)
     Path(path).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     return manifest

@@ -3,24 +3,24 @@
 Wire format: a safetensors file held in memory (``safetensors.torch.save`` to bytes). The header
 travels in the safetensors metadata as strings under ``bayesfl.*`` keys, together with a SHA-256
 digest of the header and the tensors (names, dtypes, shapes and raw bytes), so that truncated,
-corrupted or foreign bytes are rejected by :func:`decode` rather than used. Bytes counted for
+corrupted or foreign bytes are rejected by `decode` rather than used. Bytes counted for
 communication accounting are ``len(encode(msg))`` (``Message.nbytes``); the theoretical count of
 numbers is ``Message.num_elements``.
 
 Receiving side: ``msg = decode(data)`` checks the format, then ``validate(msg, schema,
 strategy=..., round=..., direction=...)`` checks names, shapes, dtypes and finiteness against a
-:data:`Schema`. Both raise :class:`bayesfl.errors.MessageRejected` with a precise reason.
+`Schema`. Both raise `bayesfl.errors.MessageRejected` with a precise reason.
 Algorithm invariants (e.g. FedLog's bias column) are the strategy's to check on top.
 
-Hostile bytes: the JSON header is bounded in size (:data:`MAX_HEADER_BYTES`) and nesting
-(:data:`MAX_HEADER_DEPTH`) before it is parsed, so no input can exhaust memory or the
-interpreter's recursion limit; every failure is a :class:`~bayesfl.errors.MessageRejected`.
+Hostile bytes: the JSON header is bounded in size (`MAX_HEADER_BYTES`) and nesting
+(`MAX_HEADER_DEPTH`) before it is parsed, so no input can exhaust memory or the
+interpreter's recursion limit; every failure is a `MessageRejected`.
 
 Authentication: the SHA-256 digest detects corruption but not forgery (anyone can recompute it
 after rewriting the header, e.g. to replay an old upload as another round or client). With a
-``key``, :func:`encode` stores an HMAC-SHA256 of the same bytes instead, and :func:`decode` with
+``key``, `encode` stores an HMAC-SHA256 of the same bytes instead, and `decode` with
 that key accepts only messages whose HMAC verifies (constant-time comparison). Keys are per
-client (see :class:`KeyRing`); distributing them is the deployment's job.
+client (see `KeyRing`); distributing them is the deployment's job.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Header:
         client_id: the sending (``"up"``) or receiving (``"down"``) client; -1 for a server
             broadcast to all.
         direction: ``"up"`` (client to server) or ``"down"`` (server to client).
-        schema_version: wire format version; only :data:`SCHEMA_VERSION` is accepted.
+        schema_version: wire format version; only `SCHEMA_VERSION` is accepted.
     """
 
     strategy: str
@@ -117,7 +117,7 @@ class Message:
         """Size in bytes of the encoded message, ``len(encode(self))``.
 
         Encodes on each call (the tensor mapping may change); a sender that needs the bytes
-        anyway should call :func:`encode` once and take ``len``.
+        anyway should call `encode` once and take ``len``.
         """
         return len(encode(self))
 
@@ -132,7 +132,7 @@ def tensor_digest(
     raw: Mapping[str, np.ndarray] | None = None,
 ) -> str:
     """SHA-256 hex digest (HMAC-SHA256 with ``key``) of ``preamble`` then the names, dtypes,
-    shapes and raw bytes of ``tensors`` (sorted by name); ``raw`` (name -> :func:`raw_bytes`)
+    shapes and raw bytes of ``tensors`` (sorted by name); ``raw`` (name -> `raw_bytes`)
     reuses bytes already taken.
 
     Messages and checkpoints store it to detect corrupted payloads; the preamble binds the
@@ -161,7 +161,7 @@ _NUMPY_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, tor
 
 def _digest(entries: Mapping[str, tuple[torch.Tensor, np.ndarray]], preamble: str,
             key: bytes | None) -> str:
-    """:func:`tensor_digest` of ``name -> (tensor, its raw bytes)``.
+    """`tensor_digest` of ``name -> (tensor, its raw bytes)``.
 
     Each tensor's line is ``json.dumps([name, str(dtype), list(shape)])``, written out here
     (the same text, a tenth of the cost: a checkpoint holds a line per client tensor).
@@ -217,7 +217,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor],
     Built here because ``safetensors.torch.save`` spends ~0.3 ms of Python per tensor (and
     refuses tensors sharing a storage, which then need copies): a round of the simulator
     encodes an upload per client and its checkpoint holds every client's state. ``raw``
-    (name -> :func:`raw_bytes`) reuses bytes already taken (for the digest).
+    (name -> `raw_bytes`) reuses bytes already taken (for the digest).
     """
     return b"".join(safetensors_parts(tensors, metadata, raw=raw))
 
@@ -225,7 +225,7 @@ def safetensors_bytes(tensors: Mapping[str, torch.Tensor],
 def safetensors_parts(tensors: Mapping[str, torch.Tensor],
                       metadata: Mapping[str, str] | None = None, *,
                       raw: Mapping[str, np.ndarray] | None = None) -> list[Any]:
-    """:func:`safetensors_bytes` as the buffers that make it up, in order (a file can be
+    """`safetensors_bytes` as the buffers that make it up, in order (a file can be
     written from them without holding the whole in memory once more)."""
     described = []
     for name, t in tensors.items():
@@ -330,7 +330,7 @@ def _metadata(header: Header, authenticated: bool, client_id: str, digest: str
 class _EncodeTemplate:
     """The safetensors header of a message layout (header fields but the client id, tensor
     names, dtypes and shapes) as the text around its client id and its digest, and the order
-    of the tensors' bytes after it: :func:`encode` fills in the two values, the same bytes as
+    of the tensors' bytes after it: `encode` fills in the two values, the same bytes as
     building the header (a round's uploads share one layout: 3x faster)."""
 
     _ID, _DIGEST = "@@bayesfl-client-id@@", "@@bayesfl-digest@@"
@@ -378,7 +378,7 @@ class KeyRing:
     """Per-client HMAC keys derived from one secret: ``client_key(k)`` authenticates client
     k's uploads, ``server_key`` the server's broadcasts.
 
-    The simulator draws a fresh secret per run (:meth:`generate`); a deployment provisions
+    The simulator draws a fresh secret per run (`generate`); a deployment provisions
     each client with its own key out of band. A client holding its key can authenticate only
     messages under its own id: it cannot forge another client's uploads or the server's.
     """
@@ -401,7 +401,7 @@ class KeyRing:
 
 def _header_text(header: Header) -> str:
     """``json.dumps([strategy, round, client_id, direction, schema_version])``, written out
-    (the integers are checked by :class:`Header`)."""
+    (the integers are checked by `Header`)."""
     return (f"[{encode_basestring_ascii(header.strategy)}, {header.round}, "
             f"{header.client_id}, {encode_basestring_ascii(header.direction)}, "
             f"{header.schema_version}]")
@@ -416,8 +416,8 @@ def read_safetensors_metadata(
 
     Raises:
         ValueError: the bytes do not start with a well-formed safetensors header, or the
-            header is larger than ``max_header_bytes`` (default :data:`MAX_HEADER_BYTES`) or
-            nested deeper than :data:`MAX_HEADER_DEPTH`.
+            header is larger than ``max_header_bytes`` (default `MAX_HEADER_BYTES`) or
+            nested deeper than `MAX_HEADER_DEPTH`.
     """
     return _read_header(data, max_header_bytes=max_header_bytes)[1]
 
@@ -426,7 +426,7 @@ def _read_header(
     data: bytes, *, max_header_bytes: int | None = None
 ) -> tuple[dict[str, Any], dict[str, str], int]:
     """(the JSON header, its ``__metadata__``, the header's length) of safetensors bytes
-    (:func:`read_safetensors_metadata`, which raises what this raises)."""
+    (`read_safetensors_metadata`, which raises what this raises)."""
     if max_header_bytes is None:
         max_header_bytes = MAX_HEADER_BYTES
     if len(data) < 8:
@@ -471,7 +471,7 @@ in the bytes first took as long as parsing it."""
 
 
 def _check_depth(raw: bytes) -> None:
-    """ValueError if the JSON text ``raw`` nests deeper than :data:`MAX_HEADER_DEPTH`."""
+    """ValueError if the JSON text ``raw`` nests deeper than `MAX_HEADER_DEPTH`."""
     depth = json_depth(raw)
     if depth > MAX_HEADER_DEPTH:
         raise ValueError(f"header nests {depth} levels deep; a safetensors header nests 3 "
@@ -481,7 +481,7 @@ def _check_depth(raw: bytes) -> None:
 def _at_most_3_deep(value: object) -> bool:
     """Whether parsed JSON ``value`` nests at most 3 deep, as a safetensors header does (an
     object of objects holding strings and arrays of numbers): a few type checks per entry.
-    Otherwise the caller counts the depth in the text (:func:`_check_depth`)."""
+    Otherwise the caller counts the depth in the text (`_check_depth`)."""
     items = value.values() if type(value) is dict else value if type(value) is list else ()
     for item in items:
         inner = item.values() if type(item) is dict else item if type(item) is list else ()
@@ -498,7 +498,7 @@ def _at_most_3_deep(value: object) -> bool:
 def decode(
     data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, key: bytes | None = None
 ) -> Message:
-    """Parse bytes produced by :func:`encode`; never unpickles anything.
+    """Parse bytes produced by `encode`; never unpickles anything.
 
     With ``key``, only messages whose HMAC-SHA256 verifies under it are accepted (and an
     unauthenticated message is rejected); without, an authenticated message is rejected too
@@ -530,7 +530,7 @@ def decode(
 
 def _read_message_header(data: bytes) -> tuple[list[tuple], dict[str, str], Header]:
     """(the tensors' spans, the metadata, the header) of message bytes, parsed and checked
-    in full (:func:`decode` raises what this raises)."""
+    in full (`decode` raises what this raises)."""
     try:
         layout, metadata, header_len = _read_header(data)
     except ValueError as err:
@@ -586,7 +586,7 @@ def _masked_header(data: bytes) -> tuple[int, bytes | None, tuple[bytes, bytes]]
 
 class _KnownHeader:
     """What a full read of a header found (its tensors' spans, the data's size, its metadata
-    and :class:`Header`), for headers that differ from it in the client id and the digest."""
+    and `Header`), for headers that differ from it in the client id and the digest."""
 
     def __init__(self, spans: list[tuple], data_size: int, metadata: Mapping[str, str],
                  header: Header) -> None:
@@ -614,7 +614,7 @@ class _KnownHeader:
 
 def _remember_header(masked: bytes, known: _KnownHeader) -> None:
     """Keep ``known`` for headers that mask to ``masked`` (the oldest of
-    :data:`_KNOWN_HEADERS_MAX` forgotten: a header holds its round)."""
+    `_KNOWN_HEADERS_MAX` forgotten: a header holds its round)."""
     if len(_KNOWN_HEADERS) >= _KNOWN_HEADERS_MAX:
         _forget_oldest(_KNOWN_HEADERS)
     _KNOWN_HEADERS[masked] = known
@@ -677,7 +677,7 @@ def _spans(layout: Mapping[str, Any], data_size: int) -> list[tuple]:
 def _tensors(view: memoryview, spans: Sequence[tuple]
              ) -> dict[str, tuple[torch.Tensor, memoryview]]:
     """name -> (tensor, its raw bytes) of the data section ``view`` cut at ``spans``
-    (:func:`_spans`): each tensor gets its own (writable) copy of its bytes."""
+    (`_spans`): each tensor gets its own (writable) copy of its bytes."""
     out = {}
     for begin, stop, name, torch_dtype, shape in spans:
         raw = view[begin:stop]
@@ -794,13 +794,13 @@ def validate_many(
     direction: str | None = None,
     client_ids: Sequence[int] | None = None,
 ) -> list[str | None]:
-    """:func:`validate` of each message (``client_ids[i]``: the sender message i must name):
+    """`validate` of each message (``client_ids[i]``: the sender message i must name):
     None, or the reason it would raise.
 
     The checks of names, dtypes and shapes run per message; the finiteness of each tensor name
     runs once over every message's tensor of that name (one pass over a round's uploads, not
     one per upload), and each message's reason is still its first problem in
-    :func:`validate`'s order.
+    `validate`'s order.
     """
     names = sorted(schema)
     reasons: list[str | None] = [None] * len(messages)
@@ -839,7 +839,7 @@ def validate_many(
 
 def _structure_problem(msg: Message, schema: Schema, names: list[str], wanted: frozenset[str],
                        expected: Sequence[tuple[str, Any]]) -> tuple[str | None, int]:
-    """(the first problem of ``msg``'s header, names, dtypes and shapes in :func:`validate`'s
+    """(the first problem of ``msg``'s header, names, dtypes and shapes in `validate`'s
     order, or None; how many of the sorted ``names`` (``wanted``, as a set) passed their dtype
     and shape checks). ``expected``: the header fields to check, with their values."""
     for field, want in expected:

@@ -1,5 +1,5 @@
 """Plots of federated runs: accuracy against rounds and against communicated bytes, and the
-reliability diagram of the final predictions (drawn by :mod:`calibration`)."""
+reliability diagram of the final predictions (drawn by [`calibration`][calibration])."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def plot_accuracy(
 ) -> Path:
     """Mean client test accuracy vs round (left) and vs cumulative bytes up + down (right,
     log scale), one line per run, saved to ``path``. ``runs`` maps a label to its metrics
-    records (:func:`accuracy_figure`)."""
+    records (`accuracy_figure`)."""
     fig = accuracy_figure(runs)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -30,7 +30,7 @@ def plot_accuracy(
 
 
 def accuracy_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
-    """The figure of :func:`plot_accuracy` (a pyplot figure: close it when done). Rounds are
+    """The figure of `plot_accuracy` (a pyplot figure: close it when done). Rounds are
     whole numbers, so the round axis has integer ticks only."""
     sns.set_theme(style="whitegrid")
     fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
@@ -55,7 +55,7 @@ def accuracy_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> Figure:
 def plot_reliability(
     probs: Tensor, labels: Tensor, path: str | Path, *, n_bins: int = 15, title: str = ""
 ) -> Path:
-    """Reliability diagram (drawn by :func:`calibration.diagram.reliability_diagram`) of
+    """Reliability diagram (drawn by `calibration.diagram.reliability_diagram`) of
     probabilities (N, C) against labels (N,), saved to ``path``."""
     from calibration.diagram import reliability_diagram
 

@@ -1,12 +1,12 @@
-"""A client's posterior as bayesfl hands it to a user: :func:`client_posterior`.
+"""A client's posterior as bayesfl hands it to a user: `client_posterior`.
 
 Posterior strategies federate a posterior over a head (FedLog: the conjugate posterior of the
-summed statistics). Client k's view of it is an :class:`inference.BodyPosterior`: the client's
+summed statistics). Client k's view of it is an `inference.BodyPosterior`: the client's
 own body in front of the head posterior, so that ``predict_proba`` takes the client's *inputs*;
 the parameters it samples are the head's. ``bayesfl.ClientPosterior`` is that class (the name
-bayesfl's API has always used); :func:`client_posterior` builds one with bayesfl's input
-boundary, so a bad batch is a :class:`~bayesfl.errors.DataError` naming the client's input
-shape (:func:`bayesfl.inputs.client_inputs`).
+bayesfl's API has always used); `client_posterior` builds one with bayesfl's input
+boundary, so a bad batch is a [`DataError`][bayesfl.errors.DataError] naming the client's input
+shape (`bayesfl.inputs.client_inputs`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from bayesfl.errors import DataError
 from bayesfl.inputs import client_inputs
 from inference.body_posterior import BodyPosterior
 
-#: bayesfl's public name of :class:`inference.BodyPosterior`.
+#: bayesfl's public name of `inference.BodyPosterior`.
 ClientPosterior = BodyPosterior
 
 
@@ -29,8 +29,8 @@ def client_posterior(body: nn.Module, head: Any, method: str, *,
     """``head`` behind client ``body``, checking inputs as bayesfl does.
 
     Inputs may be tensors, NumPy arrays or lists of any real dtype; they are cast to the body's
-    dtype and device (:func:`bayesfl.inputs.client_inputs`), and a bad batch (or one the body
-    cannot take) is a :class:`~bayesfl.errors.DataError`. To save the posterior, save its head:
+    dtype and device (`bayesfl.inputs.client_inputs`), and a bad batch (or one the body
+    cannot take) is a [`DataError`][bayesfl.errors.DataError]. To save the posterior, save its head:
     ``inference.save_posterior(post.head, path)`` (the body is the client's own network).
 
     Args:

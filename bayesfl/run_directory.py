@@ -3,11 +3,11 @@
 A run writes into an empty (or new) directory. A directory that holds anything is refused
 unless the caller says what to do with it: ``resume`` continues the run whose checkpoint is
 there, ``force`` starts the run again there — it deletes the files a run writes
-(:data:`RUN_FILES`) and leaves every other file alone, so ``--force`` on a directory that also
+(`RUN_FILES`) and leaves every other file alone, so ``--force`` on a directory that also
 holds the user's own files never removes those.
 
 ``metrics.jsonl`` is rebuilt on resume from the copy of its lines that every checkpoint
-carries (:class:`MetricsLog`): a torn last line, a line for a round after the checkpoint, an
+carries (`MetricsLog`): a torn last line, a line for a round after the checkpoint, an
 edited or deleted file all give way to exactly the lines of the rounds the checkpoint vouches
 for, and the summary is computed from those.
 """
@@ -25,7 +25,7 @@ from bayesfl.errors import CheckpointError, ConfigError
 CHECKPOINT_NAME = "checkpoint.safetensors"
 METRICS_NAME = "metrics.jsonl"
 RESULT_NAME = "result.safetensors"
-"""The finished run's final states, written last (:mod:`bayesfl.run_result`, ``load_run``)."""
+"""The finished run's final states, written last (`bayesfl.run_result`, ``load_run``)."""
 
 RUN_FILES = (METRICS_NAME, "summary.json", "manifest.json", "partition.txt", "partition.json",
              "predictions.npz", "accuracy.png", "reliability.png", CHECKPOINT_NAME, RESULT_NAME)
@@ -70,7 +70,7 @@ def prepare_run_directory(path: Path, *, resume: bool, force: bool) -> None:
 SHIFT_FILES = ("shift_report.json", "shift_report.md", "shift_metrics.png",
                "risk_coverage.png", "shift_states.safetensors")
 """The files a run's shift step writes into ``RUN_DIR/shift`` (run keys ``shift``/``ood``,
-:mod:`bayesfl.shift_protocol`); ``force`` removes them too, so no report of an earlier run
+`bayesfl.shift_protocol`); ``force`` removes them too, so no report of an earlier run
 is taken for this one's."""
 
 

@@ -1,38 +1,38 @@
-"""The file a finished simulator run leaves for :func:`bayesfl.load_run`: ``result.safetensors``.
+"""The file a finished simulator run leaves for `bayesfl.load_run`: ``result.safetensors``.
 
-``simulate(..., out=DIR)`` ends by writing :data:`~bayesfl.run_directory.RESULT_NAME`
-(:func:`save_run_result`) beside ``summary.json``, ``metrics.jsonl`` and ``partition.json``;
-:mod:`bayesfl.loaded_run` reads it back (:func:`read_run_result`).
+``simulate(..., out=DIR)`` ends by writing `RESULT_NAME`
+(`save_run_result`) beside ``summary.json``, ``metrics.jsonl`` and ``partition.json``;
+`bayesfl.loaded_run` reads it back (`read_run_result`).
 
-Schema (format :data:`RESULT_FORMAT`, version :data:`RESULT_VERSION`): a checkpoint file
-(:mod:`bayesfl.checkpoint`: safetensors, written atomically, a SHA-256 of the meta and tensors,
+Schema (format `RESULT_FORMAT`, version `RESULT_VERSION`): a checkpoint file
+(`bayesfl.checkpoint`: safetensors, written atomically, a SHA-256 of the meta and tensors,
 no pickle) holding
 
 ======================  ======================================================================
 ``clients/<g>/ids``,    the clients' final states (personalised where the strategy
 ``clients/<g>/state/``  personalises: the states their predictions use), stacked as in the
-``<name>``              run's checkpoint (:mod:`bayesfl.engine.state`): clients grouped by
+``<name>``              run's checkpoint (`bayesfl.engine.state`): clients grouped by
                         their state's layout, group ``g``'s ids (int64) and each of its
                         tensors with one row per id
 ``server/<name>``       the final server state
-``run/evaluation``      the final evaluation broadcast (:func:`bayesfl.messages.encode`
+``run/evaluation``      the final evaluation broadcast (`bayesfl.messages.encode`
                         bytes, uint8), from which clients predict after the last round
 meta                    ``format``, ``version``, ``identity`` (the configuration with the
                         data's identity: what the run's checkpoint fingerprints), ``context``
                         (the strategy context: classes, feature width, input shape, bodies,
                         local training), ``clients`` (id, body spec, init seed each),
                         ``first_round``, ``personalized`` (ids), ``novel`` (ids),
-                        ``body_factories`` (:func:`bayesfl.bodies.body_provenance`),
+                        ``body_factories`` (`bayesfl.bodies.body_provenance`),
                         ``client_groups`` (each group's state names, in the order of ``g``)
 ======================  ======================================================================
 
 Version 2 stacks the clients' states; version 1 (bayesfl before 2026-11-28) held one tensor
-per client and name, ``client/<k>/<name>``, and :func:`bayesfl.load_run` looked up each
+per client and name, ``client/<k>/<name>``, and `bayesfl.load_run` looked up each
 client's among all of them: quadratic in the clients (at 16,000 clients 99-105 s, now
 1.7-2.3 s).
-Both versions are read (:func:`result_client_states`).
+Both versions are read (`result_client_states`).
 
-The file's fingerprint is :func:`~bayesfl.checkpoint.config_fingerprint` of ``identity``, the
+The file's fingerprint is `config_fingerprint` of ``identity``, the
 same as the run's checkpoint's, so a reader can tell a finished run from one continued with
 other settings.
 """
@@ -77,8 +77,8 @@ def run_identity(config: SimulationConfig, data_identity: dict[str, Any]) -> dic
 
 def save_run_result(run_dir: str | Path, result: Any) -> Path:
     """Write ``result``'s final states to ``run_dir / RESULT_NAME`` (module docstring) and
-    return the path; :func:`bayesfl.load_run` reads it back. ``simulate(out=...)`` calls it
-    last. ``result`` is the :class:`~bayesfl.simulate.SimulationResult` it returns (typed
+    return the path; `bayesfl.load_run` reads it back. ``simulate(out=...)`` calls it
+    last. ``result`` is the `SimulationResult` it returns (typed
     ``Any``: this module must not import the simulator, which imports it).
 
     Raises:
@@ -159,13 +159,13 @@ _V1_CLIENT_PREFIX = "client/"
 
 def result_client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                          client_ids: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """Each client's saved state (name -> tensor) of a result read by :func:`read_run_result`,
+    """Each client's saved state (name -> tensor) of a result read by `read_run_result`,
     by client id, for ``client_ids`` (the clients its meta lists), in one pass over the
     tensors whatever the version (module docstring).
 
     Raises:
         ValueError: the states do not hold exactly ``client_ids`` (a version 2 file: see
-            :func:`bayesfl.engine.state.client_states`; version 1: a ``client/`` tensor of
+            `bayesfl.engine.state.client_states`; version 1: a ``client/`` tensor of
             an id not listed).
     """
     if meta.get("version") != 1:

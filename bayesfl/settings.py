@@ -1,16 +1,16 @@
 """The settings of a run: one schema read by every way of starting one.
 
-:data:`SETTINGS` lists each setting once: its flag names (``bayesfl run``, ``bayesfl flower``),
+`SETTINGS` lists each setting once: its flag names (``bayesfl run``, ``bayesfl flower``),
 its TOML keys (``--config FILE.toml``; the flag names with ``-`` or ``_``), the keys of the
-Flower run config (:func:`bayesfl.flower.protocol.parse_run_config`) and where the value goes
-(a :class:`~bayesfl.config.SimulationConfig` field, or a keyword of
-:func:`~bayesfl.simulate.simulate` such as ``out``). The readers here turn flags
-(:func:`settings_from_flags`), a TOML file (:func:`read_config`) or any mapping
-(:func:`settings_from_mapping`) into settings by target, checked for type and range.
+Flower run config (`bayesfl.flower.protocol.parse_run_config`) and where the value goes
+(a [`SimulationConfig`][bayesfl.config.SimulationConfig] field, or a keyword of
+[`simulate`][bayesfl.simulate.simulate] such as ``out``). The readers here turn flags
+(`settings_from_flags`), a TOML file (`read_config`) or any mapping
+(`settings_from_mapping`) into settings by target, checked for type and range.
 
 This module sits on the ground floor of the command-line and transport code: the CLI
-(:mod:`bayesfl.cli`), the Flower command (:mod:`bayesfl.flower.command`) and the Flower
-protocol (:mod:`bayesfl.flower.protocol`) import it, and it imports neither of them, so none of
+(`bayesfl.cli`), the Flower command (`bayesfl.flower.command`) and the Flower
+protocol (`bayesfl.flower.protocol`) import it, and it imports neither of them, so none of
 them imports another just to read a setting.
 """
 
@@ -42,10 +42,10 @@ class Setting:
     Attributes:
         names: flag names without ``--``; the first is the one ``--help`` leads with. Each is
             also a TOML key (with ``-`` or ``_``).
-        target: the :class:`~bayesfl.config.SimulationConfig` field, or a keyword of
-            :func:`~bayesfl.simulate.simulate` (``out``, ``resume``, ``force``, ``progress``,
+        target: the [`SimulationConfig`][bayesfl.config.SimulationConfig] field, or a keyword of
+            [`simulate`][bayesfl.simulate.simulate] (``out``, ``resume``, ``force``, ``progress``,
             ``threads``), or ``download``, which the readers fold into ``dataset_options``
-            (:func:`fold_download`).
+            (`fold_download`).
         kind: ``str``, ``int``, ``float``, ``path``, ``options`` (KEY=VALUE pairs / a table),
             ``switch`` (a flag that turns the target on), ``toggle`` (``--NAME`` /
             ``--no-NAME``) or ``list`` (a repeatable flag; in TOML a string or a list of
@@ -166,7 +166,7 @@ _BY_NAME = _names_to_settings()
 
 
 def add_settings(run: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
-    """Every setting of :data:`SETTINGS` as a flag of ``run`` (``bayesfl run``, ``bayesfl
+    """Every setting of `SETTINGS` as a flag of ``run`` (``bayesfl run``, ``bayesfl
     flower``), but those whose target is in ``exclude``."""
     types = {"str": str, "int": int, "float": float, "path": Path}
     for s in SETTINGS:
@@ -205,11 +205,11 @@ def settings_from_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """Settings from a TOML file, by target (see :func:`settings_from_mapping`).
+    """Settings from a TOML file, by target (see `settings_from_mapping`).
 
     Raises:
         ConfigError: the file is missing, not a regular file, larger than
-            :data:`MAX_CONFIG_BYTES`, not UTF-8 TOML, or holds an unknown key or a value of the
+            `MAX_CONFIG_BYTES`, not UTF-8 TOML, or holds an unknown key or a value of the
             wrong type (the message names the file and the key).
     """
     source = f"config {path}"
@@ -237,7 +237,7 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def settings_from_mapping(raw: Mapping[str, Any], source: str = "config") -> dict[str, Any]:
     """Map TOML keys (the flag names, ``-`` or ``_``) to targets and check each value's type
-    (and, for :class:`~bayesfl.config.SimulationConfig` fields, its range).
+    (and, for [`SimulationConfig`][bayesfl.config.SimulationConfig] fields, its range).
 
     Raises:
         ConfigError: an unknown key (with the valid keys and the nearest match), a setting

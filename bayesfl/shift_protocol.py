@@ -6,11 +6,11 @@ A run asks for it with the run keys ``shift`` and ``ood`` (``bayesfl run --shift
 config ``shift = "rotate:15,30 noise:0.1"``, ``simulate(shift=..., ood=...)``). After the final
 phase (personalisation and ``calibrate`` included) the run writes the report `bayesfl
 evaluate` writes into ``RUN_DIR/shift`` (``shift_report.json``, ``shift_report.md``, the
-plots) and, beside it, the clients' validated states (:data:`STATES_NAME`), from which
+plots) and, beside it, the clients' validated states (`STATES_NAME`), from which
 `stored_shift_report` rebuilds the whole report (plots included) without the clients.
 
-The step is a final phase (:mod:`bayesfl.engine.phases`), written once for both transports:
-:func:`shift_phase` on the server, :func:`client_states` on each client (:data:`REQUEST`).
+The step is a final phase (`bayesfl.engine.phases`), written once for both transports:
+`shift_phase` on the server, `client_states` on each client (`REQUEST`).
 
 * **The simulator** asks its clients in process (the same request, reply and checks).
 * **Flower**: the ServerApp sends every connected site one ``query.shift`` message (the
@@ -18,8 +18,8 @@ The step is a final phase (:mod:`bayesfl.engine.phases`), written once for both 
   `bayesfl.shift_evaluation.shift_client_step` (the step `evaluate_shift` runs for each
   client, same seeds) on its own test rows with its final state (personalised where the
   strategy personalises) and replies with its `ClientShiftStates` as one bayesfl message
-  (:func:`states_message`: safetensors, header strategy :data:`PROTOCOL`). The server checks
-  each reply (:func:`read_shift_states`): names against the request's schema, dtypes, shapes,
+  (`states_message`: safetensors, header strategy `PROTOCOL`). The server checks
+  each reply (`read_shift_states`): names against the request's schema, dtypes, shapes,
   finiteness, every accumulator's own invariants, the row counts (each condition counts the
   site's declared test rows; each OOD set the in- and out-of-distribution rows its client
   has) and the score ranges. A missing, failing or invalid reply is logged (``rejections``)
@@ -266,7 +266,7 @@ def states_tensors(states: ClientShiftStates) -> dict[str, Tensor]:
 
 
 def states_message(states: ClientShiftStates) -> Message:
-    """The reply of client ``states.client_id`` (header strategy :data:`PROTOCOL`, up)."""
+    """The reply of client ``states.client_id`` (header strategy `PROTOCOL`, up)."""
     return Message(Header(PROTOCOL, 0, int(states.client_id), "up"), states_tensors(states))
 
 
@@ -288,7 +288,7 @@ class Expected:
 def expected_replies(request: ShiftRequest, client_data: Sequence[Any] | None,
                      novel: Sequence[int], num_test: Mapping[int, int]
                      ) -> tuple[dict[int, Expected], list[str]]:
-    """Each client's :class:`Expected` (from the run's partition, which the server rebuilds as
+    """Each client's `Expected` (from the run's partition, which the server rebuilds as
     every node does), and the notes on clients without OOD rows (`ood_row_sets`)."""
     sets: dict[str, dict[int, tuple[Tensor, Tensor]]] = {}
     notes: list[str] = []
@@ -319,7 +319,7 @@ def read_shift_states(data: bytes, *, client_id: int, request: ShiftRequest,
 def states_from_tensors(message: Message, *, client_id: int, request: ShiftRequest,
                         predictives: set[str], num_classes: int, expected: Expected
                         ) -> ClientShiftStates:
-    """The states of a decoded reply ``message``, validated (:func:`read_shift_states`)."""
+    """The states of a decoded reply ``message``, validated (`read_shift_states`)."""
     required: dict[str, TensorSpec] = {}
     conditions = [(CLEAN, 0.0)] + [(s.kind, v) for s in request.shifts for v in s.severities]
     for kind, severity in conditions:
@@ -500,8 +500,8 @@ def federated_shift_evaluation(ask: Ask, client_ids: Sequence[int], request: Shi
 
 # ==== the phase, over a transport's channel =====================================================
 def client_states(site: Any, down: bytes) -> tuple[bytes, list[str]]:
-    """A site's answer to the shift request (:data:`REQUEST`): its states for the request
-    (:func:`site_shift_states`, on its own test rows with its final state) as one encoded
+    """A site's answer to the shift request (`REQUEST`): its states for the request
+    (`site_shift_states`, on its own test rows with its final state) as one encoded
     message, and its notes (why the mutual information is missing, if it is).
 
     Raises:
@@ -527,10 +527,10 @@ def shift_phase(channel: Any, client_ids: Sequence[int], request: ShiftRequest, 
                 predictives: set[str], num_classes: int, novel: Sequence[int],
                 settings: Mapping[str, Any]) -> ShiftOutcome:
     """The shift evaluation over a transport's ``channel``
-    (:class:`bayesfl.engine.phases.PhaseChannel`): the request to every client in
+    (`bayesfl.engine.phases.PhaseChannel`): the request to every client in
     ``client_ids``, each reply checked against what the run's partition (``client_data``;
     None for per-site data) and the clients' declared ``num_test`` rows say it must hold,
-    the report from the accepted ones (:func:`federated_shift_evaluation`)."""
+    the report from the accepted ones (`federated_shift_evaluation`)."""
     expected, notes = expected_replies(request, client_data, novel,
                                        {c: num_test[c] for c in client_ids})
 
@@ -547,7 +547,7 @@ def shift_phase(channel: Any, client_ids: Sequence[int], request: ShiftRequest, 
 def write_shift_outcome(run_dir: Path, report: ShiftReport,
                         states: Sequence[ClientShiftStates], *, novel: Sequence[int],
                         num_classes: int, plots: bool = True) -> list[Path]:
-    """The report's files and the states (:data:`STATES_NAME`) into ``run_dir/shift``."""
+    """The report's files and the states (`STATES_NAME`) into ``run_dir/shift``."""
     from safetensors.torch import save_file
 
     out = Path(run_dir) / REPORT_DIR
@@ -565,7 +565,7 @@ def write_shift_outcome(run_dir: Path, report: ShiftReport,
 
 def stored_shift_report(run_dir: str | Path) -> ShiftReport:
     """The shift report a run stored (run keys ``shift``/``ood``), rebuilt from its clients'
-    states (:data:`STATES_NAME`): the figures, curves and plots of the run's own evaluation,
+    states (`STATES_NAME`): the figures, curves and plots of the run's own evaluation,
     for a Flower run whose clients' states stay at their sites too.
 
     Raises:

@@ -5,9 +5,9 @@ seed=0, out="runs/demo")`` loads the data, partitions it, and builds the strateg
 the run configuration: a server half and a client half that share no object (as a Flower
 ServerApp and ClientApp would). Every client gets its own config and initial state
 (``init_client``). Then per round: samples clients (all, or a seeded ``fraction``), encodes the
-server's broadcast (``configure``) with :func:`bayesfl.messages.encode` and decodes it on the
-client side, runs the clients' ``fit`` through the :class:`~bayesfl.executor.ClientExecutor`
-behind the engine's channel interface (:class:`InProcessChannel`) (batched over clients that
+server's broadcast (``configure``) with `bayesfl.messages.encode` and decodes it on the
+client side, runs the clients' ``fit`` through the `ClientExecutor`
+behind the engine's channel interface (`InProcessChannel`) (batched over clients that
 share a body spec, one by one otherwise), encodes every upload,
 decodes and validates it on receipt against the round's schema (``validate_uploads``, one
 verdict per upload) — an invalid upload is *rejected*, its reason logged, and the round goes
@@ -20,7 +20,7 @@ training (never sampled, never fitted, not in the round metrics): after the last
 personalise like the others (or, for strategies that do not personalise, evaluate the global
 model) and their metrics go to ``summary["novel"]``.
 
-The rounds are the engine's one round loop (:class:`bayesfl.engine.rounds.RoundLoop`, the
+The rounds are the engine's one round loop (`bayesfl.engine.rounds.RoundLoop`, the
 Flower ServerApp's too) in its ``"inline"`` evaluation mode: each round is evaluated within
 itself, and a new aggregate whose evaluation fails is reverted in its own round. It aggregates
 whatever uploads were accepted (no ``min_replies``). This module supplies the loop's channel and
@@ -32,8 +32,8 @@ Run directory (``out``): ``metrics.jsonl`` (one JSON object per round), ``summar
 (clients x classes counts), ``predictions.npz`` (final-round test probabilities, labels and
 client ids, readable by ``bayesfl-calibrate``), ``checkpoint.safetensors`` and the plots
 ``accuracy.png`` and ``reliability.png``. The directory must be empty or absent, unless
-``resume`` or ``force`` says what to do with it (:mod:`bayesfl.run_directory`). The manifest
-and the summary record what the data were (:func:`bayesfl.data.datasets.dataset_identity`:
+``resume`` or ``force`` says what to do with it (`bayesfl.run_directory`). The manifest
+and the summary record what the data were (`bayesfl.data.datasets.dataset_identity`:
 ``"custom"`` and a SHA-256 of the contents for ``data=``) and the torch thread count.
 
 Randomness: every random draw of round ``r`` comes from generators derived from
@@ -127,10 +127,10 @@ RoundCallback = Callable[[int, dict], None]
 
 @dataclass
 class SimulationResult:
-    """What :func:`simulate` returns.
+    """What [`simulate`][bayesfl.simulate.simulate] returns.
 
     ``summary``, the final figures (also ``summary.json``; the same for a run read back with
-    :func:`bayesfl.load_run`), has these keys. Accuracies are fractions in [0, 1]; ECE, MCE,
+    `bayesfl.load_run`), has these keys. Accuracies are fractions in [0, 1]; ECE, MCE,
     Brier and NLL are of the headline predictive on the clients' test rows after the last round
     (personalised where the strategy personalises):
 
@@ -204,7 +204,7 @@ class SimulationResult:
         strategy's headline predictive (posterior strategies: the posterior predictive).
 
         ``x`` may be a tensor, NumPy array or list of any real dtype; it is cast to the dtype
-        and device of the client's data (:func:`bayesfl.inputs.client_inputs`).
+        and device of the client's data (`bayesfl.inputs.client_inputs`).
 
         Raises:
             ConfigError: ``client_id`` is not an integer in ``[0, clients)``.
@@ -271,12 +271,12 @@ def simulate(
             first (other files are kept).
         progress: show a tqdm progress bar over rounds.
         threads: torch intra-op threads during the run (restored afterwards); None takes
-            :func:`bayesfl.config.default_threads` (half the cores, 1 to 4).
+            `bayesfl.config.default_threads` (half the cores, 1 to 4).
         upload_hook: transforms each encoded upload before the server receives it.
         round_callback: called after each complete round with its metrics record.
         broadcast_hook: called with each round's encoded broadcast.
         data: a pre-loaded pooled data set, or your own arrays
-            ``(x, y)`` (:meth:`bayesfl.data.Dataset.from_arrays`), instead of loading
+            ``(x, y)`` (`bayesfl.data.Dataset.from_arrays`), instead of loading
             ``dataset`` by name; its
             identity (shapes and a SHA-256 of its contents) is recorded and fingerprinted, so
             its run resumes only with the same data.
@@ -287,8 +287,8 @@ def simulate(
             before the run trains.
         ood: out-of-distribution sets scored there too (``"unseen-labels"``,
             ``"novel-clients"``).
-        **options: the other :class:`SimulationConfig` fields (body: a spec string or
-            your own zero-argument factory of a ``torch.nn.Module``, :mod:`bayesfl.bodies`;
+        **options: the other `SimulationConfig` fields (body: a spec string or
+            your own zero-argument factory of a ``torch.nn.Module``, `bayesfl.bodies`;
             feature_dim,
             local_epochs, lr, batch_size, fraction, test_fraction, batched, n_bins, device,
             novel_fraction, data_seed, strategy_options, dataset_options). ``data_seed``
@@ -299,11 +299,11 @@ def simulate(
         The run's `SimulationResult`: ``summary`` (the final figures, keys listed there),
         ``metrics`` (one dict per round), ``posterior(k)`` and ``predict_proba(k, x)``
         (client k's predictive after the run), ``run_dir``. With ``out``, the same run is
-        read back later by :func:`bayesfl.load_run`.
+        read back later by [`bayesfl.load_run`][bayesfl.load_run].
 
     Raises:
         ConfigError: unknown names or options, values of the wrong type or out of range
-            (:mod:`bayesfl.config`), an unavailable device, a non-empty ``out`` without
+            (`bayesfl.config`), an unavailable device, a non-empty ``out`` without
             ``resume`` or ``force``.
         DataError: a partition that leaves a client empty, more clients than samples.
         CheckpointError: ``resume`` with a corrupt or foreign checkpoint.
@@ -345,8 +345,8 @@ def simulate(
 
 
 def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | None, dict]:
-    """``data=(x, y)`` as a :class:`Dataset`; a callable ``body`` (or a list with some)
-    registered as a body spec under its qualified name (:func:`bayesfl.bodies.body_spec`)."""
+    """``data=(x, y)`` as a [`Dataset`][bayesfl.Dataset]; a callable ``body`` (or a list with some)
+    registered as a body spec under its qualified name (`bayesfl.bodies.body_spec`)."""
     from bayesfl.bodies import body_spec
     from bayesfl.data.datasets import as_dataset
 
@@ -357,7 +357,7 @@ def _user_data_and_body(data: Any, options: dict[str, Any]) -> tuple[Dataset | N
 
 
 class InProcessChannel:
-    """The simulator's channel (:class:`bayesfl.engine.channel.Channel`): the clients' halves
+    """The simulator's channel (`bayesfl.engine.channel.Channel`): the clients' halves
     run in this process, batched over same-architecture clients by the executor.
 
     A fit step decodes the broadcast the server encoded (what the clients see is what crossed
@@ -435,7 +435,7 @@ class InProcessChannel:
             ) -> dict[int, Any]:
         """Every client's answer to a final phase's request, computed here from its site: its
         final state (personalised where the strategy personalises) and the final evaluation
-        broadcast the engine set (:attr:`final_broadcast`)."""
+        broadcast the engine set (`final_broadcast`)."""
         if self._phases is None:
             run = self.run
             self._phases = InProcessPhases({c.client_id: Site(
@@ -450,9 +450,9 @@ class InProcessChannel:
 
 
 class _Run(Run):
-    """The simulator's side of a run (:class:`bayesfl.engine.run.Run`): the clients in this
+    """The simulator's side of a run (`bayesfl.engine.run.Run`): the clients in this
     process, their states in the checkpoint, the progress bars; the final phases ask them
-    through :meth:`InProcessChannel.ask`."""
+    through `InProcessChannel.ask`."""
 
     def __init__(self, config: SimulationConfig, run_dir: Path | None, data: Dataset | None,
                  resume: bool = False, threads: int | None = None, shift: Any = None,

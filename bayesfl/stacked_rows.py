@@ -4,12 +4,12 @@ A batched fit trains K same-architecture clients as one stacked tensor per param
 ``(K, ...)`` and gives each client its row back as a view of that stack (no per-client copy:
 64,000 clones, 0.3 s a round, at 16,000 ``mlp:100`` clients). The next stacking of those
 clients (the evaluation's forward, the next fit, the checkpoint) then finds the rows already
-lying stacked and uses that memory as it is (:func:`stack_rows`) instead of copying 470 MB.
+lying stacked and uses that memory as it is (`stack_rows`) instead of copying 470 MB.
 
 A row view keeps its whole stack alive: a client that is not sampled again holds the stack of
-the round it last trained in. :func:`held_bytes` measures what the rows hold against what they
+the round it last trained in. `held_bytes` measures what the rows hold against what they
 are, so an owner of many clients' states can restack them when the stacks they keep alive
-outgrow them (:func:`bayesfl.engine.state.compact_client_states`).
+outgrow them (`bayesfl.engine.state.compact_client_states`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor
 def stack_rows(rows: Sequence[Tensor], *, copy: bool = False) -> Tensor:
     """``torch.stack(rows)`` (shape ``(len(rows), *rows[0].shape)``), the same values either
     way; without the copy, as a view of their memory, when ``rows`` already are the
-    consecutive rows of one tensor (:func:`consecutive_rows`) and ``copy`` is False.
+    consecutive rows of one tensor (`consecutive_rows`) and ``copy`` is False.
 
     ``copy=True``: always new memory (for a caller that writes the stack in place)."""
     if not rows:
@@ -37,7 +37,7 @@ def stack_rows(rows: Sequence[Tensor], *, copy: bool = False) -> Tensor:
 def consecutive_rows(rows: Sequence[Tensor]) -> Tensor | None:
     """The tensor whose rows ``rows`` are, as a view of their memory, when every row is
     contiguous, of one shape, dtype and device, in one storage, and row ``i`` begins
-    ``i * numel`` elements after row 0 (a stack's :meth:`~torch.Tensor.unbind`, or rows of a
+    ``i * numel`` elements after row 0 (a stack's `unbind`, or rows of a
     checkpoint's stacked tensor); else None. Checks attributes only (no data is read)."""
     first = rows[0]
     size, offset = first.numel(), first.storage_offset()

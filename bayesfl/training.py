@@ -3,16 +3,16 @@
 Two interchangeable paths train one or many client models on their own data with mini-batch
 Adam and a per-sample objective:
 
-* :func:`train_plain` — one client at a time, :class:`bayesfl.adam.Adam` (``torch.optim.Adam``'s
+* `train_plain` — one client at a time, `bayesfl.adam.Adam` (``torch.optim.Adam``'s
   update bit for bit, without the ``torch._dynamo`` import that ``torch.optim`` pays on first
   use); works for any module, so it is the path for heterogeneous bodies.
-* :func:`train_batched` — many clients that share one architecture at once: their parameters
+* `train_batched` — many clients that share one architecture at once: their parameters
   are stacked on a leading client axis and one backward of the ``torch.func.vmap``-ped losses
   computes every client's gradient. Clients with fewer samples get padded mini-batches
   whose padding is masked out of the loss, and a client with no batch left in an epoch takes
   no optimiser step. Adam is applied to the stacked tensors without ``torch.optim`` (so without
   its ``torch._dynamo`` import): when every client steps at every step, with
-  :func:`bayesfl.adam.adam_update_`, the plain path's update, elementwise over the stack (each
+  `bayesfl.adam.adam_update_`, the plain path's update, elementwise over the stack (each
   client's rows get exactly the arithmetic of its own Adam); otherwise with a masked Adam that
   skips idle clients (same formula, rounded differently). Both paths give the same parameters
   up to float rounding (the gradients of the vmapped and the plain call round differently).
@@ -28,8 +28,8 @@ global head, global class means, prototypes).
 inputs with extreme values) stops that client's training before the step it would poison: its
 parameters stay those of the last finite mini-batch, and the other clients of a batched group
 train on unchanged. The client is identified by its generator: inside
-:func:`watch_divergence` (what the simulator does) the reason is recorded for the caller, who
-decides what becomes of the client's round; elsewhere a :class:`LocalTrainingWarning` says so.
+`watch_divergence` (what the simulator does) the reason is recorded for the caller, who
+decides what becomes of the client's round; elsewhere a `LocalTrainingWarning` says so.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ ParameterFilter = Callable[[str], bool]
 
 Penalty = Callable[[dict[str, Tensor]], Tensor]
 """``penalty(trainable parameters by name) -> scalar`` added to every mini-batch loss (e.g.
-FedProx's proximal term); under :func:`train_stacked` it sees one client's parameters."""
+FedProx's proximal term); under `train_stacked` it sees one client's parameters."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def cross_entropy_per_sample(logits: Tensor, labels: Tensor) -> Tensor:
     The numbers of ``F.cross_entropy(logits, labels, reduction="none")`` bit for bit, and so
     are its gradients (the same log-softmax, then a gather and a negation where ``nll_loss``
     picks and negates; tested with ``torch.equal``, plain and under ``vmap``). Written out
-    because ``F.cross_entropy`` under ``torch.func.vmap`` (:func:`train_stacked`) runs
+    because ``F.cross_entropy`` under ``torch.func.vmap`` (`train_stacked`) runs
     torch's ``nll_loss`` decomposition, whose shape checks import sympy: 0.6 s on the first
     batched step of every process."""
     return -logits.log_softmax(dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
@@ -167,11 +167,11 @@ def record_divergence(generator: torch.Generator, reason: str, *, stacklevel: in
     """Say that the local computation of the client whose generator of the round is
     ``generator`` went non-finite and stopped, for ``reason`` (what happened and what to do).
 
-    Inside :func:`watch_divergence` (the simulator) the reason is recorded for the caller, who
-    undoes the client's round and sends nothing; elsewhere a :class:`LocalTrainingWarning`
+    Inside `watch_divergence` (the simulator) the reason is recorded for the caller, who
+    undoes the client's round and sends nothing; elsewhere a `LocalTrainingWarning`
     says so (``stacklevel`` counted from the caller of this function). The one guard of every
-    local loop: :func:`train_plain`, :func:`train_stacked` and the strategies with their own
-    loops (:func:`loss_diverged`)."""
+    local loop: `train_plain`, `train_stacked` and the strategies with their own
+    loops (`loss_diverged`)."""
     records = _DIVERGED.get()
     if records is None:
         warnings.warn(reason, LocalTrainingWarning, stacklevel=stacklevel + 1)
@@ -182,7 +182,7 @@ def record_divergence(generator: torch.Generator, reason: str, *, stacklevel: in
 def loss_diverged(loss: Tensor, generator: torch.Generator, *, epoch: int, step: int,
                   epochs: int, lr: float) -> bool:
     """Whether the mini-batch ``loss`` is non-finite; if so the stop is recorded or warned
-    about (:func:`record_divergence`) and the caller's loop must stop before the step it would
+    about (`record_divergence`) and the caller's loop must stop before the step it would
     poison. ``epoch`` and ``step`` count from 0; ``epochs`` and ``lr`` are the loop's, named in
     the reason. Strategies with their own training loops call it on every loss they step on,
     before ``backward``::
@@ -199,7 +199,7 @@ def loss_diverged(loss: Tensor, generator: torch.Generator, *, epoch: int, step:
 
 def _stopped(generator: torch.Generator, loss: float, epoch: int, step: int, epochs: int,
              lr: float, stacklevel: int = 2) -> None:
-    """Record (inside :func:`watch_divergence`) or warn that a client's training stopped."""
+    """Record (inside `watch_divergence`) or warn that a client's training stopped."""
     reason = (f"local training loss became {loss} at epoch {epoch + 1} of {epochs}, "
               f"mini-batch {step + 1}, and training stopped there; lower the learning rate "
               f"(lr {lr:g}) or check the client's inputs for extreme values")
@@ -225,7 +225,7 @@ def train_plain(
     frozen for the duration of the call (``requires_grad=False``, so backpropagation stops at
     the first trainable layer). The mini-batch loss is the mean of the objective's per-sample
     losses, plus ``penalty`` of the trainable parameters if given, plus ``prox``'s Gaussian
-    term, which is applied exactly after each step (:class:`GaussianProx`). A non-finite loss
+    term, which is applied exactly after each step (`GaussianProx`). A non-finite loss
     stops the training before its step (module docstring). ``after_epoch(epochs_done)`` is
     called after each complete epoch (early stopping reads the model there).
     """
@@ -272,7 +272,7 @@ def architecture_key(model: nn.Module) -> tuple:
     """A hashable signature of a module's structure: its module types, parameter and buffer
     names, shapes, dtypes and devices.
 
-    Models with equal keys can be trained together by :func:`train_batched`. Cached per module
+    Models with equal keys can be trained together by `train_batched`. Cached per module
     object (a model's structure does not change while it trains).
     """
     key = _ARCHITECTURE_KEYS.get(model)
@@ -294,7 +294,7 @@ def named_tensors(model: nn.Module, kind: str = "parameters") -> dict[str, Tenso
     where each tensor is stored (owning submodule's ``_parameters`` / ``_buffers`` and key).
 
     Walking the module tree costs ~10 us a call, which adds up over a thousand clients per
-    stacking; the cache assumes what :func:`architecture_key` assumes — the module structure
+    stacking; the cache assumes what `architecture_key` assumes — the module structure
     does not change — while a parameter or buffer *re-assigned* on a submodule is still seen.
     """
     slots = _TENSOR_SLOTS.get(model)
@@ -379,9 +379,9 @@ def train_batched(
 ) -> None:
     """Train K models of one architecture in place, each on its own ``(xs[k], ys[k])``.
 
-    Equivalent to calling :func:`train_plain` on every model with its own generator (up to
+    Equivalent to calling `train_plain` on every model with its own generator (up to
     float rounding), but computes all K gradients per step with one vmapped call (see
-    :func:`train_stacked`, which this calls with the models' own tensors and whose results it
+    `train_stacked`, which this calls with the models' own tensors and whose results it
     copies into them).
     """
     if not models:
@@ -416,7 +416,7 @@ def train_stacked(
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
     used). The trained values replace the trainable entries of the ``parameters[k]`` dicts:
     new tensors, client ``k``'s being row ``k`` of one new stacked tensor per name (views
-    sharing its memory, :func:`bayesfl.stacked_rows.row_views`: the next stacking of these
+    sharing its memory, `bayesfl.stacked_rows.row_views`: the next stacking of these
     clients takes them as they lie); the tensors the dicts held are never written, so they
     may be a client state's own. A client whose loss becomes non-finite stops there
     (module docstring): its parameters are no longer updated, while the others train on (the
@@ -424,9 +424,9 @@ def train_stacked(
 
     The objective must be the same function for every client (constants it closes over are
     shared). Buffers are carried along read-only (no batch-norm statistics updates), except
-    for a template with batch-norm running statistics (:func:`has_running_stats`): vmapped
+    for a template with batch-norm running statistics (`has_running_stats`): vmapped
     training would normalise with statistics over the padded rows and drop the running-stat
-    updates, so such clients are trained one by one with :func:`train_plain` (same generator
+    updates, so such clients are trained one by one with `train_plain` (same generator
     use, same result as each client alone) and each ``buffers[k]`` entry is *replaced* by the
     client's updated buffer (the dicts are changed, never the tensors they held).
     """
@@ -540,7 +540,7 @@ def _train_each(
     trainable: ParameterFilter | None,
     penalty: Penalty | None,
 ) -> None:
-    """:func:`train_stacked` of a template with running statistics: :func:`train_plain` on a
+    """`train_stacked` of a template with running statistics: `train_plain` on a
     copy per client; the parameter and buffer entries replaced by the trained ones."""
     model = copy.deepcopy(template)
     for p, b, x, y, g in zip(parameters, buffers, xs, ys, generators, strict=True):
@@ -620,7 +620,7 @@ def forward_stacked(
 def forward_stacked_concat(
     models: Sequence[nn.Module], xs: Sequence[Tensor], *, chunk: int = 256
 ) -> Tensor:
-    """``torch.cat([models[k](xs[k]) for k])`` computed as :func:`forward_stacked` does: the
+    """``torch.cat([models[k](xs[k]) for k])`` computed as `forward_stacked` does: the
     outputs of all clients, client after client, in one tensor (the padding rows dropped)."""
     keys = {architecture_key(m) for m in models}
     if len(keys) != 1:
@@ -666,7 +666,7 @@ def forward_stacked_tensors(
 def _stack_named(named: Sequence[dict[str, Tensor]], *, copy: bool = False
                  ) -> dict[str, Tensor]:
     """``{name: stack of that tensor over the dicts}``, detached: views of the tensors'
-    memory where they already lie stacked (:func:`bayesfl.stacked_rows.stack_rows`) unless
+    memory where they already lie stacked (`bayesfl.stacked_rows.stack_rows`) unless
     ``copy``, else copies."""
     if not named:
         return {}

@@ -26,7 +26,7 @@ def import_object(spec: str, what: str) -> object:
     """Return the object ``spec`` (``"package.module:attribute"``) names.
 
     ``what`` says in errors what the object is for (e.g. ``"body factory"``). Raises
-    :class:`~bayesfl.errors.ConfigError` with the reason when the spelling is wrong, the module
+    `ConfigError` with the reason when the spelling is wrong, the module
     cannot be imported or it has no such attribute.
     """
     if not isinstance(spec, str) or not is_import_spec(spec):

@@ -10,7 +10,7 @@ sweep that CUDA tensors and machines without a C compiler use), and the floor of
 The three contenders run interleaved, round after round, and each keeps its best time, so a
 burst of load on the shared machine hits all of them alike. Prints a table, then one JSON line.
 
-The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+The record, with its provenance (`bench.run_cache.append_result`: commit, date, machine,
 seeds, torch version, threads, load average before and after), is appended to ``--out``
 (default ``bench/results/calibration.jsonl``; ``--out ''`` stores nothing); the published
 table is ``calibration`` of ``bench/published_tables.py``.

@@ -29,7 +29,7 @@ Usage: ``python bench/colearn.py [--rounds 100] [--seeds 3] [--clients 2,5,10] [
 rows,heterogeneous,ablation] [--quick] [--cache bench/results/colearn.jsonl] [--budget
 SECONDS] [--jobs K]`` (``--quick``: 1 seed, 3 rounds, N = 5 only; ``--cache``: one JSON line
 per finished run, keyed by its settings, so an interrupted bench continues where it stopped
-(:mod:`bench.run_cache`); ``--budget`` starts no run after that many seconds; ``--jobs``: runs
+(`bench.run_cache`); ``--budget`` starts no run after that many seconds; ``--jobs``: runs
 in K processes of one torch thread). Runs go seed by seed, N = 10 first, the main rows before
 the heterogeneous and ablation runs. The defaults are the paper's protocol (100 rounds, N = 2,
 5, 10, 3 seeds); ``docs/seeds.md`` says what of it was run and where.

@@ -13,7 +13,7 @@ Runs single-threaded by default (``--threads``): on a shared machine torch's spi
 intra-op threads make timings erratic. Prints a table, then one JSON line with
 ``ratio_vs_adam`` (Adam time / exact time), ``objective_gap_adam``, ``objective_gap_ours``
 (absolute gaps J_best - J) and ``stats_vs_forward`` (statistics time / forward time).
-The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+The record, with its provenance (`bench.run_cache.append_result`: commit, date, machine,
 seeds, torch version, threads, load average before and after), is appended to ``--out``
 (default ``bench/results/conjugate.jsonl``; ``--out ''`` stores nothing); the published table
 is ``conjugate`` of ``bench/published_tables.py``.

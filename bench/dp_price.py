@@ -19,7 +19,7 @@ Prints a markdown table, then one JSON line: per placement and epsilon the mean 
 each accuracy and NLL divided by the non-DP FedLog run's of the same seeds.
 
 Every run is one JSON line in ``--cache`` (default ``bench/results/dp_price.jsonl``, keyed by
-strategy, epsilon, seed and rounds; with commit, date and machine, :mod:`bench.run_cache`): a
+strategy, epsilon, seed and rounds; with commit, date and machine, `bench.run_cache`): a
 cached run is not run again, and ``bench/published_tables.py`` generates the published DP table
 from it.
 

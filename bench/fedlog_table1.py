@@ -21,7 +21,7 @@ seeds; the paper's accuracy beside it. The last line is JSON.
 
 Usage: ``python bench/fedlog_table1.py [--rounds 100] [--seeds 3] [--methods ...]
 [--cache bench/results/fedlog_table1.jsonl] [--budget SECONDS] [--jobs K]``: one JSON line
-per finished run in the cache (:mod:`bench.run_cache`), so an interrupted bench continues.
+per finished run in the cache (`bench.run_cache`), so an interrupted bench continues.
 
 Cost (measured, 1 torch thread): see ``docs/seeds.md``.
 """

@@ -10,7 +10,7 @@ FedLog's accuracy minus FedAvg's and FedLog's uplink bytes divided by FedAvg's a
 against FedAvg (the named peer) in the same run.
 
 Every run is one JSON line in ``--cache`` (default ``bench/results/fedlog_vs_fedavg.jsonl``,
-keyed by configuration, seed and rounds; with commit, date and machine, :mod:`bench.run_cache`):
+keyed by configuration, seed and rounds; with commit, date and machine, `bench.run_cache`):
 a cached run is not run again, and ``bench/published_tables.py`` generates the published tables
 (``fedlog_vs_fedavg``, ``fedlog_plugin``) from it.
 

@@ -17,7 +17,7 @@ and number of rounds:
   client's fit, one after another, one torch thread; the wall time, which grows when other
   processes share the machine, is printed beside it) and the *analytic* FLOPs
   (``flops_local``: forward over every layer, backward from the output down to the first
-  trainable group, :mod:`bayesfl.flops`).
+  trainable group, `bayesfl.flops`).
 
 Setup (stated in the output): mnist-5k (5,000 real MNIST digits, 28x28; 80% training, split
 over 10 clients; the paper: CIFAR, 40 clients), IID and Dirichlet(1.0);
@@ -38,7 +38,7 @@ compute (seconds) and analytic FLOPs, mean over seeds, one panel row per partiti
 Usage: ``python bench/fedpart.py [--quick] [--seeds 3] [--partitions iid,dirichlet:1.0]
 [--cycles 5] [--epochs 8] [--cache bench/results/fedpart.jsonl] [--budget SECONDS]
 [--jobs K] [--out bench/out]``; ``--cache``: one JSON line per finished run, keyed by its
-settings (:mod:`bench.run_cache`), so an interrupted bench continues where it stopped.
+settings (`bench.run_cache`), so an interrupted bench continues where it stopped.
 ``docs/seeds.md`` says what of the protocol was run and what it cost.
 """
 

@@ -24,7 +24,7 @@ predictives on 250 inputs, where they differ from the MAP by ~1e-1.
 
 Each implementation runs in a child process that loads the fitted model from a file, so that its
 peak memory (``ru_maxrss`` minus the resident size before the measured calls) is its own.
-Times are CPU seconds of the process (one thread; :func:`clock`). Fit times include the
+Times are CPU seconds of the process (one thread; `clock`). Fit times include the
 factorisation (ours: in the constructor; laplace-torch: its
 ``posterior_covariance``). Each implementation fits twice in its process: ``fit_ratio`` compares
 the second fits (steady state: a FedSI run fits every client every round in one process),
@@ -40,7 +40,7 @@ Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / o
 ``predict_ratio``, ``max_prob_diff`` (over every peer backend), ``peak_mib`` (per
 implementation) and the round's split.
 
-The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date,
+The record, with its provenance (`bench.run_cache.append_result`: commit, date,
 machine, seeds, torch version, threads, load average before and after), is appended to
 ``--out`` (default ``bench/results/fedsi.jsonl``; ``--out ''`` stores nothing; a ``--quick``
 or ``--random`` run stores nothing unless ``--out`` is given); the published table is
@@ -223,7 +223,7 @@ def run_child(args, name: str, path: Path, weak_prior: bool = False) -> dict:
 
 
 def one_round(args) -> dict:
-    """One FedSI round with 10 clients, each client's step as :meth:`FedSI.fit` takes it: CPU
+    """One FedSI round with 10 clients, each client's step as `FedSI.fit` takes it: CPU
     seconds per step, summed over clients. ``laplace_fit`` is the upload's marginal standard
     deviations by the strategy's route (``FedSI.subnet_std``: Woodbury on the subnet GGN's
     low-rank factor, no |S| x |S| matrix; the dense fit where that does not apply);

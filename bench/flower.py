@@ -2,7 +2,7 @@
 
 The same experiment (FedLog on digits, 3 clients, iid, seed 0, one torch thread everywhere)
 runs in the simulator and on a Flower deployment on 127.0.0.1 (a SuperLink and three
-SuperNodes, :class:`bayesfl.flower.local.LocalFederation`), evaluating after every round on
+SuperNodes, `bayesfl.flower.local.LocalFederation`), evaluating after every round on
 both. A Flower round is one ``train.round`` message per client: it evaluates the previous
 round's state and fits; its record's wall time runs from the round's start to its aggregate
 (the simulator's round: fit, aggregate, evaluate; the simulator runs once before and once
@@ -10,14 +10,14 @@ after the Flower run, and its round is the median over both).
 
 Each training round's wall time is split along its critical path, the message whose reply came
 last, from the round's timeline (``metrics.jsonl``, ``flower.timeline``:
-:func:`bayesfl.flower.protocol.round_timeline`; every stamp is taken on this machine's clock):
+`bayesfl.flower.protocol.round_timeline`; every stamp is taken on this machine's clock):
 
 * ``before push``: the server samples, configures and encodes the round;
 * ``pull+spawn``: the message waits for its SuperNode's next pull (the hard-coded 3 s sleep
   after an empty pull: the node that replied last in the previous round pulled right after its
   reply, found nothing and slept, so the server's poll, aggregation and checkpoint between two
   rounds are hidden in that sleep), then the SuperExec's task poll (0.2 s under
-  :class:`~bayesfl.flower.local.LocalFederation`) starts ``flwr-clientapp``;
+  `LocalFederation`) starts ``flwr-clientapp``;
 * ``flower start``: that process starting Python, importing Flower's command, pulling the task
   and the FAB (about 4 KiB: ``examples/flower_app``'s four files), installing the FAB,
   importing the app (and Flower calling it);
@@ -43,7 +43,7 @@ otherwise compile the ~130 modules it imports from source again (about 0.4-0.9 s
 ``--no-compile`` skips that to measure it. The load average (``os.getloadavg``) before and after
 is printed with the figures.
 
-The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+The record, with its provenance (`bench.run_cache.append_result`: commit, date, machine,
 seeds, torch version, threads, load average before and after), is appended to ``--out``
 (default ``bench/results/flower.jsonl``; ``--out ''`` stores nothing); the published table is
 ``flower`` of ``bench/published_tables.py``. Target (issue 28): a Flower round within 8x of the
@@ -124,7 +124,7 @@ timeline's end), so the parts add up to the wall time."""
 
 def round_split(record: dict) -> dict:
     """The split of a Flower round's ``metrics.jsonl`` record along its critical path (its
-    ``flower.timeline``): the :data:`SPLIT` parts in seconds, ``wall``, ``round``, ``client``
+    ``flower.timeline``): the `SPLIT` parts in seconds, ``wall``, ``round``, ``client``
     (whose message it followed) and ``cpu`` (its process's CPU seconds).
 
     Raises:

@@ -5,7 +5,7 @@ split (``train_test_split(..., random_state=SEED)``), a 64-200-50-10 ReLU MLP tr
 (lr 1e-3, batch 32, 30 epochs, ``torch.manual_seed(SEED)``). Features are the last hidden layer
 (50 ReLU units) of the trained network. Peer: the network's own softmax, measured in the same run.
 
-Every head is a row of :data:`HEADS`: ``inference.fit_head(kind, train_features, train_labels,
+Every head is a row of `HEADS`: ``inference.fit_head(kind, train_features, train_labels,
 10, **options)`` (options empty: the defaults), then on the test features its default predictive
 (``predict_proba(x)``) and its MAP plug-in (``row.plugin``; ``predict_proba(x, method="map")``
 unless the row says otherwise). Figures: accuracy, ECE (15 equal-width bins, top label), NLL

@@ -1,7 +1,7 @@
 """Resumable bench runs: one JSON line per finished run in a cache file, keyed by its settings.
 
 A long bench (the papers' protocols: 100 rounds, several N and seeds) interrupted at any point
-continues where it stopped: :func:`run_cached` skips every run whose key is in the cache and
+continues where it stopped: `run_cached` skips every run whose key is in the cache and
 appends each run the moment it finishes (one ``{"key": ..., "record": ...}`` line, flushed; a
 torn last line of a killed process is ignored on the next read). Runs go in ``jobs``
 processes (each one torch thread), in the order given, and none starts after ``budget``
@@ -82,12 +82,12 @@ def append_result(path: Path | str | None, result: dict, *, seeds: Sequence[int]
     """One bench invocation's result with its provenance, appended as one JSON line to ``path``
     (none when ``path`` is ``None`` or empty) and returned.
 
-    The record is ``result`` plus :func:`provenance` (``commit``, ``date``, ``machine``),
+    The record is ``result`` plus `provenance` (``commit``, ``date``, ``machine``),
     ``seeds``, ``torch`` (its version), ``threads`` (torch's intra-op threads) and the 1, 5 and
     15-minute load averages before the measured work (``load_before``, from ``os.getloadavg``)
     and now (``load_after``): on a shared machine the load says how far the absolute times
     can be trusted, and the ratio to a peer measured in the same run is the figure to quote.
-    ``worktree`` (:func:`worktree_state`) says whether the code run was ``commit``'s."""
+    ``worktree`` (`worktree_state`) says whether the code run was ``commit``'s."""
     import torch
 
     record = {**result, **provenance(device), "worktree": worktree_state(),

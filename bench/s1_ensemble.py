@@ -2,11 +2,11 @@
 point-estimate method on the same clients, predictive averaged — the standard uncertainty
 anchor beside the posterior strategies of ``bench/s1_shift.py``.
 
-S1 as in :mod:`bench.s1_shift`: ``mnist-5k``, 10 clients, ``labels:5:train=50``, MLP 784-100-10
+S1 as in `bench.s1_shift`: ``mnist-5k``, 10 clients, ``labels:5:train=50``, MLP 784-100-10
 (``mlp``, feature width 100), batch 50, lr 1e-3, full participation, ``--rounds`` (30) rounds of
-``--epochs`` (5) local epochs, one thread. For each data seed, :func:`bayesfl.simulate_ensemble`
+``--epochs`` (5) local epochs, one thread. For each data seed, `bayesfl.simulate_ensemble`
 runs the members with ``data_seed`` = that seed (member 0 is the single run of that seed, the
-others take seeds derived from it), and :func:`bayesfl.evaluate_shift` scores the ensemble's
+others take seeds derived from it), and `bayesfl.evaluate_shift` scores the ensemble's
 mean predictive on every client's own test rows clean and rotated by 30 and 60 degrees, and the
 unseen-label rows against the client's own (AUROC of the entropy, and of the members' mutual
 information). Each member is scored alone too (``members``: the single-model figures beside the

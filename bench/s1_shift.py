@@ -3,7 +3,7 @@ unseen-label figures of a strategy's headline predictive and its MAP plug-in (is
 
 S1: ``mnist-5k``, 10 clients, ``labels:5:train=50``, MLP 784-100-10 (``mlp``, feature width
 100), batch 50, full participation, ``--rounds`` (30) rounds of ``--epochs`` (5) local epochs,
-the learning rates of :mod:`bench.fedsi_small`. After training, :func:`bayesfl.evaluate_shift`
+the learning rates of `bench.fedsi_small`. After training, `bayesfl.evaluate_shift`
 scores every client's own test rows clean and rotated by 30 and 60 degrees (bilinear; the
 uncovered corners filled with the data's minimum, the background: zero fill in pixel units),
 and the rows of the labels a client never trained on against its own (unseen-label OOD,

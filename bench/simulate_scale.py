@@ -35,19 +35,19 @@ the simulator's cost is linear in the clients and above 4 where per-client overh
 with the population (e.g. a per-round pass over a ledger of all clients).
 
 After the rounds it times the finished run's tail: writing ``result.safetensors`` (at the
-run's end) and reading the run back with :func:`bayesfl.load_run` (with its ``load_run
+run's end) and reading the run back with `bayesfl.load_run` (with its ``load_run
 scaling`` against the peer: 4.0 for x4 clients when linear, 16 if it were quadratic, as
 before the result file's version 2). Peak RSS is taken before the run is read back.
 
 Generating MNIST-1D takes 0.2-1 ms a sample by machine (35 s to 3 minutes for 160,000); the
-data root keeps sets of 1,000 samples or more (:mod:`bayesfl.data.datasets`), and
+data root keeps sets of 1,000 samples or more (`bayesfl.data.datasets`), and
 ``--data-cache DIR`` keeps the arrays in ``DIR`` (a ``.pt`` file of two tensors written by
 this bench) for the next invocation.
 
 Each run's PyTorch backs its large tensors with transparent huge pages, as the ``bayesfl``
-command does (:func:`bayesfl.cli.use_huge_pages`); ``--huge-pages off`` measures without.
+command does (`bayesfl.cli.use_huge_pages`); ``--huge-pages off`` measures without.
 
-The record, with its provenance (:func:`bench.run_cache.append_result`: commit, date, machine,
+The record, with its provenance (`bench.run_cache.append_result`: commit, date, machine,
 seeds, torch version, threads, load average before and after), is appended to ``--out``
 (default ``bench/results/simulate_scale.jsonl``; ``--out ''`` stores nothing); the published
 table is ``simulate_scale`` of ``bench/published_tables.py``. Target (issue 28): at most 8 s a

@@ -11,7 +11,7 @@ takes seconds.
 Prints a table, then one JSON line: ``fit_ratio`` (laplace-torch fastest fit / ours),
 ``predict_ratio`` (laplace-torch fastest predictive / ours), ``max_prob_diff`` (max abs
 difference of the probabilities over both peers). The record, with its provenance
-(:func:`bench.run_cache.append_result`: commit, date, machine, seeds, torch version, threads,
+(`bench.run_cache.append_result`: commit, date, machine, seeds, torch version, threads,
 load average before and after), is appended to ``--out`` (default
 ``bench/results/subnet_laplace.jsonl``; ``--out ''`` stores nothing); the published table is
 ``subnet_laplace`` of ``bench/published_tables.py``.

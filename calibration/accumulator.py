@@ -1,6 +1,6 @@
 """Mergeable calibration state: per-bin sums plus Brier/NLL sums.
 
-An :class:`Accumulator` holds, for ``n_bins`` equal-width bins (see :mod:`calibration.binning`),
+An `Accumulator` holds, for ``n_bins`` equal-width bins (see `calibration.binning`),
 the number of samples, the sum of top-label confidence and the number of correct predictions,
 plus the summed per-sample Brier score and NLL. These are plain sums, so the state of several
 clients merges by addition: the merged accumulator gives the pooled (micro) metrics of all their
@@ -31,9 +31,9 @@ _STATE_KEYS = ("bin_counts", "bin_confidence_sums", "bin_correct_counts", "brier
 class Accumulator:
     """Streaming, mergeable ECE/MCE/Brier/NLL/accuracy over batches or clients.
 
-    ``update`` adds a batch, ``merge`` (or ``+``, ``sum(...)``, :meth:`merged`) combines
+    ``update`` adds a batch, ``merge`` (or ``+``, ``sum(...)``, `merged`) combines
     accumulators into a new one, ``compute`` returns the metrics dict of
-    :func:`calibration.metrics.evaluate`. Tensors live on the device of the first batch seen
+    `calibration.metrics.evaluate`. Tensors live on the device of the first batch seen
     (or ``device`` when given).
     """
 
@@ -41,12 +41,12 @@ class Accumulator:
         self.n_bins = check_n_bins(n_bins)
         self._device = as_device(device)
         self._held: dict[str, Tensor] | None = None
-        # (stacked state, row) when the state is that row of a stack (:meth:`per_group`)
+        # (stacked state, row) when the state is that row of a stack (`per_group`)
         self._row: tuple[dict[str, Tensor], int] | None = None
 
     @property
     def _state(self) -> dict[str, Tensor] | None:
-        """The state tensors (None before the first sample); a :meth:`per_group` row's are
+        """The state tensors (None before the first sample); a `per_group` row's are
         views of its row of the stack, made when first asked for."""
         if self._held is None and self._row is not None:
             stack, g = self._row
@@ -270,7 +270,7 @@ class Accumulator:
     def from_state_dict(
         cls, state: Mapping[str, Tensor], device: torch.device | str | None = None
     ) -> Accumulator:
-        """Rebuild an accumulator from :meth:`state_dict` output, validating it first."""
+        """Rebuild an accumulator from `state_dict` output, validating it first."""
         if not isinstance(state, Mapping):
             raise InvalidInputError(
                 f"an accumulator state is a mapping of name -> tensor; got {type(state).__name__}"
@@ -341,7 +341,7 @@ def _stacked_states(items: list[Accumulator], device: torch.device) -> dict[str,
     """Key -> the items' states stacked along a new first axis (row i is item i's), on
     ``device``; every item holds a state.
 
-    Rows of :meth:`Accumulator.per_group` stacks are read from the stack (one indexing per
+    Rows of `Accumulator.per_group` stacks are read from the stack (one indexing per
     key, not one tensor per item); the values are the same either way, so the sums over
     them are bitwise those of stacking the items' own tensors.
     """

@@ -101,7 +101,7 @@ class BinStats:
         return float(np.sum(counts * squares)) / self.total
 
     def l2_error(self, debiased: bool = False) -> float:
-        """L2 calibration error in [0, 1]: the root of :meth:`squared_l2_error` (clipped at 0)."""
+        """L2 calibration error in [0, 1]: the root of `squared_l2_error` (clipped at 0)."""
         return float(np.sqrt(max(self.squared_l2_error(debiased), 0.0)))
 
 

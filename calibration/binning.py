@@ -34,7 +34,7 @@ accuracy needs samples, and even a billion predictions give only a thousand per 
 """
 
 MAX_BIN_CELLS = 1 << 24
-"""The most (group, bin) cells built in one call of :meth:`Accumulator.per_group`: clients times
+"""The most (group, bin) cells built in one call of `Accumulator.per_group`: clients times
 bins, about 56 bytes each while they are summed, so at most about 1 GB."""
 
 
@@ -57,7 +57,7 @@ class Binning(enum.StrEnum):
 
 
 def check_n_bins(n_bins: int) -> int:
-    """Validate ``n_bins`` (a positive integer of any integer type, at most :data:`MAX_BINS`)
+    """Validate ``n_bins`` (a positive integer of any integer type, at most `MAX_BINS`)
     and return it as a Python int."""
     return positive_int(n_bins, "n_bins", MAX_BINS,
                         " (MAX_BINS: memory grows with every bin; 10-20 bins are usual)")
@@ -104,7 +104,7 @@ def bin_indices(confidences: Tensor, edges: Tensor) -> Tensor:
 
     Bins are ``[edges[i], edges[i+1])``; the last is closed so 1.0 lands in bin ``n_bins - 1``.
     Membership is decided exactly as a float64 comparison with the float64 edges would decide it,
-    without widening the confidences (see :func:`edges_in_dtype`). Equal-width edges take an
+    without widening the confidences (see `edges_in_dtype`). Equal-width edges take an
     arithmetic path (``floor(c * n_bins)`` corrected by one comparison each way), others a
     binary search.
     """

@@ -15,7 +15,7 @@ from calibration.inputs import positive_int
 from calibration.row_scores import row_scores
 
 MAX_BOOTSTRAP = 1_000_000
-"""The most bootstrap replicates :func:`bootstrap_ece` accepts.
+"""The most bootstrap replicates [`bootstrap_ece`][calibration.bootstrap.bootstrap_ece] accepts.
 
 The replicates are held at once (8 bytes each) to take their quantiles, and each costs a pass
 over the N samples; 10**12 replicates asked for 8 TB. A percentile interval is settled long

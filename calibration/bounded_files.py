@@ -12,8 +12,8 @@ A prediction file may come from anywhere, so nothing is read before its kind and
   declarations, and every member's ``.npy`` header is checked as above. Decompression stops at
   the declared size, so a member cannot yield more than its declaration says.
 
-The limit is :data:`MAX_FILE_BYTES` unless a caller passes another (``bayesfl-calibrate
---max-bytes``). Problems raise :class:`calibration.errors.FileFormatError`.
+The limit is `MAX_FILE_BYTES` unless a caller passes another (``bayesfl-calibrate
+--max-bytes``). Problems raise `calibration.errors.FileFormatError`.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def file_size(handle: BinaryIO) -> int:
 
 
 def read_npy(handle: BinaryIO, name: str, max_bytes: int) -> np.ndarray:
-    """The array of a ``.npy`` file after its header passed :func:`_checked_header`."""
+    """The array of a ``.npy`` file after its header passed `_checked_header`."""
     _checked_header(handle, name, max_bytes, file_size(handle))
     handle.seek(0)
     return _read_array(handle, name)

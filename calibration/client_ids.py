@@ -25,7 +25,7 @@ def client_id_array(client_ids: Any, n_samples: int) -> np.ndarray:
     """Validated ids (N,) as a numpy array of integers, floats or ``str``.
 
     ``client_ids``: a sequence, numpy array or tensor of length ``n_samples``. Raises
-    :class:`InvalidInputError` for a wrong shape, a missing id (None, NaN), an empty string,
+    `InvalidInputError` for a wrong shape, a missing id (None, NaN), an empty string,
     mixed kinds, or values that are not ids (bools, bytes, dates, objects).
     """
     if isinstance(client_ids, torch.Tensor):

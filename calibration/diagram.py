@@ -14,7 +14,7 @@ closing; an ``ax`` passed in is drawn into.
 With ``smooth=True`` the diagram has no bins: the kernel-smoothed accuracy against confidence
 (drawn thicker where confidences are dense, and only where their density is at least 1% of its
 peak) with the smooth ECE annotated, and the kernel density of the confidences beneath
-(:mod:`calibration.smooth_ece`, Błasiok & Nakkiran 2023).
+(`calibration.smooth_ece`, Błasiok & Nakkiran 2023).
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ def reliability_diagram(
 ) -> Figure:
     """Draw a reliability diagram and return its Figure.
 
-    ``stats_or_probs`` is a :class:`BinStats` (then ``labels`` must be None) or probabilities
+    ``stats_or_probs`` is a `BinStats` (then ``labels`` must be None) or probabilities
     (N, K) with ``labels`` (N,), binned with ``n_bins``/``binning``/``from_logits``.
     ``smooth=True`` draws the smooth reliability diagram instead (probabilities only): the
     kernel-smoothed accuracy against confidence and the density of the confidences, at the
-    smooth ECE's automatic bandwidth or ``bandwidth`` (:mod:`calibration.smooth_ece`).
+    smooth ECE's automatic bandwidth or ``bandwidth`` (`calibration.smooth_ece`).
     """
     if ax is not None and not isinstance(ax, Axes):
         raise InvalidInputError(f"ax must be a matplotlib Axes (or None); got {type(ax).__name__}")

@@ -1,12 +1,12 @@
 """Exceptions raised by the calibration package.
 
-Every error subclasses :class:`CalibrationError`; input problems are also ``ValueError`` so
+Every error subclasses `CalibrationError`; input problems are also ``ValueError`` so
 callers that already catch ``ValueError`` keep working.
 """
 
 
 class CalibrationError(Exception):
-    """Base class of every error raised by :mod:`calibration`."""
+    """Base class of every error raised by [`calibration`][calibration]."""
 
 
 class InvalidInputError(CalibrationError, ValueError):

@@ -3,7 +3,7 @@
 Probabilities/logits must be a 2-D array (N, K) with K >= 2 classes; labels a 1-D array (N,) of
 integer class indices in [0, K). numpy arrays are wrapped without a copy where torch can hold
 them as they are; torch tensors stay on their device. Problems raise
-:class:`calibration.errors.InvalidInputError` with what was wrong and what to pass instead.
+`calibration.errors.InvalidInputError` with what was wrong and what to pass instead.
 
 What is accepted, and how it is converted (nothing is ever guessed from the values):
 

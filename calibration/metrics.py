@@ -9,7 +9,7 @@ work stays on that device) or numpy arrays, and return Python floats.
 * ECE/MCE use the top-label confidence ``max_k p_k`` and count a sample correct when the first
   class attaining the maximum (``argmax``) is its label. 2-class input is scored top-label like
   any other (no switch to a positive-class metric based on how many labels occur).
-* Bins: see :mod:`calibration.binning` (equal-width on [0, 1], ``[a, b)`` with the last bin
+* Bins: see `calibration.binning` (equal-width on [0, 1], ``[a, b)`` with the last bin
   closed; ``binning="quantile"`` for equal-mass bins). With $B_b$ the samples whose confidence
   falls in bin b, $\mathrm{ECE} = \sum_b \frac{|B_b|}{N} \lvert \mathrm{acc}(B_b) -
   \mathrm{conf}(B_b) \rvert$ (empty bins contribute nothing) and MCE is the largest
@@ -100,7 +100,7 @@ def l2_calibration_error(
     """L2 calibration error of the top-label confidence, in [0, 1].
 
     ``sqrt(sum_b (n_b / N) (acc_b - conf_b)^2)``; ``debiased=True`` removes the upward bias of
-    this plug-in estimate (Kumar et al. 2019, see :mod:`calibration.bin_stats`), best with
+    this plug-in estimate (Kumar et al. 2019, see `calibration.bin_stats`), best with
     ``binning="quantile"`` as in the paper.
     """
     debiased = flag(debiased, "debiased")
@@ -137,7 +137,7 @@ def positive_class_stats(
     ``probs``: (N,) probabilities of class 1, or (N, 2) rows [p_0, p_1] (logits of either shape
     with ``from_logits=True``: a sigmoid or a softmax); ``labels``: (N,) in {0, 1}. Bins hold p_1
     and the table's ``accuracy`` is the fraction of positives in each bin: the binary
-    "positive-class" convention (netcal's mode for two classes), unlike :func:`ece`'s top label.
+    "positive-class" convention (netcal's mode for two classes), unlike `ece`'s top label.
     """
     return _one_vs_rest_stats(_two_columns(probs, from_logits), labels, [1], n_bins, binning,
                               from_logits)[0]
@@ -152,7 +152,7 @@ def positive_class_ece(
 ) -> float:
     """ECE of the positive-class probability of a binary classifier, in [0, 1].
 
-    See :func:`positive_class_stats`; for the top-label ECE of the same data use :func:`ece`.
+    See `positive_class_stats`; for the top-label ECE of the same data use `ece`.
     """
     return positive_class_stats(probs, labels, n_bins, binning, from_logits).ece
 
@@ -194,7 +194,7 @@ def classwise_ece(
     """Class-wise ECE (Kull et al., 2019): mean over all K classes of the ECE of p_k vs 1[y=k].
 
     For class k every sample contributes its probability p_k (not only the top label) and the
-    outcome 1[y = k]; bins as for :func:`ece` (quantile edges are computed per class). Every class
+    outcome 1[y = k]; bins as for `ece` (quantile edges are computed per class). Every class
     column is scored, including classes absent from ``labels`` (their outcome is always 0).
     """
     scores = score_matrix(probs, "logits" if from_logits else "probs")
@@ -250,7 +250,7 @@ def evaluate_with_bins(
     binning: Binning | str = "uniform",
     from_logits: bool = False,
 ) -> tuple[dict[str, float], BinStats]:
-    """:func:`evaluate` plus the reliability table it was computed from (one pass)."""
+    """`evaluate` plus the reliability table it was computed from (one pass)."""
     scores, stats = _scores_and_bins(probs, labels, n_bins, binning, from_logits,
                                      brier=True, log_prob=True)
     totals = metrics_from_totals(stats, scores.brier_sum, scores.nll_sum)

@@ -1,4 +1,4 @@
-"""The native sweep: every per-row quantity of :mod:`calibration.row_scores` in one read.
+"""The native sweep: every per-row quantity of `calibration.row_scores` in one read.
 
 The torch sweep needs about seven passes over an (N, K) probability matrix (a max, a min, a row
 sum, a norm, a gather, ...), each a full read of memory. ``native_sweep.c`` fuses validation,
@@ -25,16 +25,16 @@ Loading a shared library runs its code, so only files nobody else can have writt
   kernel is built in a fresh private directory (``mkdtemp``: 0700, random name), loaded and the
   directory removed: nothing pre-existing is trusted.
 
-When no kernel can be had (no compiler, a failed build, a refused file), :func:`library` logs a
+When no kernel can be had (no compiler, a failed build, a refused file), `library` logs a
 warning and returns None and the torch sweep is used; with ``BAYESFL_REQUIRE_NATIVE=1`` (set by
-``.ci/run``) it raises :class:`calibration.errors.NativeKernelError` instead, so CI cannot pass
+``.ci/run``) it raises `calibration.errors.NativeKernelError` instead, so CI cannot pass
 without checking the kernel while a machine without ``cc`` still runs everything.
 
 The "native" build (``-march=native``) takes an AVX-512 float32 path where the CPU has it, and
 otherwise the portable vector code (GCC/clang vector extensions: AVX2, SSE2 or NEON, whatever
 the target offers); float64 always takes the portable code. Set ``BAYESFL_NATIVE=0`` to turn the
 kernel off, or ``BAYESFL_NATIVE=portable`` for a build without ``-march=native``. Without a
-kernel, :func:`sweep` returns None and callers use the torch sweep; the two agree
+kernel, `sweep` returns None and callers use the torch sweep; the two agree
 (``tests/calibration/test_calibration_native_sweep.py``).
 """
 
@@ -113,7 +113,7 @@ class NativeSweep:
 
 
 def variant() -> str | None:
-    """The variant :func:`sweep` uses: "native", "portable", or None (turned off)."""
+    """The variant `sweep` uses: "native", "portable", or None (turned off)."""
     setting = os.environ.get("BAYESFL_NATIVE", "1").strip().lower()
     if setting in ("0", "off", "false", "no", "torch"):
         return None
@@ -128,9 +128,9 @@ def required() -> bool:
 def library(kind: str = "native") -> ctypes.CDLL | None:
     """The compiled kernel for ``kind`` ("native" or "portable"), building it if needed.
 
-    Returns None (and logs one warning; :func:`unavailable_reason` says why) when it cannot be
+    Returns None (and logs one warning; `unavailable_reason` says why) when it cannot be
     built or loaded safely, and the callers use the torch sweep; with ``BAYESFL_REQUIRE_NATIVE=1``
-    raises :class:`calibration.errors.NativeKernelError` instead.
+    raises [`calibration.errors.NativeKernelError`][calibration.errors.NativeKernelError] instead.
     """
     if kind not in _VARIANT_FLAGS:
         raise ValueError(f"kind must be 'native' or 'portable'; got {kind!r}")
@@ -152,7 +152,7 @@ def library(kind: str = "native") -> ctypes.CDLL | None:
 
 
 def unavailable_reason(kind: str = "native") -> str | None:
-    """Why :func:`library` returned None for ``kind`` in this process (None if it did not)."""
+    """Why `library` returned None for ``kind`` in this process (None if it did not)."""
     return _problems.get(kind) if _libraries.get(kind, False) is None else None
 
 
@@ -170,7 +170,7 @@ def sweep(
 
     ``probs``: contiguous float32/float64 CPU tensor; ``labels``: (N,) int64 CPU tensor already
     checked to lie in [0, K); ``edges``: (n_bins + 1,) nondecreasing bin edges in ``probs``'s
-    dtype (see :func:`calibration.binning.edges_in_dtype`) to histogram the confidences, or None.
+    dtype (see `calibration.binning.edges_in_dtype`) to histogram the confidences, or None.
     None is returned for other devices and dtypes, when turned off, or without a compiler.
     """
     kind = variant()

@@ -11,15 +11,15 @@ Layouts (the kind of score is always stated, never guessed from the values):
   ``client_ids``) column, and every other column is one class score, in file order. A first
   column without a header name holding distinct integers is the index pandas writes by default
   (``DataFrame.to_csv`` without ``index=False``): it is ignored, with a
-  :class:`calibration.errors.CalibrationWarning` saying so.
+  [`calibration.errors.CalibrationWarning`][calibration.errors.CalibrationWarning] saying so.
 * a separate labels file: ``.npy`` (N,), ``.npz``/``.pt`` with ``labels`` (or a single
   array/tensor), or ``.csv`` with a ``label``/``labels`` column (or a single column).
 
-Every file is opened and bounded as :mod:`calibration.bounded_files` describes: it must be a
+Every file is opened and bounded as `calibration.bounded_files` describes: it must be a
 regular file (a directory, FIFO, device or symlink loop is named as such), and no file may hold
-or decompress to more than ``max_bytes`` (:data:`MAX_FILE_BYTES`, 1 GiB, by default); sizes
+or decompress to more than ``max_bytes`` (`MAX_FILE_BYTES`, 1 GiB, by default); sizes
 are checked from the file's own declarations before anything is allocated. Problems raise
-:class:`calibration.errors.FileFormatError` saying what was found.
+[`calibration.errors.FileFormatError`][calibration.errors.FileFormatError] saying what was found.
 """
 
 from __future__ import annotations

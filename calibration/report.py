@@ -186,7 +186,7 @@ def report(
     """Calibration report of ``probs`` (N, K) against ``labels`` (N,), per client if given.
 
     ``client_ids`` (N,) holds one id per sample, all integers or all strings (see
-    :mod:`calibration.client_ids`). With uniform bins the pooled row is the merge of per-client
+    `calibration.client_ids`). With uniform bins the pooled row is the merge of per-client
     accumulators; with quantile bins every group gets its own equal-mass edges (computed from its
     samples). Invalid rows are reported with their count and position in the whole input.
     """

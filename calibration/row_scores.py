@@ -1,6 +1,6 @@
 """One pass over a prediction matrix: per-sample confidence, correctness, Brier and log-likelihood.
 
-Every metric in :mod:`calibration` is built from these per-row quantities, computed in a single
+Every metric in `calibration` is built from these per-row quantities, computed in a single
 chunked sweep over the (N, K) array with validation folded into reductions that are needed anyway
 (a full ``isfinite`` over the array would cost more than the metrics):
 
@@ -13,7 +13,7 @@ chunked sweep over the (N, K) array with validation folded into reductions that 
 Only when something is flagged is the array re-examined exactly, to say what is wrong (and to
 accept ``-0.0``, which has its sign bit set but is an ordinary zero).
 
-On the CPU the same quantities come from :mod:`calibration.native_sweep`, a compiled kernel that
+On the CPU the same quantities come from `calibration.native_sweep`, a compiled kernel that
 reads every row once (the torch sweep takes about seven reads); the torch sweep remains the path
 for other devices, for arrays the kernel flags, and where no C compiler is available. The
 kernel also histograms the confidences when bin edges are known before the sweep (uniform bins).
@@ -45,7 +45,7 @@ from calibration.inputs import as_tensor, class_labels, flag, score_matrix
 SUM_TOLERANCE = 1e-3
 """Absolute tolerance on ``|sum_k p_k - 1|`` per row (float32 softmax rows are well within it).
 
-Inputs in a coarser format get their format's own bound, see :func:`sum_tolerance`."""
+Inputs in a coarser format get their format's own bound, see `sum_tolerance`."""
 
 PROBABILITY_FLOOR = 1e-12
 """Smallest probability used in the NLL: ``-log(max(p_y, 1e-12))`` <= 27.6 nats.
@@ -74,8 +74,8 @@ class RowScores:
     ``confidence``: (N,) top-label probability (input dtype, input device), or None;
     ``correct``: (N,) bool, argmax class == label, or None;
     ``brier_sum``: sum over samples of sum_k (p_k - 1[y=k])^2, or None if not requested;
-    ``nll_sum``: sum over samples of -log max(p_y, :data:`PROBABILITY_FLOOR`), or None;
-    ``bin_sums``: for the ``edges`` passed to :func:`row_scores`, per-bin (count int64, sum of
+    ``nll_sum``: sum over samples of -log max(p_y, `PROBABILITY_FLOOR`), or None;
+    ``bin_sums``: for the ``edges`` passed to `row_scores`, per-bin (count int64, sum of
     confidence float64, number correct int64), each (n_bins,), or None.
     """
 
@@ -99,7 +99,7 @@ def row_scores(
 ) -> RowScores:
     """Validate ``probs`` (N, K) and ``labels`` (N,) and compute the requested per-row quantities.
 
-    ``probs`` are probabilities (rows >= 0 summing to 1 within :func:`sum_tolerance`) unless
+    ``probs`` are probabilities (rows >= 0 summing to 1 within `sum_tolerance`) unless
     ``from_logits=True``, in which case they are finite logits turned into probabilities with a
     softmax. Nothing is ever guessed from the values. ``edges`` (n_bins + 1,) float64: also
     histogram the top-label confidences over these bins (``RowScores.bin_sums``).
@@ -118,7 +118,7 @@ def row_scores(
 def sum_tolerance(dtype: torch.dtype) -> float:
     """Tolerance on ``|sum_k p_k - 1|`` for probabilities given in ``dtype``.
 
-    :data:`SUM_TOLERANCE`, or the format's machine epsilon where that is larger (bfloat16: 2**-7,
+    `SUM_TOLERANCE`, or the format's machine epsilon where that is larger (bfloat16: 2**-7,
     the float8 formats): rounding K probabilities to a format of unit roundoff u = eps / 2
     changes each by at most u * p_k, hence their sum by at most u * sum_k p_k = u, so a row
     that summed to 1 before rounding is always within eps (twice the bound) after it.

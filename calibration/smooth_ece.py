@@ -29,8 +29,8 @@ tests compare them to 1e-6; relplot is the dev-extra oracle, not a dependency):
   [0, 1] keeping the upper end where ``sigma >= smECE_sigma`` (a sigma below 0.001 counts as
   too small), so sigma* is a multiple of 2^-10 = 0.000977.
 
-Smooth reliability diagrams (:func:`smooth_reliability_curve`, drawn by
-:func:`calibration.diagram.reliability_diagram` with ``smooth=True``) show the kernel-smoothed
+Smooth reliability diagrams (`smooth_reliability_curve`, drawn by
+`calibration.diagram.reliability_diagram` with ``smooth=True``) show the kernel-smoothed
 outcome ``E[y | f = t]`` and the density of the predictions at the same bandwidth.
 """
 
@@ -222,7 +222,7 @@ def smooth_ece(
 
     In [0, 1]; the automatic bandwidth unless ``bandwidth`` is given. The same as
     ``relplot.smECE(*relplot.multiclass_logits_to_confidences(probs, labels, probs=True))``.
-    See :func:`smooth_ece_details` for the bandwidth.
+    See [`smooth_ece_details`][calibration.smooth_ece.smooth_ece_details] for the bandwidth.
     """
     return smooth_ece_details(probs, labels, from_logits, bandwidth=bandwidth).value
 
@@ -234,7 +234,7 @@ def smooth_ece_details(
     *,
     bandwidth: float | None = None,
 ) -> SmoothECE:
-    """:func:`smooth_ece` with the bandwidth it used and the sample count."""
+    """`smooth_ece` with the bandwidth it used and the sample count."""
     confidence, correct = top_label(probs, labels, from_logits)
     return smooth_calibration_error(confidence, correct, bandwidth=bandwidth)
 

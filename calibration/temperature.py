@@ -2,7 +2,7 @@
 
 The calibrated predictive is ``softmax(z / T)`` for logits ``z`` (N, K). For *probabilities*
 ``p`` the same family is ``softmax(log p / T)``, i.e. ``p^(1/T)`` renormalised per row; log p is
-taken as ``log max(p, 1e-12)`` (:data:`calibration.row_scores.PROBABILITY_FLOOR`, the floor
+taken as ``log max(p, 1e-12)`` (`calibration.row_scores.PROBABILITY_FLOOR`, the floor
 the NLL metric uses), so an exact zero cannot make the NLL infinite at every T.
 
 **The optimisation is exact and one-dimensional.** With ``s = log T`` and ``u = z e^{-s}`` a
@@ -14,20 +14,20 @@ sample's NLL is ``l(s) = logsumexp(u) - u_y``, and with ``p = softmax(u)``
 ``l`` is convex in ``beta = 1/T`` (a log-sum-exp minus a linear term), so ``dl/ds`` (equal to
 ``-beta dl/dbeta``) changes sign at most once: the summed NLL is unimodal in ``s`` and its
 minimiser is bracketed by any two points with derivatives of opposite sign. It is *not* convex
-in ``s``, so Newton steps are safeguarded: :func:`temperature_search` keeps a bracket, takes
+in ``s``, so Newton steps are safeguarded: `temperature_search` keeps a bracket, takes
 the Newton step when it lands inside and shrinks fast enough, and bisects otherwise
 (Numerical Recipes' ``rtsafe``), until the step falls to machine precision.
 
 **The search is a protocol, not a loop over data.** It only ever sees the *summed* triple
-(NLL, dNLL/ds, d2NLL/ds2) at the ``s`` it proposes (:class:`NLLDerivatives`). Centrally the
-triple comes from :func:`nll_derivatives` of all the data; federated, every client computes it
+(NLL, dNLL/ds, d2NLL/ds2) at the ``s`` it proposes (`NLLDerivatives`). Centrally the
+triple comes from `nll_derivatives` of all the data; federated, every client computes it
 on its own held-out data and the server adds them up. Both follow the same path of proposals,
 so federated and centralised temperatures agree to float rounding.
 
-**Bounds.** T is searched in ``bounds`` (default :data:`TEMPERATURE_BOUNDS` = [0.01, 100]).
+**Bounds.** T is searched in ``bounds`` (default `TEMPERATURE_BOUNDS` = [0.01, 100]).
 Perfectly separable data have no finite optimum (the NLL keeps falling as T -> 0); such a fit
 stops at the lower bound and says so (``TemperatureFit.at_bound == "lower"``, and
-:func:`fit_temperature` warns with :class:`TemperatureAtBoundWarning`). Rows whose logits are
+`fit_temperature` warns with `TemperatureAtBoundWarning`). Rows whose logits are
 all equal carry no information about T; when every row is like that the NLL is flat, T = 1 is
 returned and ``TemperatureFit.flat`` is set.
 """
@@ -163,7 +163,7 @@ def check_log_temperature(log_temperature: float) -> float:
 def nll_derivatives_of_log_scores(
     log_scores_: Tensor, labels: Tensor, log_temperature: float
 ) -> NLLDerivatives:
-    """:func:`nll_derivatives` of already validated float64 log-scores (N, K), labels (N,)."""
+    """`nll_derivatives` of already validated float64 log-scores (N, K), labels (N,)."""
     s = check_log_temperature(log_temperature)
     u = log_scores_ * math.exp(-s)
     u = u - u.amax(dim=1, keepdim=True)  # shift-invariant; keeps exp() in range
@@ -222,9 +222,9 @@ def temperature_search(
 ) -> SearchProtocol:
     """The server side of temperature scaling as a generator protocol.
 
-    It yields a proposed ``s = log T``; send it the *summed* :class:`NLLDerivatives` at that
-    ``s``; when done it raises ``StopIteration`` whose ``value`` is the :class:`TemperatureFit`
-    (:func:`minimize_temperature` drives it from a callable)::
+    It yields a proposed ``s = log T``; send it the *summed* `NLLDerivatives` at that
+    ``s``; when done it raises ``StopIteration`` whose ``value`` is the `TemperatureFit`
+    (`minimize_temperature` drives it from a callable)::
 
         search = temperature_search()
         s = next(search)
@@ -382,7 +382,7 @@ def minimize_temperature(
     *,
     max_iterations: int = MAX_ITERATIONS,
 ) -> TemperatureFit:
-    """Drive :func:`temperature_search` with ``objective(s) -> summed NLLDerivatives at s``."""
+    """Drive `temperature_search` with ``objective(s) -> summed NLLDerivatives at s``."""
     search = temperature_search(bounds, max_iterations=max_iterations)
     s = next(search)
     while True:
@@ -453,7 +453,7 @@ class TemperatureReport:
 
     Attributes:
         temperature: the T applied.
-        before: :func:`calibration.evaluate` of the scores as given (accuracy, ece, mce,
+        before: `calibration.evaluate` of the scores as given (accuracy, ece, mce,
             brier, nll, count).
         after: the same for the temperature-scaled probabilities.
         fit: the fit T came from, when one was given.
@@ -480,7 +480,7 @@ def temperature_report(
 ) -> TemperatureReport:
     """Before/after ECE, NLL, Brier (and accuracy, which T does not change) of ``scores``.
 
-    ``fit`` is a :class:`TemperatureFit` (typically from held-out data, while ``scores`` (N, K)
+    ``fit`` is a `TemperatureFit` (typically from held-out data, while ``scores`` (N, K)
     and ``labels`` (N,) are test data) or a bare temperature.
     """
     temperature = fit.temperature if isinstance(fit, TemperatureFit) else fit

@@ -1,5 +1,5 @@
 """Posteriors over probabilistic heads: conjugate (FedLog), Laplace / subnet Laplace (FedSI),
-MFVI (pyro-ppl) and SGLD, behind one protocol (:class:`inference.posterior.Posterior`).
+MFVI (pyro-ppl) and SGLD, behind one protocol (`inference.posterior.Posterior`).
 
 Switch methods with one string: ``inference.fit_head(kind, ...)``. This package knows nothing
 about clients, rounds or messages. ``inference.mfvi`` (pyro) is imported only when used.

@@ -1,16 +1,16 @@
-"""A head posterior seen through a body: :class:`BodyPosterior`.
+"""A head posterior seen through a body: [`BodyPosterior`][inference.body_posterior.BodyPosterior].
 
-Heads in :mod:`inference` are posteriors over a head's parameters on *features*
-(``predict_proba(features)``). A :class:`BodyPosterior` puts a network body (inputs -> features)
+Heads in [`inference`][inference] are posteriors over a head's parameters on *features*
+(``predict_proba(features)``). A `BodyPosterior` puts a network body (inputs -> features)
 in front of one, so that ``predict_proba`` takes the *inputs*; the parameters it samples are
 still the head's. In federation the body is one client's own network under a shared head
 posterior (bayesfl's ``ClientPosterior`` is this class; its input errors are bayesfl's).
 
-State: :meth:`BodyPosterior.state_dict` holds the head's tensors (``head.<name>``), the body's
+State: `BodyPosterior.state_dict` holds the head's tensors (``head.<name>``), the body's
 (``body.<name>``: its ``nn.Module.state_dict()``) and ``input_shape``; the architecture of the
 body, the head's kind and the predictive settings are code, passed back to
-:meth:`~BodyPosterior.from_state_dict`. Such a posterior is not registered for
-:func:`inference.save_posterior`: a file cannot rebuild a network, so save the head
+`from_state_dict`. Such a posterior is not registered for
+`inference.save_posterior`: a file cannot rebuild a network, so save the head
 (``save_posterior(post.head, path)``) and keep the body as a network.
 """
 
@@ -33,7 +33,7 @@ CHUNK_ROWS = 4096
 
 
 class BodyPosterior:
-    """``head`` (an :mod:`inference` posterior over a head on body features) behind ``body``.
+    """``head`` (an `inference` posterior over a head on body features) behind ``body``.
 
     ``sample(n)`` draws the *head*: its posterior's draws (for the conjugate and Laplace heads
     ``(n, C, m + 1)``, the bias in column 0); the body is fixed, never drawn.
@@ -44,8 +44,8 @@ class BodyPosterior:
         head: the head posterior (``mean``, ``sample``, ``predict_proba(features, method)``).
         method: the predictive method used when ``predict_proba`` is given none.
         input_shape: the shape of one input, checked on every batch (None: the body decides).
-        prepare: the input boundary (:data:`inference.network_gaussian.Prepare`; default
-            :func:`inference.inputs.as_model_inputs`).
+        prepare: the input boundary (`inference.network_gaussian.Prepare`; default
+            `inference.inputs.as_model_inputs`).
         input_error: the exception raised when the body cannot take a batch whose shape was
             not checked (``input_shape`` None); bayesfl passes its ``DataError``.
         **defaults: default keyword options of the head's ``predict_proba`` for ``method``
@@ -125,10 +125,10 @@ class BodyPosterior:
                         head: type | str, method: str, prepare: Prepare | None = None,
                         input_error: type[Exception] = InvalidInputError,
                         **defaults: Any) -> BodyPosterior:
-        """Inverse of :meth:`state_dict`.
+        """Inverse of [`state_dict`][inference.body_posterior.BodyPosterior.state_dict].
 
         Args:
-            state: what :meth:`state_dict` returned.
+            state: what [`state_dict`][inference.body_posterior.BodyPosterior.state_dict] returned.
             body: a network of the body's architecture; a deep copy of it is loaded with the
                 state's ``body.*`` tensors (strictly: the same names and shapes), so its own
                 values do not matter and it is not modified.

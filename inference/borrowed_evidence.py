@@ -5,7 +5,7 @@ ELBO, a lower bound whose gap (the KL from the mean-field guide to the posterior
 on λ and biases its maximiser towards strong priors (Turner & Sahani, 2011, "Two problems with
 variational expectation maximisation for time-series models"). Both heads are the same model as
 the Laplace head — a linear head with the prior ``N(μ₀, I/λ)`` and the same likelihood — so the
-λ that maximises that model's Laplace evidence (:func:`inference.laplace_head.fit_laplace_head`
+λ that maximises that model's Laplace evidence (`inference.laplace_head.fit_laplace_head`
 with ``prior_precision="marglik"``: a bounded, continuous search over ``log λ``, the mode refitted
 at every λ) is a choice of λ for them too, made from the training data alone.
 """
@@ -37,7 +37,7 @@ def laplace_evidence_prior_precision(
     """The λ maximising the Laplace evidence of the linear head on ``features (N, m)``.
 
     Returns:
-        The :class:`~inference.hyperparameters.HyperparameterChoice` (method ``"marglik"``: λ,
+        The `HyperparameterChoice` (method ``"marglik"``: λ,
         the log evidence there in nats, whether λ hit a bound).
 
     Raises:

@@ -37,7 +37,7 @@ def mean_softmax(weights: Tensor, features: Tensor, chunk_size: int = 64) -> Ten
 class EnsemblePosterior:
     """An equally weighted set of parameter draws, ``samples`` of shape ``(S, *shape)``.
 
-    For a softmax head (``shape == (C, m + 1)``), :meth:`predict_proba` averages the class
+    For a softmax head (``shape == (C, m + 1)``), `predict_proba` averages the class
     probabilities of the members (Bayesian model averaging), not their logits.
     ``sample(n)`` draws members of the set, uniformly with replacement: ``(n, *shape)``, in
     the members' own space.
@@ -106,7 +106,7 @@ class EnsemblePosterior:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> EnsemblePosterior:
-        """Inverse of :meth:`state_dict` (``n_data`` defaults to 0)."""
+        """Inverse of `state_dict` (``n_data`` defaults to 0)."""
         if "samples" not in state:
             raise InvalidInputError("state lacks `samples`; not an ensemble posterior.")
         return cls(state["samples"], int(state.get("n_data", torch.tensor(0))))

@@ -1,11 +1,11 @@
 """Exceptions raised by the inference package.
 
-Every error subclasses :class:`InferenceError`; bad input is also a ``ValueError``.
+Every error subclasses `InferenceError`; bad input is also a ``ValueError``.
 """
 
 
 class InferenceError(Exception):
-    """Base class of every error raised by :mod:`inference`."""
+    """Base class of every error raised by [`inference`][inference]."""
 
 
 class InvalidInputError(InferenceError, ValueError):

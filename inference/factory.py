@@ -15,26 +15,26 @@ Calling convention:
 =================  ==================================================  ======================
 kind               fitting function                                    returns
 =================  ==================================================  ======================
-conjugate          :func:`inference.conjugate.feature_scale.            ConjugatePosterior
+conjugate          `inference.conjugate.feature_scale.            ConjugatePosterior
                    fit_conjugate_head`; options: ``prior=ConjugatePrior(
                    ...)`` or its fields (``chi``, ``nu``), ``solver``,
                    ``feature_scale`` (default ``"conditional"``),
                    ``feature_scale_bounds``, ``validation_data``,
                    ``max_root_steps``
-laplace            :func:`inference.laplace_head.fit_laplace_head`     GaussianPosterior
-mfvi               :func:`inference.mfvi.fit_mfvi_head`                GaussianPosterior (diag)
-sgld               :func:`inference.sgld.fit_sgld_head`                EnsemblePosterior
-subnet_laplace     :func:`inference.subnet.fit_subnet_laplace`;        SubnetLaplacePosterior
+laplace            `inference.laplace_head.fit_laplace_head`     GaussianPosterior
+mfvi               `inference.mfvi.fit_mfvi_head`                GaussianPosterior (diag)
+sgld               `inference.sgld.fit_sgld_head`                EnsemblePosterior
+subnet_laplace     `inference.subnet.fit_subnet_laplace`;        SubnetLaplacePosterior
                    ``subnet_size=`` is an alias of ``subnet=``
 =================  ==================================================  ======================
 
 Inputs: features and labels may be torch tensors, NumPy arrays or nested lists
-(:mod:`inference.inputs` has the dtype policy: float32 / float64 kept, narrower floats and
+(`inference.inputs` has the dtype policy: float32 / float64 kept, narrower floats and
 integers widened to float32, labels made int64 beside the features). Options are checked before
-the fitting function runs: an unknown name raises :class:`~inference.errors.UnknownOptionError`
+the fitting function runs: an unknown name raises `UnknownOptionError`
 listing the valid ones, and a numeric option that is NaN, infinite, a bool, a string or out of
-range raises :class:`~inference.errors.InvalidInputError` saying what it must be
-(:data:`inference.options.NUMERIC_OPTIONS`).
+range raises [`InvalidInputError`][inference.errors.InvalidInputError] saying what it must be
+(`inference.options.NUMERIC_OPTIONS`).
 
 Modules are imported when their kind is asked for, so ``fit_head("laplace", ...)`` does not
 import pyro.
@@ -76,7 +76,7 @@ def _fit_conjugate(
 ) -> Posterior:
     """FedLog's conjugate head: ``prior=ConjugatePrior(...)`` or its fields (``chi``, ``nu``),
     ``solver=``, ``max_root_steps=`` (the exact solver's step limit, default 500), and the
-    feature scale (:func:`inference.conjugate.feature_scale.fit_conjugate_head`: chosen by the
+    feature scale (`inference.conjugate.feature_scale.fit_conjugate_head`: chosen by the
     training labels' likelihood unless given)."""
     from inference.conjugate import ConjugatePrior
     from inference.conjugate.feature_scale import fit_conjugate_head
@@ -118,7 +118,7 @@ _FITTERS: dict[HeadKind, Callable[..., Posterior] | tuple[str, str]] = {
 
 
 def fitting_function(kind: HeadKind | str) -> Callable[..., Posterior]:
-    """The function :func:`fit_head` calls for ``kind`` (its module is imported now)."""
+    """The function `fit_head` calls for ``kind`` (its module is imported now)."""
     fitter = _FITTERS[HeadKind.parse(kind, "kind")]
     if isinstance(fitter, tuple):
         module, name = fitter
@@ -150,7 +150,7 @@ def option_names(function: Callable[..., Any]) -> list[str] | None:
 def checked_options(kind: HeadKind, function: Callable[..., Any],
                     options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with every numeric one checked (and made a Python number) against
-    :data:`~inference.options.NUMERIC_OPTIONS`.
+    `NUMERIC_OPTIONS`.
 
     A value passes unchecked where the fitting function's signature declares that kind of
     value for the option: ``None`` (``batch_size=None``), a string (an option that also takes
@@ -196,7 +196,7 @@ def _declared_non_number(parameter: inspect.Parameter | None, value: Any) -> boo
 
 
 def _option_classes(base: type = Option) -> list[type]:
-    """Every subclass of :class:`~inference.options.Option` (string-valued option enums)."""
+    """Every subclass of `Option` (string-valued option enums)."""
     return [sub for cls in base.__subclasses__() for sub in (cls, *_option_classes(cls))]
 
 
@@ -204,7 +204,7 @@ def _feature_head_data(
     features: Any, labels: Any, num_classes: Any, likelihood: Any
 ) -> tuple[Tensor, Tensor, int]:
     """Features ``(N, m)``, labels ``(N,)`` (or regression targets) and ``C`` as the fitting
-    functions take them, from tensors, NumPy arrays or lists (:mod:`inference.inputs`)."""
+    functions take them, from tensors, NumPy arrays or lists (`inference.inputs`)."""
     gaussian = Likelihood.parse(likelihood, "likelihood") is Likelihood.GAUSSIAN
     num_classes = as_num_classes(num_classes)
     features = as_features(features)
@@ -229,7 +229,7 @@ def fit_head(kind: HeadKind | str, *args: Any, **options: Any) -> Posterior:
 
     ``phi`` and ``y`` may be NumPy arrays (``y`` of any integer dtype). ``threads`` (option)
     sets torch's intra-op threads for the fit, restored afterwards; default
-    :func:`inference.threads.default_threads` (half the cores, 1 to 4: heads are small, and on a
+    `inference.threads.default_threads` (half the cores, 1 to 4: heads are small, and on a
     busy 2-core machine torch's default made an MFVI fit 8x slower than one thread).
 
     Raises:

@@ -2,7 +2,7 @@
 
 A head supplies ``criterion(value)`` — the Laplace head its log evidence ``log p(y | X, λ)``
 over the prior precision ``λ`` (maximised) or its validation NLL (minimised), the conjugate
-head its conditional NLL over the feature scale — and :func:`search_log_space` optimises it
+head its conditional NLL over the feature scale — and `search_log_space` optimises it
 over ``log value`` in a bounded interval:
 
 1. a coarse grid, ``points_per_decade`` points a decade over ``[lower, upper]`` (ends included),
@@ -12,7 +12,7 @@ over ``log value`` in a bounded interval:
    ``xatol`` in ``log value`` (skipped with ``refine=False``: a grid search, as laplace-torch's
    ``gridsearch`` of the prior precision).
 
-The result, a :class:`HyperparameterChoice`, says which value won, by what criterion value, and
+The result, a `HyperparameterChoice`, says which value won, by what criterion value, and
 whether it sits at an end of the interval (then the optimum may lie beyond it: widen the
 bounds, or read it as a sign that the model does not fit the data at any value in them).
 """
@@ -77,7 +77,7 @@ class HyperparameterChoice:
 
 
 def check_bounds(bounds: tuple[float, float], name: str) -> tuple[float, float]:
-    """``bounds`` as floats if ``0 < lower < upper < inf``; else :class:`InvalidInputError`."""
+    """``bounds`` as floats if ``0 < lower < upper < inf``; else `InvalidInputError`."""
     try:
         lower, upper = (float(b) for b in bounds)
     except (TypeError, ValueError):
@@ -89,7 +89,7 @@ def check_bounds(bounds: tuple[float, float], name: str) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Criterion:
-    """What :func:`search_log_space` optimises: ``function(value) -> float``, its name, the
+    """What `search_log_space` optimises: ``function(value) -> float``, its name, the
     method it belongs to, and whether it is maximised (an evidence) or minimised (an NLL)."""
 
     function: Callable[[float], float]

@@ -1,9 +1,9 @@
-"""The input boundary of :mod:`inference`: user arrays become checked tensors.
+"""The input boundary of [`inference`][inference]: user arrays become checked tensors.
 
-Every public entry point that takes data (:func:`inference.fit_head`, the posteriors'
+Every public entry point that takes data (`inference.fit_head`, the posteriors'
 ``predict_proba``) accepts a torch tensor, a NumPy array, or a (nested) list of numbers, and
 turns it into a tensor here, so that a bad input fails at the boundary with an
-:class:`~inference.errors.InvalidInputError` that says what was wrong and what to pass instead.
+`InvalidInputError` that says what was wrong and what to pass instead.
 
 Dtype policy (what a caller gets back):
 
@@ -55,7 +55,7 @@ def as_tensor(value: Any, name: str) -> Tensor:
 
     Tensors are returned detached and unchanged otherwise (same device and dtype); NumPy arrays
     are wrapped without a copy where possible. No dtype conversion happens here beyond what
-    NumPy needs (byte order, ``longdouble``); see :func:`as_floating`.
+    NumPy needs (byte order, ``longdouble``); see `as_floating`.
 
     Raises:
         InvalidInputError: ``value`` is not numeric (strings, objects, ragged lists, ...), is
@@ -114,7 +114,7 @@ def _checked_tensor(tensor: Tensor, name: str) -> Tensor:
 
 
 def as_floating(value: Any, name: str) -> Tensor:
-    """:func:`as_tensor`, then the dtype policy of the module docstring (float32 / float64
+    """`as_tensor`, then the dtype policy of the module docstring (float32 / float64
     kept; narrower floats and integers widened to float32)."""
     tensor = as_tensor(value, name)
     if tensor.dtype not in KEPT_FLOAT_DTYPES:
@@ -123,7 +123,7 @@ def as_floating(value: Any, name: str) -> Tensor:
 
 
 def check_finite(tensor: Tensor, name: str) -> None:
-    """Raise :class:`InvalidInputError` naming how many entries of ``tensor`` are NaN or inf."""
+    """Raise `InvalidInputError` naming how many entries of ``tensor`` are NaN or inf."""
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
         bad = int((~finite).sum())
@@ -247,13 +247,13 @@ def as_network_inputs(value: Any, dtype: torch.dtype | None, name: str = "inputs
 
 def as_model_inputs(value: Any, *, input_shape: tuple[int, ...] | None, dtype: torch.dtype | None,
                     device: torch.device | str, name: str = "inputs") -> Tensor:
-    """:func:`as_network_inputs`, checked to be shaped ``(B, *input_shape)`` (None: not checked)
+    """`as_network_inputs`, checked to be shaped ``(B, *input_shape)`` (None: not checked)
     and put on ``device``: the default input boundary of the posteriors that hold a network
-    (:class:`~inference.network_gaussian.NetworkGaussian`,
-    :class:`~inference.body_posterior.BodyPosterior`).
+    ([`NetworkGaussian`][inference.network_gaussian.NetworkGaussian],
+    [`BodyPosterior`][inference.body_posterior.BodyPosterior]).
 
     Raises:
-        InvalidInputError: what :func:`as_network_inputs` refuses, or a per-sample shape other
+        InvalidInputError: what `as_network_inputs` refuses, or a per-sample shape other
             than ``input_shape``.
     """
     tensor = as_network_inputs(value, dtype, name)

@@ -1,10 +1,10 @@
-"""The linear head every feature-based posterior in :mod:`inference` is over.
+"""The linear head every feature-based posterior in [`inference`][inference] is over.
 
 A head maps features ``x`` of shape ``(B, m)`` to outputs ``f = W [1, x]`` of shape ``(B, C)``,
 with ``W`` of shape ``(C, m + 1)``: column 0 is the bias (the layout of
-:mod:`inference.conjugate`). A flat parameter vector is ``W.reshape(-1)`` (row-major, class by
+`inference.conjugate`). A flat parameter vector is ``W.reshape(-1)`` (row-major, class by
 class). The observation model is a
-:class:`~inference.options.Likelihood`: softmax classification or Gaussian regression.
+[`Likelihood`][inference.options.Likelihood]: softmax classification or Gaussian regression.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def augment_with_bias(features: Tensor) -> Tensor:
 
 
 def check_features(features: Tensor, num_features: int | None = None) -> None:
-    """Raise :class:`InvalidInputError` unless ``features`` is a finite float ``(B, m)`` tensor."""
+    """Raise `InvalidInputError` unless ``features`` is a finite float ``(B, m)`` tensor."""
     if not isinstance(features, Tensor) or features.ndim != 2:
         shape = getattr(features, "shape", None)
         raise InvalidInputError(f"features must be a 2-D tensor (B, m); got shape {shape}.")
@@ -44,7 +44,7 @@ def check_training_data(
 ) -> None:
     """Validate a training set: finite float ``features (N, m)``, ``targets (N,)`` on the same
     device; integer labels in ``[0, C)`` with ``C ≥ 2`` (softmax) or finite real targets with
-    ``C == 1`` (gaussian). Raises :class:`InvalidInputError` naming what is wrong."""
+    ``C == 1`` (gaussian). Raises `InvalidInputError` naming what is wrong."""
     check_features(features)
     if features.shape[0] == 0:
         raise InvalidInputError("the training set is empty (0 rows of features).")
@@ -83,7 +83,7 @@ def training_tensors(
     noise_std: float,
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """Validate a head's training set (:func:`check_training_data`) and noise scale; return
+    """Validate a head's training set (`check_training_data`) and noise scale; return
     what the fitters compute with.
 
     Args:

@@ -2,7 +2,7 @@
 
 Federated type-II choices (FedLog's held-out feature scale, FedSI's prior variance by evidence)
 have each client evaluate its share of a criterion on one fixed grid; the server adds the
-vectors and takes :func:`argmin_on_log_grid` of the sum: a deterministic function of the summed
+vectors and takes `argmin_on_log_grid` of the sum: a deterministic function of the summed
 vector, so every transport and every order of the sum gives the same choice.
 """
 

@@ -1,14 +1,14 @@
 """Mean-field variational inference of a linear head with pyro-ppl ("mfvi" in the factory).
 
-Model (a :class:`pyro.nn.PyroModule`): ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias in
+Model (a `pyro.nn.PyroModule`): ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias in
 column 0) and ``y_n ~ Categorical(softmax(W [1, x_n]))`` (or ``Normal(W [1, x_n], σ²)`` with
 ``likelihood="gaussian"``, ``C = 1``) inside ``pyro.plate("data", size=N, subsample=idx)``, so a
 minibatch's log likelihood is scaled by ``N / len(idx)`` and the ELBO is unbiased.
 
 Guide: ``AutoNormal`` (default) or ``AutoDiagonalNormal``, both a diagonal Gaussian, trained with
 ``Trace_ELBO`` used as a module and a torch Adam optimiser (exponentially decayed learning rate).
-Both start at the prior mean (on a fresh tensor: see :func:`init_to_prior_mean_copy`).
-The fitted guide is exported as a diagonal :class:`~inference.gaussian.GaussianPosterior`
+Both start at the prior mean (on a fresh tensor: see `init_to_prior_mean_copy`).
+The fitted guide is exported as a diagonal `GaussianPosterior`
 (mean = guide loc, variance = guide scale²); nothing of pyro survives the fit.
 
 Isolation: pyro keeps parameters in a process-global store keyed by site name, so two heads
@@ -110,9 +110,9 @@ def init_to_prior_mean_copy(site: dict) -> Tensor:
 
 
 def _check_prior_untouched(model: BayesianLinearHead, precision: float) -> None:
-    """Raise :class:`NumericalError` unless the model's prior buffers still hold the prior of
+    """Raise `NumericalError` unless the model's prior buffers still hold the prior of
     ``precision`` and the model's mean: a guide parameter that aliases a buffer (the bug fixed
-    by :func:`init_to_prior_mean_copy`, or any future pyro behaviour like it) moves them."""
+    by `init_to_prior_mean_copy`, or any future pyro behaviour like it) moves them."""
     loc = torch.full_like(model.prior_loc, model.prior_mean)
     scale = torch.full_like(model.prior_scale, 1.0 / math.sqrt(precision))
     if not (torch.equal(model.prior_loc, loc) and torch.equal(model.prior_scale, scale)):
@@ -219,11 +219,11 @@ def fit_mfvi_head(
     The prior precision ``λ`` is a number or chosen from the training data:
 
     * ``"marglik"`` (the default): the λ maximising the Laplace evidence of the same model
-      (:mod:`inference.borrowed_evidence`), then an ordinary fit at that λ.
+      (`inference.borrowed_evidence`), then an ordinary fit at that λ.
     * ``"elbo"``: empirical Bayes on the ELBO (variational EM). After the first
       ``empirical_bayes_warmup`` fraction of the steps at λ = 1 (clipped to the bounds), every
       SVI step is followed by the ELBO's exact maximiser in λ for the current guide,
-      :func:`elbo_optimal_precision`, clipped to ``prior_precision_bounds``; guide and λ
+      `elbo_optimal_precision`, clipped to ``prior_precision_bounds``; guide and λ
       converge together to a joint maximum of the ELBO. Not the default: the ELBO's gap to
       the evidence grows with the posterior's correlations, which a weaker prior lets grow, so
       its maximiser leans to strong priors (on the digits bench λ ≈ 7-22, depending on
@@ -251,10 +251,10 @@ def fit_mfvi_head(
             in ``[0, 1)``.
 
     Returns:
-        A float64 diagonal :class:`GaussianPosterior` on the features' device (``n_data = N``).
+        A float64 diagonal `GaussianPosterior` on the features' device (``n_data = N``).
         Its attribute ``prior_selection`` is the
-        :class:`~inference.hyperparameters.HyperparameterChoice` of a chosen λ (its value, the
-        criterion there — the ELBO estimate of :func:`evidence_lower_bound`, or the Laplace log
+        `HyperparameterChoice` of a chosen λ (its value, the
+        criterion there — the ELBO estimate of `evidence_lower_bound`, or the Laplace log
         evidence — and whether it hit a bound), or ``None`` for a given number.
 
     Raises:
@@ -318,7 +318,7 @@ def _elbo_choice(posterior: GaussianPosterior, precision: float, bounds: tuple[f
 
 
 class _SVIRun:
-    """The training set and settings of one MFVI fit; :meth:`fit` runs SVI at a prior
+    """The training set and settings of one MFVI fit; `fit` runs SVI at a prior
     precision (optionally learnt), in a private pyro state."""
 
     def __init__(self, inputs: Tensor, targets: Tensor, num_classes: int, prior_mean: float,
@@ -344,7 +344,7 @@ class _SVIRun:
             seed: int, update_from: int | None, bounds: tuple[float, float],
             ) -> tuple[Tensor, Tensor, float]:
         """SVI from the prior mean; from step ``update_from`` on (``None``: never) λ follows
-        :func:`elbo_optimal_precision` of the guide, clipped to ``bounds``. Returns the guide's
+        `elbo_optimal_precision` of the guide, clipped to ``bounds``. Returns the guide's
         float64 ``(loc, scale)``, each ``(C, m + 1)``, and the final λ."""
         device = self.inputs.device
         with isolated_pyro_state(seed, device):

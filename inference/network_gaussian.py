@@ -1,4 +1,4 @@
-"""A Gaussian posterior over every parameter of a network: :class:`NetworkGaussian`.
+"""A Gaussian posterior over every parameter of a network: `NetworkGaussian`.
 
 ``N(mean, diag(variance) + Dᵀ D)`` over the flat vector of a network's parameters (``D`` (r, P)
 an optional low-rank factor, r = 0 for mean-field), as the whole-network Bayesian baselines
@@ -7,11 +7,11 @@ flat parameter vectors; its predictive is the Monte Carlo average of the softmax
 under those draws (``"mc"``) or the softmax at the mean (``"map"``).
 
 The network is the posterior's *architecture*: its parameter values are never used (every
-prediction substitutes a flat vector with :func:`torch.func.functional_call`). So the state is
+prediction substitutes a flat vector with `torch.func.functional_call`). So the state is
 tensors only (``mean``, ``variance``, ``factor``, and the predictive settings as integer
-tensors), saved and loaded like any posterior (:func:`inference.save_posterior`), and the
+tensors), saved and loaded like any posterior (`inference.save_posterior`), and the
 network comes back as an argument: ``NetworkGaussian.from_state_dict(state, model=net)`` or
-``load_posterior(path).bind(net)``, as :class:`~inference.subnet.SubnetLaplacePosterior` binds
+``load_posterior(path).bind(net)``, as `SubnetLaplacePosterior` binds
 its model. A posterior without a network samples and has a mean, but cannot predict.
 """
 
@@ -35,7 +35,7 @@ PREDICTIVES = ("mc", "map")
 
 #: What converts a user's batch to the network's input tensor:
 #: ``prepare(inputs, *, input_shape, dtype, device, name) -> Tensor``, raising on a bad batch.
-#: The default is :func:`inference.inputs.as_model_inputs`; bayesfl passes its own, whose
+#: The default is `inference.inputs.as_model_inputs`; bayesfl passes its own, whose
 #: errors are its ``DataError`` naming the client's input shape.
 Prepare = Callable[..., Tensor]
 
@@ -53,7 +53,7 @@ def flatten(tensors: Mapping[str, Tensor], layout: Layout) -> Tensor:
 
 
 def unflatten(flat: Tensor, layout: Layout) -> dict[str, Tensor]:
-    """Inverse of :func:`flatten`: ``flat`` (..., P) -> ``{name: (..., *shape)}``."""
+    """Inverse of `flatten`: ``flat`` (..., P) -> ``{name: (..., *shape)}``."""
     out, start = {}, 0
     lead = flat.shape[:-1]
     for name, shape in layout:
@@ -68,19 +68,19 @@ class NetworkGaussian:
     """A Gaussian over every parameter of ``model``: ``N(mean, diag(variance) + Dᵀ D)``.
 
     ``sample(n)`` draws the whole network as flat vectors ``(n, P)``, in
-    :func:`parameter_layout` order.
+    `parameter_layout` order.
 
     Args:
         model: the network (its architecture; its values are never used), or None for a
-            posterior that only samples (:meth:`bind` one later). Deep-copied, in eval mode.
-        mean: (P,) flat mean, in :func:`parameter_layout` order.
+            posterior that only samples (`bind` one later). Deep-copied, in eval mode.
+        mean: (P,) flat mean, in `parameter_layout` order.
         variance: (P,) non-negative diagonal part.
         factor: (r, P) low-rank factor ``D`` (None: mean-field).
         method: the default predictive, ``"mc"`` or ``"map"``.
         n_samples: draws of the MC predictive.
         input_shape: the shape of one input (checked on every batch; None: not checked).
-        prepare: the input boundary (:data:`Prepare`; default
-            :func:`inference.inputs.as_model_inputs`).
+        prepare: the input boundary (`Prepare`; default
+            `inference.inputs.as_model_inputs`).
 
     Raises:
         InvalidInputError: shapes that disagree with each other or with ``model``, negative or
@@ -207,8 +207,8 @@ class NetworkGaussian:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only: ``mean``, ``variance``, ``factor`` (if any), ``method`` (int64 index
-        into :data:`PREDICTIVES`), ``n_samples`` (int64) and ``input_shape`` (int64, if any).
-        The network is not in it (pass it to :meth:`from_state_dict`)."""
+        into `PREDICTIVES`), ``n_samples`` (int64) and ``input_shape`` (int64, if any).
+        The network is not in it (pass it to `from_state_dict`)."""
         out = {"mean": self._mean, "variance": self.variance,
                "method": torch.tensor(PREDICTIVES.index(self.method), dtype=torch.int64),
                "n_samples": torch.tensor(self.n_samples, dtype=torch.int64)}
@@ -221,8 +221,8 @@ class NetworkGaussian:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor], model: nn.Module | None = None, *,
                         prepare: Prepare | None = None) -> NetworkGaussian:
-        """Inverse of :meth:`state_dict`, predicting with ``model``'s architecture (None: a
-        posterior that samples; :meth:`bind` a network later).
+        """Inverse of `state_dict`, predicting with ``model``'s architecture (None: a
+        posterior that samples; `bind` a network later).
 
         Raises:
             InvalidInputError: a missing entry, an entry of the wrong kind, or what the

@@ -1,13 +1,13 @@
-"""The documented options of :mod:`inference`, as ``str`` enums that also accept plain strings.
+"""The documented options of `inference`, as ``str`` enums that also accept plain strings.
 
 Every public function that takes one of these options accepts either the enum member or its
-string value (``"full"`` or ``CovarianceStructure.FULL``); :meth:`Option.parse` does the
-conversion and raises :class:`~inference.errors.InvalidInputError` naming the valid choices.
+string value (``"full"`` or ``CovarianceStructure.FULL``); `Option.parse` does the
+conversion and raises `InvalidInputError` naming the valid choices.
 
 Numeric options (prior precisions, step counts, learning rates, ...) are described by a
-:class:`NumberRule`; :data:`NUMERIC_OPTIONS` lists those of the fitting functions, and
-:meth:`NumberRule.parse` refuses NaN, infinities, booleans, strings and out-of-range values with
-an :class:`~inference.errors.InvalidInputError` (an :class:`~inference.errors.InferenceError`
+`NumberRule`; `NUMERIC_OPTIONS` lists those of the fitting functions, and
+`NumberRule.parse` refuses NaN, infinities, booleans, strings and out-of-range values with
+an [`InvalidInputError`][inference.errors.InvalidInputError] (an `InferenceError`
 and a ``ValueError``) that names the option, the value and what it must be.
 """
 
@@ -48,7 +48,7 @@ class Option(StrEnum):
 
 
 class HeadKind(Option):
-    """Which posterior :func:`inference.factory.fit_head` fits.
+    """Which posterior [`inference.factory.fit_head`][inference.factory.fit_head] fits.
 
     ``conjugate``: FedLog's conjugate exponential-family head (inference.conjugate).
     ``laplace``: Laplace approximation of a softmax head on fixed features.
@@ -127,7 +127,7 @@ class GuideKind(Option):
 class Preconditioner(Option):
     """SGLD preconditioning: ``none`` (plain Welling-Teh SGLD), ``rmsprop`` (pSGLD, Li et al.
     2016: a diagonal RMSprop preconditioner) or ``laplace`` (a constant full preconditioner, the
-    covariance of the Laplace posterior at the chains' start; see :mod:`inference.sgld`)."""
+    covariance of the Laplace posterior at the chains' start; see `inference.sgld`)."""
 
     NONE = "none"
     RMSPROP = "rmsprop"
@@ -142,7 +142,7 @@ class NumberRule:
     """Which numbers a numeric option takes: an integer or a finite real, within bounds.
 
     ``low`` / ``high`` are inclusive unless ``low_open`` / ``high_open``. Infinite and NaN values
-    are never accepted (no option of :mod:`inference` means anything at infinity), nor are
+    are never accepted (no option of [`inference`][inference] means anything at infinity), nor are
     booleans (``True`` is an ``int`` to Python, but never a meaningful count or scale).
     """
 
@@ -210,8 +210,8 @@ COUNT = NumberRule(integer=True, low=1)
 NON_NEGATIVE_INT = NumberRule(integer=True, low=0)
 SEED = NumberRule(integer=True, low=0, high=2**64 - 1)  # what torch.Generator.manual_seed takes
 
-#: The numeric options of the fitting functions behind :func:`inference.fit_head`, by name.
-#: :func:`inference.factory.fit_head` checks every option it is given against this table
+#: The numeric options of the fitting functions behind `inference.fit_head`, by name.
+#: `inference.factory.fit_head` checks every option it is given against this table
 #: before the fitting function runs (a ``None`` or string passes where the fitting function's
 #: signature declares it, e.g. ``batch_size=None`` for full batches).
 NUMERIC_OPTIONS: dict[str, NumberRule] = {
@@ -245,13 +245,13 @@ NUMERIC_OPTIONS: dict[str, NumberRule] = {
 
 def check_number(value: Any, name: str, rule: NumberRule) -> int | float:
     """``rule.parse(value, name)``: the option as a Python number, or
-    :class:`InvalidInputError` saying what it must be."""
+    [`InvalidInputError`][inference.InvalidInputError] saying what it must be."""
     return rule.parse(value, name)
 
 
 class PriorPrecisionMethod(Option):
     """How a head chooses its prior precision λ when none is given (see
-    :mod:`inference.hyperparameters`).
+    `inference.hyperparameters`).
 
     ``marglik``: maximise the log marginal likelihood (evidence) ``log p(y | X, λ)`` over
     ``log λ`` in bounds, continuously (grid, then bounded Brent); needs only the training data.
@@ -265,11 +265,11 @@ class PriorPrecisionMethod(Option):
 
 class VariationalPriorMethod(Option):
     """How the MFVI head chooses its prior precision λ when none is given (see
-    :func:`inference.mfvi.fit_mfvi_head`).
+    `inference.mfvi.fit_mfvi_head`).
 
     ``elbo``: empirical Bayes on the ELBO: λ is learnt with the guide (the ELBO's exact
     maximiser in λ for the current guide, bounded). ``marglik``: the λ maximising the Laplace
-    evidence of the same model (:func:`inference.laplace_head.fit_laplace_head`).
+    evidence of the same model (`inference.laplace_head.fit_laplace_head`).
     """
 
     ELBO = "elbo"
@@ -279,14 +279,14 @@ class VariationalPriorMethod(Option):
 class FeatureScaleMethod(Option):
     """How the conjugate head chooses its feature scale ``s`` (the model's class-conditional
     standard deviation is ``1 / (s √2)``) when none is given (see
-    :mod:`inference.conjugate.feature_scale`).
+    `inference.conjugate.feature_scale`).
 
     ``conditional``: maximise the conditional log likelihood of the training labels,
     ``Σ log p(y_i | s φ_i, W*(s))``, over ``log s`` (grid, then bounded Brent); training data only.
     ``validation``: the same on held-out ``validation_data`` (an unbiased choice when the body
     was trained on the training set, whose features it separates better than new ones).
     ``evidence``: maximise the model's own log evidence of the features and labels (type-II
-    maximum likelihood, :mod:`inference.conjugate.evidence`): a function of the statistics and
+    maximum likelihood, `inference.conjugate.evidence`): a function of the statistics and
     ``Σ ||φ_i||²``, so a federation can compute it from sums.
     """
 
@@ -296,11 +296,11 @@ class FeatureScaleMethod(Option):
 
 
 class GaussianApproximation(Option):
-    """Which Gaussian the feature-head Laplace fitter returns (:mod:`inference.laplace_head`).
+    """Which Gaussian the feature-head Laplace fitter returns (`inference.laplace_head`).
 
     ``laplace``: ``N(W*, (λI + H(W*))⁻¹)``, the curvature at the mode (laplace-torch's).
     ``variational``: the Gaussian closest to the posterior in ``KL(q ‖ p)``, ``Λ = λI +
-    E_q[H]``, started from the Laplace one (:mod:`inference.variational_gaussian`); the same
+    E_q[H]``, started from the Laplace one (`inference.variational_gaussian`); the same
     for a Gaussian likelihood, where both are exact.
     """
 

@@ -1,4 +1,4 @@
-"""The posterior protocol every head in :mod:`inference` satisfies.
+"""The posterior protocol every head in [`inference`][inference] satisfies.
 
 A posterior is a distribution over head (or subnetwork) parameters. Whatever the method
 (conjugate, Laplace, subnet Laplace, MFVI, SGLD), it offers the same small surface, so the
@@ -13,8 +13,8 @@ federation layer and users can swap methods by one string:
 ``to(device)``
     A copy on ``device`` (nothing is moved in place).
 ``state_dict()`` / ``from_state_dict(state)``
-    Tensors only (no pickle): what :func:`inference.posterior_file.save_posterior` writes with
-    safetensors, with a digest, and :func:`~inference.posterior_file.load_posterior` reads back
+    Tensors only (no pickle): what `inference.posterior_file.save_posterior` writes with
+    safetensors, with a digest, and `load_posterior` reads back
     and validates.
 """
 
@@ -36,13 +36,13 @@ class Posterior(Protocol):
     ``sample(n)`` always returns ``(n, *mean.shape)``, but what a draw *is* depends on the
     ``kind`` (each class's docstring says it too):
 
-    - ``"conjugate"``, ``"noisy_conjugate"`` (:class:`inference.ConjugatePosterior`, FedLog's
+    - ``"conjugate"``, ``"noisy_conjugate"`` (`inference.ConjugatePosterior`, FedLog's
       heads), ``"gaussian"`` (a Laplace or variational Gaussian head): head weights
       ``(n, C, m + 1)``, the bias in column 0, in the space of the head's (scaled) features; a
       Gaussian over another ``shape`` draws in that shape.
     - ``"ensemble"``: members of the stored set, drawn uniformly with replacement, in the
       members' own space (for a head: ``(n, C, m + 1)``).
-    - ``"body"`` (:class:`inference.body_posterior.BodyPosterior`): the draws of its head
+    - ``"body"`` (`inference.body_posterior.BodyPosterior`): the draws of its head
       posterior (one of the above) behind a fixed body; the body's weights are not drawn, and
       ``predict_proba`` takes the body's *inputs*.
     - ``"subnet_laplace"``: the whole flat parameter vector ``(n, P)`` of the network; the
@@ -52,7 +52,7 @@ class Posterior(Protocol):
       ``N(mean, diag(variance) + Dᵀ D)`` (pFedBayes, FedPA).
 
     Flat vectors ``(n, P)`` lay out the network's (trainable) parameters in registration
-    order (:func:`inference.network_gaussian.parameter_layout`).
+    order (`inference.network_gaussian.parameter_layout`).
     """
 
     kind: ClassVar[str]
@@ -76,7 +76,7 @@ class Posterior(Protocol):
 
 
 def check_num_draws(n: int) -> int:
-    """``n`` as an int if it is a positive integer (not a bool); else :class:`InvalidInputError`."""
+    """``n`` as an int if it is a positive integer (not a bool); else `InvalidInputError`."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidInputError(f"the number of draws must be a positive integer; got {n!r}.")
     return int(n)
@@ -90,10 +90,10 @@ def draw_device(generator: torch.Generator | None, device: torch.device) -> torc
 
 # -- registry ---------------------------------------------------------------------------------
 
-#: Posterior classes by ``kind``; filled by :func:`register_posterior`.
+#: Posterior classes by ``kind``; filled by `register_posterior`.
 POSTERIOR_CLASSES: dict[str, type] = {}
 
-#: Modules imported on demand by :func:`posterior_class` so that their classes register.
+#: Modules imported on demand by `posterior_class` so that their classes register.
 _MODULES_WITH_POSTERIORS = (
     "inference.gaussian",
     "inference.ensemble",
@@ -104,7 +104,7 @@ _MODULES_WITH_POSTERIORS = (
 
 def register_posterior(cls: type) -> type:
     """Class decorator: make ``cls`` loadable by
-    :func:`~inference.posterior_file.load_posterior` under ``cls.kind``."""
+    [`load_posterior`][inference.posterior_file.load_posterior] under ``cls.kind``."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise TypeError(f"{cls.__name__} needs a non-empty class attribute `kind: str`.")
@@ -153,7 +153,7 @@ def check(
     generator: torch.Generator | None = None,
     rtol: float = 0.15,
 ) -> dict[str, float]:
-    """Sanity-check a posterior; raise :class:`NumericalError` on the first failure.
+    """Sanity-check a posterior; raise `NumericalError` on the first failure.
 
     Checks that the mean is finite; that ``sample`` returns ``(n, *mean.shape)`` finite draws;
     where the posterior has ``marginal_variance()``, that the draws' variance matches it within

@@ -1,4 +1,4 @@
-"""Posterior files: :func:`save_posterior` and :func:`load_posterior`, never pickle.
+"""Posterior files: `save_posterior` and `load_posterior`, never pickle.
 
 Format (schema version 2). A safetensors file: the posterior's ``state_dict()`` tensors plus
 string metadata
@@ -24,9 +24,9 @@ Gaussian over a 10 x 513 head (200 MiB), single-threaded, of which 0.2 s is the 
 
 Reading is bounded: the path must name a regular file (a directory, FIFO, device such as
 ``/dev/zero`` or socket is refused by what it is, before any byte is read; a FIFO is opened
-without blocking), at most ``max_bytes`` long (default :data:`DEFAULT_MAX_BYTES`, 2 GiB),
-with a JSON header of at most :data:`MAX_HEADER_BYTES` nested at most
-:data:`MAX_HEADER_DEPTH` deep. Every failure is a :class:`~inference.errors.PosteriorFileError`
+without blocking), at most ``max_bytes`` long (default `DEFAULT_MAX_BYTES`, 2 GiB),
+with a JSON header of at most `MAX_HEADER_BYTES` nested at most
+`MAX_HEADER_DEPTH` deep. Every failure is a `PosteriorFileError`
 naming the file, what was wrong and what to do.
 
 Files of schema version 1 (written before this format had a digest) are refused by default,
@@ -59,7 +59,7 @@ FORMAT = "inference-posterior"
 SCHEMA_VERSION = "2"
 #: The schema version of files written before the digest existed (``allow_legacy=True``).
 LEGACY_SCHEMA_VERSION = "1"
-#: Largest file :func:`load_posterior` reads by default (bytes); pass ``max_bytes`` to change.
+#: Largest file `load_posterior` reads by default (bytes); pass ``max_bytes`` to change.
 DEFAULT_MAX_BYTES = 2 * 2**30
 #: Largest JSON header read (bytes). A posterior's header lists a handful of tensors (< 2 KiB);
 #: 1 MiB leaves room for kinds with thousands of named tensors.
@@ -116,9 +116,9 @@ def save_posterior(posterior: Posterior, path: str | os.PathLike, *, key: bytes 
     over ``path`` (removed if anything fails), so ``path`` never holds a partial file.
 
     Args:
-        posterior: any registered posterior (:func:`inference.posterior.register_posterior`).
+        posterior: any registered posterior (`inference.posterior.register_posterior`).
         path: the file to write; its directory must exist.
-        key: HMAC key (bytes) to authenticate the file; :func:`load_posterior` then needs it.
+        key: HMAC key (bytes) to authenticate the file; `load_posterior` then needs it.
 
     Raises:
         InvalidInputError: a posterior whose kind no class is registered to load, or that holds
@@ -192,7 +192,7 @@ def load_posterior(
     key: bytes | None = None,
     allow_legacy: bool = False,
 ) -> Posterior:
-    """Read and validate a posterior written by :func:`save_posterior`, onto ``device``.
+    """Read and validate a posterior written by `save_posterior`, onto ``device``.
 
     Args:
         path: the file.

@@ -16,7 +16,7 @@ curvature), which adds about ``ε λ_lik (N / n − 1) / 4`` relative variance (
 ``ε λ = 0.1`` and ``N / n = 4``), so small batches want a smaller ``ε``.
 
 Constant preconditioning (``"laplace"``, the default for heads of up to
-:data:`LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters): ``θ ← θ + (ε / 2) P ĝ + N(0, ε P)``
+`LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters): ``θ ← θ + (ε / 2) P ĝ + N(0, ε P)``
 with ``P = (λI + H(W*))⁻¹`` the Laplace covariance at the mode ``W*`` (the chains' start) —
 Langevin dynamics in the coordinates ``P^{-1/2} θ``, exact for a constant ``P`` (no Γ term). The
 plain chain's step is set by the stiffest direction (on network features, whose mean is far from
@@ -35,7 +35,7 @@ Langevin discretisation, for which Γ is exactly zero.
 
 A run keeps ``num_samples`` states after ``burn_in`` steps, one every ``thinning`` steps.
 A state that becomes non-finite or leaves ``|θ| ≤ divergence_threshold`` raises
-:class:`~inference.errors.NumericalError`.
+[`NumericalError`][inference.errors.NumericalError].
 """
 
 from __future__ import annotations
@@ -265,10 +265,10 @@ def fit_sgld_head(
         num_classes: ``C`` (1 for ``likelihood="gaussian"``).
         prior_precision: ``λ > 0`` of the prior ``N(prior_mean, I/λ)``, or ``"marglik"`` (the
             default): the λ maximising the Laplace evidence of the same model within
-            ``prior_precision_bounds`` (:mod:`inference.borrowed_evidence`; a sampler's draws
+            ``prior_precision_bounds`` (`inference.borrowed_evidence`; a sampler's draws
             do not give the evidence).
-        step_size: ``ε`` of the Welling-Teh update; default :data:`LAPLACE_STEP_SIZE` with the
-            Laplace preconditioner, ``0.1 / L`` (:func:`curvature_bound`) without, ``1e-3``
+        step_size: ``ε`` of the Welling-Teh update; default `LAPLACE_STEP_SIZE` with the
+            Laplace preconditioner, ``0.1 / L`` (`curvature_bound`) without, ``1e-3``
             with RMSprop.
         num_samples: states kept per chain.
         burn_in: steps discarded first.
@@ -279,7 +279,7 @@ def fit_sgld_head(
             N/n.
         preconditioner: ``"laplace"`` (constant, the Laplace covariance at the mode),
             ``"none"`` or ``"rmsprop"`` (pSGLD); default ``"laplace"`` up to
-            :data:`LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters, ``"none"`` above.
+            `LAPLACE_PRECONDITIONER_MAX_PARAMETERS` parameters, ``"none"`` above.
         init: ``"map"`` (start at the mode, found in float64) or ``"prior_mean"``.
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
@@ -288,9 +288,9 @@ def fit_sgld_head(
         prior_precision_bounds: ``(lower, upper)`` interval of a chosen λ (default 1e-4, 1e4).
 
     Returns:
-        A float64 :class:`EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws
+        A float64 `EnsemblePosterior` of ``(num_chains · num_samples, C, m + 1)`` draws
         on the features' device, ``n_data = N``. Its attribute ``prior_selection`` is the
-        :class:`~inference.hyperparameters.HyperparameterChoice` of a chosen λ (value, log
+        `HyperparameterChoice` of a chosen λ (value, log
         evidence, whether it hit a bound), or ``None`` for a given number.
 
     Raises:
@@ -352,7 +352,7 @@ def laplace_covariance_factor(mode: Tensor, inputs: Tensor, num_outputs: int,
                               noise_std: float) -> Tensor:
     """A factor ``F (d, d)`` with ``F Fᵀ = (λI + H(W*))⁻¹``, the Laplace covariance at the flat
     float64 ``mode (d,)`` for bias-augmented ``inputs (N, m + 1)``: ``F = R⁻ᵀ`` for the
-    Cholesky factor ``R`` of the precision (jittered if needed; :func:`laplace_precision_cholesky`).
+    Cholesky factor ``R`` of the precision (jittered if needed; `laplace_precision_cholesky`).
     """
     chol = laplace_precision_cholesky(mode, inputs, num_outputs, prior_precision, likelihood,
                                       noise_std)
@@ -365,7 +365,7 @@ def laplace_precision_cholesky(mode: Tensor, inputs: Tensor, num_outputs: int,
                                noise_std: float) -> Tensor:
     """The lower Cholesky factor ``R (d, d)`` of the Laplace precision ``λI + H(W*)`` at the flat
     float64 ``mode (d,)`` for bias-augmented ``inputs (N, m + 1)`` (jittered if needed): what
-    :class:`SGLDConfig`'s ``precision_cholesky`` takes."""
+    `SGLDConfig`'s ``precision_cholesky`` takes."""
     precision = likelihood_hessian(mode, inputs, num_outputs, likelihood, noise_std)
     precision = 0.5 * (precision + precision.T) + prior_precision * torch.eye(
         mode.shape[0], dtype=mode.dtype, device=mode.device)

@@ -3,8 +3,8 @@
 The models here are small (heads of a few thousand parameters, bodies of a few hundred
 thousand), so one operation is too short to share among many threads: on a busy 2-core
 machine torch's own default (every core) made a 5-round federated run 2.5x and an MFVI head
-fit 8x slower than one thread. :func:`default_threads` is what :func:`inference.fit_head` and
-:func:`bayesfl.simulate` use unless told otherwise.
+fit 8x slower than one thread. `default_threads` is what `inference.fit_head` and
+`bayesfl.simulate` use unless told otherwise.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ not listed fails, and so does a listed one that is gone (remove it here)."""
 
 KNOWN_FLOWER_PRIVATE_IMPORTS: dict[tuple[str, str, str], str] = {}
 """(importer, module, private name) imports under ``bayesfl/flower/`` still to remove, each with
-its issue; shrinks like :data:`KNOWN_CYCLES`."""
+its issue; shrinks like `KNOWN_CYCLES`."""
 
 
 def _module_name(root: Path, path: Path) -> str:

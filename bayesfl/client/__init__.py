@@ -1,3 +1,3 @@
-"""The client side, once for every transport: the client step (:mod:`bayesfl.client.step`)
+"""The client side, once for every transport: the client step (`bayesfl.client.step`)
 that the simulator's executor and the Flower ClientApp both call, with the client state behind
-a small store (:class:`~bayesfl.client.step.ClientStore`)."""
+a small store (`ClientStore`)."""

@@ -1,9 +1,9 @@
-"""The seeds of the client step (:mod:`bayesfl.client.step`), derived once for every transport.
+"""The seeds of the client step (`bayesfl.client.step`), derived once for every transport.
 
 Client ``c``'s generator of round ``r`` is seeded ``derived_seed(seed, r, c)``
-(:func:`fit_generators`, all clients of a round at once: :func:`client_seeds`) and its
+(`fit_generators`, all clients of a round at once: `client_seeds`) and its
 personalisation generator ``derived_seed(seed, PERSONALIZE_SEED_KEY, c)``
-(:func:`personalize_generator`), with :func:`bayesfl.strategies.base.derived_seed`: a client
+(`personalize_generator`), with `bayesfl.strategies.base.derived_seed`: a client
 draws the same numbers in the simulator and on a Flower SuperNode.
 """
 
@@ -36,7 +36,7 @@ _MASK32 = 2**32 - 1
 
 def client_seeds(seed: int, round: int, client_ids: Sequence[int]) -> list[int]:
     """``[derived_seed(seed, round, c) for c in client_ids]`` (each client's seed of the round:
-    :func:`bayesfl.strategies.base.derived_seed`), computed for all clients at once.
+    `bayesfl.strategies.base.derived_seed`), computed for all clients at once.
 
     ``derived_seed`` hashes its words with numpy's ``SeedSequence``, ~25 us a call: half a
     second a round at 16,000 clients. The words of the clients differ only in the last (their

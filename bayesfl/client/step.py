@@ -1,24 +1,24 @@
 """The client step, written once: what a client does with a round's message, on every transport.
 
-The simulator's executor (:class:`bayesfl.executor.ClientExecutor`, many clients in one process,
-grouped by body when batched) and the Flower ClientApp (:mod:`bayesfl.flower.client_app`, one
+The simulator's executor (`bayesfl.executor.ClientExecutor`, many clients in one process,
+grouped by body when batched) and the Flower ClientApp (`bayesfl.flower.client_app`, one
 client per SuperNode, a fresh process per message) both call these functions; they differ only
-in where a client's state lives (:class:`ClientStore`: in memory in the simulator,
+in where a client's state lives (`ClientStore`: in memory in the simulator,
 ``Context.state`` on Flower) and how the replies travel.
 
-* :func:`fit_clients`: each client's local round with its generator of the round
-  (:func:`fit_generators`) under the divergence guard
-  (:func:`bayesfl.training.watch_divergence`): a client whose local computation went non-finite
-  keeps its state from before the round and sends nothing (:attr:`Fitted.diverged` says why);
+* `fit_clients`: each client's local round with its generator of the round
+  (`fit_generators`) under the divergence guard
+  (`bayesfl.training.watch_divergence`): a client whose local computation went non-finite
+  keeps its state from before the round and sends nothing (`Fitted.diverged` says why);
   the others' states are saved and their uploads returned.
-* :func:`personalize_clients`: each client's personalised state, drawn with its personalisation
-  generator (:func:`personalize_generator`), saved under :data:`PERSONALIZED`.
-* :func:`evaluate_clients`: each client's calibration accumulators on its test set.
+* `personalize_clients`: each client's personalised state, drawn with its personalisation
+  generator (`personalize_generator`), saved under `PERSONALIZED`.
+* `evaluate_clients`: each client's calibration accumulators on its test set.
 
 Each function holds the strategy through its client half only
-(:func:`bayesfl.strategies.halves.client_half`): a server-half method is not there to call.
+(`bayesfl.strategies.halves.client_half`): a server-half method is not there to call.
 
-The seeds (:mod:`bayesfl.client.seeds`): client ``c``'s generator of round ``r`` is seeded with
+The seeds (`bayesfl.client.seeds`): client ``c``'s generator of round ``r`` is seeded with
 ``derived_seed(seed, r, c)`` and its personalisation generator with
 ``derived_seed(seed, PERSONALIZE_SEED_KEY, c)``, so a client draws the same numbers wherever it
 runs.
@@ -45,7 +45,7 @@ PERSONALIZED = "personalized"
 
 class ClientStore(Protocol):
     """Where clients' states live between messages: the one thing a transport provides to the
-    client step. The simulator keeps them in memory (:class:`bayesfl.executor.MemoryStore`);
+    client step. The simulator keeps them in memory (`bayesfl.executor.MemoryStore`);
     Flower in the node's ``Context.state`` (``bayesfl.flower.client_app.ContextStore``)."""
 
     def load(self, client_id: int, slot: str = TRAINED) -> ClientState:
@@ -76,7 +76,7 @@ class LocalClient:
 
 @dataclass
 class Fitted:
-    """What :func:`fit_clients` did.
+    """What `fit_clients` did.
 
     Attributes:
         uploads: client id -> its upload, for the clients whose round went through (in the
@@ -104,12 +104,12 @@ def fit_clients(strategy: ClientStrategy, clients: Sequence[LocalClient], store:
                 broadcast: Message, *, seed: int, round: int, batched: bool = False) -> Fitted:
     """Every client's local round on ``broadcast`` (module docstring).
 
-    Each client fits from its :data:`TRAINED` state in ``store`` with its generator of the
+    Each client fits from its `TRAINED` state in ``store`` with its generator of the
     round; with ``batched``, clients of one body spec go to
-    :meth:`~bayesfl.strategies.base.ClientStrategy.fit_group` together, else each to
-    :meth:`~bayesfl.strategies.base.ClientStrategy.fit` (the same numbers up to float rounding).
+    `fit_group` together, else each to
+    `fit` (the same numbers up to float rounding).
     Within the divergence guard: a client whose training stopped on a non-finite value is in
-    :attr:`Fitted.diverged` with the reason, its new state is not saved and it uploads
+    `Fitted.diverged` with the reason, its new state is not saved and it uploads
     nothing; every other client's state is saved for round ``round`` and its upload returned.
     """
     strategy = client_half(strategy)  # the client step sees the client half only
@@ -143,8 +143,8 @@ def personalize_clients(strategy: ClientStrategy, clients: Sequence[LocalClient]
                         store: ClientStore, broadcast: Message, *, seed: int, round: int,
                         on_client: Callable[[int], None] | None = None
                         ) -> dict[int, ClientState]:
-    """Every client's personalised state from its :data:`TRAINED` one (left as it is), saved
-    under :data:`PERSONALIZED` for round ``round`` and returned; ``broadcast`` is the final
+    """Every client's personalised state from its `TRAINED` one (left as it is), saved
+    under `PERSONALIZED` for round ``round`` and returned; ``broadcast`` is the final
     evaluation broadcast; ``on_client(client_id)`` after each (progress)."""
     strategy = client_half(strategy)  # the client step sees the client half only
     states = {}
@@ -163,7 +163,7 @@ def evaluate_clients(strategy: ClientStrategy, clients: Sequence[LocalClient],
                      keep_probs: bool = False, batched: bool = False) -> list[Evaluation]:
     """Every client's evaluation (in the order given) of its state in ``states`` on its test
     set, predictions batched over clients of one body spec when ``batched``
-    (:meth:`~bayesfl.strategies.base.ClientStrategy.evaluate_group`)."""
+    (`evaluate_group`)."""
     strategy = client_half(strategy)  # the client step sees the client half only
     out: dict[int, Evaluation] = {}
     for group in body_groups(clients, batched=batched):

@@ -1,11 +1,11 @@
 """Data for federated experiments: pooled data sets, label partitions, per-client splits.
 
-- :mod:`bayesfl.data.datasets`: :class:`Dataset` (your own arrays: :meth:`Dataset.from_arrays`),
-  :func:`as_dataset`, :data:`DATASETS`, :func:`load_dataset`.
-- :mod:`bayesfl.data.partition`: :func:`partition` (schemes ``iid``, ``dirichlet:ALPHA``,
-  ``shards:K``, ``per_class:N[:K]``), :class:`PartitionScheme`, :func:`partition_summary`,
-  :func:`format_partition_summary`.
-- :mod:`bayesfl.data.clients`: :class:`ClientData`, :func:`make_clients`.
+- `bayesfl.data.datasets`: `Dataset` (your own arrays: `Dataset.from_arrays`),
+  [`as_dataset`][bayesfl.data.as_dataset], [`DATASETS`][bayesfl.data.DATASETS], `load_dataset`.
+- `bayesfl.data.partition`: `partition` (schemes ``iid``, ``dirichlet:ALPHA``,
+  ``shards:K``, ``per_class:N[:K]``), `PartitionScheme`, `partition_summary`,
+  [`format_partition_summary`][bayesfl.data.format_partition_summary].
+- `bayesfl.data.clients`: [`ClientData`][bayesfl.data.ClientData], `make_clients`.
 """
 
 from bayesfl.data.clients import ClientData, make_clients, stratified_split

@@ -5,7 +5,7 @@ for every class the client holds, about ``test_fraction`` of its samples go to t
 is by largest remainder, so a client with n samples gets ``max(1, round(n * test_fraction))``
 test samples (at most n - 1), and a class keeps at least one training sample whenever possible.
 
-A ``test_fraction`` that starves a client is refused (:class:`ConfigError`): when a client
+A ``test_fraction`` that starves a client is refused (`ConfigError`): when a client
 would train on fewer samples than the classes it holds *and* on fewer than it tests on, the
 test share, not the partition, took its training data (``test_fraction=0.999`` leaves one
 training sample to a client of 450); the message names the client and the largest
@@ -18,7 +18,7 @@ test rows are shared among the clients that train on the class, in proportion to
 its training samples each holds (largest remainder, ties at random from the seed): every
 client's test set follows its own label distribution, as above, and every test row is used at
 most once. ``test_fraction`` is unused. A client whose classes leave it no test row is a
-:class:`DataError` (add test samples of those classes, or use fewer clients).
+[`DataError`][bayesfl.DataError] (add test samples of those classes, or use fewer clients).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def make_clients(
         dataset: the pooled data set.
         num_clients: number of clients.
         partition: a partition scheme string, e.g. ``"shards:2"`` (see
-            :mod:`bayesfl.data.partition`).
+            `bayesfl.data.partition`).
         seed: seeds both the partition and the train/test split.
         test_fraction: share of each client's samples (per class) held out for testing, in
             (0, 1); ignored by a scheme that fixes the split (``labels:K:train=N``).

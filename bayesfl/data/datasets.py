@@ -1,7 +1,7 @@
 """Pooled classification data sets, loaded into memory as float32 inputs and int64 labels.
 
 ``load_dataset(name, seed=..., root=..., **options)``; the names are the keys of
-:data:`DATASETS`:
+[`DATASETS`][bayesfl.data.datasets.DATASETS]:
 
 - ``digits``: scikit-learn's bundled 8x8 digits (1,797 samples, 10 classes), pixel values scaled
   from 0..16 to [0, 1], input_shape (64,) so an MLP takes it directly; a CNN body reshapes it
@@ -30,7 +30,7 @@
   images, and a model trained on all 60,000 sees 12x more digits). No options.
 - ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``: torchvision files under ``root``
   (default ``$BAYESFL_DATA_ROOT`` or ``~/.cache/bayesfl/data``), downloaded only with
-  ``download=True``; otherwise a missing file is a :class:`DataError` saying where to put it.
+  ``download=True``; otherwise a missing file is a `DataError` saying where to put it.
   Options ``download`` (False), ``split`` ("all": train and test pooled, as FedSI does;
   "train" or "test"), ``max_samples`` (None: the first N samples in data set order, as FedLog's
   code takes the first 3,000 MNIST images). Pixels are scaled to [0, 1] (no normalisation);
@@ -38,12 +38,12 @@
 
 Your own data: ``Dataset.from_arrays(x, y)`` (or ``simulate(data=(x, y))``, which calls it)
 takes NumPy arrays or torch tensors, ``x`` real-valued ``(N, *input_shape)`` and ``y`` integer
-labels ``(N,)`` in ``0..C-1``, checked (:meth:`Dataset.from_arrays`) and copied.
+labels ``(N,)`` in ``0..C-1``, checked (`Dataset.from_arrays`) and copied.
 
 Every data set is pooled; clients and their train/test splits come from
-:func:`bayesfl.data.clients.make_clients`. Options are checked for their type and lower bound
-(:func:`check_dataset_options`; a run does so when its configuration is built) before anything
-is generated or read: ``n = "many"`` or ``n = 300.0`` is a :class:`ConfigError` naming the option.
+`bayesfl.data.clients.make_clients`. Options are checked for their type and lower bound
+(`check_dataset_options`; a run does so when its configuration is built) before anything
+is generated or read: ``n = "many"`` or ``n = 300.0`` is a `ConfigError` naming the option.
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ class Dataset:
     """A pooled labelled data set (compared by identity: its fields are tensors).
 
     Attributes:
-        name: the :data:`DATASETS` key it was loaded as.
+        name: the [`DATASETS`][bayesfl.data.datasets.DATASETS] key it was loaded as.
         x: (N, *input_shape) float32 inputs.
         y: (N,) int64 labels in ``[0, num_classes)``.
         num_classes: number of classes C.
         input_shape: shape of one input, e.g. (64,) or (1, 28, 28).
         num_test: the last ``num_test`` rows are a test pool of their own (your own test
-            arrays, :meth:`from_arrays`); 0 (default): the data are pooled and every client's
-            test set is split from its own share (:func:`bayesfl.data.clients.make_clients`).
+            arrays, `from_arrays`); 0 (default): the data are pooled and every client's
+            test set is split from its own share (`bayesfl.data.clients.make_clients`).
     """
 
     name: str
@@ -131,11 +131,11 @@ class Dataset:
         does not change the data set or its digest. Without ``test`` the data are pooled:
         clients, the partition and each client's train/test split (the run's
         ``test_fraction``, per client and class) come from
-        :func:`bayesfl.data.clients.make_clients`, as for the named data sets. With
+        `bayesfl.data.clients.make_clients`, as for the named data sets. With
         ``test=(x_test, y_test)`` the partition deals out ``(x, y)`` as training data only,
         and every client tests on a share of your test arrays that follows its own training
         labels (``test_fraction`` is then unused; module docstring of
-        :mod:`bayesfl.data.clients`).
+        `bayesfl.data.clients`).
 
         Args:
             x: inputs ``(N, *input_shape)`` of any real dtype (bool and complex are refused),
@@ -150,13 +150,13 @@ class Dataset:
                 (same input shape, labels in ``0..C-1``).
 
         Returns:
-            A :class:`Dataset` with ``input_shape == x.shape[1:]``.
+            A [`Dataset`][bayesfl.data.datasets.Dataset] with ``input_shape == x.shape[1:]``.
 
         Raises:
             DataError: arrays that are not numeric, of the wrong rank, of different lengths,
                 with NaN or infinite inputs, labels outside ``0..C-1``, fewer than two samples
-                or classes, or more than :data:`MAX_ARRAY_ELEMENTS` input values or
-                :data:`MAX_CLASSES` classes.
+                or classes, or more than `MAX_ARRAY_ELEMENTS` input values or
+                `MAX_CLASSES` classes.
         """
         if not isinstance(name, str) or not name.strip():
             raise DataError(f"name must be a non-empty string, got {name!r}")
@@ -218,11 +218,11 @@ class Dataset:
 
 
 MAX_ARRAY_ELEMENTS = 2**31
-"""Most input values :meth:`Dataset.from_arrays` takes (8 GiB as float32): the data set, its
+"""Most input values `Dataset.from_arrays` takes (8 GiB as float32): the data set, its
 client copies and the run's batches must fit in memory together."""
 
 MAX_CLASSES = 10_000
-"""Most classes :meth:`Dataset.from_arrays` takes: heads and FedLog's statistics grow as
+"""Most classes `Dataset.from_arrays` takes: heads and FedLog's statistics grow as
 C x (feature_dim + 1), and a class needs samples at enough clients to be learnt."""
 
 
@@ -243,12 +243,12 @@ def _as_array(value: Any, what: str) -> np.ndarray:
 
 
 def as_dataset(data: Any) -> Dataset:
-    """``data`` for :func:`bayesfl.simulate`: a :class:`Dataset` as is, or an ``(x, y)`` pair
-    through :meth:`Dataset.from_arrays`.
+    """``data`` for `bayesfl.simulate`: a `Dataset` as is, or an ``(x, y)`` pair
+    through [`Dataset.from_arrays`][bayesfl.data.datasets.Dataset.from_arrays].
 
     Raises:
         ConfigError: anything else (the message shows the two forms).
-        DataError: arrays :meth:`Dataset.from_arrays` refuses.
+        DataError: arrays `Dataset.from_arrays` refuses.
     """
     if isinstance(data, Dataset):
         return data
@@ -301,14 +301,14 @@ def load_dataset(name: str, *, seed: int = 0, root: str | None = None, **options
 
 
 def dataset_key(name: Any) -> str | None:
-    """The :data:`DATASETS` key ``name`` spells (case, ``-`` or ``_`` alike), or None."""
+    """The `DATASETS` key ``name`` spells (case, ``-`` or ``_`` alike), or None."""
     key = name.strip().lower().replace("-", "_") if isinstance(name, str) else None
     return key if key in _LOADERS else None
 
 
 def check_dataset_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` of the data set ``name`` (a :data:`DATASETS` key), each checked for its
-    type and lower bound (:data:`_OPTION_KINDS`) before anything is generated or read; the
+    """``options`` of the data set ``name`` (a `DATASETS` key), each checked for its
+    type and lower bound (`_OPTION_KINDS`) before anything is generated or read; the
     loaders check what depends on several options (``n >= num_classes``).
 
     Raises:

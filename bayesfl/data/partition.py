@@ -1,7 +1,7 @@
 """Label-based partitions of a pooled data set over federated clients.
 
 A partition maps each client to the sorted int64 indices of the samples it holds. Schemes are
-short strings (the CLI flag ``--partition``), parsed by :class:`PartitionScheme`:
+short strings (the CLI flag ``--partition``), parsed by `PartitionScheme`:
 
 ``iid``
     Shuffle, then cut into ``num_clients`` nearly equal parts.
@@ -72,7 +72,7 @@ def _valid_forms() -> str:
 class PartitionScheme:
     """A parsed partition scheme; ``str(scheme)`` gives back its canonical string.
 
-    ``kind`` is one of :data:`PARTITION_SCHEMES`. ``alpha`` is set for ``dirichlet``,
+    ``kind`` is one of `PARTITION_SCHEMES`. ``alpha`` is set for ``dirichlet``,
     ``classes_per_client`` for ``shards`` and ``labels`` (and optionally ``per_class``),
     ``samples_per_class`` for ``per_class``; ``train_per_class``, ``test_per_class`` and
     ``random_labels`` only for ``labels``.
@@ -185,7 +185,7 @@ def partition(
     Args:
         labels: (N,) integer class labels of the pooled data set.
         num_clients: number of clients M >= 1.
-        scheme: a scheme string (see the module docstring) or a parsed :class:`PartitionScheme`.
+        scheme: a scheme string (see the module docstring) or a parsed `PartitionScheme`.
         seed: seed of the numpy generator; the same inputs and seed give the same partition.
         min_samples: the fewest samples a client may hold (``make_clients`` asks for 2: one to
             train, one to test). Dirichlet tops small clients up from the largest one; the other
@@ -235,12 +235,12 @@ def fixed_split(
     seed: int,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client, the (train, test) sample indices of a scheme that fixes the split itself
-    (``labels:K:train=N``); their union is what :func:`partition` gives that client.
+    (``labels:K:train=N``); their union is what `partition` gives that client.
 
     Raises:
         ConfigError: a scheme that does not fix the split (see
-            :attr:`PartitionScheme.fixes_split`).
-        DataError: as :func:`partition`.
+            [`PartitionScheme.fixes_split`][bayesfl.data.partition.PartitionScheme.fixes_split]).
+        DataError: as [`partition`][bayesfl.data.partition.partition].
     """
     parsed = scheme if isinstance(scheme, PartitionScheme) else PartitionScheme.parse(scheme)
     if not parsed.fixes_split:
@@ -478,7 +478,7 @@ def format_partition_summary(
     *,
     max_clients: int = 50,
 ) -> str:
-    """A plain-text clients x classes table of :func:`partition_summary`, with totals.
+    """A plain-text clients x classes table of `partition_summary`, with totals.
 
     Shows at most ``max_clients`` client rows (the rest are summarised in one line).
     """

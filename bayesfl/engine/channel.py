@@ -1,12 +1,12 @@
 """What the round engine needs from a transport: a channel with three verbs.
 
-``send(round, client_ids, messages)`` hands each client its step (:class:`Step`: the bytes of
+``send(round, client_ids, messages)`` hands each client its step (`Step`: the bytes of
 the round's broadcast to fit on and/or of the evaluation broadcast to evaluate with, and the
-final steps' flags); ``collect(deadline)`` returns what came back by then (:class:`Reply` per
+final steps' flags); ``collect(deadline)`` returns what came back by then (`Reply` per
 client) and what went wrong (events: a node that did not answer, an error reply, bytes that do
 not parse); ``close()`` ends the federation's side of the run. The in-process channel
-(:mod:`bayesfl.simulate`) runs the client halves in this process; the Flower channel
-(:mod:`bayesfl.flower.server_app`) pushes the steps to SuperNodes through Flower's Grid.
+(`bayesfl.simulate`) runs the client halves in this process; the Flower channel
+(`bayesfl.flower.server_app`) pushes the steps to SuperNodes through Flower's Grid.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Step:
 
 @dataclass
 class Reply:
-    """What one client sent back for a :class:`Step`.
+    """What one client sent back for a `Step`.
 
     Attributes:
         upload: the encoded upload (None when it did not fit or sent nothing).
@@ -78,7 +78,7 @@ class Channel(Protocol):
         """Hand every client in ``client_ids`` its step ``messages[client_id]``."""
 
     def collect(self, deadline: float) -> Collected:
-        """The replies to the last :meth:`send` until all are in or ``deadline``
+        """The replies to the last `send` until all are in or ``deadline``
         (``time.monotonic()`` seconds) passes; what is missing then is an event."""
 
     def close(self) -> None:

@@ -2,20 +2,20 @@
 
 After the rounds a run may ask its clients for more: a temperature, conformal thresholds, the
 shift evaluation. Each phase is one server-side function (send the request, collect the
-replies, validate each, merge, build the result: :func:`bayesfl.calibrate.calibrate_phase`,
-:func:`bayesfl.conformal.conformal_phase`, :func:`bayesfl.shift_protocol.shift_phase`) and, per
-kind of request, one client-side function (:attr:`Phase.answer`) that computes a client's
-mergeable answer from what it holds (its :class:`Site`). A transport only carries the bytes:
+replies, validate each, merge, build the result: `bayesfl.calibrate.calibrate_phase`,
+`bayesfl.conformal.conformal_phase`, `bayesfl.shift_protocol.shift_phase`) and, per
+kind of request, one client-side function (`Phase.answer`) that computes a client's
+mergeable answer from what it holds (its `Site`). A transport only carries the bytes:
 its channel's ``ask(phase, step, down, client_ids)`` hands every client the encoded request
-``down`` and returns, per client, its encoded answer or why none came (:class:`PhaseChannel`).
+``down`` and returns, per client, its encoded answer or why none came (`PhaseChannel`).
 
-* In process (the simulator, :func:`bayesfl.calibrate.calibrate_run`,
-  :func:`bayesfl.conformal.conformal_run`): :class:`InProcessPhases` calls the answer on each
+* In process (the simulator, `bayesfl.calibrate.calibrate_run`,
+  `bayesfl.conformal.conformal_run`): `InProcessPhases` calls the answer on each
   client's site in this process; a client keeps what it computed for the phase in
-  :attr:`Site.memo` between the phase's requests.
-* Flower (:meth:`bayesfl.flower.channel.FlowerChannel.ask_phase`): the request travels in a
-  ``query.*`` message laid out as the phase says (:attr:`Phase.query`, :attr:`Phase.request`,
-  :attr:`Phase.reply`), with the final evaluation broadcast; the ClientApp's handler builds the
+  `Site.memo` between the phase's requests.
+* Flower (`bayesfl.flower.channel.FlowerChannel.ask_phase`): the request travels in a
+  ``query.*`` message laid out as the phase says (`Phase.query`, `Phase.request`,
+  `Phase.reply`), with the final evaluation broadcast; the ClientApp's handler builds the
   node's site and calls the same answer (a fresh process per message: an empty memo).
 
 The server never sees more than the answers, and validates every one: a bad or missing answer
@@ -43,16 +43,16 @@ class Site:
     Attributes:
         client_id: the client.
         strategy: the strategy's client half.
-        client: its :class:`~bayesfl.strategies.base.ClientConfig`.
+        client: its [`ClientConfig`][bayesfl.strategies.base.ClientConfig].
         state: its final state (the personalised one where the strategy personalises).
         broadcast: the final evaluation broadcast, decoded.
-        data: its :class:`~bayesfl.data.clients.ClientData` (test rows ``test_x`` (n, ...),
+        data: its [`ClientData`][bayesfl.data.clients.ClientData] (test rows ``test_x`` (n, ...),
             ``test_y`` (n,)).
-        held_out: its held-out rows (:class:`bayesfl.holdout.HeldOut`), or None.
+        held_out: its held-out rows (`bayesfl.holdout.HeldOut`), or None.
         seed: the run's seed (seeds a randomised conformal score's draws).
         n_bins: the run's calibration bins.
         device: the run's device.
-        conformal: the conformal step's spec (:class:`bayesfl.conformal_spec.ConformalSpec`),
+        conformal: the conformal step's spec (`bayesfl.conformal_spec.ConformalSpec`),
             or None.
         clients: every client's data of the run's data set (the out-of-distribution rows of
             the shift phase), or None where the site loads its own data.
@@ -96,7 +96,7 @@ class Phase:
     Attributes:
         step: the phase's name in events and rejections (``calibrate``, ``conformal``,
             ``shift``).
-        answer: the client's side (:data:`Answer`).
+        answer: the client's side (`Answer`).
         query: the Flower message type that carries it (``query.calibrate``,
             ``query.shift``).
         request, reply: the keys of the request's and of the reply's bytes in a Flower record.
@@ -133,14 +133,14 @@ class PhaseChannel(Protocol):
 def asker(channel: PhaseChannel, phase: Phase
           ) -> Callable[[int, bytes, Sequence[int]], Mapping[int, Any]]:
     """``ask(step, down, client_ids)`` of one phase over ``channel`` (the ``Ask`` of
-    :mod:`bayesfl.calibrate` and :mod:`bayesfl.conformal`)."""
+    `bayesfl.calibrate` and `bayesfl.conformal`)."""
     def ask(step: int, down: bytes, client_ids: Sequence[int]) -> Mapping[int, Any]:
         return channel.ask(phase, step, down, list(client_ids))
     return ask
 
 
 class InProcessPhases:
-    """The final phases' channel in this process: each client answers from its :class:`Site`.
+    """The final phases' channel in this process: each client answers from its `Site`.
 
     Args:
         sites: client id -> its site.
@@ -211,7 +211,7 @@ def search_step(ask: Callable[[int, bytes, Sequence[int]], Mapping[int, Any]], d
                 active: Sequence[int], outcome: Any, read: Callable[[int, Any], Any], *,
                 floats_up: int, upload_hook: UploadHook | None = None) -> dict[int, Any]:
     """One request of a search to every ``active`` client and their validated replies
-    (:func:`read_answers`), counted on ``outcome`` (``steps``, ``bytes_down``, ``bytes_up``,
+    (`read_answers`), counted on ``outcome`` (``steps``, ``bytes_down``, ``bytes_up``,
     ``floats_up``; a rejection goes to ``outcome.rejections``).
 
     Raises:
@@ -236,7 +236,7 @@ def search_step(ask: Callable[[int, bytes, Sequence[int]], Mapping[int, Any]], d
 def with_restarts(client_ids: Sequence[int], outcome: Any,
                   search: Callable[[list[int]], Any]) -> Any:
     """``search(active)`` over the clients, again without every client it rejected
-    (:class:`Restart`) until one completes; its result, or None with ``outcome.error`` set (a
+    (`Restart`) until one completes; its result, or None with ``outcome.error`` set (a
     search that cannot run: CalibrationError, or no client left). Sets
     ``outcome.participants`` (the clients the result used) and counts ``outcome.restarts``."""
     active = list(client_ids)

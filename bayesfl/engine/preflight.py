@@ -1,11 +1,11 @@
-"""What a run checks at its start, before any data is loaded, that :mod:`bayesfl.config` cannot:
-the strategy and its option names (the registry, :mod:`bayesfl.strategies.registry`) and the
-``calibrate`` spec (:func:`bayesfl.calibrate.parse_calibrate`).
+"""What a run checks at its start, before any data is loaded, that `bayesfl.config` cannot:
+the strategy and its option names (the registry, `bayesfl.strategies.registry`) and the
+``calibrate`` spec (`bayesfl.calibrate.parse_calibrate`).
 
 The config is the settings schema, below the algorithms: it checks each setting's type and range
 and knows no strategy or calibration module (``tests/test_imports.py`` holds it to that). Every
-transport calls :func:`check_run_config` as soon as it has a config (the simulator in
-:func:`bayesfl.simulate.simulate`, Flower in :func:`bayesfl.flower.protocol.parse_run_config`).
+transport calls `check_run_config` as soon as it has a config (the simulator in
+`bayesfl.simulate.simulate`, Flower in `bayesfl.flower.protocol.parse_run_config`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def check_run_config(config: SimulationConfig) -> None:
     """Refuse a config whose strategy, option names or ``calibrate`` spec no run can take.
 
     The option *values* are checked where the strategy is built
-    (:func:`bayesfl.strategies.make_strategy`: the strategy's own checks, then its
+    (`bayesfl.strategies.make_strategy`: the strategy's own checks, then its
     declaration), after the data are loaded, as they were before this check existed.
 
     Raises:

@@ -1,40 +1,40 @@
-"""The round loop, once, for every transport: :class:`RoundLoop`.
+"""The round loop, once, for every transport: `RoundLoop`.
 
 Per round ``r`` the loop reseeds the global torch RNG from ``(seed, r)``, samples the training
 clients, asks the strategy for the broadcast (``configure``) and encodes it once, hands every
-client its :class:`~bayesfl.engine.channel.Step` through the transport's
-:class:`~bayesfl.engine.channel.Channel` and collects the replies, then:
+client its `Step` through the transport's
+`Channel` and collects the replies, then:
 
-1. **receives** the uploads (:func:`receive_uploads`): each is decoded with its client's key
-   under the round's size limit and screened (:meth:`ServerStrategy.validate_uploads`); what fails
+1. **receives** the uploads (`receive_uploads`): each is decoded with its client's key
+   under the round's size limit and screened (`ServerStrategy.validate_uploads`); what fails
    is a rejection with its reason, counted in bytes like the rest;
 2. warns once per run when every upload of a round was rejected;
 3. skips the round (previous state kept, ``skipped`` in its record) when fewer than
    ``min_replies`` uploads were accepted, else aggregates or keeps the previous state
-   (:func:`~bayesfl.engine.steps.aggregate_or_keep`);
+   (`aggregate_or_keep`);
 4. evaluates the new state, in one of two **evaluation modes**:
 
    * ``"inline"`` (the simulator): within round ``r``, by the transport's ``evaluate_inline``;
      an evaluation that fails on a new aggregate reverts round ``r`` to the previous state
-     (:func:`~bayesfl.engine.steps.evaluate_or_revert`); the record is complete at the end of
+     (`evaluate_or_revert`); the record is complete at the end of
      round ``r``;
    * ``"carried"`` (Flower, where each message pays a per-message floor): round ``r``'s
      evaluation broadcast is built (a failure to build it reverts as above) and rides in round
      ``r + 1``'s message, before each client fits (the last round's in the transport's final
-     message: :meth:`RoundLoop.complete_carried`); round ``r``'s record waits in
-     :attr:`RoundLoop.pending` and is completed when those replies arrive;
+     message: `RoundLoop.complete_carried`); round ``r``'s record waits in
+     `RoundLoop.pending` and is completed when those replies arrive;
 
-5. builds the round's record: the keys every transport writes (:func:`round_record`,
-   :func:`evaluation_keys`, the strategy's ``server_metrics`` and ``compute_metrics``,
+5. builds the round's record: the keys every transport writes (`round_record`,
+   `evaluation_keys`, the strategy's ``server_metrics`` and ``compute_metrics``,
    ``skipped``, ``aggregate_error``), then the transport's own (``record_extras``: timings,
    Flower's events), and hands the complete record to ``round_complete`` (append to
    ``metrics.jsonl``, checkpoint, callbacks).
 
-What stays in a transport (:class:`RoundHooks`): which clients it can reach, what happens when
+What stays in a transport (`RoundHooks`): which clients it can reach, what happens when
 a round starts (Flower: node discovery), what it does with the encoded broadcast, the inline
 evaluation, its own record keys and what completing a round means to it.
 
-**The cyclic garbage collector is paused during a round** (:func:`collector_paused`: the
+**The cyclic garbage collector is paused during a round** (`collector_paused`: the
 round, then its ``round_complete``). A round allocates hundreds of thousands of Python objects
 that outlive gen 0 (every client's new state, message and evaluation), so the collector's own
 thresholds started 4-7 full collections a round, each a pass over every tracked object of the
@@ -98,7 +98,7 @@ def collector_paused() -> Iterator[None]:
 # ---- receive: decode, size, key, screen ------------------------------------------------------
 @dataclass
 class Receipt:
-    """What the server made of a round's uploads (:func:`receive_uploads`).
+    """What the server made of a round's uploads (`receive_uploads`).
 
     Attributes:
         accepted: the uploads that passed, in the order of the participants.
@@ -122,7 +122,7 @@ def receive_uploads(server: ServerStrategy, plan: RoundPlan, participants: Seque
                     collected: Collected, *,
                     key_of: Callable[[int], bytes | None] = lambda _: None) -> Receipt:
     """Decode every participant's upload (``plan.max_upload_bytes``, the client's HMAC key
-    ``key_of(client_id)``) and screen the decoded ones (:func:`screen_uploads`)."""
+    ``key_of(client_id)``) and screen the decoded ones (`screen_uploads`)."""
     t0 = time.perf_counter()
     reasons: dict[int, str] = {}
     bytes_up: list[int] = []
@@ -162,7 +162,7 @@ def round_record(round: int, *, participants: Sequence[int], sent: int, receipt:
                  plan: RoundPlan, broadcast_bytes: int) -> dict[str, Any]:
     """The keys of a round's record that every transport writes: who took part, what was
     accepted and rejected, and the traffic (``sent``: the clients the broadcast went to, of
-    ``broadcast_bytes`` each). ``bytes_down_evaluation`` is 0 until :func:`evaluation_keys`."""
+    ``broadcast_bytes`` each). ``bytes_down_evaluation`` is 0 until `evaluation_keys`."""
     return {
         "round": round,
         "participants": list(participants),
@@ -241,7 +241,7 @@ class CarriedRound:
 InlineEvaluation = Callable[[int, ServerState], tuple[int, RoundEvaluation]]
 """``"inline"`` mode's evaluation ``(round, state) -> (bytes of the evaluation broadcast sent,
 the merged evaluation)`` of every training client; raises what
-:func:`~bayesfl.engine.steps.evaluate_or_revert` catches when the state cannot be evaluated."""
+`evaluate_or_revert` catches when the state cannot be evaluated."""
 
 
 class RoundHooks(Protocol):
@@ -269,15 +269,15 @@ class RoundLoop:
     Args:
         server: the strategy's server half.
         channel: the transport's channel.
-        hooks: the transport's side of the loop (:class:`RoundHooks`).
-        state: the server state to start from (:attr:`state` is the current one).
+        hooks: the transport's side of the loop (`RoundHooks`).
+        state: the server state to start from (`state` is the current one).
         seed: the run's seed.
         rounds: the last round.
         first_round: the run's first round (0 for strategies with an init round, else 1).
         fraction: the share of the training clients sampled per round.
         training: the training clients' ids (novel clients excluded), sorted.
         evaluation: ``"inline"`` or ``"carried"`` (module docstring).
-        evaluate_inline: the transport's evaluation (:data:`InlineEvaluation`); required in
+        evaluate_inline: the transport's evaluation (`InlineEvaluation`); required in
             ``"inline"`` mode, unused in ``"carried"``.
         min_replies: None, 0 or k (module docstring).
         evaluate_every: evaluate after every this many rounds counted from ``first_round``,
@@ -319,7 +319,7 @@ class RoundLoop:
     def run(self, first: int) -> None:
         """Rounds ``first`` to ``rounds``; each in its own fork of the global RNG (the
         caller's RNG state comes back). In ``"carried"`` mode the last evaluated round stays in
-        :attr:`pending` for the transport's final message."""
+        `pending` for the transport's final message."""
         for r in range(first, self.rounds + 1):
             with collector_paused():
                 with torch.random.fork_rng(devices=self.rng_devices):
@@ -333,7 +333,7 @@ class RoundLoop:
 
     def run_round(self, r: int) -> dict[str, Any] | None:
         """Round ``r`` (module docstring). Returns its record when it is complete now; None
-        when its evaluation is carried to the next message (:attr:`pending`). A carried
+        when its evaluation is carried to the next message (`pending`). A carried
         round before it is completed on the way."""
         t0 = time.perf_counter()
         server = self.server
@@ -417,7 +417,7 @@ class RoundLoop:
 
     def _aggregate(self, r: int, sampled: int, accepted: Sequence[Message]
                    ) -> tuple[str | None, str | None]:
-        """Aggregate round ``r``'s accepted uploads into :attr:`state`, or keep it: (why the
+        """Aggregate round ``r``'s accepted uploads into `state`, or keep it: (why the
         round was skipped — fewer than ``min_replies`` of the ``sampled`` clients' uploads —,
         why the aggregate was dropped), each None when it was not."""
         need = None if self.min_replies is None else (self.min_replies or sampled)
@@ -430,7 +430,7 @@ class RoundLoop:
 
     def _evaluate(self, r: int, record: dict[str, Any], previous: ServerState
                   ) -> tuple[bytes, str | None]:
-        """Evaluate round ``r``'s new :attr:`state` (``"inline"``: now, into ``record``;
+        """Evaluate round ``r``'s new `state` (``"inline"``: now, into ``record``;
         ``"carried"``: only its broadcast is built, to ride on the next message), reverting to
         ``previous`` when that fails: (the carried broadcast or b"", why it reverted or None)."""
         if self.evaluation == "inline":
@@ -444,7 +444,7 @@ class RoundLoop:
         return eval_bytes, reverted
 
     def complete_carried(self, collected: Collected, seconds: float) -> None:
-        """Complete the :attr:`pending` round with the evaluations in ``collected`` (the
+        """Complete the `pending` round with the evaluations in ``collected`` (the
         replies to the message that carried its evaluation broadcast) and hand its record to
         ``round_complete``. The channel's events of evaluating clients go to its ``events``
         when the transport keeps that list."""
@@ -465,7 +465,7 @@ class RoundLoop:
     def final_message(self, last_round: int, client_ids: Sequence[int], *, personalize: bool
                       ) -> tuple[bytes, Collected, list[dict[str, Any]]]:
         """The run's last message to ``client_ids`` (``"carried"`` mode): evaluate the last
-        evaluated state (the :attr:`pending` round's broadcast, else the current state's),
+        evaluated state (the `pending` round's broadcast, else the current state's),
         personalise first when asked, and complete the pending round with the replies.
         Returns (the evaluation broadcast, the replies, the channel's events that went to no
         round's record: all of them when no round was pending)."""

@@ -1,26 +1,26 @@
-"""The whole run, once, for every transport: :class:`Run`.
+"""The whole run, once, for every transport: `Run`.
 
-setup (:func:`~bayesfl.engine.setup.run_setup`, the strategy's server half, the novel clients)
-→ resume (:meth:`Run.restore`: the server state, RNG and metrics of the checkpoint) → the
-setup files → the rounds (:class:`~bayesfl.engine.rounds.RoundLoop` over the transport's
+setup (`run_setup`, the strategy's server half, the novel clients)
+→ resume (`Run.restore`: the server state, RNG and metrics of the checkpoint) → the
+setup files → the rounds (`RoundLoop` over the transport's
 channel) → the final evaluation (personalise, evaluate, the novel clients) → the summary
-(:meth:`Run.summarize`) → the final steps (calibrate, conformal, shift) → the result files.
+(`Run.summarize`) → the final steps (calibrate, conformal, shift) → the result files.
 
-A transport subclasses :class:`Run` with its channel, its round loop (evaluation mode,
+A transport subclasses `Run` with its channel, its round loop (evaluation mode,
 ``min_replies``) and these hooks:
 
-* :meth:`Run.client_states` / :meth:`Run.restore_clients`: the client states a checkpoint
+* `Run.client_states` / `Run.restore_clients`: the client states a checkpoint
   holds for it;
-* :meth:`Run.round_recorded`: a round's record is complete (the loop's other hooks,
-  :class:`~bayesfl.engine.rounds.RoundHooks`, are the transport's own);
-* :meth:`Run.rounds_starting` / :meth:`Run.rounds_ended`: around the rounds (the simulator's
+* `Run.round_recorded`: a round's record is complete (the loop's other hooks,
+  `RoundHooks`, are the transport's own);
+* `Run.rounds_starting` / `Run.rounds_ended`: around the rounds (the simulator's
   progress bar and background checkpoint write; Flower's node discovery);
-* :meth:`Run.final_evaluation`: the last evaluation, the personalisation and the novel
-  clients, returned as a :class:`FinalEvaluation`;
+* `Run.final_evaluation`: the last evaluation, the personalisation and the novel
+  clients, returned as a `FinalEvaluation`;
 * the channel's ``ask``, ``keys`` and ``num_test``: the final phases
-  (:mod:`bayesfl.engine.phases`: calibrate, conformal, shift; :meth:`Run.final_steps` runs
+  (`bayesfl.engine.phases`: calibrate, conformal, shift; `Run.final_steps` runs
   them and writes their figures and files);
-* :attr:`Run.manifest_extras` and :attr:`Run.data_loader` (per-site data: no partition
+* `Run.manifest_extras` and `Run.data_loader` (per-site data: no partition
   file).
 """
 
@@ -55,7 +55,7 @@ from bayesfl.strategies.halves import server_half
 
 @dataclass
 class FinalEvaluation:
-    """What the transport's final evaluation returns (:meth:`Run.final_evaluation`).
+    """What the transport's final evaluation returns (`Run.final_evaluation`).
 
     Attributes:
         last: the training clients' merged evaluation of their final states (personalised
@@ -89,7 +89,7 @@ class Run(ABC):
         data_loader: per-site data (Flower's ``data-loader``): every site loads its own, the
             fingerprint names the loader and no partition file is written.
         shift, ood: the run keys of the shift evaluation after the run
-            (:func:`bayesfl.shift_protocol.shift_request`, checked here: ``shift_request``).
+            (`bayesfl.shift_protocol.shift_request`, checked here: ``shift_request``).
 
     Raises:
         CheckpointError: ``resume`` with a corrupt or foreign checkpoint (before the data
@@ -150,7 +150,7 @@ class Run(ABC):
         self.shift_outcome: Any = None  # the shift step's (bayesfl.shift_protocol.ShiftOutcome)
 
     def start_loop(self, channel: Any, **mode: Any) -> None:
-        """The run's one round loop (:class:`~bayesfl.engine.rounds.RoundLoop`) over the
+        """The run's one round loop (`RoundLoop`) over the
         transport's ``channel``, with this run as its hooks; ``mode``: the transport's
         evaluation mode and limits (``evaluation``, ``min_replies``, ...)."""
         self.channel = channel
@@ -218,8 +218,8 @@ class Run(ABC):
 
     def round_complete(self, record: dict[str, Any]) -> None:
         """The round loop's hook: a round's record is complete; append it to
-        ``metrics.jsonl`` (after the transport's :meth:`round_recorded`), checkpoint, and call
-        :attr:`round_callback`."""
+        ``metrics.jsonl`` (after the transport's `round_recorded`), checkpoint, and call
+        `round_callback`."""
         self.round_recorded(record)
         self.metrics_log.append(record)
         if self.run_dir is not None:
@@ -249,11 +249,11 @@ class Run(ABC):
         """Every client's evaluation after the last round, with the broadcast it used."""
 
     def final_steps(self, final: FinalEvaluation, summary: dict[str, Any]) -> None:
-        """The final phases (:mod:`bayesfl.engine.phases`) as the run asks, each over the
+        """The final phases (`bayesfl.engine.phases`) as the run asks, each over the
         transport's channel (its ``ask``, ``keys`` and ``num_test``) with the final evaluation
-        broadcast: calibrate (:attr:`calibration`, ``summary["calibration"]`` beside the
+        broadcast: calibrate ([`calibration`][calibration], ``summary["calibration"]`` beside the
         uncalibrated figures), conformal (``summary["conformal"]`` and, with a run directory,
-        ``conformal.md`` / ``conformal.png``) and the shift evaluation (:meth:`shift_step`).
+        ``conformal.md`` / ``conformal.png``) and the shift evaluation (`shift_step`).
         Each phase runs on a forked RNG: none draws from the run's."""
         channel, setup, config = self.channel, self.setup, self.config
         channel.final_broadcast = final.broadcast
@@ -283,9 +283,9 @@ class Run(ABC):
 
     def shift_step(self) -> dict[str, Any]:
         """The shift phase (run keys ``shift``/``ood``,
-        :func:`bayesfl.shift_protocol.shift_phase`): every reachable client scores its final
+        `bayesfl.shift_protocol.shift_phase`): every reachable client scores its final
         state on its own shifted and out-of-distribution rows and replies with its mergeable
-        states; the report of the valid replies goes to :attr:`shift_outcome` and, with a run
+        states; the report of the valid replies goes to `shift_outcome` and, with a run
         directory, ``out/shift``. A bad or missing reply is a rejection; a report that cannot
         be built or written is the summary's ``error``, never the run's. Returns
         ``summary["shift_evaluation"]``."""
@@ -326,11 +326,11 @@ class Run(ABC):
     def checkpoint(self, r: int) -> None:
         """Write round ``r``'s checkpoint; its fsync and rename (waiting on the disk, ~1 s at
         16,000 clients) overlap the next round and are waited for before the next checkpoint
-        and when the rounds end (:meth:`checkpoint_in_place`). The tensors it holds are
+        and when the rounds end (`checkpoint_in_place`). The tensors it holds are
         written before this returns (the next round replaces client states, it does not
         write into them, but nothing relies on that). Each write overwrites the checkpoint
         before last, kept as a spare until the rounds end (its pages are still in memory: 0.1
-        instead of ~1 s at 16,000 clients, :func:`bayesfl.checkpoint.write_atomically`)."""
+        instead of ~1 s at 16,000 clients, `bayesfl.checkpoint.write_atomically`)."""
         self.checkpoint_in_place()
         self.pending_checkpoint = save_round(
             self.run_dir / CHECKPOINT_NAME, round=r, first_round=self.first_round,

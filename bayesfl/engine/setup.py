@@ -28,13 +28,13 @@ from bayesfl.training import LocalTraining
 
 @dataclass
 class RunSetup:
-    """What both halves of a run derive from its configuration and data (:func:`run_setup`).
+    """What both halves of a run derive from its configuration and data (`run_setup`).
 
     Attributes:
         client_data: every client's data, in client order.
         held_out: client id -> its held-out calibration data (``calibrate`` only).
         calibration: the parsed ``calibrate`` step, or None.
-        context: the :class:`StrategyContext` both halves build the strategy from.
+        context: the `StrategyContext` both halves build the strategy from.
     """
 
     client_data: list[ClientData]
@@ -42,7 +42,7 @@ class RunSetup:
     calibration: Any
     context: StrategyContext
     conformal: Any = None
-    """the parsed ``conformal`` step (:func:`bayesfl.conformal.parse_conformal`), or None;
+    """the parsed ``conformal`` step (`bayesfl.conformal.parse_conformal`), or None;
     it shares ``held_out`` with ``calibrate``."""
     held_out_fraction: float = 0.0
 
@@ -51,7 +51,7 @@ def run_identity(config: SimulationConfig, data: Any) -> dict[str, Any]:
     """What a run's checkpoint and its nodes are fingerprinted by: the configuration and the
     data's identity (runs without novel clients leave ``novel_fraction`` out, so their
     fingerprints are those of versions before it existed; so do runs without a ``data_seed``:
-    :meth:`~bayesfl.config.SimulationConfig.to_dict` leaves it out)."""
+    [`to_dict`][bayesfl.config.SimulationConfig.to_dict] leaves it out)."""
     identity = {**config.to_dict(), "data": data}
     if config.novel_fraction == 0:
         del identity["novel_fraction"]

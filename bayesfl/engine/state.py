@@ -1,6 +1,6 @@
 """The one checkpoint format of a run, whatever its transport.
 
-A checkpoint (:func:`bayesfl.checkpoint.save_checkpoint`: safetensors, atomic, fingerprinted)
+A checkpoint (`bayesfl.checkpoint.save_checkpoint`: safetensors, atomic, fingerprinted)
 holds, after round ``r``:
 
 * ``server/<name>``: the server state;
@@ -12,10 +12,10 @@ holds, after round ``r``:
   row ``i`` is client ``ids[i]``'s. At 16,000 clients that is 4 tensors instead of 64,000:
   the write's per-tensor work (header, offsets, digest calls) was most of its CPU time;
 * ``rng/torch``: the global torch RNG state (uint8);
-* :data:`METRICS_TENSOR`: ``metrics.jsonl`` as it stood after round ``r`` (uint8), from which a
+* `METRICS_TENSOR`: ``metrics.jsonl`` as it stood after round ``r`` (uint8), from which a
   resumed run rebuilds the file and the summary;
 
-and its metadata: ``format`` (:data:`CHECKPOINT_FORMAT`), ``round``, ``first_round``,
+and its metadata: ``format`` (`CHECKPOINT_FORMAT`), ``round``, ``first_round``,
 ``seconds`` (elapsed run time), ``config`` (the run's identity, data included),
 ``server_keys``, ``client_groups`` (each group's state names, in the order of ``g``) and
 ``transport``.
@@ -55,7 +55,7 @@ def save_round(path: Path, *, round: int, first_round: int, seconds: float,
     """Write the checkpoint of round ``round`` to ``path`` atomically (module docstring);
     ``durable_in_background``: its fsync and rename go on in a thread, ended by the returned
     write's ``wait()``; ``keep_spare``: the replaced checkpoint is overwritten by the next
-    (:func:`bayesfl.checkpoint.save_checkpoint`)."""
+    (`bayesfl.checkpoint.save_checkpoint`)."""
     stacked, client_groups = stacked_client_tensors(clients)
     tensors = {**{f"server/{k}": v for k, v in state.items()}, **stacked}
     tensors["rng/torch"] = torch.get_rng_state()
@@ -72,7 +72,7 @@ def stacked_client_tensors(clients: Mapping[int, ClientState]
                            ) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     """The clients' states as a file's tensors, stacked per layout group (module docstring:
     ``clients/<g>/ids`` and ``clients/<g>/state/<name>``), and the meta's ``client_groups``
-    (each group's state names), which :func:`client_states` reads back."""
+    (each group's state names), which `client_states` reads back."""
     tensors: dict[str, torch.Tensor] = {}
     groups = stack_client_states(clients)
     for g, (ids, stacked) in enumerate(groups):
@@ -87,8 +87,8 @@ def stack_client_states(
     """The clients' states grouped by layout (state names, shapes and dtypes, in the order
     the clients come), each group as (its client ids, each name's states stacked along a new
     first dimension, row ``i`` being ``ids[i]``'s). Stacking copies bits (``torch.stack``) or,
-    unless ``copy``, views them where they already lie stacked (:func:`stack_rows`: the rows a
-    batched fit gave its clients, or a resumed run's), so :func:`client_states` gives back
+    unless ``copy``, views them where they already lie stacked (`stack_rows`: the rows a
+    batched fit gave its clients, or a resumed run's), so `client_states` gives back
     each state exactly."""
     by_layout: dict[tuple, tuple[list[int], list[ClientState]]] = {}
     for cid, client_state in clients.items():
@@ -108,7 +108,7 @@ def compact_client_states(
     times their own bytes (else the same state objects).
 
     A batched fit leaves each client's trained tensors as row views of its round's stack
-    (:mod:`bayesfl.stacked_rows`): with every client trained every round, the stacks the states
+    (`bayesfl.stacked_rows`): with every client trained every round, the stacks the states
     hold are exactly the states; with a fraction sampled, a client not trained since keeps its
     last round's whole stack alive, and those stacks would add up over the rounds. Restacking
     copies every layout group's tensors into one new stack per name and gives each client its
@@ -129,7 +129,7 @@ def compact_client_states(
 
 def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                   client_ids: list[int]) -> dict[int, ClientState]:
-    """The clients' states of a checkpoint (written by :func:`save_round`), by client id:
+    """The clients' states of a checkpoint (written by `save_round`), by client id:
     each a row of its group's stacked tensors (a view, no copy).
 
     Raises:
@@ -180,12 +180,12 @@ def client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
 def restored_client_states(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                            initial: Mapping[int, ClientState], device: torch.device
                            ) -> dict[int, ClientState]:
-    """The states of the clients ``initial`` names from a checkpoint (:func:`client_states`),
+    """The states of the clients ``initial`` names from a checkpoint (`client_states`),
     on ``device``, each checked against its initial state: the same names, shapes and dtypes
     (a client's state keeps its layout across rounds).
 
     Raises:
-        ValueError: as :func:`client_states`, or a state whose layout differs.
+        ValueError: as `client_states`, or a state whose layout differs.
     """
     saved = client_states(tensors, meta, list(initial))
     for cid, state in initial.items():
@@ -203,7 +203,7 @@ def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 @dataclass
 class SavedRound:
-    """A checkpoint's contents, checked (:func:`restore_round`).
+    """A checkpoint's contents, checked (`restore_round`).
 
     Attributes:
         round: the last complete round.

@@ -64,7 +64,7 @@ def server_state_problem(loaded: ServerState, fresh: ServerState) -> str | None:
     Every tensor of the fresh state must be there with its dtype and shape (a tensor that starts
     empty may have grown along its empty axes: CoLearn's pool), and every floating tensor must
     be finite. Tensors a strategy adds as it runs (per-client ledgers and caches, momentum
-    buffers) have no counterpart in the fresh state: :func:`cached_upload_problem` checks the
+    buffers) have no counterpart in the fresh state: `cached_upload_problem` checks the
     copies of uploads among them.
     """
     for name, start in fresh.items():
@@ -105,14 +105,14 @@ def cached_upload_problem(loaded: ServerState, schema: Mapping[str, TensorSpec],
 
 def round_view(strategy: StrategyConfig) -> dict[str, str]:
     """``{"round_view": ...}`` for a round record where the strategy evaluates rounds other
-    than by its final predictive (:attr:`StrategyConfig.round_view`), else nothing."""
+    than by its final predictive (`StrategyConfig.round_view`), else nothing."""
     return {} if strategy.round_view is None else {"round_view": strategy.round_view}
 
 
 def screen_uploads(server: ServerStrategy, plan: RoundPlan,
                    received: Sequence[tuple[int, Message]],
                    reasons: dict[int, str]) -> list[Message]:
-    """The uploads that pass :meth:`ServerStrategy.validate_uploads` (in the order received); the
+    """The uploads that pass `ServerStrategy.validate_uploads` (in the order received); the
     reason of each other one goes into ``reasons`` (client id -> reason)."""
     verdicts = server.validate_uploads(plan, [m for _, m in received],
                                        [cid for cid, _ in received])
@@ -128,7 +128,7 @@ def screen_uploads(server: ServerStrategy, plan: RoundPlan,
 def all_rejected_message(round: int, rejections: Sequence[Mapping[str, Any]],
                          accepted: int) -> str | None:
     """The warning for a round in which uploads came back and every one was rejected
-    (:class:`~bayesfl.errors.UploadsRejectedWarning`), naming up to three distinct reasons;
+    (`UploadsRejectedWarning`), naming up to three distinct reasons;
     None when any upload was accepted or none came back."""
     if accepted or not rejections:
         return None
@@ -142,8 +142,8 @@ def all_rejected_message(round: int, rejections: Sequence[Mapping[str, Any]],
 
 def run_rejected_message(metrics: Sequence[Mapping[str, Any]]) -> str | None:
     """The warning for a run in which uploads came back and not one was accepted in any
-    round (:class:`~bayesfl.errors.UploadsRejectedWarning`, given at the end of the run, after
-    :func:`all_rejected_message`'s once-per-run round warning), naming up to three distinct
+    round (`UploadsRejectedWarning`, given at the end of the run, after
+    `all_rejected_message`'s once-per-run round warning), naming up to three distinct
     reasons; None when any upload was accepted or none came back."""
     rejections = [r for m in metrics for r in m.get("rejections", [])]
     if not rejections or any(m.get("accepted", 0) for m in metrics):

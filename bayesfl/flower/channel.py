@@ -1,5 +1,5 @@
-"""The round engine's channel over a Flower Grid (:class:`FlowerChannel`): one ``train.round``
-message per client and round, the final phases' requests (:meth:`FlowerChannel.ask`:
+"""The round engine's channel over a Flower Grid (`FlowerChannel`): one ``train.round``
+message per client and round, the final phases' requests (`FlowerChannel.ask`:
 ``query.calibrate``, ``query.shift``), and node discovery (``query.info``: a node says which
 client it serves, its data sizes and the run's fingerprint; a node set up with other settings
 or data is refused).
@@ -59,10 +59,10 @@ class Exchange:
 class FlowerChannel:
     """The round engine's channel over a Flower Grid: one ``train.round`` message per client.
 
-    ``nodes`` maps client ids to node ids (:meth:`discover` fills it, admitting nodes of a
+    ``nodes`` maps client ids to node ids (`discover` fills it, admitting nodes of a
     client id in ``[0, clients)`` that report ``fingerprint``); an encoded evaluation reply is
-    read and checked against the strategy ``server`` and ``n_bins`` (:meth:`read`).
-    :meth:`discover` with ``wait`` waits up to ``node_wait`` seconds for ``min_nodes``.
+    read and checked against the strategy ``server`` and ``n_bins`` (`read`).
+    `discover` with ``wait`` waits up to ``node_wait`` seconds for ``min_nodes``.
     """
 
     def __init__(self, grid: Grid, *, round_timeout: float, poll_interval: float,
@@ -178,11 +178,11 @@ class FlowerChannel:
     def poll(self, pushed: tuple[dict[str, int], Mapping[int, tuple[int, RecordDict]],
                                  list[dict[str, Any]], float, float],
              deadline: float, *, step_of: Callable[[int], str]) -> Exchange:
-        """Poll the SuperLink for the replies of :meth:`push` until all are in, ``deadline``
+        """Poll the SuperLink for the replies of `push` until all are in, ``deadline``
         (``time.monotonic()``) passes, or their node goes offline. A reply's timings get the
         server's stamps ``at.pushed`` (its message was pushed) and ``at.received`` (this poll
         got the reply), seconds since the epoch
-        (:func:`bayesfl.flower.protocol.message_segments`)."""
+        (`bayesfl.flower.protocol.message_segments`)."""
         pending, requests, events, t0, pushed_at = pushed
         pending = dict(pending)
         out = Exchange(events=[{**e, "step": step_of(e["client_id"])} for e in events])
@@ -233,9 +233,9 @@ class FlowerChannel:
     def ask(self, phase: Phase, step: int, down: bytes, client_ids: Sequence[int]
             ) -> dict[int, Any]:
         """A final phase's request ``down`` to every client in ``client_ids``, in a
-        ``phase.query`` message with the final evaluation broadcast (:attr:`final_broadcast`)
+        ``phase.query`` message with the final evaluation broadcast (`final_broadcast`)
         laid out as the phase says; each client's reply bytes (the shift phase: with its notes),
-        or why none came (:class:`bayesfl.engine.phases.PhaseChannel`)."""
+        or why none came (`bayesfl.engine.phases.PhaseChannel`)."""
         fields: dict[str, Any] = {"step": step} if phase.numbered else {}
         fields.update({phase.request: down.decode() if phase.text else down,
                        "broadcast": self.final_broadcast})
@@ -331,7 +331,7 @@ def event(client_id: int | None, node_id: int | None, step: str, reason: str
 def round_timings(trace: RoundTrace, started_at: float) -> dict[str, Any]:
     """A round's ``flower`` record key: the wall and polling time of its message, the slowest
     client's seconds per step, the server's, and the critical path message by message
-    (:func:`bayesfl.flower.protocol.round_timeline`); ``started_at``: when the round began
+    (`bayesfl.flower.protocol.round_timeline`); ``started_at``: when the round began
     (seconds since the epoch)."""
     collected = trace.collected
     by_client = {c: collected.replies[c].timings for c in trace.sent if c in collected.replies}

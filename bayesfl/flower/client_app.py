@@ -2,25 +2,25 @@
 
 Each SuperNode is one client: ``node_config`` gives its ``partition-id`` (the client id) and
 ``num-partitions`` (which must equal the run's ``clients``). The node loads the data set named
-in the run config and keeps its own partition (:func:`bayesfl.engine.setup.run_setup`, the
+in the run config and keeps its own partition (`bayesfl.engine.setup.run_setup`, the
 same clients the simulator builds for the same config and seed), or, with the run config's
 ``data-loader = "package.module:function"``, calls that function for its own data
-(:func:`site_data`; nothing is sent). Which code a node runs for its data is the site's
+(`site_data`; nothing is sent). Which code a node runs for its data is the site's
 decision, not the run submitter's: it calls a run's loader only when its own node config lists
-it (``data-loaders``, :func:`allowed_loader`), and refuses the run otherwise. Handlers:
+it (``data-loaders``, `allowed_loader`), and refuses the run otherwise. Handlers:
 
 * ``query.info``: who the node is (client id, test-set size, the run's fingerprint, so the
   server can refuse a node set up with other data or settings), or why the node refuses the run
   (``refused``: a data loader its node config does not allow);
-* ``train.round``: one message per round (:mod:`bayesfl.flower.protocol`): evaluate the
+* ``train.round``: one message per round (`bayesfl.flower.protocol`): evaluate the
   previous round's state with its evaluation broadcast (accumulator states only: no prediction
   leaves the node), then fit on the round's broadcast; the last message of a run evaluates
   and, for strategies that do, personalises and evaluates the personalised state. Each is the
-  simulator's client step (:mod:`bayesfl.client.step`): a client whose training diverges
+  simulator's client step (`bayesfl.client.step`): a client whose training diverges
   keeps its state from before the round and replies ``diverged`` (why) instead of an upload;
-* ``query.calibrate``: the temperature-scaling step (:mod:`bayesfl.calibrate`) on the node's
+* ``query.calibrate``: the temperature-scaling step (`bayesfl.calibrate`) on the node's
   held-out data, then its temperature-scaled evaluation;
-* ``query.shift``: the shift evaluation (:mod:`bayesfl.shift_protocol`) of the node's final
+* ``query.shift``: the shift evaluation (`bayesfl.shift_protocol`) of the node's final
   state on its own test rows: mergeable states only leave the node.
 
 The client state lives in ``context.state`` between rounds (safetensors bytes of the state's
@@ -30,12 +30,12 @@ in the reply (``evaluation-error``) and the fit goes on.
 
 Flower starts a fresh process per message, so everything this module imports is paid per
 message: it imports Flower's app types only, and bayesfl, torch and the strategy inside the
-handlers (:func:`import_step_modules`; the top-level ``bayesfl`` package is lazy, so nothing
+handlers (`import_step_modules`; the top-level ``bayesfl`` package is lazy, so nothing
 else is loaded). A reply's ``timing`` says where the handler's time went: ``import`` (those
 modules), ``setup`` (data set, partition and strategy), ``evaluate``, ``fit``, ``save`` (the
 client state into ``context.state`` and the node's ``state-dir``), ``encode``, ``handler`` (all of
 it), ``cpu`` (the process's CPU seconds at the handler's end, Flower's start included), and the
-message's timeline on the node's clock (seconds since the epoch, :func:`message_timeline`):
+message's timeline on the node's clock (seconds since the epoch, `message_timeline`):
 ``at.delivered`` (the SuperLink handed the message to the SuperNode's pull), ``at.process``
 (this ``flwr-clientapp`` process started), ``at.loaded`` (this module imported: Flower's command,
 the task's pull and the FAB's install are done), ``at.start`` and ``at.end`` (the handler).
@@ -80,7 +80,7 @@ class Node:
     Attributes:
         held_out: the node's held-out calibration data (``calibrate``), or None.
         clients: every client's data of the run's data set (the rows the shift step scores
-            as out-of-distribution: :mod:`bayesfl.shift_protocol`), or None on a node that
+            as out-of-distribution: `bayesfl.shift_protocol`), or None on a node that
             loads its own data (``data-loader``).
         novel: the run's novel clients.
     """
@@ -111,7 +111,7 @@ def node_of(context: Context) -> Node:
     """This node's side of the run (memoised per run config and partition).
 
     With ``state-dir`` in its node config, the node also keeps its trained state after every
-    fit on its own disk (:func:`save_round_state`), so that a resumed run (a new Flower run,
+    fit on its own disk (`save_round_state`), so that a resumed run (a new Flower run,
     whose ``context.state`` starts empty) goes on from the state the server's checkpoint
     belongs to rather than from the initial one.
 
@@ -119,7 +119,7 @@ def node_of(context: Context) -> Node:
         ConfigError: a node_config without an integer ``partition-id`` in ``[0, clients)``,
             or a ``num-partitions`` that differs from the run's ``clients``.
         LoaderRefused: the run config names a ``data-loader`` this node's config does not
-            allow (:func:`allowed_loader`).
+            allow (`allowed_loader`).
     """
     from bayesfl.errors import ConfigError
 
@@ -152,7 +152,7 @@ def allowed_loader(run_config: Mapping[str, Any], node_config: Mapping[str, Any]
 
     A loader is code the node imports and calls with its own data: whoever submits a run must
     not choose it. The node's operator lists the loaders it allows in its node config
-    (:data:`NODE_LOADERS`); a run naming any other one is refused before anything is imported.
+    (`NODE_LOADERS`); a run naming any other one is refused before anything is imported.
 
     Raises:
         LoaderRefused: the run names a loader the node config does not list (the message says
@@ -207,9 +207,9 @@ def _node(run: tuple[tuple[str, Any], ...], partition_id: int, num_partitions: i
 def site_data(loader: str, partition_id: int, node_config: dict[str, Any] | None = None):
     """The data a per-site loader returns for this node, as a bayesfl ``Dataset``.
 
-    ``loader`` names ``package.module:function`` (:func:`bayesfl.user_code.import_object`); it is
+    ``loader`` names ``package.module:function`` (`bayesfl.user_code.import_object`); it is
     called as ``function(partition_id)`` and returns ``(x, y)`` (arrays or tensors: x (n, ...)
-    real, y (n,) integer labels in ``[0, C)``) or a :class:`bayesfl.data.Dataset`.
+    real, y (n,) integer labels in ``[0, C)``) or a [`bayesfl.data.Dataset`][bayesfl.data.Dataset].
 
     Raises:
         ConfigError: the loader cannot be imported or is not callable.
@@ -318,9 +318,9 @@ def store_state(context: Context, slot: str, state: ClientState, round: int) -> 
 
 
 class ContextStore:
-    """This node's :class:`~bayesfl.client.step.ClientStore`: its one client's states in
-    ``context.state`` (:func:`load_state`, :func:`store_state`); a trained state is also kept
-    in the node's ``state-dir`` (:func:`save_round_state`). ``seconds`` adds up the time spent
+    """This node's `ClientStore`: its one client's states in
+    ``context.state`` (`load_state`, `store_state`); a trained state is also kept
+    in the node's ``state-dir`` (`save_round_state`). ``seconds`` adds up the time spent
     saving (the reply's ``save`` timing)."""
 
     def __init__(self, context: Context, node: Node) -> None:
@@ -516,7 +516,7 @@ def round_step(msg: Message, context: Context) -> Message:
 
 def _fit_step(context: Context, node: Node, broadcast: Any, r: int,
               timing: dict[str, float]) -> dict[str, Any]:
-    """The client step's fit (:func:`bayesfl.client.step.fit_clients`, the simulator's too):
+    """The client step's fit (`bayesfl.client.step.fit_clients`, the simulator's too):
     the upload, or, for a client whose training diverged, why it sends nothing
     (``diverged``; its state stays the one from before the round)."""
     import torch
@@ -545,7 +545,7 @@ def _evaluate_step(context: Context, node: Node, data: bytes, r: int, *,
                    personalize: bool) -> dict[str, Any]:
     """The accumulators of the trained state (``evaluation``) and, with ``personalize``, of the
     personalised one (``personalized``), by the client step (``evaluate_clients``,
-    ``personalize_clients`` of :mod:`bayesfl.client.step`); an evaluation that fails is
+    ``personalize_clients`` of `bayesfl.client.step`); an evaluation that fails is
     reported, not raised."""
     from bayesfl.client.step import LocalClient, evaluate_clients, personalize_clients
     from bayesfl.errors import BayesFLError
@@ -579,10 +579,10 @@ def _evaluate_step(context: Context, node: Node, data: bytes, r: int, *,
 
 @app.query("calibrate")
 def calibrate(msg: Message, context: Context) -> Message:
-    """The calibrate and conformal phases on this node (:mod:`bayesfl.engine.phases`): a
-    temperature proposal (``proposal``) or result (``result``, :mod:`bayesfl.calibrate`), a
+    """The calibrate and conformal phases on this node (`bayesfl.engine.phases`): a
+    temperature proposal (``proposal``) or result (``result``, `bayesfl.calibrate`), a
     conformal request (``conformal``) or the thresholds (``conformal_result``,
-    :mod:`bayesfl.conformal`), answered by the phase's client function on this node's site."""
+    `bayesfl.conformal`), answered by the phase's client function on this node's site."""
     from bayesfl import calibrate as temperature
     from bayesfl import conformal
 
@@ -592,7 +592,7 @@ def calibrate(msg: Message, context: Context) -> Message:
 
 @app.query("shift")
 def shift(msg: Message, context: Context) -> Message:
-    """The shift evaluation on this node (:mod:`bayesfl.shift_protocol`): its own test rows
+    """The shift evaluation on this node (`bayesfl.shift_protocol`): its own test rows
     under the request's shifts (and its OOD rows), predicted with its final state; the reply
     carries the mergeable states only (``reply``) and why the mutual information is missing,
     if it is (``notes``, JSON)."""
@@ -602,7 +602,7 @@ def shift(msg: Message, context: Context) -> Message:
 
 
 def _phase_reply(msg: Message, context: Context, phases: tuple[Any, ...]) -> Message:
-    """A final phase's request answered (:class:`bayesfl.engine.phases.Phase`: the record key
+    """A final phase's request answered (`bayesfl.engine.phases.Phase`: the record key
     present says which): the node's site is its final state (the personalised one where it has
     one), its data and held-out rows and the request's final evaluation ``broadcast``.
 

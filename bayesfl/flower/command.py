@@ -1,7 +1,7 @@
 """``bayesfl flower``: one experiment on a Flower deployment on this machine, end to end.
 
 Starts a SuperLink and one SuperNode per client on 127.0.0.1
-(:class:`~bayesfl.flower.local.LocalFederation`), submits the example app
+(`LocalFederation`), submits the example app
 (``examples/flower_app``, or ``--app DIR``) with the experiment as its run config, waits for
 the run's final status (``flwr ls``, not ``flwr run``'s exit code), prints the summary and
 stops every process it started. The flags are those of ``bayesfl run`` plus the deployment's
@@ -37,7 +37,7 @@ NOT_ON_FLOWER: dict[str, str] = {
 
 def add_parser(commands: Any) -> None:
     """The ``flower`` subcommand on ``commands`` (argparse subparsers): ``bayesfl run``'s flags
-    (:func:`bayesfl.settings.add_settings`) and the deployment's."""
+    (`bayesfl.settings.add_settings`) and the deployment's."""
     flower = commands.add_parser(
         "flower", help="run an experiment on a local Flower deployment (SuperLink + one "
         "SuperNode per client on 127.0.0.1)", allow_abbrev=False,
@@ -68,7 +68,7 @@ def run_flower(args: argparse.Namespace) -> int:
 
     Raises:
         ConfigError: flwr is not installed, or a setting ``bayesfl flower`` does not offer is
-            in the ``--config`` file (:data:`NOT_ON_FLOWER`, with the reason).
+            in the ``--config`` file (`NOT_ON_FLOWER`, with the reason).
     """
     start = time.perf_counter()
     if importlib.util.find_spec("flwr") is None:
@@ -150,7 +150,7 @@ def run_config(settings: Mapping[str, Any], out: Path) -> dict[str, Any]:
 
 
 def _literal(value: Any) -> str:
-    """A TOML literal of an option value (what :func:`bayesfl.settings.parse_options` reads)."""
+    """A TOML literal of an option value (what `bayesfl.settings.parse_options` reads)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -1,15 +1,15 @@
 """A Flower deployment on one machine: a SuperLink and N SuperNodes on 127.0.0.1.
 
-:class:`LocalFederation` starts ``flower-superlink`` and one ``flower-supernode`` per client
+`LocalFederation` starts ``flower-superlink`` and one ``flower-supernode`` per client
 (``partition-id=i num-partitions=N``), each in its own process group (own session), on free
 loopback ports, with telemetry and update checks off and ``FLWR_HOME`` in a private
-directory; :meth:`LocalFederation.run` submits an app with ``flwr run`` and reads the run's
+directory; `LocalFederation.run` submits an app with ``flwr run`` and reads the run's
 final status with ``flwr ls`` (``flwr run`` can exit 0 although the run failed); every wait
-is bounded. :meth:`LocalFederation.stop` stops each process it started by its own group id,
+is bounded. `LocalFederation.stop` stops each process it started by its own group id,
 then any descendant that left the group (SuperNodes and the SuperLink spawn
 ``flower-superexec`` children), first with SIGTERM, then SIGKILL. An owner that dies without
 ``stop()`` (SIGKILL, a crash) takes them along on Linux: each gets SIGTERM from the kernel
-(:func:`with_parent_death_signal`).
+(`with_parent_death_signal`).
 
 Nothing listens beyond 127.0.0.1: the SuperLink binds ``--host 127.0.0.1`` and each
 SuperNode's runtime API ``--host 127.0.0.1``. Connections are ``--insecure`` (plain HTTP),
@@ -101,7 +101,7 @@ class LocalFederation:
         start_timeout: seconds to wait for the SuperLink to listen.
         node_config: more node-config keys for every SuperNode (each site's own settings,
             e.g. ``{"data-loaders": "site.data:load"}``, the loaders it allows:
-            :data:`bayesfl.flower.client_app.NODE_LOADERS`); values bool, number or string.
+            `bayesfl.flower.client_app.NODE_LOADERS`); values bool, number or string.
         node_configs: node i's keys over ``node_config`` (a site set up otherwise).
     """
 

@@ -1,6 +1,6 @@
-"""The Flower deployment's options, listed once: :class:`FlowerOptions`' fields are the run
-config's deployment keys (:func:`bayesfl.flower.protocol.parse_run_config`) and, where a field
-says so, the deployment flags of ``bayesfl flower`` (:func:`deployment_flags`).
+"""The Flower deployment's options, listed once: `FlowerOptions`' fields are the run
+config's deployment keys (`bayesfl.flower.protocol.parse_run_config`) and, where a field
+says so, the deployment flags of ``bayesfl flower`` (`deployment_flags`).
 
 No ``flwr`` import here: the CLI builds ``bayesfl flower --help`` from it without Flower
 installed.
@@ -25,7 +25,7 @@ def _flag(default: Any, kind: type, help: str, metavar: str | None = None) -> An
 class FlowerOptions:
     """How the ServerApp drives the federation (run-config keys with ``-`` for ``_``). The
     fields with a ``flag`` in their metadata are ``bayesfl flower``'s deployment flags too
-    (:func:`deployment_flags`).
+    (`deployment_flags`).
 
     Attributes:
         out: the server's run directory (a path on the SuperLink's machine); None writes
@@ -46,13 +46,13 @@ class FlowerOptions:
         evaluate_every: evaluate after every this many rounds, counted from the first
             (FedLog's round 0 included), and always after the last.
         data_loader: ``package.module:function`` every SuperNode calls to load its own data
-            (:func:`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
+            (`bayesfl.flower.client_app.site_data`): nothing is sent; None loads the
             run's data set and keeps the node's partition of it. A node calls it only if its
             own node config allows it (``data-loaders``,
-            :func:`bayesfl.flower.client_app.allowed_loader`); a node that does not refuses
+            `bayesfl.flower.client_app.allowed_loader`); a node that does not refuses
             the run, and the server goes on without it.
         shift: input shifts (``KIND:S1,S2``) every site evaluates its final state on after the
-            run (:mod:`bayesfl.shift_protocol`); the report goes to ``out/shift``.
+            run (`bayesfl.shift_protocol`); the report goes to ``out/shift``.
         ood: out-of-distribution sets (``unseen-labels``, ``novel-clients``) scored there too.
     """
 
@@ -93,7 +93,7 @@ class FlowerOptions:
 
 
 FLOWER_KEYS = {f.name.replace("_", "-"): f.name for f in fields(FlowerOptions)}
-"""Run-config key -> :class:`FlowerOptions` field."""
+"""Run-config key -> `FlowerOptions` field."""
 
 
 class DeploymentFlag(NamedTuple):
@@ -107,7 +107,7 @@ class DeploymentFlag(NamedTuple):
 
 
 def deployment_flags() -> tuple[DeploymentFlag, ...]:
-    """The fields of :class:`FlowerOptions` that ``bayesfl flower`` offers as flags."""
+    """The fields of `FlowerOptions` that ``bayesfl flower`` offers as flags."""
     return tuple(DeploymentFlag(f"--{f.name.replace('_', '-')}", f.metadata["type"],
                                 f.name.replace("_", "-"), f.metadata["flag"],
                                 f.metadata.get("metavar"))

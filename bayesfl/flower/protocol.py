@@ -1,19 +1,19 @@
 """What the bayesfl ServerApp and ClientApp say to each other inside Flower messages.
 
-A round is **one message per client** (:data:`ROUND`): it carries the round's broadcast to fit
+A round is **one message per client** (`ROUND`): it carries the round's broadcast to fit
 on (``fit``, sampled clients only) and the evaluation broadcast of the previous round's state
 (``evaluate``, when that round is evaluated); the client evaluates first (its state is still
 the one that state was evaluated with in the simulator), then fits, and its reply carries the
 upload (``upload``) and its calibration accumulator states (``evaluation``). The last message
 of a run carries only ``evaluate`` (and ``personalize`` for strategies that personalise: the
 reply adds ``personalized``, the accumulators of the personalised state).
-:data:`INFO` asks a node which client it is; :data:`CALIBRATE` carries the temperature-scaling
-step's proposals and result (:mod:`bayesfl.calibrate`); :data:`SHIFT` the shift evaluation's
-request and each site's states (:mod:`bayesfl.shift_protocol`). A message's content is one
-``ConfigRecord`` under :data:`RECORD` holding bayesfl messages as **bytes**
-(:func:`bayesfl.messages.encode`: safetensors plus a JSON header, digest or HMAC; never a
+`INFO` asks a node which client it is; `CALIBRATE` carries the temperature-scaling
+step's proposals and result (`bayesfl.calibrate`); `SHIFT` the shift evaluation's
+request and each site's states (`bayesfl.shift_protocol`). A message's content is one
+``ConfigRecord`` under `RECORD` holding bayesfl messages as **bytes**
+(`bayesfl.messages.encode`: safetensors plus a JSON header, digest or HMAC; never a
 pickle) beside a few scalars (the round, flags); replies add a ``MetricRecord`` of timings under
-:data:`TIMING`. The bytes counted for communication are those of the bayesfl messages, as in
+`TIMING`. The bytes counted for communication are those of the bayesfl messages, as in
 the simulator; Flower's own framing is on top.
 
 The run configuration is Flower's run config (``[tool.flwr.app.config]`` in the app's
@@ -22,7 +22,7 @@ The run configuration is Flower's run config (``[tool.flwr.app.config]`` in the 
 ``body``, ``lr``, ...), strategy and data set options as ``option.NAME`` and
 ``dataset-option.NAME`` (a TOML table ``[tool.flwr.app.config.option]``) or as one string of
 ``KEY=VALUE`` pairs (``option = "alpha=0.01 prior=2.0"``: Flower's ``--run-config`` overrides
-only keys the app's ``pyproject.toml`` lists), and the keys of :class:`FlowerOptions` for the
+only keys the app's ``pyproject.toml`` lists), and the keys of `FlowerOptions` for the
 deployment. ``out = ""``, ``threads = 0`` and ``data-seed = ""`` mean "not set".
 """
 
@@ -64,7 +64,7 @@ def parse_run_config(run_config: Mapping[str, Any]) -> tuple[SimulationConfig, F
     """The experiment and the deployment options from Flower's (flat) run config.
 
     Keys: the flags of ``bayesfl run`` (``-`` or ``_``), ``option.NAME`` /
-    ``dataset-option.NAME`` for options, and :class:`FlowerOptions`'s fields.
+    ``dataset-option.NAME`` for options, and `FlowerOptions`'s fields.
 
     Raises:
         ConfigError: an unknown key (with the valid ones), a value of the wrong type, or
@@ -142,7 +142,7 @@ def pack(data: bytes | None = None, *, timing: Mapping[str, float] | None = None
 
 
 def unpack(content: RecordDict, *, max_bytes: int | None = None) -> tuple[bytes, dict[str, Any]]:
-    """The bayesfl bytes and scalars of a RecordDict built by :func:`pack`.
+    """The bayesfl bytes and scalars of a RecordDict built by `pack`.
 
     Raises:
         MessageRejected: no bayesfl record, no bytes, or more bytes than ``max_bytes``
@@ -163,7 +163,7 @@ def unpack(content: RecordDict, *, max_bytes: int | None = None) -> tuple[bytes,
 
 
 def record_values(content: RecordDict) -> dict[str, Any]:
-    """The scalars and byte parts of a RecordDict built by :func:`pack`.
+    """The scalars and byte parts of a RecordDict built by `pack`.
 
     Raises:
         MessageRejected: no bayesfl record.
@@ -217,14 +217,14 @@ each stamp:
   ServerApp's next poll.
 
 The node's stamps are on the node's clock, the others on the server's: on one machine (as under
-:class:`bayesfl.flower.local.LocalFederation`) the segments add up to the message's wall time."""
+`bayesfl.flower.local.LocalFederation`) the segments add up to the message's wall time."""
 
 HANDLER_PARTS = ("import", "setup", "evaluate", "fit", "save", "encode")
-"""The parts of a round message's handler its reply times (:mod:`bayesfl.flower.client_app`)."""
+"""The parts of a round message's handler its reply times (`bayesfl.flower.client_app`)."""
 
 
 def message_segments(stamps: Mapping[str, float]) -> dict[str, float]:
-    """The segments of :data:`MESSAGE_STAMPS` between the stamps ``stamps`` holds (seconds); a
+    """The segments of `MESSAGE_STAMPS` between the stamps ``stamps`` holds (seconds); a
     missing stamp joins its two segments into one named ``a+b``."""
     out: dict[str, float] = {}
     previous: float | None = None
@@ -245,9 +245,9 @@ def round_timeline(started_at: float, ended_at: float,
                    client_stamps: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
     """Where a Flower round's wall time went, along its critical path: the client whose reply
     came last (``client``). ``before_push`` (round start to the push: sampling, configure,
-    encode), that client's :func:`message_segments`, ``after_last_reply`` (decoding, validation,
+    encode), that client's `message_segments`, ``after_last_reply`` (decoding, validation,
     aggregation, the evaluation broadcast); they add up to ``ended_at - started_at``. Beside them
-    ``handler_parts`` (:data:`HANDLER_PARTS` of its handler) and ``cpu`` (its process's CPU
+    ``handler_parts`` (`HANDLER_PARTS` of its handler) and ``cpu`` (its process's CPU
     seconds, Flower's start included). Empty when no reply carries the stamps."""
     timed = {c: t for c, t in client_stamps.items() if "at.received" in t and "at.pushed" in t}
     if not timed:

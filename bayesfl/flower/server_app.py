@@ -1,15 +1,15 @@
-"""The bayesfl ServerApp: the round engine (:mod:`bayesfl.engine`) driving SuperNodes over
+"""The bayesfl ServerApp: the round engine (`bayesfl.engine`) driving SuperNodes over
 Flower's Grid.
 
-Per run (:class:`FlowerServer`, the engine's run :class:`bayesfl.engine.run.Run` with
-Flower's channel and hooks): parse the run config (:mod:`bayesfl.flower.protocol`), build the
+Per run (`FlowerServer`, the engine's run `bayesfl.engine.run.Run` with
+Flower's channel and hooks): parse the run config (`bayesfl.flower.protocol`), build the
 strategy's server half from it exactly as the simulator does
-(:func:`bayesfl.engine.setup.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it
-is (:meth:`bayesfl.flower.channel.FlowerChannel.discover`, ``query.info``: its client id, its
+(`bayesfl.engine.setup.run_setup`), wait for ``min-nodes`` SuperNodes and ask each who it
+is (`bayesfl.flower.channel.FlowerChannel.discover`, ``query.info``: its client id, its
 test-set size and the run's fingerprint; a node set up with other settings or data is refused
-and logged). Then the engine's one round loop (:class:`bayesfl.engine.rounds.RoundLoop`, the
+and logged). Then the engine's one round loop (`bayesfl.engine.rounds.RoundLoop`, the
 simulator's too) runs the rounds in its ``"carried"`` evaluation mode over
-:class:`~bayesfl.flower.channel.FlowerChannel`, with this module's hooks (discovery at each
+`FlowerChannel`, with this module's hooks (discovery at each
 round's start, the reachable nodes, the ``"flower"`` timings and ``events`` of a record).
 Per round ``r``, **one message per client** (``train.round``):
 
@@ -21,38 +21,38 @@ Per round ``r``, **one message per client** (``train.round``):
    the simulator would have evaluated, and returns accumulator states only;
 3. collect the replies until all are in, ``round-timeout`` passes, or a node goes offline; a
    missing reply, a Flower error reply, bytes that do not decode and an upload that fails
-   :meth:`Strategy.validate_uploads` are each an event with its reason in ``metrics.jsonl``
+   `Strategy.validate_uploads` are each an event with its reason in ``metrics.jsonl``
    (``events``; invalid uploads also under ``rejections``, as in the simulator), never a crash;
 4. round ``r - 1``'s record gets its evaluation (the merge of the accumulators:
-   :func:`bayesfl.evaluation.merge_evaluations`), is appended and checkpointed;
+   `bayesfl.evaluation.merge_evaluations`), is appended and checkpointed;
 5. with at least ``min-replies`` accepted uploads, aggregate or keep the previous state
-   (:func:`bayesfl.engine.steps.aggregate_or_keep`); with fewer, the round is skipped
+   (`bayesfl.engine.steps.aggregate_or_keep`); with fewer, the round is skipped
    (``skipped``; the simulator has no such minimum: docs/architecture.md, "One round loop,
    two channels"); the new state's evaluation broadcast is built or the previous state comes
-   back (:func:`bayesfl.engine.steps.evaluate_or_revert`).
+   back (`bayesfl.engine.steps.evaluate_or_revert`).
 
 The last message of a run (``evaluate``, ``personalize`` for strategies that personalise)
 completes the last round's record, personalises, and evaluates every node, the novel clients'
-too (``summary["novel"]``). Then the engine's final phases (:mod:`bayesfl.engine.phases`, the
-simulator's too) run over :meth:`~bayesfl.flower.channel.FlowerChannel.ask`: with
-``calibrate`` the temperature-scaling step (:func:`bayesfl.calibrate.calibrate_phase`) and
-with ``conformal`` the conformal step (:func:`bayesfl.conformal.conformal_phase`) over
+too (``summary["novel"]``). Then the engine's final phases (`bayesfl.engine.phases`, the
+simulator's too) run over `ask`: with
+``calibrate`` the temperature-scaling step (`bayesfl.calibrate.calibrate_phase`) and
+with ``conformal`` the conformal step (`bayesfl.conformal.conformal_phase`) over
 ``query.calibrate`` messages on the nodes' held-out rows, reporting as in the simulator
 (``summary["calibration"]``, ``summary["conformal"]``); with the run keys ``shift``/``ood``
 every site evaluates its final state on its own shifted and out-of-distribution rows over
-``query.shift`` messages (:func:`bayesfl.shift_protocol.shift_phase`), and the server merges
+``query.shift`` messages (`bayesfl.shift_protocol.shift_phase`), and the server merges
 the validated states into the report ``bayesfl evaluate`` writes (``out/shift``,
 ``summary["shift_evaluation"]``).
 ``authenticate`` is simulator-only: on Flower use its TLS and SuperNode authentication.
 
 The run directory is the simulator's (``metrics.jsonl``, ``summary.json``, ``manifest.json``,
 ``partition.txt/json``, ``checkpoint.safetensors`` in the one format of
-:mod:`bayesfl.engine.state`, ``accuracy.png``, ``reliability.png``), minus
+`bayesfl.engine.state`, ``accuracy.png``, ``reliability.png``), minus
 ``predictions.npz``: no prediction leaves a client, and the reliability diagram is drawn from
 the merged bins. A run resumes from its checkpoint (``resume = true``): the server state, RNG
 and metrics come back. The clients' own states live on the SuperNodes, in the Flower run's
 ``context.state``, which Flower gives every new run empty: a node whose node config names a
-``state-dir`` (:class:`bayesfl.flower.local.LocalFederation` gives every node one) also keeps
+``state-dir`` (`bayesfl.flower.local.LocalFederation` gives every node one) also keeps
 its trained state after each fit there, and every message of a resumed run tells the nodes the
 round it resumed from, so each goes on from its state of that round and the resumed run
 writes the uninterrupted run's numbers. A node without ``state-dir`` starts its client again
@@ -95,7 +95,7 @@ def main(grid: Grid, context: Context) -> None:
 
 class FlowerServer(Run):
     """One run of a strategy's server half over a Flower Grid (module docstring): the engine's
-    run (:class:`bayesfl.engine.run.Run`) with node discovery, the ``"carried"`` round loop,
+    run (`bayesfl.engine.run.Run`) with node discovery, the ``"carried"`` round loop,
     the ``flower`` record keys and the final steps over ``query.*`` messages."""
 
     def __init__(self, grid: Grid, run_config: Mapping[str, Any]) -> None:

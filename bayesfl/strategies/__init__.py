@@ -1,8 +1,8 @@
 """Federated algorithms, one module each in a folder per family, on the two-halves contract of
-:class:`~bayesfl.strategies.base.Strategy` (a ``ServerStrategy`` and a ``ClientStrategy`` over
+[`Strategy`][bayesfl.strategies.base.Strategy] (a ``ServerStrategy`` and a ``ClientStrategy`` over
 the shared ``StrategyConfig``; each side holds one half through a view,
-:mod:`bayesfl.strategies.halves`), and the registry :data:`STRATEGIES` that maps names
-to them (:mod:`bayesfl.strategies.registry`: each strategy registers where it is defined, with
+`bayesfl.strategies.halves`), and the registry `STRATEGIES` that maps names
+to them (`bayesfl.strategies.registry`: each strategy registers where it is defined, with
 its options declared as data)."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ _import_family_modules()
 
 def strategy_options(name: str) -> dict[str, Any]:
     """The keyword options (with their defaults) that strategy ``name`` accepts, from its
-    declaration (:func:`~bayesfl.strategies.registry.options_of`).
+    declaration (`options_of`).
 
     Raises:
         ConfigError: an unknown name (the message lists the valid ones and the nearest).
@@ -88,7 +88,7 @@ def make_strategy(name: str, context: StrategyContext, **options: Any) -> Strate
     Raises:
         ConfigError: an unknown name or option (the message lists the valid ones and the
             nearest), or an option value of the wrong type, out of bounds or not one of its
-            choices (:meth:`~bayesfl.strategies.registry.Option.check`).
+            choices (`check`).
     """
     cls = lookup(name)
     check_option_names(name, options)

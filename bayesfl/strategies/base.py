@@ -37,13 +37,13 @@ drives it like this in round ``r``::
   client runner), which refuses the other half's methods. `SERVER_API`, `CLIENT_API` and
   `SHARED_API` name the methods and attributes of each part.
 * **Groups**: a transport may hand a strategy several clients *with the same body* at once
-  (:meth:`~Strategy.fit_group`, :meth:`~Strategy.predict_group`); strategies that can train or
+  (`fit_group`, `predict_group`); strategies that can train or
   predict them together (vmap over stacked parameters) override these. A group's prediction
-  may stay one tensor: :meth:`~Strategy.predict_rows` gives the clients' probabilities
-  concatenated client after client (what :meth:`~Strategy.evaluate_group` scores), and a
+  may stay one tensor: `predict_rows` gives the clients' probabilities
+  concatenated client after client (what `evaluate_group` scores), and a
   strategy that computes them that way overrides it instead of splitting them per client for
   the caller to concatenate again. Forming the groups is the transport's job
-  (:mod:`bayesfl.executor`), never a strategy's.
+  (`bayesfl.executor`), never a strategy's.
 
 A strategy object holds only its configuration (options and context), which both sides build
 from the same run configuration; it is never mutated after construction (templates of client
@@ -78,7 +78,7 @@ ServerState = dict[str, Tensor]
 ClientState = dict[str, Tensor]
 
 PREDICTIVE = "predictive"
-"""Key of a strategy's headline predictive in :meth:`Strategy.predict` (for posterior
+"""Key of a strategy's headline predictive in `Strategy.predict` (for posterior
 strategies: the posterior predictive)."""
 MAP_PLUGIN = "map_plugin"
 """Key of a posterior strategy's MAP plug-in predictive, reported beside the headline."""
@@ -87,7 +87,7 @@ MODEL_PREFIX = "model."
 
 
 PERSONALIZE_SEED_KEY = 2**31 - 2
-"""Key of :func:`derived_seed` for the generator each client personalises with
+"""Key of `derived_seed` for the generator each client personalises with
 (``derived_seed(run seed, PERSONALIZE_SEED_KEY, client id)``): every transport derives it the
 same way, so a Flower node personalises exactly as the simulator's client does."""
 
@@ -124,7 +124,7 @@ class ClientConfig:
 
     Attributes:
         client_id: 0-based index.
-        body: its body spec, e.g. ``"mlp:200"`` (:func:`bayesfl.bodies.build_body`).
+        body: its body spec, e.g. ``"mlp:200"`` (`bayesfl.bodies.build_body`).
         init_seed: the seed its network is initialised from (clients with the same body and
             seed start from the same weights, as the papers do).
     """
@@ -247,10 +247,10 @@ class StrategyConfig:
     init_round: ClassVar[bool] = False
     """Whether the run has a round 0 before training (FedLog's "pretrain" round)."""
     personalizes: ClassVar[bool] = False
-    """Whether :meth:`ClientStrategy.personalize` does anything (the transport skips it
+    """Whether `ClientStrategy.personalize` does anything (the transport skips it
     otherwise)."""
     is_posterior: ClassVar[bool] = False
-    """Whether :meth:`ClientStrategy.posterior` returns an :mod:`inference` posterior."""
+    """Whether `ClientStrategy.posterior` returns an [`inference`][inference] posterior."""
     round_view: ClassVar[str | None] = None
     """What the figures of rounds before personalisation measure, where that is not the
     strategy's final predictive (the round records of ``metrics.jsonl`` carry it as
@@ -279,7 +279,7 @@ class StrategyConfig:
         """Client ``config``'s initial network: its body spec, initialised from its seed.
 
         The global RNG is seeded inside and restored afterwards, so building a network never
-        moves the caller's random stream (:func:`seeded_rng`; the network is built on the CPU).
+        moves the caller's random stream (`seeded_rng`; the network is built on the CPU).
         """
         shape, d = self.context.input_shape, self.feature_dim
         with seeded_rng(config.init_seed):
@@ -312,7 +312,7 @@ class ServerStrategy(StrategyConfig):
     """
 
     def init(self) -> ServerState:  # pragma: no cover - every strategy overrides it
-        """The initial server state, from the run config (:attr:`context`) alone."""
+        """The initial server state, from the run config (`context`) alone."""
         raise TypeError(f"{type(self).__name__} must define init()")
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
@@ -340,7 +340,7 @@ class ServerStrategy(StrategyConfig):
 
         Header (strategy, round, sender, direction), names, shapes, dtypes and finiteness per
         message against ``plan.upload_schema``; then the algorithm's invariants of all
-        schema-valid uploads together (:meth:`upload_problems`).
+        schema-valid uploads together (`upload_problems`).
         """
         reasons = validate_many(messages, plan.upload_schema, strategy=self.name,
                                 round=plan.round, direction="up", client_ids=client_ids)
@@ -352,7 +352,7 @@ class ServerStrategy(StrategyConfig):
         return reasons
 
     def validate_upload(self, plan: RoundPlan, message: Message, client_id: int) -> None:
-        """:meth:`validate_uploads` of one upload.
+        """`validate_uploads` of one upload.
 
         Raises:
             MessageRejected: with the precise reason.
@@ -454,7 +454,7 @@ class ClientStrategy(StrategyConfig):
         broadcast: Message,
         generators: Sequence[torch.Generator],
     ) -> list[tuple[ClientState, Message]]:
-        """:meth:`fit` of clients that share one body spec (default: one after another;
+        """`fit` of clients that share one body spec (default: one after another;
         strategies may train them together)."""
         return [self.fit(c, s, d, broadcast, g)
                 for c, s, d, g in zip(configs, states, datas, generators, strict=True)]
@@ -468,7 +468,7 @@ class ClientStrategy(StrategyConfig):
         generator: torch.Generator,
     ) -> ClientState:
         """The state a client predicts with after training (or without any, for a novel
-        client); default: unchanged. ``broadcast`` is :meth:`configure_evaluation`'s."""
+        client); default: unchanged. ``broadcast`` is `configure_evaluation`'s."""
         return state
 
     def predict(
@@ -485,7 +485,7 @@ class ClientStrategy(StrategyConfig):
         broadcast: Message,
         xs: Sequence[Tensor],
     ) -> list[dict[str, Tensor]]:
-        """:meth:`predict` of clients that share one body spec (strategies may batch)."""
+        """`predict` of clients that share one body spec (strategies may batch)."""
         return [self.predict(c, s, broadcast, x)
                 for c, s, x in zip(configs, states, xs, strict=True)]
 
@@ -496,11 +496,11 @@ class ClientStrategy(StrategyConfig):
         broadcast: Message,
         xs: Sequence[Tensor],
     ) -> dict[str, Tensor]:
-        """:meth:`predict_group`'s probabilities of each predictive concatenated client after
+        """`predict_group`'s probabilities of each predictive concatenated client after
         client: ``{key: (sum_k B_k, C) float64 on the CPU}``, row for row the same numbers.
-        The default concatenates :meth:`predict_group`'s; a strategy whose group prediction is
+        The default concatenates `predict_group`'s; a strategy whose group prediction is
         one tensor to begin with overrides this (and splits it in ``predict_group``), so
-        :meth:`evaluate_group` scores it without a tensor per client."""
+        `evaluate_group` scores it without a tensor per client."""
         predictions = self.predict_group(configs, states, broadcast, xs)
         return {key: torch.cat([p[key].to("cpu", torch.float64) for p in predictions])
                 for key in predictions[0]}
@@ -521,7 +521,7 @@ class ClientStrategy(StrategyConfig):
 
     def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
                     broadcast: Message) -> ClientState:
-        """The state a client is evaluated with (:attr:`round_view`): its own, unless the
+        """The state a client is evaluated with (`round_view`): its own, unless the
         strategy evaluates rounds before personalisation otherwise. Must not change ``state``."""
         return state
 
@@ -536,8 +536,8 @@ class ClientStrategy(StrategyConfig):
         n_bins: int = 15,
         keep_probs: bool = False,
     ) -> list[Evaluation]:
-        """:meth:`evaluate` of clients that share one body spec (predictions batched), each
-        with its :meth:`round_state`."""
+        """`evaluate` of clients that share one body spec (predictions batched), each
+        with its `round_state`."""
         with torch.enable_grad():  # a round view may train (a head fine-tuned for the round)
             states = [self.round_state(c, s, d, broadcast)
                       for c, s, d in zip(configs, states, datas, strict=True)]
@@ -560,7 +560,7 @@ class ClientStrategy(StrategyConfig):
     def posterior(self, config: ClientConfig, state: ClientState,
                   broadcast: Message) -> Posterior:
         """The federated posterior as client ``config`` holds it (posterior strategies): an
-        :class:`inference.posterior.Posterior` (``mean``, ``sample``, ``predict_proba`` of the
+        `inference.posterior.Posterior` (``mean``, ``sample``, ``predict_proba`` of the
         client's inputs, ``to``, ``state_dict``). What ``sample(n)`` draws depends on its
         ``kind``, each draw shaped like ``mean``:
 
@@ -611,9 +611,9 @@ def stacked_tensors(
 ) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
     """Per client: (parameters, buffers) of its network, new dicts holding its state's own
     tensors (not copies), named as in ``template`` (for
-    :func:`bayesfl.training.train_stacked`, which replaces the dicts' entries with the trained
+    `bayesfl.training.train_stacked`, which replaces the dicts' entries with the trained
     tensors and never writes the ones they held, and
-    :func:`bayesfl.training.forward_stacked_tensors`)."""
+    `bayesfl.training.forward_stacked_tensors`)."""
     p_names = [n for n, _ in template.named_parameters()]
     b_names = [n for n, _ in template.named_buffers()]
     params = [{n: s[MODEL_PREFIX + n] for n in p_names} for s in states]

@@ -1,15 +1,15 @@
 """Each side of a transport holds a strategy through a view of its own half.
 
-A strategy is one class with both halves (:class:`~bayesfl.strategies.base.Strategy`, i.e.
+A strategy is one class with both halves ([`Strategy`][bayesfl.strategies.base.Strategy], i.e.
 ``ServerStrategy`` and ``ClientStrategy`` over the shared ``StrategyConfig``), so that it is
 written in one module, as a Flower app's strategy and its ClientApp come from one project. The
-halves are kept apart where they are *used*: the engine (:mod:`bayesfl.engine`, Flower's
-ServerApp) holds the strategy as a :class:`ServerView`, and the client runner
-(:mod:`bayesfl.client.step`, the simulator's executor, Flower's ClientApp) as a
-:class:`ClientView`. A view answers its own half's methods (``SERVER_API`` or ``CLIENT_API``)
+halves are kept apart where they are *used*: the engine (`bayesfl.engine`, Flower's
+ServerApp) holds the strategy as a `ServerView`, and the client runner
+(`bayesfl.client.step`, the simulator's executor, Flower's ClientApp) as a
+`ClientView`. A view answers its own half's methods (``SERVER_API`` or ``CLIENT_API``)
 and the shared configuration (``SHARED_API``: ``name``, ``context``, ``personalizes``, the
 network of a body spec, ...) by the strategy's own, and refuses everything else with
-:class:`HalfError` (an ``AttributeError``, so ``hasattr(view, "fit")`` is False on the
+`HalfError` (an ``AttributeError``, so ``hasattr(view, "fit")`` is False on the
 server side). A view cannot be written to.
 
 What a view proves is what its side *calls*; that the two halves share no mutable state inside
@@ -86,7 +86,7 @@ class ClientView(_HalfView, ClientStrategy):
 
 
 def server_half(strategy: StrategyConfig) -> ServerStrategy:
-    """``strategy`` as the server side holds it: a :class:`ServerView` (itself if it is one).
+    """``strategy`` as the server side holds it: a `ServerView` (itself if it is one).
 
     Raises:
         TypeError: ``strategy`` is a client view.
@@ -95,7 +95,7 @@ def server_half(strategy: StrategyConfig) -> ServerStrategy:
 
 
 def client_half(strategy: StrategyConfig) -> ClientStrategy:
-    """``strategy`` as a client step holds it: a :class:`ClientView` (itself if it is one).
+    """``strategy`` as a client step holds it: a `ClientView` (itself if it is one).
 
     Raises:
         TypeError: ``strategy`` is a server view.

@@ -1,5 +1,5 @@
 """The tables of the docs that list strategies, generated from the registry
-(:mod:`bayesfl.strategies.registry`).
+(`bayesfl.strategies.registry`).
 
 Each table lies in its page between ``<!-- strategies:NAME -->`` and ``<!-- /strategies -->``:
 
@@ -80,7 +80,7 @@ def architecture_table(registry: Mapping[str, type] = STRATEGIES) -> str:
 
 
 _ROLE = re.compile(r":\w+:`~?([^`]+)`")
-"""A Sphinx role in a help text (``:class:`x```): a code span on the page."""
+"""A Sphinx role in a help text (```x```): a code span on the page."""
 
 
 def _shown(value: Any) -> str:

@@ -5,11 +5,11 @@ Parameter names are ``body.*`` and ``head.weight`` / ``head.bias``.
 **Layers.** The FedLog paper counts what a baseline shares in *layers* (spec fedlog.md §5.1,
 §8: "LG-FedAvg 2" = two global layers, "FedPer" = last two layers local, ...). Here a layer
 is a module that owns parameters itself (a ``Linear`` or ``Conv2d``: its weight and bias), and
-:func:`layer_parameter_names` lists them from input to output, in module registration order.
-For :class:`ClassifierNet` over the ``nn.Sequential`` bodies of :mod:`bayesfl.bodies` that is
+`layer_parameter_names` lists them from input to output, in module registration order.
+For `ClassifierNet` over the ``nn.Sequential`` bodies of `bayesfl.bodies` that is
 the forward order; e.g. body ``mlp:200`` gives three layers ``body.1`` (input -> 200),
 ``body.3`` (200 -> d) and ``head`` (d -> C), and the FedLog paper's MNIST CNN gives
-conv1, conv2, fc1, head (spec §5.2). :func:`last_layers` names the parameters of the last k.
+conv1, conv2, fc1, head (spec §5.2). `last_layers` names the parameters of the last k.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def layer_parameter_names(model: nn.Module) -> list[tuple[str, ...]]:
 
 def last_layers(model: nn.Module, count: int) -> frozenset[str]:
     """Names of the parameters of the last ``count`` layers of ``model`` (0 <= count <= the
-    number of layers; see :func:`layer_parameter_names`)."""
+    number of layers; see `layer_parameter_names`)."""
     groups = layer_parameter_names(model)
     if not 0 <= count <= len(groups):
         raise ValueError(f"model has {len(groups)} layers, cannot take the last {count}")
@@ -60,7 +60,7 @@ class ClassifierNet(nn.Module):
 
 
 class PrototypeNet(ClassifierNet):
-    """Like :class:`ClassifierNet` but returns ``(logits (B, C), features (B, d))``."""
+    """Like `ClassifierNet` but returns ``(logits (B, C), features (B, d))``."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         features = self.body(x)

@@ -13,16 +13,16 @@ A strategy module declares its options next to its class and registers it with a
 Everything that lists strategies or options reads this registry: ``bayesfl strategies``, the
 CLI help, the README and ``docs/architecture.md`` tables (written by ``tools/strategy_tables.py``
 between markers, and checked by a test), and the validation of user-given options
-(:func:`check_options`: unknown names with a did-you-mean, types, bounds and choices, with
-:class:`~bayesfl.errors.ConfigError`). Declared options are the keyword-only parameters of the
-class's ``__init__`` (over its base classes), with the same defaults: :func:`register_strategy`
+(`check_options`: unknown names with a did-you-mean, types, bounds and choices, with
+`ConfigError`). Declared options are the keyword-only parameters of the
+class's ``__init__`` (over its base classes), with the same defaults: `register_strategy`
 refuses a class whose declaration and signature differ, so the two cannot drift.
 
 Options are inherited: a class's options are those its base classes declare (``OPTIONS`` in each
 class body), a later declaration of the same name replacing an earlier one, as Python resolves
 the ``__init__`` keywords themselves.
 
-The built-in strategies register when :mod:`bayesfl.strategies` is imported (it imports every
+The built-in strategies register when `bayesfl.strategies` is imported (it imports every
 module of its family folders); a strategy defined elsewhere (a user's module, a test fixture, a
 Flower app's module) registers when its module is imported.
 """
@@ -55,7 +55,7 @@ class Option:
 
     Attributes:
         name: the keyword (``--option NAME=VALUE``, ``strategy_options={NAME: ...}``).
-        kind: the type(s) a value may have (:data:`Kind`).
+        kind: the type(s) a value may have (`Kind`).
         default: the ``__init__`` keyword default.
         help: what the option means (shown by ``bayesfl strategies NAME``).
         minimum, maximum: inclusive bounds of a number; None: unbounded on that side. A bounded
@@ -82,7 +82,7 @@ class Option:
 
     @property
     def shown_default(self) -> Any:
-        """The default as the listings show it (:attr:`shown` for a None default)."""
+        """The default as the listings show it (`shown` for a None default)."""
         return self.shown if self.default is None and self.shown is not None else self.default
 
     def type_words(self) -> str:
@@ -149,7 +149,7 @@ class Family:
     """A strategy family: one folder of ``bayesfl/strategies/`` and one docs page.
 
     Attributes:
-        key: the folder name (``averaging``), what :func:`register_strategy`'s ``family`` names.
+        key: the folder name (``averaging``), what `register_strategy`'s ``family`` names.
         label: its name in ``docs/architecture.md``'s table.
         title: its name in the README's table.
         page: its docs page, relative to ``docs/``.
@@ -187,7 +187,7 @@ class Registration:
 
     Attributes:
         name: the registered name.
-        family: a key of :data:`FAMILIES`.
+        family: a key of `FAMILIES`.
         broadcast: what the server sends (down).
         upload: what a client sends back (up).
         aggregate: what the server does with the uploads.
@@ -203,7 +203,7 @@ class Registration:
 
 
 STRATEGIES: dict[str, type] = {}
-"""Registry: strategy name -> class, in the order of :data:`FAMILIES`, then of registration
+"""Registry: strategy name -> class, in the order of `FAMILIES`, then of registration
 (strategies registered after the built-ins follow them). The FedLog paper's named baseline
 variants are entries of their own: ``fedrep`` (its "FedRep" / "FedRep 2", two local layers),
 ``fedrep-1`` ("FedRep 1"), ``lg-fedavg`` ("LG-FedAvg 1", one global layer) and ``lg-fedavg-2``
@@ -216,10 +216,10 @@ def register_strategy(name: str, *, broadcast: str, upload: str, aggregate: str,
                       family: str | None = None) -> Callable[[T], T]:
     """Class decorator: register a strategy class under ``name``.
 
-    Sets the class's ``name``; records its family and messages (:class:`Registration`, the
+    Sets the class's ``name``; records its family and messages (`Registration`, the
     ``registration`` class attribute). ``family`` defaults to the folder of
     ``bayesfl/strategies/`` the class is defined in; a class defined elsewhere names one of
-    :data:`FAMILIES`.
+    `FAMILIES`.
 
     Raises:
         TypeError: the name is taken by another class, the family is unknown, a declared option
@@ -255,7 +255,7 @@ def _folder_family(cls: type) -> str | None:
 
 
 def sort_registry() -> None:
-    """Put :data:`STRATEGIES` in listing order (family, then registration), in place."""
+    """Put `STRATEGIES` in listing order (family, then registration), in place."""
     ranks = {key: i for i, key in enumerate(FAMILIES)}
     ordered = sorted(STRATEGIES.items(), key=lambda item: _sort_key(item[1], ranks))
     STRATEGIES.clear()
@@ -270,7 +270,7 @@ def _sort_key(cls: type, ranks: Mapping[str, int]) -> tuple[int, int]:
 
 
 def options_of(cls: type) -> dict[str, Option]:
-    """The options of strategy class ``cls``: option name -> :class:`Option`, over its
+    """The options of strategy class ``cls``: option name -> `Option`, over its
     base classes (a subclass's declaration replaces its base's)."""
     options: dict[str, Option] = {}
     for klass in reversed(cls.__mro__):

@@ -20,9 +20,9 @@ first accepted ``num_samples`` in its state (``declared/<client id>``) and rejec
 count above it (a client's data set does not grow during a run here).
 
 **One screening API for every strategy.** A strategy's ``upload_problems`` is
-:func:`first_reasons` over columns of per-upload reasons, in priority order: its own
-invariants, :func:`count_problems` (``num_samples`` at least 1, not above the declared count,
-screened against the round's median) and :func:`screening_reasons` for each size it screens
+`first_reasons` over columns of per-upload reasons, in priority order: its own
+invariants, `count_problems` (``num_samples`` at least 1, not above the declared count,
+screened against the round's median) and `screening_reasons` for each size it screens
 (an update norm, a distance, CoLearn's and FD's total class count). The decision (flag a value
 above ``ratio`` times the round's lower median; nothing without a ratio, with one upload, or
 when that median is 0) and the reason's wording (``"<what> <value> is more than <ratio>x the
@@ -125,7 +125,7 @@ def screen(values: Tensor, ratio: float | None) -> Tensor:
 def screening_reasons(
     values: Tensor, ratio: float | None, what: str
 ) -> list[str | None]:
-    """:func:`screen` as per-upload reasons (None for accepted ones)."""
+    """`screen` as per-upload reasons (None for accepted ones)."""
     flagged = screen(values, ratio)
     median = float(values.median()) if values.numel() else 0.0
     return [f"{what} {float(v):.4g} is more than {ratio:g}x the round's median {median:.4g} "

@@ -1,13 +1,13 @@
 """Conjugate exponential-family heads: FedLog and FedLog-C (spec ``fedlog.md``).
 
-Clients send :class:`SufficientStatistics` (class-wise sums of ``[1, phi]``); the server sums
-them, adds a :class:`ConjugatePrior` once, and a :class:`ConjugatePosterior` gives the exact MAP
-head (:func:`solve_map`), a structured Laplace approximation, NUTS draws and predictive
-probabilities. :func:`compactness_loss` is FedLog-C's client-side term; :mod:`.privacy` holds the
+Clients send `SufficientStatistics` (class-wise sums of ``[1, phi]``); the server sums
+them, adds a `ConjugatePrior` once, and a `ConjugatePosterior` gives the exact MAP
+head (`solve_map`), a structured Laplace approximation, NUTS draws and predictive
+probabilities. `compactness_loss` is FedLog-C's client-side term; `.privacy` holds the
 Gaussian mechanism for statistics and the check that its noise does not swamp them;
-:class:`NoisyConjugatePosterior` is the posterior of noisy statistics with the noise accounted
-for (:mod:`.noise_aware`). :func:`evidence_feature_scale` chooses the feature scale by the model's
-log evidence of summed statistics (:mod:`.evidence`: federated type-II maximum likelihood).
+`NoisyConjugatePosterior` is the posterior of noisy statistics with the noise accounted
+for (`.noise_aware`). `evidence_feature_scale` chooses the feature scale by the model's
+log evidence of summed statistics (`.evidence`: federated type-II maximum likelihood).
 """
 
 from inference.conjugate.compactness import ClassMeans, compactness_loss

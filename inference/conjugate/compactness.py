@@ -61,7 +61,7 @@ def compactness_loss(
     Args:
         features: body outputs ``(B, m)`` (without the constant 1), requiring grad as usual.
         labels: ``(B,)`` integer labels in ``[0, C)``, on the features' device.
-        class_means: :class:`ClassMeans` (precomputed on the features' device) or the global
+        class_means: `ClassMeans` (precomputed on the features' device) or the global
             statistics (converted on each call).
         alpha: weight >= 0 (paper ablation range 0.001 .. 0.1; default 0.01).
 

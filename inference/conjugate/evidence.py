@@ -10,25 +10,25 @@ pairs is a ratio of normalisers,
                       - (n + s^2 Q) - (n k / 2) log pi + n d log s,
 
 with ``Z(S, N) = ∫ exp(<W, S> - N A(W)) dW`` over ``R^(C k)``, ``T(s)`` the statistics table
-with its feature columns times ``s`` (:class:`~inference.conjugate.SufficientStatistics`),
+with its feature columns times ``s`` (`SufficientStatistics`),
 ``Q = sum_i ||phi_i||^2`` and ``n d log s`` the Jacobian that puts every scale's density in the
 body's units, so that scales compare. Everything is a function of summed quantities: a
 federation gets the evidence of the pooled data from the sum of its clients' tables **and** the
 sum of their ``Q`` — one number per client beyond the table, which the statistics alone do not
 determine (``Q`` is the only term in which the data enter beyond ``T``).
 
-``Z(S, N)`` has no closed form; :func:`log_normalizer` is its Laplace approximation at the MAP,
+``Z(S, N)`` has no closed form; `log_normalizer` is its Laplace approximation at the MAP,
 ``J(W*) + (D/2) log 2 pi - (1/2) log det H``, with the log-determinant of the structured Hessian
-of :class:`~inference.conjugate.ConjugateLaplace` in closed form (matrix determinant lemma):
+of `ConjugateLaplace` in closed form (matrix determinant lemma):
 ``log det H = D log N + sum_y [k log(p_y / 2) + log(1 + 2 ||v_y||^2)] - log gamma``. The prior's
-normaliser ``Z(chi, nu)`` does not depend on ``s``: :func:`log_evidence` leaves it out (it
+normaliser ``Z(chi, nu)`` does not depend on ``s``: `log_evidence` leaves it out (it
 compares feature scales, not priors). Its error is ``O(1/N)`` (tested against quadrature). On a
 FedLog run of issue 25's S1 (C = 10, k = 101, n = 2,500) importance sampling from the Laplace
 Gaussian (20,000 draws, log-weight sd 1.8) moved ``log Z`` by less than 0.1 nat at s = 0.4, 1
 and 1.1, where the evidence of scales 10% apart differs by about 500 nats.
 
-:func:`evidence_feature_scale` maximises the evidence over ``log s``
-(:func:`inference.hyperparameters.search_log_space`). What it measures is how well an
+`evidence_feature_scale` maximises the evidence over ``log s``
+(`inference.hyperparameters.search_log_space`). What it measures is how well an
 isotropic Gaussian with within-class variance ``1 / (2 s^2)`` describes the features it is
 given: on a FedLog body's own training features it returns ``s`` near 1 (the bodies are
 trained against that model), so it does not correct overconfidence that comes from the body
@@ -58,7 +58,7 @@ EVIDENCE_POINTS_PER_DECADE = 4
 def log_det_hessian(W: Tensor, N: float) -> float:
     """``log det H`` of the negative log posterior at ``W (C, k)`` with count ``N`` (exact).
 
-    ``H = N (B - q q^T)`` (:mod:`inference.conjugate.laplace`): ``det B = prod_y (p_y / 2)^k
+    ``H = N (B - q q^T)`` (`inference.conjugate.laplace`): ``det B = prod_y (p_y / 2)^k
     (1 + 2 ||v_y||^2)`` and ``1 - q^T B^-1 q = sum_y p_y / (1 + 2 ||v_y||^2) = 1 / gamma``.
     """
     W = W.to(torch.float64)
@@ -134,17 +134,17 @@ def evidence_feature_scale(
     prior: ConjugatePrior | None = None,
     bounds: tuple[float, float] = EVIDENCE_SCALE_BOUNDS,
 ) -> HyperparameterChoice:
-    """The feature scale ``s`` that maximises :func:`log_evidence` in ``bounds``.
+    """The feature scale ``s`` that maximises `log_evidence` in ``bounds``.
 
-    A grid of :data:`EVIDENCE_POINTS_PER_DECADE` points a decade over ``log s``, then bounded
-    Brent on the best cell (:func:`~inference.hyperparameters.search_log_space`).
+    A grid of `EVIDENCE_POINTS_PER_DECADE` points a decade over ``log s``, then bounded
+    Brent on the best cell (`search_log_space`).
 
     Returns:
-        The :class:`~inference.hyperparameters.HyperparameterChoice` (name
+        The `HyperparameterChoice` (name
         ``"feature_scale"``, method ``"evidence"``, criterion ``"log_evidence"`` in nats).
 
     Raises:
-        InvalidInputError: as :func:`log_evidence`, or bad bounds.
+        InvalidInputError: as `log_evidence`, or bad bounds.
     """
     square_sum = _checked_square_sum(statistics, square_sum)
     prior = ConjugatePrior() if prior is None else prior

@@ -6,11 +6,11 @@ learns features on that scale; a body trained for anything else (a network's own
 layer, say) does not, and the conjugate MAP on its features is overconfident: on the digits
 MLP of issue 12 the mean confidence is 1.000 and the NLL ten times the network's.
 
-:func:`fit_conjugate_head` therefore fits the model to ``s · phi`` (see
-:class:`~inference.conjugate.ConjugatePosterior`'s ``feature_scale``) with ``s`` chosen by the
+`fit_conjugate_head` therefore fits the model to ``s · phi`` (see
+`ConjugatePosterior`'s ``feature_scale``) with ``s`` chosen by the
 likelihood of the labels given the features, ``Σ_i log p(y_i | s phi_i, W*(s))``, with
 ``W*(s)`` the conjugate MAP of the scaled statistics, maximised over ``log s`` (grid of one
-point a decade, then bounded Brent; :mod:`inference.hyperparameters`):
+point a decade, then bounded Brent; `inference.hyperparameters`):
 
 * ``"conditional"`` (default): on the training set itself. One scalar is fitted to ``N``
   labels, so it does not overfit; but when the body was trained on the same examples their
@@ -18,7 +18,7 @@ point a decade, then bounded Brent; :mod:`inference.hyperparameters`):
   overconfidence (measured in ``bench/heads_calibration.py``).
 * ``"validation"``: on held-out ``validation_data`` — unbiased, needs data the head did not
   see (and that the body did not train on).
-* ``"evidence"``: the model's own evidence instead (:mod:`inference.conjugate.evidence`, see
+* ``"evidence"``: the model's own evidence instead (`inference.conjugate.evidence`, see
   below): computable from sums, which is what a federation has.
 
 Why not the model's own evidence: the joint (generative) likelihood of the features fixes
@@ -32,7 +32,7 @@ criterion the predictive is judged by. The prior's pseudo-count ``nu`` only ente
 Federated use: the server sees only summed statistics, from which it can apply a given ``s``
 but cannot evaluate the label likelihood; FedLog (``bayesfl.strategies.fedlog.fedlog``) keeps
 ``s = 1``, which is what its bodies are trained against, unless ``feature_scale="evidence"``:
-the model's own evidence (:mod:`inference.conjugate.evidence`), which needs the summed
+the model's own evidence (`inference.conjugate.evidence`), which needs the summed
 statistics and one more summed number, ``sum_i ||phi_i||^2``.
 """
 
@@ -76,15 +76,15 @@ def fit_conjugate_head(
         features: ``(N, m)`` body features (float, any device); labels: ``(N,)`` in
             ``[0, num_classes)``; num_classes: ``C``.
         prior: hyperparameters (default ``ConjugatePrior()``: chi = 0, nu = 1).
-        solver: ``"exact"`` or ``"adam"`` (see :class:`ConjugatePosterior`).
+        solver: ``"exact"`` or ``"adam"`` (see `ConjugatePosterior`).
         feature_scale: ``s > 0``, or ``"conditional"`` / ``"validation"`` / ``"evidence"``
             (module docstring).
         feature_scale_bounds: ``(lower, upper)`` search interval of ``s``.
         validation_data: ``(features (V, m), labels (V,))`` for ``"validation"``.
-        max_root_steps: the exact solver's step limit (:class:`ConjugatePosterior`).
+        max_root_steps: the exact solver's step limit (`ConjugatePosterior`).
 
     Returns:
-        The :class:`ConjugatePosterior`; its ``feature_scale_selection`` records the choice
+        The `ConjugatePosterior`; its ``feature_scale_selection`` records the choice
         (``None`` for a given number).
 
     Raises:

@@ -1,12 +1,12 @@
 """The feature scale chosen by held-out label likelihood, from sums a federation can add.
 
-:func:`~inference.conjugate.feature_scale.fit_conjugate_head`'s ``"validation"`` criterion,
+`fit_conjugate_head`'s ``"validation"`` criterion,
 ``sum_i -log p(y_i | s phi_i, W*(s))`` over held-out examples, with ``W*(s)`` the conjugate MAP
 of the *training* statistics at scale ``s``, is a sum over examples: each client can evaluate
 its own share on a fixed grid of ``s`` and the server adds the clients' vectors. The grid is
-:data:`HELDOUT_SCALE_GRID` (1/32 to 8, four points an octave: a step of 19% in ``s``), and the
+`HELDOUT_SCALE_GRID` (1/32 to 8, four points an octave: a step of 19% in ``s``), and the
 choice is the grid's minimum refined by the parabola through it and its two neighbours in
-``log s`` (:func:`scale_from_grid`), so it is a deterministic function of the summed vector.
+``log s`` (`scale_from_grid`), so it is a deterministic function of the summed vector.
 
 Why held-out data: a body trained on its examples maps them closer to their class means than
 new examples, so every criterion of training features (their label likelihood, the model's own
@@ -59,14 +59,14 @@ def grid_heads(
     grid: tuple[float, ...] = HELDOUT_SCALE_GRID,
 ) -> Tensor:
     """The MAP heads ``W*(s)`` ``(len(grid), C, m)`` float64 of ``statistics`` at every scale
-    of ``grid`` (acting on unscaled features): what :func:`heldout_nll_grid` scores with, to
+    of ``grid`` (acting on unscaled features): what `heldout_nll_grid` scores with, to
     be solved once and shared by every client scoring under the same statistics."""
     return torch.stack([ConjugatePosterior(prior, statistics, feature_scale=scale).map()
                         for scale in grid])
 
 
 def heldout_nll_of_heads(heads: Tensor, features: Tensor, labels: Tensor) -> Tensor:
-    """:func:`heldout_nll_grid` with the grid's heads given (:func:`grid_heads`): ``(G,)``
+    """`heldout_nll_grid` with the grid's heads given (`grid_heads`): ``(G,)``
     float64 on the CPU, the summed label NLL of ``features`` ``(V, m - 1)`` under each head
     ``(G, C, m)``."""
     _check_rows(heads.shape[-1] - 1, features, labels)
@@ -91,7 +91,7 @@ def _check_rows(feature_dim: int, features: Tensor, labels: Tensor) -> None:
 
 def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID) -> float:
     """The scale minimising the summed held-out NLL ``nll`` ``(len(grid),)`` over ``grid``
-    (:func:`inference.log_grid.argmin_on_log_grid`: the grid's argmin refined by a parabola in
+    (`inference.log_grid.argmin_on_log_grid`: the grid's argmin refined by a parabola in
     ``log s``; at the grid's ends the end itself).
 
     Raises:

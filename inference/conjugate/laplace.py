@@ -28,7 +28,7 @@ the mode says nothing about this posterior: with the other rows at the MAP, ``W_
 is ``(1 + e^{||W_y||^2 / 4 - A})^{-N}``, ``A = logsumexp_{j != y} a_j``, flat over a ball of
 radius about ``2 sqrt(A)`` and falling off like ``e^{-N ||W_y||^2 / 4}`` beyond it. For these
 classes the block is the moment-matched isotropic Gaussian of that conditional instead
-(:func:`empty_class_variance`: ``E ||W_y||^2 / k`` by quadrature), the other classes' blocks and
+(`empty_class_variance`: ``E ||W_y||^2 / k`` by quadrature), the other classes' blocks and
 the rank-one coupling are unchanged (``q_y = p_y v_y = 0``: the coupling never reaches them).
 """
 

@@ -1,9 +1,9 @@
 """The conjugate posterior of DP-noisy statistics, with the known noise accounted for.
 
-Differential privacy (:mod:`inference.conjugate.privacy`) releases ``S_hat = S + E`` with
+Differential privacy (`inference.conjugate.privacy`) releases ``S_hat = S + E`` with
 ``E ~ N(0, s2 I)`` in every cell of the ``(C, k)`` table (``k = m + 1``), where the server knows
 ``s2 = R sigma^2`` (``R`` releases summed: ``K`` clients under local DP, 1 under central DP).
-Taking ``S_hat`` at face value (:class:`~inference.conjugate.ConjugatePosterior`) gives a
+Taking ``S_hat`` at face value (`ConjugatePosterior`) gives a
 posterior whose spread reflects only the sampling of ``n`` records, ``H^-1 ~ 1/n``, while the
 noise moves the MAP by ``~ sigma / n_y`` per entry: at small epsilon orders of magnitude more.
 The plug-in and the Laplace predictive are then confidently wrong.
@@ -14,7 +14,7 @@ moves it by
 
     dW = H^-1 (dS - grad A(W*) dN),      H = N Hess A(W*),  grad A(W*) = S / N = g,
 
-the Laplace precision of :class:`~inference.conjugate.ConjugateLaplace` (``g_y = p_y W*_y / 2``).
+the Laplace precision of `ConjugateLaplace` (``g_y = p_y W*_y / 2``).
 If ``n`` is public (central DP, the paper's choice) ``dN = 0``; if ``N`` is the sum of the noisy
 count column (local DP: the server has no clean count) ``dN = u . dS`` with ``u`` the indicator
 of column 0. So ``dW = H^-1 M dS`` with ``M = I - g u^T`` (or ``M = I``). The server only knows
@@ -46,15 +46,15 @@ inflating the class-conditional precision by ``kappa_y = n_y / (n_y + 2 s2)`` (t
 gives as well.
 
 **Computation.** Everything stays ``O(C k)`` per vector: ``H^-1`` is block-diagonal plus rank one
-(:class:`ConjugateLaplace`), ``M`` and ``D`` are rank-one and diagonal. Draws add
+(`ConjugateLaplace`), ``M`` and ``D`` are rank-one and diagonal. Draws add
 ``sqrt(s2) H^-1 M D z'`` (a second standard normal) to the face-value draws, so with the same
-generator the face-value part of every draw is the one :class:`ConjugateLaplace` gives. The
+generator the face-value part of every draw is the one `ConjugateLaplace` gives. The
 logit variances of the probit predictive have the closed form of
-:meth:`NoiseAwareLaplace.logit_moments`. NUTS (``sample(method="nuts")``) samples the exact
+`NoiseAwareLaplace.logit_moments`. NUTS (``sample(method="nuts")``) samples the exact
 face-value posterior and adds the same linearised noise term.
 
 The linearisation is taken at the noisy MAP; when the noise swamps the statistics (see
-:class:`~inference.conjugate.privacy.DPNoiseReport`) it still widens the predictive towards
+[`DPNoiseReport`][inference.conjugate.privacy.DPNoiseReport]) it still widens the predictive towards
 uniform, which is the honest answer, but the figures are then no more than that.
 
 **What it buys, measured** (``bench/dp_price.py``: FedLog on digits, 20 clients, 10 and 30
@@ -97,7 +97,7 @@ _LOGIT_BLOCK = 4096
 class NoiseAwareLaplace(ConjugateLaplace):
     """``N(W*, H^-1 + s2 H^-1 M D^2 M^T H^-1)`` over heads ``W (C, k)`` (module docstring).
 
-    :meth:`precision_matvec`, :meth:`dense_precision` and :meth:`factor_matvec` stay those of
+    `precision_matvec`, `dense_precision` and `factor_matvec` stay those of
     the face-value part ``H`` (a whitening for NUTS); every covariance, variance, draw and
     logit moment includes the noise.
 
@@ -178,7 +178,7 @@ class NoiseAwareLaplace(ConjugateLaplace):
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         """``n`` draws ``(n, C, k)``, float64: the face-value draws of
-        :class:`ConjugateLaplace` (same generator, same numbers) plus the noise term from a
+        `ConjugateLaplace` (same generator, same numbers) plus the noise term from a
         second standard normal."""
         draws = super().sample(n, generator=generator)
         if self.noise_variance == 0.0:
@@ -197,7 +197,7 @@ class NoiseAwareLaplace(ConjugateLaplace):
         """``s2 ||D M^T H^-1 (e_y x^T)||^2`` for inputs ``x (B, k)``, shape ``(B, C)``.
 
         With ``H^-1 (e_y x^T) = (1/N) (e_y b_y^T + gamma rho_y r)``, ``b_y = B_y^-1 x`` and
-        ``rho_y = r_y . x`` (:class:`ConjugateLaplace`), and ``t = g . H^-1 (e_y x^T)``:
+        ``rho_y = r_y . x`` (`ConjugateLaplace`), and ``t = g . H^-1 (e_y x^T)``:
         ``||D a||^2 - 2 t sum_z a_z0 + C t^2`` (``d_0 = 1``), in ``O(B C k)``.
         """
         if self.noise_variance == 0.0:
@@ -227,11 +227,11 @@ class NoiseAwareLaplace(ConjugateLaplace):
 
 class NoisyConjugatePosterior(ConjugatePosterior):
     """The conjugate posterior of DP-noisy statistics, widened by the known noise (module
-    docstring); satisfies :class:`inference.posterior.Posterior`.
+    docstring); satisfies [`inference.posterior.Posterior`][inference.posterior.Posterior].
 
-    ``sample(n)`` draws head weights ``(n, C, m + 1)``, as :class:`ConjugatePosterior` does.
-    The MAP is that of the noisy statistic taken at face value; :meth:`laplace` is a
-    :class:`NoiseAwareLaplace`, so ``sample``, ``covariance`` and the ``"probit"`` and ``"mc"``
+    ``sample(n)`` draws head weights ``(n, C, m + 1)``, as `ConjugatePosterior` does.
+    The MAP is that of the noisy statistic taken at face value; `laplace` is a
+    `NoiseAwareLaplace`, so ``sample``, ``covariance`` and the ``"probit"`` and ``"mc"``
     predictives carry the noise. With ``noise_variance = 0`` it is the face-value posterior.
     Prefer ``"mc"`` when ``count_from_noise``: the noise of ``N`` rescales every class's logits
     together, which the draws keep and the probit's per-class marginal variances do not (on
@@ -245,8 +245,8 @@ class NoisyConjugatePosterior(ConjugatePosterior):
             ``sigma``), in table units.
         count_from_noise: whether ``statistics.n`` was computed from the noisy count column
             (local DP) instead of being the exact public count.
-        solver: as :class:`~inference.conjugate.ConjugatePosterior`.
-        feature_scale: as :class:`~inference.conjugate.ConjugatePosterior`.
+        solver: as [`ConjugatePosterior`][inference.conjugate.ConjugatePosterior].
+        feature_scale: as [`ConjugatePosterior`][inference.conjugate.ConjugatePosterior].
     """
 
     kind: ClassVar[str] = "noisy_conjugate"
@@ -308,7 +308,7 @@ class NoisyConjugatePosterior(ConjugatePosterior):
         return moved
 
     def state_dict(self) -> dict[str, Tensor]:
-        """:meth:`ConjugatePosterior.state_dict` plus ``noise_variance`` (float64 scalar) and
+        """`ConjugatePosterior.state_dict` plus ``noise_variance`` (float64 scalar) and
         ``count_from_noise`` (bool scalar)."""
         state = super().state_dict()
         state["noise_variance"] = torch.tensor(self.noise_variance, dtype=torch.float64)
@@ -317,7 +317,7 @@ class NoisyConjugatePosterior(ConjugatePosterior):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> NoisyConjugatePosterior:
-        """Inverse of :meth:`state_dict`."""
+        """Inverse of `state_dict`."""
         for key in ("noise_variance", "count_from_noise"):
             if key not in state or state[key].numel() != 1:
                 raise InvalidInputError(f"noisy conjugate posterior state lacks scalar {key!r}")
@@ -334,7 +334,7 @@ class NoisyConjugatePosterior(ConjugatePosterior):
 
 
 def _checked_variance(value: float) -> float:
-    """``value`` as a float if it is a finite number >= 0; else :class:`InvalidInputError`."""
+    """``value`` as a float if it is a finite number >= 0; else `InvalidInputError`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             math.isfinite(value) and value >= 0):
         raise InvalidInputError(f"noise_variance must be a finite number >= 0, got {value!r}")

@@ -1,7 +1,7 @@
 """NUTS (pyro-ppl) on the exact unnormalised conjugate log posterior.
 
 The sampler runs in whitened coordinates ``z`` with ``W = W* + L z``, where ``L`` is the
-Laplace factor (:class:`inference.conjugate.laplace.ConjugateLaplace`). This is a linear change
+Laplace factor (`inference.conjugate.laplace.ConjugateLaplace`). This is a linear change
 of variables with a constant Jacobian, so the target is still exactly the posterior
 ``exp(J(W))`` — but its scales and correlations are close to those of a standard normal, so the
 step size adapts quickly and trees stay shallow whatever the size of ``N``.

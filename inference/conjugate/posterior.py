@@ -1,7 +1,7 @@
 """The conjugate posterior over a FedLog head (spec §1.3, §2, §2.5).
 
 ``p(W | data) ∝ exp(<W, S> - N logsumexp_y(||W_y||^2 / 4))`` with ``S = chi + T`` and
-``N = nu + n`` (prior :class:`ConjugatePrior`, statistics :class:`SufficientStatistics`). The
+``N = nu + n`` (prior `ConjugatePrior`, statistics `SufficientStatistics`). The
 prior and the likelihood statistics are kept apart, so a server sums client statistics and adds
 the prior exactly once. ``W`` is ``(C, m + 1)`` with column 0 the bias: logits are
 ``[1, phi] @ W.T`` for body features ``phi (B, m)``.
@@ -47,7 +47,7 @@ _SOLVER_CODES: dict[str, int] = {"exact": 0, "adam": 1}
 
 
 class ConjugatePosterior:
-    """Posterior over the head; satisfies :class:`inference.posterior.Posterior`.
+    """Posterior over the head; satisfies `inference.posterior.Posterior`.
 
     ``sample(n)`` draws head weights ``(n, C, m + 1)`` (the bias in column 0) in the space of
     the scaled features ``[1, s phi]``, float64.
@@ -55,22 +55,22 @@ class ConjugatePosterior:
     Args:
         prior: hyperparameters (``None`` means ``ConjugatePrior()``: chi = 0, nu = 1).
         statistics: summed statistics (possibly privatised).
-        solver: ``"exact"`` (the closed-form maximiser, :func:`inference.conjugate.solve_map`;
+        solver: ``"exact"`` (the closed-form maximiser, `inference.conjugate.solve_map`;
             default) or ``"adam"`` (the FedLog authors' code: Adam on the paper's Eq. 12).
         feature_scale: ``s > 0`` (see the module docstring); ``chi`` lives in the scaled
             space (it is a pseudo-statistic of ``[1, s phi]``).
         max_root_steps: the exact solver's step limit
-            (:func:`~inference.conjugate.solver.solve_map`'s ``max_steps``; an integer >= 1).
+            ([`solve_map`][inference.conjugate.solver.solve_map]'s ``max_steps``; an integer >= 1).
 
     Attributes:
-        feature_scale_selection: how :func:`inference.fit_head` chose ``feature_scale`` (a
-            :class:`~inference.hyperparameters.HyperparameterChoice`), or ``None``; a record of
+        feature_scale_selection: how `inference.fit_head` chose ``feature_scale`` (a
+            `HyperparameterChoice`), or ``None``; a record of
             the fit, not part of the state.
 
     Raises:
         InvalidInputError: ``N = nu + n <= 0``, a prior chi of the wrong shape, an unknown
             solver, a feature scale that is not a finite positive number, or statistics that
-            fail :meth:`SufficientStatistics.validate`.
+            fail [`SufficientStatistics.validate`][inference.SufficientStatistics.validate].
     """
 
     kind: ClassVar[str] = "conjugate"
@@ -173,7 +173,7 @@ class ConjugatePosterior:
     def covariance(self) -> Tensor:
         """Dense Laplace covariance ``(C (m+1), C (m+1))`` of heads of body features, row-major
         over (class, column); refused with MemoryBudgetError above 1 GiB. Prefer
-        :meth:`laplace` for large heads."""
+        [`laplace`][inference.conjugate.posterior.ConjugatePosterior.laplace] for large heads."""
         scale = self._column_scale.repeat(self.num_classes)
         return self.laplace().dense_covariance() * scale[:, None] * scale[None, :]
 
@@ -250,7 +250,7 @@ class ConjugatePosterior:
 
     def _augmented(self, inputs: Tensor) -> Tensor:
         """``[1, inputs]`` (B, m + 1) float64 on the posterior's device; ``inputs`` are body
-        features without the constant 1, checked by :func:`inference.inputs.as_features`."""
+        features without the constant 1, checked by `inference.inputs.as_features`."""
         x = as_features(inputs, self.feature_dim).to(device=self.device, dtype=torch.float64)
         return torch.cat([torch.ones_like(x[:, :1]), x], dim=1)
 
@@ -282,7 +282,7 @@ class ConjugatePosterior:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> ConjugatePosterior:
-        """Inverse of :meth:`state_dict` (validates the statistics and the prior)."""
+        """Inverse of `state_dict` (validates the statistics and the prior)."""
         for key in ("prior_chi", "prior_nu", "solver"):
             if key not in state:
                 raise InvalidInputError(f"conjugate posterior state lacks {key!r}")
@@ -308,7 +308,7 @@ class ConjugatePosterior:
 
 
 def _checked_scale(value: float) -> float:
-    """``value`` as a float if it is a finite number > 0; else :class:`InvalidInputError`."""
+    """``value`` as a float if it is a finite number > 0; else `InvalidInputError`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             math.isfinite(value) and value > 0):
         raise InvalidInputError(f"feature_scale must be a finite number > 0, got {value!r}")

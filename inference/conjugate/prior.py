@@ -21,7 +21,7 @@ class ConjugatePrior:
 
     Attributes:
         chi: a number (the same pseudo-statistic in every cell) or a ``(C, m + 1)`` tensor laid
-            out like :attr:`SufficientStatistics.table` (column 0 = pseudo-counts). Default 0.
+            out like `SufficientStatistics.table` (column 0 = pseudo-counts). Default 0.
         nu: pseudo-count ``>= 0``. Default 1 (the paper); 0 gives the maximum-likelihood head
             (the authors' code), which needs at least one sample.
     """

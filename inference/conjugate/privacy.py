@@ -17,17 +17,17 @@ calibrations of ``sigma`` are offered:
   covers the whole run.
 
 Placement: *local* DP privatises each client's statistics before upload; *central* DP
-privatises the server's sum once per round. :func:`privatize` does either. The total count is
+privatises the server's sum once per round. `privatize` does either. The total count is
 either released as is (the paper's choice: ``n`` treated as public) or replaced by the rounded sum
 of the noisy count column (``release_count=False``), which is post-processing of the noisy table.
 
-**When the noise swamps the statistics** (:class:`DPNoiseReport`). ``sigma`` does not shrink with
+**When the noise swamps the statistics** (`DPNoiseReport`). ``sigma`` does not shrink with
 the data, so a small data set can be drowned. The figure is the *noise-to-signal ratio* of a
 class row of the summed table: the root-mean-square norm of the noise on the row,
 ``sigma sqrt(R) sqrt(m + 1)`` (``R`` noisy releases summed: ``K`` clients under local DP, whose
 noise variances add, 1 under central DP), over the norm of the row ``[n_y, S_y]``. With the
 clip bound the row's norm is at most ``n_y sqrt(1 + m b^2) = n_y Delta_2`` (basis ``"bound"``,
-:func:`privacy_signal_to_noise`: public, computable before any training), so
+`privacy_signal_to_noise`: public, computable before any training), so
 
     noise_to_signal = (sigma / Delta_2) sqrt(R (m + 1)) / n_y,
 
@@ -37,9 +37,9 @@ bound (the class rows of a trained digits body have about a third of the bound's
 is a lower bound on the noise-to-signal of the actual statistics. Measured on digits (20
 clients, 10 and 30 rounds, 3 seeds, ``bench/dp_price.py``): up to 0.38 the model keeps its
 accuracy (0.96-0.99, against 0.99 without DP), at 0.51-0.75 it falls to 0.54-0.77, from 0.96 on
-it is near chance (0.07-0.28). A :class:`PrivacyNoiseWarning` is raised above :data:`DEGRADED_RATIO`
-(0.5), with the figures and what to do; above :data:`SWAMPED_RATIO` (1) the noise is larger
-than anything the statistics could hold. :func:`privatize` checks its own release: against the
+it is near chance (0.07-0.28). A `PrivacyNoiseWarning` is raised above `DEGRADED_RATIO`
+(0.5), with the figures and what to do; above `SWAMPED_RATIO` (1) the noise is larger
+than anything the statistics could hold. `privatize` checks its own release: against the
 bound when given one, else against the norms of the table it perturbs (basis ``"table"``: noise
 larger than the statistic itself, warned above 1).
 """
@@ -196,8 +196,8 @@ class DPNoiseReport:
 
     @property
     def threshold(self) -> float:
-        """The ratio above which :meth:`warn` warns: :data:`DEGRADED_RATIO` on the bound basis
-        (a lower bound on the real ratio), :data:`SWAMPED_RATIO` on the table basis."""
+        """The ratio above which `warn` warns: `DEGRADED_RATIO` on the bound basis
+        (a lower bound on the real ratio), `SWAMPED_RATIO` on the table basis."""
         return DEGRADED_RATIO if self.basis == "bound" else SWAMPED_RATIO
 
     @property
@@ -207,7 +207,7 @@ class DPNoiseReport:
 
     @property
     def warns(self) -> bool:
-        """Whether the ratio is above :attr:`threshold`."""
+        """Whether the ratio is above `threshold`."""
         return self.noise_to_signal > self.threshold
 
     def message(self) -> str:
@@ -235,7 +235,7 @@ class DPNoiseReport:
         )
 
     def warn(self, stacklevel: int = 2) -> bool:
-        """Emit a :class:`PrivacyNoiseWarning` if :attr:`warns`; returns whether it did."""
+        """Emit a `PrivacyNoiseWarning` if `warns`; returns whether it did."""
         if self.warns:
             warnings.warn(self.message(), PrivacyNoiseWarning, stacklevel=stacklevel + 1)
         return self.warns
@@ -253,7 +253,7 @@ def privacy_signal_to_noise(
     """The noise-to-signal report of DP statistics from public figures (basis ``"bound"``).
 
     Args:
-        sigma: the per-release noise standard deviation (:func:`gaussian_sigma`).
+        sigma: the per-release noise standard deviation (`gaussian_sigma`).
         class_counts: samples per class summed over all clients, ``(C,)``, or one typical
             count (e.g. ``n / C``); a count <= 0 is a class without signal.
         feature_dim: ``m`` body features.
@@ -304,20 +304,20 @@ def privatize(
 ) -> SufficientStatistics:
     """Gaussian mechanism: ``table + N(0, sigma^2)`` in every cell, flagged ``privatized``.
 
-    The features must have been clipped (:func:`clip_features`) before the statistics were
+    The features must have been clipped (`clip_features`) before the statistics were
     built, or ``sigma`` protects nothing. Noise is drawn in float64 on the statistics' device
     (``generator`` must live there).
 
     Before releasing, the noise is compared with the statistics (module docstring): a
-    :class:`PrivacyNoiseWarning` says so when it swamps them. With ``bound`` the comparison is
-    :func:`privacy_signal_to_noise` of this table's class counts (one release); without it,
-    the table's own row norms (:func:`table_noise_report`). One client's share of a local-DP
+    `PrivacyNoiseWarning` says so when it swamps them. With ``bound`` the comparison is
+    `privacy_signal_to_noise` of this table's class counts (one release); without it,
+    the table's own row norms (`table_noise_report`). One client's share of a local-DP
     sum is always swamped on its own; such callers pass ``check_noise=False`` and check the
-    sum (:func:`privacy_signal_to_noise` with ``placement="local"``).
+    sum (`privacy_signal_to_noise` with ``placement="local"``).
 
     Args:
         statistics: one client's statistics (local DP) or the server's sum (central DP).
-        sigma: noise standard deviation >= 0 (see :func:`gaussian_sigma`).
+        sigma: noise standard deviation >= 0 (see `gaussian_sigma`).
         generator: source of the noise.
         release_count: keep ``n`` as is (treated as public, as in the paper); if False, ``n``
             becomes ``max(1, round(sum of the noisy count column))``.
@@ -329,7 +329,7 @@ def privatize(
         ``privatized=True``.
 
     Warns:
-        PrivacyNoiseWarning: the noise swamps the statistics (:attr:`DPNoiseReport.warns`).
+        PrivacyNoiseWarning: the noise swamps the statistics (`DPNoiseReport.warns`).
     """
     if not isinstance(statistics, SufficientStatistics):
         raise InvalidInputError("statistics must be a SufficientStatistics")

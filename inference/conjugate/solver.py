@@ -5,7 +5,7 @@ The MAP of the conjugate posterior maximises the concave objective
     J(W) = <W, S>_F - N * logsumexp_y(||W_y||^2 / 4),     W, S in R^(C x k), N > 0,
 
 with ``S = chi + (sum of client statistics)`` and ``N = nu + n`` (see
-:class:`inference.conjugate.ConjugatePosterior`). Its gradient is ``S_y - N p_y W_y / 2`` with
+`inference.conjugate.ConjugatePosterior`). Its gradient is ``S_y - N p_y W_y / 2`` with
 ``p = softmax_y(||W_y||^2 / 4)``. Setting it to zero gives ``W_y = 2 S_y / (N p_y)``: every row of
 the MAP is a positive multiple of its row of ``S``, and the whole problem reduces to one scalar,
 ``l = log Z`` with ``Z = sum_y exp(||W_y||^2 / 4)``. With ``a_y = ||S_y||`` and
@@ -33,9 +33,9 @@ from inference.conjugate.lambert import lambert_w0_from_log
 from inference.errors import InvalidInputError, NumericalError
 
 DEFAULT_MAX_ROOT_STEPS = 500
-"""The root-find's step limit unless given (``max_steps`` of :func:`solve_map`,
-``max_root_steps`` of :class:`~inference.conjugate.ConjugatePosterior`, of
-:func:`~inference.conjugate.feature_scale.fit_conjugate_head` and of
+"""The root-find's step limit unless given (``max_steps`` of `solve_map`,
+``max_root_steps`` of [`ConjugatePosterior`][inference.conjugate.ConjugatePosterior], of
+`fit_conjugate_head` and of
 ``inference.fit_head("conjugate", ...)``); Newton inside the bracket needs a few dozen."""
 # Bound on C * max_y ||S_y|| / N. The root l = log Z is at most log C + (C a_max / N)^2 (equal
 # when every row has the same norm), so beyond this bound l, and the squared row norms of W,

@@ -13,7 +13,7 @@ carried in double-double arithmetic (a float64 ``table`` plus a float64 ``low`` 
 rounding error of every addition, error-free TwoSum), so ``table`` of a sum is the float64
 rounding of the sum to about 2^-104 relative: in practice bitwise the same whatever the order or
 grouping of the additions (``a + b``, ``sum([...])``, ``0 + a``). A table straight from
-:meth:`SufficientStatistics.from_features` has a zero low part, which :meth:`state_dict` omits,
+`SufficientStatistics.from_features` has a zero low part, which `state_dict` omits,
 so a client's message is exactly ``C (m + 1)`` float64 numbers plus the count. (On CUDA the
 scatter uses atomic adds, so a single client's table may differ in the last bit between runs;
 sums of tables are unaffected.)
@@ -43,12 +43,12 @@ class SufficientStatistics:
         table: float64 tensor ``(C, m + 1)``; column 0 holds class counts, columns ``1:`` the
             class-wise sums of the body features.
         n: total number of samples (an int; for privatised statistics the released count, see
-            :func:`inference.conjugate.privatize`).
+            [`inference.conjugate.privatize`][inference.conjugate.privatize]).
         privatized: True when noise was added; then column 0 need not equal integer counts.
         low: float64 tensor like ``table`` with the rounding error carried by exact
             (double-double) addition; zero for statistics made from features.
 
-    Build with :meth:`from_features` (or :meth:`zeros`); add with ``+`` or ``sum``.
+    Build with `from_features` (or `zeros`); add with ``+`` or ``sum``.
     """
 
     table: Tensor
@@ -186,7 +186,7 @@ class SufficientStatistics:
         cls, tables: Tensor, n: int, *, privatized: bool = False
     ) -> SufficientStatistics:
         """The exact sum of K stacked float64 tables ``(K, C, m + 1)`` whose counts add to
-        ``n``: what :meth:`sum` gives for the same statistics, without building K objects."""
+        ``n``: what `sum` gives for the same statistics, without building K objects."""
         if tables.ndim != 3 or tables.shape[0] == 0:
             raise InvalidInputError(
                 f"expected a non-empty stack (K, C, m + 1) of tables, got {tuple(tables.shape)}"
@@ -243,10 +243,10 @@ class SufficientStatistics:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> SufficientStatistics:
-        """Inverse of :meth:`state_dict`; validates the result.
+        """Inverse of `state_dict`; validates the result.
 
         Raises:
-            InvalidInputError: missing keys, wrong shapes or a failed :meth:`validate`.
+            InvalidInputError: missing keys, wrong shapes or a failed `validate`.
         """
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:

@@ -1,10 +1,10 @@
 """Gaussian posteriors in natural parameters, with the likelihood term kept apart from the prior.
 
 A Gaussian over a flat parameter vector ``θ ∈ R^d`` is stored as natural parameters: a precision
-``Λ`` and a precision-times-mean ``η = Λ μ`` (a :class:`GaussianTerm`). The precision lives in
-one structure, each its own class behind one interface (:mod:`inference.gaussian.precision`):
+``Λ`` and a precision-times-mean ``η = Λ μ`` (a `GaussianTerm`). The precision lives in
+one structure, each its own class behind one interface (`inference.gaussian.precision`):
 diagonal, dense (full), or low rank plus diagonal; a new structure is a subclass.
-A :class:`GaussianPosterior` keeps two terms, as laplace-torch keeps ``H`` apart from the prior
+A `GaussianPosterior` keeps two terms, as laplace-torch keeps ``H`` apart from the prior
 precision::
 
     Λ = Λ_prior + Λ_lik          η = η_prior + η_lik
@@ -12,21 +12,21 @@ precision::
 The likelihood term is *defined* as the posterior's natural parameters minus the prior's, so a
 client's local posterior (Laplace, MFVI or closed form) is ``prior + its likelihood term``, and the
 global posterior of K clients is ``prior + Σ_k likelihood_k`` with the prior counted once
-(:func:`combine`, or ``+`` on posteriors). For a linear-Gaussian model this product is exact.
-:func:`average` is the other aggregation: the moment-matched Gaussian of a mixture.
+(`combine`, or ``+`` on posteriors). For a linear-Gaussian model this product is exact.
+`average` is the other aggregation: the moment-matched Gaussian of a mixture.
 
-Modules, one concept each: :mod:`~inference.gaussian.cholesky` (the one jitter policy),
-:mod:`~inference.gaussian.precision` (the structure interface) with
-:mod:`~inference.gaussian.diagonal`, :mod:`~inference.gaussian.full` and
-:mod:`~inference.gaussian.low_rank`, :mod:`~inference.gaussian.term` (a factor),
-:mod:`~inference.gaussian.posterior` (the posterior and its predictive),
-:mod:`~inference.gaussian.aggregation` (product and average).
+Modules, one concept each: `cholesky` (the one jitter policy),
+`precision` (the structure interface) with
+`diagonal`, `full` and
+`low_rank`, `term` (a factor),
+`posterior` (the posterior and its predictive),
+`aggregation` (product and average).
 
 Numerics: every solve, factorisation and sample runs in float64; results come back in the
 posterior's storage dtype. Cholesky factorisations follow one jitter policy
-(:func:`cholesky_with_jitter`). Samples use the precision's Cholesky factor (or, for low rank,
+(`cholesky_with_jitter`). Samples use the precision's Cholesky factor (or, for low rank,
 perturb-and-solve); no covariance is inverted explicitly except where a caller asks for it
-(:meth:`GaussianPosterior.covariance`) or the probit predictive of a dense posterior needs the
+(`GaussianPosterior.covariance`) or the probit predictive of a dense posterior needs the
 per-class covariance blocks.
 """
 

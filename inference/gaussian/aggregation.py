@@ -2,9 +2,9 @@
 
 **The prior, counted once.** Each client's posterior is ``prior + likelihood term``; the
 combination is ``prior + Σ_k likelihood_k``, so the clients must agree on one prior. Which one
-(:func:`global_prior`):
+(`global_prior`):
 
-* ``prior=`` given (a :class:`GaussianTerm`, or a number: the isotropic precision around the
+* ``prior=`` given (a `GaussianTerm`, or a number: the isotropic precision around the
   clients' common prior mean) is used as is;
 * a prior every client shares (each fitted with the same given ``prior_precision``) is used;
 * clients whose priors are isotropic ``N(μ₀, I/λ_k)`` around one mean ``μ₀`` but differ in
@@ -16,7 +16,7 @@ combination is ``prior + Σ_k likelihood_k``, so the clients must agree on one p
       η = λ μ₀ + Σ_k η_k,
 
   maximised over ``log λ`` as a client's own ``"marglik"`` is (grid, then bounded Brent,
-  :mod:`inference.hyperparameters`; the same default bounds). It needs nothing beyond the
+  `inference.hyperparameters`; the same default bounds). It needs nothing beyond the
   likelihood terms the server already holds (no extra round). A Laplace client's term is the
   second-order Taylor expansion of its log likelihood at its mode — which does not depend on
   the prior it was fitted with except through that point — so ``Z`` is the Laplace-style
@@ -29,7 +29,7 @@ combination is ``prior + Σ_k likelihood_k``, so the clients must agree on one p
   held-out NLL (0.163-0.167 over λ = 0.3-1); with ``approximation="laplace"`` terms it chose
   higher (1.8 diagonal; 0.41 full, pooled 0.041) — pass ``prior=`` where that matters.
   The choice is recorded on the result's
-  ``prior_selection`` (a :class:`~inference.hyperparameters.HyperparameterChoice`, method
+  ``prior_selection`` (a `HyperparameterChoice`, method
   ``"federated_marglik"``); it is ``None`` when the prior was given or shared.
 
 Priors with different means, or that are not isotropic, are refused: pass ``prior=``.
@@ -163,13 +163,13 @@ def combine(
 
     Args:
         posteriors: the clients' posteriors over one parameter shape.
-        prior: the prior to count, a :class:`GaussianTerm` or a prior precision (isotropic,
+        prior: the prior to count, a `GaussianTerm` or a prior precision (isotropic,
             around the clients' common prior mean); by default the clients' shared prior, or —
             when each chose its own precision by evidence — the prior precision that maximises
             the federated evidence (module docstring), recorded on ``prior_selection``.
 
     Returns:
-        A :class:`GaussianPosterior` with ``n_data`` the clients' total; its attribute
+        A `GaussianPosterior` with ``n_data`` the clients' total; its attribute
         ``prior_selection`` is the federated choice, or ``None``.
 
     Raises:
@@ -195,7 +195,7 @@ def average(
     ``weights`` default to the clients' ``n_data`` (uniform if any is 0) and are normalised.
     The result is diagonal if every input is diagonal, else full (mixture covariances are dense).
     Its likelihood term is the moment-matched natural parameters minus the prior, which is
-    the one :func:`combine` would count (module docstring; ``prior_selection`` records a
+    the one `combine` would count (module docstring; ``prior_selection`` records a
     federated choice). The prior changes only that split, not the averaged Gaussian.
     """
     prior, choice = global_prior(posteriors, prior)
@@ -227,7 +227,7 @@ def _normalised_weights(posteriors: Sequence[GaussianPosterior],
                         weights: Sequence[float] | Tensor | None,
                         device: torch.device) -> Tensor:
     """``(K,)`` float64 weights summing to one (default: the clients' ``n_data``, or uniform
-    if any is 0); :class:`InvalidInputError` unless non-negative and finite with a positive sum."""
+    if any is 0); `InvalidInputError` unless non-negative and finite with a positive sum."""
     if weights is None:
         counts = [p.n_data for p in posteriors]
         weights = counts if min(counts) > 0 else [1.0] * len(posteriors)

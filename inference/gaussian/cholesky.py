@@ -16,12 +16,12 @@ def cholesky_with_jitter(matrix: Tensor, what: str = "precision",
     """Lower Cholesky factor of a symmetric positive-definite matrix, in float64.
 
     Jitter policy: the matrix is symmetrised; if the factorisation fails, ``j · mean|diag|`` is
-    added to the diagonal for ``j`` in :data:`JITTER_SCHEDULE` (1e-10 up to 1e-6, relative)
+    added to the diagonal for ``j`` in `JITTER_SCHEDULE` (1e-10 up to 1e-6, relative)
     and the first success is returned. If all fail the matrix is not positive definite in any
-    useful sense and :class:`NumericalError` reports its smallest eigenvalue.
+    useful sense and `NumericalError` reports its smallest eigenvalue.
 
     ``symmetric=True``: the caller built ``matrix`` exactly symmetric, bit for bit (e.g.
-    :func:`~inference.head_objective.softmax_curvature` plus a diagonal), so the
+    `softmax_curvature` plus a diagonal), so the
     symmetrisation, a ``d²`` pass that cost ~1/4 of the factorisation at ``d = 1,010``, is
     skipped (issue 41); the factorisation reads the lower triangle only, so a matrix that is
     not symmetric is factorised as if its upper triangle mirrored the lower.

@@ -15,7 +15,7 @@ from inference.options import CovarianceStructure
 
 
 def positive_diagonal(diag: Tensor) -> Tensor:
-    """``diag`` in float64 if every entry is positive and finite, else :class:`NumericalError`
+    """``diag`` in float64 if every entry is positive and finite, else `NumericalError`
     (a diagonal or low-rank-plus-diagonal precision is positive definite only then)."""
     diag = diag.to(torch.float64)
     if not torch.isfinite(diag).all() or (diag <= 0).any():

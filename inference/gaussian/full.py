@@ -1,6 +1,6 @@
 """Dense precision: any symmetric ``Λ``, factorised by a jittered Cholesky ``Λ = L Lᵀ``.
 
-Every structure converts to this one exactly (:meth:`Precision.to_dense`), so it is where sums
+Every structure converts to this one exactly (`Precision.to_dense`), so it is where sums
 and differences that leave a poorer structure land.
 """
 
@@ -68,7 +68,7 @@ class FullPrecision(Precision):
 
     def cholesky(self) -> Tensor:
         """The lower Cholesky factor of the precision, ``(d, d)`` float64 (cached: the one
-        :meth:`solve` and :meth:`logdet` use)."""
+        `solve` and `logdet` use)."""
         return self._chol
 
     def solve(self, rhs: Tensor) -> Tensor:

@@ -1,9 +1,9 @@
 """A Gaussian posterior ``prior + likelihood`` over a parameter tensor, and its predictive.
 
 Numerics: every solve, factorisation and sample runs in float64 (in the total precision's
-structure, :mod:`inference.gaussian.precision`); results come back in the posterior's storage
+structure, `inference.gaussian.precision`); results come back in the posterior's storage
 dtype. No covariance is inverted explicitly except where a caller asks for it
-(:meth:`GaussianPosterior.covariance`) or a structure's probit predictive needs the per-class
+(`GaussianPosterior.covariance`) or a structure's probit predictive needs the per-class
 covariance blocks (the dense one does).
 """
 
@@ -29,7 +29,7 @@ class GaussianPosterior:
     """A Gaussian posterior ``prior + likelihood`` over parameters of shape ``shape``.
 
     When ``shape == (C, m + 1)`` the Gaussian is over a linear softmax head (bias in column 0,
-    see :mod:`inference.linear_model`) and :meth:`predict_proba` maps features ``(B, m)`` to
+    see `inference.linear_model`) and `predict_proba` maps features ``(B, m)`` to
     class probabilities. Instances are immutable; the float64 factorisation is cached.
     ``sample(n)`` draws parameters of that shape, ``(n, *shape)`` (for a head: weights in the
     space of its features, the bias in column 0).
@@ -173,7 +173,7 @@ class GaussianPosterior:
 
     def logit_covariance(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Mean ``(B, C)`` and full covariance ``(B, C, C)`` of the logits ``f = W [1, x]``,
-        float64 (the diagonal is :meth:`logit_moments`' variance)."""
+        float64 (the diagonal is `logit_moments`' variance)."""
         features = as_features(features)
         num_classes, _ = self._head_shape(features)
         x = augment_with_bias(features.to(device=self.device, dtype=torch.float64))
@@ -190,7 +190,7 @@ class GaussianPosterior:
         """Class probabilities ``(B, C)`` for features ``inputs (B, m)``.
 
         ``method``: ``"centred_probit"`` (default; the probit of the centred logits, see
-        :class:`~inference.options.PredictiveMethod`), ``"probit"`` (``softmax(f / sqrt(1 +
+        `PredictiveMethod`), ``"probit"`` (``softmax(f / sqrt(1 +
         π v / 8))`` with the marginal variances, laplace-torch's), ``"mc"`` (average of
         ``n_samples`` softmax draws) or ``"map"`` (softmax at the mean).
         Computed in float64 on the posterior's device; returned in the inputs' dtype there.
@@ -223,11 +223,11 @@ class GaussianPosterior:
 
     def __add__(self, other: GaussianPosterior) -> GaussianPosterior:
         """Exact product of two posteriors built against the same prior (prior counted once):
-        ``prior + likelihood_a + likelihood_b``, what :func:`inference.combine` gives them.
+        ``prior + likelihood_a + likelihood_b``, what `inference.combine` gives them.
 
         Raises:
             InvalidInputError: different parameter shapes or priors (clients that chose their
-                own prior precision by evidence): :func:`inference.combine` chooses one prior
+                own prior precision by evidence): `inference.combine` chooses one prior
                 for those.
         """
         if not isinstance(other, GaussianPosterior):
@@ -264,7 +264,7 @@ class GaussianPosterior:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Tensor]) -> GaussianPosterior:
-        """Inverse of :meth:`state_dict`; raises :class:`InvalidInputError` on missing keys."""
+        """Inverse of `state_dict`; raises `InvalidInputError` on missing keys."""
         missing = [k for k in ("shape", "n_data") if k not in state]
         if missing:
             raise InvalidInputError(f"state lacks {missing}; not a Gaussian posterior.")

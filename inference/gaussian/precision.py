@@ -1,22 +1,22 @@
 """The precision interface: one small class per storage structure of a Gaussian's precision.
 
 A Gaussian factor over ``θ ∈ R^d`` stores its precision ``Λ`` (symmetric, ``d x d``) in one
-structure: diagonal (:mod:`~inference.gaussian.diagonal`), dense (:mod:`~inference.gaussian.full`),
-low rank plus diagonal (:mod:`~inference.gaussian.low_rank`), or any structure a subclass adds
+structure: diagonal (`diagonal`), dense (`full`),
+low rank plus diagonal (`low_rank`), or any structure a subclass adds
 (a Kronecker product, say), as laplace-torch has one curvature class per structure. Terms,
-posteriors and aggregation (:mod:`~inference.gaussian.term`, :mod:`~inference.gaussian.posterior`,
-:mod:`~inference.gaussian.aggregation`) only call this interface; none of them branches on the
+posteriors and aggregation (`term`, `posterior`,
+`aggregation`) only call this interface; none of them branches on the
 structure.
 
 A structure is a frozen dataclass whose fields are its tensors (the names its state-dict keys
-take) that subclasses :class:`Precision`, sets the class attributes ``structure`` (its name,
+take) that subclasses `Precision`, sets the class attributes ``structure`` (its name,
 which registers it) and ``richness`` (promotion order), and implements six methods:
 
-- algebra, valid for any symmetric ``Λ``: ``dim``, :meth:`~Precision.to_dense`,
-  :meth:`~Precision.scale`;
+- algebra, valid for any symmetric ``Λ``: ``dim``, `to_dense`,
+  `scale`;
 - factorised, valid when ``Λ`` is positive definite (computed in float64, cached on the
-  instance): :meth:`~Precision.solve`, :meth:`~Precision.logdet`,
-  :meth:`~Precision.from_standard_normals` (the linear map ``T`` with ``T Tᵀ = Λ⁻¹`` that
+  instance): `solve`, `logdet`,
+  `from_standard_normals` (the linear map ``T`` with ``T Tᵀ = Λ⁻¹`` that
   sampling applies to standard normals).
 
 Everything else has a correct default built on those six (``matmul``, ``diagonal``,
@@ -50,11 +50,11 @@ class Precision(ABC):
 
     A precision on its own need not be positive definite (a likelihood term's, obtained by
     subtraction, may not be); the factorised methods need it to be and raise
-    :class:`~inference.errors.NumericalError` otherwise. Results of the factorised methods are
+    `NumericalError` otherwise. Results of the factorised methods are
     float64 on the precision's device, whatever its storage dtype.
     """
 
-    #: The structure's name (a :class:`CovarianceStructure` for the built-in ones).
+    #: The structure's name (a `CovarianceStructure` for the built-in ones).
     structure: ClassVar[CovarianceStructure | str]
     #: Promotion order: a sum is stored in a structure at least as rich as both summands.
     richness: ClassVar[int] = 1
@@ -102,7 +102,7 @@ class Precision(ABC):
     def from_standard_normals(self, *normals: Tensor) -> Tensor:
         """``(n, d)`` float64 draws of ``N(0, Λ⁻¹)`` from standard normals: a linear map ``T``
         applied to the blocks ``normals`` (float64, shapes ``(rows_i, n)`` for ``rows_i`` in
-        :meth:`noise_shape`), with ``T Tᵀ = Λ⁻¹``."""
+        `noise_shape`), with ``T Tᵀ = Λ⁻¹``."""
 
     # -- construction and storage -------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class Precision(ABC):
     @classmethod
     def from_parts(cls, dim: int, parts: Mapping[str, Tensor | None]) -> Self:
         """The precision of dimension ``dim`` from named tensors (``None`` means absent),
-        refusing missing or unexpected tensors and shapes that break :attr:`shapes`."""
+        refusing missing or unexpected tensors and shapes that break `shapes`."""
         needed = cls.tensor_names()
         for name in dict.fromkeys([*parts, *needed]):
             if (parts.get(name) is not None) != (name in needed):
@@ -213,7 +213,7 @@ class Precision(ABC):
         return _dense_class()(self.to_dense() - other.to_dense())
 
     def without(self, other: Precision) -> Precision:
-        """``Λ − Λ_other`` where ``other`` is a prior's precision: like :meth:`subtract`, but a
+        """``Λ − Λ_other`` where ``other`` is a prior's precision: like `subtract`, but a
         structure may keep itself where that is exact (low rank minus a diagonal prior)."""
         return self.subtract(other)
 
@@ -268,7 +268,7 @@ class Precision(ABC):
 
     def head_logit_covariance(self, inputs: Tensor, num_classes: int) -> Tensor:
         """Covariances ``x_bᵀ Σ_ck x_b`` of the logits of each input across classes (layout
-        as in :meth:`head_logit_variance`): ``(B, C, C)`` float64, whose diagonal is the
+        as in `head_logit_variance`): ``(B, C, C)`` float64, whose diagonal is the
         variance.
 
         Default: from the dense covariance viewed as ``(C, P, C, P)``, cached.
@@ -295,7 +295,7 @@ def columns(rhs: Tensor) -> tuple[Tensor, bool]:
 
 
 def precision_class(structure: CovarianceStructure | str | type[Precision]) -> type[Precision]:
-    """The registered :class:`Precision` subclass for a structure name (case-insensitive)."""
+    """The registered `Precision` subclass for a structure name (case-insensitive)."""
     if isinstance(structure, type) and issubclass(structure, Precision):
         return structure
     if isinstance(structure, str) and structure.lower() in _STRUCTURES:

@@ -19,7 +19,7 @@ from inference.options import CovarianceStructure
 class GaussianTerm:
     """Natural parameters of one Gaussian factor over a flat vector of size ``d``.
 
-    Built either from a :class:`~inference.gaussian.precision.Precision` of any structure,
+    Built either from a `Precision` of any structure,
     ``GaussianTerm(precision, shift)``, or from a structure name and its tensors::
 
         GaussianTerm("diag", shift, diag=λ)              # Λ = diag(λ), λ (d,)
@@ -100,7 +100,7 @@ class GaussianTerm:
 
     @property
     def structure(self) -> CovarianceStructure | str:
-        """The precision's structure (see :class:`CovarianceStructure`)."""
+        """The precision's structure (see `CovarianceStructure`)."""
         return self.precision.structure
 
     @property

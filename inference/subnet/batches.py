@@ -1,7 +1,7 @@
 """Validation of what subnet Laplace reads: loader batches ``(X, y)`` and model logits ``(B, C)``.
 
 Checks that would need a device sync per batch (label range, finiteness) are accumulated on
-the device and resolved once, by :meth:`BatchChecks.finish`.
+the device and resolved once, by `BatchChecks.finish`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check_logits(logits: object, batch_size: int) -> Tensor:
 
 
 class BatchChecks:
-    """Accumulates label-range and finiteness checks on the device; one sync in :meth:`finish`."""
+    """Accumulates label-range and finiteness checks on the device; one sync in `finish`."""
 
     def __init__(self) -> None:
         self._label_min: Tensor | None = None

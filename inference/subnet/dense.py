@@ -71,7 +71,7 @@ def symmetric_part(matrix: Tensor, out: Tensor | None = None) -> Tensor:
 
 
 def symmetrize_(matrix: Tensor) -> Tensor:
-    """``matrix <- 0.5 * (matrix + matrix^T)`` in place (:func:`symmetric_part`)."""
+    """``matrix <- 0.5 * (matrix + matrix^T)`` in place (`symmetric_part`)."""
     return symmetric_part(matrix, out=matrix)
 
 

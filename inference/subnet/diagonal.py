@@ -1,8 +1,8 @@
 """Exact diagonal of the classification GGN over all trainable parameters.
 
 ``diag GGN_r = sum_x [ sum_o p_o J_or^2 - (sum_o p_o J_or)^2 ]``, with ``p = softmax(f(x))``
-(:func:`inference.curvature.ggn_diagonal`, used as it is for parameters outside Linear/Conv2d).
-Written with the square root of the softmax Hessian (:mod:`inference.curvature`),
+(`inference.curvature.ggn_diagonal`, used as it is for parameters outside Linear/Conv2d).
+Written with the square root of the softmax Hessian (`inference.curvature`),
 ``Lambda = diag(p) - p p^T = M M^T`` where ``M[:, k] = sqrt(p_k) (e_k - p)``, it is
 ``sum_x sum_k (J^T M[:, k])_r^2``: C backward passes of the vectors ``M[:, k]`` per batch (the
 BackPACK "DiagGGN exact" scheme). For an ``nn.Linear`` layer with 2-D input the per-sample
@@ -51,7 +51,7 @@ def diagonal_ggn(
 
     Returns:
         (P,) float64 on the model's device, in the trainable-parameter index space
-        (:mod:`inference.subnet.parameters`); entries are >= 0 (up to rounding).
+        (`inference.subnet.parameters`); entries are >= 0 (up to rounding).
     """
     slots = trainable_slots(model)
     flat = flat_trainable_parameters(model)
@@ -137,7 +137,7 @@ def _per_sample_gradients(slot: ParameterSlot, a: Tensor | None, grad: Tensor) -
     """Per-sample gradients (K, B, numel) of one layer parameter for one call of the layer.
 
     Args:
-        a: the call's input from :func:`_layer_input` (unused, may be None, for a bias).
+        a: the call's input from `_layer_input` (unused, may be None, for a bias).
         grad: (K, B, ...) output-space VJPs w.r.t. the call's output.
     """
     module = slot.module

@@ -1,12 +1,12 @@
 """A diagonal GGN linearised-Laplace posterior over all trainable parameters (FedSI-Fac).
 
 ``q(theta) = N(mean, diag(v))`` with ``v_r = 1 / (diag GGN_r + prior_precision_r)``, the GGN
-summed over the data (:func:`inference.subnet.diagonal_ggn`). The predictive linearises the
+summed over the data (`inference.subnet.diagonal_ggn`). The predictive linearises the
 network at ``mean`` (GLM): the logit variance of output o is ``sum_r J_or(x)^2 v_r``, computed
 from the Jacobian of *all* trainable parameters in chunks of rows with the subnet engine
-(:class:`inference.subnet.SubnetJacobian` over every index, the columns scaled by ``sqrt(v)``),
+(`inference.subnet.SubnetJacobian` over every index, the columns scaled by ``sqrt(v)``),
 never a (P, P) matrix. Same index space, model handling and predictive methods as
-:class:`inference.subnet.SubnetLaplacePosterior` (``"glm_probit"``, ``"glm_mc"``, ``"map"``).
+`inference.subnet.SubnetLaplacePosterior` (``"glm_probit"``, ``"glm_mc"``, ``"map"``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def fit_diagonal_laplace(
         prior_precision: scalar or (P,) per-parameter prior precision, > 0.
         max_memory_bytes: memory budget override for the preflight.
         ggn_diagonal: (P,) the diagonal GGN of ``model`` on ``loader`` when the caller has
-            computed it already (:func:`diagonal_ggn`, e.g. for subnet selection), so it is not
+            computed it already (`diagonal_ggn`, e.g. for subnet selection), so it is not
             computed twice; ``loader`` is then not read.
 
     Returns:
-        :class:`DiagonalLaplacePosterior` holding a reference to ``model``.
+        `DiagonalLaplacePosterior` holding a reference to ``model``.
     """
     n_params = sum(s.numel for s in trainable_slots(model))
     prior = check_prior_precision(prior_precision, n_params)
@@ -88,7 +88,7 @@ class DiagonalLaplacePosterior:
         mean: (P,) MAP (model dtype and device).
         ggn_diagonal: (P,) diagonal of the likelihood GGN (no prior), >= 0.
         prior_precision: (P,) prior precisions, > 0.
-        model: the network the mean belongs to (for :meth:`predict_proba`).
+        model: the network the mean belongs to (for `predict_proba`).
         n_data: number of data points the GGN was summed over (recorded).
     """
 
@@ -183,7 +183,7 @@ class DiagonalLaplacePosterior:
         max_memory_bytes: int | None = None,
     ) -> Tensor:
         """Predictive class probabilities (B, C); see the module docstring for the methods
-        (:func:`inference.subnet.predictive.glm_predict`, as the subnet posterior's).
+        (`inference.subnet.predictive.glm_predict`, as the subnet posterior's).
 
         ``"glm_mc"`` draws ``n_samples`` weight-space samples ``delta = sqrt(v) z`` once and
         averages ``softmax(f + J delta)`` over them.
@@ -227,7 +227,7 @@ class DiagonalLaplacePosterior:
     def from_state_dict(
         cls, state: Mapping[str, Tensor], model: nn.Module | None = None
     ) -> DiagonalLaplacePosterior:
-        """Rebuild from :meth:`state_dict`, binding ``model``."""
+        """Rebuild from `state_dict`, binding ``model``."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise InvalidInputError(f"state is missing {missing} (expected {list(_STATE_KEYS)})")

@@ -3,7 +3,7 @@
 Two curvature backends compute the same (S, S) GGN block ``H_S = sum_x J_S^T Lambda J_S``:
 
 ``"subnet_jacobian"`` (default)
-    :class:`inference.subnet.jacobian.SubnetJacobian`: Jacobian columns of the subnet only,
+    `inference.subnet.jacobian.SubnetJacobian`: Jacobian columns of the subnet only,
     contracted on the output side with a square root ``M`` of the softmax Hessian
     (``Lambda = diag(p) - p p^T = M M^T``, ``M[:, k] = sqrt(p_k) (e_k - p)``) by C
     vector-Jacobian products, so that ``H_S`` is one Gram matrix ``(J^T M)(J^T M)^T`` per chunk.
@@ -70,7 +70,7 @@ def fit_subnet_laplace(
         loader: yields ``(X, y)`` with integer labels; the GGN is **summed** over all of it.
         subnet: (S,) indices into the trainable-parameter vector (tensor or sequence; kept in
             the given order), or a size (int count / float fraction) handed to
-            :func:`inference.subnet.select_subnet` with the same prior.
+            [`inference.subnet.select_subnet`][inference.subnet.select_subnet] with the same prior.
         prior_precision: scalar or (P,) per-parameter prior precision; the subnet's entries are
             added to the diagonal of the GGN block.
         prior_mean: ``None`` (0), scalar or (P,); recorded on the posterior, as in laplace-torch
@@ -84,7 +84,7 @@ def fit_subnet_laplace(
         filter_zero_curvature: passed to the selection when ``subnet`` is a size.
 
     Returns:
-        :class:`SubnetLaplacePosterior` holding a reference to ``model``.
+        `SubnetLaplacePosterior` holding a reference to ``model``.
     """
     mean, indices, ggn, prior_S, prior_mean_S, n_data = _subnet_terms(
         model, loader, subnet, prior_precision, prior_mean, backend=backend,
@@ -106,9 +106,9 @@ def subnet_laplace_state(
     chunk_size: int | None = None,
     max_memory_bytes: int | None = None,
 ) -> dict[str, Tensor]:
-    """:meth:`SubnetLaplacePosterior.state_dict` of :func:`fit_subnet_laplace`'s posterior,
+    """`SubnetLaplacePosterior.state_dict` of `fit_subnet_laplace`'s posterior,
     the same tensors, without factorising the precision (a client that stores its posterior
-    and rebuilds it with :meth:`SubnetLaplacePosterior.from_state_dict` to predict factorises
+    and rebuilds it with `SubnetLaplacePosterior.from_state_dict` to predict factorises
     it there, once; positive definiteness is checked then)."""
     mean, indices, ggn, prior_S, prior_mean_S, n_data = _subnet_terms(
         model, loader, subnet, prior_precision, prior_mean, backend="subnet_jacobian",
@@ -132,7 +132,7 @@ def subnet_laplace_state(
 def _subnet_terms(model, loader, subnet, prior_precision, prior_mean, *, backend,
                   hessian_structure, laplace_backend, chunk_size, max_memory_bytes,
                   filter_zero_curvature):
-    """``(mean, indices, ggn, prior_S, prior_mean_S, n_data)`` of :func:`fit_subnet_laplace`."""
+    """``(mean, indices, ggn, prior_S, prior_mean_S, n_data)`` of `fit_subnet_laplace`."""
     if backend not in ("subnet_jacobian", "laplace_torch"):
         raise InvalidInputError(
             f"backend must be 'subnet_jacobian' or 'laplace_torch', got {backend!r}"
@@ -228,7 +228,7 @@ def subnet_ggn(
 
 
 FACTORED_GGN = True
-"""Use :func:`factored_ggn` where it applies (False: the Gram of the full subnet Jacobian;
+"""Use `factored_ggn` where it applies (False: the Gram of the full subnet Jacobian;
 tests compare the two)."""
 
 
@@ -254,7 +254,7 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
     """The chunk's (S, S) GGN by the Linear-layer factorisation (model dtype, exactly
     symmetric); None if the factorisation does not apply (the chunk is then not consumed).
 
-    With ``J[b, o, s] = G_o[b, u_s] A[b, s]`` (:meth:`SubnetJacobian.linear_factors`) and
+    With ``J[b, o, s] = G_o[b, u_s] A[b, s]`` (`SubnetJacobian.linear_factors`) and
     ``Lambda = M M^T``, ``H[s, t] = sum_b A[b, s] A[b, t] Gamma[b, u_s, u_t]`` where
     ``Gamma[b] = sum_k g_k g_k^T`` (U x U, ``g_k`` the unit gradients of ``M[:, k]``). Each run
     of positions of one unit u is then one product ``A[:, run]^T (A * Gamma[:, u, unit])``

@@ -65,7 +65,7 @@ class UnitRuns:
     """Subnet positions grouped by the output unit they feed.
 
     runs: ``(start, end, u)`` per maximal run of consecutive positions of one unit, ``u`` its
-        compact id; present: (U,) the units that occur (ids of :meth:`SubnetJacobian.units`),
+        compact id; present: (U,) the units that occur (ids of `SubnetJacobian.units`),
         on the engine's device; compact: (S,) the compact id of every position, same device.
     """
 
@@ -80,7 +80,7 @@ class SubnetJacobian:
         model: the network; it must return (B, C) logits and treat samples independently
             (it is evaluated as it is: call it in eval mode).
         subnet_indices: (S,) CPU int64 indices into the trainable-parameter vector (see
-            :mod:`inference.subnet.parameters`); the column order of ``J_S`` follows them.
+            `inference.subnet.parameters`); the column order of ``J_S`` follows them.
         mean: (P,) flat trainable-parameter vector at which to linearise, on the model's device.
     """
 
@@ -161,14 +161,14 @@ class SubnetJacobian:
 
     @property
     def factorable(self) -> bool:
-        """Whether :meth:`linear_factors` applies: every subnet entry sits in an ``nn.Linear``
+        """Whether `linear_factors` applies: every subnet entry sits in an ``nn.Linear``
         weight or bias (no Conv2d, no generic parameter)."""
         return not self.generic and all(isinstance(g.slot.module, nn.Linear) for g in self.fast)
 
     def units(self) -> tuple[Tensor, int]:
         """``(unit (S,) int64, U)``: the output unit of its layer each subnet entry feeds, as
         one id over all subnet layers (weight and bias entries of one unit share it); layers
-        are numbered in the order :meth:`linear_factors` stacks their gradients."""
+        are numbered in the order `linear_factors` stacks their gradients."""
         modules = list({id(g.slot.module): g.slot.module for g in self.fast}.values())
         offset, total = {}, 0
         for module in modules:
@@ -206,12 +206,12 @@ class SubnetJacobian:
         ``A = 1``. Computing ``G`` takes the same C vector-Jacobian products as the Jacobian.
 
         ``output_vectors`` maps the detached logits to K output-space vectors (K, B, C) as in
-        :meth:`__call__`; ``G`` then holds ``v_k^T d logits / d output`` instead of one row per
+        `__call__`; ``G`` then holds ``v_k^T d logits / d output`` instead of one row per
         logit.
 
         Returns:
             ``(A (B, S), G (K, B, U), logits (B, C))``, K = C by default, units as in
-            :meth:`units`; None when the factorisation does not apply.
+            `units`; None when the factorisation does not apply.
         """
         if not self.factorable:
             return None

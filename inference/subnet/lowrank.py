@@ -2,9 +2,9 @@
 
 The subnet precision is ``P = D + H``, ``D = diag(prior_precision)`` (S,) and ``H = sum_b
 J_b^T Lambda_b J_b`` over the client's n inputs. For Linear-layer entries the Jacobian factors,
-``J[b, o, s] = G[o, b, u_s] A[b, s]`` (:meth:`SubnetJacobian.linear_factors`), and with
+``J[b, o, s] = G[o, b, u_s] A[b, s]`` (`SubnetJacobian.linear_factors`), and with
 ``Lambda_b = V_b V_b^T``, V_b (C, C - 1)
-(:func:`inference.curvature.softmax_hessian_sqrt_reduced`; the softmax Hessian has rank C - 1),
+(`inference.curvature.softmax_hessian_sqrt_reduced`; the softmax Hessian has rank C - 1),
 ``H = W W^T`` with ``W[s, (b, j)] = A[b, s] Q_b[u_s, j]``,
 ``Q_b = (V_b^T dlogits/dz)^T`` (U, C - 1) over the subnet's U units. Per sample only the units
 that are active (a nonzero row of Q_b) count, so ``Q_b Q_b^T = F_b F_b^T`` with F_b of
@@ -18,12 +18,12 @@ delta + sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` with ``M_u = A_u D_u^{-1} A_u^T
 unit), and ``W_s^T K^{-1} W_s = A[:, s]^T Omega_{u_s} A[:, s]`` with ``Omega_u[b, b'] =
 sum_{j, j'} F_b[u, j] (K^{-1})[(b, j), (b', j')] F_b'[u, j']``. Cost: ``r^3`` (Cholesky and
 inverse of K) plus ``O(n^2 (S + U (C - 1)^2))``, against ``S^2 n + 2 S^3 / 3`` for forming and
-factorising the S x S precision (:class:`SubnetLaplacePosterior`). FedSI's upload needs only
+factorising the S x S precision (`SubnetLaplacePosterior`). FedSI's upload needs only
 these variances, every client every round; at |S| = 3,925 and n = 250, r is 500-2,250.
 
 Same algebra as the dense route in float64 (A and G, like the dense route's, come in the model's
 dtype). The subtraction loses relative accuracy where the data shrink an entry's variance far
-below its prior's (``1 / D_s``); where that ratio exceeds :data:`MAX_SHRINKAGE` the function
+below its prior's (``1 / D_s``); where that ratio exceeds `MAX_SHRINKAGE` the function
 returns None and the caller takes the dense route.
 
 Where the time goes and what is left (issue 41; S1 seed 0, r = 2,250, one thread, CPU-s a call):
@@ -79,7 +79,7 @@ def subnet_marginal_variance(
     summed over ``loader``, by Woodbury on its low-rank factor (module docstring); None where
     that route does not apply or is not the cheaper one (a subnet entry outside an
     ``nn.Linear``, rank r >= S, per-unit matrices larger than an S x S one, or an entry whose
-    variance the data shrink more than :data:`MAX_SHRINKAGE`-fold): the caller then fits the
+    variance the data shrink more than `MAX_SHRINKAGE`-fold): the caller then fits the
     dense posterior.
 
     Args:
@@ -211,7 +211,7 @@ def _unit_quadratic(K_inv: Tensor, F: Tensor) -> Tensor:
     """``Omega_u[b, c] = sum_{j, j'} F_b[u, j] K_inv[(b, j), (c, j')] F_c[u, j']``, (U, n, n),
     from the symmetric ``K_inv`` viewed (n, J, n J).
 
-    In chunks of c whose (c, (b, j), u) intermediate stays within :data:`QUADRATIC_CHUNK_BYTES`
+    In chunks of c whose (c, (b, j), u) intermediate stays within `QUADRATIC_CHUNK_BYTES`
     (cache-sized: the whole intermediate is n^2 J U values, 100 MB at FedSI's n = 250, U = 23,
     written once and read J times when it was built in one piece)."""
     n, U, J = F.shape

@@ -81,7 +81,7 @@ def check_memory(
     advice: str,
     max_memory_bytes: int | None = None,
 ) -> int:
-    """Raise :class:`MemoryBudgetError` when the allocations in ``plan`` would not fit.
+    """Raise `MemoryBudgetError` when the allocations in ``plan`` would not fit.
 
     Args:
         plan: name of each allocation -> its size in bytes (they are assumed alive together).

@@ -9,7 +9,7 @@ passes of the predictive; it never writes into it. Predictions are linearised at
 at whatever the model's parameters are now: the forward pass is a ``torch.func.functional_call``
 with the trainable parameters taken from ``mean`` (frozen parameters and buffers come from the
 model). ``state_dict()`` holds tensors only; ``from_state_dict(state, model=...)`` or
-:meth:`SubnetLaplacePosterior.bind` attaches a model with the same trainable-parameter count.
+`SubnetLaplacePosterior.bind` attaches a model with the same trainable-parameter count.
 
 Numerics: the precision is factorised in float64, ``precision = L L^T`` with ``L = D L_eq``,
 ``D = sqrt(diag(precision))`` and ``L_eq`` the Cholesky factor of the unit-diagonal
@@ -60,7 +60,7 @@ class SubnetLaplacePosterior:
         prior_precision: (S,) prior precision of the subnet entries, > 0.
         prior_mean: (S,) prior mean of the subnet entries (recorded, as laplace-torch does; it
             does not enter the Laplace precision). ``None`` = zeros.
-        model: the network the mean belongs to; needed by :meth:`predict_proba` only.
+        model: the network the mean belongs to; needed by `predict_proba` only.
         n_data: number of data points the GGN was summed over.
     """
 
@@ -196,7 +196,7 @@ class SubnetLaplacePosterior:
     def marginal_std_full(self) -> Tensor:
         """(P,) marginal standard deviations, zero outside the subnet (FedSI's upload).
 
-        Same dtype and device as :attr:`mean`.
+        Same dtype and device as [`mean`][inference.subnet.posterior.SubnetLaplacePosterior.mean].
         """
         std = torch.zeros_like(self._mean)
         std[self._indices_device] = self.marginal_variance_subnet().sqrt().to(std.dtype)
@@ -223,7 +223,7 @@ class SubnetLaplacePosterior:
     # ---------------------------------------------------------------- the model
     @property
     def model(self) -> nn.Module | None:
-        """The network used by :meth:`predict_proba` (``None`` until bound)."""
+        """The network used by `predict_proba` (``None`` until bound)."""
         return self._model
 
     def _attach(self, model: nn.Module) -> None:
@@ -264,7 +264,7 @@ class SubnetLaplacePosterior:
         max_memory_bytes: int | None = None,
     ) -> Tensor:
         """Predictive class probabilities, (B, C), rows summing to one
-        (:func:`inference.subnet.predictive.glm_predict`).
+        (`inference.subnet.predictive.glm_predict`).
 
         Args:
             inputs: (B, ...) model inputs, a tensor, NumPy array or list (moved to the
@@ -316,14 +316,14 @@ class SubnetLaplacePosterior:
         return At.square().sum(1).reshape(C, B).T
 
     factored: bool = True
-    """Use the factored GLM-probit variance where it applies (:meth:`_factored_variance`);
+    """Use the factored GLM-probit variance where it applies (`_factored_variance`);
     False forces the triangular solve on the full subnet Jacobian (tests compare the two)."""
 
     def _factored_variance(self, engine: SubnetJacobian, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """Linearised logit variances (B, C) and logits by the Linear-layer factorisation.
 
         When every subnet entry is in a Linear layer, ``J[b, o, s] = G[o, b, u_s] A[b, s]``
-        (:meth:`SubnetJacobian.linear_factors`), so ``L^{-1} J_o^T = sum_u G[o, b, u] V[u, b]``
+        (`SubnetJacobian.linear_factors`), so ``L^{-1} J_o^T = sum_u G[o, b, u] V[u, b]``
         with ``V[u, b, r] = sum_{s in unit u} (L^{-1})[r, s] A[b, s]``: one pass of the
         triangular ``L^{-1}`` per input instead of one per (input, output). Cost per input
         about ``S^2`` (half of it, ``L^{-1}`` being triangular) plus ``C U S``, against
@@ -391,7 +391,7 @@ class SubnetLaplacePosterior:
     def from_state_dict(
         cls, state: Mapping[str, Tensor], model: nn.Module | None = None
     ) -> SubnetLaplacePosterior:
-        """Rebuild from :meth:`state_dict` (e.g. read back with safetensors), binding ``model``."""
+        """Rebuild from `state_dict` (e.g. read back with safetensors), binding ``model``."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise InvalidInputError(f"state is missing {missing} (expected {list(_STATE_KEYS)})")

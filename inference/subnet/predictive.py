@@ -1,7 +1,7 @@
 """The linearised (GLM) predictive of a Gaussian over network parameters, written once.
 
-Both subnet posteriors (:class:`inference.subnet.SubnetLaplacePosterior`, full covariance over
-a subnet; :class:`inference.subnet.DiagonalLaplacePosterior`, diagonal over every parameter)
+Both subnet posteriors (`inference.subnet.SubnetLaplacePosterior`, full covariance over
+a subnet; `inference.subnet.DiagonalLaplacePosterior`, diagonal over every parameter)
 predict by linearising the network at the mean: ``f(x, theta) ~ f(x) + J(x) (theta - mean)``.
 With ``theta - mean = T z``, ``z ~ N(0, I)`` for a square root ``T`` of the covariance
 (``Sigma = T T^T``), the logits are Gaussian with covariance ``J Sigma J^T``. The two
@@ -13,7 +13,7 @@ map of the scaled Jacobian:
 - diagonal (``Sigma = diag(v)``): scale ``sqrt(v)``; logit variance ``sum_r (J_or sqrt(v_r))^2``;
   draws ``z``.
 
-:func:`glm_predict` does the rest once: the methods (``"glm_probit"``: ``softmax(kappa f)``,
+`glm_predict` does the rest once: the methods (``"glm_probit"``: ``softmax(kappa f)``,
 ``kappa_o = (1 + pi/8 var_o)^{-1/2}``, as laplace-torch's ``link_approx="probit"``;
 ``"glm_mc"``: the average softmax of ``f + J T z`` over weight-space draws; ``"map"``:
 ``softmax(f)``), the checks of its arguments, the inputs' conversion, the chunking of the rows
@@ -49,7 +49,7 @@ FastVariance = Callable[[SubnetJacobian, Tensor], "tuple[Tensor, Tensor] | None"
 
 
 def check_method(method: str | None, n_samples: int) -> str:
-    """The method (``None`` -> ``"glm_probit"``), refused unless one of :data:`METHODS`;
+    """The method (``None`` -> ``"glm_probit"``), refused unless one of `METHODS`;
     ``n_samples`` refused unless a positive int (whatever the method: a bad value is a bug
     of the caller's either way)."""
     method = "glm_probit" if method is None else method
@@ -85,7 +85,7 @@ def glm_predict(
         engine: its Jacobian engine over the posterior's entries (S of them).
         inputs: (B, ...) model inputs (tensor, NumPy array or list), moved to ``device``;
             floating inputs cast to ``dtype``.
-        method: a checked method (:func:`check_method`).
+        method: a checked method (`check_method`).
         column_scale: (S,) the covariance root's scale folded into the Jacobian.
         logit_variance: the scaled Jacobian's map to the logit variances (module docstring).
         draws: ``n -> (S, n)`` weight-space draws in the scaled space, for ``"glm_mc"``.

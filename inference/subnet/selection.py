@@ -113,7 +113,7 @@ def select_subnet(
 
     Returns:
         (S,) CPU int64 indices into the trainable-parameter vector, sorted ascending, ready for
-        :func:`inference.subnet.fit_subnet_laplace` and laplace-torch's ``subnetwork_indices``.
+        `inference.subnet.fit_subnet_laplace` and laplace-torch's ``subnetwork_indices``.
     """
     n_params = sum(s.numel for s in trainable_slots(model))
     count = resolve_subnet_size(size, n_params)

@@ -941,7 +941,7 @@ STRATEGY_METHODS = ("fit", "fit_group", "personalize", "evaluate", "evaluate_gro
 
 def client_step_callers(run) -> set[tuple[str, Any]]:
     """Run ``run()`` and return (method, caller's code) of every call of a strategy's client
-    half (:data:`STRATEGY_METHODS`) from outside ``bayesfl/strategies`` (a strategy's own
+    half (`STRATEGY_METHODS`) from outside ``bayesfl/strategies`` (a strategy's own
     ``fit_group`` calling its ``fit`` is inside): who drives the client half."""
     import sys
 

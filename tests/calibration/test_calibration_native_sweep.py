@@ -8,7 +8,7 @@ only flags invalid input; the torch sweep then re-examines the array and raises 
 The specification checked here: the three backends are interchangeable. Counts, correct counts
 and accuracy are equal; ECE, MCE and bin confidences agree to 1e-12; the native Brier score is a
 float64 sum (1e-12 of an exact reference); argmax ties go to the first index; bins follow
-:func:`calibration.binning.bin_indices`; -0.0 is a zero; invalid input raises the torch sweep's
+`calibration.binning.bin_indices`; -0.0 is a zero; invalid input raises the torch sweep's
 exact error; the thread count changes nothing; and without a compiler everything still works.
 
 Tests of a compiled backend skip, with the reason, where it cannot be built (no C compiler),

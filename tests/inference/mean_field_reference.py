@@ -1,16 +1,16 @@
 """Exact mean-field references for the MFVI and SGLD tests (independent of pyro and the fitters).
 
-* :func:`logistic_data`: a seeded 2-class problem with 2 features (a ``(2, 3)`` head with bias).
-* :func:`logistic_elbo`: the ELBO of a diagonal Gaussian ``q = N(μ, diag σ²)`` over the softmax
+* `logistic_data`: a seeded 2-class problem with 2 features (a ``(2, 3)`` head with bias).
+* `logistic_elbo`: the ELBO of a diagonal Gaussian ``q = N(μ, diag σ²)`` over the softmax
   head under the prior ``N(μ₀, I/λ)``, by exact 1-D Gauss–Hermite quadrature. With two classes
   ``log p(y | W, x) = log σ(s (w₀ − w₁)·[1, x])`` (``s = ±1``), and under ``q`` the margin
   ``(w₀ − w₁)·[1, x]`` is Gaussian with mean ``(μ₀ − μ₁)·[1, x]`` and variance
   ``(σ₀² + σ₁²)·[1, x]²``, so each row's expected log likelihood is a 1-D Gaussian integral of the
   smooth ``log σ`` (analytic in the strip ``|Im z| < π``), which Gauss–Hermite quadrature
   computes to near machine precision; the KL to the prior is in closed form.
-* :func:`mean_field_optimum`: the maximiser of that ELBO over ``(μ, log σ)`` by scipy's L-BFGS-B
+* `mean_field_optimum`: the maximiser of that ELBO over ``(μ, log σ)`` by scipy's L-BFGS-B
   on float64 autograd gradients.
-* :func:`gaussian_regression`: the closed-form posterior of Bayesian linear regression at any
+* `gaussian_regression`: the closed-form posterior of Bayesian linear regression at any
   prior precision and mean (for the mean-field optimum of a Gaussian posterior: exact means,
   variances ``1 / Λᵢᵢ``).
 """
@@ -90,7 +90,7 @@ class MeanFieldOptimum:
 @functools.cache
 def mean_field_optimum(prior_precision: float, prior_mean: float = 0.0, num_data: int = 40,
                        seed: int = 0) -> MeanFieldOptimum:
-    """Maximise :func:`logistic_elbo` over ``(μ, log σ)`` (12 numbers) with L-BFGS-B, from
+    """Maximise `logistic_elbo` over ``(μ, log σ)`` (12 numbers) with L-BFGS-B, from
     the prior."""
     data = logistic_data(num_data, seed)
 
@@ -112,7 +112,7 @@ def mean_field_optimum(prior_precision: float, prior_mean: float = 0.0, num_data
 
 @functools.cache
 def empirical_bayes_optimum(num_data: int = 40, seed: int = 0) -> tuple[float, MeanFieldOptimum]:
-    """The joint maximiser of :func:`logistic_elbo` over ``(μ, log σ, log λ)`` (13 numbers,
+    """The joint maximiser of `logistic_elbo` over ``(μ, log σ, log λ)`` (13 numbers,
     L-BFGS-B), prior mean 0: the λ that variational EM should find, and the guide there."""
     data = logistic_data(num_data, seed)
 

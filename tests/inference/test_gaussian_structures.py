@@ -1,6 +1,6 @@
 """Every precision structure against its dense reference, and a structure added by subclassing.
 
-Each storage structure of a Gaussian's precision is one :class:`Precision` subclass and the
+Each storage structure of a Gaussian's precision is one `Precision` subclass and the
 posterior only calls that interface. The reference for every method is the dense matrix the
 test builds itself from the structure's raw tensors, handled with ``torch.linalg`` (``inv``,
 ``slogdet``, ``solve``).
@@ -43,7 +43,7 @@ D = C * P
 @dataclass(frozen=True, eq=False)
 class KroneckerPrecision(Precision):
     """``Λ = left ⊗ right + delta · I``: a K-FAC curvature of a ``(C, P)`` head plus an
-    isotropic prior, added without touching :mod:`inference.gaussian` (only the six abstract
+    isotropic prior, added without touching `inference.gaussian` (only the six abstract
     methods, and where it knows better: which precisions it holds and how two of them add).
 
     ``left (C, C)`` and ``right (P, P)`` symmetric positive semi-definite, ``delta ()``.

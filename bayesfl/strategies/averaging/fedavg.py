@@ -5,10 +5,10 @@ parameters. Evaluation uses the global network.
 Aggregation: weighted by the clients' sample counts, w <- sum_c (n_c / n) w_c, as FedAvg's
 Algorithm 1 does (n = the participating clients' total).
 
-``fedavg-ft`` (:class:`FedAvgFT`) adds local fine-tuning after training (the FedSI paper's
+``fedavg-ft`` (`FedAvgFT`) adds local fine-tuning after training (the FedSI paper's
 FedAvg-FT baseline).
 
-``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`; both): each client fits that head
+``head=KIND`` (`bayesfl.strategies.probabilistic_head`; both): each client fits that head
 posterior on its own features after training (FedAvg-FT: after fine-tuning), the Laplace prior
 centred at zero (``head_prior="global"``: on the global head), and predicts with it; the plug-in
 is reported beside it as
@@ -52,9 +52,9 @@ class FedAvg(ParameterAveraging):
 class FedAvgFT(FedAvg):
     """FedAvg, then local fine-tuning to personalise (the FedSI paper's "FedAvg-FT" baseline).
 
-    Federated training is FedAvg's. :meth:`personalize` (after training, and for a novel
+    Federated training is FedAvg's. `personalize` (after training, and for a novel
     client) fine-tunes the global network on the client's training data
-    (:mod:`bayesfl.strategies.averaging.finetuning`). The FedSI paper does not state its fine-tuning
+    (`bayesfl.strategies.averaging.finetuning`). The FedSI paper does not state its fine-tuning
     budget; the default here is as many epochs as one round of local training (``None``) over
     the whole network (``finetune = "all"``), the usual reading of "FedAvg + fine-tuning".
 
@@ -77,7 +77,7 @@ class FedAvgFT(FedAvg):
         Option("finetune_stop", str, "heldout_nll",
                '`"heldout_nll"` (default): run as many of the `finetune_epochs` as minimise the '
                "NLL of a held-out 20% of the training data, then that many on all of it; "
-               '`"fixed"`: all of them (:mod:`bayesfl.strategies.averaging.finetuning`).',
+               '`"fixed"`: all of them (`bayesfl.strategies.averaging.finetuning`).',
                choices=HEAD_STOPS),
     )
 

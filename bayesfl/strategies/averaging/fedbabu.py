@@ -2,7 +2,7 @@
 Classification"): the head (the last layer) is randomly initialised and never updated during
 federated training; only the body is trained locally and averaged. After training (and for a
 novel client that never trained) each client personalises once
-(:meth:`FedBABU.personalize`): it fine-tunes its network on its own training data, starting
+(`FedBABU.personalize`): it fine-tunes its network on its own training data, starting
 from the global body and its initial head, and from then on predicts with its own fine-tuned
 parameters. Rounds before that are evaluated with the global body and the initial head (what
 FedBABU's paper reports as accuracy "before fine-tuning").
@@ -20,7 +20,7 @@ fine-tunes "the head" for personalisation, hence ``"head"`` (``"all"`` fine-tune
 together, the other choice FedBABU discusses). One epoch, at the local learning rate and batch
 size.
 
-``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after fine-tuning, each client
+``head=KIND`` (`bayesfl.strategies.probabilistic_head`): after fine-tuning, each client
 fits that head posterior on its fine-tuned network's training features (a zero-centred Laplace
 prior by default, ``head_prior="global"`` centres it on the shared initial head; its precision
 by evidence) and predicts with it; the
@@ -79,7 +79,7 @@ class FedBABU(ParameterAveraging):
 
     OPTIONS: ClassVar[tuple[Option, ...]] = (
         Option("finetune_epochs", int, 1,
-               "epochs of fine-tuning in :meth:`personalize` (0: none)."),
+               "epochs of fine-tuning in `personalize` (0: none)."),
         Option("finetune", str, "head",
                'what personalisation fine-tunes: `"head"` (default) or `"all"`.',
                choices=FINETUNE_SCOPES),
@@ -125,8 +125,8 @@ class FedBABU(ParameterAveraging):
     def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
                     broadcast: Message) -> ClientState:
         """Before personalisation, the client personalised as it would be if training stopped
-        now (:meth:`personalize` on a copy, its own generator per client and round), not the
-        global body with the untrained initial head (:attr:`round_view`)."""
+        now (`personalize` on a copy, its own generator per client and round), not the
+        global body with the untrained initial head (`round_view`)."""
         if PERSONALIZED in state:
             return state
         generator = torch.Generator().manual_seed(derived_seed(

@@ -1,7 +1,7 @@
 """FedPart (Wang et al., NeurIPS 2024, "Why Go Full? Elevating Federated Learning Through
 Partial Network Updates", [arXiv 2410.11559](https://arxiv.org/abs/2410.11559)): each round trains
-and sends one layer group (:mod:`bayesfl.layer_groups`) while the rest of the network stays frozen
-at the global values, following the schedule of :mod:`bayesfl.strategies.averaging.fedpart_schedule`
+and sends one layer group (`bayesfl.layer_groups`) while the rest of the network stays frozen
+at the global values, following the schedule of `bayesfl.strategies.averaging.fedpart_schedule`
 (warm-up FULL rounds, then shallow-to-deep sweeps of R rounds per group, F FULL rounds at the start
 of each later cycle).
 
@@ -9,7 +9,7 @@ Two registry entries carry the schedule by name with flat options: ``fedpart`` (
 FedPart) and ``fedprox-part`` (FedProx + FedPart); any other parameter-averaging strategy takes
 it with its ``schedule`` option. What a partial round does is the parameter-averaging
 machinery's
-(:class:`~bayesfl.strategies.averaging.parameter_averaging.ParameterAveraging`): only the
+(`ParameterAveraging`): only the
 active group is broadcast (with the group of the round before, which the clients hold only as
 their local values), trained, uploaded and averaged; frozen parameters have
 ``requires_grad=False``, so backpropagation stops at the first trainable group, and stay
@@ -93,7 +93,7 @@ class _PartMixin:
 
 def part_options() -> tuple[str, ...]:
     """The FedPart options, in their declared order: the keyword-only parameters of
-    :class:`_PartMixin` (so a refusal that lists them cannot fall behind a new one)."""
+    `_PartMixin` (so a refusal that lists them cannot fall behind a new one)."""
     return tuple(p.name for p in inspect.signature(_PartMixin.__init__).parameters.values()
                  if p.kind is inspect.Parameter.KEYWORD_ONLY)
 

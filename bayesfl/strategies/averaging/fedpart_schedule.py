@@ -17,9 +17,9 @@ Selecting Trainable Layers", and the schedule of its experiments) is a pure func
 
 Any parameter-averaging strategy takes it with the option ``schedule="fedpart"`` (or
 ``schedule={"kind": "fedpart", "rounds_per_group": 1, ...}``;
-:class:`~bayesfl.strategies.averaging.parameter_averaging.ParameterAveraging` runs the partial
+`ParameterAveraging` runs the partial
 rounds);
-:mod:`bayesfl.strategies.averaging.fedpart` has the named strategies.
+`bayesfl.strategies.averaging.fedpart` has the named strategies.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from bayesfl.strategies.base import derived_seed
 
 ORDERS = ("seq", "rev", "random", "random-perm")
 FULL = -1
-""":meth:`FedPartSchedule.group_at` of a FULL (whole-network) round."""
+"""`FedPartSchedule.group_at` of a FULL (whole-network) round."""
 _RANDOM_KEY = 1_000_015
 
 
@@ -48,7 +48,7 @@ class FedPartSchedule:
         full_rounds_per_cycle: F >= 0, at the start of every cycle after the first.
         warmup_rounds: W >= 0, the FULL rounds of the first cycle.
         cycles: C >= 1, or None for as many as the run has rounds.
-        order: one of :data:`ORDERS`.
+        order: one of `ORDERS`.
         seed: the run's seed (random orders only).
     """
 
@@ -109,7 +109,7 @@ class FedPartSchedule:
         return cycle, (s - self.full_rounds_per_cycle) // self.rounds_per_group
 
     def group_at(self, round: int) -> int:
-        """The 0-based group trained in ``round`` (1-based), or :data:`FULL`."""
+        """The 0-based group trained in ``round`` (1-based), or `FULL`."""
         cycle, j = self.position(round)
         if j is None:
             return FULL

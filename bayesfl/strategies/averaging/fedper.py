@@ -7,7 +7,7 @@ paper](https://arxiv.org/abs/2407.08337), Table 1 and section "Communication Cos
 "everything except the last two FC layers"; 5280 of the MNIST CNN's 21840 floats), so
 ``local_layers`` defaults to 2. ``local_layers=1`` keeps only the head personal.
 
-``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+``head=KIND`` (`bayesfl.strategies.probabilistic_head`): after training each client fits
 that head posterior on its own body's training features (the head is personal: a zero-centred
 Laplace prior, its precision by evidence) and predicts with it; FedPer's own network is
 reported beside it as ``map_plugin``.

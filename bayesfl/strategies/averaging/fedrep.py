@@ -12,7 +12,7 @@ Layers (Table 1 of its two versions): the FedLog paper's v1 "FedRep" (v2 "FedRep
 "FedRep 1" with one local layer (the head, as in the original FedRep paper) -- registry name
 ``fedrep-1``, ``local_layers=1``.
 
-``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+``head=KIND`` (`bayesfl.strategies.probabilistic_head`): after training each client fits
 that head posterior on its own body's training features (personal head: a zero-centred Laplace
 prior, its precision by evidence) and predicts with it; the plug-in is reported beside it as
 ``map_plugin``.

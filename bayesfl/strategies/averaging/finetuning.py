@@ -1,13 +1,13 @@
 """Personalisation by local fine-tuning, shared by the strategies that end with it (FedBABU,
 FedAvg-FT): after federated training (and for a novel client that never trained) a client
 loads the global network, fine-tunes it on its own training data and from then on predicts
-with its own parameters (the client state is marked :data:`PERSONALIZED`).
+with its own parameters (the client state is marked `PERSONALIZED`).
 
 ``finetune = "head"`` trains the last layer only (the classifier), ``"all"`` the whole
 network; the epochs run at the local learning rate and batch size. ``finetune_stop =
 "heldout_nll"`` (the default of both strategies) chooses how many of the ``finetune_epochs``
 to run by the NLL of 20% of the client's training data held out, then runs them on all of it
-(:mod:`bayesfl.strategies.head_tuning`): the fine-tuning length, which decides whether the
+(`bayesfl.strategies.head_tuning`): the fine-tuning length, which decides whether the
 plug-in ends under- or over-confident, is measured per client instead of fixed.
 ``"fixed"`` runs ``finetune_epochs`` (the schedule before this option).
 """
@@ -35,8 +35,8 @@ FINETUNE_SCOPES = ("head", "all")
 
 def check_finetuning(strategy: str, epochs: object, scope: object,
                      stop: object = "fixed") -> tuple[int, str, str]:
-    """``(epochs, scope, stop)`` validated: an integer >= 0, one of :data:`FINETUNE_SCOPES`
-    and one of :data:`~bayesfl.strategies.head_tuning.HEAD_STOPS`."""
+    """``(epochs, scope, stop)`` validated: an integer >= 0, one of `FINETUNE_SCOPES`
+    and one of `HEAD_STOPS`."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ConfigError(f"{strategy} finetune_epochs must be an integer >= 0, got {epochs!r}")
     if scope not in FINETUNE_SCOPES:
@@ -63,7 +63,7 @@ def fine_tune(
     """The client's personalised state: the global network (broadcast shared parameters,
     the client's own personal ones) fine-tuned on its training data, ``epochs`` of them
     (``stop="fixed"``) or as many, up to ``epochs``, as minimise the NLL of a held-out 20%
-    (``"heldout_nll"``: :func:`~bayesfl.strategies.head_tuning.fine_tune_stopped`)."""
+    (``"heldout_nll"``: `fine_tune_stopped`)."""
     model = strategy.global_model(config, state, broadcast)
     head = last_layers(model, 1)
     trainable = head.__contains__ if scope == "head" else everything

@@ -8,7 +8,7 @@ Layers (Table 1 of the [FedLog paper](https://arxiv.org/abs/2407.08337)): the Fe
 ``lg-fedavg``, ``global_layers=1`` -- and "LG-FedAvg 2" (two global layers; 16560 floats) --
 ``lg-fedavg-2``, ``global_layers=2``.
 
-``head=KIND`` (:mod:`bayesfl.strategies.probabilistic_head`): after training each client fits
+``head=KIND`` (`bayesfl.strategies.probabilistic_head`): after training each client fits
 that head posterior on its own body's training features (a zero-centred Laplace prior by
 default; the head is global, and ``head_prior="global"`` centres the prior on it; its precision
 by evidence) and predicts with it; the plug-in is reported beside it as ``map_plugin``.

@@ -1,13 +1,13 @@
 """Strategies that average (part of) the client networks' parameters.
 
-A client network is :class:`~bayesfl.strategies.networks.ClassifierNet` (``body.*`` then
+A client network is `ClassifierNet` (``body.*`` then
 ``head.*``). Each subclass says which parameters are *shared* (averaged by the server,
 broadcast every round) and which stay *personal* on the client, and how local training
 proceeds (which parameters are trained, in which phases). The upload is the shared parameters
 plus the sample count; aggregation is their mean, weighted by sample counts or not, as each
 paper does.
 
-What is shared is counted in layers (:func:`~bayesfl.strategies.networks.layer_parameter_names`),
+What is shared is counted in layers (`layer_parameter_names`),
 as the [FedLog paper](https://arxiv.org/abs/2407.08337) describes its baselines (section
 "Communication Cost", Table 1):
 
@@ -23,7 +23,7 @@ registry name      shared with the server                       aggregation
 ``fedbabu``        all but the last layer (the head)            weighted by n_c
 =================  ===========================================  =======================
 
-Robust options (every strategy of this family; :mod:`bayesfl.strategies.robust` gives the
+Robust options (every strategy of this family; `bayesfl.strategies.robust` gives the
 sources): ``aggregation`` = ``"mean"`` (default; the paper's weighting), ``"median"`` or
 ``"trimmed-mean"`` (coordinate-wise, with ``trim_fraction``); ``norm_bound`` (clip each
 update ``w_c - w_global`` to that L2 norm; default None); ``screening_ratio`` (default 10:
@@ -31,8 +31,8 @@ reject an upload whose update norm or sample count exceeds 10x the round's media
 reason in metrics.jsonl). A client's ``num_samples`` may not exceed its first declared one.
 
 **Schedules** (every strategy of this family): ``schedule="fedpart"`` (or a dict with kind
-``"fedpart"`` and its options, :mod:`bayesfl.strategies.averaging.fedpart_schedule`) trains one
-layer group (:mod:`bayesfl.layer_groups`, of the shared parameters) per partial round: its
+``"fedpart"`` and its options, `bayesfl.strategies.averaging.fedpart_schedule`) trains one
+layer group (`bayesfl.layer_groups`, of the shared parameters) per partial round: its
 parameters (and statistics) are the round's upload schema, the broadcast carries the groups
 changed since the previous round (``downlink="changed"``) or everything (``"full"``),
 everything else is frozen on the client (``requires_grad=False``: bit-identical, no
@@ -47,11 +47,11 @@ local training (their layers still normalise with batch statistics, as in the pa
 ``"local"`` (the FedPart paper's code, FedBN-like) never sends them: each client keeps and
 evaluates with its own.
 
-**Compute** (:meth:`ParameterAveraging.compute_metrics`): the analytic FLOPs of the round's
-local training (:mod:`bayesfl.flops`: forward over every layer, backward from the output down
+**Compute** (`ParameterAveraging.compute_metrics`): the analytic FLOPs of the round's
+local training (`bayesfl.flops`: forward over every layer, backward from the output down
 to the first trainable one), from each upload's sample count and the local epochs.
 
-**Probabilistic head** (every strategy of this family; :mod:`bayesfl.strategies.
+**Probabilistic head** (every strategy of this family; `bayesfl.strategies.
 probabilistic_head`): ``head`` = None (default: the plug-in network, as the papers do) or an
 ``inference.fit_head`` kind, ``"laplace"``, ``"conjugate"``, ``"mfvi"`` or ``"sgld"``. After
 training (FedBABU and FedAvg-FT after their fine-tuning) each client fits that head posterior on
@@ -65,8 +65,8 @@ Each module's docstring gives the source of its weighting. With the FedLog paper
 partitions every client holds the same number of samples, so weighted and unweighted means
 coincide there; they differ under Dirichlet or unequal partitions.
 
-The split is computed from a client's own network (:meth:`ParameterAveraging.shared_names`);
-the server's :meth:`~ParameterAveraging.init` checks that every body spec of the run shares
+The split is computed from a client's own network (`ParameterAveraging.shared_names`);
+the server's `init` checks that every body spec of the run shares
 parameters of the same names and shapes (clients with different bodies work only where the
 body is personal, e.g. ``lg-fedavg`` with its one global layer, the head).
 """
@@ -156,7 +156,7 @@ BN_STATS = ("aggregate", "local")
 DOWNLINKS = ("changed", "full")
 
 PERSONALIZED = "personalized"
-"""Client-state key set by :meth:`~bayesfl.strategies.base.Strategy.personalize`: the client
+"""Client-state key set by `personalize`: the client
 then predicts with its own parameters only (not the broadcast's shared ones)."""
 
 
@@ -345,7 +345,7 @@ class ParameterAveraging(Strategy):
     def _round_phases(
         self, body: str, round: int
     ) -> list[tuple[ParameterFilter, LocalTraining]]:
-        """:meth:`phases` restricted to the round's group: a shared parameter trains only if
+        """`phases` restricted to the round's group: a shared parameter trains only if
         the round sends it (personal parameters as the strategy says)."""
         shared = self.shared_names(body)
         active = self.round_names(body, round)
@@ -562,7 +562,7 @@ class ParameterAveraging(Strategy):
         broadcast: Message,
         generators: Sequence[torch.Generator],
     ) -> list[tuple[ClientState, Message]]:
-        """:meth:`fit` of same-body clients with one vmapped training per phase (one by one
+        """`fit` of same-body clients with one vmapped training per phase (one by one
         under a schedule or for a body with BatchNorm statistics)."""
         body = check_one_body(configs)
         if self.schedule_options is not None or self.shared_statistics(body):
@@ -593,7 +593,7 @@ class ParameterAveraging(Strategy):
     ) -> ClientState:
         """Without a probabilistic head: unchanged (the transport does not call it). With one:
         the network the client predicts with (the global shared values and its own personal
-        ones), kept as its own, plus its head posterior (:meth:`with_head_posterior`)."""
+        ones), kept as its own, plus its head posterior (`with_head_posterior`)."""
         if self.head is None:
             return state
         own = {**self._predict_parameters(config, state, broadcast),
@@ -693,7 +693,7 @@ class ParameterAveraging(Strategy):
         xs: Sequence[Tensor],
     ) -> dict[str, Tensor]:
         """Without a probabilistic head, the group's softmax rows as computed: one tensor
-        (with ``head=``, each client's own posterior: :meth:`predict_group`'s, concatenated)."""
+        (with ``head=``, each client's own posterior: `predict_group`'s, concatenated)."""
         if self.head is not None:
             return super().predict_rows(configs, states, broadcast, xs)
         states = [self._predict_parameters(c, s, broadcast) for c, s in zip(configs, states,

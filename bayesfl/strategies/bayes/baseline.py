@@ -1,5 +1,5 @@
-"""The skeleton the whole-network Bayesian baselines share: :class:`BayesianBaseline` (FedPA,
-pFedBayes, FedPop) and :class:`NetworkGaussianBaseline` (FedPA, pFedBayes: a Gaussian over the
+"""The skeleton the whole-network Bayesian baselines share: `BayesianBaseline` (FedPA,
+pFedBayes, FedPop) and `NetworkGaussianBaseline` (FedPA, pFedBayes: a Gaussian over the
 whole network as the posterior).
 
 All three federate one network of one body spec: the server state is named tensors from the
@@ -26,9 +26,9 @@ posterior      ``NetworkGaussian``: SWAG    ``NetworkGaussian``:    ``BodyPoster
                covariance of IASG samples  personal mean field     heads behind the body
 =============  ==========================  ======================  =======================
 
-The posteriors are :mod:`inference`'s (:class:`inference.NetworkGaussian`,
-:class:`inference.BodyPosterior`), built with bayesfl's input boundary
-(:func:`bayesfl.inputs.client_inputs`), so a bad batch is a ``DataError``.
+The posteriors are [`inference`][inference]'s (`inference.NetworkGaussian`,
+[`inference.BodyPosterior`][inference.BodyPosterior]), built with bayesfl's input boundary
+(`bayesfl.inputs.client_inputs`), so a bad batch is a ``DataError``.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ class BayesianBaseline(Strategy):
         server_only: prefixes of server-state keys that are never broadcast.
         upload_prefix: the prefix of an upload's name for each broadcast tensor.
         screened_prefix: the server-state keys whose difference to the upload is the update
-            norm (FedPA overrides :meth:`update_norms` instead).
+            norm (FedPA overrides `update_norms` instead).
         update_norm_label: what the update norm is called in a rejection.
-    and override :meth:`combine` (the aggregation rule; default: the weighted mean) and
-    :meth:`upload_problem` (the method's invariant of one upload; default none).
+    and override `combine` (the aggregation rule; default: the weighted mean) and
+    `upload_problem` (the method's invariant of one upload; default none).
 
     Its ``__init__`` keywords ``weighted`` and ``screening_ratio`` are options its subclasses
     declare (``OPTIONS``; their table is on the family's docs page and in
@@ -138,7 +138,7 @@ class BayesianBaseline(Strategy):
         return {k: v for k, v in state.items() if not k.startswith(self.server_only)}
 
     def upload_schema(self, state: ServerState, round: int) -> Schema:
-        """One float32 tensor per broadcast tensor (named with :attr:`upload_prefix`) and the
+        """One float32 tensor per broadcast tensor (named with `upload_prefix`) and the
         sample count."""
         schema = {self.upload_prefix + k: TensorSpec(tuple(v.shape), torch.float32)
                   for k, v in self.broadcast_tensors(state, round).items()}
@@ -146,8 +146,8 @@ class BayesianBaseline(Strategy):
         return schema
 
     def upload_problems(self, plan: RoundPlan, messages: Sequence[Message]) -> list[str | None]:
-        """Per upload, the first of: its sample count (:func:`count_problems`), the method's
-        invariant (:meth:`upload_problem`), its update norm (:meth:`update_norms`) within
+        """Per upload, the first of: its sample count (`count_problems`), the method's
+        invariant (`upload_problem`), its update norm (`update_norms`) within
         ``screening_ratio`` times the round's median."""
         return first_reasons(
             count_problems(plan, messages, self.screening_ratio),
@@ -161,7 +161,7 @@ class BayesianBaseline(Strategy):
 
     def update_norms(self, plan: RoundPlan, messages: Sequence[Message]) -> Tensor:
         """(K,) float64 norms of the uploads' differences to the server state over the keys
-        starting with :attr:`screened_prefix`."""
+        starting with `screened_prefix`."""
         keys = {k: k for k in plan.state if k.startswith(self.screened_prefix)}
         return difference_norms(plan.state, messages, keys)
 
@@ -172,7 +172,7 @@ class BayesianBaseline(Strategy):
         round: int,
         generator: torch.Generator,
     ) -> ServerState:
-        """:meth:`combine` of the uploads with their weights, plus the clients' declared sample
+        """`combine` of the uploads with their weights, plus the clients' declared sample
         counts; the state unchanged without uploads."""
         if not uploads:
             return state
@@ -217,16 +217,16 @@ class BayesianBaseline(Strategy):
 
 
 class NetworkGaussianBaseline(BayesianBaseline):
-    """A :class:`BayesianBaseline` whose clients predict with a Gaussian over the whole network
-    (:class:`inference.NetworkGaussian`): FedPA and pFedBayes. The network is the body with
-    a linear head (:class:`~bayesfl.strategies.networks.ClassifierNet`).
+    """A `BayesianBaseline` whose clients predict with a Gaussian over the whole network
+    (`inference.NetworkGaussian`): FedPA and pFedBayes. The network is the body with
+    a linear head (`ClassifierNet`).
 
-    Subclasses implement :meth:`posterior` (with :meth:`network_gaussian`) and set
+    Subclasses implement `posterior` (with `network_gaussian`) and set
     ``predict_seed_tag``, which seeds the predictive's draws with the run seed, the round
     and the client, so an evaluation is reproducible.
 
     Its ``__init__`` keyword ``mc_samples`` is an option its subclasses declare, as
-    :class:`BayesianBaseline`'s are.
+    `BayesianBaseline`'s are.
     """
 
     predict_seed_tag: ClassVar[int]
@@ -256,7 +256,7 @@ class NetworkGaussianBaseline(BayesianBaseline):
     def predict(
         self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
     ) -> dict[str, Tensor]:
-        """The MC predictive of :meth:`posterior` (headline) and the softmax at its mean
+        """The MC predictive of `posterior` (headline) and the softmax at its mean
         (``map_plugin``); a posterior without spread (zero covariance) predicts the plug-in."""
         post = self.posterior(config, state, broadcast)
         plug = post.predict_proba(x, "map").cpu()

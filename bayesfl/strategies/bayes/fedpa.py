@@ -20,7 +20,7 @@ before ``burn_in_epochs`` (at least the first) give none. From ``l`` samples wit
 ``mu_hat`` and sample covariance ``S`` the client forms the shrinkage estimate
 ``Sigma_hat = rho_l I + (1 - rho_l) S``, ``rho_l = 1 / (1 + (l - 1) rho)``, and computes
 ``Delta = Sigma_hat^-1 (mu_hat - theta)`` without forming any d x d matrix by the paper's dynamic
-program (:func:`posterior_delta`: O(l^2 d), checked against the explicit solve as the authors'
+program (`posterior_delta`: O(l^2 d), checked against the explicit solve as the authors'
 test does). With no sample (``burn_in_rounds`` not reached yet, or too few epochs) the client
 sends the FedAvg delta, last iterate minus ``theta``, as the reference code does.
 
@@ -45,7 +45,7 @@ e.g. ``rho_l``).
 posterior predictive the client uses ``N(theta, Sigma_swag)``: the broadcast mode with the
 covariance of its own IASG samples of its last round in SWAG's form (Maddox et al. 2019):
 ``1/2 (diag(s^2) + D^T D / (l - 1))``, ``D`` the samples' deviations from their mean
-(:class:`inference.NetworkGaussian`). This is our choice, not the
+([`inference.NetworkGaussian`][inference.NetworkGaussian]). This is our choice, not the
 paper's: with no samples (l = 0) the covariance is zero and the predictive equals the plug-in.
 Headline: the MC average over ``mc_samples`` (32) draws; ``map_plugin``: softmax at ``theta``.
 
@@ -155,7 +155,7 @@ def posterior_delta(theta: Tensor, samples: Sequence[Tensor], rho: float) -> Ten
 def client_delta(theta: Tensor, samples: Sequence[Tensor], rho: float,
                  normalize: bool = True) -> Tensor:
     """A client's upload from l >= 1 samples: ``Sigma_hat^-1 (mu_hat - theta)``
-    (:func:`posterior_delta`), times ``rho_l`` when ``normalize`` (module docstring: then a
+    (`posterior_delta`), times ``rho_l`` when ``normalize`` (module docstring: then a
     sample spread of zero gives ``mu_hat - theta``, FedAvg's delta on the samples' mean).
 
     Args: theta (P,), samples l of (P,), rho >= 0. Returns: (P,) float64."""
@@ -207,7 +207,7 @@ def swag_gaussian(model: nn.Module, theta: Tensor, samples: Tensor, *, n_samples
                   input_shape: tuple[int, ...] | None,
                   prepare: Prepare | None = None) -> NetworkGaussian:
     """``N(theta, 1/2 (diag(s^2) + D^T D / (l - 1)))`` from (l, P) samples (SWAG's form,
-    :func:`swag_covariance`); zero covariance for l < 2."""
+    `swag_covariance`); zero covariance for l < 2."""
     return NetworkGaussian(model, theta, *swag_covariance(samples, theta), n_samples=n_samples,
                            input_shape=input_shape, prepare=prepare)
 
@@ -306,7 +306,7 @@ class FedPA(NetworkGaussianBaseline):
 
     def combine(self, state: ServerState, uploads: Sequence[Message], weights: Tensor,
                 round: int) -> dict[str, Tensor]:
-        """:func:`server_step` with the uploads' deltas (and the momentum buffers)."""
+        """`server_step` with the uploads' deltas (and the momentum buffers)."""
         params = self.parameters(state)
         deltas = [{k: m.tensors[DELTA + k] for k in params} for m in uploads]
         buffers = {k[len(MOMENTUM):]: v for k, v in state.items() if k.startswith(MOMENTUM)}

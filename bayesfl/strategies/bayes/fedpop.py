@@ -7,7 +7,7 @@ federation; given its head, client k's labels follow ``softmax(z_k [1, phi(x)])`
 
 **Round** (the paper's Algorithm 1 with Gaussian prior and a linear head). Client k receives
 ``phi``, ``m`` and ``s``, computes its training features, and draws its head from the personal
-posterior ``p(z_k | D_k, phi, m, s)`` with SGLD (:mod:`inference.sgld`: Laplace-preconditioned
+posterior ``p(z_k | D_k, phi, m, s)`` with SGLD (`inference.sgld`: Laplace-preconditioned
 Welling-Teh steps started at the posterior mode; ``sgld_burn_in`` steps, then ``sgld_samples``
 draws one every ``sgld_thinning`` steps). Holding the draws fixed, it then trains ``phi``, ``m``
 and ``log s`` for the run's local epochs with Adam on the Monte Carlo estimate of the negative
@@ -15,7 +15,7 @@ log joint, per mini-batch ``mean_draws CE(z [1, phi(x)], y) - mean_draws log N(z
 and uploads ``phi``, ``m`` and ``s``. The server averages them, weighted by sample counts.
 
 **Predictions.** Client k averages the softmax over its head draws on the global body's features
-(headline; :class:`inference.EnsemblePosterior`) and reports the softmax of the draws' mean head
+(headline; `inference.EnsemblePosterior`) and reports the softmax of the draws' mean head
 as ``map_plugin``. During training the draws a client evaluates with are those of its last round
 (sampled under that round's body); after the last round every client (also one that never
 trained) draws ``final_samples`` heads under the final body (``personalize``), and the final
@@ -37,7 +37,7 @@ averaging over the draws makes more so.
 
 **Choices the paper leaves open, as options with their defaults.** The prior's initial mean 0
 and std ``prior_std_init = 1``; a scalar prior std; ``sgld_step_size = 0.05`` (the Laplace
-preconditioner's default of :mod:`inference.sgld`), ``sgld_burn_in = 50``, ``sgld_samples =
+preconditioner's default of `inference.sgld`), ``sgld_burn_in = 50``, ``sgld_samples =
 20``, ``sgld_thinning = 3`` per round (110 steps, about three autocorrelation times ``2 / 0.05``
 of the preconditioned chain: the draws only feed a Monte Carlo gradient and the next round's
 predictions) and ``final_samples = 100`` (thinning 5 after 100 steps of burn-in) after
@@ -122,7 +122,7 @@ def sample_heads(
 ) -> tuple[Tensor, Tensor]:
     """Draws of a softmax head's posterior under the prior ``N(prior_mean, prior_std^2 I)``.
 
-    Laplace-preconditioned full-batch SGLD (:func:`inference.sgld.run_sgld`) from the mode.
+    Laplace-preconditioned full-batch SGLD (`inference.sgld.run_sgld`) from the mode.
 
     Args:
         inputs: (N, m + 1) float64 bias-augmented features.
@@ -237,7 +237,7 @@ class FedPop(BayesianBaseline):
 
     def upload_problem(self, message: Message) -> str | None:
         """The prior std within [PRIOR_STD_FLOOR, PRIOR_STD_CEILING]
-        (:func:`prior_std_problem`); the sample count and the body update norm are the
+        (`prior_std_problem`); the sample count and the body update norm are the
         skeleton's checks, the server's combination its weighted mean."""
         return prior_std_problem(message)
 

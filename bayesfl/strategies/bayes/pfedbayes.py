@@ -18,7 +18,7 @@ weighted) mean of the uploaded parameters, mixed with the old one by ``beta``:
 ``z <- (1 - beta) z + beta mean_k z_k``. ``zeta`` sets how far a personal posterior may move
 away from the global one (larger: less personal). This is the loop of the authors' code as
 ported to PFLlib (``clientpFedBayes``); the KL is the closed form of
-:func:`diagonal_gaussian_kl`. Its weight is the paper's objective (the client's whole NLL plus
+`diagonal_gaussian_kl`. Its weight is the paper's objective (the client's whole NLL plus
 ``zeta`` KL) per data point; the code lineage weighs it otherwise against a batch-*summed* NLL
 (PFLlib: ``zeta KL / n_k``, a KL B times weaker than ours; AllenBeau/pFedBayes:
 ``zeta KL / local_epochs``). Under Adam only this ratio matters; we keep the paper's.
@@ -216,7 +216,7 @@ class PFedBayes(NetworkGaussianBaseline):
         return state
 
     def upload_problem(self, message: Message) -> str | None:
-        """Every standard deviation within [SIGMA_FLOOR, SIGMA_CEILING] (:func:`sigma_problem`);
+        """Every standard deviation within [SIGMA_FLOOR, SIGMA_CEILING] (`sigma_problem`);
         the sample count and the mean update norm are the skeleton's checks."""
         return sigma_problem(message)
 

@@ -11,7 +11,7 @@ $$S_c[y] = \sum_{i:\, y_i = y} [1, \phi(x_i)] \quad (C, m),$$
 
 whose column 0 holds the class counts. The server sums the statistics, adds the conjugate
 prior ($\chi = 0$, $\nu$) and sets $W$ to the posterior MAP (Eq. 12; exact solver of
-:mod:`inference.conjugate`).
+`inference.conjugate`).
 
 Round 0 (``init_round``) is the authors' code's "pretrain" round: clients send statistics of
 their untrained bodies, so the first head is already a MAP (the paper's section "FedLog" starts
@@ -27,7 +27,7 @@ paper's setting, where every client takes part every round). Measured on digits,
 from 6 clients' classes; ``"latest"`` is stable (figures in the project's architecture notes).
 
 **Prediction.** The federated posterior is the conjugate posterior of the summed statistics
-(:class:`inference.ConjugatePosterior`); clients evaluate with its posterior predictive and
+(`inference.ConjugatePosterior`); clients evaluate with its posterior predictive and
 report the MAP plug-in $\mathrm{softmax}(W [1, \phi])$ beside it. ``predictive="mc"``
 (default) averages the softmax over ``mc_samples`` (256) draws of the posterior's Laplace
 approximation, seeded from the run seed and the round (every client of a round sees the same draws);
@@ -40,10 +40,10 @@ multi-class integral). With ~1,300 training samples the posterior is concentrate
 agree to about 1e-3 in NLL.
 
 **Feature scale** (``feature_scale``). The model fixes the within-class standard deviation of
-$[1, s\phi]$ at $1/\sqrt 2$ (:class:`inference.ConjugatePosterior`); the paper has s = 1
+$[1, s\phi]$ at $1/\sqrt 2$ (`inference.ConjugatePosterior`); the paper has s = 1
 (``feature_scale=1``, the default until issue 40); the default is ``"heldout"`` (below).
 ``"evidence"`` is federated type-II maximum likelihood: every round the server takes
-the s that maximises the model's log evidence (:mod:`inference.conjugate.evidence`). The
+the s that maximises the model's log evidence (`inference.conjugate.evidence`). The
 evidence is a function of summed quantities, but not of the statistics alone: its s-dependence
 has the term $-s^2 Q$, $Q = \sum_i \lVert\phi_i\rVert^2$, which the table does not determine.
 So each upload carries ``square_sum`` (Q of the client's clamped training features, float64
@@ -52,7 +52,7 @@ $\sum_y \lVert S_y\rVert^2 / n_y$ by Cauchy-Schwarz, at most $n d B^2$) and cach
 statistics for absent clients. The server keeps s in its state (reported as ``feature_scale`` in
 every round's metrics), solves the head at s, and sends s with the evaluation broadcast. DP variants
 keep s = 1 (Q would be a release outside the privacy budget); FedLog-C takes a fixed s only
-(:class:`FedLogC`). Measured (final round, seeds 0, 1, 2):
+(`FedLogC`). Measured (final round, seeds 0, 1, 2):
 
 * digits, 10 clients, ``shards:2``, 8 rounds: s = 14.0, 14.9, 14.2 (these bodies' features are
   small for the model, s = 1 is underconfident); NLL 0.103, 0.308, 0.115 -> 0.062, 0.276,
@@ -80,11 +80,11 @@ train through, drawn once from the run seed and its id. The training broadcast i
 statistic of the kept examples and its count (as many floats as the head; clients solve the MAP
 themselves, as FedLog-C's do). At the start of each round, before training, a client scores its
 held-out examples with its current body (the one that made its share of the broadcast
-statistics) on :data:`inference.conjugate.heldout_scale.HELDOUT_SCALE_GRID`: the summed
+statistics) on `inference.conjugate.heldout_scale.HELDOUT_SCALE_GRID`: the summed
 ``-log p(y | phi, W*(s))`` of the MAP ``W*(s)`` at 33 scales (solved once per broadcast and
 shared by the clients a process runs), uploaded with its count (34 float64, 272 bytes). The
 server adds the vectors and takes the minimiser
-(:func:`~inference.conjugate.heldout_scale.scale_from_grid`).
+(`scale_from_grid`).
 
 **Then the slices join the posterior.** After training, each client also uploads the statistics
 of its held-out slice (``heldout_statistics``, (C, m) in the upload dtype, features of its
@@ -92,7 +92,7 @@ trained body; validated as the statistics are, with the slice's count from its b
 which must equal ``heldout_count`` once scored and may not exceed ``num_samples``). The server
 sums them apart (``heldout_statistics``, ``heldout_num_samples`` in its state) and the
 evaluation posterior is that of *every* training example at the chosen s: statistics = kept +
-slices (:meth:`FedLog.configure_evaluation`). So the choice of s costs no example of the
+slices (`FedLog.configure_evaluation`). So the choice of s costs no example of the
 posterior; the bodies still never train on the slices (they stay held out for the next round's
 choice). The upload doubles (S1: 4.5 kB -> 9.0 kB an upload, 1.38 MB -> 2.79 MB a run, 2.9% of
 FedAvg's), counted like every other byte.
@@ -117,7 +117,7 @@ the posterior) lost 0.6 ± 0.5 points of accuracy in the same setting (NLL 0.302
 seeds 0-2, withholding version (s = 1 -> heldout): NLL 0.103 -> 0.040, 0.308 -> 0.190, 0.115 ->
 0.038; accuracy 0.989 -> 0.989, 0.982 -> 0.987, 0.993 -> 0.998. The run's temperature step
 (``calibrate="temperature:0.04"``) keeps the argmax and the accuracy at a higher NLL (0.34,
-0.39, 0.33). Scores a client forges within the honest bounds (:func:`heldout_problem`) can pull
+0.39, 0.33). Scores a client forges within the honest bounds (`heldout_problem`) can pull
 the scale, as forged statistics can pull the head. DP variants and FedLog-C keep s = 1 (a fixed
 s for FedLog-C).
 
@@ -151,15 +151,15 @@ what calibrates FedLog.
 
 **Parts.** A FedLog strategy is built from two parts instead of flags:
 
-* a *privacy placement* (:class:`NoPrivacy`, :class:`LocalDP`, :class:`CentralDP`): what a
+* a *privacy placement* (`NoPrivacy`, `LocalDP`, `CentralDP`): what a
   client releases, what an upload must satisfy (one implementation for one upload and many),
   and how the server totals the statistics (section "Differential Privacy": features clamped
   to [-b, b]; Gaussian noise added by each client to its own statistic, or once by the server
   to the sum; sigma from the v2 accountant by default, ``accountant="k_round"``, or v1's per-release
   one, ``"single"``; local-DP uploads carry no ``num_samples``, which would leak n_c; DP runs report
   the noise-to-signal of the summed statistic, ``dp_noise_to_signal``, warn when the noise swamps
-  it, and evaluate with the posterior widened by the known noise, see :class:`_FedLogDP`);
-* a *broadcast policy* (:class:`HeadBroadcast` for FedLog, :class:`StatisticsBroadcast` for
+  it, and evaluate with the posterior widened by the known noise, see `_FedLogDP`);
+* a *broadcast policy* (`HeadBroadcast` for FedLog, `StatisticsBroadcast` for
   FedLog-C, section "Interpretation and FedLog-C": the server broadcasts the statistic and N;
   each client solves the same deterministic MAP and adds the compactness loss
   $\alpha \lVert\phi(x) - \bar\phi_y\rVert^2$, $\bar\phi_y$ the class mean).
@@ -547,7 +547,7 @@ class FedLog(Strategy):
                nullable=True),
         Option("feature_scale", (float, str), "heldout",
                "the model's feature scale s (the posterior is that of `[1, s phi]`, "
-               ':class:`inference.ConjugatePosterior`): `"heldout"` (default): s of least '
+               '`inference.ConjugatePosterior`): `"heldout"` (default): s of least '
                "summed NLL on slices of the clients' training examples kept out of the bodies' "
                'training, whose statistics then join the posterior (module docstring, "Held-out '
                'feature scale"; S1: NLL 1.30 -> 0.30, 30-degree rotations 6.0 -> 1.15, accuracy '
@@ -673,8 +673,8 @@ class FedLog(Strategy):
         """The server's per-client tensors, one stack per kind indexed by client id (N rows,
         N the run's clients): with ``absent_clients="latest"`` every upload tensor's latest
         accepted value (``latest/<name>``, (N, *its shape), the upload's dtype) and which rows
-        hold one (:data:`PRESENT`); with clean counts the declared-sample ledger
-        (:data:`DECLARED`). Their shapes are the run's, so a resumed state whose rows or
+        hold one (`PRESENT`); with clean counts the declared-sample ledger
+        (`DECLARED`). Their shapes are the run's, so a resumed state whose rows or
         layout differ (another client count, a client id out of range, a wrong dtype) is
         refused by the engine's check against the fresh state."""
         N = self.context.clients
@@ -742,7 +742,7 @@ class FedLog(Strategy):
 
         A slice's count is its table's bias column summed (``heldout_count`` counts the rows
         *scored*, 0 in round 0, when there are no statistics to judge them against): the
-        table must meet the statistics' invariants (:meth:`NoPrivacy.problems`) with that
+        table must meet the statistics' invariants (`NoPrivacy.problems`) with that
         count, or be all zeros for an empty slice; the count may not exceed the kept examples
         (``num_samples``: the slice is under half), and equals ``heldout_count`` whenever the
         slice was scored."""
@@ -851,7 +851,7 @@ class FedLog(Strategy):
 
     def cached_uploads(self, state: ServerState, uploads: Sequence[Message],
                        ids: Tensor) -> ServerState:
-        """``absent_clients="latest"``: the ``latest/<name>`` stacks and :data:`PRESENT` of
+        """``absent_clients="latest"``: the ``latest/<name>`` stacks and `PRESENT` of
         ``state`` (new tensors; ``state`` is left as it is) with the rows of ``ids`` set to
         their ``uploads``."""
         present = state[PRESENT].clone()
@@ -876,7 +876,7 @@ class FedLog(Strategy):
 
     def choose_feature_scale(self, table: Tensor, n: float, square_sum: float,
                              previous: float = 1.0) -> float:
-        """The feature scale of largest log evidence (:func:`inference.conjugate.evidence.
+        """The feature scale of largest log evidence (`inference.conjugate.evidence.
         evidence_feature_scale`) of the summed ``table`` (count ``n``) and the summed squared
         feature norms ``square_sum``, under this strategy's prior. Should the search fail (a
         non-finite evidence), the round keeps ``previous`` and a ``RuntimeWarning`` says why:
@@ -892,7 +892,7 @@ class FedLog(Strategy):
 
     def heldout_scale(self, uploads: Sequence[Message], previous: float) -> float:
         """``feature_scale="heldout"``: the scale of least held-out NLL summed over this round's
-        uploads (:func:`inference.conjugate.heldout_scale.scale_from_grid`); ``previous`` when
+        uploads (`inference.conjugate.heldout_scale.scale_from_grid`); ``previous`` when
         no upload holds a held-out example yet (round 0 has no statistics to judge)."""
         count = sum(float(u.tensors["heldout_count"].item()) for u in uploads)
         if count == 0:
@@ -981,7 +981,7 @@ class FedLog(Strategy):
         broadcast: Message,
         generators: Sequence[torch.Generator],
     ) -> list[tuple[ClientState, Message]]:
-        """:meth:`fit` of same-body clients at once: vmapped training, one stacked forward and
+        """`fit` of same-body clients at once: vmapped training, one stacked forward and
         one scatter for all statistics."""
         template = self.template(check_one_body(configs))
         params, buffers = stacked_tensors(template, states)
@@ -1019,10 +1019,10 @@ class FedLog(Strategy):
         tables: Tensor, generators: Sequence[torch.Generator],
         squares: Tensor | Sequence[None], scores: Sequence[tuple[Tensor, ...] | None],
     ) -> list[Message]:
-        """:meth:`_upload` of K clients, the same messages (the same bytes encoded): ``tables``
+        """`_upload` of K clients, the same messages (the same bytes encoded): ``tables``
         (K, C, m) converted to the upload dtype once and each client's tensors taken as rows
-        of the stacks (contiguous CPU views, as :func:`wire` gives them), instead of a
-        conversion, a ``num_samples`` tensor and :func:`wire` per client (~45 us a client,
+        of the stacks (contiguous CPU views, as `wire` gives them), instead of a
+        conversion, a ``num_samples`` tensor and `wire` per client (~45 us a client,
         0.7 s at 16,000). Every message still gets its validated header and ``Message``. A
         privacy placement with its own ``release`` (noise drawn from each client's
         generator) goes client by client."""
@@ -1098,8 +1098,8 @@ class FedLog(Strategy):
         their training features concatenated client after client.
 
         One scatter over (client, class) rows adds the samples to each table in the order
-        :meth:`SufficientStatistics.from_features` adds them, so every table is the one
-        :meth:`client_statistics` gives (non-finite features fall back to it, which raises).
+        `SufficientStatistics.from_features` adds them, so every table is the one
+        `client_statistics` gives (non-finite features fall back to it, which raises).
         """
         C = self.num_classes
         labels = torch.cat([d.train_y for d in datas])
@@ -1285,20 +1285,20 @@ class _FedLogDP(FedLog):
 
     **Noise against signal.** After every aggregation the server compares the noise in the
     summed statistic with the largest signal it can hold
-    (:func:`inference.conjugate.privacy_signal_to_noise`: ``R`` noisy releases summed, ``K``
+    (`inference.conjugate.privacy_signal_to_noise`: ``R`` noisy releases summed, ``K``
     clients' under local DP, 1 under central DP; class counts ``n / C``). The count is the
     released one, so the figure is post-processing of DP outputs: exact under central DP; under
     local DP the sum of the noisy count column (noise ``sigma sqrt(R C)``, a quarter of ``n``
     on digits at epsilon 16 and 10 rounds), averaged over the rounds so far (the data do not
     change between rounds). The figure is in the server state and every round's metrics as
     ``dp_noise_to_signal`` (with ``dp_sigma`` and ``dp_noise_std``); a
-    :class:`inference.conjugate.PrivacyNoiseWarning` is raised once per run when it exceeds
+    `inference.conjugate.PrivacyNoiseWarning` is raised once per run when it exceeds
     0.5 (chance-level models from about 1) even with the count one standard error higher, so
     an unlucky noisy count does not raise it.
 
     **Noise-aware predictive** (``noise_aware=True``, default). The server tells clients the
     noise variance ``R sigma^2`` of the statistic; their posterior is
-    :class:`inference.conjugate.NoisyConjugatePosterior`: the same MAP (the head clients train
+    `inference.conjugate.NoisyConjugatePosterior`: the same MAP (the head clients train
     with is unchanged), its Laplace covariance widened by the noise propagated through the MAP
     (``H^-1 + R sigma^2 H^-1 M M^T H^-1``), so the MC and probit predictives stop being
     confidently wrong when the noise dominates. ``noise_aware=False`` takes the noisy
@@ -1316,12 +1316,12 @@ class _FedLogDP(FedLog):
         Option("epsilon", float, 1.0,
                "the privacy budget: of the whole run (all rounds + the init round) with "
                '`accountant="k_round"`, of each release with `accountant="single"`. An epsilon '
-               "whose noise would swamp even :data:`MOST_SAMPLES` samples per class is refused, "
+               "whose noise would swamp even `MOST_SAMPLES` samples per class is refused, "
                "naming the smallest usable one (`epsilon=1e-300` overflowed every upload)."),
         Option("delta", float, 0.01,
                "the privacy budget: of the whole run (all rounds + the init round) with "
                '`accountant="k_round"`, of each release with `accountant="single"`. An epsilon '
-               "whose noise would swamp even :data:`MOST_SAMPLES` samples per class is refused, "
+               "whose noise would swamp even `MOST_SAMPLES` samples per class is refused, "
                "naming the smallest usable one (`epsilon=1e-300` overflowed every upload)."),
         Option("clip", float, 2.0,
                "the feature bound b; features are clamped to [-b, b] (after the body's ReLU)."),
@@ -1379,7 +1379,7 @@ class _FedLogDP(FedLog):
         super().__init__(context, feature_scale=1.0, **options)
 
     def _noise_to_signal(self, context: StrategyContext, sigma: float) -> float:
-        """Noise-to-signal of the summed statistic with :data:`MOST_SAMPLES` samples per class
+        """Noise-to-signal of the summed statistic with `MOST_SAMPLES` samples per class
         (every client's release summed under local DP): the least noise ``sigma`` can mean."""
         if not math.isfinite(sigma):
             return math.inf
@@ -1390,7 +1390,7 @@ class _FedLogDP(FedLog):
 
     def _check_budget(self, context: StrategyContext, releases: int) -> None:
         """Refuse an epsilon whose noise swamps the statistics of any data set (noise-to-signal
-        above 1 even at :data:`MOST_SAMPLES` samples per class): every model would be chance
+        above 1 even at `MOST_SAMPLES` samples per class): every model would be chance
         level, and a tiny epsilon overflows the uploads so that every one is rejected. The
         message gives the smallest epsilon out of that range (found by bisection: sigma falls
         as epsilon grows); the noise-to-signal warning covers the budgets above it."""
@@ -1562,8 +1562,8 @@ def declared_count_problems(declared: Tensor, ids: Sequence[int], counts: Tensor
                             ) -> list[str | None]:
     """Per upload, a reason if its sample count (``counts`` (K,) int64) exceeds the first one
     its client declared (``declared`` (N,) int64 by client id, 0 where none was accepted yet;
-    ids out of range are left to :func:`client_id_problems`): the check and the words of
-    :func:`bayesfl.strategies.robust.declared_problems`, over the stacked ledger."""
+    ids out of range are left to `client_id_problems`): the check and the words of
+    `bayesfl.strategies.robust.declared_problems`, over the stacked ledger."""
     reasons: list[str | None] = [None] * len(ids)
     index = torch.tensor(ids, dtype=torch.int64)
     inside = (index >= 0) & (index < declared.shape[0])

@@ -2,7 +2,7 @@ r"""FedSI (Chen et al. 2024, "Federated Subnetwork Inference"): a Bayesian FedBA
 
 Paper: [FedSI: Federated Subnetwork Inference for Efficient Uncertainty
 Quantification](https://arxiv.org/abs/2404.15657) (arXiv 2404.15657; the section numbers below
-are its, e.g. "III-B"). The client network is :class:`~bayesfl.strategies.networks.ClassifierNet`: a
+are its, e.g. "III-B"). The client network is `ClassifierNet`: a
 shared body theta (every ``body.*`` parameter, |R| of them, flattened in ``model.body.parameters()``
 order) and a personal linear head phi.
 
@@ -17,13 +17,13 @@ each) and aggregates the uploads: ``mu`` = the mean of the clients' means; the v
 **Client round** (sections III-A, steps 1-3, and III-B, "Local Updating"). Warm start
 $\theta = \mu$; ``local_epochs`` of Adam (``local_lr``, the run's batch size, one optimiser
 state for the whole round) on the body only, the head frozen at its initial value $\phi^0$,
-minimising (the broadcast Gaussian as prior, :func:`prior_penalty`)
+minimising (the broadcast Gaussian as prior, `prior_penalty`)
 
 $$\overline{\mathrm{CE}} + \frac{1}{2n} \sum_r \frac{(\theta_r - \mu_r)^2}{g_r};$$
 
 Then, in eval mode at the MAP,
-:func:`inference.subnet.select_subnet` picks the |S| body entries of largest diagonal-Laplace
-variance $1 / (\mathrm{diag}\,\mathrm{GGN} + 1/g)$ and :func:`inference.subnet.fit_subnet_laplace`
+`inference.subnet.select_subnet` picks the |S| body entries of largest diagonal-Laplace
+variance $1 / (\mathrm{diag}\,\mathrm{GGN} + 1/g)$ and `inference.subnet.fit_subnet_laplace`
 fits the dense |S| x |S| GGN Laplace with prior precision ``1/g_S`` (GGN summed over the client's
 training set). Upload: ``mean`` (the MAP of every body entry, float32 (|R|,)), ``std``
 (marginal posterior standard deviations, float32 (|R|,), **exactly zero outside the subnet**),
@@ -41,7 +41,7 @@ evaluate the global mean with the client's initial head (FedBABU's "before fine-
 no client posterior then, so both keys hold that softmax.
 
 **FedSI-Fac** (``fedsi-fac``, a baseline of the paper's section IV): ``posterior="diag_all"``: a
-diagonal GGN Laplace over every body entry (:class:`inference.subnet.DiagonalLaplacePosterior`), all
+diagonal GGN Laplace over every body entry (`inference.subnet.DiagonalLaplacePosterior`), all
 standard deviations sent (no ``subnet`` tensor), diagonal GLM predictive.
 
 **FedSI-Fac's predictive against its plug-in** (digits, 5 iid clients, 3 rounds, seed 0, one
@@ -81,7 +81,7 @@ at 1e-3 left the random head nearly untouched (accuracy 0.15), 5 at 1e-2 gave 0.
 1e-2 gave 0.92 (NLL 0.63 -> 0.42), hence 10 at 1e-2.
 
 Since then the fine-tuning length is chosen per client by held-out NLL
-(:mod:`bayesfl.strategies.head_tuning`; ``finetune_epochs`` is its upper bound): with a fixed
+(`bayesfl.strategies.head_tuning`; ``finetune_epochs`` is its upper bound): with a fixed
 count, 10 epochs left the plug-in under-confident on the paper's MNIST setting and 300
 over-confident, so the constant, not the data, decided the calibration.
 
@@ -96,7 +96,7 @@ client, round 1): the round ends at objective 3.86, above its start (2.33), whil
 noise of the size of the weights' scale, and the federated body got *worse* with rounds (S1,
 subnet of 400: fine-tuned accuracy 0.863 after round 1, 0.709 after 25). ``"proximal"`` takes
 Adam's step on the CE and then solves the prior's term exactly
-(:class:`bayesfl.training.GaussianProx`): same objective, same MAP (2.26095 after the round's
+(`bayesfl.training.GaussianProx`): same objective, same MAP (2.26095 after the round's
 25 steps), stable for any prior; the same run then rises every round (0.857 -> 0.899 after
 25). ``"adam"`` keeps the paper's literal recipe.
 
@@ -112,12 +112,12 @@ paper's value.
 **Prior variance by federated evidence** (``alpha_selection="evidence"``, not in the paper).
 Each client, at its local MAP ``theta`` and with the diagonal GGN ``h`` of its data over the
 body (the one subnet selection computes anyway), reports the Laplace log evidence of the prior
-``N(mu, alpha I)`` on the fixed grid :data:`ALPHA_GRID` (49 float64, 392 bytes an upload):
-``-||theta - mu||^2 / (2 alpha) - (1/2) sum_r log(1 + alpha h_r)`` (:func:`alpha_log_evidence`;
+``N(mu, alpha I)`` on the fixed grid `ALPHA_GRID` (49 float64, 392 bytes an upload):
+``-||theta - mu||^2 / (2 alpha) - (1/2) sum_r log(1 + alpha h_r)`` (`alpha_log_evidence`;
 the alpha-free ``log p(D | theta)`` is dropped). The clients' likelihoods are independent given
 the shared prior, so the sum is the federation's evidence of alpha; the server takes its
-maximiser (:func:`inference.log_grid.argmin_on_log_grid`) as the next round's alpha: the base
-prior of the aggregated Gaussian (:func:`rebase_prior`): an entry nobody made stochastic gets
+maximiser (`inference.log_grid.argmin_on_log_grid`) as the next round's alpha: the base
+prior of the aggregated Gaussian (`rebase_prior`): an entry nobody made stochastic gets
 alpha, every other keeps the precision the clients' data added to the old base prior,
 ``1 / g = (1 / g_agg - 1 / alpha_old) + 1 / alpha`` (``fedsi_alpha`` in every round's metrics).
 (alpha used to only reset the former and cap the latter; for FedSI-Fac, whose every entry is
@@ -153,7 +153,7 @@ is re-centred on the clients every round, so as they agree ``||theta - mu||`` sh
 evidence asks for a tighter prior, which keeps the next modes closer still. Followed for 30
 rounds it would reach the paper's slow-learning 1e-4 regime; hence not the default.
 
-**Per-round figures** (:meth:`FedSI.evaluate_group`). The client's head is frozen at phi^0
+**Per-round figures** (`FedSI.evaluate_group`). The client's head is frozen at phi^0
 until personalisation, so evaluating the global body with it measures a random classifier
 (chance). Every round instead fine-tunes each client's head on the current global mean (as
 personalisation does, without the Laplace) and reports that plug-in under both keys: the
@@ -168,7 +168,7 @@ new mean is the precision-weighted mean, in which a client that kept r determini
 ``1 / g_r`` (it claims nothing beyond the prior there). Entries nobody made stochastic get the
 plain mean and alpha, as in the paper's rule.
 
-**What an honest upload satisfies** (:meth:`FedSI.upload_problems`, each failure named):
+**What an honest upload satisfies** (`FedSI.upload_problems`, each failure named):
 ``num_samples >= 1`` and not above the client's first declared count; the declared subnet
 sorted, unique and inside the body; every ``std`` >= 0; ``std`` exactly 0 outside the declared
 subnet and > 0 inside it (the posterior precision is positive definite); ``std`` at most the
@@ -249,9 +249,9 @@ ALPHA_GRID: tuple[float, ...] = geometric_grid(-48, 0, 8, 10.0)
 """Prior variances a client scores with ``alpha_selection="evidence"``: ``10^(k/8)``,
 ``k = -48 .. 0`` (1e-6 to 1, eight a decade: 49 float64 numbers an upload)."""
 PERSONALIZED = "personalized"
-"""Client-state key set by :meth:`FedSI.personalize`."""
+"""Client-state key set by `FedSI.personalize`."""
 ROUND_VIEW = "round_view"
-"""Key of the transient state :meth:`FedSI.evaluate_group` evaluates before personalisation."""
+"""Key of the transient state `FedSI.evaluate_group` evaluates before personalisation."""
 POSTERIOR_PREFIX = "posterior."
 STD_TOLERANCE = 1e-3
 """Relative slack of the ``std <= prior std`` check: float32 rounding of the broadcast
@@ -293,7 +293,7 @@ def alpha_log_evidence(theta: Tensor, mean: Tensor, diag: Tensor,
 
 def evidence_problem(log_evidence: Tensor) -> str | None:
     """Why an uploaded ``log_evidence`` is impossible, or None: honest values are finite and
-    <= 0 (both terms of :func:`alpha_log_evidence` are). Within that a client can still pull
+    <= 0 (both terms of `alpha_log_evidence` are). Within that a client can still pull
     alpha, as any participant can pull the mean."""
     if not bool(torch.isfinite(log_evidence).all()):
         return "log_evidence must be finite"
@@ -324,7 +324,7 @@ def aggregate_gaussians(
         weights: (K,) non-negative weights summing to 1 (means of every rule but "product").
         prior_variance: (R,) the variances broadcast this round (the "product" rule weighs a
             deterministic client's mean by their inverse).
-        rule: one of :data:`AGGREGATIONS`.
+        rule: one of `AGGREGATIONS`.
         alpha: the base prior variance (entries nobody made stochastic; the upper clamp).
         floor: the lower clamp of the variances.
 
@@ -366,7 +366,7 @@ def rebase_prior(variance: Tensor, old_alpha: float, new_alpha: float, *,
     ``old_alpha`` (nobody made them stochastic) become exactly ``new_alpha``.
 
     Args:
-        variance: (R,) float64 in ``(0, old_alpha]`` (:func:`aggregate_gaussians`'s clamp).
+        variance: (R,) float64 in ``(0, old_alpha]`` (`aggregate_gaussians`'s clamp).
         floor: the lower clamp of the result.
 
     Returns:
@@ -469,7 +469,7 @@ class FedSI(Strategy):
                choices=ALPHA_SELECTIONS),
         Option("head", str, None,
                "a probabilistic head after personalisation (`laplace`, `conjugate`, `mfvi`, "
-               "`sgld`; :mod:`bayesfl.strategies.probabilistic_head`): fitted on the client's "
+               "`sgld`; `bayesfl.strategies.probabilistic_head`): fitted on the client's "
                "features of the global body, zero-centred prior; it replaces the subnet GLM "
                "predictive (the network's plug-in stays beside it); `posterior()` returns it"),
         Option("head_options", dict, None,
@@ -676,7 +676,7 @@ class FedSI(Strategy):
         round: int,
         generator: torch.Generator,
     ) -> ServerState:
-        """The new Gaussian (:func:`aggregate_gaussians` with ``aggregation``) and the ledger of
+        """The new Gaussian (`aggregate_gaussians` with ``aggregation``) and the ledger of
         declared sample counts."""
         if not uploads:
             return state
@@ -780,8 +780,8 @@ class FedSI(Strategy):
         """Step 1: train the body in place under the broadcast prior, the head frozen.
 
         ``map_solver="proximal"`` takes Adam steps on the cross-entropy and applies the prior
-        exactly after each (:class:`bayesfl.training.GaussianProx`); ``"adam"`` puts the prior
-        into Adam's gradient (:meth:`map_objective`), which does not converge when the prior
+        exactly after each (`bayesfl.training.GaussianProx`); ``"adam"`` puts the prior
+        into Adam's gradient (`map_objective`), which does not converge when the prior
         std is at or below the learning rate (module docstring, "The local MAP")."""
         lr = self.context.training.lr if self.local_lr is None else self.local_lr
         training = replace(self.context.training, lr=lr, reset_optimizer_each_epoch=False)
@@ -876,9 +876,9 @@ class FedSI(Strategy):
     def subnet_std(self, model: nn.Module, batches: list, variance: Tensor,
                    subnet: Tensor | None) -> Tensor | None:
         """The upload's ``std`` (|R|,) of the full-covariance subnet posterior, from its
-        marginal variances alone (:func:`inference.subnet.lowrank.subnet_marginal_variance`:
+        marginal variances alone (`inference.subnet.lowrank.subnet_marginal_variance`:
         Woodbury on the GGN's low-rank factor, no |S| x |S| matrix); None where that route
-        does not apply (then :meth:`laplace` fits the dense posterior)."""
+        does not apply (then `laplace` fits the dense posterior)."""
         if subnet is None or self.posterior_kind != "subnet_full":
             return None
         model.head.requires_grad_(False)
@@ -895,7 +895,7 @@ class FedSI(Strategy):
     def upload(self, config: ClientConfig, data: ClientData, round: int, model: nn.Module,
                std: Tensor, subnet: Tensor | None, log_evidence: Tensor | None = None) -> Message:
         """Step 4: the message (means, ``std`` (|R|,) zero outside ``subnet``, the subnet,
-        sample count; the log evidence on :data:`ALPHA_GRID` with
+        sample count; the log evidence on `ALPHA_GRID` with
         ``alpha_selection="evidence"``)."""
         tensors = {"mean": body_vector(model).to(torch.float32),
                    "std": std.to(torch.float32),
@@ -941,7 +941,7 @@ class FedSI(Strategy):
     def fine_tuned(self, config: ClientConfig, state: ClientState, data: ClientData,
                    mean: Tensor, generator: torch.Generator) -> nn.Module:
         """The client's network with its body at ``mean`` and its head fine-tuned from
-        phi^0 on the body's features of its training data (:mod:`~bayesfl.strategies.
+        phi^0 on the body's features of its training data (`
         head_tuning`: by held-out NLL unless ``finetune_stop="fixed"``)."""
         model = self.model_at(config, state, mean)
         with torch.no_grad():
@@ -952,9 +952,9 @@ class FedSI(Strategy):
     def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
                     broadcast: Message) -> ClientState:
         """Before personalisation (every round), the head the client would fine-tune now on
-        the global mean (:meth:`fine_tuned`; the plug-in, no posterior yet), not its frozen
+        the global mean (`fine_tuned`; the plug-in, no posterior yet), not its frozen
         phi^0, which is at chance: the round's figures show what the body has learnt
-        (:attr:`round_view`)."""
+        (`round_view`)."""
         if PERSONALIZED in state:
             return state
         mean, _ = self.received(config, broadcast)

@@ -85,7 +85,7 @@ family page lists them). ``kd_reduction="mean"`` is the measured choice: ``"sum"
 literal reading of the paper's objective, collapses every client's features at ``lam_kd = 10``.
 
 **Logged**: each client state keeps its last round's mean CE, KD and disc terms
-(``loss.*``, :func:`bayesfl.strategies.representation.personal.loss_log`); the server reports
+(``loss.*``, `bayesfl.strategies.representation.personal.loss_log`); the server reports
 ``prototype_drift`` (mean L2 change of the global prototypes in the last round, over the
 classes uploaded) and ``prototype_spread`` (mean distance between the global prototypes of
 two classes; near 0 means the shared feature space has collapsed) with every round's metrics.
@@ -588,7 +588,7 @@ class CoLearn(PersonalStrategy):
         generator: torch.Generator,
     ) -> ServerState:
         """Count-weighted (or uniform) prototypes; of the round's observation sets, the
-        ``M_down`` relayed ones (``relay="sets"``, :func:`select_relay`) or all of them,
+        ``M_down`` relayed ones (``relay="sets"``, `select_relay`) or all of them,
         shuffled (``"pool"``, at most ``relay_pool``)."""
         if not uploads:
             return state

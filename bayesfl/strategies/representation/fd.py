@@ -22,7 +22,7 @@ unstated:
 Validation: non-negative counts with at least one sample, zero rows for absent classes,
 ``|logit| <= max_abs`` (1e4), and a total count at most ``screening_ratio`` (10) times the
 round's median total. Prediction is the client's own network. Clients keep personal networks
-(``independent_init``, ``keep_optimizer``: :mod:`bayesfl.strategies.representation.personal`).
+(``independent_init``, ``keep_optimizer``: `bayesfl.strategies.representation.personal`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@
   (``optim.exp_avg.<param>``, ``optim.exp_avg_sq.<param>``) and step count (``optim.step``,
   shape (1,)); local training resumes them, so a personal model trains as if its rounds were
   one long run (open in the CoLearn paper). ``False`` follows the run's
-  :class:`~bayesfl.training.LocalTraining` (a fresh Adam per round, reset per epoch when it
-  says so). The update is ``torch.optim.Adam``'s own (:class:`bayesfl.adam.Adam`, bit for bit).
-* **Per-class means** (:func:`class_means`): float64 sums over the global class list; a class
+  `LocalTraining` (a fresh Adam per round, reset per epoch when it
+  says so). The update is ``torch.optim.Adam``'s own (`bayesfl.adam.Adam`, bit for bit).
+* **Per-class means** (`class_means`): float64 sums over the global class list; a class
   without samples has count 0 and a zero row (never NaN).
 """
 
@@ -60,8 +60,8 @@ class PersonalStrategy(Strategy):
     """A strategy of personal networks (module docstring): options ``independent_init`` and
     ``keep_optimizer``, the client state's optimiser and loss-log entries, the training loop.
 
-    Subclasses declare the per-batch loss terms in :attr:`LOSS_TERMS` and their weights in
-    :meth:`loss_weights`; the mini-batch loss is the batch mean of ``sum_k w_k term_k``. Each
+    Subclasses declare the per-batch loss terms in `LOSS_TERMS` and their weights in
+    `loss_weights`; the mini-batch loss is the batch mean of ``sum_k w_k term_k``. Each
     term's unweighted mean over the last local epoch is logged in the client state as
     ``loss.<term>``, shape (1,) float64 (each term apart).
     """
@@ -69,7 +69,7 @@ class PersonalStrategy(Strategy):
     LOSS_TERMS: tuple[str, ...] = ("ce",)
 
     def loss_weights(self) -> dict[str, float]:
-        """Weight of every term of :attr:`LOSS_TERMS` (default 1 each)."""
+        """Weight of every term of `LOSS_TERMS` (default 1 each)."""
         return dict.fromkeys(self.LOSS_TERMS, 1.0)
 
     def __init__(self, context: StrategyContext, *, independent_init: bool = True,
@@ -141,13 +141,13 @@ class PersonalStrategy(Strategy):
         on_last_epoch: Callable[[Tensor, Tensor], None] | None = None,
     ) -> ClientState:
         """Train ``model`` in place for the run's local epochs in shuffled mini-batches
-        (one ``randperm`` of ``generator`` per epoch, as :func:`bayesfl.training.train_plain`).
+        (one ``randperm`` of ``generator`` per epoch, as `bayesfl.training.train_plain`).
 
         Args:
             model: the client network (mutated).
             state: the client's state before the round (optimiser and loss entries read).
             data: the client's data.
-            terms: the per-sample loss terms of a mini-batch (:data:`BatchTerms`).
+            terms: the per-sample loss terms of a mini-batch (`BatchTerms`).
             generator: the client's generator of the round.
             on_last_epoch: called with ``(indices (B,), features (B, d) detached)`` of every
                 mini-batch of the last epoch (statistics collected on the fly).

@@ -1,6 +1,6 @@
 """The round loop (bayesfl.engine.rounds), read as its specification.
 
-The channel here is a real :class:`~bayesfl.engine.channel.Channel`: it runs FedAvg's client
+The channel here is a real `Channel`: it runs FedAvg's client
 halves in this process, and a script says what goes wrong on the way (a reply that is lost, an
 upload that arrives as junk, a client whose evaluation fails). The transport's hooks record
 what the loop hands them. The same federation runs under both evaluation modes:

@@ -1,7 +1,7 @@
 """Tiny clients for strategy tests: Gaussian-mixture data, small MLP bodies, one-round driver.
 
 A client is its own ``config`` (``context.client_config(k)``), ``data`` and ``state`` (from
-``strategy.init_client(config)``); :func:`run_round` drives one round of the v2 contract over
+``strategy.init_client(config)``); `run_round` drives one round of the v2 contract over
 them and stores every client's new state.
 """
 

@@ -1,6 +1,6 @@
 """Strategies with their own local loops (FedPA's IASG, FedPop's SGLD and Adam, pFedBayes'
 alternating updates, the personal family's CoLearn and FD) go through the divergence guard of
-:mod:`bayesfl.training`, as the strategies that train with ``train_plain`` do: in the simulator
+`bayesfl.training`, as the strategies that train with ``train_plain`` do: in the simulator
 a client whose local computation goes non-finite sends nothing, its round is undone, the reason
 is recorded under ``rejections``, and the run goes on with the others."""
 

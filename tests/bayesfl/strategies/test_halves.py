@@ -135,11 +135,11 @@ OTHER_SIDE = {"phases.py": {"Site"}}
 ``Site`` answers a request on a client, with the client half (``bayesfl.engine.phases``)."""
 HOLDERS = {"server", "strategy", "client_half", "server_half", "half"}
 """Names that hold a strategy (``self.server``, ``node.strategy``, ...); a parameter or
-variable annotated with a strategy class is one too (:func:`_strategy_uses`)."""
+variable annotated with a strategy class is one too (`_strategy_uses`)."""
 
 
 def _tree(path: Path) -> tuple[ast.Module, set[int]]:
-    """The module's syntax tree and the nodes inside the classes :data:`OTHER_SIDE` names."""
+    """The module's syntax tree and the nodes inside the classes `OTHER_SIDE` names."""
     tree = ast.parse(path.read_text())
     skipped = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
                and c.name in OTHER_SIDE.get(path.name, ()) for n in ast.walk(c)}

@@ -1,5 +1,5 @@
 """Every posterior strategy's ``posterior()`` returns the ``inference`` posterior protocol
-(:class:`inference.posterior.Posterior`), of one of the kinds ``Strategy.posterior`` documents,
+(`inference.posterior.Posterior`), of one of the kinds ``Strategy.posterior`` documents,
 whose draws are shaped and distributed as documented (issue 42)."""
 
 from __future__ import annotations

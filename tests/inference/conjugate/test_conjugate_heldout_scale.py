@@ -1,5 +1,5 @@
 """The held-out feature-scale criterion on a grid: additive over clients, equal to the
-``"validation"`` choice of :func:`fit_conjugate_head` (Brent on the same criterion) to within
+``"validation"`` choice of `fit_conjugate_head` (Brent on the same criterion) to within
 the grid's parabolic refinement, and a deterministic choice from the summed vector."""
 
 import itertools

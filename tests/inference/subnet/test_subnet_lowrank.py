@@ -1,5 +1,5 @@
 """The subnet posterior's marginal variances by Woodbury on the GGN's low-rank factor
-(:mod:`inference.subnet.lowrank`) equal the dense posterior's.
+(`inference.subnet.lowrank`) equal the dense posterior's.
 
 Tolerances: float64 models, so both routes sum the same float64 terms in another order (one
 factorises the S x S precision, the other the r x r Woodbury kernel): 1e-10 relative, far

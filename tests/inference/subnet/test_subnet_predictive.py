@@ -3,9 +3,9 @@ diagonal posterior predict through one function, and a diagonal covariance writt
 gives the same predictive.
 
 The check is independent of how each posterior forms ``J Sigma J^T``: a
-:class:`SubnetLaplacePosterior` over *every* parameter whose GGN block is the diagonal matrix
+`SubnetLaplacePosterior` over *every* parameter whose GGN block is the diagonal matrix
 ``diag(d)`` has covariance ``diag(1 / (d + prior))``, the covariance of the
-:class:`DiagonalLaplacePosterior` with GGN diagonal ``d``; the first goes through its Cholesky
+`DiagonalLaplacePosterior` with GGN diagonal ``d``; the first goes through its Cholesky
 factor (and its factored Linear-layer route), the second through squared scaled Jacobians. And
 both against the brute force ``sum_r J_or^2 v_r`` from ``torch.func.jacrev``. Tolerance: float64,
 the two routes differ by rounding only (the equilibrated Cholesky of a diagonal matrix is the

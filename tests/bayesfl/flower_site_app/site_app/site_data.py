@@ -21,7 +21,7 @@ def overflowing(partition_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Site 0's inputs of digit 3 overflow the layers (3e38, as the simulator's divergence
     tests poison a class): its local training loss is non-finite from the first mini-batch
     that holds one, so its client step sends nothing; the other sites train as with
-    :func:`load`."""
+    `load`."""
     x, y = load(partition_id)
     if partition_id == 0:
         x = x.copy()

@@ -1,1 +1,1 @@
-"""A Flower app whose strategy is defined in the app itself (:mod:`.damped_fedavg`)."""
+"""A Flower app whose strategy is defined in the app itself (`.damped_fedavg`)."""

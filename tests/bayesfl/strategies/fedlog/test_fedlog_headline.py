@@ -12,7 +12,7 @@ from calibration import ece
 
 def pooled_metrics(probs, labels):
     """NLL and Brier from their definitions; ECE (15 equal-width bins, the run's default) by
-    :func:`calibration.ece`, tested on its own against references."""
+    `calibration.ece`, tested on its own against references."""
     p_true = probs[torch.arange(len(labels)), labels]
     onehot = torch.nn.functional.one_hot(labels, probs.shape[1]).to(probs.dtype)
     return {"nll": float(-p_true.clamp_min(1e-12).log().mean()),

@@ -1,5 +1,5 @@
 """FedSI's upload takes the subnet posterior's marginal variances by Woodbury
-(:func:`inference.subnet.lowrank.subnet_marginal_variance`) where that route applies, and they
+(`inference.subnet.lowrank.subnet_marginal_variance`) where that route applies, and they
 are the dense posterior's: the same float64 algebra, rounded to float32 for the message
 (tolerance 1e-6 relative: a float32 ulp is 6e-8, and the two routes' float64 sums differ by
 ~1e-12)."""
