@@ -70,14 +70,41 @@ def heldout_nll_of_heads(heads: Tensor, features: Tensor, labels: Tensor) -> Ten
     float64 on the CPU, the summed label NLL of ``features`` ``(V, m - 1)`` under each head
     ``(G, C, m)``."""
     _check_rows(heads.shape[-1] - 1, features, labels)
+    return heldout_nll_by_group(heads, features, labels, [features.shape[0]])[0]
+
+
+def heldout_nll_by_group(heads: Tensor, features: Tensor, labels: Tensor,
+                         sizes: list[int]) -> Tensor:
+    """`heldout_nll_of_heads` of consecutive row groups at once: ``(K, G)`` float64 on the
+    CPU, row ``k`` the summed label NLL of the ``sizes[k]`` rows of ``features`` ``(V, m - 1)``
+    after the first ``sum(sizes[:k])`` (zeros for an empty group), under each head
+    ``(G, C, m)``.
+
+    One batched product and log-softmax over all heads and rows, then one scatter-add per
+    group: what a round's clients score with, instead of ``K * G`` small cross-entropies (the
+    loop that made FedLog's default scale cost 3.5x a round's CPU seconds). Equal to them up
+    to the order of the float64 sums.
+
+    Raises:
+        InvalidInputError: rows of the wrong width, labels not ``(V,)``, or ``sizes`` not
+            non-negative and summing to ``V``.
+    """
+    _check_rows(heads.shape[-1] - 1, features, labels)
+    if any(k < 0 for k in sizes) or sum(sizes) != features.shape[0]:
+        raise InvalidInputError(f"group sizes must be >= 0 and sum to the {features.shape[0]} "
+                                f"rows, got {sizes}")
+    out = torch.zeros(len(sizes), heads.shape[0], dtype=torch.float64, device=heads.device)
     if features.shape[0] == 0:
-        return torch.zeros(heads.shape[0], dtype=torch.float64)
+        return out.cpu()
     inputs = torch.cat([torch.ones_like(features[:, :1]), features], dim=1).to(
         device=heads.device, dtype=torch.float64)
     labels = labels.to(device=heads.device, dtype=torch.int64)
-    sums = [torch.nn.functional.cross_entropy(inputs @ head.T, labels, reduction="sum")
-            for head in heads.to(torch.float64)]
-    return torch.stack(sums).to(device="cpu", dtype=torch.float64)
+    logits = torch.matmul(inputs, heads.to(torch.float64).transpose(1, 2))  # (G, V, C)
+    picked = logits.gather(2, labels.view(1, -1, 1).expand(heads.shape[0], -1, 1))[..., 0]
+    nll = torch.logsumexp(logits, dim=2) - picked  # (G, V): -log softmax at the label
+    group = torch.repeat_interleave(torch.arange(len(sizes), device=heads.device),
+                                    torch.tensor(sizes, device=heads.device))
+    return out.index_add_(0, group, nll.T).cpu()
 
 
 def _check_rows(feature_dim: int, features: Tensor, labels: Tensor) -> None:
