@@ -74,7 +74,7 @@ Flower ClientApp's ``Context.state``) and is rebuilt by the kind's posterior cla
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import BayesFLWarning, ConfigError
-from bayesfl.strategies.base import ClientState
+from bayesfl.strategies.base import MAP_PLUGIN, PREDICTIVE, ClientState
 from bayesfl.strategies.networks import batched_apply
 from inference.errors import InferenceError
 from inference.posterior import Posterior, posterior_class
@@ -242,3 +242,69 @@ def fallback_reason(state: ClientState) -> str | None:
     """Why the client's head posterior could not be fitted, or None."""
     reason = state.get(FALLBACK)
     return None if reason is None else bytes(reason.tolist()).decode()
+
+
+class HeadPosterior:
+    """The ``head=KIND`` of a strategy's client half (module docstring): fits the head
+    posterior into a personalised client state, reads it back and predicts with it. It holds
+    the validated option and the run's number of classes and input shape, never client state.
+
+    Args:
+        head: the validated option (`head_from_options`).
+        num_classes: C.
+        input_shape: the shape of one input (None: the body's own).
+    """
+
+    def __init__(self, head: ProbabilisticHead, num_classes: int,
+                 input_shape: tuple[int, ...] | None = None) -> None:
+        self.option, self.num_classes, self.input_shape = head, num_classes, input_shape
+
+    @property
+    def kind(self) -> str:
+        return self.option.kind
+
+    @property
+    def method(self) -> str:
+        return self.option.method
+
+    def fit(self, personalized: ClientState, model: nn.Module, data: ClientData,
+            client_id: int, prior_mean: Tensor | None = None) -> ClientState:
+        """``personalized`` (the client's network ``model``) plus its head posterior
+        (`with_head_posterior`), ``prior_mean`` a ``(C, m + 1)`` global head or None."""
+        return with_head_posterior(self.option, personalized, model, data, self.num_classes,
+                                   client_id, prior_mean)
+
+    def posterior(self, state: ClientState) -> Posterior | None:
+        """The head posterior in a personalised ``state``, or None."""
+        return head_posterior(self.option, state)
+
+    def body_posterior(self, client_id: int, state: ClientState,
+                       model: Callable[[], nn.Module]) -> Any:
+        """The client's head posterior behind the body of its network to predict with (built
+        by ``model``): ``predict_proba`` takes inputs, ``sample`` draws heads (C, d + 1).
+
+        Raises:
+            ConfigError: ``state`` holds no head posterior (not personalised, or its fit
+                failed: the reason is given).
+        """
+        from bayesfl.posterior import client_posterior
+
+        posterior = self.posterior(state)
+        if posterior is None:
+            why = fallback_reason(state)
+            raise ConfigError(f"client {client_id} has no {self.kind} head "
+                              "posterior: " + ("its fit failed (" + why + ")" if why else
+                                               "it is fitted when the client personalises"))
+        return client_posterior(model().body, posterior, self.method,
+                                input_shape=self.input_shape)
+
+    def rows(self, state: ClientState, x: Tensor, plugin: Tensor,
+             model: Callable[[], nn.Module]) -> dict[str, Tensor]:
+        """A client's evaluation rows: its posterior predictive of ``x`` (B, ...) under
+        `PREDICTIVE` and its ``plugin`` softmax (B, C) under `MAP_PLUGIN` (both the plug-in
+        before personalisation or after a failed fit); ``model`` builds its network."""
+        posterior = self.posterior(state)
+        if posterior is None:  # not personalised yet, or its fit failed
+            return {PREDICTIVE: plugin, MAP_PLUGIN: plugin}
+        features = head_features(model(), x)
+        return {PREDICTIVE: self.option.predict(posterior, features).cpu(), MAP_PLUGIN: plugin}

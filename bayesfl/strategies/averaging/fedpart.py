@@ -29,9 +29,8 @@ from typing import Any, ClassVar
 
 from bayesfl.errors import ConfigError
 from bayesfl.strategies.averaging.fedavg import FedAvg
-from bayesfl.strategies.averaging.fedpart_schedule import ORDERS
+from bayesfl.strategies.averaging.fedpart_schedule import DOWNLINKS, ORDERS
 from bayesfl.strategies.averaging.fedprox import FedProx
-from bayesfl.strategies.averaging.parameter_averaging import DOWNLINKS
 from bayesfl.strategies.base import StrategyContext
 from bayesfl.strategies.registry import Option, register_strategy
 

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -82,17 +83,14 @@ from torch import Tensor, nn
 
 from bayesfl.data.clients import ClientData
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.flops import step_flops
-from bayesfl.layer_groups import LayerGroup, describe_groups, is_statistic, layer_groups
+from bayesfl.layer_groups import LayerGroup, is_statistic, layer_groups
 from bayesfl.messages import Message, Schema, TensorSpec
 from bayesfl.strategies.averaging.fedpart_schedule import (
-    FULL,
-    SCHEDULE_OPTIONS,
     FedPartSchedule,
-    schedule_from_option,
+    LocalFlops,
+    PartialTraining,
 )
 from bayesfl.strategies.base import (
-    MAP_PLUGIN,
     PREDICTIVE,
     ClientConfig,
     ClientState,
@@ -114,13 +112,9 @@ from bayesfl.strategies.networks import (
 from bayesfl.strategies.probabilistic_head import (
     HEAD_KINDS,
     HEAD_PRIORS,
-    ProbabilisticHead,
-    fallback_reason,
-    head_features,
+    HeadPosterior,
     head_from_options,
     head_parameters,
-    head_posterior,
-    with_head_posterior,
 )
 from bayesfl.strategies.registry import Option
 from bayesfl.strategies.robust import (
@@ -148,12 +142,7 @@ from bayesfl.training import (
     train_stacked,
 )
 
-SYNCED = "sync.round"
-"""Client-state key of a scheduled strategy: the round whose broadcast the client last
-received (a ``downlink="changed"`` broadcast is complete only for a client synced the round
-before)."""
 BN_STATS = ("aggregate", "local")
-DOWNLINKS = ("changed", "full")
 
 PERSONALIZED = "personalized"
 """Client-state key set by `personalize`: the client
@@ -225,8 +214,10 @@ class ParameterAveraging(Strategy):
         head_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(context)
-        self.head: ProbabilisticHead | None = head_from_options(self.name, head, head_prior,
-                                                                head_options)
+        option = head_from_options(self.name, head, head_prior, head_options)
+        self.head: HeadPosterior | None = None if option is None else HeadPosterior(
+            option, self.num_classes, context.input_shape or None)
+        """The probabilistic head (client half: personalise, predict), or None."""
         if self.head is not None:  # every client personalises; evaluations carry both
             self.personalizes = True
             self.is_posterior = True
@@ -238,18 +229,19 @@ class ParameterAveraging(Strategy):
             raise ConfigError(f"{self.name} bn_stats must be one of {BN_STATS}, got "
                               f"{bn_stats!r}")
         self.bn_stats = bn_stats
-        self.schedule_options = schedule_from_option(schedule)
-        options = self.schedule_options or {}
-        self.downlink = options.get("downlink", "changed")
-        if self.downlink not in DOWNLINKS:
-            raise ConfigError(f"fedpart downlink must be one of {DOWNLINKS}, got "
-                              f"{self.downlink!r}")
-        self._groups: dict[str, list[LayerGroup]] = {}
-        self._flops: dict[tuple[str, frozenset[str]], int] = {}
-        if self.schedule_options is not None:  # fail at construction on bad options
-            self.schedule()
+        self.partial = PartialTraining(self.name, schedule, context, shared=self.shared_names,
+                                       statistics=self.shared_statistics,
+                                       template=self.template, phases=self.phases)
+        """What each round trains, uploads and broadcasts (FedPart's schedule; both halves)."""
+        self.flops = LocalFlops(self.template, context)
+        """The local training's analytic FLOPs (server half: `compute_metrics`)."""
 
-    # ==== schedule, groups, statistics (both halves) =======================================
+    @property
+    def schedule_options(self) -> dict[str, Any] | None:
+        """The ``schedule`` option as ``{"kind": "fedpart", **options}``, or None."""
+        return self.partial.options
+
+    # ==== statistics, round metrics (both halves) ==========================================
     def shared_statistics(self, body: str) -> frozenset[str]:
         """Running-statistic names of the BatchNorm layers whose parameters are shared
         (``bn_stats="aggregate"``; none with ``"local"``)."""
@@ -261,66 +253,19 @@ class ParameterAveraging(Strategy):
 
     def groups(self, body: str) -> list[LayerGroup]:
         """The layer groups of the shared parameters (and statistics) of body ``body``."""
-        if body not in self._groups:
-            options = self.schedule_options or {}
-            shared, stats = self.shared_names(body), self.shared_statistics(body)
-            params = dict(self.template(body).named_parameters())
-            out = []
-            for g in layer_groups(self.template(body),
-                                  prefixes=options.get("group_prefixes"),
-                                  min_group_size=options.get("min_group_size", 0)):
-                kept = tuple(n for n in g.parameters if n in shared)
-                if kept:
-                    out.append(LayerGroup(g.name, kept, tuple(b for b in g.buffers
-                                                             if b in stats),
-                                          sum(params[n].numel() for n in kept), g.kind))
-            self._groups[body] = out
-        return self._groups[body]
+        return self.partial.groups(body)
 
     def schedule(self) -> FedPartSchedule | None:
-        """The run's schedule (its G from the first body's groups), or None."""
-        if self.schedule_options is None:
-            return None
-        options = {k: v for k, v in self.schedule_options.items() if k in SCHEDULE_OPTIONS}
-        schedule = FedPartSchedule(len(self.groups(self.context.bodies[0])),
-                                   seed=self.context.seed, **options)
-        if schedule.total_rounds is not None and self.context.rounds > schedule.total_rounds:
-            raise ConfigError(f"{self.name}: {self.context.rounds} rounds exceed the schedule's "
-                              f"{schedule.cycles} cycle(s) of {schedule.total_rounds} rounds")
-        return schedule
+        """The run's schedule, or None."""
+        return self.partial.schedule()
 
     def group_at(self, round: int) -> int:
-        """The 0-based layer group trained in ``round``, or ``FULL`` (every round without a
-        schedule; round 0 and earlier too)."""
-        schedule = self.schedule()
-        return FULL if schedule is None or round < 1 else schedule.group_at(round)
-
-    def round_names(self, body: str, round: int) -> frozenset[str]:
-        """What a client of body ``body`` trains and uploads in ``round``: the shared
-        parameters and statistics of the round's group (all of them in a FULL round)."""
-        g = self.group_at(round)
-        if g == FULL:
-            return self.shared_names(body) | self.shared_statistics(body)
-        return frozenset(self.groups(body)[g].names)
-
-    def broadcast_names(self, body: str, round: int) -> frozenset[str]:
-        """What the broadcast of ``round`` carries: everything shared, or with
-        ``downlink="changed"`` in a partial round after a partial round, the groups of this
-        round and the one before (the clients hold the latter only as their local values)."""
-        if self.downlink == "full" or round <= 1 or FULL in (self.group_at(round),
-                                                             self.group_at(round - 1)):
-            return self.shared_names(body) | self.shared_statistics(body)
-        return self.round_names(body, round) | self.round_names(body, round - 1)
+        """The 0-based layer group trained in ``round``, or ``FULL``."""
+        return self.partial.group_at(round)
 
     def describe(self) -> str | None:
         """The schedule of the run and the layer groups, as text (None without a schedule)."""
-        schedule = self.schedule()
-        if schedule is None:
-            return None
-        groups = self.groups(self.context.bodies[0])
-        return (f"{self.name}: layer groups of {self.context.bodies[0]!r} (shared "
-                f"parameters)\n{describe_groups(groups)}\n"
-                + schedule.describe(self.context.rounds, [g.name for g in groups]))
+        return self.partial.describe()
 
     def compute_metrics(self, plan: RoundPlan, uploads: Sequence[Message]) -> dict[str, float]:
         """Analytic FLOPs of the local training behind ``uploads`` (module docstring):
@@ -329,32 +274,9 @@ class ParameterAveraging(Strategy):
         total = 0
         for m in uploads:
             body = self.context.client_config(m.header.client_id).body
-            n = int(m.tensors["num_samples"].item())
-            for trainable, phase in self._round_phases(body, plan.round):
-                total += n * phase.epochs * self._step_flops(body, trainable)
+            total += self.flops.local(body, self.partial.phases(body, plan.round),
+                                      int(m.tensors["num_samples"].item()))
         return {"flops_local": float(total)}
-
-    def _step_flops(self, body: str, trainable: Callable[[str], bool]) -> int:
-        names = frozenset(n for n, _ in self.template(body).named_parameters() if trainable(n))
-        key = (body, names)
-        if key not in self._flops:
-            self._flops[key] = step_flops(self.template(body), self.context.input_shape,
-                                          names.__contains__).total
-        return self._flops[key]
-
-    def _round_phases(
-        self, body: str, round: int
-    ) -> list[tuple[ParameterFilter, LocalTraining]]:
-        """`phases` restricted to the round's group: a shared parameter trains only if
-        the round sends it (personal parameters as the strategy says)."""
-        shared = self.shared_names(body)
-        active = self.round_names(body, round)
-        out = []
-        for trainable, phase in self.phases(shared):
-            def allowed(name: str, trainable: ParameterFilter = trainable) -> bool:
-                return trainable(name) and (name in active or name not in shared)
-            out.append((allowed, phase))
-        return out
 
     def penalty(self, anchor: dict[str, Tensor]) -> Callable[[dict[str, Tensor]], Tensor] | None:
         """A term added to every local mini-batch loss, given the round's global values
@@ -402,9 +324,9 @@ class ParameterAveraging(Strategy):
         return first
 
     def broadcast_tensors(self, state: ServerState, round: int) -> dict[str, Tensor]:
-        if self.schedule_options is None:
+        if not self.partial.active:
             return shared_state(state)
-        names = self.broadcast_names(self.context.bodies[0], round)
+        names = self.partial.broadcast_names(self.context.bodies[0], round)
         return {k: v for k, v in shared_state(state).items() if k in names}
 
     def configure_evaluation(self, state: ServerState, round: int) -> Message:
@@ -413,7 +335,7 @@ class ParameterAveraging(Strategy):
 
     def upload_schema(self, state: ServerState, round: int) -> Schema:
         shared = shared_state(state)
-        names = set(shared) if self.schedule_options is None else self.round_names(
+        names = set(shared) if not self.partial.active else self.partial.round_names(
             self.context.bodies[0], round)
         schema = {name: TensorSpec(tuple(t.shape), torch.float32)
                   for name, t in shared.items() if name in names}
@@ -465,10 +387,7 @@ class ParameterAveraging(Strategy):
     def init_client(self, config: ClientConfig) -> ClientState:
         """The initial network, plus (under a schedule) the round the client last synced:
         0, as every client starts from the global initial values."""
-        state = super().init_client(config)
-        if self.schedule_options is not None:
-            state[SYNCED] = torch.tensor([0], dtype=torch.int64)
-        return state
+        return self.partial.synced(super().init_client(config), 0)
 
     def shared_names(self, body: str) -> frozenset[str]:
         """The shared parameter names of a client network of body spec ``body`` (the client
@@ -508,24 +427,9 @@ class ParameterAveraging(Strategy):
 
     def _upload(self, config: ClientConfig, data: ClientData, round: int,
                 values: dict[str, Tensor]) -> Message:
-        tensors = {k: values[k] for k in sorted(self.round_names(config.body, round))}
+        tensors = {k: values[k] for k in sorted(self.partial.round_names(config.body, round))}
         tensors["num_samples"] = num_samples_tensor(data.num_train)
         return self.up_message(round, config.client_id, tensors)
-
-    def _fit_broadcast(self, config: ClientConfig, state: ClientState,
-                       broadcast: Message) -> frozenset[str]:
-        """The names a fit broadcast must carry; ConfigError if a ``downlink="changed"``
-        broadcast cannot complete this client's model (it missed the previous round)."""
-        round = broadcast.header.round
-        expected = self.broadcast_names(config.body, round)
-        full = self.shared_names(config.body) | self.shared_statistics(config.body)
-        synced = int(state[SYNCED].item()) if SYNCED in state else None
-        if expected != full and synced != round - 1:
-            raise ConfigError(f"{self.name} with downlink='changed' needs every client in "
-                              f"every round: client {config.client_id} last synced in round "
-                              f"{synced}, this is round {round}; use downlink='full' with "
-                              f"partial participation")
-        return expected
 
     def fit(
         self,
@@ -538,21 +442,19 @@ class ParameterAveraging(Strategy):
         """Load the global shared values, train (phases, restricted to the round's group),
         upload the round's names; frozen statistics are restored (``bn_stats="aggregate"``)."""
         round = broadcast.header.round
-        expected = self._fit_broadcast(config, state, broadcast)
+        expected = self.partial.fit_names(config.client_id, state, config.body, round)
         model = self.global_model(config, state, broadcast, expected)
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
-        keep = self.shared_statistics(config.body) - self.round_names(config.body, round)
+        keep = self.shared_statistics(config.body) - self.partial.round_names(config.body,
+                                                                             round)
         kept = {k: v.clone() for k, v in model.state_dict().items() if k in keep}
         penalty = self.penalty(anchor)
-        for trainable, phase in self._round_phases(config.body, round):
+        for trainable, phase in self.partial.phases(config.body, round):
             train_plain(model, data.train_x, data.train_y, self.objective, phase,
                         generator=generator, trainable=trainable, penalty=penalty)
         model.load_state_dict(kept, strict=False)
         upload = self._upload(config, data, round, model.state_dict())
-        new_state = model_state(model)
-        if self.schedule_options is not None:
-            new_state[SYNCED] = torch.tensor([round], dtype=torch.int64)
-        return new_state, upload
+        return self.partial.synced(model_state(model), round), upload
 
     def fit_group(
         self,
@@ -565,7 +467,7 @@ class ParameterAveraging(Strategy):
         """`fit` of same-body clients with one vmapped training per phase (one by one
         under a schedule or for a body with BatchNorm statistics)."""
         body = check_one_body(configs)
-        if self.schedule_options is not None or self.shared_statistics(body):
+        if self.partial.active or self.shared_statistics(body):
             return super().fit_group(configs, states, datas, broadcast, generators)
         template = self.template(body)
         params, buffers = stacked_tensors(template, states)
@@ -582,7 +484,7 @@ class ParameterAveraging(Strategy):
         return [(with_parameters(s, {**b, **p}), self._upload(c, d, round, p))
                 for c, s, p, b, d in zip(configs, states, params, buffers, datas, strict=True)]
 
-    # ==== probabilistic head (module docstring) ==========================================
+    # ==== probabilistic head (module docstring; `HeadPosterior`) =========================
     def personalize(
         self,
         config: ClientConfig,
@@ -622,30 +524,16 @@ class ParameterAveraging(Strategy):
         prior_mean = None
         if self.has_global_head(config.body):
             prior_mean = head_parameters(self.global_model(config, trained, broadcast))
-        return with_head_posterior(self.head, personalized,
-                                   self.client_model(config, personalized), data,
-                                   self.num_classes, config.client_id, prior_mean)
-
-    def head_posterior(self, state: ClientState) -> Any:
-        """The head posterior in a personalised ``state``, or None."""
-        return None if self.head is None else head_posterior(self.head, state)
+        return self.head.fit(personalized, self.client_model(config, personalized), data,
+                             config.client_id, prior_mean)
 
     def posterior(self, config: ClientConfig, state: ClientState, broadcast: Message) -> Any:
         """The client's head posterior behind its own body (``head`` set, personalised):
-        ``predict_proba`` takes inputs, ``sample`` draws heads (C, d + 1)."""
-        from bayesfl.posterior import client_posterior
-
+        `HeadPosterior.body_posterior`."""
         if self.head is None:
             return super().posterior(config, state, broadcast)
-        posterior = self.head_posterior(state)
-        if posterior is None:
-            why = fallback_reason(state)
-            raise ConfigError(f"client {config.client_id} has no {self.head.kind} head "
-                              "posterior: " + ("its fit failed (" + why + ")" if why else
-                                               "it is fitted when the client personalises"))
-        model = self.client_model(config, self._predict_parameters(config, state, broadcast))
-        return client_posterior(model.body, posterior, self.head.method,
-                                input_shape=self.context.input_shape or None)
+        return self.head.body_posterior(config.client_id, state, partial(
+            self.client_model, config, self._predict_parameters(config, state, broadcast)))
 
     def _predict_parameters(
         self, config: ClientConfig, state: ClientState, broadcast: Message
@@ -674,16 +562,8 @@ class ParameterAveraging(Strategy):
         plugins = self._plugin_rows(configs, states, xs).split([int(x.shape[0]) for x in xs])
         if self.head is None:
             return [{PREDICTIVE: p} for p in plugins]
-        out = []
-        for config, state, x, plugin in zip(configs, states, xs, plugins, strict=True):
-            posterior = self.head_posterior(state)
-            if posterior is None:  # not personalised yet, or its fit failed
-                out.append({PREDICTIVE: plugin, MAP_PLUGIN: plugin})
-                continue
-            features = head_features(self.client_model(config, state), x)
-            out.append({PREDICTIVE: self.head.predict(posterior, features).cpu(),
-                        MAP_PLUGIN: plugin})
-        return out
+        return [self.head.rows(s, x, p, partial(self.client_model, c, s))
+                for c, s, x, p in zip(configs, states, xs, plugins, strict=True)]
 
     def predict_rows(
         self,

@@ -147,7 +147,7 @@ def test_the_predictive_is_fit_head_on_the_client_training_features_exactly(buil
 
 
 def prior_mean(strategy, state):
-    post = strategy.head_posterior(state)
+    post = strategy.head.posterior(state)
     return (post.prior.shift / post.prior.diag).reshape(post.shape)
 
 
@@ -219,7 +219,7 @@ def test_one_failing_client_does_not_stop_the_others(build, monkeypatch):
     with pytest.warns(HeadFitWarning, match="client 1"):
         states = personalised(strategy, clients, broadcast)
     assert [FALLBACK in s for s in states] == [False, True, False]
-    assert [strategy.head_posterior(s) is not None for s in states] == [True, False, True]
+    assert [strategy.head.posterior(s) is not None for s in states] == [True, False, True]
 
 
 # ---- state -------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
 from bayesfl.strategies.averaging.fedpart_schedule import (
     FULL,
+    SYNCED,
     FedPartSchedule,
     schedule_from_option,
 )
-from bayesfl.strategies.averaging.parameter_averaging import SYNCED
 from bayesfl.training import LocalTraining, train_plain
 
 BODY = "resnet8:4-4-8"  # BatchNorm body, two conv shortcuts, 10 groups with its head
