@@ -60,6 +60,7 @@ calibration scores (FedCP-QQ reveals one; the exact search reveals counts only).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import struct
@@ -243,6 +244,24 @@ def one_shot_coverage(ells: Sequence[int], sizes: Sequence[int], k: int) -> floa
         ``E[V_(k)]``, ``V_j ~ Beta(l_j, n_j - l_j + 1)`` independent: the probability that a
         new exchangeable score is <= the threshold (for almost surely distinct scores).
     """
+    return _one_shot_coverage(tuple(int(e) for e in ells), tuple(int(n) for n in sizes), int(k))
+
+
+# A pure function of its integers, evaluated by adaptive quadrature (~ms each): cached, since a
+# server (and one_shot_ranks' search) asks for the same (ranks, sizes, k) again and again.
+@functools.lru_cache(maxsize=4096)
+def _one_shot_coverage(ells: tuple[int, ...], sizes: tuple[int, ...], k: int) -> float:
+    """`one_shot_coverage` on tuples (cached).
+
+    Args:
+        ells: ``l_j``, the rank of client j's local quantile (1-based, ``<= n_j``).
+        sizes: ``n_j``, client j's number of scores.
+        k: the rank of the threshold among the m local quantiles (1-based).
+
+    Returns:
+        ``E[V_(k)]``, ``V_j ~ Beta(l_j, n_j - l_j + 1)`` independent: the probability that a
+        new exchangeable score is <= the threshold (for almost surely distinct scores).
+    """
     from scipy.integrate import quad
 
     m = len(ells)
@@ -283,6 +302,7 @@ def _smallest_ell(m: int, n: int, k: int, level: float) -> tuple[int, float] | N
     return hi, one_shot_coverage([hi] * m, [n] * m, k)
 
 
+@functools.lru_cache(maxsize=1024)
 def one_shot_ranks(m: int, n: int, alpha: float) -> tuple[int, int, float] | None:
     """The paper's order statistics for m clients of n scores: ``(l*, k*, M(l*, k*))``, the
     pair with the smallest coverage that is still ``>= 1 - alpha``; None when no pair reaches

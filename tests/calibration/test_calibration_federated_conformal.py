@@ -215,15 +215,16 @@ def test_sketch_ranks_and_bounds() -> None:
 def test_sketch_coverage_holds_under_label_skew_by_simulation() -> None:
     """Clients whose scores differ in distribution (client j's scores ~ U(0, 1)^(j + 1), the
     test row drawn from the pooled mixture): the sketch's coverage is >= 1 - alpha and <= its
-    stated upper bound, where FedCP-QQ's stated bound fails. 4,000 draws: the coverage's
-    standard error is below 0.005, the margins below are 3 of them."""
+    stated upper bound. 4,000 draws: the coverage's standard error is below 0.005, the margins
+    below are 3 of them. (FedCP-QQ is not asserted here: in this mixture it over-covers, 0.943
+    against its stated 0.918; where its exchangeable-clients bound fails is S1's label skew,
+    docs/results.md.)"""
     from calibration.federated_conformal import one_shot_sketch_threshold
 
     g = torch.Generator().manual_seed(7)
     m, n, alpha, draws = 6, (5, 20, 40, 80, 10, 45), 0.1, 4000
-    hits_sketch = hits_qq = 0
+    hits_sketch = 0
     upper = []
-    qq_bound = []
     for _ in range(draws):
         parts = [torch.rand(n[j], generator=g, dtype=torch.float64) ** (1 + 3 * j)
                  for j in range(m)]
@@ -232,14 +233,9 @@ def test_sketch_coverage_holds_under_label_skew_by_simulation() -> None:
         found = one_shot_sketch_threshold(parts, alpha, size=8)
         hits_sketch += test <= found.threshold
         upper.append(found.coverage_upper_bound)
-        qq = one_shot_threshold(parts, alpha)
-        hits_qq += test <= qq.threshold
-        qq_bound.append(qq.coverage_bound)
     se = 0.005
     assert hits_sketch / draws >= 1 - alpha - 3 * se
     assert hits_sketch / draws <= sum(upper) / draws + 3 * se
-    # FedCP-QQ's bound assumes exchangeable clients: here it is violated by far
-    assert hits_qq / draws < sum(qq_bound) / draws - 3 * se
 
 
 def test_sketch_bad_input() -> None:
