@@ -220,7 +220,9 @@ class InProcessGrid:
             values = record_values(message.content)
             data = values["fit"]
             self.pushed[cid] = len(data)
-            strategy = self.server.strategy
+            # the clients' half of the run's strategy (the server holds only its ServerView)
+            from bayesfl.strategies.halves import ClientView
+            strategy = ClientView(object.__getattribute__(self.server.strategy, "_strategy"))
             config = strategy.context.client_config(cid)
             _, upload = strategy.fit(config, strategy.init_client(config),
                                      self.server.setup.client_data[cid], decode(data),
