@@ -44,7 +44,7 @@ from inference.hyperparameters import (
     check_bounds,
     search_log_space,
 )
-from inference.laplace_marglik import EvidenceSearch, newton_cg
+from inference.laplace_marglik import EvidenceSearch, LastPrecision, newton_cg
 from inference.linear_model import log_likelihood, training_tensors
 from inference.options import (
     CovarianceStructure,
@@ -301,9 +301,11 @@ def fit_laplace_head(
                                       refine=method is PriorPrecisionMethod.MARGLIK)
         value = choice.value
     posterior = fit.final(value)
-    if choice is not None and choice.method == "marglik" and choice.at_bound is None:
+    if (choice is not None and choice.method == "marglik" and choice.at_bound is None
+            and fit.last_laplace is not None):
         # The Newton search's last evidence is at an iterate one tiny step from the mode:
-        # report the returned posterior's own (what log_marginal_likelihood computes).
+        # report the returned Laplace posterior's own (what log_marginal_likelihood computes).
+        # A KL-optimal Gaussian started from that iterate's precision keeps the search's.
         choice = dataclasses.replace(choice, criterion=_log_evidence(
             fit.last_laplace, inputs, targets, likelihood, noise_std))
     posterior.prior_selection = choice
@@ -359,6 +361,8 @@ class _LaplaceFit:
         self.elbo_max_iter = DEFAULT_ELBO_MAX_ITER
         self._last_mode: Tensor | None = None
         self._searched: tuple[float, Tensor] | None = None  # (λ, mode) of the evidence search
+        self._search_precision: LastPrecision | None = None  # its last refit's λI + H
+        self.last_laplace: GaussianPosterior | None = None
 
     def posterior(self, prior_precision: float) -> GaussianPosterior:
         """The Laplace posterior at ``prior_precision`` (mode refitted, unless the evidence
@@ -403,19 +407,25 @@ class _LaplaceFit:
                 return None
         self._last_mode = mode
         self._searched = (choice.value, mode)
+        self._search_precision = search.last_precision
         return choice
 
     def final(self, prior_precision: float) -> GaussianPosterior:
         """The posterior of the requested approximation at ``prior_precision``."""
+        searched = self._search_precision
+        if (self.approximation is GaussianApproximation.VARIATIONAL and searched is not None
+                and self._searched is not None and self._searched[0] == prior_precision
+                and searched.prior_precision == prior_precision):
+            # the evidence search's last refit has the Laplace precision at (one Newton step of
+            # ≤ 1e-12 nats from) this mode already: the KL-optimal Gaussian starts from it,
+            # without a curvature and a factorisation more (issue 41)
+            self.last_laplace = None
+            return self.variational(self._searched[1], searched.precision, searched.chol,
+                                    prior_precision, self.num_draws, self.seed)
         laplace = self.posterior(prior_precision)
         self.last_laplace = laplace
         if self.approximation is GaussianApproximation.LAPLACE:
             return laplace
-        return self.variational(laplace, prior_precision, self.num_draws, self.seed)
-
-    def variational(self, laplace: GaussianPosterior, prior_precision: float, num_draws: int,
-                    seed: int) -> GaussianPosterior:
-        """The KL-optimal Gaussian at ``prior_precision``, started from ``laplace``."""
         diagonal = self.structure is CovarianceStructure.DIAG
         start = (laplace.natural.precision_diagonal() if diagonal
                  else laplace.natural.precision_matrix())
@@ -423,8 +433,17 @@ class _LaplaceFit:
         # the factor the Laplace posterior caches (its evidence reuses it): one fewer (d, d)
         # factorisation (issue 41)
         factor = precision.cholesky() if isinstance(precision, FullPrecision) else None
+        return self.variational(laplace.flat_mean.to(torch.float64), start, factor,
+                                prior_precision, self.num_draws, self.seed)
+
+    def variational(self, mode: Tensor, start: Tensor, factor: Tensor | None,
+                    prior_precision: float, num_draws: int, seed: int) -> GaussianPosterior:
+        """The KL-optimal Gaussian at ``prior_precision``, started from the Laplace one:
+        ``mode``, its precision ``start`` (``(d, d)``, or ``(d,)`` for a diagonal structure)
+        and, for a full one, its lower Cholesky factor ``factor`` (or None)."""
+        diagonal = self.structure is CovarianceStructure.DIAG
         mean, curvature = variational_gaussian(
-            laplace.flat_mean.to(torch.float64), start, self.inputs, self.targets,
+            mode, start, self.inputs, self.targets,
             self.num_classes, prior_precision, self.prior_mean, diagonal=diagonal,
             num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed,
             start_factor=factor)

@@ -154,7 +154,7 @@ def test_a_softmax_refit_factorises_once_and_ends_at_the_factorising_newton_mode
     reference = find_mode(augment_with_bias(x), y, 3, 2.2, solver="lbfgs")
     theta = warm.clone()  # plain factorising Newton, to the same tolerance
     for _ in range(50):
-        step, _, decrement = plain_newton(theta, 2.2)
+        step, _, decrement, _ = plain_newton(theta, 2.2)
         theta = theta + step
         if decrement <= 1e-12:
             break

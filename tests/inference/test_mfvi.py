@@ -356,7 +356,11 @@ def test_default_prior_precision_is_the_laplace_evidence_optimum():
     laplace = fit_laplace_head(data.features, data.labels, 2, prior_precision="marglik")
     assert post.prior_selection.method == "marglik"
     assert post.prior_selection.value == laplace.prior_selection.value
-    assert post.prior_selection.criterion == laplace.prior_selection.criterion
+    # the same evidence at the same λ: the default (KL-optimal) head reports it at the search's
+    # last Newton iterate, ≤ 1e-12 nats of decrement from the mode where the Laplace one takes
+    # it (measured 4e-15 apart)
+    assert post.prior_selection.criterion == pytest.approx(laplace.prior_selection.criterion,
+                                                           abs=1e-9)
     torch.testing.assert_close(post.prior.diag, laplace.prior.diag)
     fixed = fit_head("mfvi", data.features, data.labels, 2, num_steps=5, prior_precision=3.0)
     assert fixed.prior_selection is None

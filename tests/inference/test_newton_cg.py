@@ -135,11 +135,13 @@ def test_the_fit_chooses_the_same_prior_and_posterior_with_and_without_newton_cg
     monkeypatch.setattr(laplace_head, "newton_cg", no_cg)
     slow = fit_laplace_head(features, labels, 4)
     # modes to 1e-12 nats either way; the search's slopes are taken at points within that of
-    # the modes, so its secant path and end agree to ~1e-6 relative (measured: ~1e-8)
-    assert fast.prior_selection.value == pytest.approx(slow.prior_selection.value, rel=1e-5)
+    # the modes, so its secant paths agree to ~1e-8, but the search stops once a step would
+    # move λ by < 1e-2 (LAMBDA_RTOL) and returns that step's λ, within ~1e-4 of the maximiser
+    # (superlinear secant): the two ends may lie one stop decision apart (measured 9e-5)
+    assert fast.prior_selection.value == pytest.approx(slow.prior_selection.value, rel=5e-4)
     assert fast.prior_selection.criterion == pytest.approx(slow.prior_selection.criterion,
                                                            abs=1e-6)
     test_features, _ = relu_data(rows=50, seed=5)
-    # the predictive moves with λ (1e-5 relative) and the mode (1e-6): far below 1e-4
+    # the predictive moves with λ (9e-5 relative, measured) and the mode (1e-6): below 1e-4
     torch.testing.assert_close(fast.predict_proba(test_features),
                                slow.predict_proba(test_features), atol=1e-4, rtol=0)
