@@ -132,6 +132,15 @@ def test_the_cached_row_products_follow_the_inputs():
                                atol=1e-10, rtol=0)
 
 
+def test_the_row_products_are_each_rows_upper_triangle_in_triu_order():
+    """Every row's ``x xᵀ`` upper triangle, in ``torch.triu_indices`` order (what the gather
+    indices of the curvature and the logit covariance assume), bit for bit."""
+    inputs = torch.randn(7, 6, generator=torch.Generator().manual_seed(8), dtype=F64)
+    rows, cols = torch.triu_indices(6, 6)
+    expected = torch.einsum("np,nq->npq", inputs, inputs)[:, rows, cols]
+    assert torch.equal(curvature_module.row_products(inputs), expected)
+
+
 def test_a_head_too_large_for_the_gather_index_takes_the_block_row_path(monkeypatch):
     """Above ``_INDEX_ELEMENTS`` the curvature is built by block rows (the gather index would be
     as large as the result), with the same matrix."""
