@@ -56,9 +56,11 @@ seed  accuracy                ECE                     NLL                     co
 2     .9420 -> .9440 / .9320  .0440 -> .0113 / .0371  .3981 -> .1762 / .3212  .986 -> .951 / .966
 ====  ======================  ======================  ======================  ==================
 
-No fit failed. The Laplace head (d = 10 x 101 = 1010, full precision) costs about a minute of
-one CPU thread per client (about half its evidence search, half the KL-optimal Gaussian;
-``structure="lowrank", rank=50`` was not faster); the conjugate head a fraction of a second.
+No fit failed. What the Laplace head (d = 10 x 101 = 1010, full precision) costs a client —
+its evidence search and the KL-optimal Gaussian — is measured by ``bench/s1_cost.py`` (whole
+S1 runs against FedPer's) and ``bench/laplace_head_speed.py`` (one fit against
+laplace-torch's), tabled in the docs' results page; the conjugate head costs a fraction of
+that.
 
 **Failures.** A fit that fails for one client (an :class:`inference.errors.InferenceError`: no
 convergence, degenerate features; a failed factorisation) does not stop the run: that client
