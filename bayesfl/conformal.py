@@ -1,48 +1,48 @@
 """Federated conformal prediction sets: the optional final step of a run (``conformal=``).
 
 ``conformal="aps:0.1"`` ends a run by giving every client prediction sets that hold the true
-label with probability >= 90% (:mod:`calibration.conformal`), from a threshold calibrated over
+label with probability >= 90% (`calibration.conformal`), from a threshold calibrated over
 *all* clients' held-out rows without any client's scores leaving it:
 
-* **Held-out rows.** As for ``calibrate`` (:mod:`bayesfl.calibrate`, which this step shares the
+* **Held-out rows.** As for ``calibrate`` (`bayesfl.calibrate`, which this step shares the
   hold-out with), every client sets aside a stratified share of its *training* data before
   training (default 0.2, or the share ``calibrate`` names) and trains on the rest; the
   conformal guarantee needs calibration rows the model never saw.
 * **The threshold** (``SCORE:ALPHA[:METHOD]``; score ``lac``, ``aps``, ``aps-randomized``,
   ``raps``, ``raps-randomized``): ``exact`` (the default) runs
-  :func:`calibration.federated_conformal.exact_threshold_search` over messages: the server
-  proposes thresholds (:data:`PROPOSAL_SCHEMA`), every client answers how many of its held-out
-  scores lie at or below each (:data:`REPLY_SCHEMA`), and after about 17 steps the threshold
+  `calibration.federated_conformal.exact_threshold_search` over messages: the server
+  proposes thresholds (`PROPOSAL_SCHEMA`), every client answers how many of its held-out
+  scores lie at or below each (`REPLY_SCHEMA`), and after about 17 steps the threshold
   is the pooled split-conformal threshold of every held-out row, bit for bit. ``one-shot`` is
-  FedCP-QQ (:func:`calibration.federated_conformal.quantile_of_quantiles`): one request
+  FedCP-QQ (`calibration.federated_conformal.quantile_of_quantiles`): one request
   (``alpha`` and the number of clients), one reply per client of one local quantile and its
-  ranks (:data:`ONE_SHOT_REPLY_SCHEMA`), with the coverage bound the formula states *for
+  ranks (`ONE_SHOT_REPLY_SCHEMA`), with the coverage bound the formula states *for
   exchangeable clients only* (under label skew it can fail). ``sketch`` is one request too,
   with the exact method's guarantee whatever the clients' heterogeneity
-  (:func:`calibration.federated_conformal.sketch_threshold`): every client sends
-  :data:`~calibration.federated_conformal.SKETCH_SIZE` order statistics of its held-out scores
-  at fixed ranks and its row count (:data:`SKETCH_REPLY_SCHEMA`, under 1 KB), and the server
+  (`calibration.federated_conformal.sketch_threshold`): every client sends
+  `SKETCH_SIZE` order statistics of its held-out scores
+  at fixed ranks and its row count (`SKETCH_REPLY_SCHEMA`, under 1 KB), and the server
   takes a threshold at or above the pooled one, over-covering by at most what the sketch's
   rank gaps allow (reported as ``coverage_upper_bound``). All three run
   for the headline predictive and, for posterior strategies, its MAP plug-in (rows of every
-  tensor: :data:`PREDICTIVES`; a client without a plug-in answers a count of 0 for it).
-* **Evaluation.** The server broadcasts the thresholds (:data:`RESULT_SCHEMA`); every client
+  tensor: `PREDICTIVES`; a client without a plug-in answers a count of 0 for it).
+* **Evaluation.** The server broadcasts the thresholds (`RESULT_SCHEMA`); every client
   forms its sets on its own *test* rows and returns mergeable counts (rows, covered, the
-  histogram of set sizes: :class:`calibration.conformal.CoverageAccumulator`;
-  :data:`EVALUATION_SCHEMA`). The summary reports coverage and mean set size pooled *and per
+  histogram of set sizes: `calibration.conformal.CoverageAccumulator`;
+  `EVALUATION_SCHEMA`). The summary reports coverage and mean set size pooled *and per
   client*: the guarantee is marginal over every client's rows, and a heterogeneous client can
   sit below 1 - alpha while the pooled figure looks right.
-* **Messages** are :class:`bayesfl.messages.Message` s under the header strategy
-  :data:`PROTOCOL`, encoded, decoded and counted in bytes like every round's (HMAC-signed with
+* **Messages** are `bayesfl.messages.Message` s under the header strategy
+  `PROTOCOL`, encoded, decoded and counted in bytes like every round's (HMAC-signed with
   the run's keys when it authenticates). A reply is validated on receipt: its schema, then
   what any honest reply satisfies (counts in [0, n] that never fall as the threshold rises, an
   ``n`` that does not change; a local quantile inside the score's range with ranks that fit).
   A client whose reply fails is dropped, the reason logged, and the search restarts over the
   others; the run never crashes on it.
 
-The step is a final phase (:mod:`bayesfl.engine.phases`), written once for every transport:
-:func:`conformal_phase` on the server, :func:`client_reply` (:data:`REQUEST`) and
-:func:`client_evaluation` (:data:`RESULT`) on each client.
+The step is a final phase (`bayesfl.engine.phases`), written once for every transport:
+`conformal_phase` on the server, `client_reply` (`REQUEST`) and
+`client_evaluation` (`RESULT`) on each client.
 
 The score's randomisation (``*-randomized``) draws one ``u`` per row from a generator seeded by
 the run's seed and the client id, so a run reproduces its sets.
@@ -112,11 +112,11 @@ ONE_SHOT_REPLY_SCHEMA = {"local_quantile": TensorSpec((P, 3), torch.float64, fin
 """Client -> server (one shot): per predictive its local quantile, l and n (whole numbers,
 exact in float64; one tensor keeps the message under 1 KB)."""
 SKETCH_REQUEST_SCHEMA = {"sketch_size": TensorSpec((1,), torch.int64)}
-"""Server -> clients (sketch): the sketch size ``K`` (:data:`SKETCH_SIZE`)."""
+"""Server -> clients (sketch): the sketch size ``K`` (`SKETCH_SIZE`)."""
 SKETCH_REPLY_SCHEMA = {"sketch": TensorSpec((P, SKETCH_SIZE), torch.float64, finite=False),
                        "count": TensorSpec((P,), torch.int64)}
 """Client -> server (sketch): per predictive its order statistics at
-:func:`~calibration.federated_conformal.sketch_ranks` ``(n, K)`` (NaN past ``min(K, n)``)
+`sketch_ranks` ``(n, K)`` (NaN past ``min(K, n)``)
 and ``n``."""
 RESULT_SCHEMA = {"thresholds": TensorSpec((P,), torch.float64, finite=False)}
 """Server -> every client: the thresholds (NaN: no threshold for that predictive)."""
@@ -146,7 +146,7 @@ class ConformalClient:
 
     Attributes:
         client_id: the client.
-        scores: per predictive (:data:`PREDICTIVES`) its (n,) float64 held-out scores, or None
+        scores: per predictive (`PREDICTIVES`) its (n,) float64 held-out scores, or None
             for a predictive the client does not have.
         spec: the step's settings.
         seed: seeds the randomised score's ``u`` (calibration and test rows draw apart).
@@ -219,7 +219,7 @@ class ConformalClient:
     def evaluate(self, result: Message, test_probs: Mapping[str, Tensor], test_labels: Tensor,
                  num_classes: int) -> Message:
         """Sets on the test rows at the broadcast thresholds; the coverage counts as a reply
-        (:data:`EVALUATION_SCHEMA`)."""
+        (`EVALUATION_SCHEMA`)."""
         thresholds = thresholds_of(result)
         generator = torch.Generator().manual_seed(derived_seed(self.seed, 1))
         counts = torch.zeros(P, 2, dtype=torch.int64)
@@ -241,7 +241,7 @@ def thresholds_of(result: Message) -> list[float]:
     """The thresholds of a result broadcast (client side); NaN for a predictive without one.
 
     Raises:
-        MessageRejected: not a :data:`RESULT_SCHEMA` message, or a negative threshold.
+        MessageRejected: not a `RESULT_SCHEMA` message, or a negative threshold.
     """
     validate(result, RESULT_SCHEMA, strategy=PROTOCOL, direction="down")
     values = [float(v) for v in result.tensors["thresholds"]]
@@ -313,7 +313,7 @@ def conformal_search_over(
 def _collect(ask: Ask, active: Sequence[int], down: bytes, schema: dict, floats_up: int,
              upload_hook: UploadHook | None, keys: KeyRing | None, outcome: ConformalSearch,
              check: Callable[[int, Message], str | None]) -> dict[int, Message]:
-    """One request's validated replies (:func:`bayesfl.engine.phases.search_step`): the
+    """One request's validated replies (`bayesfl.engine.phases.search_step`): the
     schema, then ``check``."""
     step = outcome.steps
 
@@ -639,13 +639,13 @@ def _check_site(site: Site) -> None:
 
 
 def _predictives(site: Site, x: Tensor) -> dict[str, Tensor]:
-    """The client's predictives of :data:`PREDICTIVES` (key -> (n, C) float64, on the CPU)."""
+    """The client's predictives of `PREDICTIVES` (key -> (n, C) float64, on the CPU)."""
     return {k: v.cpu() for k, v in site.predict(x).items() if k in PREDICTIVES}
 
 
 def client_reply(site: Site, down: bytes) -> bytes:
-    """A client's answer to a threshold proposal or the one-shot request (:data:`REQUEST`),
-    from its held-out scores (:meth:`ConformalClient.reply`).
+    """A client's answer to a threshold proposal or the one-shot request (`REQUEST`),
+    from its held-out scores (`ConformalClient.reply`).
 
     Raises:
         DataError: the client holds no held-out rows.
@@ -656,8 +656,8 @@ def client_reply(site: Site, down: bytes) -> bytes:
 
 
 def client_evaluation(site: Site, down: bytes) -> bytes:
-    """A client's answer to the thresholds (:data:`RESULT`): the coverage counts of its sets
-    on its test rows (:meth:`ConformalClient.evaluate`; a client without held-out rows
+    """A client's answer to the thresholds (`RESULT`): the coverage counts of its sets
+    on its test rows (`ConformalClient.evaluate`; a client without held-out rows
     evaluates too)."""
     _check_site(site)
     client = site.memo.get(PROTOCOL) or ConformalClient(
@@ -679,9 +679,9 @@ def conformal_phase(channel: PhaseChannel, clients: Sequence[int], held_out: Map
                     *, spec: ConformalSpec, held_out_fraction: float, num_classes: int,
                     upload_hook: UploadHook | None = None) -> ConformalOutcome:
     """The conformal step over a transport's ``channel`` (module docstring): the threshold
-    step over the ``clients`` with held-out rows (:data:`REQUEST`), then every client in
+    step over the ``clients`` with held-out rows (`REQUEST`), then every client in
     ``clients`` forms its sets on its test rows and returns its coverage counts
-    (:data:`RESULT`), validated and merged."""
+    (`RESULT`), validated and merged."""
     start = time.perf_counter()
     participants = [c for c in clients if c in held_out and held_out[c].size > 0]
     search = conformal_search_over(asker(channel, REQUEST), participants, spec, num_classes,
@@ -702,10 +702,10 @@ def conformal_run(
     states: Mapping[int, Any] | None = None, upload_hook: UploadHook | None = None,
     keys: KeyRing | None = None,
 ) -> ConformalOutcome:
-    """The step in this process (:func:`conformal_phase` over
-    :class:`bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
+    """The step in this process (`conformal_phase` over
+    `bayesfl.engine.phases.InProcessPhases`), after a run's last round: ``strategy``
     is the client half; ``clients`` hold ``client_id``, ``config``, ``data`` and ``state``
-    (the simulator's :class:`~bayesfl.executor.SimulatedClient` s), ``states`` their final
+    (the simulator's `SimulatedClient` s), ``states`` their final
     states where they differ (personalised)."""
     sites = {c.client_id: Site(
         c.client_id, strategy, c.config,

@@ -1,6 +1,6 @@
 """The conformal step's report: ``conformal.md`` (pooled and per-client coverage and set size)
 and ``conformal.png`` (coverage against the target per client; the set-size histogram), from
-``summary["conformal"]`` (:meth:`bayesfl.conformal.ConformalOutcome.summary`)."""
+``summary["conformal"]`` (`bayesfl.conformal.ConformalOutcome.summary`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The ``conformal`` run setting, parsed: ``"SCORE:ALPHA[:METHOD]"`` into a :class:`ConformalSpec`.
+"""The ``conformal`` run setting, parsed: ``"SCORE:ALPHA[:METHOD]"`` into a `ConformalSpec`.
 
-Kept apart from the step itself (:mod:`bayesfl.conformal`, which speaks messages and the
-strategies' predictives) so that the run's settings (:mod:`bayesfl.config`) can check the value
+Kept apart from the step itself (`bayesfl.conformal`, which speaks messages and the
+strategies' predictives) so that the run's settings (`bayesfl.config`) can check the value
 without importing any strategy: the settings schema sits below the algorithms.
 """
 
@@ -37,7 +37,7 @@ class ConformalSpec:
 
 def parse_conformal(value: Any) -> ConformalSpec | None:
     """``None`` or ``"SCORE:ALPHA[:METHOD]"`` (e.g. ``"aps:0.1"``, ``"lac:0.05:one-shot"``,
-    ``"lac:0.1:sketch"``; METHOD in :data:`METHODS`, default ``exact``).
+    ``"lac:0.1:sketch"``; METHOD in `METHODS`, default ``exact``).
 
     Raises:
         ConfigError: an unknown score or method, or alpha outside (0, 1).

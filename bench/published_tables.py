@@ -28,7 +28,7 @@ Tables:
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run
-  of each (``<name>.jsonl``, :func:`bench.run_cache.append_result`), its ratios to the peer
+  of each (``<name>.jsonl``, `bench.run_cache.append_result`), its ratios to the peer
   measured in the same run, each stated target's verdict, and a source line with the machine,
   date, commit, seeds, torch version, threads and load average (issue 41).
 """
@@ -77,7 +77,7 @@ README_LABELS = ("FedAvg-FT + head=laplace", "FedPer + head=laplace", "FedPer", 
 
 
 def s1_shift_readme_table(records: list[dict] | None = None) -> str:
-    """:func:`s1_shift_table` for the README: its rows of :data:`README_LABELS`, headline
+    """`s1_shift_table` for the README: its rows of `README_LABELS`, headline
     predictives, and the recommended configuration's plug-in."""
     records = read_jsonl(RESULTS / "s1_shift.jsonl") if records is None else records
     table = s1_shift_table([r for r in records if r["label"] in README_LABELS])
@@ -215,7 +215,7 @@ def head_speed_table(records: list[dict] | None = None) -> str:
 # Issue 43: the figures that were typed by hand (FedLog vs FedAvg, the DP price, FedPart's one
 # cycle, CoLearn at 10 rounds), generated from run_cache files whose records carry commit, date,
 # machine and protocol. Every block says where and when its runs were measured; every claim the
-# page makes gets a verdict in words by one rule (:func:`verdict`).
+# page makes gets a verdict in words by one rule (`verdict`).
 # ---------------------------------------------------------------------------------------------
 
 #: Caches written before records carried their provenance: what is known of where they ran.
@@ -339,7 +339,7 @@ def fedlog_vs_fedavg_readme_table(records: list[dict] | None = None) -> str:
 
 def fedlog_checks_table(records: list[dict] | None = None) -> str:
     """The claims made of FedLog against FedAvg and against its own plug-in, paired by seed,
-    each with its verdict (:func:`verdict`)."""
+    each with its verdict (`verdict`)."""
     records = _records("fedlog_vs_fedavg.jsonl", records)
     runs = _fedlog_runs(records)
     lines = ["| claim | paired by seed (mean ± standard error) | seeds | verdict |",
@@ -514,7 +514,7 @@ def fedpart_table(records: list[dict] | None = None, name: str = "fedpart_one_cy
 
 
 def fedpart_full_table(records: list[dict] | None = None) -> str:
-    """:func:`fedpart_table` of the paper's full schedule (125 rounds, ``fedpart.jsonl``)."""
+    """`fedpart_table` of the paper's full schedule (125 rounds, ``fedpart.jsonl``)."""
     return fedpart_table(records, name="fedpart.jsonl")
 
 
@@ -1024,7 +1024,7 @@ def seeds_fedlog_table(cache: dict[str, dict] | None = None) -> str:
 def seeds_verdicts_table() -> str:
     """docs/seeds.md's one line per seed paper: each headline claim with its figures, computed
     from the caches of the tables below it (CoLearn, FedPart, FedLog at their protocols) and
-    of the full S1 table (FedSI at 30 rounds), the verdict by :func:`verdict` where it is a
+    of the full S1 table (FedSI at 30 rounds), the verdict by `verdict` where it is a
     paired comparison."""
     def gaps(ours: dict[int, dict], theirs: dict[int, dict], key: str = "accuracy"
              ) -> list[float]:
@@ -1246,7 +1246,7 @@ def s1_conformal_table(records: list[dict] | None = None) -> str:
 # bench/subnet_laplace.py, bench/fedsi.py) and the benches whose figures were typed by hand
 # (bench/calibration.py, bench/simulate_scale.py, bench/flower.py). Each stores one record per
 # invocation (bench.run_cache.append_result); a table shows the newest one, its ratios to the
-# peer measured in the same run and each stated target's verdict (:func:`target_verdict`).
+# peer measured in the same run and each stated target's verdict (`target_verdict`).
 # ---------------------------------------------------------------------------------------------
 
 def target_verdict(value: float, bound: float, at_least: bool = True) -> str:

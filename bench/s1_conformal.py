@@ -2,19 +2,19 @@
 split-conformal sets, the recommended Bayesian configuration against its plug-in and FedAvg-FT,
 in distribution and under rotation and unseen labels.
 
-S1 (:mod:`bench.fedsi_small`'s ``COMMON``): ``mnist-5k``, 10 clients, ``labels:5:train=50``,
+S1 (`bench.fedsi_small`'s ``COMMON``): ``mnist-5k``, 10 clients, ``labels:5:train=50``,
 MLP 784-100-10, batch 50, 30 rounds of 5 local epochs, lr 1e-3. Every run holds out 20% of each
 client's training rows (``conformal=``, the run step) for the threshold. After training, for
 alpha in {0.05, 0.1}, every score (LAC, APS, RAPS; not randomised) and the three thresholds
 (``exact``: the pooled threshold over counts; ``one-shot``: FedCP-QQ, whose bound assumes
 exchangeable clients; ``sketch``: the one-shot quantile sketch, at or above the pooled
-threshold), the run's own conformal step (:func:`bayesfl.conformal.conformal_run`,
+threshold), the run's own conformal step (`bayesfl.conformal.conformal_run`,
 the federated protocol with its messages and byte counts) calibrates on the clean held-out rows,
 and every client forms its sets on:
 
 * its own test rows (in distribution: the coverage guarantee applies);
 * the same rows rotated by 30 and 60 degrees (bilinear, corners filled with the data's minimum,
-  as :func:`bayesfl.evaluate_shift` rotates) - the threshold is the clean one, as a deployed
+  as `bayesfl.evaluate_shift` rotates) - the threshold is the clean one, as a deployed
   model's would be;
 * the test rows of every client whose label it never trained on ("unseen labels").
 

@@ -15,7 +15,7 @@ draws), which is why the toolkit reports coverage per client as well as pooled.
 **Too few calibration rows.** When ``k > n`` (i.e. ``n < 1/alpha - 1``: fewer than 19 rows at
 ``alpha = 0.05``), no finite threshold has the guarantee: the test score is the largest of the
 ``n + 1`` with probability ``1 / (n + 1) > alpha``. The threshold is then ``+inf`` and every set
-holds every label (:func:`conformal_threshold` returns ``math.inf``; the coverage is 1, honestly
+holds every label (`conformal_threshold` returns ``math.inf``; the coverage is 1, honestly
 uninformative).
 
 **Scores** (``score=``; all are computed by one function for every label at once, so a
@@ -36,10 +36,10 @@ Every score is non-decreasing along a row's ranking, so every set is a *prefix* 
 sorted by probability (for LAC, up to ties). A set can be empty (a threshold below the top
 label's score); that still counts as a miss in coverage and as size 0.
 
-:class:`CoverageAccumulator` keeps coverage and set-size counts as mergeable sums (update /
+`CoverageAccumulator` keeps coverage and set-size counts as mergeable sums (update /
 merge / compute), so a pooled figure over clients is exactly the merge of the clients' states.
 The threshold itself can be computed without pooling any client's scores:
-:mod:`calibration.federated_conformal`.
+`calibration.federated_conformal`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from calibration.ood import score_vector as finite_scores
 from calibration.row_scores import row_scores
 
 SCORES = ("lac", "aps", "raps")
-"""Conformity scores :func:`conformity_scores` knows."""
+"""Conformity scores [`conformity_scores`][calibration.conformal.conformity_scores] knows."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class ConformalScore:
 
     @classmethod
     def of(cls, score: str | ConformalScore) -> ConformalScore:
-        """``score`` as a :class:`ConformalScore` (a name takes the default options)."""
+        """``score`` as a `ConformalScore` (a name takes the default options)."""
         if isinstance(score, ConformalScore):
             return score
         if not isinstance(score, str):
@@ -127,7 +127,7 @@ def all_label_scores(probs: Any, score: str | ConformalScore = "aps", *,
 
     Args:
         probs: (N, C) probabilities (rows >= 0 summing to 1).
-        score: a name in :data:`SCORES` or a :class:`ConformalScore`.
+        score: a name in `SCORES` or a [`ConformalScore`][calibration.conformal.ConformalScore].
         generator: draws the per-row ``u`` of a randomised score (ignored otherwise).
         uniforms: (N,) the per-row ``u`` themselves, instead of drawing them.
 
@@ -163,7 +163,7 @@ def all_label_scores(probs: Any, score: str | ConformalScore = "aps", *,
 
 def conformity_scores(probs: Any, labels: Any, score: str | ConformalScore = "aps", *,
                       generator: torch.Generator | None = None) -> Tensor:
-    """The calibration scores ``s(x_i, y_i)``: (N,) float64 (see :func:`all_label_scores`)."""
+    """The calibration scores ``s(x_i, y_i)``: (N,) float64 (see `all_label_scores`)."""
     scores = all_label_scores(probs, score, generator=generator)
     label_index = class_labels(labels, scores.shape[0], scores.shape[1], scores.device)
     return scores.gather(1, label_index[:, None])[:, 0]
@@ -226,10 +226,10 @@ def prediction_sets(probs: Any, threshold: float, score: str | ConformalScore = 
 
     Args:
         probs: (N, C) probabilities of the rows to predict.
-        threshold: from :func:`conformal_threshold` (or the federated search); ``inf`` gives
+        threshold: from `conformal_threshold` (or the federated search); ``inf`` gives
             every label.
         score: the score the threshold was calibrated with.
-        generator: draws the per-row ``u`` of a randomised score (:func:`all_label_scores`).
+        generator: draws the per-row ``u`` of a randomised score (`all_label_scores`).
         uniforms: (N,) the per-row ``u`` themselves, instead of drawing them.
     """
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) \

@@ -2,13 +2,13 @@
 
 Two protocols; in both a client's scores never leave it.
 
-**Exact: a search over the score values** (:func:`exact_threshold_search`). The pooled
+**Exact: a search over the score values** (`exact_threshold_search`). The pooled
 threshold is the k-th smallest of all N scores, ``k = ceil((N + 1)(1 - alpha))``
-(:func:`calibration.conformal.quantile_rank`), i.e. the *smallest float t with at least k
+(`calibration.conformal.quantile_rank`), i.e. the *smallest float t with at least k
 scores <= t*. The server looks for that t over the totally ordered float64 values (a float's
 bit pattern, read as a signed integer and folded for negatives, orders like the float: no NaN
 lies between -inf and +inf). Each step it proposes ``probes`` thresholds; every client answers
-with how many of its scores are <= each (:class:`ThresholdCounts`, mergeable by addition), and
+with how many of its scores are <= each (`ThresholdCounts`, mergeable by addition), and
 the server keeps the bracket ``(lo, hi]`` with ``count(lo) < k <= count(hi)``. The bracket's
 width in representable floats falls by a factor ``probes + 1`` a step, so at most
 ``ceil(64 / log2(probes + 1))`` steps after the first (16 with the default 15 probes) leave
@@ -24,9 +24,9 @@ coverage of the threshold is exactly
 
     M = E[V_(k)] = integral_0^1 P(#{j : V_j <= v} < k) dv,   V_j ~ Beta(l_j, n_j - l_j + 1)
 
-(:func:`one_shot_coverage`; with ties in the scores the coverage is at least ``M``). The paper
+(`one_shot_coverage`; with ties in the scores the coverage is at least ``M``). The paper
 picks, for m clients of n scores each, the pair ``(l, k)`` whose coverage ``M(l, k)`` is the
-smallest that is still ``>= 1 - alpha`` (:func:`one_shot_ranks`), so the guarantee is
+smallest that is still ``>= 1 - alpha`` (`one_shot_ranks`), so the guarantee is
 ``1 - alpha <= coverage = M(l*, k*)``. Clients of unequal sizes each take the ``l`` of that rule
 for their own ``n_j`` and the server picks the smallest ``k`` whose ``M`` (computed with every
 client's actual ``(l_j, n_j)``) reaches ``1 - alpha``; for equal sizes that is the paper's
@@ -37,10 +37,10 @@ for exchangeable clients**: it needs every client's scores to be draws from one 
 distribution) the quantile of quantiles can sit below the pooled threshold and the coverage
 below ``1 - alpha`` (S1, 5 labels per client: 0.876 against a stated 0.901).
 
-**One shot: a quantile sketch** (:func:`sketch_threshold`; the guarantee of the exact search,
+**One shot: a quantile sketch** (`sketch_threshold`; the guarantee of the exact search,
 whatever the clients' heterogeneity). Client ``j`` sends its ``K_j = min(size, n_j)`` order
 statistics at the fixed ranks ``r_i = ceil(i n_j / K_j)``, ``i = 1..K_j`` (so ``r_K = n_j``:
-its largest score) and ``n_j`` (:class:`ScoreSketch`). Since ``v_i = s_(r_i) <= t`` implies at
+its largest score) and ``n_j`` (`ScoreSketch`). Since ``v_i = s_(r_i) <= t`` implies at
 least ``r_i`` of its scores are ``<= t``, ``L_j(t) = max{r_i : v_i <= t}`` is a lower bound on
 its count at ``t``; the server takes the smallest sketch value ``T`` with ``sum_j L_j(T) >= k``.
 Then at least ``k`` pooled scores are ``<= T``, so ``T >= `` the pooled threshold
@@ -52,7 +52,7 @@ the candidate ``t'`` just below ``T`` the lower bounds sum to ``< k``, and a cli
 ``k + D`` pooled scores are ``< T``, ``D = sum_j (g_j - 1)`` with ``g_j`` the largest gap
 between consecutive ranks (``r_0 = 0``; ``g_j <= ceil(n_j / K_j)``). Hence ``T <= s_(k + D)``
 and, for almost surely distinct scores, ``coverage <= (k + D) / (N + 1)``
-(:attr:`SketchThreshold.coverage_upper_bound`). A client with ``n_j <= size`` sends all its
+(`SketchThreshold.coverage_upper_bound`). A client with ``n_j <= size`` sends all its
 scores (``g_j = 1``); when every client does, ``T`` is the pooled threshold exactly. Per client:
 ``K_j + 1`` numbers up, nothing but the request down. What it reveals: ``K_j`` of the client's
 calibration scores (FedCP-QQ reveals one; the exact search reveals counts only).
@@ -90,7 +90,7 @@ def float_key(x: float) -> int:
 
 
 def key_float(key: int) -> float:
-    """The float of :func:`float_key`'s ``key``."""
+    """The float of `float_key`'s ``key``."""
     bits = key if key >= 0 else (-key - 1) | _SIGN
     return struct.unpack("<d", struct.pack("<Q", bits & (2**64 - 1)))[0]
 
@@ -172,7 +172,7 @@ def exact_threshold_search(
     alpha: float, probes: int = DEFAULT_PROBES,
 ) -> Generator[Tensor, ThresholdCounts, ExactThreshold]:
     """The exact search as a protocol: yields (B,) float64 thresholds to count at, receives
-    the clients' summed :class:`ThresholdCounts`, returns :class:`ExactThreshold`.
+    the clients' summed `ThresholdCounts`, returns `ExactThreshold`.
 
     The first proposal is ``[+inf]`` (every score counts: the answer gives N).
     """
@@ -205,9 +205,9 @@ def exact_threshold_search(
 
 def federated_threshold(client_scores: Sequence[Any], alpha: float,
                         probes: int = DEFAULT_PROBES) -> ExactThreshold:
-    """:func:`exact_threshold_search` driven in this process: each client's scores are only
+    """`exact_threshold_search` driven in this process: each client's scores are only
     ever counted at the proposals (what a client computes on its own data); the answers are
-    summed. Equal, bit for bit, to :func:`calibration.conformal.conformal_threshold` of the
+    summed. Equal, bit for bit, to `calibration.conformal.conformal_threshold` of the
     pooled scores.
     """
     clients = [score_vector(s) for s in client_scores]
@@ -327,7 +327,7 @@ class LocalQuantile:
 
     @classmethod
     def of(cls, scores: Any, alpha: float, num_clients: int) -> LocalQuantile:
-        """Client side: the local rank from :func:`one_shot_ranks` for ``num_clients`` clients
+        """Client side: the local rank from `one_shot_ranks` for ``num_clients`` clients
         of this client's size (``num_clients`` and ``alpha`` are what the server broadcasts)."""
         s = score_vector(scores)
         n = int(s.shape[0])
@@ -383,8 +383,8 @@ def quantile_of_quantiles(uploads: Sequence[LocalQuantile], alpha: float) -> One
 
 
 def one_shot_threshold(client_scores: Sequence[Any], alpha: float) -> OneShotThreshold:
-    """FedCP-QQ driven in this process: each client's :class:`LocalQuantile`, then the
-    server's :func:`quantile_of_quantiles`."""
+    """FedCP-QQ driven in this process: each client's `LocalQuantile`, then the
+    server's `quantile_of_quantiles`."""
     m = len(client_scores)
     return quantile_of_quantiles([LocalQuantile.of(s, alpha, m) for s in client_scores], alpha)
 
@@ -411,7 +411,7 @@ def _positive(value: Any, name: str) -> int:
 
 
 def max_rank_gap(count: int, size: int = SKETCH_SIZE) -> int:
-    """``g``: the largest gap between consecutive ranks of :func:`sketch_ranks` (``r_0 = 0``)."""
+    """``g``: the largest gap between consecutive ranks of `sketch_ranks` (``r_0 = 0``)."""
     ranks = [0, *sketch_ranks(count, size)]
     return max(b - a for a, b in itertools.pairwise(ranks))
 
@@ -419,7 +419,7 @@ def max_rank_gap(count: int, size: int = SKETCH_SIZE) -> int:
 @dataclass(frozen=True)
 class ScoreSketch:
     """A client's one-shot sketch: the order statistics of its scores at
-    :func:`sketch_ranks` ``(count, size)``.
+    `sketch_ranks` ``(count, size)``.
 
     Attributes:
         values: (K,) float64, non-decreasing: the ``r_i``-th smallest scores.
@@ -520,8 +520,8 @@ def sketch_threshold(sketches: Sequence[ScoreSketch], alpha: float) -> SketchThr
 
 def one_shot_sketch_threshold(client_scores: Sequence[Any], alpha: float,
                               size: int = SKETCH_SIZE) -> SketchThreshold:
-    """The sketch protocol driven in this process: each client's :class:`ScoreSketch`, then
-    the server's :func:`sketch_threshold`."""
+    """The sketch protocol driven in this process: each client's `ScoreSketch`, then
+    the server's `sketch_threshold`."""
     return sketch_threshold([ScoreSketch.of(s, size) for s in client_scores], alpha)
 
 

@@ -2,25 +2,25 @@
 
 In logit space the Hessian of ``-log softmax(f)_y`` does not depend on the label ``y``:
 
-    ``Lambda(f) = diag(p) - p p^T``,  ``p = softmax(f)``  (:func:`softmax_nll_hessian`),
+    ``Lambda(f) = diag(p) - p p^T``,  ``p = softmax(f)``  (`softmax_nll_hessian`),
 
 a (C, C) positive semidefinite matrix of rank C - 1 (its null space is the all-ones vector:
 adding a constant to every logit changes nothing). Chained through a network's Jacobian
 ``J(x) = df/dtheta`` (C, P) it gives the generalised Gauss-Newton matrix
 
-    ``GGN = sum_x J(x)^T Lambda(x) J(x)``  (P, P)  (:func:`ggn`),
+    ``GGN = sum_x J(x)^T Lambda(x) J(x)``  (P, P)  (`ggn`),
 
-and its diagonal ``sum_x [sum_o p_o J_or^2 - (sum_o p_o J_or)^2]`` (:func:`ggn_diagonal`).
+and its diagonal ``sum_x [sum_o p_o J_or^2 - (sum_o p_o J_or)^2]`` (`ggn_diagonal`).
 Code that never forms ``J`` (vector-Jacobian products, layer factorisations) contracts the
 network with a square root of ``Lambda`` instead: ``Lambda = M M^T``, ``M`` (C, C) with columns
-``sqrt(p_k) (e_k - p)`` (:func:`softmax_hessian_sqrt`) or (C, C - 1) by a Householder reflector
-(:func:`softmax_hessian_sqrt_reduced`); with ``Z = J^T M`` (P, K) per row, ``GGN = sum Z Z^T``
-(:func:`ggn_from_sqrt`) and its diagonal the row sums of ``Z^2``
-(:func:`ggn_diagonal_from_sqrt`). The subnetwork Laplace (``inference.subnet``: the full
+``sqrt(p_k) (e_k - p)`` (`softmax_hessian_sqrt`) or (C, C - 1) by a Householder reflector
+(`softmax_hessian_sqrt_reduced`); with ``Z = J^T M`` (P, K) per row, ``GGN = sum Z Z^T``
+(`ggn_from_sqrt`) and its diagonal the row sums of ``Z^2``
+(`ggn_diagonal_from_sqrt`). The subnetwork Laplace (``inference.subnet``: the full
 block, the diagonal, the low-rank factor) computes its curvature through these. A linear head on
 fixed features (the Laplace head, its KL-optimal refinement, SGLD's preconditioner) has the
 Jacobian ``I_C ⊗ x^T``, and its curvature is built by blocks from the rows' products
-(:func:`softmax_curvature`, :func:`expected_head_curvature`).
+(`softmax_curvature`, `expected_head_curvature`).
 
 Shapes use B for rows (inputs), C for classes, P for parameters.
 """
@@ -91,7 +91,7 @@ def softmax_hessian_sqrt_reduced(probs: Tensor) -> Tensor:
     ``Lambda = diag(sqrt p) (I - v v^T) diag(sqrt p)``, ``v = sqrt p`` (a unit vector), and
     ``I - v v^T = R R^T`` with R the columns but one of the Householder reflector that maps v to
     ``-e_m`` (m the largest entry of v): ``V_b = diag(sqrt p_b) R_b``, C - 1 vectors where
-    :func:`softmax_hessian_sqrt` has C (rank C - 1 either way).
+    `softmax_hessian_sqrt` has C (rank C - 1 either way).
 
     Args:
         probs: (B, C) softmax probabilities.
@@ -123,7 +123,7 @@ def _check_jacobians(jacobians: Tensor, probs: Tensor) -> None:
 
 def ggn_from_sqrt(factor: Tensor) -> Tensor:
     """``Z Z^T`` (P, P), exactly symmetric, for ``Z = J^T M`` (P, K) stacked over rows and the
-    K square-root vectors of :func:`softmax_hessian_sqrt` (or its reduced form).
+    K square-root vectors of `softmax_hessian_sqrt` (or its reduced form).
 
     Args:
         factor: (P, K), K = rows x vectors, in any floating dtype (the result has it).
@@ -139,10 +139,10 @@ def ggn_from_sqrt(factor: Tensor) -> Tensor:
 
 
 def ggn_diagonal_from_sqrt(factor: Tensor) -> Tensor:
-    """The diagonal of :func:`ggn_from_sqrt`: row sums of ``Z^2``, (P,).
+    """The diagonal of `ggn_from_sqrt`: row sums of ``Z^2``, (P,).
 
     Args:
-        factor: (P, K), as for :func:`ggn_from_sqrt`.
+        factor: (P, K), as for `ggn_from_sqrt`.
     """
     if factor.dim() != 2:
         raise InvalidInputError(f"factor must be (P, K), got {tuple(factor.shape)}")
@@ -167,7 +167,7 @@ def ggn(jacobians: Tensor, probs: Tensor) -> Tensor:
 
 
 def ggn_diagonal(jacobians: Tensor, probs: Tensor) -> Tensor:
-    """Diagonal of :func:`ggn`, (P,): ``sum_b [sum_o p_o J_or^2 - (sum_o p_o J_or)^2]``.
+    """Diagonal of `ggn`, (P,): ``sum_b [sum_o p_o J_or^2 - (sum_o p_o J_or)^2]``.
 
     Written as a variance (``E_p[J_r^2] - E_p[J_r]^2`` per row), which needs only the
     (B, C, P) Jacobian, no square root and no (P, P) matrix.
@@ -238,21 +238,21 @@ def softmax_curvature(probs: Tensor, inputs: Tensor) -> Tensor:
 
 def expected_head_curvature(probs: Tensor, inputs: Tensor, diagonal: bool = False) -> Tensor:
     """``E_q[H] = Σ_n E[diag p − p pᵀ] ⊗ x_n x_nᵀ`` from probability draws ``probs (S, N, C)``
-    of a linear head on ``inputs (N, m + 1)``: ``(d, d)`` (:func:`softmax_curvature`), or its
+    of a linear head on ``inputs (N, m + 1)``: ``(d, d)`` (`softmax_curvature`), or its
     diagonal ``(d,)`` with ``diagonal`` (the KL-optimal Gaussian's expected curvature,
-    :mod:`inference.variational_gaussian`)."""
+    `inference.variational_gaussian`)."""
     if diagonal:
         variance = (probs * (1 - probs)).mean(0)  # (N, C): E[p_c (1 − p_c)]
         return (variance.T @ inputs**2).reshape(-1)
     return softmax_curvature(probs, inputs)
 
 
-#: Elements of the weighted rows :func:`softmax_curvature` holds at once (32 MB of float64).
+#: Elements of the weighted rows `softmax_curvature` holds at once (32 MB of float64).
 _CHUNK_ELEMENTS = 4_000_000
-#: Elements of the cached row products (:func:`row_products`) at most (128 MB of float64):
+#: Elements of the cached row products (`row_products`) at most (128 MB of float64):
 #: 1,010-parameter heads (m = 100) up to ~3,100 rows; larger inputs take the block-row path.
 _PRODUCT_ELEMENTS = 16_000_000
-#: Entries at most of :func:`softmax_curvature`'s cached gather index (``d²``, int64: 36 MB, so
+#: Entries at most of `softmax_curvature`'s cached gather index (``d²``, int64: 36 MB, so
 #: ``d`` up to ~2,100; larger heads take the block-row path).
 _INDEX_ELEMENTS = 4_500_000
 #: ``[(weak reference to inputs, inputs._version, products)]``: the products of the last
@@ -264,7 +264,7 @@ _PRODUCTS: list[tuple[weakref.ref, int, Tensor]] = []
 def row_products(inputs: Tensor) -> Tensor | None:
     """The upper triangles of every row's ``x_n x_nᵀ``, ``(N, T)`` with ``T = (m + 1)(m + 2) /
     2`` in ``torch.triu_indices`` order, cached for the last ``inputs`` (same object, not
-    modified in place since); ``None`` above :data:`_PRODUCT_ELEMENTS`."""
+    modified in place since); ``None`` above `_PRODUCT_ELEMENTS`."""
     count, width = inputs.shape
     if count * width * (width + 1) // 2 > _PRODUCT_ELEMENTS:
         return None
@@ -297,7 +297,7 @@ def _pair_numbers(size: int, device: str) -> Tensor:
 @functools.lru_cache(maxsize=4)
 def _curvature_index(num_classes: int, width: int, device: str) -> Tensor:
     """``(d, d)`` int64: where entry ``((c, p), (k, q))`` of the curvature lies in the flat
-    ``(K, T)`` upper blocks of :func:`softmax_curvature` (``d = C (m + 1)``)."""
+    ``(K, T)`` upper blocks of `softmax_curvature` (``d = C (m + 1)``)."""
     pairs, triangle = _pair_numbers(num_classes, device), _pair_numbers(width, device)
     count = width * (width + 1) // 2
     index = pairs[:, None, :, None] * count + triangle[None, :, None, :]

@@ -1,8 +1,8 @@
 """The objective of a linear head's MAP and its exact curvature: the negative log posterior
 under an isotropic Gaussian prior, and the Hessian of the negative log likelihood (softmax or
 Gaussian), full or its diagonal (the softmax head's curvature itself is
-:func:`inference.curvature.softmax_curvature`, re-exported here). Shared by the Laplace head's
-mode and evidence (:mod:`inference.laplace_head`, :mod:`inference.laplace_marglik`) and SGLD's
+`inference.curvature.softmax_curvature`, re-exported here). Shared by the Laplace head's
+mode and evidence (`inference.laplace_head`, `inference.laplace_marglik`) and SGLD's
 preconditioner."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def logit_covariance(covariance: Tensor, inputs: Tensor, num_classes: int) -> Te
 @functools.lru_cache(maxsize=4)
 def _covariance_index(num_classes: int, width: int, device: str
                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """For :func:`logit_covariance`: the flat positions in a ``(d, d)`` covariance of
+    """For `logit_covariance`: the flat positions in a ``(d, d)`` covariance of
     ``Σ_ck[p, q]`` and ``Σ_ck[q, p]`` for every upper pair ``(c, k)`` (rows, ``K``) and upper
     ``(p, q)`` (columns, ``T``), and the columns with ``p = q``."""
     pair_rows, pair_cols = torch.triu_indices(num_classes, num_classes, device=device)
@@ -98,7 +98,7 @@ def _covariance_index(num_classes: int, width: int, device: str
 def likelihood_hessian_diagonal(
     flat_weight: Tensor, inputs: Tensor, num_outputs: int, likelihood: Likelihood, noise_std: float
 ) -> Tensor:
-    """Diagonal of :func:`likelihood_hessian` without forming it, ``(d,)``."""
+    """Diagonal of `likelihood_hessian` without forming it, ``(d,)``."""
     if likelihood is Likelihood.GAUSSIAN:
         return ((inputs**2).sum(0) / noise_std**2).repeat(num_outputs)
     probs = torch.softmax(inputs @ flat_weight.reshape(num_outputs, inputs.shape[1]).T, dim=-1)

@@ -1,5 +1,5 @@
 """Laplace approximation of a linear head on fixed features ("laplace" in the factory), and the
-KL-optimal Gaussian started from it (the default; see :func:`fit_laplace_head`).
+KL-optimal Gaussian started from it (the default; see `fit_laplace_head`).
 
 Model: ``W ~ N(μ₀, I/λ)`` over the ``(C, m + 1)`` head (bias in column 0) and
 ``y ~ Categorical(softmax(W [1, x]))`` (or ``Normal(W [1, x], σ²)`` with ``likelihood="gaussian"``,
@@ -10,15 +10,15 @@ negative log likelihood at ``W*``:
     H = Σ_n (diag(p_n) − p_n p_nᵀ) ⊗ x_n x_nᵀ      (softmax; the GGN and the Hessian coincide)
 
 stored full, diagonal (``diag(H)``) or low rank (top ``rank`` eigenpairs of ``H`` plus the
-diagonal remainder, so ``diag(H)`` is kept exactly). The returned :class:`GaussianPosterior`'s
+diagonal remainder, so ``diag(H)`` is kept exactly). The returned `GaussianPosterior`'s
 likelihood term is ``(H, H W* + λ(W* − μ₀))``: prior + likelihood reproduces the local Laplace
 posterior, and K clients combine by adding their terms. By default the fitter goes on from this
-Laplace posterior to the KL-optimal Gaussian (:mod:`inference.variational_gaussian`), whose
+Laplace posterior to the KL-optimal Gaussian (`inference.variational_gaussian`), whose
 likelihood term is ``(E_q[H], E_q[H] μ + λ(μ − μ₀))``, the same algebra.
 
 The prior precision ``λ`` is by default the maximiser of the Laplace log evidence over ``log λ``
 (``prior_precision="marglik"``, refitting the mode at every ``λ``), or the validation-NLL grid
-point (``"validation"``), or a given number; :mod:`inference.hyperparameters` does the search
+point (``"validation"``), or a given number; `inference.hyperparameters` does the search
 and the fitted posterior's ``prior_selection`` records the outcome.
 """
 
@@ -134,8 +134,8 @@ def find_mode(
 
     ``inputs`` are bias-augmented features ``(N, m + 1)`` (float64), ``targets`` int64 labels
     ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton up to
-    :data:`NEWTON_MAX_PARAMETERS` parameters, L-BFGS above; a softmax head's Newton solves its
-    steps matrix-free (:func:`~inference.laplace_marglik.newton_cg`, no factorisation), and
+    `NEWTON_MAX_PARAMETERS` parameters, L-BFGS above; a softmax head's Newton solves its
+    steps matrix-free (`newton_cg`, no factorisation), and
     factorises only if that has not converged in ``max_iter`` steps. ``max_iter`` bounds Newton's
     iterations (L-BFGS gets at least 500 function evaluations); ``tol`` is Newton's stopping
     threshold on half the squared Newton decrement, in nats. ``start`` (a flat ``(d,)`` vector,
@@ -202,7 +202,7 @@ def fit_laplace_head(
 
     The Gaussian (``approximation``). ``"laplace"`` is ``N(W*, (λI + H(W*))⁻¹)``, laplace-torch's
     approximation. ``"variational"`` (default) is the Gaussian closest to the posterior in
-    ``KL(q ‖ p)``, ``Λ = λI + E_q[H]`` (:mod:`inference.variational_gaussian`), found from the
+    ``KL(q ‖ p)``, ``Λ = λI + E_q[H]`` (`inference.variational_gaussian`), found from the
     Laplace one. They differ where the network's features separate the training set: the
     curvature at the mode then vanishes for almost every point, and the Laplace Gaussian is as
     wide as the prior, putting mass on heads the data rule out; its predictive is far less
@@ -212,12 +212,12 @@ def fit_laplace_head(
 
     The prior precision ``λ`` is a number, or chosen from the data (the default, ``"marglik"``):
 
-    * ``"marglik"`` maximises the Laplace log evidence (:func:`log_marginal_likelihood`) over
+    * ``"marglik"`` maximises the Laplace log evidence (`log_marginal_likelihood`) over
       ``log λ`` in ``prior_precision_bounds``: with a full covariance, the secant method on
       the evidence's exact slope from ``λ = 3`` (``EvidenceSearch.search_secant`` in
-      :mod:`inference.laplace_marglik`: 4-6 refits, to a relative 1e-3 step in ``λ``); with a
+      `inference.laplace_marglik`: 4-6 refits, to a relative 1e-3 step in ``λ``); with a
       diagonal or low-rank one, a grid of one point a decade, then bounded Brent to 1e-6 in
-      ``log λ`` (:mod:`inference.hyperparameters`). The mode is **refitted** at every
+      ``log λ`` (`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that
       prior's mode), not held at one MAP as laplace-torch's ``optimize_prior_precision`` holds
       the network's: a head's MAP is cheap to refit, and the evidence formula evaluated away
@@ -244,7 +244,7 @@ def fit_laplace_head(
         solver: ``"newton"`` or ``"lbfgs"`` for the mode (default by size).
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
-        max_iter: Newton iterations at most of every mode (see :func:`find_mode`).
+        max_iter: Newton iterations at most of every mode (see `find_mode`).
         prior_precision_bounds: ``(lower, upper)`` search interval of ``λ`` (default 1e-4, 1e4).
         validation_data: ``(features (V, m), labels (V,))`` held out from training, for
             ``prior_precision="validation"``.
@@ -254,13 +254,13 @@ def fit_laplace_head(
         num_draws: logit draws per training point of ``"variational"`` (the result is
             deterministic given them and ``seed``).
         elbo_max_iter: ELBO evaluations at most of ``"variational"``
-            (:func:`~inference.variational_gaussian.variational_gaussian`).
+            (`variational_gaussian`).
         seed: the seed of those draws.
 
     Returns:
-        A float64 :class:`GaussianPosterior` over the ``(C, m + 1)`` head, on the features'
+        A float64 `GaussianPosterior` over the ``(C, m + 1)`` head, on the features'
         device, with ``n_data = N``. Its attribute ``prior_selection`` is the
-        :class:`~inference.hyperparameters.HyperparameterChoice` (the chosen ``λ``, the
+        `HyperparameterChoice` (the chosen ``λ``, the
         criterion there, and whether it hit a bound), or ``None`` for a given number; it is a
         record of the fit, not part of the posterior's state (``to`` and ``state_dict`` drop it).
 
@@ -344,7 +344,7 @@ def _prior_precision_method(value: object) -> PriorPrecisionMethod | None:
 
 
 class _LaplaceFit:
-    """The training set and options of one :func:`fit_laplace_head` call: posteriors at any
+    """The training set and options of one `fit_laplace_head` call: posteriors at any
     prior precision (each mode warm-started from the last one found) and the criteria the
     prior precision is chosen by."""
 
@@ -379,7 +379,7 @@ class _LaplaceFit:
                                  self.noise_std)
 
     def newton_evidence_search(self, bounds: tuple[float, float]) -> HyperparameterChoice | None:
-        """The ``"marglik"`` choice by :class:`~inference.laplace_marglik.EvidenceSearch` (its
+        """The ``"marglik"`` choice by `EvidenceSearch` (its
         secant search, a handful of mode refits; its former Newton search if that does not
         converge), where it applies: a full covariance and Newton modes. ``None`` elsewhere,
         or if neither converges: the caller then runs the grid-and-Brent search, which
@@ -563,7 +563,7 @@ def log_marginal_likelihood(
     """Laplace approximation of the log evidence ``log p(y | X, λ)``, in nats.
 
     ``log p(y|W*) + log p(W*) + (d/2) log 2π − ½ log|Λ|`` for a posterior from
-    :func:`fit_laplace_head` with ``approximation="laplace"`` on the same data (its mean is the
+    `fit_laplace_head` with ``approximation="laplace"`` on the same data (its mean is the
     mode ``W*``, its precision ``Λ``; a diag or low-rank posterior uses its own ``Λ``). Exact
     for the Gaussian likelihood.
     This is what ``prior_precision="marglik"`` maximises; laplace-torch's
@@ -588,7 +588,7 @@ def log_marginal_likelihood(
 
 def _log_evidence(posterior: GaussianPosterior, inputs: Tensor, targets: Tensor,
                   likelihood: Likelihood, noise_std: float) -> float:
-    """:func:`log_marginal_likelihood` for bias-augmented float64 ``inputs`` on the device."""
+    """`log_marginal_likelihood` for bias-augmented float64 ``inputs`` on the device."""
     mode = posterior.mean.to(torch.float64)
     log_lik = log_likelihood(mode, inputs, targets, likelihood, noise_std)
     prior_diag = posterior.prior.diag.to(torch.float64)

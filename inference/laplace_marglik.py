@@ -3,7 +3,7 @@ refits: safeguarded Newton on the exact derivative of the refitted Laplace evide
 
 What is maximised. The Laplace log evidence of a head with prior ``N(μ₀, I/λ)``, evaluated at
 that prior's own mode ``W(λ)`` (the criterion of ``prior_precision="marglik"``; see
-:func:`inference.laplace_head.fit_laplace_head`):
+[`inference.laplace_head.fit_laplace_head`][inference.laplace_head.fit_laplace_head]):
 
     E(λ) = log p(y | W) − λ/2 ‖W − μ₀‖² + d/2 log λ − ½ log|λI + H(W)|,     W = W(λ).
 
@@ -21,18 +21,18 @@ constant ``H`` and no third term. (Dropping it gives MacKay's fixed point ``λ =
 which is near but not at the maximiser; keeping it makes the search land on the same ``λ`` as a
 fine search of ``E``, which the tests check.)
 
-The default search (:meth:`EvidenceSearch.search_secant`, issue 41): the secant method on the
+The default search (`EvidenceSearch.search_secant`, issue 41): the secant method on the
 exact slope in ``t = log λ``, which is close to linear in ``t``; refits at a loose mode while the
-steps are long; it stops when a step would move ``λ`` by less than :data:`LAMBDA_RTOL`
+steps are long; it stops when a step would move ``λ`` by less than `LAMBDA_RTOL`
 (relative). At the S1 size it takes 4-6 refits and 16-20 Newton iterations in all, against
 10-12 refits and 33-44 iterations of the search below, which remains its fallback. A softmax
-head's refits find the mode by matrix-free Newton-CG (:func:`newton_cg`: curvature-vector
+head's refits find the mode by matrix-free Newton-CG (`newton_cg`: curvature-vector
 products, a Kronecker preconditioner), and one exact Newton step then confirms it with the
 factorisation the evidence needs: one factorisation and one curvature per refit (6 and 6 at the
 S1 size, against 16 of each), the same λ to ~1e-8. A Gaussian likelihood's refits take chord
 steps on the previous refit's ``Σ`` (``O(d²)`` each; ``EvidenceSearch._chord``) instead.
 
-The former search (:meth:`EvidenceSearch.search`). Newton steps in ``t = log λ`` use the exact
+The former search (`EvidenceSearch.search`). Newton steps in ``t = log λ`` use the exact
 first derivative and the second
 derivative of the fixed-curvature evidence, ``½[−d/λ² + 2 (W − μ₀)ᵀ Σ (W − μ₀) + tr Σ²]``
 (the third-order terms dropped: they are small, and only the speed of convergence depends on
@@ -41,7 +41,7 @@ changes sign (bisection when a step leaves it), and the search ends at a bound w
 derivative there points out of the interval. Each step refits the mode by Newton, warm-started
 from the first-order prediction ``W + W' Δλ``; at the S1 size (250 rows, 1,010 parameters)
 the whole search takes 4-6 refits of one or two Newton iterations each, against the ~20 refits
-of the grid-and-Brent search it replaces (:func:`inference.hyperparameters.search_log_space`
+of the grid-and-Brent search it replaces (`inference.hyperparameters.search_log_space`
 remains the search of the diagonal and low-rank structures, and the fallback here).
 """
 
@@ -63,7 +63,7 @@ from inference.options import Likelihood
 #: grid-and-Brent search).
 MAX_STEPS = 40
 #: Half the squared Newton decrement of the mode at which it counts as found, nats (as
-#: :func:`inference.laplace_head.find_mode`).
+#: `inference.laplace_head.find_mode`).
 MODE_TOL = 1e-12
 #: The evidence gain (nats) a further step may promise at most when the search ends: well
 #: below what any use of λ resolves, and 10x below the tests' 1e-9 nats.
@@ -77,7 +77,7 @@ MAX_STEP = 2.0
 #: Half the squared Newton decrement below which Newton takes full steps (nats; the quadratic
 #: regime).
 NEAR_MODE = 1e-4
-#: :meth:`EvidenceSearch.search_secant` ends when a step would change λ by less than this
+#: `EvidenceSearch.search_secant` ends when a step would change λ by less than this
 #: (relative), and returns that step's λ: the secant converges superlinearly, so the λ returned
 #: lies within ~1e-4 (relative) of the maximiser (S1's heads and the 250-3,000-row bench heads:
 #: 3e-5 at most against a 1e-3 stop), one refit fewer than a 1e-3 stop (issue 41). Were it a
@@ -88,18 +88,18 @@ LAMBDA_RTOL = 1e-2
 #: The same for a Gaussian likelihood, whose evidence is exact and refits cheap (no curvature
 #: changes with the mode): the maximiser of the closed-form evidence to ~1e-6 in log λ.
 EXACT_LAMBDA_RTOL = 1e-3
-#: Mode refits at most of :meth:`EvidenceSearch.search_secant`.
+#: Mode refits at most of `EvidenceSearch.search_secant`.
 MAX_REFITS = 12
 #: Half the squared Newton decrement (nats) of the refits of
-#: :meth:`EvidenceSearch.search_secant` while its steps are long (it tightens with the step, to
-#: :data:`MODE_TOL` at the point it returns).
+#: `EvidenceSearch.search_secant` while its steps are long (it tightens with the step, to
+#: `MODE_TOL` at the point it returns).
 LOOSE_MODE_TOL = 1e-3
-#: The first step of :meth:`EvidenceSearch.search_secant` (uphill), e-folds of λ.
+#: The first step of `EvidenceSearch.search_secant` (uphill), e-folds of λ.
 FIRST_STEP = 1.0
-#: Chord steps at most before each refit's Newton steps (:meth:`EvidenceSearch._chord`), and
+#: Chord steps at most before each refit's Newton steps (`EvidenceSearch._chord`), and
 #: the factor by which each must shrink the predicted gain of the next to go on.
 CHORD_STEPS, CHORD_RATE = 10, 0.3
-#: Newton-CG (:func:`newton_cg`): conjugate-gradient iterations at most per
+#: Newton-CG (`newton_cg`): conjugate-gradient iterations at most per
 #: Newton step, and the floor of the solves' relative residual (the forcing term is
 #: ``min(0.5, sqrt(decrement))`` above it: superlinear convergence, and a decrement estimate
 #: accurate to that relative error where the search tests it against the tolerance).
@@ -235,12 +235,12 @@ class EvidenceSearch:
         """The maximiser of ``E`` over ``log λ`` in ``bounds``, and the mode there.
 
         At each ``λ`` the mode is refitted by Newton, warm-started from the first-order
-        prediction ``W + W' Δλ``, to :data:`MODE_TOL` (the tolerance of
-        :func:`~inference.laplace_head.find_mode`): a slope from a looser mode can have the
+        prediction ``W + W' Δλ``, to `MODE_TOL` (the tolerance of
+        `find_mode`): a slope from a looser mode can have the
         wrong sign near the maximiser, and a wrong sign shuts the bracket on the wrong side.
 
         Raises:
-            NumericalError: no convergence in :data:`MAX_STEPS` steps (the caller then falls
+            NumericalError: no convergence in `MAX_STEPS` steps (the caller then falls
             back to the grid-and-Brent search).
         """
         lo, hi = math.log(bounds[0]), math.log(bounds[1])
@@ -277,11 +277,11 @@ class EvidenceSearch:
 
     def _chord(self, theta: Tensor, prior_precision: float, tol: float,
                covariance: Tensor) -> Tensor:
-        """Up to :data:`CHORD_STEPS` chord steps ``−Σ_prev g`` from ``theta``, with the
+        """Up to `CHORD_STEPS` chord steps ``−Σ_prev g`` from ``theta``, with the
         inverse curvature ``Σ_prev`` of the previous refit (``O(d²)`` each, against a
         factorisation and a curvature, ``O(d³ + N C² (m + 1)²)``, for a Newton step); each
         must lower the objective, and they stop once the step's predicted gain is below ``tol``
-        or shrinks by less than :data:`CHORD_RATE` (``Σ_prev`` too far from the curvature at
+        or shrinks by less than `CHORD_RATE` (``Σ_prev`` too far from the curvature at
         the new ``λ``). Newton then confirms the mode with the exact curvature, whose factor the
         evidence needs anyway: the refit ends at the same mode (to its tolerance) with or
         without them. (S1-sized heads: 15 Newton iterations in the search instead of 20; the
@@ -306,10 +306,10 @@ class EvidenceSearch:
               covariance: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Newton from ``theta`` until half the squared decrement is ≤ ``tol``:
         ``(mode, last iterate, chol(λI + H(last iterate)))``. The mode is the last iterate plus
-        its Newton step (as :func:`~inference.laplace_head.find_mode` returns it); the
+        its Newton step (as `find_mode` returns it); the
         evidence and slope are taken at the last iterate, whose factor is at hand and which is
         within that one negligible step of the mode. ``covariance``: the previous refit's
-        ``Σ``, for chord steps before Newton (:meth:`_chord`)."""
+        ``Σ``, for chord steps before Newton (`_chord`)."""
         if self.likelihood is Likelihood.SOFTMAX:
             # matrix-free Newton-CG to well inside MODE_TOL (issue 41): the exact Newton step
             # below then confirms the mode at its first iteration, with the one factorisation
@@ -339,19 +339,19 @@ class EvidenceSearch:
         """The maximiser of ``E`` over ``log λ`` in ``bounds``, and the mode there, by the
         secant method on the exact slope of the refitted evidence.
 
-        The slope ``dE/d(log λ)`` (third-order term included, :meth:`_point`) is close to linear
+        The slope ``dE/d(log λ)`` (third-order term included, `_point`) is close to linear
         in ``log λ`` on a softmax head (S1-sized features: 5.6, 3.7, 0.6, −6.4 at ``log λ`` =
         0, 1, 2, 3), so the secant through the last two refitted points lands within a few
-        percent of the root: 4-6 refits, against 10-12 for :meth:`search`, whose steps are
+        percent of the root: 4-6 refits, against 10-12 for `search`, whose steps are
         held to twice MacKay's (which converges linearly). The first step is
-        :data:`FIRST_STEP` e-folds uphill; a secant step that leaves the bracket of the root
+        `FIRST_STEP` e-folds uphill; a secant step that leaves the bracket of the root
         is replaced by bisection, or by the unvisited bound it points past. Each refit is
         Newton warm-started from the first-order prediction ``W − Σ (W − μ₀) Δλ``. The
         search ends when a step would change ``λ`` by less than ``rtol`` (relative): it
         returns that step's ``λ`` and the mode there (one more refit, no slope). While the
-        steps are long the refits stop at a looser mode (:data:`LOOSE_MODE_TOL`, tightening
+        steps are long the refits stop at a looser mode (`LOOSE_MODE_TOL`, tightening
         as the steps shrink): the slope there only has to point the next step; the mode
-        returned is to :data:`MODE_TOL`.
+        returned is to `MODE_TOL`.
 
         (Why not one eigendecomposition and the evidence at fixed curvature, ``O(d)`` per
         ``λ``: on S1-sized heads the third-order term, how the curvature moves with the mode,
@@ -362,7 +362,7 @@ class EvidenceSearch:
 
         Raises:
             NumericalError: no convergence in ``max_refits`` refits (the caller then falls
-            back to :meth:`search`).
+            back to `search`).
         """
         lo, hi = math.log(bounds[0]), math.log(bounds[1])
         if rtol is None:
@@ -422,11 +422,11 @@ class EvidenceSearch:
     def _proposal(point: _Point, previous: _Point | None, left: float, right: float,
                   left_seen: bool, right_seen: bool) -> float:
         """The next ``log λ``. Until the maximiser is bracketed by evaluated points: the secant
-        of the slope, at most twice as far as MacKay's update or :data:`SECANT_FREE` (the
+        of the slope, at most twice as far as MacKay's update or `SECANT_FREE` (the
         secant overshoots where the slope bends, MacKay's update alone converges only
         linearly), or MacKay's update while there is one point.
         Bracketed: the secant, kept inside the bracket (bisection otherwise). At most
-        :data:`MAX_STEP` either way; an unvisited bound is tried before stepping past it."""
+        `MAX_STEP` either way; an unvisited bound is tried before stepping past it."""
         t = point.log_precision
         secant = None
         if previous is not None and previous.log_precision != t:
@@ -452,7 +452,7 @@ class EvidenceSearch:
     @staticmethod
     def _converged(point: _Point, previous: _Point | None) -> bool:
         """Whether a full step from ``point`` could raise the evidence by at most
-        :data:`GAIN_TOL` (by the slope's secant): the slope's own error (the curvature is
+        `GAIN_TOL` (by the slope's secant): the slope's own error (the curvature is
         taken one tiny Newton step from the mode) is about that size. The search ends on it
         only with a step of at most 1e-5 in ``log λ`` too: a flat evidence (small curvature)
         promises little gain from steps that still move λ visibly."""
@@ -506,7 +506,7 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
     exact curvature where every point has the same probabilities (a cold start from a constant
     head). S1-sized heads (250 rows, 1,010 parameters): the cold mode at λ = 3 in 10 Newton
     steps of 30-100 iterations, ~0.1 s, against 8 factorisations and curvatures, ~0.25 s.
-    The line search is :func:`~inference.laplace_head.find_mode`'s (Armijo, ``t`` halved)."""
+    The line search is `find_mode`'s (Armijo, ``t`` halved)."""
     c = one_hot.shape[1]
     width = inputs.shape[1]
     x, lam = inputs, prior_precision
@@ -563,7 +563,7 @@ def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float
 def _preconditioned_cg(matvec, precondition, rhs: Tensor, rtol: float
                        ) -> tuple[Tensor, float]:
     """``A⁻¹ rhs`` by preconditioned conjugate gradients from 0 (``A`` symmetric positive
-    definite), to a relative residual ``rtol`` or :data:`CG_MAX_ITER` iterations, and
+    definite), to a relative residual ``rtol`` or `CG_MAX_ITER` iterations, and
     ``rhsᵀ x`` of the solution ``x`` (the squared Newton decrement when ``rhs = −g``). Every
     iterate from 0 is a descent direction for the objective whose gradient is ``−rhs``."""
     solution = torch.zeros_like(rhs)

@@ -22,7 +22,7 @@ by damped natural-gradient (variational online Newton) steps from the Laplace po
     Λ ← (1 − ρ) Λ + ρ (λ I + E_q[H]),      μ ← μ + ρ Λ⁻¹ (E_q[∇ log p(y | W)] − λ (μ − μ₀)).
 
 A full ``Λ`` is fitted by blocks (issue 41): after every precision step the mean is
-re-optimised under that precision (:func:`_full_gaussian`), which moves no factorisation — with
+re-optimised under that precision (`_full_gaussian`), which moves no factorisation — with
 ``Λ`` fixed, each point's logit covariance and its draws' noise are fixed, and a mean step costs
 one pass over the draws and one triangular solve, against two ``d × d`` factorisations and the
 logit covariances for a precision step. The damped joint steps above took 9 precision
@@ -31,14 +31,14 @@ features made every other step overshoot); by blocks they take 3 and 3-7, to a h
 A diagonal (mean-field) ``Λ`` keeps ``diag E_q[H]``, but its mean step uses the full
 ``λI + E_q[H]`` (matrix-free conjugate gradients): the ELBO's curvature in ``μ`` is that
 whatever ``Λ``'s structure, and ``diag`` alone made the step crawl on non-negative inputs
-(:func:`_mean_newton_direction`). The fixed point is the same.
+(`_mean_newton_direction`). The fixed point is the same.
 
 The expectations are over each training point's logits ``f_n ~ N(M_n, V_n)`` (``M_n = W x_n``,
 ``V_n`` the ``C × C`` logit covariance under ``q``), estimated with ``num_draws`` standard-normal
 draws per point that are fixed for the whole run (common random numbers: the iteration is a
 deterministic map with a fixed point, and the result is reproducible from ``seed``).
 
-The result is a :class:`~inference.gaussian.GaussianPosterior` with the same prior and the
+The result is a `GaussianPosterior` with the same prior and the
 likelihood term ``(E_q[H], Λ μ − λ μ₀)``: the same natural-parameter algebra as the Laplace one.
 """
 
@@ -100,18 +100,18 @@ def variational_gaussian(
         prior_precision: ``λ`` of the prior.
         prior_mean: ``μ₀`` of the prior (a number, or a flat ``(d,)`` tensor).
         diagonal: fit a diagonal-precision Gaussian (mean field; ``Λ = λ + diag E_q[H]``); its
-            mean steps still use the full ``λI + E_q[H]`` (:func:`_mean_newton_direction`).
+            mean steps still use the full ``λI + E_q[H]`` (`_mean_newton_direction`).
         num_draws: logit draws per training point.
         damping: the largest ``ρ ∈ (0, 1]``.
         elbo_max_iter: ELBO evaluations at most of a new precision (``fit_laplace_head``'s
             option of that name reaches it); a full fit's mean steps between them are bounded
-            by :data:`MEAN_MAX_STEPS` each.
+            by `MEAN_MAX_STEPS` each.
         tol: stop when half the mean's squared Newton decrement, ``gᵀ Λ⁻¹ g / 2`` (diagonal:
             ``gᵀ (λI + E_q[H])⁻¹ g / 2``; nats: the ELBO's predicted gain of a full step), is at
             most ``tol`` and the precision has converged (``rtol``); or when no step of
-            ``ρ`` down to :data:`FLOOR_RHO` raises the ELBO while that gain is below 1 nat (the
+            ``ρ`` down to `FLOOR_RHO` raises the ELBO while that gain is below 1 nat (the
             Monte-Carlo floor of the fixed draws: the expectations carry an error of order
-            ``1 / sqrt(num_draws)`` per point). Default (``None``): :func:`default_tolerances`.
+            ``1 / sqrt(num_draws)`` per point). Default (``None``): `default_tolerances`.
         rtol: the precision has converged when the next one differs from the current by at
             most ``rtol`` (largest entry change over largest entry). Default: as ``tol``.
         seed: seed of the fixed draws.
@@ -172,7 +172,7 @@ def _not_converged(elbo_max_iter: int, decrement: float, change: float) -> Numer
         "fit_laplace_head) or pass approximation='laplace'.")
 
 
-#: Newton steps at most of the mean under one precision (:func:`_full_gaussian`).
+#: Newton steps at most of the mean under one precision (`_full_gaussian`).
 MEAN_MAX_STEPS = 100
 #: Relative residual of the conjugate gradients of a full fit's mean Newton step: an inexact
 #: Newton direction (the ELBO's line search accepts or shortens it), to a residual that keeps
@@ -196,8 +196,8 @@ class _Precision:
 
 
 class _Mean:
-    """One mean ``μ`` under a :class:`_Precision`: the ELBO, its gradient ``g`` and the draws'
-    probabilities ``(S, N, C)``; :meth:`_Problem.newton` adds the Newton step and the squared
+    """One mean ``μ`` under a `_Precision`: the ELBO, its gradient ``g`` and the draws'
+    probabilities ``(S, N, C)``; `_Problem.newton` adds the Newton step and the squared
     decrement."""
 
     def __init__(self, mean: Tensor, elbo: float, gradient: Tensor, probs: Tensor) -> None:
@@ -209,10 +209,10 @@ class _Mean:
 def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
                    factor: Tensor | None, damping: float, elbo_max_iter: int, tol: float,
                    rtol: float) -> tuple[Tensor, Tensor]:
-    """:func:`variational_gaussian` for a full precision, by blocks: the precision steps
+    """`variational_gaussian` for a full precision, by blocks: the precision steps
     ``Λ ← (1 − ρ) Λ + ρ (λI + E_q[H])`` (accepted if the ELBO at the new precision's best mean
     does not drop, ``ρ`` halved otherwise, as in the joint iteration), and after each the mean
-    re-optimised by Newton steps under that precision (:meth:`_Problem.best_mean`). Stops on
+    re-optimised by Newton steps under that precision (`_Problem.best_mean`). Stops on
     the same rules: the mean's Newton step gains ≤ ``tol`` and the precision's next step is ≤
     ``rtol``; or the draws' floor.
 
@@ -274,12 +274,12 @@ def _data_part(precision: Tensor, prior_precision: float) -> Tensor:
 #: (tests/inference/test_laplace_head_scales.py): kept at 1/1024.
 FLOOR_RHO = 1 / 1024
 #: The ELBO's predicted gain per training point (nats) and the precision's relative change at
-#: which a fit with the default 64 draws stops (:func:`default_tolerances`).
+#: which a fit with the default 64 draws stops (`default_tolerances`).
 GAIN_PER_POINT, PRECISION_RTOL = 5e-4, 3e-2
 
 
 def default_tolerances(num_points: int, num_draws: int) -> tuple[float, float]:
-    """``(tol, rtol)`` of :func:`variational_gaussian` for ``num_points`` training points and
+    """``(tol, rtol)`` of `variational_gaussian` for ``num_points`` training points and
     ``num_draws`` draws a point: ``tol = max(1e-3, 5e-4 N · 64 / S)`` nats and ``rtol =
     max(1e-2, 0.03 · 64 / S)``.
 
@@ -323,7 +323,7 @@ class _State:
 
     def step(self, rho: float, diagonal: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """``Λ' = (1 − ρ) Λ + ρ target``; ``μ' = μ + ρ Λ'⁻¹ g`` (full), or ``μ' = μ + ρ
-        (λI + E_q[H])⁻¹ g`` (diagonal: see :func:`_mean_newton_direction`). Returns ``(μ',
+        (λI + E_q[H])⁻¹ g`` (diagonal: see `_mean_newton_direction`). Returns ``(μ',
         Λ', chol Λ')`` (the factor ``None`` when diagonal), the factor for the evaluation at
         the new point, which needs the same one."""
         precision = (1 - rho) * self.precision + rho * self.target
@@ -342,7 +342,7 @@ def _max_abs(matrix: Tensor) -> float:
 
 
 class _Problem:
-    """The data, the prior and the fixed draws; :meth:`evaluate` gives a :class:`_State`."""
+    """The data, the prior and the fixed draws; `evaluate` gives a `_State`."""
 
     def __init__(self, inputs: Tensor, labels: Tensor, num_classes: int, prior_precision: float,
                  prior_mean: float, diagonal: bool, num_draws: int, seed: int) -> None:
@@ -387,7 +387,7 @@ class _Problem:
     def newton(self, state: _Mean, fixed: _Precision) -> _Mean:
         """Give ``state`` its Newton step ``(λI + E_q[H])⁻¹ g`` — the fixed draws' ELBO's own
         Hessian in ``μ`` — by conjugate gradients preconditioned with ``Σ = Λ⁻¹``
-        (:func:`_mean_newton_direction`), and the squared decrement ``gᵀ step``.
+        (`_mean_newton_direction`), and the squared decrement ``gᵀ step``.
 
         Why not the plain ``Λ⁻¹ g``. Where ``Λ`` is still far from ``λI + E_q[H]`` (a wide
         posterior's first precision steps: digits standardized, 400 points, λ = 0.64, the two
@@ -401,10 +401,10 @@ class _Problem:
         return state
 
     def best_mean(self, state: _Mean, fixed: _Precision, tol: float) -> _Mean:
-        """Newton steps ``μ + t step`` (:meth:`newton`; ``t`` halved from 1 until the ELBO
+        """Newton steps ``μ + t step`` (`newton`; ``t`` halved from 1 until the ELBO
         does not drop) from ``state`` until half the squared decrement is ≤ ``tol`` nats, or
-        no step of ``t ≥`` :data:`FLOOR_RHO` raises the ELBO (the draws' floor), or after
-        :data:`MEAN_MAX_STEPS`. With ``Λ`` fixed the ELBO is concave in ``μ`` (log-softmax of
+        no step of ``t ≥`` `FLOOR_RHO` raises the ELBO (the draws' floor), or after
+        `MEAN_MAX_STEPS`. With ``Λ`` fixed the ELBO is concave in ``μ`` (log-softmax of
         logits affine in ``μ``, the same draws), so the steps only climb."""
         state = self.newton(state, fixed)
         for _ in range(MEAN_MAX_STEPS):
@@ -492,7 +492,7 @@ def _mean_newton_direction(probs: Tensor, inputs: Tensor, prior_precision: float
     Σ_n (E[diag p − p pᵀ]_n V x_n) x_nᵀ`` costs ``O(N C (m + 1))`` a product, so a diagonal
     fit never forms a ``(d, d)`` matrix. ``precondition`` maps a residual to its
     preconditioned vector: the diagonal fit's Jacobi ``r / (λ + diag E_q[H])``, the full fit's
-    ``Σ r``; ``rtol`` (default :data:`CG_RTOL`) the relative residual it stops at.
+    ``Σ r``; ``rtol`` (default `CG_RTOL`) the relative residual it stops at.
 
     Why the full curvature. The ELBO's Hessian in the mean is ``−(λI + E_q[H])`` whatever
     ``Λ``'s structure; a mean-field ``Λ`` keeps only its diagonal. Non-negative, uncentred

@@ -3,17 +3,17 @@
 Strategies that personalise by fine-tuning a head on a shared body (FedSI, FedBABU, FedAvg-FT
 with ``finetune="head"``) decide their calibration by how long they fine-tune: on the FedSI
 paper's MNIST setting, 10 epochs leave the plug-in under-confident and 300 over-confident.
-:func:`tune_head` makes that length a measurement instead of a constant: with
+`tune_head` makes that length a measurement instead of a constant: with
 ``stop="heldout_nll"`` it holds out a slice of the client's training data, trains the head on
 the rest for up to ``max_epochs``, picks the epoch count of lowest held-out NLL (0 included),
 then trains the head again from its starting point on *all* the training data for that many
 epochs (so no sample is lost to the choice). ``stop="fixed"`` trains ``max_epochs`` on all of
 it, the older protocol.
 
-:func:`tune_head` trains a head on features computed once (the body is frozen): cheap enough
-to run every round (:mod:`bayesfl.strategies.fedsi.fedsi`'s per-round view).
-:func:`fine_tune_stopped` is the same rule for any module and any of its parameters (FedBABU,
-FedAvg-FT: :mod:`bayesfl.strategies.averaging.finetuning`).
+`tune_head` trains a head on features computed once (the body is frozen): cheap enough
+to run every round (`bayesfl.strategies.fedsi.fedsi`'s per-round view).
+`fine_tune_stopped` is the same rule for any module and any of its parameters (FedBABU,
+FedAvg-FT: `bayesfl.strategies.averaging.finetuning`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ HEAD_STOPS = ("heldout_nll", "fixed")
 
 @dataclass(frozen=True)
 class HeadTuning:
-    """How a head is fine-tuned (:func:`tune_head`).
+    """How a head is fine-tuned (`tune_head`).
 
     Attributes:
         max_epochs: the most epochs (``stop="fixed"``: exactly this many); >= 0.
@@ -84,13 +84,13 @@ def tune_head(head: nn.Module, features: Tensor, labels: Tensor, tuning: HeadTun
               generator: torch.Generator) -> int:
     """Fine-tune ``head`` in place on ``features`` (n, d) and ``labels`` (n,) by
     cross-entropy; returns the number of epochs of the final training on all rows (module
-    docstring). :func:`fine_tune_stopped` with the head as the module.
+    docstring). `fine_tune_stopped` with the head as the module.
 
     On an accelerator the head is tuned on a CPU copy and copied back: a few thousand steps
     on a (n, d) head are kernel launches, not arithmetic (on an H200, FedSI's per-round view
     spent most of a round launching them).
 
-    A plain ``nn.Linear`` head on CPU features takes :func:`tune_linear_head`: the same
+    A plain ``nn.Linear`` head on CPU features takes `tune_linear_head`: the same
     schedule with the cross-entropy's gradient written out (no autograd graph, no module
     calls), ~6x cheaper a step; its numbers equal the autograd path's up to float rounding."""
     if features.device.type == "cpu":
@@ -141,7 +141,7 @@ def fine_tune_stopped(module: nn.Module, x: Tensor, labels: Tensor, objective: O
 
 
 def linear_head_tunable(head: nn.Module, features: Tensor, labels: Tensor) -> bool:
-    """Whether :func:`tune_linear_head` applies: a plain ``nn.Linear`` (its subclasses may
+    """Whether `tune_linear_head` applies: a plain ``nn.Linear`` (its subclasses may
     override ``forward``) with a bias, float32 or float64 parameters and features of its dtype
     on the CPU, one label per row."""
     return (type(head) is nn.Linear and head.bias is not None
@@ -154,15 +154,15 @@ def linear_head_tunable(head: nn.Module, features: Tensor, labels: Tensor) -> bo
 
 def tune_linear_head(head: nn.Linear, features: Tensor, labels: Tensor, tuning: HeadTuning,
                      generator: torch.Generator) -> int:
-    """:func:`fine_tune_stopped` of a linear head by cross-entropy, with the gradient written
+    """`fine_tune_stopped` of a linear head by cross-entropy, with the gradient written
     out: same held-out split, same shuffles (the same ``generator`` draws in the same order),
-    same Adam (:func:`bayesfl.adam.adam_update_`), same divergence stop and the same epoch
+    same Adam (`bayesfl.adam.adam_update_`), same divergence stop and the same epoch
     choice; returns the epoch count of the final training.
 
     The weight and the bias are stepped as one (C, d + 1) matrix on features with a column of
     ones appended: the mean cross-entropy of a mini-batch of B rows has gradient
     ``((softmax(logits) - onehot(y)) / B)^T [x, 1]``, the number autograd computes, rounded in
-    another order (the tests bound the difference against :func:`fine_tune_stopped`).
+    another order (the tests bound the difference against `fine_tune_stopped`).
 
     Args:
         head: updated in place; ``weight`` (C, d), ``bias`` (C,).
@@ -214,7 +214,7 @@ def linear_ce_gradient(logits: Tensor, x: Tensor, onehot: Tensor) -> Tensor:
 
 def _train_linear(theta: Tensor, x: Tensor, labels: Tensor, config: LocalTraining,
                   generator: torch.Generator, after_epoch=None) -> Tensor:
-    """:func:`~bayesfl.training.train_plain` of the linear map ``x @ theta^T`` (x with its
+    """`train_plain` of the linear map ``x @ theta^T`` (x with its
     column of ones) by mean cross-entropy: ``theta`` (C, d + 1) updated in place and returned.
     One Adam state for the whole call unless ``config.reset_optimizer_each_epoch``.
 

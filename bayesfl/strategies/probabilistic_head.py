@@ -4,8 +4,8 @@ After federated training (and for a novel client that never trained) a client of
 that takes this option freezes the network it would predict with, computes its body's features
 on its own training split and fits ``inference.fit_head(KIND, features, labels, C,
 **head_options)`` on them. From then on it predicts with that posterior's predictive
-(:data:`~bayesfl.strategies.base.PREDICTIVE`) and reports its network's softmax, the
-strategy's plug-in, beside it (:data:`~bayesfl.strategies.base.MAP_PLUGIN`): with the same seed,
+(`PREDICTIVE`) and reports its network's softmax, the
+strategy's plug-in, beside it (`MAP_PLUGIN`): with the same seed,
 a run with ``head=KIND`` trains exactly as one without, so its ``map_plugin`` figures are the
 plain strategy's. Rounds before personalisation have no head posterior: both keys hold the
 plug-in.
@@ -62,10 +62,10 @@ S1 runs against FedPer's) and ``bench/laplace_head_speed.py`` (one fit against
 laplace-torch's), tabled in the docs' results page; the conjugate head costs a fraction of
 that.
 
-**Failures.** A fit that fails for one client (an :class:`inference.errors.InferenceError`: no
+**Failures.** A fit that fails for one client (an `inference.errors.InferenceError`: no
 convergence, degenerate features; a failed factorisation) does not stop the run: that client
-predicts with its plug-in, says why in a :class:`HeadFitWarning`, and keeps the reason in its
-state (:func:`fallback_reason`). The KL-optimal Gaussian's solver is the usual cause: with
+predicts with its plug-in, says why in a `HeadFitWarning`, and keeps the reason in its
+state (`fallback_reason`). The KL-optimal Gaussian's solver is the usual cause: with
 features of width 8 on digits it failed on 2 of 5 clients (seed 4; none at width 16).
 
 **State.** The head posterior is tensors in the client state (its ``state_dict()`` under
@@ -99,7 +99,7 @@ PREDICTIVE_METHODS = {"laplace": "centred_probit", "conjugate": "probit",
 plug-in, hence ``probit``)."""
 POSTERIOR_KINDS = {"laplace": "gaussian", "conjugate": "conjugate", "mfvi": "gaussian",
                    "sgld": "ensemble"}
-"""The registered posterior class (:func:`inference.posterior.posterior_class`) of each kind."""
+"""The registered posterior class (`inference.posterior.posterior_class`) of each kind."""
 GLOBAL_PRIOR_KINDS = frozenset({"laplace"})
 """Kinds whose fitter takes a tensor prior mean (the global head)."""
 RESERVED_OPTIONS = frozenset({"prior_mean", "threads"})
@@ -120,7 +120,7 @@ class ProbabilisticHead:
     """The ``head``, ``head_prior`` and ``head_options`` of a strategy, validated.
 
     Attributes:
-        kind: one of :data:`HEAD_KINDS`.
+        kind: one of `HEAD_KINDS`.
         prior: ``"zero"`` (a zero-centred Laplace prior) or ``"global"`` (centred on the
             global head where there is one).
         options: keyword options of ``inference.fit_head`` (checked).
@@ -198,7 +198,7 @@ def head_features(model: nn.Module, x: Tensor) -> Tensor:
 
 def head_parameters(model: nn.Module) -> Tensor:
     """The linear head of ``model`` as one (C, m + 1) float64 table, bias column first (the
-    layout of :mod:`inference`'s heads)."""
+    layout of [`inference`][inference]'s heads)."""
     head = model.head
     return torch.cat([head.bias.detach()[:, None], head.weight.detach()], 1).to(torch.float64)
 
@@ -214,7 +214,7 @@ def with_head_posterior(
 ) -> ClientState:
     """``state`` (the client's personalised network ``model``) plus the head posterior fitted
     on its training features; if the fit fails, plus the reason instead (and a
-    :class:`HeadFitWarning`)."""
+    `HeadFitWarning`)."""
     state = {k: v for k, v in state.items()
              if not k.startswith(HEAD_PREFIX) and k != FALLBACK}
     try:

@@ -10,11 +10,11 @@ full expected curvature.
 Optimality is checked independently of the solver: with fresh logit draws (another seed, four
 times as many) from the fitted Gaussian's own logit covariance (``logit_covariance``), the mean's
 fixed-point residual ``g = E_q[∇ log p(y | W)] − λ(μ − μ₀)`` must leave little for a Newton
-step to gain — at most :data:`MAX_GAIN` nats, or at most :data:`NOISE_MULTIPLE` times what the
+step to gain — at most `MAX_GAIN` nats, or at most `NOISE_MULTIPLE` times what the
 Monte-Carlo error alone leaves (measured by a second fresh draw set) — and the diagonal of the
 posterior precision must be ``λ + diag E_q[H]`` (the fixed point ``Λ = λI + E_q[H]``, mean
-field's ``Λ_ii = λ + E_q[H_ii]``) to within :data:`PRECISION_RTOL` of its largest entry, or
-:data:`NOISE_MULTIPLE` times the two fresh draw sets' own difference (few points and wide logits:
+field's ``Λ_ii = λ + E_q[H_ii]``) to within `PRECISION_RTOL` of its largest entry, or
+`NOISE_MULTIPLE` times the two fresh draw sets' own difference (few points and wide logits:
 raw pixels, 50 points, full, differ by 9% between 64 and 256 draws a point).
 """
 

@@ -85,7 +85,7 @@ def overlapping_data(n: int = 120, classes: int = 4, seed: int = 3):
 @pytest.mark.parametrize("case", ["separable-0", "separable-1", "separable-2", "overlapping",
                                   "prior-mean", "gaussian"])
 def test_the_secant_search_lands_where_the_former_search_lands(case):
-    """The default (secant) search against :meth:`EvidenceSearch.search`, the former default,
+    """The default (secant) search against `EvidenceSearch.search`, the former default,
     itself checked against grid-and-Brent above: the same maximiser of the same function."""
     likelihood, mean = Likelihood.SOFTMAX, 0.0
     if case.startswith("separable"):
