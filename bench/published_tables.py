@@ -172,20 +172,24 @@ def s1_verdict_table(records: list[dict] | None = None) -> str:
 
 
 def s1_cost_table(records: list[dict] | None = None) -> str:
+    """One row per (method, seed) of the newest runs with their peer run at the same seed and
+    rounds, grouped by pair and ordered by seed."""
     from bench.s1_cost import PAIRS
 
     records = read_jsonl(RESULTS / "s1_cost.jsonl") if records is None else records
     newest = {(r["method"], r["seed"], r["rounds"]): r for r in records}
-    lines = ["| method | peer | CPU-s | peer CPU-s | ratio | accuracy | NLL | commit, date |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (method, seed, rounds), r in newest.items():
-        for a, peer in PAIRS:
+    lines = ["| method | peer | seed | CPU-s | peer CPU-s | ratio | accuracy | NLL | ECE | "
+             "commit, date |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for a, peer in PAIRS:
+        for (method, seed, rounds), r in sorted(newest.items(), key=lambda kv: kv[0][1:]):
             p = newest.get((peer, seed, rounds))
-            if a == method and p is not None:
-                lines.append(
-                    f"| {method} | {peer} | {r['cpu_s']:.1f} | {p['cpu_s']:.1f} | "
-                    f"{r['cpu_s'] / p['cpu_s']:.1f}x | {r['accuracy']:.4f} | {r['nll']:.4f} | "
-                    f"{r['commit']}, {r['date']} |")
+            if method != a or p is None:
+                continue
+            lines.append(
+                f"| {method} | {peer} | {seed} | {r['cpu_s']:.1f} | {p['cpu_s']:.1f} | "
+                f"{r['cpu_s'] / p['cpu_s']:.1f}x | {r['accuracy']:.4f} | {r['nll']:.4f} | "
+                f"{r['ece']:.4f} | {r['commit']}, {r['date']} |")
     return "\n".join(lines) + "\n"
 
 
