@@ -190,7 +190,23 @@ def s1_cost_table(records: list[dict] | None = None) -> str:
                 f"| {method} | {peer} | {seed} | {r['cpu_s']:.1f} | {p['cpu_s']:.1f} | "
                 f"{r['cpu_s'] / p['cpu_s']:.1f}x | {r['accuracy']:.4f} | {r['nll']:.4f} | "
                 f"{r['ece']:.4f} | {r['commit']}, {r['date']} |")
+    lines.append("")
+    for (a, peer), target in S1_COST_TARGETS.items():
+        ratios = [r["cpu_s"] / newest[(peer, seed, rounds)]["cpu_s"]
+                  for (method, seed, rounds), r in sorted(newest.items(), key=lambda kv: kv[0][1:])
+                  if method == a and (peer, seed, rounds) in newest]
+        if ratios:
+            held = "holds" if max(ratios) <= target else "does not hold"
+            lines.append(f"- Issue 41's target {a} ≤ {target:g}x {peer}: **{held}** (seeds: "
+                         + ", ".join(f"{ratio:.1f}x" for ratio in ratios) + ").")
     return "\n".join(lines) + "\n"
+
+
+#: Issue 41's targets for whole S1 runs: CPU time at most this many times the peer's.
+S1_COST_TARGETS = {("fedper-laplace", "fedper"): 1.5, ("fedsi", "fedbabu"): 5.0}
+#: Issue 41's targets for one Laplace head fit: CPU seconds at n = 250, P = 1,010, and the
+#: factor over laplace-torch's last-layer Laplace at every size of the bench.
+HEAD_FIT_TARGET_S, HEAD_PEER_TARGET = 0.5, 10.0
 
 
 def head_speed_table(records: list[dict] | None = None) -> str:
@@ -212,6 +228,21 @@ def head_speed_table(records: list[dict] | None = None) -> str:
         lines.append(f"| {n} | {params} | {ours['fit_s']:.2f} | {wall} | {ours['nll']:.3f} | "
                      f"{ours['ece']:.3f} | {peer_cells} | {other_cells} | {record['commit']}, "
                      f"{record['date']} |")
+    lines.append("")
+    small = newest.get((250, 1010))
+    if small is not None:
+        fit_s = small[0]["ours"]["fit_s"]
+        held = "holds" if fit_s <= HEAD_FIT_TARGET_S else "does not hold"
+        lines.append(f"- Issue 41's target, a fit in ≤ {HEAD_FIT_TARGET_S:g} CPU-s at n = 250, "
+                     f"P = 1010: **{held}** ({fit_s:.2f}).")
+    ratios = [(n, params, row["ratio"]) for (n, params), (row, _) in sorted(newest.items())
+              if "ratio" in row]
+    if ratios:
+        held = ("holds" if all(r >= HEAD_PEER_TARGET for _, _, r in ratios)
+                else "does not hold")
+        lines.append(f"- Issue 41's target, ≥ {HEAD_PEER_TARGET:g}x laplace-torch at every size: "
+                     f"**{held}** (" + ", ".join(f"n = {n}, P = {p}: {r:.1f}x"
+                                                 for n, p, r in ratios) + ").")
     return "\n".join(lines) + "\n"
 
 
