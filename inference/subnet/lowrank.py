@@ -13,29 +13,45 @@ active). With ``r = sum_b r_b < S``, Woodbury gives
 
     ``diag(P^{-1})_s = 1 / D_s - (W_s^T K^{-1} W_s) / D_s^2``,  ``K = I_r + W^T D^{-1} W``,
 
-and the structure keeps everything but K's factorisation small: ``K[(b, j), (b', j')] =
-delta + sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` with ``M_u = A_u D_u^{-1} A_u^T`` (n x n per
-unit), and ``W_s^T K^{-1} W_s = A[:, s]^T Omega_{u_s} A[:, s]`` with ``Omega_u[b, b'] =
-sum_{j, j'} F_b[u, j] (K^{-1})[(b, j), (b', j')] F_b'[u, j']``. Cost: ``r^3`` (Cholesky and
-inverse of K) plus ``O(n^2 (S + U (C - 1)^2))``, against ``S^2 n + 2 S^3 / 3`` for forming and
-factorising the S x S precision (`SubnetLaplacePosterior`). FedSI's upload needs only
-these variances, every client every round; at |S| = 3,925 and n = 250, r is 500-2,250.
+and the structure keeps everything but K's factorisation small: ``E = K - I = W^T D^{-1} W``
+has entries ``E[(b, j), (b', j')] = sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` with ``M_u =
+A_u D_u^{-1} A_u^T`` (n x n per unit).
+
+K is not inverted. E is numerically of low rank (on S1's subnets ~40% of r: its eigenvalues
+above 1e-12 are 580-990 of r = 1,740-2,250; the subnet's input activations are collinear, so
+the M_u are; dropping whole columns of W by their norms drops nothing there), so its pivoted
+Cholesky (LAPACK ``dpstrf``) is stopped once every residual diagonal entry is
+``<= truncation / r``: ``E = L L^T + Delta``, L (r, k), Delta PSD with ``trace(Delta) <=
+truncation`` (`TRUNCATION` = 1e-12). With ``K_t = I + L L^T``, ``K_t^{-1} = I - Y Y^T``,
+``Y = L C^{-T}``, ``C C^T = I + L^T L`` (k x k), and
+
+    ``W_s^T K_t^{-1} W_s = A[:, s]^T (diag_b |F_b[u_s]|^2 - V_u V_u^T) A[:, s]``,
+    ``V_u[b] = sum_j F_b[u, j] Y[(b, j)]`` (n, k) per unit.
+
+Bound (what the truncation may move): with ``b_s = W_s / sqrt(D_s)`` the variance is
+``v_s = (1 - b_s^T K^{-1} b_s) / D_s``, and ``K = K_t + Delta`` gives ``0 <= K_t^{-1} - K^{-1}
+<= K_t^{-1} Delta K_t^{-1}`` (Woodbury on Delta; ``K_t >= I``), so ``0 <= v_s - v_t,s <=
+trace(Delta) |b_s|^2 / D_s <= truncation (H_ss / D_s) / D_s``: at most 1e-12 x (H_ss / D_s,
+<= 0.26 on S1) of the prior variance, below the ~1e-13 relative rounding the exact route had.
+Cost: ``dpstrf`` to rank k, ``L^T L`` and the triangular solve (~r k^2 each), the ``V_u^T
+A_u`` products (k n S), against ``r^3`` for K's Cholesky and inverse; ``O(n^2 (S + U (C -
+1)^2))`` for the kernel either way, against ``S^2 n + 2 S^3 / 3`` for forming and factorising
+the S x S precision (`SubnetLaplacePosterior`). FedSI's upload needs only these variances,
+every client every round; at |S| = 3,925 and n = 250, r is 500-2,250.
 
 Same algebra as the dense route in float64 (A and G, like the dense route's, come in the model's
 dtype). The subtraction loses relative accuracy where the data shrink an entry's variance far
 below its prior's (``1 / D_s``); where that ratio exceeds `MAX_SHRINKAGE` the function
 returns None and the caller takes the dense route.
 
-Where the time goes and what is left (issue 41; S1 seed 0, r = 2,250, one thread, CPU-s a call):
-Cholesky of K 0.10 and ``potri`` 0.16 (LAPACK, about two thirds of the call), the kernel 0.06,
-the unit quadratic forms 0.045. Measured and not taken: writing only K's upper triangle (what
-the Cholesky reads) gave no measurable gain (the kernel is bound by its inputs' reads), and
-``trtri`` + a Gram of ``L^{-1} F`` costs what ``potri`` + the quadratic forms cost (0.11 + 0.10
-against 0.16 + 0.045). Other routes measured on S1's subnets: the unit-space Woodbury (rank
-``sum_u min(n_u, active samples of u)``) is no smaller than r (2,444 against 2,250). The data
-term is small beside the prior there (the eigenvalues of ``W^T D^{-1} W`` are <= 0.26, K's
-condition number <= 1.26, ~960 of them above 1e-12), so a float32 factorisation would keep
-~1e-8 relative accuracy at half the LAPACK time; the float64 rule keeps it out.
+Where the time goes (issue 41; S1 seed 0, the 30 calls of a 3-round run replayed, one thread,
+process time, old and new interleaved): 8.83 -> 6.00 CPU-s in all, median call 0.28 -> 0.19 s,
+variances equal to the exact route's to <= 1.8e-16 relative. Before: K's Cholesky 0.10 and
+``potri`` 0.16 at r = 2,250; now ``dpstrf`` to k = 580-990 0.07-0.12, ``dsyrk`` 0.02-0.04, the
+kernel 0.06 (unchanged), the rest ~0.05. Measured and not taken: writing only K's upper triangle
+(no measurable gain: the kernel is bound by its inputs' reads); the unit-space Woodbury (rank
+``sum_u min(n_u, active samples of u)``, 2,444 against 2,250; truncating it per unit moves
+``B B^T`` by a non-PSD term, no one-sided bound); a float32 factorisation (the float64 rule).
 """
 
 from __future__ import annotations
@@ -48,12 +64,13 @@ from torch import Tensor, nn
 from inference.curvature import softmax_hessian_sqrt_reduced
 from inference.errors import InvalidInputError, NumericalError
 from inference.subnet.batches import BatchChecks, iterate_batches
-from inference.subnet.dense import cholesky_overwrite, lapack_threads, mirror_upper_
+from inference.subnet.dense import lapack_threads
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.parameters import check_subnet_indices, flat_trainable_parameters
 from inference.subnet.training_mode import eval_mode
 
-__all__ = ["MAX_SHRINKAGE", "softmax_hessian_sqrt_reduced", "subnet_marginal_variance"]
+__all__ = ["MAX_SHRINKAGE", "TRUNCATION", "softmax_hessian_sqrt_reduced",
+           "subnet_marginal_variance"]
 
 MAX_SHRINKAGE = 1e3
 """Largest ``prior variance / posterior variance`` of an entry the Woodbury route returns: the
@@ -63,9 +80,10 @@ dense float64 route: agreement to ~1e-13 relative at shrinkage ~1 on FedSI's sub
 ROW_CHUNK_BYTES = 64 * 2**20
 """Working memory of one chunk of rows of K's (U, rows, n, C - 1) intermediate."""
 
-QUADRATIC_CHUNK_BYTES = 2 * 2**20
-"""Working memory of one chunk of the unit quadratic forms' (rows, n (C - 1), U) intermediate:
-about a core's L2 cache, so that it is read back from there (2.4x faster than one piece)."""
+TRUNCATION = 1e-12
+"""Default trace of the Woodbury kernel's dropped part: each variance moves by at most
+``1e-12 * H_ss / D_s`` (``<= 0.26e-12`` on S1's subnets) times its prior variance, float64's
+rounding level of the r x r factorisation it replaces."""
 
 
 @torch.no_grad()
@@ -74,6 +92,8 @@ def subnet_marginal_variance(
     loader: Iterable,
     subnet_indices: Tensor,
     prior_precision: Tensor,
+    *,
+    truncation: float = TRUNCATION,
 ) -> Tensor | None:
     """``diag((H_S + diag(prior_precision))^{-1})`` (S,) float64, H_S the subnet GGN block
     summed over ``loader``, by Woodbury on its low-rank factor (module docstring); None where
@@ -87,11 +107,16 @@ def subnet_marginal_variance(
         loader: yields ``(X, y)`` with integer labels (labels only validated).
         subnet_indices: (S,) indices into the trainable-parameter vector.
         prior_precision: (S,) prior precision of the subnet entries, > 0.
+        truncation: trace of the Woodbury kernel's part that may be dropped (module
+            docstring): each variance moves by at most ``truncation * H_ss / D_s`` times its
+            prior variance ``1 / D_s``; 0 drops nothing.
     """
     mean = flat_trainable_parameters(model)
     idx = check_subnet_indices(subnet_indices, mean.numel())
     S, device = idx.numel(), mean.device
     prior = prior_precision.detach().to(device, torch.float64).reshape(-1)
+    if not truncation >= 0.0:
+        raise InvalidInputError(f"truncation must be >= 0, got {truncation}")
     if prior.numel() != S or not bool(((prior > 0) & torch.isfinite(prior)).all()):
         raise InvalidInputError(f"prior_precision must hold {S} finite values > 0")
     checks = BatchChecks()
@@ -125,37 +150,32 @@ def subnet_marginal_variance(
         block = A[:, start:end]
         M[u].addmm_(block * dinv[start:end], block.T)
     kept = valid.reshape(-1).nonzero().flatten() if r < n * J else None
-    K = _woodbury_kernel(M, F)
+    E = _woodbury_kernel(M, F)  # W^T D^-1 W on the (b, j) grid
     if kept is not None:
-        K = K.index_select(0, kept).index_select(1, kept)
-    K.diagonal().add_(1.0)
-    K_inv = _spd_inverse(K)
-    if kept is not None:  # K^{-1} back on the (b, j) grid, zero where j >= r_b
-        K_inv = _pad(K_inv, kept, valid.reshape(-1))
-    omega = _unit_quadratic(K_inv.view(n, J, n * J), F)  # (U, n, n)
+        E = E.index_select(0, kept).index_select(1, kept)
+    # K^-1 ~ I - Y Y^T (Y (r, k), rows in the order `rows` of the kept grid): E's negligible
+    # directions dropped, each variance moved by <= truncation x its prior variance x
+    # (H_ss / D_s) (module docstring)
+    Y, rows = _truncated_kernel_inverse(E, truncation)
+    del E
+    k = Y.shape[1]
+    grid = rows if kept is None else kept[rows]
+    Y_grid = Y.new_zeros(n * J, k)  # zero where j >= r_b
+    Y_grid[grid] = Y
+    del Y
+    # V[b, u] = sum_j F_b[u, j] Y[(b, j)]: Omega_u = diag_b(|F_b[u]|^2) - V_u V_u^T
+    V = torch.bmm(F, Y_grid.view(n, J, k))  # (n, U, k)
+    del Y_grid
+    f = F.square().sum(2)  # (n, U)
     q = torch.empty(S, dtype=torch.float64, device=device)
     for start, end, u in plan.runs:
         block = A[:, start:end]
-        q[start:end] = (omega[u] @ block).mul_(block).sum(0)
+        q[start:end] = f[:, u] @ block.square() - torch.mm(block.T, V[:, u]).square().sum(1)
     variance = dinv - q * dinv.square()
     ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
     if not bool(ok.all()):
         return None
     return variance
-
-
-def _pad(K_inv: Tensor, kept: Tensor, valid: Tensor) -> Tensor:
-    """``K_inv`` (r, r) on the (n J, n J) grid: rows and columns ``kept`` (sorted) hold it, the
-    other n J - r rows and columns are zero. Written into one uninitialised matrix whose few
-    dropped rows and columns are then cleared (zero-filling it all and an (r, n J) staging
-    matrix cost two more passes over ~(n J)^2 values)."""
-    N = valid.numel()
-    padded = K_inv.new_empty(N, N)
-    padded[kept.unsqueeze(1), kept] = K_inv
-    dropped = (~valid).nonzero().flatten()
-    padded[dropped] = 0.0
-    padded[:, dropped] = 0.0
-    return padded
 
 
 def _reduced_sqrt(logits: Tensor) -> Tensor:
@@ -207,37 +227,44 @@ def _woodbury_kernel(M: Tensor, F: Tensor) -> Tensor:
     return out.view(n * J, n * J)
 
 
-def _unit_quadratic(K_inv: Tensor, F: Tensor) -> Tensor:
-    """``Omega_u[b, c] = sum_{j, j'} F_b[u, j] K_inv[(b, j), (c, j')] F_c[u, j']``, (U, n, n),
-    from the symmetric ``K_inv`` viewed (n, J, n J).
+def _truncated_kernel_inverse(E: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
+    """``(Y (r, k), rows (r,))`` with ``(I + E_t)^{-1} = I - Y Y^T``, ``E_t = L L^T`` the
+    pivoted Cholesky approximation of the symmetric PSD (r, r) float64 ``E`` (destroyed),
+    stopped once every diagonal entry of ``E - L L^T`` (PSD) is ``<= truncation / r``: its
+    trace, the dropped part, is then ``<= truncation``. ``rows[i]`` is the row of ``E`` that
+    row i of ``Y`` stands for (pivoting). ``Y = L C^{-T}``, ``C C^T = I + L^T L`` (k, k).
 
-    In chunks of c whose (c, (b, j), u) intermediate stays within `QUADRATIC_CHUNK_BYTES`
-    (cache-sized: the whole intermediate is n^2 J U values, 100 MB at FedSI's n = 250, U = 23,
-    written once and read J times when it was built in one piece)."""
-    n, U, J = F.shape
-    F_T = F.transpose(1, 2)  # (n, J, U): F_T[c, j', u] = F_c[u, j']
-    omega = K_inv.new_empty(U, n, n)
-    rows = max(1, min(n, QUADRATIC_CHUNK_BYTES // max(1, n * J * U * K_inv.element_size())))
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        # T[c, (b, j), u] = sum_j' K_inv[(c, j'), (b, j)] F_c[u, j']  (K_inv symmetric)
-        T = torch.bmm(K_inv[a:b].transpose(1, 2), F_T[a:b]).view(b - a, n, J, U)
-        omega[:, :, a:b] = (T * F_T).sum(2).permute(2, 1, 0)  # [c, b, u] -> [u, b, c]
-    return omega
+    On the CPU this is LAPACK ``dpstrf`` (pivoted Cholesky, blocked), ``dsyrk``, ``dpotrf`` and
+    ``dtrsm`` through SciPy on one column-major buffer (k r^2-ish flops against the 4 r^3 / 3 of
+    K's Cholesky and inverse: k ~ 0.4 r on S1's subnets). Elsewhere E's eigendecomposition,
+    dropping its smallest eigenvalues while their sum stays ``<= truncation`` (the same bound).
+    """
+    r = E.shape[0]
+    if E.device.type == "cpu" and E.dtype == torch.float64 and E.is_contiguous():
+        from scipy.linalg import blas, lapack
 
-
-def _spd_inverse(K: Tensor) -> Tensor:
-    """The inverse of a symmetric positive definite (r, r) float64 ``K`` (destroyed)."""
-    factor, info = cholesky_overwrite(K)
-    if info != 0:
-        raise NumericalError(f"the Woodbury kernel I + W^T D^-1 W is not positive definite "
-                             f"(Cholesky failed at column {info}): non-finite curvature?")
-    if factor.device.type == "cpu" and factor.dtype in (torch.float32, torch.float64):
-        from scipy.linalg import lapack
-
-        potri = lapack.dpotri if factor.dtype == torch.float64 else lapack.spotri
-        with lapack_threads():  # factor: column-major lower; its inverse's lower triangle
-            inverse, info = potri(factor.numpy(), lower=1, overwrite_c=1)
-        if info == 0:  # the column-major lower triangle is the rows' upper one
-            return mirror_upper_(torch.from_numpy(inverse).mT)
-    return torch.cholesky_inverse(factor)
+        with lapack_threads():  # E symmetric: its rows' transpose is the column-major E
+            factor, piv, rank, info = lapack.dpstrf(E.mT.numpy(), tol=truncation / r,
+                                                    lower=1, overwrite_a=1)
+            if info < 0:
+                raise NumericalError(f"dpstrf rejected argument {-info}")
+            if rank == 0:  # E = 0 (no curvature) up to the truncation: K = I
+                return E.new_zeros(r, 0), torch.arange(r)
+            L = factor[:, :rank]  # lower trapezoid; above the diagonal E's entries remain
+            top = torch.from_numpy(L[:rank])
+            top.copy_(top.tril())
+            gram = blas.dsyrk(1.0, L, trans=1, lower=1)  # L^T L, lower triangle
+            gram[range(rank), range(rank)] += 1.0
+            chol, info = lapack.dpotrf(gram, lower=1, clean=1, overwrite_a=1)
+            if info != 0:  # I + L^T L >= I: only non-finite curvature gets here
+                raise NumericalError("the truncated Woodbury kernel I + L^T L is not positive "
+                                     "definite: non-finite curvature?")
+            Y = blas.dtrsm(1.0, chol, L, side=1, lower=1, trans_a=1, overwrite_b=1)
+        rows = torch.from_numpy(piv.astype("int64") - 1)
+        return torch.from_numpy(Y), rows
+    values, vectors = torch.linalg.eigh(E)
+    values = values.clamp_min(0.0)
+    drop = int((values.cumsum(0) <= truncation).sum())  # ascending: the smallest
+    values, vectors = values[drop:], vectors[:, drop:]
+    Y = vectors * (values / (1.0 + values)).sqrt()
+    return Y, torch.arange(r, device=E.device)
