@@ -149,19 +149,17 @@ def subnet_marginal_variance(
     for start, end, u in plan.runs:
         block = A[:, start:end]
         M[u].addmm_(block * dinv[start:end], block.T)
-    kept = valid.reshape(-1).nonzero().flatten() if r < n * J else None
-    E = _woodbury_kernel(M, F)  # W^T D^-1 W on the (b, j) grid
-    if kept is not None:
-        E = E.index_select(0, kept).index_select(1, kept)
-    # K^-1 ~ I - Y Y^T (Y (r, k), rows in the order `rows` of the kept grid): E's negligible
+    # E = W^T D^-1 W on the whole (b, j) grid: its rows and columns j >= r_b are exactly zero
+    # (F's), so the pivoted Cholesky never picks them (no copy of the r x r part taken out)
+    E = _woodbury_kernel(M, F)
+    # K^-1 ~ I - Y Y^T (Y (n J, k), row i standing for grid row rows[i]): E's negligible
     # directions dropped, each variance moved by <= truncation x its prior variance x
     # (H_ss / D_s) (module docstring)
-    Y, rows = _truncated_kernel_inverse(E, truncation)
+    Y, rows = _truncated_kernel_inverse(E, truncation, rank=r)
     del E
     k = Y.shape[1]
-    grid = rows if kept is None else kept[rows]
     Y_grid = Y.new_zeros(n * J, k)  # zero where j >= r_b
-    Y_grid[grid] = Y
+    Y_grid[rows] = Y
     del Y
     # V[b, u] = sum_j F_b[u, j] Y[(b, j)]: Omega_u = diag_b(|F_b[u]|^2) - V_u V_u^T
     V = torch.bmm(F, Y_grid.view(n, J, k))  # (n, U, k)
@@ -227,19 +225,23 @@ def _woodbury_kernel(M: Tensor, F: Tensor) -> Tensor:
     return out.view(n * J, n * J)
 
 
-def _truncated_kernel_inverse(E: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
-    """``(Y (r, k), rows (r,))`` with ``(I + E_t)^{-1} = I - Y Y^T``, ``E_t = L L^T`` the
-    pivoted Cholesky approximation of the symmetric PSD (r, r) float64 ``E`` (destroyed),
+def _truncated_kernel_inverse(E: Tensor, truncation: float,
+                              rank: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(Y (N, k), rows (N,))`` with ``(I + E_t)^{-1} = I - Y Y^T``, ``E_t = L L^T`` the
+    pivoted Cholesky approximation of the symmetric PSD (N, N) float64 ``E`` (destroyed),
     stopped once every diagonal entry of ``E - L L^T`` (PSD) is ``<= truncation / r``: its
-    trace, the dropped part, is then ``<= truncation``. ``rows[i]`` is the row of ``E`` that
-    row i of ``Y`` stands for (pivoting). ``Y = L C^{-T}``, ``C C^T = I + L^T L`` (k, k).
+    trace, the dropped part, is then ``<= truncation`` (``r = rank``, default N: the number of
+    rows of E that are not exactly zero; zero rows are never pivots). ``rows[i]`` is the row
+    of ``E`` that row i of ``Y`` stands for (pivoting). ``Y = L C^{-T}``,
+    ``C C^T = I + L^T L`` (k, k).
 
     On the CPU this is LAPACK ``dpstrf`` (pivoted Cholesky, blocked), ``dsyrk``, ``dpotrf`` and
     ``dtrsm`` through SciPy on one column-major buffer (k r^2-ish flops against the 4 r^3 / 3 of
     K's Cholesky and inverse: k ~ 0.4 r on S1's subnets). Elsewhere E's eigendecomposition,
     dropping its smallest eigenvalues while their sum stays ``<= truncation`` (the same bound).
     """
-    r = E.shape[0]
+    N = E.shape[0]
+    r = max(1, N if rank is None else rank)
     if E.device.type == "cpu" and E.dtype == torch.float64 and E.is_contiguous():
         from scipy.linalg import blas, lapack
 
@@ -249,7 +251,7 @@ def _truncated_kernel_inverse(E: Tensor, truncation: float) -> tuple[Tensor, Ten
             if info < 0:
                 raise NumericalError(f"dpstrf rejected argument {-info}")
             if rank == 0:  # E = 0 (no curvature) up to the truncation: K = I
-                return E.new_zeros(r, 0), torch.arange(r)
+                return E.new_zeros(N, 0), torch.arange(N)
             L = factor[:, :rank]  # lower trapezoid; above the diagonal E's entries remain
             top = torch.from_numpy(L[:rank])
             top.copy_(top.tril())
@@ -267,4 +269,4 @@ def _truncated_kernel_inverse(E: Tensor, truncation: float) -> tuple[Tensor, Ten
     drop = int((values.cumsum(0) <= truncation).sum())  # ascending: the smallest
     values, vectors = values[drop:], vectors[:, drop:]
     Y = vectors * (values / (1.0 + values)).sqrt()
-    return Y, torch.arange(r, device=E.device)
+    return Y, torch.arange(N, device=E.device)

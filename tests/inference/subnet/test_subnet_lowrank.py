@@ -177,9 +177,9 @@ def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(mo
     ranks = []
     original = lowrank._truncated_kernel_inverse
 
-    def spy(E, truncation):
-        Y, rows = original(E, truncation)
-        ranks.append((E.shape[0], Y.shape[1]))
+    def spy(E, truncation, rank=None):
+        Y, rows = original(E, truncation, rank)
+        ranks.append((rank, Y.shape[1]))
         return Y, rows
 
     monkeypatch.setattr(lowrank, "_truncated_kernel_inverse", spy)
