@@ -175,9 +175,11 @@ def _not_converged(elbo_max_iter: int, decrement: float, change: float) -> Numer
 #: Newton steps at most of the mean under one precision (`_full_gaussian`).
 MEAN_MAX_STEPS = 100
 #: Relative residual of the conjugate gradients of a full fit's mean Newton step: an inexact
-#: Newton direction (the ELBO's line search accepts or shortens it), to a residual that keeps
-#: the decrement it reports within 0.1% of the exact one.
-MEAN_CG_RTOL = 1e-3
+#: Newton direction (forcing term 0.1: the mean's steps still converge, linearly at worst, and
+#: the ELBO's line search accepts or shortens each). Against 1e-3 it took S1's ten heads from
+#: 6.3 to 5.4 CPU-s (11.3 to 4.2 preconditioned products a step, 173 and 165 steps) with the
+#: bench heads' held-out NLL equal to 2e-4 relative.
+MEAN_CG_RTOL = 1e-1
 #: The mean's stopping threshold under one precision, as a share of ``tol``: the outer loop
 #: then never waits on the mean, and the ELBOs it compares are each at their precision's best
 #: mean to well within the draws' resolution.
