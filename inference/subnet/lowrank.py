@@ -17,27 +17,34 @@ and the structure keeps everything but K's factorisation small: ``E = K - I = W^
 has entries ``E[(b, j), (b', j')] = sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` with ``M_u =
 A_u D_u^{-1} A_u^T`` (n x n per unit).
 
-K is not inverted. E is numerically of low rank (on S1's subnets ~40% of r: its eigenvalues
-above 1e-12 are 580-990 of r = 1,740-2,250; the subnet's input activations are collinear, so
-the M_u are; dropping whole columns of W by their norms drops nothing there), so its pivoted
-Cholesky (LAPACK ``dpstrf``) is stopped once every residual diagonal entry is
-``<= truncation / r``: ``E = L L^T + Delta``, L (r, k), Delta PSD with ``trace(Delta) <=
-truncation`` (`TRUNCATION` = 1e-12). With ``K_t = I + L L^T``, ``K_t^{-1} = I - Y Y^T``,
-``Y = L C^{-T}``, ``C C^T = I + L^T L`` (k x k), and
+K is neither formed nor inverted. With ``f_bu = |F_b[u]|^2`` and ``F^_b[u] = F_b[u] /
+sqrt(f_bu)``, ``E = sum_u Phi_u^T M~_u Phi_u`` where ``M~_u = diag(sqrt f_u) M_u diag(sqrt
+f_u)`` and ``Phi_u`` (n, r) has the unit rows ``F^_b[u]`` at columns (b, .). The M~_u are
+numerically of low rank (a unit's subnet entries are few and their input activations
+collinear; confident samples have tiny f_bu): each is cut by a pivoted Cholesky (LAPACK
+``dpstrf``) stopped once every residual diagonal entry is ``<= truncation / (U n)``, ``M~_u =
+T_u T_u^T + R_u``, R_u PSD. On S1's subnets m = sum_u m_u = 580-1,020 columns survive at
+`TRUNCATION` = 1e-12 against r = 1,740-2,250 (E's own eigenvalues above 1e-12 number
+about as many). Then ``E = C C^T + Delta``, ``C[(b, j), i] = F^_b[u_i, j] T[b, i]`` (r, m),
+``Delta = sum_u Phi_u^T R_u Phi_u`` PSD with ``trace(Delta) = sum_u trace(R_u) <=
+truncation`` (Phi_u's rows have norm 1 or 0). With ``K_t = I + C C^T``: ``K_t^{-1} = I - Y
+Y^T``, ``Y = C G^{-T}``, ``G G^T = I + C^T C`` (m x m), whose unit blocks are ``T_u^T
+diag_b(F^_b[u] . F^_b[v]) T_v`` (n m^2 flops, not r m^2), and
 
-    ``W_s^T K_t^{-1} W_s = A[:, s]^T (diag_b |F_b[u_s]|^2 - V_u V_u^T) A[:, s]``,
-    ``V_u[b] = sum_j F_b[u, j] Y[(b, j)]`` (n, k) per unit.
+    ``W_s^T K_t^{-1} W_s = A[:, s]^T (diag_b f_bu - V_u V_u^T) A[:, s]``,
+    ``V_u[b] = sum_j F_b[u, j] Y[(b, j)]`` (n, m) per unit (u = u_s).
 
 Bound (what the truncation may move): with ``b_s = W_s / sqrt(D_s)`` the variance is
 ``v_s = (1 - b_s^T K^{-1} b_s) / D_s``, and ``K = K_t + Delta`` gives ``0 <= K_t^{-1} - K^{-1}
 <= K_t^{-1} Delta K_t^{-1}`` (Woodbury on Delta; ``K_t >= I``), so ``0 <= v_s - v_t,s <=
 trace(Delta) |b_s|^2 / D_s <= truncation (H_ss / D_s) / D_s``: at most 1e-12 x (H_ss / D_s,
-<= 0.26 on S1) of the prior variance, below the ~1e-13 relative rounding the exact route had.
-Cost: ``dpstrf`` to rank k, ``L^T L`` and the triangular solve (~r k^2 each), the ``V_u^T
-A_u`` products (k n S), against ``r^3`` for K's Cholesky and inverse; ``O(n^2 (S + U (C -
-1)^2))`` for the kernel either way, against ``S^2 n + 2 S^3 / 3`` for forming and factorising
-the S x S precision (`SubnetLaplacePosterior`). FedSI's upload needs only these variances,
-every client every round; at |S| = 3,925 and n = 250, r is 500-2,250.
+<= 0.26 on S1) of the prior variance, below the ~1e-13 relative rounding of the exact route.
+Cost: the unit Grams and their pivoted Cholesky (U n^2 each), G (n m^2) and its Cholesky
+(m^3 / 3), the triangular solve for Y (r m^2 / 2) and the ``A_u^T V_u`` products (S n m),
+against r^3 for K's Cholesky and inverse and ``n^2 J^2 U`` for forming K; and against
+``S^2 n + 2 S^3 / 3`` for forming and factorising the S x S precision
+(`SubnetLaplacePosterior`). FedSI's upload needs only these variances, every client every
+round; at |S| = 3,925 and n = 250, r is 500-2,250.
 
 Same algebra as the dense route in float64 (A and G, like the dense route's, come in the model's
 dtype). The subtraction loses relative accuracy where the data shrink an entry's variance far
@@ -45,13 +52,13 @@ below its prior's (``1 / D_s``); where that ratio exceeds `MAX_SHRINKAGE` the fu
 returns None and the caller takes the dense route.
 
 Where the time goes (issue 41; S1 seed 0, the 30 calls of a 3-round run replayed, one thread,
-process time, old and new interleaved): 8.83 -> 6.00 CPU-s in all, median call 0.28 -> 0.19 s,
-variances equal to the exact route's to <= 1.8e-16 relative. Before: K's Cholesky 0.10 and
-``potri`` 0.16 at r = 2,250; now ``dpstrf`` to k = 580-990 0.07-0.12, ``dsyrk`` 0.02-0.04, the
-kernel 0.06 (unchanged), the rest ~0.05. Measured and not taken: writing only K's upper triangle
-(no measurable gain: the kernel is bound by its inputs' reads); the unit-space Woodbury (rank
-``sum_u min(n_u, active samples of u)``, 2,444 against 2,250; truncating it per unit moves
-``B B^T`` by a non-PSD term, no one-sided bound); a float32 factorisation (the float64 rule).
+process time, before and after interleaved): 9.48 -> 3.40 CPU-s in all, median call 0.28 ->
+0.097 s, the variances equal to the exact route's to <= 1.8e-16 relative. Before, at r = 2,250:
+K's Cholesky 0.10 and ``potri`` 0.16, forming K 0.06, the unit quadratic forms 0.045. Measured
+on the way and not taken: the pivoted Cholesky of E itself (k = 580-990, the same bound): 0.19
+s a call, forming E (0.05) and ``dpstrf`` at r = 2,250 (0.07) remaining; dropping whole columns
+of W by their norms (drops nothing on S1: E's low rank is collinearity, not scale); a float32
+factorisation (the float64 rule).
 """
 
 from __future__ import annotations
@@ -77,13 +84,10 @@ MAX_SHRINKAGE = 1e3
 subtraction ``1 / D - q / D^2`` then keeps about 13 of float64's 16 digits (measured against the
 dense float64 route: agreement to ~1e-13 relative at shrinkage ~1 on FedSI's subnets)."""
 
-ROW_CHUNK_BYTES = 64 * 2**20
-"""Working memory of one chunk of rows of K's (U, rows, n, C - 1) intermediate."""
-
 TRUNCATION = 1e-12
-"""Default trace of the Woodbury kernel's dropped part: each variance moves by at most
-``1e-12 * H_ss / D_s`` (``<= 0.26e-12`` on S1's subnets) times its prior variance, float64's
-rounding level of the r x r factorisation it replaces."""
+"""Default trace of the Woodbury kernel's dropped part (summed over the unit Grams' residuals):
+each variance moves by at most ``1e-12 * H_ss / D_s`` (``<= 0.26e-12`` on S1's subnets) times
+its prior variance, float64's rounding level of the r x r factorisation it replaces."""
 
 
 @torch.no_grad()
@@ -145,26 +149,41 @@ def subnet_marginal_variance(
     if r >= S or U * n * n > S * S:
         return None
     dinv = prior.reciprocal()
-    M = A.new_zeros(U, n, n)  # M_u = A_u D_u^{-1} A_u^T
+    f = F.square().sum(2)  # (n, U): |F_b[u]|^2
+    root = f.sqrt()
+    # M~_u = diag(root_u) A_u D_u^{-1} A_u^T diag(root_u) (n x n per unit)
+    M = A.new_zeros(U, n, n)
     for start, end, u in plan.runs:
-        block = A[:, start:end]
+        block = A[:, start:end] * root[:, u, None]
         M[u].addmm_(block * dinv[start:end], block.T)
-    # E = W^T D^-1 W on the whole (b, j) grid: its rows and columns j >= r_b are exactly zero
-    # (F's), so the pivoted Cholesky never picks them (no copy of the r x r part taken out)
-    E = _woodbury_kernel(M, F)
-    # K^-1 ~ I - Y Y^T (Y (n J, k), row i standing for grid row rows[i]): E's negligible
-    # directions dropped, each variance moved by <= truncation x its prior variance x
-    # (H_ss / D_s) (module docstring)
-    Y, rows = _truncated_kernel_inverse(E, truncation, rank=r)
-    del E
-    k = Y.shape[1]
-    Y_grid = Y.new_zeros(n * J, k)  # zero where j >= r_b
-    Y_grid[rows] = Y
-    del Y
+    # M~_u ~ T_u T_u^T (n, m_u), residuals PSD of traces summing to <= truncation (pivoted
+    # Cholesky per unit); T holds the T_u side by side, unit[i] the unit of column i
+    T, unit = _unit_factors(M, truncation)
+    del M
+    m = T.shape[1]
+    # F^_b[u] = F_b[u] / |F_b[u]| (0 where the unit is inactive); g[b, u, v] = F^_b[u].F^_b[v]
+    unit_F = torch.where(root[..., None] > 0, F / root.clamp_min(1e-300)[..., None], 0.0)
+    g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U)
+    # C[(b, j), i] = F^_b[unit_i, j] T[b, i] (n J, m): E_t = C C^T. Its Gram (m, m) by unit
+    # blocks, C_u^T C_v = T_u^T diag(g[:, u, v]) T_v (n m^2, not n J m^2)
+    gram = T.new_empty(m, m)
+    for u in range(U):
+        cols = (unit == u).nonzero().flatten()
+        if cols.numel():
+            gram[cols] = T[:, cols].T @ (T * g[:, u, unit])
+    gram.diagonal().add_(1.0)
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
+        raise NumericalError("the truncated Woodbury kernel I + C^T C is not positive definite "
+                             "(non-finite curvature?)")
+    C = (unit_F[:, unit, :].transpose(1, 2) * T[:, None, :]).reshape(n * J, m)
+    del T, gram
+    # K_t^{-1} = I - Y Y^T, Y = C chol^{-T} (n J, m), row (b, j)
+    Y = torch.linalg.solve_triangular(chol.mT, C, upper=True, left=False)
+    del C
     # V[b, u] = sum_j F_b[u, j] Y[(b, j)]: Omega_u = diag_b(|F_b[u]|^2) - V_u V_u^T
-    V = torch.bmm(F, Y_grid.view(n, J, k))  # (n, U, k)
-    del Y_grid
-    f = F.square().sum(2)  # (n, U)
+    V = torch.bmm(F, Y.view(n, J, m))  # (n, U, m)
+    del Y
     q = torch.empty(S, dtype=torch.float64, device=device)
     for start, end, u in plan.runs:
         block = A[:, start:end]
@@ -204,69 +223,38 @@ def _sample_factors(Q: Tensor) -> tuple[Tensor, Tensor]:
     return F, valid
 
 
-def _woodbury_kernel(M: Tensor, F: Tensor) -> Tensor:
-    """``sum_u F_b[u, j] M_u[b, b'] F_b'[u, j']`` as an (n J, n J) matrix, in row chunks.
+def _unit_factors(M: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
+    """``(T (n, m), unit (m,))``: for each symmetric PSD ``M[u]`` (U, n, n) float64, ``T_u =
+    T[:, unit == u]`` with ``M[u] = T_u T_u^T + R_u``, ``R_u`` PSD and ``sum_u trace(R_u) <=
+    truncation``: pivoted Cholesky stopped once every residual diagonal entry is ``<=
+    truncation / (U n)``.
 
-    Each chunk's ``M_u[b, b'] F_b'[u, j']`` is written in the (rows, U, n, J) layout the
-    product reads, into one buffer reused by every chunk (a permuted temporary was copied once
-    more, and a fresh buffer a chunk costs page faults)."""
-    U, n, _ = M.shape
-    J = F.shape[2]
-    out = M.new_empty(n, J, n, J)
-    F_units = F.permute(1, 0, 2)  # (U, n, J)
-    F_T = F.transpose(1, 2)  # (n, J, U)
-    M_rows = M.permute(1, 0, 2)  # (n, U, n): M_rows[b, u, b'] = M_u[b, b']
-    rows = max(1, min(n, ROW_CHUNK_BYTES // max(1, U * n * J * M.element_size())))
-    buffer = M.new_empty(rows, U, n, J)
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        P = torch.mul(M_rows[a:b, :, :, None], F_units[None], out=buffer[: b - a])
-        torch.bmm(F_T[a:b], P.view(b - a, U, n * J), out=out[a:b].view(b - a, J, n * J))
-    return out.view(n * J, n * J)
-
-
-def _truncated_kernel_inverse(E: Tensor, truncation: float,
-                              rank: int | None = None) -> tuple[Tensor, Tensor]:
-    """``(Y (N, k), rows (N,))`` with ``(I + E_t)^{-1} = I - Y Y^T``, ``E_t = L L^T`` the
-    pivoted Cholesky approximation of the symmetric PSD (N, N) float64 ``E`` (destroyed),
-    stopped once every diagonal entry of ``E - L L^T`` (PSD) is ``<= truncation / r``: its
-    trace, the dropped part, is then ``<= truncation`` (``r = rank``, default N: the number of
-    rows of E that are not exactly zero; zero rows are never pivots). ``rows[i]`` is the row
-    of ``E`` that row i of ``Y`` stands for (pivoting). ``Y = L C^{-T}``,
-    ``C C^T = I + L^T L`` (k, k).
-
-    On the CPU this is LAPACK ``dpstrf`` (pivoted Cholesky, blocked), ``dsyrk``, ``dpotrf`` and
-    ``dtrsm`` through SciPy on one column-major buffer (k r^2-ish flops against the 4 r^3 / 3 of
-    K's Cholesky and inverse: k ~ 0.4 r on S1's subnets). Elsewhere E's eigendecomposition,
-    dropping its smallest eigenvalues while their sum stays ``<= truncation`` (the same bound).
+    On the CPU LAPACK ``dpstrf`` (``M`` is destroyed); elsewhere each ``M[u]``'s
+    eigendecomposition, its smallest eigenvalues dropped while their sum is ``<= truncation /
+    U`` (the same bound).
     """
-    N = E.shape[0]
-    r = max(1, N if rank is None else rank)
-    if E.device.type == "cpu" and E.dtype == torch.float64 and E.is_contiguous():
-        from scipy.linalg import blas, lapack
-
-        with lapack_threads():  # E symmetric: its rows' transpose is the column-major E
-            factor, piv, rank, info = lapack.dpstrf(E.mT.numpy(), tol=truncation / r,
-                                                    lower=1, overwrite_a=1)
-            if info < 0:
-                raise NumericalError(f"dpstrf rejected argument {-info}")
-            if rank == 0:  # E = 0 (no curvature) up to the truncation: K = I
-                return E.new_zeros(N, 0), torch.arange(N)
-            L = factor[:, :rank]  # lower trapezoid; above the diagonal E's entries remain
-            top = torch.from_numpy(L[:rank])
-            top.copy_(top.tril())
-            gram = blas.dsyrk(1.0, L, trans=1, lower=1)  # L^T L, lower triangle
-            gram[range(rank), range(rank)] += 1.0
-            chol, info = lapack.dpotrf(gram, lower=1, clean=1, overwrite_a=1)
-            if info != 0:  # I + L^T L >= I: only non-finite curvature gets here
-                raise NumericalError("the truncated Woodbury kernel I + L^T L is not positive "
-                                     "definite: non-finite curvature?")
-            Y = blas.dtrsm(1.0, chol, L, side=1, lower=1, trans_a=1, overwrite_b=1)
-        rows = torch.from_numpy(piv.astype("int64") - 1)
-        return torch.from_numpy(Y), rows
-    values, vectors = torch.linalg.eigh(E)
-    values = values.clamp_min(0.0)
-    drop = int((values.cumsum(0) <= truncation).sum())  # ascending: the smallest
-    values, vectors = values[drop:], vectors[:, drop:]
-    Y = vectors * (values / (1.0 + values)).sqrt()
-    return Y, torch.arange(N, device=E.device)
+    U, n, _ = M.shape
+    tol = truncation / (U * n)
+    parts, units = [], []
+    lapack_route = M.device.type == "cpu" and M.dtype == torch.float64 and M.is_contiguous()
+    if lapack_route:
+        from scipy.linalg import lapack
+    with lapack_threads():
+        for u in range(U):
+            if lapack_route:  # M[u] symmetric: its rows' transpose is the column-major M[u]
+                factor, piv, rank, info = lapack.dpstrf(M[u].mT.numpy(), tol=tol, lower=1,
+                                                        overwrite_a=1)
+                if info < 0:
+                    raise NumericalError(f"dpstrf rejected argument {-info}")
+                L = torch.from_numpy(factor[:, :rank])  # pivoted rows; above: M's entries
+                L[:rank] = L[:rank].tril()
+                part = M.new_zeros(n, rank)
+                part[torch.from_numpy(piv.astype("int64") - 1)] = L
+            else:
+                values, vectors = torch.linalg.eigh(M[u])
+                values = values.clamp_min(0.0)
+                drop = int((values.cumsum(0) <= truncation / U).sum())  # the smallest
+                part = vectors[:, drop:] * values[drop:].sqrt()
+            parts.append(part)
+            units.append(torch.full((part.shape[1],), u, dtype=torch.int64, device=M.device))
+    return torch.cat(parts, dim=1), torch.cat(units)

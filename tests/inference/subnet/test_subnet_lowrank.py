@@ -17,7 +17,7 @@ from inference.subnet import fit_subnet_laplace, flat_trainable_parameters
 from inference.subnet.diagonal import softmax_hessian_sqrt
 from inference.subnet.lowrank import (
     _sample_factors,
-    _truncated_kernel_inverse,
+    _unit_factors,
     softmax_hessian_sqrt_reduced,
     subnet_marginal_variance,
 )
@@ -98,25 +98,6 @@ def test_routes_that_do_not_apply_or_do_not_pay_return_none():
     torch.testing.assert_close(kept, dense, rtol=1e-10, atol=0)
 
 
-def test_chunked_kernel_equals_the_dense_posteriors(monkeypatch):
-    # at S1's sizes the kernel runs in chunks of rows; budgets of one row a chunk, then 7
-    # (25 rows: a partial last chunk), against the dense route at 1e-10
-    import inference.subnet.lowrank as lowrank
-
-    model = _wide_mlp()
-    loader = _data(25)
-    P = flat_trainable_parameters(model).numel()
-    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    idx = torch.tensor([u * 20 + i for u in range(2, 9) for i in range(20)])
-    dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
-    U, J = 7, 3  # the subnet's units; C - 1
-    for rows in (1, 7):
-        monkeypatch.setattr(lowrank, "ROW_CHUNK_BYTES", rows * U * 25 * J * 8)
-        chunked = subnet_marginal_variance(model, loader, idx, prior[idx])
-        assert chunked is not None
-        torch.testing.assert_close(chunked, dense, rtol=1e-10, atol=0)
-
-
 def _collinear_case(n: int = 25):
     """The wide MLP on inputs of rank 2 (in 20 features): the first layer's unit Grams
     ``M_u = A_u D_u^{-1} A_u^T`` have rank <= 2, so the Woodbury kernel ``E = W^T D^{-1} W``
@@ -131,38 +112,31 @@ def _collinear_case(n: int = 25):
     return model, make_loader(x, 4, 3), idx, prior
 
 
-def test_truncated_kernel_inverse_keeps_all_of_a_full_rank_kernel_and_is_its_inverse():
-    # nothing may be dropped: E = G G^T + I/2 has every eigenvalue >= 1/2 > truncation / r, so
-    # the pivoted Cholesky runs to k = r and I - Y Y^T is (I + E)^{-1} to rounding (||K|| ~ 40:
-    # 1e-12 absolute is ~100 eps of its condition number)
+def test_unit_factors_keep_a_full_rank_unit_whole_and_drop_a_low_rank_units_null_space():
+    # unit 0: G G^T + I/2 (every eigenvalue >= 1/2 > truncation / (U n)): nothing may be
+    # dropped, T_0 T_0^T = M_0 to rounding (entries ~40: 1e-12 absolute is ~50 eps of them);
+    # unit 1: rank 5 in 30, k = 5 columns kept, the rest is rounding; unit 2: zero, no column
     g = torch.Generator().manual_seed(0)
-    G = torch.randn(40, 40, generator=g, dtype=torch.float64)
-    E = G @ G.T + 0.5 * torch.eye(40, dtype=torch.float64)
-    K_inv = torch.linalg.inv(torch.eye(40, dtype=torch.float64) + E)
-    Y, rows = _truncated_kernel_inverse(E.clone(), 1e-12)
-    assert Y.shape == (40, 40) and sorted(rows.tolist()) == list(range(40))
-    Y_grid = torch.zeros_like(Y)
-    Y_grid[rows] = Y
-    approx = torch.eye(40, dtype=torch.float64) - Y_grid @ Y_grid.T
-    torch.testing.assert_close(approx, K_inv, rtol=0, atol=1e-12)
-
-
-def test_truncated_kernel_inverse_drops_a_low_rank_kernels_null_directions():
-    # E of rank 5 in 60: k = 5 columns kept, the rest is rounding (residual diagonal <= 1e-14/r)
-    g = torch.Generator().manual_seed(1)
-    G = torch.randn(60, 5, generator=g, dtype=torch.float64)
-    E = G @ G.T
-    K_inv = torch.linalg.inv(torch.eye(60, dtype=torch.float64) + E)
-    Y, rows = _truncated_kernel_inverse(E.clone(), 1e-12)
-    assert Y.shape == (60, 5)
-    Y_grid = torch.zeros_like(Y)
-    Y_grid[rows] = Y
-    approx = torch.eye(60, dtype=torch.float64) - Y_grid @ Y_grid.T
-    torch.testing.assert_close(approx, K_inv, rtol=0, atol=1e-12)
+    G = torch.randn(30, 30, generator=g, dtype=torch.float64)
+    H = torch.randn(30, 5, generator=g, dtype=torch.float64)
+    M = torch.stack([G @ G.T + 0.5 * torch.eye(30, dtype=torch.float64), H @ H.T,
+                     torch.zeros(30, 30, dtype=torch.float64)])
+    T, unit = _unit_factors(M.clone(), 1e-12)
+    assert unit.tolist() == [0] * 30 + [1] * 5
+    for u in (0, 1):
+        T_u = T[:, unit == u]
+        torch.testing.assert_close(T_u @ T_u.T, M[u], rtol=0, atol=1e-12)
+    # the route off LAPACK (taken for a non-contiguous M: each unit's eigendecomposition) keeps
+    # the same ranks and products
+    T, unit = _unit_factors(M.transpose(1, 2), 1e-12)
+    assert unit.tolist() == [0] * 30 + [1] * 5
+    for u in (0, 1):
+        T_u = T[:, unit == u]
+        torch.testing.assert_close(T_u @ T_u.T, M[u], rtol=0, atol=1e-12)
 
 
 def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(monkeypatch):
-    # The bound (module docstring): with K_t = I + L L^T, K - K_t = Delta PSD of trace <= tau,
+    # The bound (module docstring): with K_t = I + C C^T, K - K_t = Delta PSD of trace <= tau,
     # 0 <= K_t^{-1} - K^{-1} <= K_t^{-1} Delta K_t^{-1}, so the variance
     # v_s = (1 - b_s^T K^{-1} b_s) / D_s (b_s = W_s / sqrt(D_s), |b_s|^2 = H_ss / D_s) moves
     # down by 0 <= v_s - v_t,s <= tau |b_s|^2 / D_s. Checked against the dense posterior with
@@ -175,25 +149,26 @@ def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(mo
     H_ss = dense.ggn.diagonal()
     D = prior[idx]
     ranks = []
-    original = lowrank._truncated_kernel_inverse
+    original = lowrank._unit_factors
 
-    def spy(E, truncation, rank=None):
-        Y, rows = original(E, truncation, rank)
-        ranks.append((rank, Y.shape[1]))
-        return Y, rows
+    def spy(M, truncation):
+        T, unit = original(M, truncation)
+        ranks.append(T.shape[1])
+        return T, unit
 
-    monkeypatch.setattr(lowrank, "_truncated_kernel_inverse", spy)
+    monkeypatch.setattr(lowrank, "_unit_factors", spy)
     exact = subnet_marginal_variance(model, loader, idx, D)  # default truncation 1e-12
     torch.testing.assert_close(exact, v, rtol=1e-10, atol=0)
-    (r, k), = ranks
-    assert r > 60 and k <= 2 * 7  # r <= n (C - 1) = 75; rank <= 2 per unit (7, weights only)
-    # E's nonzero eigenvalues here are 5e-3 .. 4.5: tau = 0.1 and 1 drop 1 and 2 of its 14
-    # directions, visibly above rounding (the drop reaches 4% and 0.7% of its bound)
-    for tau in (1e-1, 1.0):
+    (k,) = ranks
+    assert k <= 2 * 7  # rank <= 2 per unit (7 units, weights only), against r ~ n (C - 1) = 75
+    # tau = 1 and 10 drop 1 and 2 of the 14 unit directions (their per-entry tolerance
+    # tau / (U n) against the scaled unit Grams' eigenvalues), visibly above rounding (the drop
+    # reaches ~0.5% of its bound)
+    for tau in (1.0, 10.0):
         truncated = subnet_marginal_variance(model, loader, idx, D, truncation=tau)
         drop = v - truncated
         bound = tau * H_ss / D.square()
         assert bool((drop >= -1e-12 * v).all())
         assert bool((drop <= bound + 1e-12 * v).all())
         assert float((drop / bound).max()) > 1e-4  # something was dropped
-    assert ranks[1][1] < k and ranks[2][1] < ranks[1][1]
+    assert ranks[1] < k and ranks[2] < ranks[1]
