@@ -972,7 +972,9 @@ class FedSI(Strategy):
         entries["mean"] = body_vector(model)
         if "ggn_diagonal" in entries:
             return DiagonalLaplacePosterior.from_state_dict(entries, model=model)
-        return SubnetLaplacePosterior.from_state_dict(entries, model=model)
+        # the GGN is this client's own `subnet_laplace_state` output, exactly symmetric
+        return SubnetLaplacePosterior.from_state_dict(entries, model=model,
+                                                      assume_symmetric=True)
 
     def predict(
         self, config: ClientConfig, state: ClientState, broadcast: Message, x: Tensor
