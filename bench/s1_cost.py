@@ -20,11 +20,13 @@ run in brackets):
 
 - local MAP (5 epochs of Adam on the body): 35 ms, unchanged [300];
 - subnet selection (diagonal GGN of the body): 21 ms, unchanged [310];
-- upload variances (``inference.subnet.lowrank``: Woodbury on the subnet GGN's low-rank
-  factor, an r x r kernel with r <= 9 n = 2,250, its Cholesky and inverse, ~r^3 = 11 GFLOP):
-  339 -> 307 ms [300], about two thirds of the run; the kernel and the unit quadratic forms
-  now run in cache-sized chunks, the LAPACK part (~60% of the call) is the floor of the exact
-  float64 route;
+- upload variances (``inference.subnet.lowrank``): 339 -> 307 ms [300] with the exact r x r
+  Woodbury kernel (r <= 9 n = 2,250, its Cholesky and inverse, ~r^3 = 11 GFLOP); then
+  (1a10f6c) no kernel at all: each unit's n x n Gram cut by a pivoted Cholesky whose dropped
+  part has trace <= 1e-12 (a proven bound: each variance moves by <= 1e-12 x H_ss / D_s of its
+  prior variance; on S1 the variances equal the exact route's to 1.8e-16 relative), the
+  Woodbury on the m = 580-1,020 surviving columns: 280 -> 97 ms median, 30 replayed calls
+  9.5 -> 3.4 CPU-s;
 - per-round view (a head fine-tuned on the global body, up to 100 epochs, chosen by held-out
   NLL): 158 -> 40 ms [300] (the linear head's gradient written out,
   ``bayesfl.strategies.head_tuning.tune_linear_head``);
@@ -37,12 +39,24 @@ shared machine) before (c3a2940) and after issue 41/42's subnet pass (7d68a74): 
 all, the same figures bit for bit; the upload variances 9.6 -> 9.6 (30 calls), local MAP 1.4 ->
 1.3, selection 1.5 (unchanged), per-round view 2.3 -> 2.2, personalisation 3.3 -> 2.6 (no copy of
 the 123 MB S x S GGN), final predictive 16.1 -> 15.0 (no S x S transposed copy the factored
-route never reads). What bounds FedSI's cost in this regime: each client each round factorises
-and inverts the 2,250 x 2,250 Woodbury kernel (r = n (C - 1), every sample having nine or more
-active subnet units), LAPACK ``potrf`` + ``potri`` = 0.26 CPU-s a call, ~78 CPU-s over the
-run's 300 calls: ten times FedBABU's whole run by itself, so the issue's 5x cannot be met with
-the exact float64 variances (the alternatives measured are listed in
-``inference.subnet.lowrank``'s docstring).
+route never reads). After the unit-space upload (1a10f6c): 28.5 -> 25.8, the upload 6.5 -> 3.6,
+the same figures bit for bit. The personal posterior no longer symmetrises the GGN that
+``subnet_laplace_state`` returns exactly symmetric (83dffc1: -0.14 CPU-s a client, no bit
+changed).
+
+Where FedSI's 30-round run goes now (92-96 CPU-s; per-call figures of that profile times the
+calls of 30 rounds): upload variances ~36 (0.12 s x 300: the unit Grams and their Jacobian
+factors, the triangular solve for Y, the ``A_u^T V_u`` products), the per-round evaluation ~20
+(the fine-tuned head of each round's view, 45 ms x 300, and its predictions), local MAP ~10,
+subnet selection ~10, and once at the end personalisation and the GLM predictive ~18 (the
+3,925 x 3,925 GGN, its equilibrated Cholesky 0.41 s and triangular inverse 0.46 s a client, the
+factored probit variances over the test rows). Against FedBABU's 9.2-10.6 the issue's 5x
+(~46-53 CPU-s) is not met: 8.9-10.0x (seeds 0-2 at 83dffc1; 18.5-19.3x before, the figures bit
+for bit the same). What it would take: the personal posterior in the same truncated Woodbury
+form (no S x S GGN, Cholesky or inverse; predictive variances through the unit factors, the
+same kind of bound; ~12-15 CPU-s), and even then the per-round work alone (upload + MAP +
+selection + the round view, ~76) is above 5x: the upload would have to fall to ~30 ms a call
+or the per-round view (the harness's per-round figures) be cut.
 
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
