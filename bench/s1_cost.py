@@ -1,7 +1,7 @@
 """What a posterior costs in S1: CPU seconds of whole S1 runs, each method against its point
 estimate peer measured in the same invocation (issue 41).
 
-S1 is the FedSI paper's MNIST small regime of :mod:`bench.fedsi_small` (``mnist-5k``, 10 clients,
+S1 is the FedSI paper's MNIST small regime of `bench.fedsi_small` (``mnist-5k``, 10 clients,
 ``labels:5:train=50``, MLP 784-100-10, batch 50, ``--rounds`` (30) rounds of 5 local epochs, one
 torch thread). Each run is timed by the CPU time of its own process (user + system, from
 ``resource``: it counts what the run did, not how busy the shared machine was), the data set's

@@ -41,8 +41,8 @@ def test_mkdocs_build_strict_passes(site):
     assert "simulate" in api and "Run a federated experiment" in api
     fedsi = (site / "strategies" / "fedsi" / "index.html").read_text(encoding="utf-8")
     assert "Federated Subnetwork Inference" in fedsi
-    # Sphinx roles in docstrings are rewritten to code spans (tools/griffe_sphinx_roles.py):
-    # none reaches a page raw (269 did on 8 pages before, issue 43)
+    # docstrings cite code as Markdown, never as Sphinx roles (tests/docs/test_docstring_markup.py
+    # checks the sources): none reaches a page raw (269 did on 8 pages before, issue 43)
     raw = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj|math):`")
     for name, html in pages(site).items():
         found = raw.findall(html)
