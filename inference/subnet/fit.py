@@ -279,7 +279,11 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
     S = A.shape[1]
     upper = A.new_empty(S, S)  # the lower triangle is written by the mirror
     for start, end, u in runs:
-        weighted = A[:, start:] * gamma[:, u, unit[start:]]
+        # index_select and an in-place product: the same numbers as ``A[:, start:] *
+        # gamma[:, u, unit[start:]]`` (bit for bit), without advanced indexing's slower
+        # gather and a second temporary (issue 41: bench/subnet_laplace.py's fit 0.127 ->
+        # 0.070 s, 800 entries, 500 rows)
+        weighted = gamma[:, u].index_select(1, unit[start:]).mul_(A[:, start:])
         torch.mm(A[:, start:end].T, weighted, out=upper[start:end, start:])
     return mirror_upper_(upper)
 
