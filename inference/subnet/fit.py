@@ -91,8 +91,12 @@ def fit_subnet_laplace(
         hessian_structure=hessian_structure, laplace_backend=laplace_backend,
         chunk_size=chunk_size, max_memory_bytes=max_memory_bytes,
         filter_zero_curvature=filter_zero_curvature)
+    # subnet_ggn assembles an exactly symmetric float64 block: held as it is, not symmetrised
+    # into a copy (issue 41: 0.12 of the 0.79 s of a FedSI client's 3,925-entry fit); the
+    # laplace-torch reference is symmetrised
     return SubnetLaplacePosterior(mean, indices, ggn, prior_S, prior_mean_S, model=model,
-                                  n_data=n_data)
+                                  n_data=n_data,
+                                  assume_symmetric=backend == "subnet_jacobian")
 
 
 def subnet_laplace_state(
