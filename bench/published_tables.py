@@ -1412,7 +1412,8 @@ def fedsi_table(records: list[dict] | None = None) -> str:
     blank = " | ".join("" for _ in peers)
     peak = r["peak_mib"]
     lines = [head, dashes,
-             f"| fit, steady state (second call of a process) | {r['fit_s']:.3f} | "
+             "| fit, steady state (median of the 2nd-4th calls of a process; older runs: the "
+             f"2nd) | {r['fit_s']:.3f} | "
              f"{cells('peer_fit_s', 3)} | {r['fit_ratio']:.1f}x | ≥ 5x | "
              f"{target_verdict(r['fit_ratio'], 5)} |",
              f"| fit, first call of a process | {r['fit_cold_s']:.3f} | "
