@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from inference.curvature import row_products, softmax_curvature
+from inference.gaussian.cholesky import cholesky_with_jitter
 from inference.options import Likelihood
 
 
@@ -41,6 +42,20 @@ def likelihood_hessian(
         return torch.kron(torch.eye(num_outputs, dtype=block.dtype, device=block.device), block)
     probs = torch.softmax(inputs @ flat_weight.reshape(num_outputs, width).T, dim=-1)  # (N, C)
     return softmax_curvature(probs[None], inputs)
+
+
+def laplace_precision(
+    flat_weight: Tensor, inputs: Tensor, num_outputs: int, prior_precision: float,
+    likelihood: Likelihood, noise_std: float,
+) -> tuple[Tensor, Tensor]:
+    """The Laplace precision ``λI + H(W)`` ``(d, d)`` at a flat float64 head ``W`` and its
+    lower Cholesky factor (jittered if needed). A softmax curvature is assembled exactly
+    symmetric (mirrored blocks) and a diagonal added in place keeps it so: the factorisation
+    skips its symmetrising pass (issue 41); a Gaussian likelihood's ``XᵀX`` is symmetrised."""
+    precision = likelihood_hessian(flat_weight, inputs, num_outputs, likelihood, noise_std)
+    precision.diagonal().add_(prior_precision)
+    chol = cholesky_with_jitter(precision, symmetric=likelihood is Likelihood.SOFTMAX)
+    return precision, chol
 
 
 def logit_covariance(covariance: Tensor, inputs: Tensor, num_classes: int) -> Tensor:
@@ -105,5 +120,6 @@ def likelihood_hessian_diagonal(
     return ((probs * (1 - probs)).T @ inputs**2).reshape(-1)
 
 
-__all__ = ["likelihood_hessian", "likelihood_hessian_diagonal", "logit_covariance",
+__all__ = ["laplace_precision", "likelihood_hessian", "likelihood_hessian_diagonal",
+           "logit_covariance",
            "negative_log_posterior", "softmax_curvature"]

@@ -54,8 +54,11 @@ import torch
 from torch import Tensor
 
 from inference.errors import NumericalError
-from inference.gaussian import cholesky_with_jitter
-from inference.head_objective import likelihood_hessian, logit_covariance, negative_log_posterior
+from inference.head_objective import (
+    laplace_precision,
+    logit_covariance,
+    negative_log_posterior,
+)
 from inference.hyperparameters import LOG_XATOL, HyperparameterChoice
 from inference.options import Likelihood
 
@@ -169,11 +172,8 @@ class EvidenceSearch:
         theta_req = theta.detach().requires_grad_(True)
         value = self._objective(theta_req, prior_precision)
         (grad,) = torch.autograd.grad(value, theta_req)
-        precision = likelihood_hessian(theta, self.inputs, self.num_classes, self.likelihood,
-                                       self.noise_std)
-        precision.diagonal().add_(prior_precision)
-        # a softmax curvature is assembled exactly symmetric (mirrored blocks); XᵀX need not be
-        chol = cholesky_with_jitter(precision, symmetric=self.likelihood is Likelihood.SOFTMAX)
+        precision, chol = laplace_precision(theta, self.inputs, self.num_classes,
+                                            prior_precision, self.likelihood, self.noise_std)
         step = torch.cholesky_solve(-grad[:, None], chol)[:, 0]
         return step, chol, float(-(grad @ step)) / 2, precision
 

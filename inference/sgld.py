@@ -50,9 +50,9 @@ from torch import Tensor
 from inference.borrowed_evidence import laplace_evidence_prior_precision
 from inference.ensemble import EnsemblePosterior
 from inference.errors import InvalidInputError, NumericalError
-from inference.gaussian import cholesky_with_jitter
+from inference.head_objective import laplace_precision
 from inference.hyperparameters import DEFAULT_BOUNDS
-from inference.laplace_head import find_mode, likelihood_hessian
+from inference.laplace_head import find_mode
 from inference.linear_model import training_tensors
 from inference.options import Likelihood, Preconditioner, PriorPrecisionMethod
 
@@ -366,13 +366,11 @@ def laplace_precision_cholesky(mode: Tensor, inputs: Tensor, num_outputs: int,
     """The lower Cholesky factor ``R (d, d)`` of the Laplace precision ``λI + H(W*)`` at the flat
     float64 ``mode (d,)`` for bias-augmented ``inputs (N, m + 1)`` (jittered if needed): what
     `SGLDConfig`'s ``precision_cholesky`` takes."""
-    precision = likelihood_hessian(mode, inputs, num_outputs, likelihood, noise_std)
-    precision.diagonal().add_(prior_precision)
-    # A softmax curvature is assembled exactly symmetric (mirrored blocks), and a diagonal added
-    # keeps it so: no symmetrising passes (two of them, transposed, cost more than the
+    # no symmetrising passes on a softmax curvature (two transposed ones cost more than the
     # factorisation's own arithmetic at d = 1,010; FedPop factorises it every client round,
-    # issue 41). The same factor bit for bit (the mean of two equal entries is that entry).
-    return cholesky_with_jitter(precision, symmetric=likelihood is Likelihood.SOFTMAX)
+    # issue 41): the same factor bit for bit
+    return laplace_precision(mode, inputs, num_outputs, prior_precision, likelihood,
+                             noise_std)[1]
 
 
 def _resolve_preconditioner(value: Preconditioner | str | None, dim: int) -> Preconditioner:

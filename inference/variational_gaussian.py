@@ -143,16 +143,13 @@ def variational_gaussian(
             laplace_precision + laplace_precision.T)
         return _full_gaussian(problem, mode.clone(), start, start_factor, damping,
                               elbo_max_iter, tol, rtol)
-    if diagonal or start_factor is not None:
-        start = laplace_precision.clone()
-    else:
-        start = 0.5 * (laplace_precision + laplace_precision.T)
-    state = problem.evaluate(mode.clone(), start, None if diagonal else start_factor)
+    # a diagonal (mean-field) precision: the joint damped steps of the module docstring
+    state = problem.evaluate(mode.clone(), laplace_precision.clone())
     rho = damping
     for _ in range(elbo_max_iter):
         if state.decrement / 2 <= tol and state.change <= rtol:
             return state.mean, state.curvature
-        candidate = problem.evaluate(*state.step(rho, diagonal))
+        candidate = problem.evaluate(*state.step(rho))
         if candidate.elbo >= state.elbo:
             state, rho = candidate, min(damping, 2 * rho)
         elif state.decrement / 2 <= 1.0 and rho <= FLOOR_RHO:
@@ -301,40 +298,21 @@ def default_tolerances(num_points: int, num_draws: int) -> tuple[float, float]:
 
 
 class _State:
-    """One ``(μ, Λ)`` with its ELBO, natural gradient and fixed-point target.
-
-    ``newton`` (diagonal fits only) is the mean's Newton direction ``(λI + E_q[H])⁻¹ g`` with
-    the *full* expected curvature; a full fit's direction is ``Λ'⁻¹ g`` with its own ``Λ'``.
-    """
+    """One ``(μ, Λ)`` of a diagonal fit with its ELBO, natural gradient, fixed-point target
+    and the mean's Newton direction ``(λI + E_q[H])⁻¹ g`` with the *full* expected curvature
+    (`_mean_newton_direction`)."""
 
     def __init__(self, mean: Tensor, precision: Tensor, elbo: float, gradient: Tensor,
-                 curvature: Tensor, target: Tensor, chol: Tensor | None,
-                 newton: Tensor | None = None) -> None:
+                 curvature: Tensor, target: Tensor, newton: Tensor) -> None:
         self.mean, self.precision, self.elbo = mean, precision, elbo
         self.gradient, self.curvature, self.target = gradient, curvature, target
         self.newton = newton
         self.change = _max_abs(target - precision) / _max_abs(precision)
-        direction = newton if newton is not None else self._solve(precision, chol, gradient)
-        self.decrement = float(self.gradient @ direction)
+        self.decrement = float(self.gradient @ newton)
 
-    @staticmethod
-    def _solve(precision: Tensor, chol: Tensor | None, vector: Tensor) -> Tensor:
-        if chol is None:
-            return vector / precision
-        return torch.cholesky_solve(vector[:, None], chol)[:, 0]
-
-    def step(self, rho: float, diagonal: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``Λ' = (1 − ρ) Λ + ρ target``; ``μ' = μ + ρ Λ'⁻¹ g`` (full), or ``μ' = μ + ρ
-        (λI + E_q[H])⁻¹ g`` (diagonal: see `_mean_newton_direction`). Returns ``(μ',
-        Λ', chol Λ')`` (the factor ``None`` when diagonal), the factor for the evaluation at
-        the new point, which needs the same one."""
-        precision = (1 - rho) * self.precision + rho * self.target
-        if diagonal:
-            return self.mean + rho * self.newton, precision, None
-        # exactly symmetric: a mix of the symmetrised start and curvatures assembled from
-        # mirrored blocks (the same arithmetic on both triangles)
-        chol = cholesky_with_jitter(precision, symmetric=True)
-        return self.mean + rho * self._solve(precision, chol, self.gradient), precision, chol
+    def step(self, rho: float) -> tuple[Tensor, Tensor]:
+        """``(μ + ρ (λI + E_q[H])⁻¹ g, (1 − ρ) Λ + ρ target)``."""
+        return self.mean + rho * self.newton, (1 - rho) * self.precision + rho * self.target
 
 
 def _max_abs(matrix: Tensor) -> float:
@@ -422,20 +400,13 @@ class _Problem:
             state = self.newton(candidate, fixed)
         return state
 
-    def evaluate(self, mean: Tensor, precision: Tensor, chol: Tensor | None = None) -> _State:
-        """The state at ``(mean, precision)``; ``chol`` is the precision's factor when the
-        caller has it (a full fit's step computes it)."""
+    def evaluate(self, mean: Tensor, precision: Tensor) -> _State:
+        """The state of a diagonal fit at ``(mean, precision (d,))``."""
         lam = self.prior_precision
-        if self.diagonal:
-            chol, covariance = None, 1.0 / precision
-            log_det, trace = float(torch.log(precision).sum()), float(covariance.sum())
-        else:
-            if chol is None:
-                chol = cholesky_with_jitter(precision)
-            covariance = torch.cholesky_inverse(chol)
-            log_det, trace = float(2 * torch.log(chol.diagonal()).sum()), float(covariance.trace())
-        log_probs = _logit_draw_log_probabilities(mean, covariance, self.inputs,
-                                                  self.num_classes, self.draws)
+        covariance = 1.0 / precision
+        log_det, trace = float(torch.log(precision).sum()), float(covariance.sum())
+        log_probs = _diagonal_draw_log_probabilities(mean, covariance, self.inputs,
+                                                     self.num_classes, self.draws)
         probs = log_probs.exp()
         expected_log_lik = float(log_probs.gather(
             -1, self.labels.expand(log_probs.shape[0], -1)[..., None]).sum() / len(probs))
@@ -445,14 +416,11 @@ class _Problem:
                     - d * math.log(lam) + log_det)
         gradient = ((self.one_hot - probs.mean(0)).T @ self.inputs).reshape(-1)
         gradient = gradient - lam * (mean - self.prior_mean)
-        curvature = expected_head_curvature(probs, self.inputs, self.diagonal)
-        target = curvature + (lam if self.diagonal else lam * torch.eye(
-            d, dtype=torch.float64, device=mean.device))
-        newton = None
-        if self.diagonal:
-            newton = _mean_newton_direction(probs, self.inputs, lam, gradient,
-                                            lambda residual: residual / target)
-        return _State(mean, precision, expected_log_lik - kl, gradient, curvature, target, chol,
+        curvature = expected_head_curvature(probs, self.inputs, diagonal=True)
+        target = curvature + lam
+        newton = _mean_newton_direction(probs, self.inputs, lam, gradient,
+                                        lambda residual: residual / target)
+        return _State(mean, precision, expected_log_lik - kl, gradient, curvature, target,
                       newton)
 
 
@@ -466,19 +434,14 @@ def _logit_covariance_factor(covariance: Tensor, inputs: Tensor, num_classes: in
     return torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)
 
 
-def _logit_draw_log_probabilities(mean: Tensor, covariance: Tensor, inputs: Tensor,
-                                  num_classes: int, draws: Tensor) -> Tensor:
-    """``log_softmax`` of every point's logit draws ``M_n + chol(V_n) z``: ``(S, N, C)``."""
+def _diagonal_draw_log_probabilities(mean: Tensor, variance: Tensor, inputs: Tensor,
+                                     num_classes: int, draws: Tensor) -> Tensor:
+    """``log_softmax`` of every point's logit draws under a diagonal head covariance
+    ``variance (d,)``: independent logits, ``V_n = diag(Σ_p x_np² σ²_cp)``; ``(S, N, C)``."""
     width = inputs.shape[1]
     logit_mean = inputs @ mean.reshape(num_classes, width).T  # (N, C)
-    if covariance.ndim == 1:  # diagonal: independent logits, V_n = diag(Σ_p x_np² σ²_cp)
-        variance = inputs**2 @ covariance.reshape(num_classes, width).T
-        return torch.log_softmax(logit_mean + variance.sqrt() * draws, dim=-1)
-    logit_cov = logit_covariance(covariance, inputs, num_classes)
-    jitter = 1e-12 * logit_cov.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)
-    eye = torch.eye(num_classes, dtype=torch.float64, device=inputs.device)
-    factor = torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)
-    return torch.log_softmax(logit_mean + torch.einsum("nck,snk->snc", factor, draws), dim=-1)
+    logit_variance = inputs**2 @ variance.reshape(num_classes, width).T
+    return torch.log_softmax(logit_mean + logit_variance.sqrt() * draws, dim=-1)
 
 
 #: Preconditioned conjugate gradients of the diagonal fit's mean step: relative residual and
