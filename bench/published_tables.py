@@ -246,6 +246,66 @@ def head_speed_table(records: list[dict] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The predictives of bench/head_exact_posterior.py, in its table's order.
+EXACT_COLUMNS = (("exact", "exact (HMC)"), ("gaussian_mc", "head's Gaussian, MC"),
+                 ("head", "head (default)"), ("laplace_mc", "Laplace Gaussian, MC"),
+                 ("plugin", "plug-in"))
+#: The Gaussian's MC predictive counts as the exact posterior's when their NLLs agree this
+#: closely (relative): the issue's own tolerance on a held-out NLL.
+EXACT_NLL_RTOL = 0.01
+
+
+def head_exact_table(records: list[dict] | None = None) -> str:
+    """The Laplace head's predictives against the exact posterior's (HMC), from the newest run
+    of ``bench/head_exact_posterior.py``: per size, mean ± standard error over the splits of
+    NLL / ECE / mean confidence minus accuracy, and the claims paired over splits."""
+    records = read_jsonl(RESULTS / "head_exact_posterior.jsonl") if records is None else records
+    if not records:
+        return "No runs in `bench/results/head_exact_posterior.jsonl` yet.\n"
+    record = records[-1]
+    by_rows: dict[int, list[dict]] = {}
+    for case in record["cases"]:
+        by_rows.setdefault(case["rows"], []).append(case)
+    lines = ["| n | splits | λ | HMC acceptance | HMC chains' NLL apart | "
+             + " | ".join(f"{label}: NLL / ECE / conf − acc" for _, label in EXACT_COLUMNS)
+             + " |", "|---" * (5 + len(EXACT_COLUMNS)) + "|"]
+    for rows, cases in sorted(by_rows.items()):
+        cells = [" / ".join((mean_se([c[key]["nll"] for c in cases], 3),
+                             mean_se([c[key]["ece"] for c in cases], 3),
+                             mean_se([c[key]["overconfidence"] for c in cases], 3)))
+                 for key, _ in EXACT_COLUMNS]
+        acceptance = [rate for c in cases for rate in c["acceptance"]]
+        apart = max(abs(c["chain_nll"][0] - c["chain_nll"][1]) for c in cases)
+        lines.append(f"| {rows} | {len(cases)} | "
+                     f"{min(c['prior_precision'] for c in cases):.3g}–"
+                     f"{max(c['prior_precision'] for c in cases):.3g} | "
+                     f"{min(acceptance):.2f}–{max(acceptance):.2f} | ≤ {apart:.4f} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Claims, per n, paired over the splits (holds: the mean difference is on the "
+              "claimed side by more than its standard error):", ""]
+    for rows, cases in sorted(by_rows.items()):
+        def paired(a: str, b: str, metric: str, cases: list[dict] = cases) -> list[float]:
+            return [c[a][metric] - c[b][metric] for c in cases]
+
+        closer = [abs(c["gaussian_mc"]["nll"] - c["exact"]["nll"])
+                  - abs(c["laplace_mc"]["nll"] - c["exact"]["nll"]) for c in cases]
+        gap = max(abs(c["gaussian_mc"]["nll"] / c["exact"]["nll"] - 1) for c in cases)
+        within = "holds" if gap <= EXACT_NLL_RTOL else "does not hold"
+        lines.append(
+            f"- n = {rows}: the head's ECE ≤ its plug-in's: "
+            f"**{verdict(paired('head', 'plugin', 'ece'), -1)}** "
+            f"({paired_cell(paired('head', 'plugin', 'ece'), digits=3)}); the exact "
+            f"posterior's ECE ≤ the plug-in's: **{verdict(paired('exact', 'plugin', 'ece'), -1)}**"
+            f" ({paired_cell(paired('exact', 'plugin', 'ece'), digits=3)}); the head's Gaussian "
+            f"nearer the exact NLL than Laplace's: **{verdict(closer, -1)}**; its MC NLL within "
+            f"{EXACT_NLL_RTOL:.0%} of the exact: **{within}** (largest gap {gap:.1%}); the head's "
+            f"default NLL ≤ the exact posterior's: "
+            f"**{verdict(paired('head', 'exact', 'nll'), -1)}** "
+            f"({paired_cell(paired('head', 'exact', 'nll'), digits=3)}).")
+    return "\n".join(lines) + "\n\n" + source_line(
+        "head_exact_posterior.jsonl", [record], record.get("seeds"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 43: the figures that were typed by hand (FedLog vs FedAvg, the DP price, FedPart's one
 # cycle, CoLearn at 10 rounds), generated from run_cache files whose records carry commit, date,
@@ -1609,6 +1669,7 @@ PULL_SLEEP_S = 3.0
 TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
+          "head_exact": head_exact_table,
           "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
           "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
           "fedlog_checks": fedlog_checks_table,
