@@ -25,6 +25,9 @@ Tables:
 * ``head_speed`` (``laplace_head_speed.jsonl``, ``bench/laplace_head_speed.py``): the Laplace
   head's fit against laplace-torch's last-layer Laplace at each size (the newest record of
   each size).
+* ``head_exact`` (``head_exact_posterior.jsonl``, ``bench/head_exact_posterior.py``): the
+  Laplace head's predictives against the exact posterior's (HMC) on the same features and
+  prior, per size over three splits, with the claims paired over splits (issue 41's doubt).
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run

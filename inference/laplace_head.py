@@ -215,7 +215,8 @@ def fit_laplace_head(
     * ``"marglik"`` maximises the Laplace log evidence (`log_marginal_likelihood`) over
       ``log λ`` in ``prior_precision_bounds``: with a full covariance, the secant method on
       the evidence's exact slope from ``λ = 3`` (``EvidenceSearch.search_secant`` in
-      `inference.laplace_marglik`: 4-6 refits, to a relative 1e-3 step in ``λ``); with a
+      `inference.laplace_marglik`: 3-5 refits with a slope and a last mode, to ~1e-3 relative
+      in ``λ``); with a
       diagonal or low-rank one, a grid of one point a decade, then bounded Brent to 1e-6 in
       ``log λ`` (`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that

@@ -23,9 +23,10 @@ fine search of ``E``, which the tests check.)
 
 The default search (`EvidenceSearch.search_secant`, issue 41): the secant method on the
 exact slope in ``t = log λ``, which is close to linear in ``t``; refits at a loose mode while the
-steps are long; it stops when a step would move ``λ`` by less than `LAMBDA_RTOL`
-(relative). At the S1 size it takes 4-6 refits and 16-20 Newton iterations in all, against
-10-12 refits and 33-44 iterations of the search below, which remains its fallback. A softmax
+steps are long; bracketed, Brent's inverse quadratic step; it stops when its next proposal's
+error is estimated below `LAMBDA_RTOL` (relative). At the S1 size it took 4-6 refits and
+16-20 Newton iterations in all before that quadratic step saved one refit, against 10-12
+refits and 33-44 iterations of the search below, which remains its fallback. A softmax
 head's refits find the mode by matrix-free Newton-CG (`newton_cg`: curvature-vector
 products, a Kronecker preconditioner), and one exact Newton step then confirms it with the
 factorisation the evidence needs: one factorisation and one curvature per refit (6 and 6 at the
@@ -80,10 +81,13 @@ MAX_STEP = 2.0
 #: Half the squared Newton decrement below which Newton takes full steps (nats; the quadratic
 #: regime).
 NEAR_MODE = 1e-4
-#: `EvidenceSearch.search_secant` ends when a step would change λ by less than this
-#: (relative), and returns that step's λ: the secant converges superlinearly, so the λ returned
-#: lies within ~1e-4 (relative) of the maximiser (S1's heads and the 250-3,000-row bench heads:
-#: 3e-5 at most against a 1e-3 stop), one refit fewer than a 1e-3 stop (issue 41). Were it a
+#: `EvidenceSearch.search_secant` ends when its estimate of its next proposal's error is below
+#: this (relative in λ) and returns that proposal's λ: the estimate is the step (the secant
+#: converges superlinearly) or, once three slopes bracket the root, the gap between the
+#: secant's root and the inverse quadratic interpolant's, which it returns; that gap
+#: overestimates the interpolant's error about tenfold, so the λ returned lies within ~1e-3
+#: (relative) of the maximiser (the 250-3,000-row bench heads: 2e-4-1.1e-3), one refit fewer
+#: than stopping on the secant's step alone (issue 41; that stop was within 1e-4). Were it a
 #: full 1e-2 off, it would lose ½ |d²E/d(log λ)²| · 1e-4 ≈ 5e-4 nats of evidence on S1-sized
 #: heads (d²E/d(log λ)² ~ 10), and move the held-out NLL of the default head by < 0.05% (S1 bench
 #: head: ±5% in λ moves it ±0.2%).
@@ -346,9 +350,11 @@ class EvidenceSearch:
         held to twice MacKay's (which converges linearly). The first step is
         `FIRST_STEP` e-folds uphill; a secant step that leaves the bracket of the root
         is replaced by bisection, or by the unvisited bound it points past. Each refit is
-        Newton warm-started from the first-order prediction ``W − Σ (W − μ₀) Δλ``. The
-        search ends when a step would change ``λ`` by less than ``rtol`` (relative): it
-        returns that step's ``λ`` and the mode there (one more refit, no slope). While the
+        Newton warm-started from the first-order prediction ``W − Σ (W − μ₀) Δλ``. Once
+        three slopes bracket the root, the step goes to the root of their inverse quadratic
+        interpolant (Brent's step) where it lies inside the bracket. The search ends when the
+        next proposal's error is estimated below ``rtol`` (relative; see `LAMBDA_RTOL`): it
+        returns that proposal's ``λ`` and the mode there (one more refit, no slope). While the
         steps are long the refits stop at a looser mode (`LOOSE_MODE_TOL`, tightening
         as the steps shrink): the slope there only has to point the next step; the mode
         returned is to `MODE_TOL`.
@@ -373,6 +379,7 @@ class EvidenceSearch:
         left_seen = right_seen = False
         theta = start.clone()
         history: list[tuple[float, float]] = []
+        slopes: list[tuple[float, float]] = []  # (log λ, slope) of every refit with a slope
         previous: _Point | None = None
         loose = LOOSE_MODE_TOL
         for _ in range(max_refits):
@@ -381,6 +388,7 @@ class EvidenceSearch:
                                        None if previous is None else previous.covariance)
             point = self._point(t, mode, chol)
             history.append((lam, point.evidence))
+            slopes.append((t, point.slope))
             at_bound = self._at_bound(point, lo, hi)
             if at_bound is not None:
                 return self._choice(point, bounds, at_bound, history), mode
@@ -394,6 +402,18 @@ class EvidenceSearch:
                 step = (-point.slope / curvature if curvature < 0
                         else math.copysign(MAX_STEP, point.slope))
             proposal = t + min(max(step, -MAX_STEP), MAX_STEP)
+            # how far the proposal may be from the root: the step (the secant converges
+            # superlinearly, so its next proposal is nearer the root than the step is long) ...
+            error = abs(proposal - t)
+            if left_seen and right_seen and len(slopes) >= 3:
+                # ... or, bracketed, the root of the slope's interpolant through the last three
+                # points (Brent's inverse quadratic step) inside the bracket, whose distance from
+                # the secant's estimates the secant's error: the interpolant's own is smaller
+                # (bench features: 1e-4-1e-3 in log λ where the two differ by 1e-3-1e-2)
+                quadratic = _inverse_quadratic_root(slopes[-3:])
+                if quadratic is not None and left < quadratic < right:
+                    error = min(error, abs(quadratic - proposal))
+                    proposal = quadratic
             if not left < proposal < right:  # the safeguard of the bracket
                 if proposal >= right and not right_seen:
                     proposal = right
@@ -403,9 +423,9 @@ class EvidenceSearch:
                     proposal = 0.5 * (left + right)
             theta = mode - point.covariance @ (mode - self.prior_mean) * (
                 math.exp(proposal) - lam)
-            if abs(proposal - t) <= tol:
-                # the secant's last proposal is closer to the root than the step is long (it
-                # converges superlinearly): the mode there, to MODE_TOL, without a slope
+            if error <= tol:
+                # the last proposal is within tol of the root: the mode there, to MODE_TOL,
+                # without a slope
                 mode, _, chol = self._mode(theta, math.exp(proposal),
                                            covariance=point.covariance)
                 point = self._point(proposal, mode, chol, slope=False)
@@ -480,6 +500,17 @@ class EvidenceSearch:
             criterion_name="log_evidence", criterion=point.evidence, maximised=True,
             bounds=(float(bounds[0]), float(bounds[1])), at_bound=at_bound,
             evaluations=len(history), grid=tuple(sorted(history)))
+
+
+def _inverse_quadratic_root(points: list[tuple[float, float]]) -> float | None:
+    """Where the quadratic in the slope through three ``(log λ, slope)`` points, ``log λ`` as a
+    function of the slope, puts the slope's zero (Brent's inverse quadratic interpolation);
+    ``None`` if two slopes coincide."""
+    (a, fa), (b, fb), (c, fc) = points
+    if fa in (fb, fc) or fb == fc:
+        return None
+    return (a * fb * fc / ((fa - fb) * (fa - fc)) + b * fa * fc / ((fb - fa) * (fb - fc))
+            + c * fa * fb / ((fc - fa) * (fc - fb)))
 
 
 def newton_cg(objective, inputs: Tensor, one_hot: Tensor, prior_precision: float,

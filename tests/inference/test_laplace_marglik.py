@@ -108,15 +108,17 @@ def test_the_secant_search_lands_where_the_former_search_lands(case):
     start = torch.zeros(d, dtype=F64) + mean
     secant, secant_mode = search.search_secant((1e-4, 1e4), start, 3.0)
     former, former_mode = search.search((1e-4, 1e4), start, 1.0)
-    # the former stops within ~1e-6 of the root in log λ; the secant's last proposal, after a
-    # step < log(1 + 1e-3), is within ~(1e-3)² of it where the slope is smooth (superlinear
-    # convergence): 1e-4 in log λ still catches a search that stopped one step early.
-    assert abs(math.log(secant.value) - math.log(former.value)) < 1e-4
-    # the evidence is flat there: |d²E/d(log λ)²| ≲ 100 here, so 1e-4 in log λ costs ≤ 5e-7
+    # the former stops within ~1e-6 of the root in log λ; the secant search ends once its
+    # estimate of its error is ≤ log(1 + LAMBDA_RTOL) ≈ 1e-2 (the step, or bracketed the gap
+    # between the secant's and the inverse quadratic's roots, which overestimates the latter's
+    # error tenfold: 1e-4-1e-3 measured): 2e-3 in log λ still catches a search that stopped one
+    # refit early (its proposals there are 5e-3-5e-2 off).
+    assert abs(math.log(secant.value) - math.log(former.value)) < 2e-3
+    # the evidence is flat there: |d²E/d(log λ)²| ≲ 100 here, so 2e-3 in log λ costs ≤ 2e-4
     # nats (one-sided: the former search reports its evidence one Newton step from the mode)
-    assert secant.criterion >= former.criterion - 1e-6
+    assert secant.criterion >= former.criterion - 2e-4
     # the modes at (nearly) the same λ: dW/d(log λ) = −λ Σ (W − μ₀) is O(1) here
-    torch.testing.assert_close(secant_mode, former_mode, atol=1e-3, rtol=0)
+    torch.testing.assert_close(secant_mode, former_mode, atol=3e-3, rtol=0)
     assert secant.at_bound is None
 
 
