@@ -402,25 +402,28 @@ class EvidenceSearch:
                 step = (-point.slope / curvature if curvature < 0
                         else math.copysign(MAX_STEP, point.slope))
             proposal = t + min(max(step, -MAX_STEP), MAX_STEP)
-            # how far the proposal may be from the root: the step (the secant converges
-            # superlinearly, so its next proposal is nearer the root than the step is long) ...
-            error = abs(proposal - t)
-            if left_seen and right_seen and len(slopes) >= 3:
-                # ... or, bracketed, the root of the slope's interpolant through the last three
-                # points (Brent's inverse quadratic step) inside the bracket, whose distance from
-                # the secant's estimates the secant's error: the interpolant's own is smaller
-                # (bench features: 1e-4-1e-3 in log λ where the two differ by 1e-3-1e-2)
-                quadratic = _inverse_quadratic_root(slopes[-3:])
-                if quadratic is not None and left < quadratic < right:
-                    error = min(error, abs(quadratic - proposal))
-                    proposal = quadratic
-            if not left < proposal < right:  # the safeguard of the bracket
+            secant = proposal if left < proposal < right else None
+            if secant is None:  # the safeguard of the bracket
                 if proposal >= right and not right_seen:
                     proposal = right
                 elif proposal <= left and not left_seen:
                     proposal = left
                 else:
                     proposal = 0.5 * (left + right)
+            # how far the proposal may be from the root: the step (the secant converges
+            # superlinearly, so its next proposal is nearer the root than the step is long) ...
+            error = abs(proposal - t)
+            if left_seen and right_seen and len(slopes) >= 3:
+                # ... or, bracketed, the root of the slope's interpolant through the last three
+                # points (Brent's inverse quadratic step) inside the bracket, whose distance from
+                # the secant's root estimates the secant's error: the interpolant's own is
+                # smaller (bench features: 1e-4-1e-3 in log λ where the two differ by
+                # 1e-3-1e-2); without a secant root in the bracket, the interpolant's own step
+                quadratic = _inverse_quadratic_root(slopes[-3:])
+                if quadratic is not None and left < quadratic < right:
+                    error = (min(error, abs(quadratic - secant)) if secant is not None
+                             else abs(quadratic - t))
+                    proposal = quadratic
             theta = mode - point.covariance @ (mode - self.prior_mean) * (
                 math.exp(proposal) - lam)
             if error <= tol:

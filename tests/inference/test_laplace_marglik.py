@@ -10,7 +10,7 @@ import torch
 
 from inference.hyperparameters import Criterion, search_log_space
 from inference.laplace_head import find_mode, fit_laplace_head, log_marginal_likelihood
-from inference.laplace_marglik import EvidenceSearch
+from inference.laplace_marglik import EvidenceSearch, _inverse_quadratic_root
 from inference.linear_model import augment_with_bias
 from inference.options import Likelihood
 
@@ -120,6 +120,23 @@ def test_the_secant_search_lands_where_the_former_search_lands(case):
     # the modes at (nearly) the same λ: dW/d(log λ) = −λ Σ (W − μ₀) is O(1) here
     torch.testing.assert_close(secant_mode, former_mode, atol=3e-3, rtol=0)
     assert secant.at_bound is None
+
+
+def test_the_inverse_quadratic_step_is_exact_where_log_lambda_is_quadratic_in_the_slope():
+    """Brent's step: where ``t(s) = a + b s + c s²`` the interpolant through three points is
+    ``t`` itself, and its value at ``s = 0`` is ``a`` (to rounding: the three terms are O(10),
+    so 1e-12); two equal slopes leave it undefined."""
+    def t_of(s):
+        return 1.7 - 0.4 * s + 0.05 * s**2
+
+    points = [(t_of(s), s) for s in (6.0, -2.5, 0.7)]
+    assert _inverse_quadratic_root(points) == pytest.approx(1.7, abs=1e-12)
+    # a secant through the last two points misses by the quadratic term: what the search's
+    # error estimate (their gap) measures
+    (t1, s1), (t2, s2) = points[1:]
+    secant = t2 - s2 * (t2 - t1) / (s2 - s1)
+    assert abs(secant - 1.7) > 1e-2
+    assert _inverse_quadratic_root([(1.0, 2.0), (2.0, 2.0), (3.0, -1.0)]) is None
 
 
 @pytest.mark.parametrize(("bounds", "side"), [((1e-4, 1e-2), "upper"), ((1e3, 1e4), "lower")])
