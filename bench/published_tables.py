@@ -28,6 +28,8 @@ Tables:
 * ``head_exact`` (``head_exact_posterior.jsonl``, ``bench/head_exact_posterior.py``): the
   Laplace head's predictives against the exact posterior's (HMC) on the same features and
   prior, per size over three splits, with the claims paired over splits (issue 41's doubt).
+* ``head_prior`` (``head_prior_sweep.jsonl``, ``bench/head_prior_sweep.py``): the head's
+  held-out NLL at its evidence's λ, at fixed λ over a grid and at laplace-torch's λ (issue 41).
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run
@@ -307,6 +309,38 @@ def head_exact_table(records: list[dict] | None = None) -> str:
             f"({paired_cell(paired('head', 'exact', 'nll'), digits=3)}).")
     return "\n".join(lines) + "\n\n" + source_line(
         "head_exact_posterior.jsonl", [record], record.get("seeds"))
+
+
+def head_prior_table(records: list[dict] | None = None) -> str:
+    """The Laplace head's held-out NLL at its evidence's λ, at fixed λ over a grid and at
+    laplace-torch's marglik λ, from the newest run of ``bench/head_prior_sweep.py``."""
+    records = read_jsonl(RESULTS / "head_prior_sweep.jsonl") if records is None else records
+    if not records:
+        return "No runs in `bench/results/head_prior_sweep.jsonl` yet.\n"
+    record = records[-1]
+    grid = record["grid"]
+    lines = ["| n | evidence's λ | NLL | ECE | " + " | ".join(f"λ = {lam:g}" for lam in grid)
+             + " | laplace-torch's λ | NLL |", "|---" * (6 + len(grid)) + "|"]
+    claims = []
+    for size in record["sizes"]:
+        chosen, peer = size["evidence"], size["laplace_torch_lambda"]
+        lines.append(f"| {size['rows']} | {chosen['prior_precision']:.3g} | {chosen['nll']:.4f} "
+                     f"| {chosen['ece']:.4f} | "
+                     + " | ".join(f"{point['nll']:.4f}" for point in size["grid"])
+                     + f" | {peer['prior_precision']:.3g} | {peer['nll']:.4f} |")
+        best = min(size["grid"], key=lambda point: point["nll"])
+        gap = chosen["nll"] / best["nll"] - 1
+        top = max(size["grid"], key=lambda point: point["prior_precision"])
+        cost = top["nll"] / chosen["nll"] - 1
+        claims.append(
+            f"- n = {size['rows']}: the evidence's λ within {EXACT_NLL_RTOL:.0%} of the grid's "
+            f"best held-out NLL (λ = {best['prior_precision']:g}, chosen on the test rows): "
+            f"**{'holds' if gap <= EXACT_NLL_RTOL else 'does not hold'}** ({gap:+.1%}); "
+            f"λ = {top['prior_precision']:g}, where a fixed-curvature evidence lands, costs more "
+            f"than {EXACT_NLL_RTOL:.0%}: **{'holds' if cost > EXACT_NLL_RTOL else 'does not hold'}"
+            f"** ({cost:+.1%}); laplace-torch's λ: {peer['nll'] / chosen['nll'] - 1:+.1%}.")
+    return ("\n".join(lines) + "\n\nClaims, per n:\n\n" + "\n".join(claims) + "\n\n"
+            + source_line("head_prior_sweep.jsonl", [record], record.get("seeds")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1672,7 +1706,7 @@ PULL_SLEEP_S = 3.0
 TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
-          "head_exact": head_exact_table,
+          "head_exact": head_exact_table, "head_prior": head_prior_table,
           "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
           "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
           "fedlog_checks": fedlog_checks_table,
