@@ -4,8 +4,9 @@ evidence chooses it (issue 41: can a cheaper criterion replace the refitted evid
 The head's fit spends most of its time choosing ``λ``, the prior precision, by the refitted
 Laplace evidence (a handful of mode refits, `inference.laplace_marglik`). A cheaper criterion
 would choose another ``λ``: the evidence at a fixed curvature (MacKay's fixed point, one
-eigendecomposition) lands an order of magnitude higher on these heads, laplace-torch's
-``optimize_prior_precision`` (the evidence at the fixed MAP of ``λ = 1``) lower. This bench
+eigendecomposition) landed an order of magnitude higher on S1's heads (`inference.laplace_marglik`),
+laplace-torch's ``optimize_prior_precision`` (the evidence at the fixed MAP of ``λ = 1``) lands
+lower. This bench
 measures what that costs the user: the held-out NLL and ECE of the head at its defaults against
 the same head at fixed ``λ`` over a grid, and at laplace-torch's ``λ``.
 
