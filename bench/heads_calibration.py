@@ -14,7 +14,9 @@ unless the row says otherwise). Figures: accuracy, ECE (15 equal-width bins, top
 Acceptance (issue 12), per head, on its default predictive: ECE <= 0.03, NLL <= 1.5 x the
 network's NLL, and NLL no worse than the head's own MAP plug-in.
 
-Run: ``python bench/heads_calibration.py [--seed 0] [--epochs 30]``. One intra-op thread (small
+Run: ``python bench/heads_calibration.py [--seed 0] [--epochs 30] [--out
+bench/results/heads_calibration.jsonl]`` (the table of docs/inference.md is generated from the
+newest record of each seed there). One intra-op thread (small
 tensors on a shared 2-core machine). Prints a table, then, as its last line, one JSON object.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from torch import Tensor, nn
 # calibration package: use the repository root instead.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench.run_cache import append_result  # noqa: E402
 from calibration.metrics import ece, nll  # noqa: E402
 from inference.factory import fit_head  # noqa: E402
 
@@ -198,8 +202,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--out", default=None,
+                        help="append the record, with its provenance, to this file (e.g. "
+                             "bench/results/heads_calibration.jsonl: the table of "
+                             "docs/inference.md is generated from it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load_before = os.getloadavg()
     setting = make_setting(args.seed, args.epochs)
     rows = evaluate_heads(setting)
     print(f"digits, 64-200-50 ReLU MLP, 70/30 split, Adam {args.epochs} epochs, seed {args.seed}; "
@@ -213,6 +222,9 @@ def main() -> None:
             figures.update({f"{name}_{key}_{k}": v for k, v in row[key].items()})
         figures[f"{name}_nll_ratio_vs_network"] = row["default"]["nll"] / rows["network"]["nll"]
         figures[f"{name}_accepted"] = row["accepted"]
+    append_result(args.out, {"bench": "heads_calibration", "epochs": args.epochs,
+                             "test_rows": len(setting.y_test), "rows": rows},
+                  seeds=[args.seed], load_before=load_before)
     print(json.dumps(figures))
 
 
