@@ -30,6 +30,9 @@ Tables:
   prior, per size over three splits, with the claims paired over splits (issue 41's doubt).
 * ``head_prior`` (``head_prior_sweep.jsonl``, ``bench/head_prior_sweep.py``): the head's
   held-out NLL at its evidence's λ, at fixed λ over a grid and at laplace-torch's λ (issue 41).
+* ``heads_calibration`` (``heads_calibration.jsonl``, ``bench/heads_calibration.py``):
+  docs/inference.md's table of every feature head against the network's softmax on digits,
+  and each head's acceptance at every seed (issue 12).
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run
@@ -59,8 +62,9 @@ RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 SEEDS = ROOT / "docs" / "seeds.md"
+INFERENCE = ROOT / "docs" / "inference.md"
 #: Every page whose table blocks are generated here.
-PAGES = (PAGE, README, SEEDS)
+PAGES = (PAGE, README, SEEDS, INFERENCE)
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -343,6 +347,45 @@ def head_prior_table(records: list[dict] | None = None) -> str:
             f"{cost:+.1%}.")
     return ("\n".join(lines) + "\n\nClaims, per n:\n\n" + "\n".join(claims) + "\n\n"
             + source_line("head_prior_sweep.jsonl", [record], record.get("seeds")))
+
+
+def heads_calibration_table(records: list[dict] | None = None) -> str:
+    """docs/inference.md's heads table: every feature head's default predictive and MAP
+    plug-in beside the network's softmax on digits (``bench/heads_calibration.py``), the
+    newest run of each seed: the first seed's figures in full, and each head's acceptance
+    (issue 12: ECE ≤ 0.03, NLL ≤ 1.5x the network's and ≤ its own plug-in's) at every seed."""
+    records = read_jsonl(RESULTS / "heads_calibration.jsonl") if records is None else records
+    newest = {record["seeds"][0]: record for record in records}
+    if not newest:
+        return "No runs in `bench/results/heads_calibration.jsonl` yet.\n"
+    seeds = sorted(newest)
+    rows = newest[seeds[0]]["rows"]
+    network = rows["network"]
+    lines = [f"Seed {seeds[0]}, {newest[seeds[0]]['test_rows']} test images:", "",
+             "| head | predictive | accuracy | ECE | NLL | mean confidence | NLL / network's |",
+             "|---|---|---|---|---|---|---|",
+             f"| network | softmax | {network['accuracy']:.4f} | {network['ece']:.4f} | "
+             f"{network['nll']:.4f} | {network['confidence']:.3f} | |"]
+    for name, row in rows.items():
+        if name == "network":
+            continue
+        for label, key in (("default", "default"), ("MAP plug-in", "map_plugin")):
+            s = row[key]
+            ratio = f"{s['nll'] / network['nll']:.2f}x" if key == "default" else ""
+            lines.append(f"| {name} | {label} | {s['accuracy']:.4f} | {s['ece']:.4f} | "
+                         f"{s['nll']:.4f} | {s['confidence']:.3f} | {ratio} |")
+    lines += ["", "Each head's acceptance (issue 12: its default predictive's ECE ≤ 0.03, NLL ≤ "
+              "1.5x the network's and ≤ its own plug-in's), per seed:", ""]
+    for name in rows:
+        if name == "network":
+            continue
+        passed = [seed for seed in seeds if newest[seed]["rows"][name]["accepted"]]
+        held = "holds" if len(passed) == len(seeds) else "does not hold"
+        lines.append(f"- {name}: **{held}** (accepted at {len(passed)} of {len(seeds)} seeds"
+                     + (f"; not at {', '.join(str(s) for s in seeds if s not in passed)})"
+                        if len(passed) < len(seeds) else ")"))
+    return "\n".join(lines) + "\n\n" + source_line("heads_calibration.jsonl",
+                                                    [newest[s] for s in seeds], seeds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1709,6 +1752,7 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
           "head_exact": head_exact_table, "head_prior": head_prior_table,
+          "heads_calibration": heads_calibration_table,
           "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
           "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
           "fedlog_checks": fedlog_checks_table,

@@ -478,3 +478,26 @@ def test_the_calibration_table_lists_every_stored_runs_ratios_when_there_are_sev
     assert _row(table, "| quiet01,") == "| quiet01, 2026-11-28 | 0.50 | 0.9000 | 9.0x | 18.0x |"
     assert _row(table, "| busy002,") == "| busy002, 2026-11-28 | 8.00 | 3.0000 | 30.0x | 60.0x |"
     assert _row(table, "| ours evaluate (1 call)").endswith("| 60.0x | ≥ 20x | holds |")
+
+
+def test_the_heads_table_shows_the_first_seed_and_each_heads_acceptance_at_every_seed():
+    from bench.published_tables import heads_calibration_table
+
+    def scores(nll: float) -> dict:
+        return {"accuracy": 0.97, "ece": 0.02, "nll": nll, "confidence": 0.98}
+
+    def record(seed: int, accepted: bool) -> dict:
+        return {"seeds": [seed], "test_rows": 540, "commit": "abc1234", "date": "2026-11-29",
+                "machine": "CPU test",
+                "rows": {"network": scores(0.08),
+                         "laplace": {"default": scores(0.09), "map_plugin": scores(0.16),
+                                     "accepted": True},
+                         "conjugate": {"default": scores(0.16), "map_plugin": scores(0.16),
+                                       "accepted": accepted}}}
+
+    # an older run of seed 1 is replaced by its newest
+    table = heads_calibration_table([record(0, False), record(1, True), record(1, False)])
+    assert table.startswith("Seed 0, 540 test images:")
+    assert "| laplace | default | 0.9700 | 0.0200 | 0.0900 | 0.980 | 1.12x |" in table
+    assert "- laplace: **holds** (accepted at 2 of 2 seeds)" in table
+    assert "- conjugate: **does not hold** (accepted at 0 of 2 seeds; not at 0, 1)" in table
