@@ -533,7 +533,14 @@ class AurocAccumulator:
 
 
 def _uniform_edges(score_range: Any, n_bins: int, device: torch.device | None) -> Tensor:
-    """Equal-width edges on ``score_range``: (n_bins + 1,) float64, strictly increasing."""
+    """Equal-width edges on ``score_range``: (n_bins + 1,) float64, strictly increasing.
+
+    Edge k is computed as ``(low (n - k) + high k) / n``, not ``low + (high - low) k / n``: where
+    ``low`` and ``high`` are whole numbers (or other short binary fractions) the products and the
+    sum are exact, so each edge is the float nearest its exact value and a score written as an
+    edge lands in the bin that edge opens (e.g. -0.2 in [-0.2, 0.2) on (-1, 1) with 5 bins; the
+    other form put it 2 ulp below its edge). Elsewhere an edge is within ~1.5 ulp of exact.
+    """
     try:
         low, high = (float(v) for v in score_range)
     except (TypeError, ValueError):
@@ -547,8 +554,10 @@ def _uniform_edges(score_range: Any, n_bins: int, device: torch.device | None) -
             f"score_range must be finite with low < high; got ({low!r}, {high!r}) (e.g. (0, "
             "log(C)) for entropies of C classes)"
         )
-    steps = torch.arange(n_bins + 1, dtype=torch.float64, device=device) / n_bins
-    edges = low + (high - low) * steps
+    k = torch.arange(n_bins + 1, dtype=torch.float64, device=device)
+    edges = (low * (n_bins - k) + high * k) / n_bins
+    if not bool(torch.isfinite(edges).all()):  # |low| or |high| near the float64 limit
+        edges = low + (high - low) * (k / n_bins)
     edges[0], edges[-1] = low, high
     if not bool((edges[1:] > edges[:-1]).all()):
         raise InvalidInputError(

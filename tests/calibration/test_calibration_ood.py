@@ -1,11 +1,12 @@
 """OOD detection metrics against scikit-learn and a brute-force pair count; the mergeable AUROC."""
 
 import itertools
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
@@ -238,6 +239,8 @@ def test_state_dict_round_trip_and_validation():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(4, 300), n_bins=st.integers(1, 50),
        ties=st.sampled_from(["none", "some", "heavy"]), n_clients=st.integers(1, 4))
+@example(seed=0, n=30, n_bins=5, ties="some", n_clients=1)  # -0.2 sat 2 ulp below its edge
+@example(seed=0, n=32, n_bins=5, ties="some", n_clients=1)
 def test_binned_auroc_is_within_its_stated_bound(seed, n, n_bins, ties, n_clients):
     rng = np.random.default_rng(seed)
     scores, is_ood = random_scores(rng, n, ties)
@@ -248,9 +251,12 @@ def test_binned_auroc_is_within_its_stated_bound(seed, n, n_bins, ties, n_client
     result = merged.compute()
     exact = auroc(scores, is_ood)
     assert abs(result["auroc"] - exact) <= result["auroc_error_bound"] + 1e-15
+    # the edges are the floats nearest -1 + 2k/n_bins (exact rationals, rounded once): a score
+    # written as an edge (-0.2, 0.2, ... with ties='some') opens its bin, whatever the rounding
+    edges = np.array([float(Fraction(2 * k - n_bins, n_bins)) for k in range(n_bins + 1)])
+    np.testing.assert_array_equal(merged.edges.numpy(), edges)
+    bins = np.searchsorted(edges[1:-1], scores, side="right")
     # the bound is half the fraction of (OOD, in) pairs that share a bin, from the bins
-    edges = np.linspace(-1.0, 1.0, n_bins + 1)
-    bins = np.clip(np.searchsorted(edges[1:-1], scores, side="right"), 0, n_bins - 1)
     shared = sum((bins[is_ood] == b).sum() * (bins[~is_ood] == b).sum() for b in range(n_bins))
     assert result["auroc_error_bound"] == pytest.approx(
         shared / (2 * is_ood.sum() * (~is_ood).sum()), abs=1e-15)
