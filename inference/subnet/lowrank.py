@@ -70,13 +70,16 @@ from torch import Tensor, nn
 
 from inference.curvature import softmax_hessian_sqrt_reduced
 from inference.errors import InvalidInputError, NumericalError
+from inference.inputs import as_network_inputs
 from inference.subnet.batches import BatchChecks, iterate_batches
 from inference.subnet.dense import lapack_threads
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.parameters import check_subnet_indices, flat_trainable_parameters
+from inference.subnet.predictive import _probit
 from inference.subnet.training_mode import eval_mode
 
-__all__ = ["MAX_SHRINKAGE", "TRUNCATION", "softmax_hessian_sqrt_reduced",
+__all__ = ["LOWRANK_KEYS", "MAX_SHRINKAGE", "TRUNCATION", "lowrank_logit_variance",
+           "lowrank_predict_proba", "softmax_hessian_sqrt_reduced", "subnet_lowrank_posterior",
            "subnet_marginal_variance"]
 
 MAX_SHRINKAGE = 1e3
@@ -115,6 +118,35 @@ def subnet_marginal_variance(
             docstring): each variance moves by at most ``truncation * H_ss / D_s`` times its
             prior variance ``1 / D_s``; 0 drops nothing.
     """
+    factors = _woodbury(model, loader, subnet_indices, prior_precision, truncation)
+    return None if factors is None else factors["variance"]
+
+
+@torch.no_grad()
+def subnet_lowrank_posterior(
+    model: nn.Module,
+    loader: Iterable,
+    subnet_indices: Tensor,
+    prior_precision: Tensor,
+    *,
+    truncation: float = TRUNCATION,
+) -> dict[str, Tensor] | None:
+    """The subnet posterior in the truncated Woodbury form of `subnet_marginal_variance`
+    (module docstring, "The predictive"), as tensors: ``subnet`` (S,) int64, ``dinv`` (S,) the
+    prior variances, ``A`` (n, S) and ``F`` (n, U, J) the training set's Jacobian factors,
+    ``Y`` (n J, m) the kernel's factor (``K_t^{-1} = I - Y Y^T``), ``variance`` (S,) the
+    marginal variances (the same numbers `subnet_marginal_variance` returns); None where
+    that route does not apply (then the caller fits the dense posterior). Arguments as
+    `subnet_marginal_variance`'s. `lowrank_logit_variance` predicts with it."""
+    factors = _woodbury(model, loader, subnet_indices, prior_precision, truncation, keep=True)
+    if factors is None:
+        return None
+    return {key: factors[key] for key in ("subnet", "dinv", "A", "F", "Y", "variance")}
+
+
+def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
+              prior_precision: Tensor, truncation: float, keep: bool = False) -> dict | None:
+    """The marginal variances and, with ``keep``, the factors the predictive needs."""
     mean = flat_trainable_parameters(model)
     idx = check_subnet_indices(subnet_indices, mean.numel())
     S, device = idx.numel(), mean.device
@@ -183,7 +215,6 @@ def subnet_marginal_variance(
     del C
     # V[b, u] = sum_j F_b[u, j] Y[(b, j)]: Omega_u = diag_b(|F_b[u]|^2) - V_u V_u^T
     V = torch.bmm(F, Y.view(n, J, m))  # (n, U, m)
-    del Y
     q = torch.empty(S, dtype=torch.float64, device=device)
     for start, end, u in plan.runs:
         block = A[:, start:end]
@@ -192,7 +223,10 @@ def subnet_marginal_variance(
     ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
     if not bool(ok.all()):
         return None
-    return variance
+    if not keep:
+        return {"variance": variance}
+    return {"subnet": idx, "dinv": dinv, "A": A, "F": F, "Y": Y, "variance": variance}
+
 
 
 def _reduced_sqrt(logits: Tensor) -> Tensor:
@@ -258,3 +292,95 @@ def _unit_factors(M: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
             parts.append(part)
             units.append(torch.full((part.shape[1],), u, dtype=torch.int64, device=M.device))
     return torch.cat(parts, dim=1), torch.cat(units)
+
+
+LOWRANK_KEYS = ("subnet", "dinv", "A", "F", "Y")
+"""The tensors `lowrank_logit_variance` reads from `subnet_lowrank_posterior`'s dict."""
+
+
+@torch.no_grad()
+def lowrank_logit_variance(
+    model: nn.Module, mean: Tensor, factors: dict[str, Tensor], x: Tensor, *,
+    rows: int = 16, engine: SubnetJacobian | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """Linearised logit variances ``var[b, o] = J_bo Sigma_t J_bo^T`` (B, C) float64 and the
+    logits (B, C) at ``mean``, of the truncated Woodbury posterior
+    ``Sigma_t = D^{-1} - D^{-1} W (I - Y Y^T) W^T D^{-1}`` (`subnet_lowrank_posterior`'s
+    ``factors``; module docstring, "The predictive"); None where the Linear factorisation
+    does not apply to ``model`` or the subtraction would cancel (the caller then takes the
+    dense posterior).
+
+    Args:
+        model: the network the factors were computed on (eval mode is the caller's).
+        mean: (P,) its trainable parameters, the point of linearisation.
+        factors: ``subnet, dinv, A, F, Y`` (`LOWRANK_KEYS`).
+        x: (B, ...) inputs on the model's device.
+        rows: inputs per chunk of the (rows, U, n J) intermediate.
+        engine: the Jacobian engine of ``(model, factors["subnet"], mean)`` if the caller
+            holds one.
+    """
+    idx, dinv, A, F, Y = (factors[k] for k in LOWRANK_KEYS)
+    engine = SubnetJacobian(model, idx, mean) if engine is None else engine
+    if not engine.factorable:
+        return None
+    plan = engine.unit_runs()
+    if plan is None:
+        return None
+    out = engine.linear_factors(x)
+    if out is None:
+        return None
+    Ax, Gx, logits = out
+    Ax = Ax.to(torch.float64)
+    Gx = Gx.index_select(2, plan.present).to(torch.float64).permute(1, 0, 2)  # (B, C, U)
+    B, C, U = Gx.shape
+    n, _, J = F.shape
+    if F.shape[1] != U or A.shape != (n, idx.numel()):
+        raise InvalidInputError("the low-rank factors do not belong to this model's subnet")
+    # per unit u: prior[b', u] = sum_{s in u} Ax[b', s]^2 / D_s; N[b', b, u] = sum_{s in u}
+    # Ax[b', s] A[b, s] / D_s (the test x training Gram of the prior covariance)
+    prior = Ax.new_zeros(B, U)
+    N = Ax.new_zeros(B, n, U)
+    for start, end, u in plan.runs:
+        scaled = Ax[:, start:end] * dinv[start:end]
+        prior[:, u] += (scaled * Ax[:, start:end]).sum(1)
+        N[:, :, u] += scaled @ A[:, start:end].T
+    variance = torch.einsum("bou,bu->bo", Gx.square(), prior)  # J D^{-1} J^T
+    quadratic = torch.empty_like(variance)
+    for i in range(0, B, rows):
+        # z[b', o, (b, j)] = sum_u Gx[b', o, u] N[b', b, u] F[b, u, j]: W^T D^{-1} J^T
+        NF = (N[i : i + rows, :, :, None] * F).permute(0, 2, 1, 3).reshape(-1, U, n * J)
+        z = torch.bmm(Gx[i : i + rows], NF).reshape(-1, n * J)  # (rows C, n J)
+        # z^T K_t^{-1} z = |z|^2 - |Y^T z|^2
+        q = z.square().sum(1) - (z @ Y).square().sum(1)
+        quadratic[i : i + rows] = q.view(-1, C)
+    f_var = variance - quadratic
+    # the subtraction keeps ~13 digits while the data shrink a logit's variance at most
+    # MAX_SHRINKAGE-fold below its prior's (as for the marginal variances)
+    if not bool((torch.isfinite(f_var) & (f_var * MAX_SHRINKAGE >= variance)).all()):
+        return None
+    return f_var, logits
+
+
+@torch.no_grad()
+def lowrank_predict_proba(
+    model: nn.Module, mean: Tensor, factors: dict[str, Tensor], inputs: Tensor, *,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor] | None:
+    """``(GLM-probit predictive, MAP plug-in)`` class probabilities (B, C) in the model's dtype
+    of the truncated Woodbury posterior ``factors`` (`subnet_lowrank_posterior`), chunk by
+    chunk of ``chunk_size`` rows as `inference.subnet.predictive.glm_predict` does (the
+    plug-in is the same softmax of the same logits); None where `lowrank_logit_variance`
+    declines a chunk."""
+    x = as_network_inputs(inputs, mean.dtype).to(mean.device)
+    engine = SubnetJacobian(model, factors["subnet"], mean)
+    probit, plugin = [], []
+    with eval_mode(model):
+        for start in range(0, x.shape[0], chunk_size):
+            chunk = x[start : start + chunk_size]
+            out = lowrank_logit_variance(model, mean, factors, chunk, engine=engine)
+            if out is None:
+                return None
+            f_var, logits = out
+            probit.append(_probit(f_var.to(logits.dtype), logits))
+            plugin.append(torch.softmax(engine.logits(chunk), dim=-1))
+    return torch.cat(probit), torch.cat(plugin)

@@ -234,7 +234,12 @@ from inference.subnet import (
 from inference.subnet.diagonal import diagonal_ggn
 from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_diagonal_laplace
 from inference.subnet.fit import subnet_laplace_state
-from inference.subnet.lowrank import subnet_marginal_variance
+from inference.subnet.lowrank import (
+    LOWRANK_KEYS,
+    lowrank_predict_proba,
+    subnet_lowrank_posterior,
+    subnet_marginal_variance,
+)
 from inference.subnet.parameters import resolve_subnet_size
 
 POSTERIORS = ("subnet_full", "subnet_diag", "diag_all")
@@ -253,6 +258,8 @@ PERSONALIZED = "personalized"
 ROUND_VIEW = "round_view"
 """Key of the transient state `FedSI.evaluate_group` evaluates before personalisation."""
 POSTERIOR_PREFIX = "posterior."
+LOWRANK_PREFIX = "lowrank."
+"""Prefix of the personal posterior's truncated Woodbury factors (`FedSI.personalize`)."""
 STD_TOLERANCE = 1e-3
 """Relative slack of the ``std <= prior std`` check: float32 rounding of the broadcast
 variance and of the uploaded std is ~1e-7; 1e-3 only has to separate rounding from a lie."""
@@ -931,12 +938,32 @@ class FedSI(Strategy):
         # GGN: 123 MB at |S| = 3,925); kept as they are, not copied
         kept = {f"{POSTERIOR_PREFIX}{k}": v.detach()
                 for k, v in terms.items() if k != "mean"}
+        kept.update(self.lowrank_terms(model, batches, variance, subnet))
         personalized = {**model_state(model), **kept,
                         PERSONALIZED: torch.ones(1, dtype=torch.bool)}
         if self.head is None:
             return personalized
         return with_head_posterior(self.head, personalized, model, data, self.num_classes,
                                    config.client_id)
+
+    def lowrank_terms(self, model: nn.Module, batches: list, variance: Tensor,
+                      subnet: Tensor | None) -> dict[str, Tensor]:
+        """The same subnet posterior in the truncated Woodbury form of the upload
+        (`inference.subnet.lowrank.subnet_lowrank_posterior`, keys under
+        `LOWRANK_PREFIX`), which `predict` uses for the GLM-probit predictive instead of
+        factorising the dense |S| x |S| precision (each logit variance within ``1e-12 |z|^2``
+        of the dense one, `inference.subnet.lowrank`); empty where that route does not
+        apply (another posterior, head or predictive; a subnet outside Linear layers)."""
+        if (subnet is None or self.posterior_kind != "subnet_full" or self.head is not None
+                or self.predictive != "glm_probit"):
+            return {}
+        prior = variance.to(torch.float64).reciprocal()
+        subnet = subnet.to("cpu", torch.int64)
+        factors = subnet_lowrank_posterior(model, batches, subnet,
+                                           prior[subnet.to(prior.device)])
+        if factors is None:
+            return {}
+        return {f"{LOWRANK_PREFIX}{k}": factors[k] for k in LOWRANK_KEYS}
 
     def fine_tuned(self, config: ClientConfig, state: ClientState, data: ClientData,
                    mean: Tensor, generator: torch.Generator) -> nn.Module:
@@ -990,6 +1017,15 @@ class FedSI(Strategy):
             logits = batched_apply(self.model_at(config, state, mean), x)
             probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
             return {PREDICTIVE: probs, MAP_PLUGIN: probs}
+        if f"{LOWRANK_PREFIX}Y" in state:  # glm_probit, no head (`lowrank_terms`)
+            model = self.client_model(config, state)
+            model.head.requires_grad_(False)
+            factors = {k: state[f"{LOWRANK_PREFIX}{k}"] for k in LOWRANK_KEYS}
+            fast = lowrank_predict_proba(model, body_vector(model), factors, x,
+                                         chunk_size=self.curvature_batch)
+            if fast is not None:
+                return {PREDICTIVE: fast[0].to("cpu", torch.float64),
+                        MAP_PLUGIN: fast[1].to("cpu", torch.float64)}
         posterior = self.personal_posterior(config, state)
         head = None if self.head is None else head_posterior(self.head, state)
         if head is not None:  # head=KIND: its predictive, beside the network's plug-in

@@ -18,7 +18,10 @@ from inference.subnet.diagonal import softmax_hessian_sqrt
 from inference.subnet.lowrank import (
     _sample_factors,
     _unit_factors,
+    lowrank_logit_variance,
+    lowrank_predict_proba,
     softmax_hessian_sqrt_reduced,
+    subnet_lowrank_posterior,
     subnet_marginal_variance,
 )
 
@@ -172,3 +175,73 @@ def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(mo
         assert bool((drop <= bound + 1e-12 * v).all())
         assert float((drop / bound).max()) > 1e-4  # something was dropped
     assert ranks[1] < k and ranks[2] < ranks[1]
+
+
+def _dense_logit_variance(posterior, x):
+    """The dense posterior's linearised logit variances (B, C): the triangular solve on the
+    full subnet Jacobian (`SubnetLaplacePosterior._logit_variance`), an independent route."""
+    Jt, _ = posterior._subnet_jacobian()(x, column_scale=posterior._solve_scale)
+    return posterior._logit_variance(Jt)
+
+
+@pytest.mark.parametrize("truncation", [0.0, 1e-12])
+def test_lowrank_logit_variances_and_predictive_equal_the_dense_posteriors(truncation):
+    # float64 model: both routes sum the same float64 terms in another order (the dense one
+    # factorises the S x S precision, this one the m x m truncated kernel); the truncation's
+    # bound, 1e-12 |z|^2 (test below), is far smaller: 1e-10 relative, as the marginals'
+    model = _wide_mlp()
+    loader = _data(10)
+    P = flat_trainable_parameters(model).numel()
+    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
+    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
+    idx = torch.tensor(sorted(first + second))
+    factors = subnet_lowrank_posterior(model, loader, idx, prior[idx], truncation=truncation)
+    assert factors is not None
+    torch.testing.assert_close(factors["variance"],
+                               subnet_marginal_variance(model, loader, idx, prior[idx]),
+                               rtol=1e-10, atol=0)
+    dense = fit_subnet_laplace(model, loader, idx, prior).bind(model)
+    x = torch.randn(37, 20, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    mean = flat_trainable_parameters(model)
+    f_var, logits = lowrank_logit_variance(model, mean, factors, x, rows=5)
+    expected = _dense_logit_variance(dense, x)
+    torch.testing.assert_close(f_var, expected, rtol=1e-10, atol=0)
+    assert float(expected.min()) > 0
+    probit, plugin = lowrank_predict_proba(model, mean, factors, x, chunk_size=8)
+    torch.testing.assert_close(probit, dense.predict_proba(x, "glm_probit", chunk_size=8),
+                               rtol=1e-12, atol=1e-14)
+    # the plug-in: the same logits through the same chunks, bit for bit
+    assert torch.equal(plugin, dense.predict_proba(x, "map", chunk_size=8))
+    assert torch.equal(logits, dense._subnet_jacobian().logits(x))
+
+
+def test_lowrank_logit_variances_move_within_the_truncation_bound():
+    # Sigma_t = D^-1 - D^-1 W K_t^-1 W^T D^-1 with K_t <= K: the logit variance of J_o moves
+    # down by 0 <= z^T (K_t^-1 - K^-1) z <= tau |K_t^-1 z|^2 <= tau |z|^2, z = W^T D^-1 J_o^T,
+    # |z|^2 = J_o D^-1 H D^-1 J_o^T from the dense GGN H (an independent computation). 1e-12
+    # relative slack for the two routes' rounding, as for the marginals.
+    model, loader, idx, prior = _collinear_case()
+    dense = fit_subnet_laplace(model, loader, idx, prior).bind(model)
+    mean = flat_trainable_parameters(model)
+    x = torch.randn(11, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64) @ \
+        torch.randn(2, 20, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    v = _dense_logit_variance(dense, x)
+    Jt, _ = dense._subnet_jacobian()(x)  # (S, C, B)
+    Dinv = prior[idx].reciprocal()
+    u = Jt * Dinv[:, None, None]
+    z2 = torch.einsum("scb,st,tcb->bc", u, dense.ggn, u)
+    for tau in (1.0, 10.0):
+        factors = subnet_lowrank_posterior(model, loader, idx, prior[idx], truncation=tau)
+        f_var, _ = lowrank_logit_variance(model, mean, factors, x)
+        drop = v - f_var
+        assert bool((drop >= -1e-12 * v).all())
+        assert bool((drop <= tau * z2 + 1e-12 * v).all())
+        assert float(drop.max()) > 1e-12 * float(v.max())  # something was dropped
+
+
+def test_lowrank_logit_variance_declines_what_it_cannot_factor():
+    cnn = make_cnn().eval()
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    prior = torch.ones(5, dtype=torch.float64)
+    assert subnet_lowrank_posterior(cnn, make_loader(x, 4), torch.arange(5), prior) is None

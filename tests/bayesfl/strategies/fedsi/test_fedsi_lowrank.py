@@ -5,7 +5,7 @@ are the dense posterior's: the same float64 algebra, rounded to float32 for the 
 ~1e-12)."""
 
 import torch
-from strategy_helpers import run_round
+from strategy_helpers import run_round, wire
 
 import bayesfl.strategies.fedsi.fedsi as fedsi_module
 from bayesfl.strategies.fedsi.fedsi import FedSI
@@ -32,3 +32,27 @@ def test_woodbury_upload_equals_the_dense_posteriors(build, monkeypatch):
         assert torch.equal(a.tensors["mean"], b.tensors["mean"])
         assert bool(((a.tensors["std"] == 0) == (b.tensors["std"] == 0)).all())
         torch.testing.assert_close(a.tensors["std"], b.tensors["std"], rtol=1e-6, atol=0)
+
+
+def test_personal_predictive_by_woodbury_equals_the_dense_posteriors(build):
+    # personalize keeps the posterior's truncated Woodbury factors as well (lowrank.*) and
+    # predict's GLM probit uses them instead of factorising the dense |S| x |S| precision.
+    # float32 network: the dense route's logit variances are float32 sums (the factored
+    # predictive's), the Woodbury route's float64 cast to float32, so the probabilities
+    # agree to float32 rounding of kappa f (1e-6 absolute); the plug-in is the same softmax of
+    # the same logits, bit for bit.
+    strategy, clients, state = build("fedsi", subnet_fraction=0.5)  # r < S for some
+    for r in (1, 2):
+        state, _ = run_round(strategy, clients, state, r)
+    down = wire(strategy.configure_evaluation(state, 2))
+    used = 0
+    for c in clients:
+        personal = strategy.personalize(c.config, c.state, c.data, down,
+                                        torch.Generator().manual_seed(0))
+        fast = strategy.predict(c.config, personal, down, c.data.test_x)
+        used += "lowrank.Y" in personal
+        dense_state = {k: v for k, v in personal.items() if not k.startswith("lowrank.")}
+        dense = strategy.predict(c.config, dense_state, down, c.data.test_x)
+        assert torch.equal(fast["map_plugin"], dense["map_plugin"])
+        torch.testing.assert_close(fast["predictive"], dense["predictive"], rtol=0, atol=1e-6)
+    assert used >= 2
