@@ -46,6 +46,20 @@ against r^3 for K's Cholesky and inverse and ``n^2 J^2 U`` for forming K; and ag
 (`SubnetLaplacePosterior`). FedSI's upload needs only these variances, every client every
 round; at |S| = 3,925 and n = 250, r is 500-2,250.
 
+The predictive (`subnet_lowrank_posterior`, `lowrank_logit_variance`; FedSI's personal
+posterior, issue 41). The same truncated kernel defines a Gaussian, ``Sigma_t = D^{-1} - D^{-1}
+W K_t^{-1} W^T D^{-1}``, whose marginals are the variances above; a logit o of a new input with
+Jacobian row ``J_o[s] = G[o, u_s] A_x[s]`` has the linearised variance ``J_o Sigma_t J_o^T =
+J_o D^{-1} J_o^T - |z|^2 + |Y^T z|^2``, ``z = W^T D^{-1} J_o^T``, ``z[(b, j)] = sum_u F_b[u, j]
+G[o, u] N_u[b, x]`` with ``N_u[b, x] = sum_{s in u} A[b, s] A_x[s] / D_s`` (the training x new
+inputs Gram of the prior covariance, per unit). Kept: A, F, Y and 1/D (n S + n U J + n J m
+numbers, ~30 MB on S1 against the S x S GGN's 123 MB); per input ``n S`` for N, ``C U n J``
+for z and ``C n J m`` for ``Y^T z``, against the dense route's ``S^3 / 3`` Cholesky, ``S^3 / 3``
+triangular inverse and ``S^2`` per input. Bound, as for the marginals: ``K = K_t + Delta``
+gives ``0 <= J_o (Sigma - Sigma_t) J_o^T = z^T (K_t^{-1} - K^{-1}) z <= trace(Delta) |K_t^{-1}
+z|^2 <= truncation |z|^2`` (``K_t >= I``). On S1's personal posteriors (float64, the
+posteriors of a 3-round run) the logit variances equal the dense route's to 8e-16 relative.
+
 Same algebra as the dense route in float64 (A and G, like the dense route's, come in the model's
 dtype). The subtraction loses relative accuracy where the data shrink an entry's variance far
 below its prior's (``1 / D_s``); where that ratio exceeds `MAX_SHRINKAGE` the function
