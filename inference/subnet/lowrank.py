@@ -211,12 +211,16 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     unit_F = torch.where(root[..., None] > 0, F / root.clamp_min(1e-300)[..., None], 0.0)
     g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U)
     # C[(b, j), i] = F^_b[unit_i, j] T[b, i] (n J, m): E_t = C C^T. Its Gram (m, m) by unit
-    # blocks, C_u^T C_v = T_u^T diag(g[:, u, v]) T_v (n m^2, not n J m^2)
-    gram = T.new_empty(m, m)
+    # blocks, C_u^T C_v = T_u^T diag(g[:, u, v]) T_v (n m^2, not n J m^2); the units' columns
+    # are consecutive, and only the lower triangle is formed (v <= u: the Cholesky reads no
+    # other; the upper stays zero)
+    gram = T.new_zeros(m, m)
+    ends = torch.bincount(unit, minlength=U).cumsum(0).tolist()
     for u in range(U):
-        cols = (unit == u).nonzero().flatten()
-        if cols.numel():
-            gram[cols] = T[:, cols].T @ (T * g[:, u, unit])
+        end = ends[u]
+        start = ends[u - 1] if u else 0
+        if end > start:
+            gram[start:end, :end] = T[:, start:end].T @ (T[:, :end] * g[:, u, unit[:end]])
     gram.diagonal().add_(1.0)
     chol, info = torch.linalg.cholesky_ex(gram)
     if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
