@@ -1,6 +1,7 @@
 """The published tables of issues 40 and 41, generated from the stored runs in ``bench/results/``.
 
-Each table lies in ``docs/results.md``, ``docs/seeds.md`` or ``README.md`` (``PAGES``) between
+Each table lies in ``docs/results.md``, ``docs/seeds.md``, ``docs/inference.md``,
+``docs/calibration.md`` or ``README.md`` (``PAGES``) between
 ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``python bench/published_tables.py`` prints
 every table, ``--write`` replaces the blocks in those pages, and
 ``tests/bench/test_published_tables.py`` fails when a page and the caches disagree.
@@ -33,6 +34,10 @@ Tables:
 * ``heads_calibration`` (``heads_calibration.jsonl``, ``bench/heads_calibration.py``):
   docs/inference.md's table of every feature head against the network's softmax on digits,
   and each head's acceptance at every seed (issue 12).
+* ``temperature_scaling`` (``temperature_scaling.jsonl``, ``bench/temperature_scaling.py``):
+  docs/calibration.md's table of federated temperature scaling at the end of a FedLog run on
+  digits (T, ECE/NLL/Brier before and after, the step's bytes) and at how many seeds each claim
+  holds.
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run
@@ -63,8 +68,9 @@ PAGE = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 SEEDS = ROOT / "docs" / "seeds.md"
 INFERENCE = ROOT / "docs" / "inference.md"
+CALIBRATION = ROOT / "docs" / "calibration.md"
 #: Every page whose table blocks are generated here.
-PAGES = (PAGE, README, SEEDS, INFERENCE)
+PAGES = (PAGE, README, SEEDS, INFERENCE, CALIBRATION)
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -386,6 +392,74 @@ def heads_calibration_table(records: list[dict] | None = None) -> str:
                         if len(passed) < len(seeds) else ")"))
     return "\n".join(lines) + "\n\n" + source_line("heads_calibration.jsonl",
                                                     [newest[s] for s in seeds], seeds)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/calibration.md: federated temperature scaling (bench/temperature_scaling.py), a table that
+# was typed by hand.
+# ---------------------------------------------------------------------------------------------
+
+#: The largest share of the run's upload the temperature step may take to count as "a small
+#: part of the run's traffic" (docs/calibration.md).
+TEMPERATURE_SHARE = 0.05
+
+
+def _count_verdict(claim: str, held: list, everything: list, unit: str,
+                   name: str = "") -> str:
+    """``- CLAIM: **holds at k of n UNIT**`` and, where it is not all of them, the ones where it
+    does not hold (each as ``NAME`` and itself: ``seed 2``)."""
+    missed = [f"{name}{x}" for x in everything if x not in held]
+    return (f"- {claim}: **holds at {len(held)} of {len(everything)} {unit}**"
+            + (f" (does not hold at {', '.join(missed)})." if missed else "."))
+
+
+def temperature_scaling_table(records: list[dict] | None = None) -> str:
+    """docs/calibration.md's table of federated temperature scaling at the end of a FedLog run
+    on digits (``bench/temperature_scaling.py``), the newest run of each seed: T, the pooled
+    test figures before → after and the step's bytes; then per claim (scaling lowers the test
+    NLL, the ECE, the Brier score; keeps the accuracy; its upload is at most
+    `TEMPERATURE_SHARE` of the run's) at how many seeds it holds."""
+    records = read_jsonl(RESULTS / "temperature_scaling.jsonl") if records is None else records
+    newest: dict[int, tuple[dict, dict]] = {}
+    for record in records:
+        for row in record["rows"]:
+            newest[row["seed"]] = (row, record)
+    if not newest:
+        return _none_yet("temperature_scaling.jsonl")
+    seeds = sorted(newest)
+    first = newest[seeds[0]][1]
+    rows = [newest[s][0] for s in seeds]
+    tests = sorted({r["test_rows"] for r in rows})
+    lines = [f"`{first['strategy']}` on `{first['dataset']}`, {first['clients']} clients, "
+             f"`{first['partition']}`, {first['rounds']} rounds, "
+             f"`calibrate=\"{first['calibrate']}\"`; pooled test rows per seed: "
+             f"{', '.join(map(str, tests))}:", "",
+             "| seed | T | accuracy before → after | ECE before → after | NLL before → after | "
+             "Brier before → after | step bytes up / down | step's share of the run's upload |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, a = r["before"], r["after"]
+        lines.append(f"| {r['seed']} | {r['temperature']:.2f} | {b['accuracy']:.4f} → "
+                     f"{a['accuracy']:.4f} | {b['ece']:.4f} → {a['ece']:.4f} | "
+                     f"{b['nll']:.3f} → {a['nll']:.3f} | {b['brier']:.4f} → {a['brier']:.4f} | "
+                     f"{r['step_bytes_up']:,} / {r['step_bytes_down']:,} | "
+                     f"{r['step_bytes_up'] / r['run_bytes_up']:.1%} |")
+    lines += ["", "Claims, per seed (pooled test rows, before → after scaling):", ""]
+    for claim, key in (("temperature scaling lowers the test NLL", "nll"),
+                       ("it lowers the ECE", "ece"), ("it lowers the Brier score", "brier")):
+        lines.append(_count_verdict(claim, [r["seed"] for r in rows
+                                            if r["after"][key] < r["before"][key]],
+                                    seeds, "seeds", "seed "))
+    lines.append(_count_verdict("it keeps the accuracy", [
+        r["seed"] for r in rows if r["after"]["accuracy"] == r["before"]["accuracy"]],
+        seeds, "seeds", "seed "))
+    lines.append(_count_verdict(
+        f"the step uploads at most {TEMPERATURE_SHARE:.0%} of the run's bytes",
+        [r["seed"] for r in rows
+         if r["step_bytes_up"] <= TEMPERATURE_SHARE * r["run_bytes_up"]], seeds, "seeds",
+        "seed "))
+    used = list({id(newest[s][1]): newest[s][1] for s in seeds}.values())
+    return "\n".join(lines) + "\n\n" + source_line("temperature_scaling.jsonl", used, seeds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1753,6 +1827,7 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
           "head_exact": head_exact_table, "head_prior": head_prior_table,
           "heads_calibration": heads_calibration_table,
+          "temperature_scaling": temperature_scaling_table,
           "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
           "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
           "fedlog_checks": fedlog_checks_table,

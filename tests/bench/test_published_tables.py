@@ -501,3 +501,34 @@ def test_the_heads_table_shows_the_first_seed_and_each_heads_acceptance_at_every
     assert "| laplace | default | 0.9700 | 0.0200 | 0.0900 | 0.980 | 1.12x |" in table
     assert "- laplace: **holds** (accepted at 2 of 2 seeds)" in table
     assert "- conjugate: **does not hold** (accepted at 0 of 2 seeds; not at 0, 1)" in table
+
+
+def test_the_temperature_table_shows_each_seeds_newest_run_and_counts_the_seeds_per_claim():
+    from bench.published_tables import temperature_scaling_table
+
+    def scores(ece: float, nll: float, brier: float) -> dict:
+        return {"accuracy": 0.98, "ece": ece, "nll": nll, "brier": brier}
+
+    def row(seed: int, ece_after: float) -> dict:
+        return {"seed": seed, "temperature": 2.5, "test_rows": 445,
+                "before": scores(0.02, 0.14, 0.04), "after": scores(ece_after, 0.07, 0.03),
+                "step_bytes_up": 44_800, "step_bytes_down": 44_000,
+                "run_bytes_up": 3_000_000}
+
+    def record(rows: list[dict]) -> dict:
+        return {**PROVENANCE, "seeds": [r["seed"] for r in rows], "strategy": "fedlog",
+                "dataset": "digits", "clients": 20, "partition": "shards:2", "rounds": 30,
+                "calibrate": "temperature:0.2", "rows": rows}
+
+    # seed 1's first run (ECE down) is replaced by its newest (ECE up)
+    table = temperature_scaling_table([record([row(0, 0.01), row(1, 0.01)]),
+                                       record([row(1, 0.03), row(2, 0.01)])])
+    assert table.startswith("`fedlog` on `digits`, 20 clients, `shards:2`, 30 rounds")
+    assert ("| 0 | 2.50 | 0.9800 → 0.9800 | 0.0200 → 0.0100 | 0.140 → 0.070 | "
+            "0.0400 → 0.0300 | 44,800 / 44,000 | 1.5% |") in table
+    assert "- temperature scaling lowers the test NLL: **holds at 3 of 3 seeds**." in table
+    assert ("- it lowers the ECE: **holds at 2 of 3 seeds** (does not hold at seed 1)."
+            in table)
+    assert "- it keeps the accuracy: **holds at 3 of 3 seeds**." in table
+    assert "(2 runs, seeds 0,1,2)" in table and "commit abc1234" in table
+
