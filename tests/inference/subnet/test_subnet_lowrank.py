@@ -245,3 +245,52 @@ def test_lowrank_logit_variance_declines_what_it_cannot_factor():
     x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
     prior = torch.ones(5, dtype=torch.float64)
     assert subnet_lowrank_posterior(cnn, make_loader(x, 4), torch.arange(5), prior) is None
+
+
+@pytest.mark.parametrize("projected", [True, False])
+def test_projected_route_and_its_fallback_give_the_dense_variances(monkeypatch, projected):
+    # the marginals by the unit bases (_projected_variance) or, where its a-posteriori bound
+    # is refused (forced here by a negative tolerance), by the Y route: both equal the dense
+    # posterior's to 1e-10 relative (float64, the same algebra in another order)
+    import inference.subnet.lowrank as lowrank
+
+    used = []
+    original = lowrank._projected_variance
+
+    def spy(*args):
+        out = original(*args)
+        used.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lowrank, "_projected_variance", spy)
+    if not projected:
+        monkeypatch.setattr(lowrank, "PROJECTION_TOLERANCE", -1.0)
+    model = _wide_mlp()
+    loader = _data(10)
+    P = flat_trainable_parameters(model).numel()
+    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
+    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
+    idx = torch.tensor(sorted(first + second))
+    dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
+    out = subnet_marginal_variance(model, loader, idx, prior[idx])
+    assert used == [projected]
+    torch.testing.assert_close(out, dense, rtol=1e-10, atol=0)
+
+
+def test_projected_route_holds_its_bound_on_a_collinear_kernel():
+    # with tau = 1 and 10 unit directions are dropped, so eps_s is not rounding: whichever
+    # route runs, each variance is within its bound of the dense one; for the projected
+    # route: (tau |b|^2 + 2 |b| |eps| + |eps|^2) / D <= PROJECTION_TOLERANCE v (refused
+    # otherwise), for the Y route tau |b|^2 / D (test above). 1e-12 relative slack for
+    # rounding.
+    from inference.subnet.lowrank import PROJECTION_TOLERANCE
+
+    model, loader, idx, prior = _collinear_case()
+    dense = fit_subnet_laplace(model, loader, idx, prior)
+    v = dense.marginal_variance_subnet()
+    D = prior[idx]
+    for tau in (1e-12, 1.0, 10.0):
+        out = subnet_marginal_variance(model, loader, idx, D, truncation=tau)
+        bound = torch.maximum(tau * dense.ggn.diagonal() / D.square(), PROJECTION_TOLERANCE * v)
+        assert bool(((v - out).abs() <= bound + 1e-12 * v).all())
