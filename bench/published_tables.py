@@ -38,6 +38,9 @@ Tables:
   docs/calibration.md's table of federated temperature scaling at the end of a FedLog run on
   digits (T, ECE/NLL/Brier before and after, the step's bytes) and at how many seeds each claim
   holds.
+* ``conformal_methods`` (``s1_conformal.jsonl``, ``bench/s1_conformal.py``):
+  docs/calibration.md's table of the three federated conformal thresholds, what each
+  guarantees and uploads in S1, and each one's coverage claim over S1's rows.
 * ``conjugate``, ``subnet_laplace``, ``fedsi`` (``bench/conjugate.py``,
   ``bench/subnet_laplace.py``, ``bench/fedsi.py``: the timing benches that gate the inference
   layer) and ``calibration``, ``simulate_scale``, ``flower`` (their benches): the newest run
@@ -395,8 +398,8 @@ def heads_calibration_table(records: list[dict] | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# docs/calibration.md: federated temperature scaling (bench/temperature_scaling.py), a table that
-# was typed by hand.
+# docs/calibration.md: federated temperature scaling (bench/temperature_scaling.py) and the three
+# federated conformal thresholds (bench/s1_conformal.py), tables that were typed by hand.
 # ---------------------------------------------------------------------------------------------
 
 #: The largest share of the run's upload the temperature step may take to count as "a small
@@ -460,6 +463,113 @@ def temperature_scaling_table(records: list[dict] | None = None) -> str:
         "seed "))
     used = list({id(newest[s][1]): newest[s][1] for s in seeds}.values())
     return "\n".join(lines) + "\n\n" + source_line("temperature_scaling.jsonl", used, seeds)
+
+
+#: The three federated conformal thresholds (``--conformal SCORE:ALPHA[:METHOD]``): what each
+#: guarantees and under which assumption (calibration.federated_conformal).
+CONFORMAL_METHODS = (
+    ("exact", "`exact` (default)", "the pooled split-conformal threshold, bit for bit: "
+     "coverage ≥ 1 − α", "pooled calibration rows exchangeable with the test row (any client "
+     "heterogeneity)"),
+    ("sketch", "`sketch`", "a threshold ≥ the pooled one: coverage ≥ 1 − α, and ≤ (k + D)/(N + 1)"
+     " (stated per run)", "the same as `exact`"),
+    ("one-shot", "`one-shot` (FedCP-QQ)", "coverage ≥ its stated bound M(l, k) ≥ 1 − α",
+     "every client's rows exchangeable with every other's (IID clients)"))
+
+
+def conformal_methods_table(records: list[dict] | None = None) -> str:
+    """docs/calibration.md's table of the three federated conformal thresholds: their
+    guarantees, and from ``bench/s1_conformal.py``'s newest S1 runs at 30 rounds that measured
+    all three (each seed and score): the bytes and messages a client uploads and the bytes a
+    client receives; then each threshold's coverage claim over the (score, predictive, α) rows,
+    by `s1_conformal_table`'s rules (mean ± standard error over the seeds: exact within ±1.5
+    points of 1 − α; the sketch's mean within its stated bounds and FedCP-QQ's not below its
+    bound by more than two standard errors), the sketch's coverage against the exact
+    threshold's in every run, and the uploads' order."""
+    records = read_jsonl(RESULTS / "s1_conformal.jsonl") if records is None else records
+    runs: dict[tuple[str, int, str], dict] = {}
+    for r in records:
+        if r.get("rounds") == 30 and {e["method"] for e in r["results"]} >= {
+                m for m, *_ in CONFORMAL_METHODS}:
+            runs[(r["label"], r["seed"], r.get("score", "aps"))] = r  # the newest counts
+    if not runs:
+        return "No S1 runs with all three thresholds in `bench/results/s1_conformal.jsonl` yet.\n"
+
+    def entries(method: str) -> list[dict]:
+        return [e for r in runs.values() for e in r["results"] if e["method"] == method]
+
+    def spread(values: list[float]) -> str:
+        low, high = min(values), max(values)
+        return f"{low:,.0f}" if low == high else f"{low:,.0f}–{high:,.0f}"
+
+    any_run = next(iter(runs.values()))
+    clients = len(any_run["results"][0]["predictives"]["predictive"]["clean"]["per_client"])
+    held = sorted({r["held_out_rows"] // clients for r in runs.values()})
+    labels = sorted({label for label, _, _ in runs})
+    lines = [f"S1 ({', '.join(labels)}; {clients} clients, "
+             f"{', '.join(map(str, held))} held-out rows a client; every seed, score and α of "
+             f"`bench/results/s1_conformal.jsonl` that ran all three):", "",
+             "| method | guarantee | under which assumption | bytes up per client (S1) | "
+             "messages up per client | bytes down per client |", "|---|---|---|---|---|---|"]
+    upload = {}
+    for method, name, guarantee, assumption in CONFORMAL_METHODS:
+        got = entries(method)
+        upload[method] = max(e["bytes_up_per_client"] for e in got)
+        lines.append(f"| {name} | {guarantee} | {assumption} | "
+                     f"{spread([e['bytes_up_per_client'] for e in got])} | "
+                     f"{spread([e['steps'] for e in got])} | "
+                     f"{spread([e['bytes_down'] / clients for e in got])} |")
+    # the coverage claims per (label, score, predictive, alpha) row, over its seeds
+    rows: dict[tuple, dict[str, list[dict]]] = {}
+    for (label, _, score), r in runs.items():
+        for e in r["results"]:
+            for key, p in e["predictives"].items():
+                rows.setdefault((label, score, key, e["alpha"]), {}).setdefault(
+                    e["method"], []).append(p)
+    held_rows: dict[str, list[str]] = {"exact": [], "sketch": [], "one-shot": []}
+    names = {"predictive": "headline", "map_plugin": "plug-in"}
+    every = []
+    for (label, score, key, alpha), by_method in sorted(rows.items()):
+        row = (f"{score.upper()} {names.get(key, key)} α = {alpha:g}"
+               + (f" ({label})" if len(labels) > 1 else ""))
+        every.append(row)
+        for method, got in by_method.items():
+            mean, se = _mean_and_se([p["clean"]["coverage"] for p in got])
+            if method == "exact":
+                ok = abs(mean - (1 - alpha)) <= 0.015
+            elif method == "sketch":
+                ok = (mean + 2 * se >= min(p["coverage_bound"] for p in got)
+                      and mean - 2 * se <= max(p["coverage_upper_bound"] for p in got))
+            else:
+                ok = mean + 2 * se >= min(p["coverage_bound"] for p in got)
+            if ok:
+                held_rows[method].append(row)
+    pairs = {f"seed {seed} {score.upper()} {names.get(key, key)} α = {alpha:g}"
+             + (f" ({label})" if len(labels) > 1 else ""):
+             (p["clean"]["coverage"], q["clean"]["coverage"])
+             for (label, seed, score), r in sorted(runs.items())
+             for alpha in sorted({e["alpha"] for e in r["results"]})
+             for key in r["results"][0]["predictives"]
+             for (_, p), (_, q) in [(_conformal_entry(r, alpha, "sketch", key),
+                                     _conformal_entry(r, alpha, "exact", key))] if p and q}
+    above = [run for run, (sketch, exact) in pairs.items() if sketch >= exact]
+    unit = "score × predictive × α rows (mean over the seeds)"
+    ordered = upload["one-shot"] < upload["sketch"] < upload["exact"]
+    lines += ["", "Claims, clean test rows (the rules of the S1 conformal table on the results "
+              "page):", "",
+              _count_verdict("`exact`: pooled coverage within ±1.5 points of 1 − α",
+                             held_rows["exact"], every, unit),
+              _count_verdict("`sketch`: pooled coverage within its stated bounds",
+                             held_rows["sketch"], every, unit),
+              _count_verdict("`one-shot`: pooled coverage at or above its stated bound (not "
+                             "more than two standard errors below it)",
+                             held_rows["one-shot"], every, unit),
+              _count_verdict("`sketch`: pooled coverage at or above the exact threshold's",
+                             above, list(pairs),
+                             "runs (seed × score × predictive × α)"),
+              "- a client uploads less with `sketch` than with `exact`, and less with "
+              f"`one-shot` than with `sketch`: **{'holds' if ordered else 'does not hold'}**."]
+    return "\n".join(lines) + "\n\n" + source_line("s1_conformal.jsonl", list(runs.values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1828,6 +1938,7 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "head_exact": head_exact_table, "head_prior": head_prior_table,
           "heads_calibration": heads_calibration_table,
           "temperature_scaling": temperature_scaling_table,
+          "conformal_methods": conformal_methods_table,
           "fedlog_vs_fedavg": fedlog_vs_fedavg_table,
           "fedlog_vs_fedavg_readme": fedlog_vs_fedavg_readme_table,
           "fedlog_checks": fedlog_checks_table,

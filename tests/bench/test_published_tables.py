@@ -532,3 +532,42 @@ def test_the_temperature_table_shows_each_seeds_newest_run_and_counts_the_seeds_
     assert "- it keeps the accuracy: **holds at 3 of 3 seeds**." in table
     assert "(2 runs, seeds 0,1,2)" in table and "commit abc1234" in table
 
+
+def test_the_conformal_methods_table_reads_bytes_and_judges_each_thresholds_coverage():
+    from bench.published_tables import conformal_methods_table
+
+    def run(seed: int, exact: float, sketch: float, shot: float) -> dict:
+        def figures(coverage: float, low=None, up=None) -> dict:
+            return {"coverage_bound": low, "coverage_upper_bound": up,
+                    "clean": {"coverage": coverage, "per_client": [coverage] * 10}}
+
+        return {"label": "M", "score": "lac", "seed": seed, "rounds": 30,
+                "held_out_rows": 500, **PROVENANCE, "results": [
+                    {"alpha": 0.1, "method": "exact", "bytes_up_per_client": 11152.0,
+                     "steps": 17, "bytes_down": 99840,
+                     "predictives": {"predictive": figures(exact)}},
+                    {"alpha": 0.1, "method": "sketch", "bytes_up_per_client": 928.0,
+                     "steps": 1, "bytes_down": 3520,
+                     "predictives": {"predictive": figures(sketch, 0.9002, 0.92)}},
+                    {"alpha": 0.1, "method": "one-shot", "bytes_up_per_client": 392.0,
+                     "steps": 1, "bytes_down": 4160,
+                     "predictives": {"predictive": figures(shot, 0.91)}}]}
+
+    # a run without the sketch is left out; exact 0.900 ± 0.010 (within 1.5 points); sketch
+    # 0.910 ± 0.010 in [0.9002, 0.92]; FedCP-QQ 0.870 ± 0.010, 4 SE below its 0.91: fails;
+    # seed 1's sketch (0.90) below its exact (0.91)
+    old = run(5, 0.9, 0.9, 0.9)
+    old["results"] = old["results"][:1]
+    table = conformal_methods_table([old, run(0, 0.89, 0.92, 0.86), run(1, 0.91, 0.90, 0.88)])
+    assert table.startswith("S1 (M; 10 clients, 50 held-out rows a client;")
+    assert "| 11,152 | 17 | 9,984 |" in table and "| 928 | 1 | 352 |" in table
+    assert "| 392 | 1 | 416 |" in table
+    assert ("within ±1.5 points of 1 − α: **holds at 1 of 1 score × predictive × α rows"
+            in table)
+    assert "within its stated bounds: **holds at 1 of 1 " in table
+    assert "its stated bound (not more than two standard errors below it): **holds at 0 of 1" \
+        in table and "(does not hold at LAC headline α = 0.1)." in table
+    assert ("at or above the exact threshold's: **holds at 1 of 2 runs (seed × score × "
+            "predictive × α)** (does not hold at seed 1 LAC headline α = 0.1).") in table
+    assert "and less with `one-shot` than with `sketch`: **holds**." in table
+    assert "(2 runs): CPU Test" in table
