@@ -26,37 +26,35 @@ strategy has a global head (one every client shares: the averaged head of FedAvg
 LG-FedAvg, FedBABU's never-trained initial head) ``head_prior="global"`` centres the prior on it
 instead, letting the evidence decide how far the client's head may move from the federation's; a
 personal head (FedPer, FedRep) has no global counterpart and is always zero-centred. Zero is the
-default by measurement on S1 (below), seed 0, ECE / NLL: FedAvg-FT plug-in .0442 / .3112,
-``head_prior="zero"`` .0130 / .1751, ``"global"`` .0425 / .3167; LG-FedAvg plug-in .0760 /
-.7902, ``"zero"`` .0314 / .2780, ``"global"`` .0724 / .6646. The global prior is barely better
-than the plug-in (presumably the evidence keeps the head near the global one, as sharp as the
+default by measurement on S1 (below): with the global prior FedAvg-FT's head is about as
+calibrated as its plug-in, with the zero-centred one far better (the generated S1 tables of the
+docs' results page: the ``head_prior=global`` rows of the full S1 table, the FedAvg-FT +
+head=laplace rows of the shift table); LG-FedAvg's seed-0 figures for both priors are in commit
+``09e60cb``'s message (issue 25; not stored). The global prior changes little against the
+plug-in (presumably the evidence keeps the head near the global one, as sharp as the
 network's). The client's trained (or fine-tuned) head is not reused, neither as the mode nor as
 the prior mean: ``fit_head`` refits the mode on the same features under the prior, so the
 predictive is exactly ``fit_head``'s. (Centring the prior on FedPer's own trained head
 double-counts the client's data: on S1, seed 0, the evidence chose the largest precision of its
-range, 1e4, for each client measured (7 of 10), so the posterior collapsed onto the trained
-head: the plug-in.) The other kinds' fitters take only a number as the prior mean: they keep
-their own priors.
+range for every client measured, so the posterior collapsed onto the trained head: the
+plug-in; measured at ``24761ae``, in its message, and ``214e1c1``, issue 25, not stored.)
+The other kinds' fitters take only a number as the prior mean: they keep their own priors.
 
 **Settings.** ``head_options`` go to ``fit_head`` unchanged (e.g. ``{"structure": "lowrank",
 "rank": 50}`` for a head too large for a full precision, ``{"prior_precision": 1.0}``), checked
 when the strategy is built. The Laplace default is ``structure="full"``: ``"diag"``'s
-KL-optimal solver fails with a NumericalError on about a third of plain inputs (issue 26).
+KL-optimal solver fails with a NumericalError on many plain inputs (issue 26).
 
 **Measured** (S1, the FedSI paper's MNIST small regime: ``mnist-5k``, 10 clients x 5 labels x
 50 training images, ``mlp`` body, features of width 100, 5 local epochs of Adam at 1e-3, batch
-50, 30 rounds; FedPer with ``local_layers=1``; one thread). Plug-in (= plain FedPer) ->
-``head=laplace`` / ``head=conjugate``:
+50, 30 rounds; FedPer with ``local_layers=1``; one thread). FedPer with ``head=laplace``
+against its plug-in (plain FedPer), seeds 0-2: the "FedPer, `head=laplace`" rows of the full S1
+table on the docs' results page (generated from ``bench/results/s1_30_h200.jsonl``) and of its
+shift table (``bench/results/s1_shift.jsonl``). The ``head=conjugate`` figures typed here before
+(commit ``b5749be``, issue 25) are not stored; ``bench/heads_calibration.py`` compares every
+kind on digits (the heads table of the docs' inference page).
 
-====  ======================  ======================  ======================  ==================
-seed  accuracy                ECE                     NLL                     confidence
-====  ======================  ======================  ======================  ==================
-0     .9356 -> .9404 / .9280  .0493 -> .0133 / .0393  .4005 -> .1793 / .3105  .985 -> .950 / .963
-1     .9356 -> .9392 / .9252  .0508 -> .0097 / .0389  .4424 -> .1758 / .2882  .986 -> .948 / .964
-2     .9420 -> .9440 / .9320  .0440 -> .0113 / .0371  .3981 -> .1762 / .3212  .986 -> .951 / .966
-====  ======================  ======================  ======================  ==================
-
-No fit failed. What the Laplace head (d = 10 x 101 = 1010, full precision) costs a client —
+What the Laplace head (d = 10 x 101 = 1010, full precision) costs a client —
 its evidence search and the KL-optimal Gaussian — is measured by ``bench/s1_cost.py`` (whole
 S1 runs against FedPer's) and ``bench/laplace_head_speed.py`` (one fit against
 laplace-torch's), tabled in the docs' results page; the conjugate head costs a fraction of
@@ -65,8 +63,9 @@ that.
 **Failures.** A fit that fails for one client (an `inference.errors.InferenceError`: no
 convergence, degenerate features; a failed factorisation) does not stop the run: that client
 predicts with its plug-in, says why in a `HeadFitWarning`, and keeps the reason in its
-state (`fallback_reason`). The KL-optimal Gaussian's solver is the usual cause: with
-features of width 8 on digits it failed on 2 of 5 clients (seed 4; none at width 16).
+state (`fallback_reason`). The KL-optimal Gaussian's solver is the usual cause: narrow
+features make it likelier (on digits it failed for some clients at width 8 and for none at
+width 16; measured at ``b5749be``, issue 25, not stored).
 
 **State.** The head posterior is tensors in the client state (its ``state_dict()`` under
 ``head_posterior.``): a personalised state round-trips through safetensors (checkpoints, a
