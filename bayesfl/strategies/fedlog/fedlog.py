@@ -32,12 +32,12 @@ report the MAP plug-in $\mathrm{softmax}(W [1, \phi])$ beside it. ``predictive="
 (default) averages the softmax over ``mc_samples`` (256) draws of the posterior's Laplace
 approximation, seeded from the run seed and the round (every client of a round sees the same draws);
 ``"probit"`` uses the Laplace logit moments through the probit approximation; ``"map"`` is the
-plug-in. The default was chosen by measurement on digits (20 clients, ``shards:2``, ``mlp:200``, 30
-rounds, seeds 0-4, final round, 1,000 draws): the MC predictive had the lowest pooled ECE on
-all five seeds and the lowest NLL on four; probit was better than the plug-in on two seeds and
-worse on three (its one-dimensional probit correction is only an approximation of the
-multi-class integral). With ~1,300 training samples the posterior is concentrated and all three
-agree to about 1e-3 in NLL.
+plug-in. The default was chosen by measurement on digits (20 clients, ``shards:2``, ``mlp:200``,
+30 rounds, seeds 0-4, final round; commit ``c1b40d9``, not stored): the MC predictive was the
+best calibrated of the three, and probit was not reliably better than the plug-in (its
+one-dimensional probit correction is only an approximation of the multi-class integral). On
+digits the posterior is concentrated and the three agree closely (the generated FedLog checks
+on the docs' results page: the posterior predictive's NLL against its plug-in's).
 
 **Feature scale** (``feature_scale``). The model fixes the within-class standard deviation of
 $[1, s\phi]$ at $1/\sqrt 2$ (`inference.ConjugatePosterior`); the paper has s = 1
@@ -52,26 +52,24 @@ $\sum_y \lVert S_y\rVert^2 / n_y$ by Cauchy-Schwarz, at most $n d B^2$) and cach
 statistics for absent clients. The server keeps s in its state (reported as ``feature_scale`` in
 every round's metrics), solves the head at s, and sends s with the evaluation broadcast. DP variants
 keep s = 1 (Q would be a release outside the privacy budget); FedLog-C takes a fixed s only
-(`FedLogC`). Measured (final round, seeds 0, 1, 2):
+(`FedLogC`). Measured (final round):
 
-* digits, 10 clients, ``shards:2``, 8 rounds: s = 14.0, 14.9, 14.2 (these bodies' features are
-  small for the model, s = 1 is underconfident); NLL 0.103, 0.308, 0.115 -> 0.062, 0.276,
-  0.015; accuracy 0.989, 0.982, 0.993 -> 0.998, 0.987, 0.998. Under another CPU's rounding
-  (``ATEN_CPU_CAPABILITY=default``, seeds 0-3) s = 10.6-14.4, NLL 0.076, 0.359, 0.064, 0.087
-  -> 0.077, 0.133, 0.038, 0.062, accuracy never lower.
+* digits, 10 clients, ``shards:2``, 8 rounds: these bodies' features are small for the model
+  (s = 1 is underconfident) and the evidence puts s far above 1, with NLL and accuracy no worse
+  than at s = 1, under two CPU roundings: what
+  ``tests/bayesfl/strategies/fedlog/test_fedlog_feature_scale.py`` asserts (the per-seed
+  figures were typed at ``4c66c92`` and ``c071584``, not stored).
 * mnist-5k, 10 clients, ``labels:5:train=50``, ``mlp``, 5 epochs, 30 rounds (issue 25's S1):
-  s = 1.13, 1.07, 1.16; NLL 1.06, 1.22, 1.22 -> 0.98, 0.98, 0.87; accuracy 0.919, 0.908, 0.921 ->
-  0.920, 0.917, 0.926. It does not cure this over-confidence: the bodies fit their 250
-  training images (training NLL ~0 at s = 1), whose features have the model's within-class
-  variance (0.46 a coordinate against 1/2, seed 0), so the evidence keeps s near 1; test
-  images' features are as spread but fall near other classes' means. The s best for the test
-  NLL is 0.3-0.5 (NLL 0.29 at 0.39 on seed 0, chosen on the test set): no criterion of the
-  training features sees that, held-out data do. The run's temperature step on 4% of each
-  client's training images (``calibrate="temperature:0.04"``, 10 a client) reaches calibrated
-  NLL 0.34, 0.39, 0.33 (accuracy 0.914, 0.912, 0.923); with ``feature_scale="evidence"``
-  NLL 0.29, 0.43, 0.30, ECE 0.022, 0.060, 0.030, accuracy 0.919, 0.916, 0.928 (the run's
-  headline figures stay the uncalibrated ones; ``summary["calibration"]`` has these).
-  Holding out 10% cost accuracy (0.907, 0.901, 0.916 at NLL 0.35, 0.39, 0.35).
+  the ``feature_scale=evidence`` rows of the generated full S1 table on the docs' results page.
+  It does not cure this over-confidence: the bodies fit their 250 training images (training
+  NLL near 0 at s = 1), whose features have about the model's within-class variance, so the
+  evidence keeps s near 1; test images' features are as spread but fall near other classes'
+  means. The s best for the test NLL (chosen on the test set) is well below 1: no criterion of
+  the training features sees that, held-out data do. The run's temperature step on 4% of each
+  client's training images (``calibrate="temperature:0.04"``, 10 a client) lowers the NLL
+  without losing accuracy, alone and with ``feature_scale="evidence"`` (commit ``ab42cac``'s
+  message; the run's headline figures stay the uncalibrated ones; ``summary["calibration"]``
+  has these). Holding out 10% cost accuracy (``4c66c92``, not stored).
 
 **Held-out feature scale** (``feature_scale="heldout"``, **the default**; federated type-II
 choice by held-out likelihood). Every client keeps a stratified ``heldout_fraction`` (default
@@ -94,60 +92,50 @@ sums them apart (``heldout_statistics``, ``heldout_num_samples`` in its state) a
 evaluation posterior is that of *every* training example at the chosen s: statistics = kept +
 slices (`FedLog.configure_evaluation`). So the choice of s costs no example of the
 posterior; the bodies still never train on the slices (they stay held out for the next round's
-choice). The upload doubles (S1: 4.5 kB -> 9.0 kB an upload, 1.38 MB -> 2.79 MB a run, 2.9% of
-FedAvg's), counted like every other byte.
+choice). The upload doubles (a second (C, m) table), counted like every other byte.
 
 The bodies keep training through the head at s = 1: trained through the chosen s, a body grows
-its features to undo it, and the choice chased them down (S1, seed 0: s fell every round, 0.40
--> 0.031 at round 18, the grid's end, and the NLL rose from 0.26 to 0.48 by round 30). Through
-s = 1 the choice settles (0.31-0.34 from round 5 on seed 0) and the calibration holds.
+its features to undo it, and the choice chased them down (S1, seed 0: s fell every round to
+the grid's end and the NLL rose; measured at ``2226352``, not stored). Through s = 1 the choice
+settles within a few rounds and the calibration holds.
 
 Measured (S1: mnist-5k, 10 clients, ``labels:5:train=50``, ``mlp``, 5 epochs, 30 rounds; seeds
-0, 1, 2, this 2-core CPU, paired; ``bench/s1_shift.py``, ``bench/results/s1_shift.jsonl``),
-``feature_scale=1`` (the paper's) -> the default: accuracy 0.9140 -> 0.9164, 0.9096 -> 0.9064,
-0.9176 -> 0.9180 (-0.01 ± 0.16 points paired); NLL 1.346 -> 0.278, 1.255 -> 0.324, 1.302 ->
-0.285; ECE 0.081 -> 0.008, 0.083 -> 0.047, 0.076 -> 0.016; each client's test images rotated
-by 30 degrees (bilinear, background fill): NLL 6.12 -> 1.15, 6.12 -> 1.15, 5.89 -> 1.14; by
-60 degrees 14.4 -> 2.89, 14.6 -> 2.40, 13.9 -> 2.71; unseen-label AUROC of the predictive
-entropy 0.780 -> 0.806, 0.769 -> 0.780, 0.792 -> 0.791; s at round 30 0.323, 0.306, 0.334. Why
-the default changed (issue 40): at s = 1 FedLog was the worst-calibrated method of the S1
-table, confidently wrong under any shift. The withholding version (before the slices joined
-the posterior) lost 0.6 ± 0.5 points of accuracy in the same setting (NLL 0.302, 0.326,
-0.287; ``bench/results/s1_30_cpu_fedlog.jsonl``). digits, 10 clients, ``shards:2``, 8 rounds,
-seeds 0-2, withholding version (s = 1 -> heldout): NLL 0.103 -> 0.040, 0.308 -> 0.190, 0.115 ->
-0.038; accuracy 0.989 -> 0.989, 0.982 -> 0.987, 0.993 -> 0.998. The run's temperature step
-(``calibrate="temperature:0.04"``) keeps the argmax and the accuracy at a higher NLL (0.34,
-0.39, 0.33). Scores a client forges within the honest bounds (`heldout_problem`) can pull
-the scale, as forged statistics can pull the head. DP variants and FedLog-C keep s = 1 (a fixed
-s for FedLog-C).
+0, 1, 2, paired; ``bench/s1_shift.py``, ``bench/results/s1_shift.jsonl``), ``feature_scale=1``
+(the paper's) against the default: the "FedLog (s = 1)" and "FedLog (default)" rows of the
+generated S1 shift table on the docs' results page (accuracy, NLL clean and with each client's
+test images rotated by 30 and 60 degrees, unseen-label AUROC of the predictive entropy); commit
+``2226352``'s message has the paired means when the default changed. Why it changed (issue 40):
+at s = 1 FedLog was the worst-calibrated method of the S1 table, confidently wrong under any
+shift. The withholding version (before the slices joined the posterior) cost accuracy in the
+same setting (commit ``ba56973``'s message; ``bench/results/s1_30_cpu_fedlog.jsonl``). The
+run's temperature step (``calibrate="temperature:0.04"``) keeps the argmax and the accuracy at
+a higher NLL than the held-out scale's (``ab42cac``, not stored). Scores a client forges
+within the honest bounds (`heldout_problem`) can pull the scale, as forged statistics can pull
+the head. DP variants and FedLog-C keep s = 1 (a fixed s for FedLog-C).
 
 **Why the posterior predictive is the plug-in here, and stays so** (issue 40). The conjugate
 posterior is that of the generative model $\phi \mid y \sim \mathcal{N}(W_y / 2, I / 2)$ in the
 scaled coordinates: its Laplace covariance is $(N \nabla^2 A(W^*))^{-1}$, the uncertainty of
 the class means from ``N = nu + n`` examples, so a logit's posterior variance is about
 $2 \lVert s\phi\rVert^2 / (N p_y)$ whatever the row: it grows with the feature norm, not with the
-distance from the training features. S1, seed 0, N = 2,501 (``bench/s1_posterior_spread.py``),
-median over the test rows of (posterior standard deviation of the top logit) / (gap between the
-two largest MAP logits): s = 1: 0.69 / 47.5 (1.4%) clean, 0.64 / 22.7 (2.8%) at 30 degrees,
-0.62 / 15.4 (3.9%) at 60 degrees, 0.68 / 18.0 on unseen labels (rotations *shrink* the feature
-norm, 11.9 -> 9.4, and with it the spread); the default (s = 0.32): 0.24 / 4.8 (4.8%), 9.4%,
-13.5%, 12.2%. So the MC predictive (256 draws) is the plug-in to within 0.5%: it is lower on
-the rotated rows in every seed (60 degrees: NLL 2.889, 2.403, 2.714 against 2.904, 2.410,
-2.728; 30 degrees: 1.147, 1.151, 1.143 against 1.152, 1.151, 1.147), within 0.0015 of it clean,
-and the unseen-label AUROC is the same to 0.0006. The prior ``nu`` = 1 is one pseudo-example
-against 2,500 (a weaker prior moves N by 0.04%); a client's own posterior (N = 250) has the
-variance of the federated one tempered by T = 10, which at the chosen s changes the NLL by
-0.001. Tempering the likelihood (the summed statistics and
-count divided by T: the same MAP, covariance times T) does shift the predictive: at s = 1,
-T = 1,000 gives NLL 0.29 clean / 1.26 at 30 degrees, much as the scale does; at the chosen s,
-T = 100-316 lowers the 60-degree NLL (2.90 -> 2.07-2.44) but raises the clean one (0.28 ->
-0.29-0.40) and lowers the AUROC (0.806 -> 0.797-0.803). Chosen by the held-out slices' NLL, T
-is 1 (seeds 0 and 1; the slices' NLL rises with T: 0.241 at T = 1, 0.245 at 10, 0.27 at 100),
-and choosing (s, T) jointly on the slices gives T = 1 and s = 0.30 again: the held-out rows
-ask for a uniform shrink of the logits (s), not for one proportional to the feature norm (the
-posterior's). So no setting chosen without test rows makes this posterior's predictive beat
-its plug-in on shifted NLL or unseen-label AUROC in S1 by more than that 0.5%; the scale is
-what calibrates FedLog.
+distance from the training features. On S1 (``bench/s1_posterior_spread.py``, which stores
+``bench/results/s1_posterior_spread.jsonl``; no generated table) the posterior standard
+deviation of the top logit is a few percent of the gap between the two largest MAP logits,
+clean, rotated and on unseen labels, at s = 1 and at the chosen s (rotations *shrink* the
+feature norm, and with it the spread). So the MC predictive (256 draws) is the plug-in to a
+fraction of a percent: the "FedLog (default)" headline and plug-in rows of the generated S1
+shift table. The prior ``nu`` = 1 is one pseudo-example against S1's 2,500 training rows; a
+client's own posterior (N = 250) has the variance of the federated one tempered by T = 10,
+which at the chosen s barely moves the NLL. Tempering the likelihood (the summed statistics
+and count divided by T: the same MAP, covariance times T) does shift the predictive: at s = 1 a
+T in the thousands lowers the NLL much as the scale does; at the chosen s, a T in the hundreds
+lowers the 60-degree NLL but raises the clean one and lowers the AUROC. Chosen by the held-out
+slices' NLL, T is 1 (the slices' NLL rises with T), and choosing (s, T) jointly on the slices
+gives T = 1 and about the same s: the held-out rows ask for a uniform shrink of the logits
+(s), not for one proportional to the feature norm (the posterior's). So no setting chosen
+without test rows makes this posterior's predictive beat its plug-in on shifted NLL or
+unseen-label AUROC in S1 by more than that fraction of a percent; the scale is what
+calibrates FedLog. (The tempering and spread figures were typed at ``2226352``, issue 40.)
 
 **Parts.** A FedLog strategy is built from two parts instead of flags:
 
@@ -165,7 +153,7 @@ what calibrates FedLog.
   $\alpha \lVert\phi(x) - \bar\phi_y\rVert^2$, $\bar\phi_y$ the class mean).
 
 **What an honest upload satisfies.** Every body ends in a ReLU, and a client's features are
-bounded by ``B`` (``feature_bound``, default 1000, far above the ~5 a trained digits body
+bounded by ``B`` (``feature_bound``, default 1000, far above what a trained digits body
 reaches; a client clamps its features at B before summing, so an honest client never violates
 it; with DP, B is the clip bound). So for clean statistics (no privacy or central DP) the
 server rejects an upload unless, per class y: ``0 <= S[y, j] <= n_y B``, ``n_y = 0`` implies
