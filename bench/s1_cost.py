@@ -44,19 +44,41 @@ the same figures bit for bit. The personal posterior no longer symmetrises the G
 ``subnet_laplace_state`` returns exactly symmetric (83dffc1: -0.14 CPU-s a client, no bit
 changed).
 
-Where FedSI's 30-round run goes now (92-96 CPU-s; per-call figures of that profile times the
-calls of 30 rounds): upload variances ~36 (0.12 s x 300: the unit Grams and their Jacobian
-factors, the triangular solve for Y, the ``A_u^T V_u`` products), the per-round evaluation ~20
-(the fine-tuned head of each round's view, 45 ms x 300, and its predictions), local MAP ~10,
-subnet selection ~10, and once at the end personalisation and the GLM predictive ~18 (the
-3,925 x 3,925 GGN, its equilibrated Cholesky 0.41 s and triangular inverse 0.46 s a client, the
-factored probit variances over the test rows). Against FedBABU's 9.2-10.6 the issue's 5x
-(~46-53 CPU-s) is not met: 8.9-10.0x (seeds 0-2 at 83dffc1; 18.5-19.3x before, the figures bit
-for bit the same). What it would take: the personal posterior in the same truncated Woodbury
-form (no S x S GGN, Cholesky or inverse; predictive variances through the unit factors, the
-same kind of bound; ~12-15 CPU-s), and even then the per-round work alone (upload + MAP +
-selection + the round view, ~76) is above 5x: the upload would have to fall to ~30 ms a call
-or the per-round view (the harness's per-round figures) be cut.
+Issue 41's second pass (f794bb7, 638e087, 0d3751f; the runs at 5e34d32, 00e0241, 4491122 and
+ed77560, descendants of 0d3751f that change no FedSI or FedBABU code): the personal posterior's GLM-probit predictive through the
+upload's truncated Woodbury factors (`inference.subnet.lowrank.subnet_lowrank_posterior`,
+``lowrank_logit_variance``: no 3,925 x 3,925 Cholesky or inverse; each logit variance within
+1e-12 |W^T D^-1 J^T|^2 below the dense one, on S1's posteriors equal to it to 8e-16 relative);
+the kernel's Gram formed in its lower triangle only (bit for bit); and the upload's variances
+by the unit bases (the projected route: no Y, V or A_u^T V_u; an a-posteriori bound per entry,
+taken only where <= 1e-9 of the variance; on S1 the float32 stds sent are bit for bit the Y
+route's). The 20 upload calls of seed 0's rounds 1 and 30 replayed: ~100 -> 71 and ~150 -> 96
+ms a call. Seeds 0-2, 30 rounds, one invocation each (FedSI and FedBABU side by side): FedSI
+66.3 / 67.5 / 64.9 CPU-s against FedBABU's 7.9 / 8.0 / 9.0, 8.4x / 8.4x / 7.2x (8.9-10.0x at
+83dffc1); accuracy the same at every seed, NLL and ECE within 1.1e-9 (the final predictive's
+logit variances in float64, not float32: the training and its uploads are bit for bit the
+same).
+
+Where FedSI's 30-round run goes now (seed 0 at 0d3751f, each part's CPU time timed inside one
+30-round run, one thread; that run took 81 CPU-s on a machine at load 16, so the shares are the
+figures, scaled here to the bench's 66): upload variances 45% (~30 CPU-s, 0.1 s x 300: the
+Jacobian factors, the unit Grams and their pivoted Cholesky, the kernel's Gram N, its Cholesky
+and chol^-1 R^T N, and the per-run loop), the per-round view 19% (~12.5, the fine-tuned head,
+40 ms x 310), local MAP 15% (~10), subnet selection 5% (~3.5), and once at the end 12% (~8:
+personalisation 4.6 = fine-tune, selection, the dense GGN kept for ``posterior()`` 1.4 and the
+Woodbury factors 2.7; the predictive ~3). The per-round view is reporting, not FedSI's
+algorithm, but FedBABU's run does the equivalent (its ``round_state`` personalises each client
+every round: ~12 ms a client, ~3-4 of its ~8-10 CPU-s), so it stays in both. The issue's 5x
+(40-45 CPU-s against these FedBABU runs) would take ~22-25 CPU-s more: the upload at ~33 ms a
+call (now ~70% of a call is the projected route's N and m x m kernel, the rest the Jacobian
+factors, the unit Grams and their pivoted Cholesky), or half of that and the round
+view at FedBABU's cost (a head tuned for all clients at once, or fewer held-out epochs, which
+changes FedSI's figures). Measured and not taken: each unit's basis from a thin SVD of its
+``diag(root) A_u D_u^-1/2`` instead of the Gram's pivoted Cholesky (twice slower, and its
+truncation at ``tau / U`` of the squared singular values leaves residuals above the 1e-9 bound
+on 9 of 20 calls); forming the unit Grams one at a time, or the products ``A_u^T V_u`` a few
+units at a time (no gain); a looser truncation (1e-6: m falls by 1-2%, the unit Grams' ranks
+are exact).
 
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
