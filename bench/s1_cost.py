@@ -45,8 +45,8 @@ the same figures bit for bit. The personal posterior no longer symmetrises the G
 changed).
 
 Issue 41's second pass (f794bb7, 638e087, 0d3751f; the runs at 5e34d32, 00e0241, 4491122 and
-ed77560, descendants of 0d3751f that change no FedSI or FedBABU code): the personal posterior's GLM-probit predictive through the
-upload's truncated Woodbury factors (`inference.subnet.lowrank.subnet_lowrank_posterior`,
+ed77560, descendants of 0d3751f that change no FedSI or FedBABU code): the personal
+posterior's GLM-probit predictive through the upload's truncated Woodbury factors (`inference.subnet.lowrank.subnet_lowrank_posterior`,
 ``lowrank_logit_variance``: no 3,925 x 3,925 Cholesky or inverse; each logit variance within
 1e-12 |W^T D^-1 J^T|^2 below the dense one, on S1's posteriors equal to it to 8e-16 relative);
 the kernel's Gram formed in its lower triangle only (bit for bit); and the upload's variances
