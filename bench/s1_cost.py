@@ -45,19 +45,19 @@ the same figures bit for bit. The personal posterior no longer symmetrises the G
 changed).
 
 Issue 41's second pass (f794bb7, 638e087, 0d3751f; the runs at 5e34d32, 00e0241, 4491122 and
-ed77560, descendants of 0d3751f that change no FedSI or FedBABU code): the personal
-posterior's GLM-probit predictive through the upload's truncated Woodbury factors (`inference.subnet.lowrank.subnet_lowrank_posterior`,
-``lowrank_logit_variance``: no 3,925 x 3,925 Cholesky or inverse; each logit variance within
-1e-12 |W^T D^-1 J^T|^2 below the dense one, on S1's posteriors equal to it to 8e-16 relative);
-the kernel's Gram formed in its lower triangle only (bit for bit); and the upload's variances
-by the unit bases (the projected route: no Y, V or A_u^T V_u; an a-posteriori bound per entry,
-taken only where <= 1e-9 of the variance; on S1 the float32 stds sent are bit for bit the Y
-route's). The 20 upload calls of seed 0's rounds 1 and 30 replayed: ~100 -> 71 and ~150 -> 96
-ms a call. Seeds 0-2, 30 rounds, one invocation each (FedSI and FedBABU side by side): FedSI
-66.3 / 67.5 / 64.9 CPU-s against FedBABU's 7.9 / 8.0 / 9.0, 8.4x / 8.4x / 7.2x (8.9-10.0x at
-83dffc1); accuracy the same at every seed, NLL and ECE within 1.1e-9 (the final predictive's
-logit variances in float64, not float32: the training and its uploads are bit for bit the
-same).
+ed77560, descendants of 0d3751f that change no FedSI or FedBABU code): the personal posterior's
+GLM-probit predictive through the upload's truncated Woodbury factors
+(`inference.subnet.lowrank.subnet_lowrank_posterior`, ``lowrank_logit_variance``: no 3,925 x
+3,925 Cholesky or inverse; each logit variance within 1e-12 |W^T D^-1 J^T|^2 below the dense
+one, on S1's posteriors equal to it to 8e-16 relative); the kernel's Gram formed in its lower
+triangle only (bit for bit); and the upload's variances by the unit bases (the projected route:
+no Y, V or A_u^T V_u; an a-posteriori bound per entry, taken only where <= 1e-9 of the variance;
+on S1 the float32 stds sent are bit for bit the Y route's). The 20 upload calls of seed 0's
+rounds 1 and 30 replayed: ~100 -> 71 and ~150 -> 96 ms a call. Seeds 0-2, 30 rounds, one
+invocation each (FedSI and FedBABU side by side): FedSI 66.3 / 67.5 / 64.9 CPU-s against
+FedBABU's 7.9 / 8.0 / 9.0, 8.4x / 8.4x / 7.2x (8.9-10.0x at 83dffc1); accuracy the same at every
+seed, NLL and ECE within 1.1e-9 (the final predictive's logit variances in float64, not float32:
+the training and its uploads are bit for bit the same).
 
 Where FedSI's 30-round run goes now (seed 0 at 0d3751f, each part's CPU time timed inside one
 30-round run, one thread; that run took 81 CPU-s on a machine at load 16, so the shares are the
