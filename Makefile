@@ -21,10 +21,9 @@ demo: $(STAMP)
 # Two pytest workers (pytest-xdist): the Flower deployments and notebook kernels wait on
 # other processes much of the time, and the CPU-bound tests take one core each.
 # The tests run in a random order (pytest-randomly), a new one each time: the seed is printed
-# first, and `make test SEED=N` repeats an order. The `slow` tests (the Flower deployments
-# first) are moved to the front of that order (tests/conftest.py) and handed out one at a
-# time (--dist load --maxschedchunk 1), so both workers start the long tests early and finish
-# together.
+# first, and `make test SEED=N` repeats an order. The `slow` tests are moved to the front of
+# that order (tests/conftest.py) and handed out one at a time (--dist load --maxschedchunk 1),
+# so both workers start the long tests early and finish together.
 SEED := $(or $(SEED),$(shell od -An -N4 -tu4 /dev/urandom | tr -d ' '))
 test: $(STAMP)
 	$(PY) -m ruff check .
