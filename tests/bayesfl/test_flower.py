@@ -911,18 +911,34 @@ def test_a_node_without_a_state_dir_says_its_client_starts_again(task_identity, 
 
 @pytest.mark.flower
 @pytest.mark.slow  # ~2-5 minutes: three SuperNodes, about ten calibration messages each
-def test_calibrate_and_novel_clients_on_supernodes_equal_the_simulator(federation, tmp_path):
-    summary = run_on_flower(federation, tmp_path / "run", "fedlog", 2,
-                            calibrate="temperature", **{"novel-fraction": 0.34})
+def test_calibrate_novel_clients_and_shift_evaluation_on_supernodes_equal_the_simulator(
+        federation, tmp_path):
+    # One deployment run carries the three steps that end a run, each against the simulator
+    # run of the same settings: the calibration step, the novel clients, and the shift
+    # evaluation (issue 40: each site scores its own final state on its own rows and replies
+    # with mergeable states only; test_flower_shift.py tests the rest in process). They were
+    # two runs (calibration and novel clients; novel clients and the shift evaluation, one
+    # round), each a minute or two of Flower processes; each step's figures are compared on
+    # their own, so a step that went wrong on Flower still fails here by name.
+    from test_flower_shift import assert_reports_equal
+
+    from bayesfl.shift_protocol import stored_shift_report
+
+    out = tmp_path / "run"
+    summary = run_on_flower(federation, out, "fedlog", 2, calibrate="temperature",
+                            shift="rotate:30", ood="novel-clients", **{"novel-fraction": 0.34})
     sim = simulate("fedlog", rounds=2, clients=3, partition="iid", seed=0, local_epochs=1,
                    progress=False, batched=False, threads=1, calibrate="temperature",
-                   novel_fraction=0.34)
-    assert summary["events"] == []
+                   novel_fraction=0.34, shift=["rotate:30"], ood=["novel-clients"])
+    assert summary["events"] == [] and summary["shift_evaluation"]["rejections"] == []
     assert summary["novel"]["clients"] == sim.summary["novel"]["clients"] != []
     assert_figures_equal(summary["novel"], sim.summary["novel"], "novel")
     flower, simulated = summary["calibration"], sim.summary["calibration"]
     assert flower["temperature"] == pytest.approx(simulated["temperature"], rel=1e-6)
     assert_figures_equal(flower["calibrated"], simulated["calibrated"], "calibrated")
+    assert_reports_equal(stored_shift_report(out), sim.shift_report)
+    assert summary["shift_evaluation"]["bytes_up"] == \
+        sim.summary["shift_evaluation"]["bytes_up"]
 
 
 def test_a_done_marker_counts_only_when_written_after_the_submission(tmp_path):

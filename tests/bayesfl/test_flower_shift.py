@@ -3,8 +3,9 @@ own rows and replies with mergeable states only; the server validates every repl
 report `bayesfl evaluate` writes from the valid ones and stores it in the run directory.
 
 The ServerApp (`FlowerServer.run`) and the ClientApp's own handlers run for real; the
-in-process tests carry their messages over `InProcessFederation` (test_flower.py), the loopback
-test over a real SuperLink and SuperNodes.
+in-process tests carry their messages over `InProcessFederation` (test_flower.py); the loopback
+test, over a real SuperLink and SuperNodes, is in test_flower.py (one run there carries it with
+the calibration step and the novel clients).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch
 
 pytest.importorskip("flwr")
 
-from test_flower import DEPLOYMENT, EXPERIMENT, RUN_TIMEOUT, InProcessFederation
+from test_flower import InProcessFederation
 
 from bayesfl.errors import ConfigError, MessageRejected
-from bayesfl.flower.local import LocalFederation
 from bayesfl.flower.protocol import SHIFT, pack, parse_run_config, record_values
 from bayesfl.messages import Header, Message, decode, encode
 from bayesfl.shift_evaluation import client_shift_states
@@ -49,12 +49,6 @@ def task_identity(monkeypatch):
 
     for key in ("_run_id", "_node_id", "_task_id"):  # what a ServerApp process has set
         monkeypatch.setattr(TaskIdentity, key, 1)
-
-
-@pytest.fixture(scope="module")
-def federation():
-    with LocalFederation(3, start_timeout=300.0) as fed:
-        yield fed
 
 
 def serve(run_config: dict[str, Any], federation_class: type = InProcessFederation,
@@ -341,20 +335,6 @@ def test_a_shift_request_the_run_cannot_answer_is_refused_before_it_trains(task_
 
 
 # ---- a real loopback deployment -------------------------------------------------------------
-@pytest.mark.flower
-@pytest.mark.slow  # ~2-4 minutes on a 2-core machine: three SuperNodes, three messages each
-def test_supernodes_evaluate_their_own_states_as_the_simulator_does(federation, tmp_path):
-    out = tmp_path / "run"
-    config = {**EXPERIMENT, **DEPLOYMENT, "strategy": "fedlog", "rounds": 1,
-              "novel-fraction": 0.34, "out": str(out), "shift": "rotate:30",
-              "ood": "novel-clients"}
-    status = federation.run(config, timeout=RUN_TIMEOUT, done_marker=out / "summary.json")
-    assert status.completed, (status.status, status.details, federation.log("superlink")[-4000:])
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["events"] == [] and summary["shift_evaluation"]["rejections"] == []
-    sim = simulate("fedlog", rounds=1, clients=3, partition="iid", seed=0, local_epochs=1,
-                   novel_fraction=0.34, progress=False, batched=False, threads=1,
-                   shift=["rotate:30"], ood=["novel-clients"])
-    assert_reports_equal(stored_shift_report(out), sim.shift_report)
-    assert summary["shift_evaluation"]["bytes_up"] == \
-        sim.summary["shift_evaluation"]["bytes_up"]
+# The supernodes' own shift evaluation against the simulator's runs in test_flower.py
+# (test_calibrate_novel_clients_and_shift_evaluation_on_supernodes_equal_the_simulator): one
+# deployment run there carries it with the calibration step and the novel clients.
