@@ -25,7 +25,21 @@ from inference.errors import InvalidInputError
 from inference.log_grid import argmin_on_log_grid, geometric_grid
 
 HELDOUT_SCALE_GRID: tuple[float, ...] = geometric_grid(-20, 12, 4, 2.0)
-"""33 feature scales, ``2^(k/4)`` for ``k = -20 .. 12`` (1/32 to 8)."""
+"""33 feature scales, ``2^(k/4)`` for ``k = -20 .. 12`` (1/32 to 8): each client scores them
+all; the choice takes those up to `HELDOUT_SCALE_CAP`."""
+
+HELDOUT_SCALE_CAP = 1.0
+"""The largest scale the held-out choice takes (`scale_from_grid`): it tempers the model's
+own scale (s = 1), never sharpens it.
+
+Why. A held-out slice shows overconfidence by its confidently wrong examples; it can favour a
+sharper predictive only by having none. Where the task is easy and the slice small, that is
+no evidence: FedLog on digits (20 clients, ``shards:2``, the demo's setting; ~3 held-out
+examples a client, 60 in all, none misclassified) had a held-out NLL near 0 at every s >= 1
+and chose s = 1.8-3.1, a predictive near one-hot whose test NLL was 0.38 (seed 0, 15 rounds)
+against 0.12 with the choice capped at 1 (commit message of this change: seeds 0-1 at 5, 15 and
+30 rounds, the NLL 2.5-4.8x lower capped, accuracy equal, ECE and Brier lower or equal). On S1
+the choice settles near s = 0.3, below the cap."""
 
 
 def heldout_nll_grid(
@@ -116,12 +130,21 @@ def _check_rows(feature_dim: int, features: Tensor, labels: Tensor) -> None:
                                 f"{tuple(labels.shape)}")
 
 
-def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID) -> float:
+def scale_from_grid(nll: Tensor, grid: tuple[float, ...] = HELDOUT_SCALE_GRID,
+                    cap: float | None = HELDOUT_SCALE_CAP) -> float:
     """The scale minimising the summed held-out NLL ``nll`` ``(len(grid),)`` over ``grid``
     (`inference.log_grid.argmin_on_log_grid`: the grid's argmin refined by a parabola in
-    ``log s``; at the grid's ends the end itself).
+    ``log s``; at the grid's ends the end itself), held to at most ``cap``
+    (`HELDOUT_SCALE_CAP`: the choice only tempers; ``None``: no cap). Above the cap, the
+    minimiser over the grid's scales up to it (the cap itself where the NLL falls up to it).
 
     Raises:
-        InvalidInputError: ``nll`` of the wrong shape or not finite.
+        InvalidInputError: ``nll`` of the wrong shape or not finite; ``cap`` below the grid.
     """
-    return argmin_on_log_grid(nll, grid)
+    choice = argmin_on_log_grid(nll, grid)
+    if cap is None or choice <= cap:
+        return choice
+    kept = sum(1 for scale in grid if scale <= cap)
+    if kept == 0:
+        raise InvalidInputError(f"cap {cap!r} lies below the grid's smallest scale {grid[0]!r}")
+    return argmin_on_log_grid(nll[:kept], grid[:kept])

@@ -11,6 +11,7 @@ import torch
 from inference.conjugate import ConjugatePrior, SufficientStatistics
 from inference.conjugate.feature_scale import fit_conjugate_head
 from inference.conjugate.heldout_scale import (
+    HELDOUT_SCALE_CAP,
     HELDOUT_SCALE_GRID,
     heldout_nll_grid,
     scale_from_grid,
@@ -69,9 +70,30 @@ def test_no_held_out_example_scores_zero():
 def test_the_choice_is_the_vertex_of_a_quadratic_in_log_s_and_an_end_at_the_ends():
     logs = torch.tensor([math.log(s) for s in HELDOUT_SCALE_GRID], dtype=torch.float64)
     for target in (0.07, 0.5, 1.3, 5.0):
-        assert scale_from_grid((logs - math.log(target)) ** 2) == pytest.approx(target, rel=1e-9)
+        choice = scale_from_grid((logs - math.log(target)) ** 2, cap=None)
+        assert choice == pytest.approx(target, rel=1e-9)
     assert scale_from_grid(logs) == HELDOUT_SCALE_GRID[0]  # increasing: the smallest scale
-    assert scale_from_grid(-logs) == HELDOUT_SCALE_GRID[-1]
+    assert scale_from_grid(-logs, cap=None) == HELDOUT_SCALE_GRID[-1]
+
+
+def test_the_choice_never_sharpens_past_the_cap():
+    """`HELDOUT_SCALE_CAP` = 1: a minimiser above it gives the best scale up to it (the cap
+    where the NLL falls up to it, a lower minimum where there is one), one below it is kept
+    as it is, refinement included."""
+    assert HELDOUT_SCALE_CAP == 1.0
+    logs = torch.tensor([math.log(s) for s in HELDOUT_SCALE_GRID], dtype=torch.float64)
+    for target in (0.07, 0.5, 0.97):  # 0.97: refined between the grid's 0.84 and 1
+        assert scale_from_grid((logs - math.log(target)) ** 2) == pytest.approx(target, rel=1e-9)
+    for target in (1.05, 1.3, 5.0):
+        assert scale_from_grid((logs - math.log(target)) ** 2) == 1.0
+    assert scale_from_grid(-logs) == 1.0  # no error seen: ever sharper is never chosen
+    # two minima: the lower one above the cap, the other below it: the one below
+    two = torch.minimum((logs - math.log(3.0)) ** 2, 0.5 + (logs - math.log(0.3)) ** 2)
+    assert scale_from_grid(two, cap=None) == pytest.approx(3.0, rel=1e-9)
+    assert scale_from_grid(two) == pytest.approx(0.3, rel=1e-9)
+    assert scale_from_grid((logs - math.log(5.0)) ** 2, cap=2.0) == 2.0
+    with pytest.raises(InvalidInputError, match="below the grid"):
+        scale_from_grid(-logs, cap=0.01)
     flat = torch.zeros(33, dtype=torch.float64)
     assert scale_from_grid(flat) == HELDOUT_SCALE_GRID[0]  # ties: the smallest, deterministic
 

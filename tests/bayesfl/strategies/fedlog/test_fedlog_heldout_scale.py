@@ -15,7 +15,11 @@ from strategy_helpers import NUM_CLASSES, evaluation_broadcast, network_output, 
 from bayesfl.errors import ConfigError, MessageRejected
 from bayesfl.messages import Message
 from inference.conjugate import ConjugatePosterior, ConjugatePrior, SufficientStatistics
-from inference.conjugate.heldout_scale import HELDOUT_SCALE_GRID, scale_from_grid
+from inference.conjugate.heldout_scale import (
+    HELDOUT_SCALE_CAP,
+    HELDOUT_SCALE_GRID,
+    scale_from_grid,
+)
 
 FRACTION = 0.25
 
@@ -97,13 +101,17 @@ def test_the_servers_scale_is_the_pooled_held_out_choice(build, options):
     torch.testing.assert_close(state["head"].double(), W, rtol=1e-6, atol=1e-6 * W.abs().max())
     c = clients[0]
     posterior = strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, state, 1))
-    assert posterior.head.feature_scale == scale != 1.0
+    assert posterior.head.feature_scale == scale
+    # these toy rows are all classified right, so their NLL falls as s grows: the choice stops
+    # at the cap (a chosen s below it reaching the posterior: test_the_choice_follows_...)
+    assert scale == HELDOUT_SCALE_CAP < scale_from_grid(expected, cap=None)
 
 
 def test_the_servers_scale_is_a_brute_force_grid_search_on_the_pooled_held_out_rows(build):
     """The default's choice, against a brute force written here without the library's grid
     code: every scale of the grid, the MAP of the broadcast statistics, the pooled held-out
-    rows' NLL; the server's choice is the grid's best point refined within its neighbours."""
+    rows' NLL; the server's choice is the best grid point at most 1 (the cap: the choice only
+    tempers) refined within its neighbours, never above 1."""
     strategy, clients, state = build("fedlog", heldout_fraction=FRACTION, upload_dtype="float64")
     state, _ = run_round(strategy, clients, state, 0)
     stats = SufficientStatistics(state["statistics"], round(float(state["num_samples"])),
@@ -121,10 +129,13 @@ def test_the_servers_scale_is_a_brute_force_grid_search_on_the_pooled_held_out_r
         W = ConjugatePosterior(ConjugatePrior(nu=1.0), stats, feature_scale=s).map()
         nll.append(float(-torch.log_softmax(phi @ W.T, 1)[torch.arange(len(y)), y].sum()))
     best = int(np.argmin(nll))
+    if HELDOUT_SCALE_GRID[best] > 1.0:
+        best = int(np.argmin([v for v, s in zip(nll, HELDOUT_SCALE_GRID, strict=True)
+                              if s <= 1.0]))
     state, _ = run_round(strategy, clients, state, 1)
     chosen = float(state["feature_scale"])
     low = HELDOUT_SCALE_GRID[max(best - 1, 0)]
-    high = HELDOUT_SCALE_GRID[min(best + 1, len(HELDOUT_SCALE_GRID) - 1)]
+    high = min(HELDOUT_SCALE_GRID[min(best + 1, len(HELDOUT_SCALE_GRID) - 1)], 1.0)
     assert low <= chosen <= high
     # and it is no worse on the pooled rows than the brute force's best grid point, to the
     # parabola's accuracy
@@ -251,21 +262,25 @@ def test_fit_group_uploads_what_fit_uploads(build):
 
 
 def test_the_choice_follows_the_held_out_data(build):
-    """Scores favouring small scales pull the server's choice there, large ones the other way
-    (a server ignoring the scores would keep s = 1 or one fixed value)."""
+    """Scores favouring small scales pull the server's choice there, and the evaluation
+    posterior to it; scores favouring large ones pull it up to the cap, 1 (a server ignoring
+    the scores would keep s = 1 or one fixed value)."""
     strategy, clients, state = build("fedlog", feature_scale="heldout", heldout_fraction=FRACTION)
     state, ups = run_round(strategy, clients, state, 0)
     logs = torch.tensor([math.log(s) for s in HELDOUT_SCALE_GRID], dtype=torch.float64)
     chosen = []
-    for target in (0.1, 3.0):
+    for target in (0.1, 0.6, 3.0):
         bowl = (logs - math.log(target)) ** 2 + 1.0
         forged = [wire(Message(u.header, {**u.tensors, "heldout_nll": bowl / 3,
                                           "heldout_count": torch.ones(1, dtype=torch.float64)}))
                   for u in ups]
         new = strategy.aggregate(state, forged, 1, torch.Generator().manual_seed(1))
         chosen.append(float(new["feature_scale"]))
-    # an exact quadratic in log s: the parabola's vertex is the target itself
-    assert chosen == pytest.approx([0.1, 3.0], rel=1e-9)
+        c = clients[0]
+        posterior = strategy.posterior(c.config, c.state, evaluation_broadcast(strategy, new, 1))
+        assert posterior.head.feature_scale == chosen[-1]
+    # an exact quadratic in log s: the parabola's vertex is the target itself, up to the cap
+    assert chosen == pytest.approx([0.1, 0.6, HELDOUT_SCALE_CAP], rel=1e-9)
 
 
 @pytest.mark.parametrize(
