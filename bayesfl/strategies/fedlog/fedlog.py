@@ -81,8 +81,10 @@ held-out examples with its current body (the one that made its share of the broa
 statistics) on `inference.conjugate.heldout_scale.HELDOUT_SCALE_GRID`: the summed
 ``-log p(y | phi, W*(s))`` of the MAP ``W*(s)`` at 33 scales (solved once per broadcast and
 shared by the clients a process runs), uploaded with its count (34 float64, 272 bytes). The
-server adds the vectors and takes the minimiser
-(`scale_from_grid`).
+server adds the vectors and takes the minimiser, held to at most 1
+(`scale_from_grid`, `inference.conjugate.heldout_scale.HELDOUT_SCALE_CAP`): held-out
+examples show overconfidence by their errors, and a slice with none (an easy task, a few
+examples a client: digits, ``shards:2``) would otherwise favour ever sharper predictions.
 
 **Then the slices join the posterior.** After training, each client also uploads the statistics
 of its held-out slice (``heldout_statistics``, (C, m) in the upload dtype, features of its
