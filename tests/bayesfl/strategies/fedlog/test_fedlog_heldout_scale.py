@@ -333,3 +333,28 @@ def test_a_client_with_one_training_example_keeps_it_and_scores_nothing(build):
     assert not bool(ups[0].tensors["heldout_statistics"].any())
     assert float(ups[1].tensors["heldout_count"]) == 3
     assert np.isfinite(float(state["feature_scale"]))
+
+
+@pytest.mark.trained
+def test_on_an_easy_task_the_default_predicts_no_sharper_than_the_papers_scale():
+    """``make demo``'s setting (digits, 20 clients, ``shards:2``; 5 rounds): each client's
+    held-out slice is ~3 examples, none misclassified, so their NLL falls at every s >= 1.
+    Uncapped (before 6dfa019) the default chose s of 1.8-3.1 and predicted near one-hot:
+    test NLL 0.515 and 0.299 at seeds 0 and 1, 2.7x and 3.9x the paper's s = 1."""
+    from bayesfl.simulate import simulate
+
+    common = dict(dataset="digits", clients=20, partition="shards:2", rounds=5,
+                  body="mlp:200", feature_dim=50, local_epochs=5, lr=1e-3, batch_size=10,
+                  progress=False, threads=1)
+    ratios = []
+    for seed in (0, 1, 2):
+        default = simulate("fedlog", seed=seed, **common)
+        paper = simulate("fedlog", seed=seed, strategy_options={"feature_scale": 1},
+                         **common).summary
+        assert all(record["feature_scale"] <= HELDOUT_SCALE_CAP for record in default.metrics)
+        ratios.append(default.summary["nll"] / paper["nll"])
+    # Measured, seeds 0-2: native AVX-512 0.99, 0.82, 1.31 (mean 1.04); ATEN_CPU_CAPABILITY=
+    # default 0.83, 2.31, 0.94 (1.36); avx2 0.96, 0.92, 1.00 (0.96); uncapped (native) mean 3.47.
+    # One seed's NLL moves with a few confidently wrong test images under another rounding, so
+    # the paired mean is asserted, at 2: above every capped mean seen, below the uncapped.
+    assert sum(ratios) / len(ratios) <= 2.0
