@@ -195,6 +195,22 @@ class SubnetJacobian:
                 self._unit_runs = UnitRuns(runs, present.to(device), compact.to(device))
         return self._unit_runs
 
+    def unit_factors(
+        self, x: Tensor, output_vectors: Callable | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, UnitRuns] | None:
+        """`linear_factors` with ``G`` kept to the units the subnet feeds, and their runs:
+        ``(A (B, S), G (K, B, U), logits (B, C), unit_runs())``, U the units present; None
+        where the factorisation or the runs do not apply (the factored GGN, predictive and
+        low-rank posterior fall back to their dense routes)."""
+        plan = self.unit_runs() if self.factorable else None
+        if plan is None:
+            return None
+        factors = self.linear_factors(x, output_vectors)
+        if factors is None:
+            return None
+        A, G, logits = factors
+        return A, G.index_select(2, plan.present), logits, plan
+
     def linear_factors(
         self, x: Tensor, output_vectors: Callable | None = None
     ) -> tuple[Tensor, Tensor, Tensor] | None:

@@ -110,7 +110,7 @@ from inference.subnet.batches import BatchChecks, iterate_batches
 from inference.subnet.dense import lapack_threads
 from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.parameters import check_subnet_indices, flat_trainable_parameters
-from inference.subnet.predictive import _probit
+from inference.subnet.predictive import probit_softmax
 from inference.subnet.training_mode import eval_mode
 
 __all__ = ["LOWRANK_KEYS", "MAX_SHRINKAGE", "TRUNCATION", "lowrank_logit_variance",
@@ -195,19 +195,17 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     A_parts, G_parts = [], []
     with eval_mode(model):
         engine = SubnetJacobian(model, idx, mean)
-        if not engine.factorable:
-            return None
-        plan = engine.unit_runs()
-        if plan is None:
-            return None
+        if not engine.factorable or engine.unit_runs() is None:
+            return None  # before reading any batch
+        plan = None
         for X, y in iterate_batches(loader, device):
-            factors = engine.linear_factors(X, output_vectors=_reduced_sqrt)
+            factors = engine.unit_factors(X, output_vectors=_reduced_sqrt)
             if factors is None:
                 return None
-            A, G, logits = factors
+            A, G, logits, plan = factors
             checks.update(logits, y)
             A_parts.append(A)
-            G_parts.append(G.index_select(2, plan.present))
+            G_parts.append(G)
     checks.finish()
     A = torch.cat(A_parts).to(torch.float64)  # (n, S)
     Q = torch.cat(G_parts, dim=1).to(torch.float64).permute(1, 2, 0).contiguous()  # (n, U, J)
@@ -429,17 +427,12 @@ def lowrank_logit_variance(
     """
     idx, dinv, A, F, Y = (factors[k] for k in LOWRANK_KEYS)
     engine = SubnetJacobian(model, idx, mean) if engine is None else engine
-    if not engine.factorable:
-        return None
-    plan = engine.unit_runs()
-    if plan is None:
-        return None
-    out = engine.linear_factors(x)
+    out = engine.unit_factors(x)
     if out is None:
         return None
-    Ax, Gx, logits = out
+    Ax, Gx, logits, plan = out
     Ax = Ax.to(torch.float64)
-    Gx = Gx.index_select(2, plan.present).to(torch.float64).permute(1, 0, 2)  # (B, C, U)
+    Gx = Gx.to(torch.float64).permute(1, 0, 2)  # (B, C, U)
     B, C, U = Gx.shape
     n, _, J = F.shape
     if F.shape[1] != U or A.shape != (n, idx.numel()):
@@ -489,6 +482,6 @@ def lowrank_predict_proba(
             if out is None:
                 return None
             f_var, logits = out
-            probit.append(_probit(f_var.to(logits.dtype), logits))
+            probit.append(probit_softmax(f_var.to(logits.dtype), logits))
             plugin.append(torch.softmax(engine.logits(chunk), dim=-1))
     return torch.cat(probit), torch.cat(plugin)

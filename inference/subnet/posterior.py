@@ -335,19 +335,13 @@ class SubnetLaplacePosterior:
         about ``S^2`` (half of it, ``L^{-1}`` being triangular) plus ``C U S``, against
         ``C S^2`` for the solve. Returns None where the factorisation does not apply.
         """
-        if not engine.factorable:
-            return None
-        plan = engine.unit_runs()
-        if plan is None:
-            return None
-        factors = engine.linear_factors(x)
+        factors = engine.unit_factors(x)
         if factors is None:
             return None
-        A, G, logits = factors
+        A, G, logits, plan = factors  # G (C, B, U): the subnet's units only
         if self._inverse_factor is None:  # L^{-1} = L_eq^{-1} D^{-1}, in the model dtype
             self._inverse_factor = (self._inverse_chol_eq() / self._scale).to(self._mean.dtype)
         R, S = self._inverse_factor, self.n_subnet
-        G = G.index_select(2, plan.present)  # (C, B, U): the subnet's units only
         B, U = x.shape[0], G.shape[2]
         rows = max(1, min(B, FACTOR_CHUNK_BYTES // (U * S * A.element_size())))
         block = A.new_empty(rows, U, S)  # reused: fresh large buffers cost page faults

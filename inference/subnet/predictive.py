@@ -35,7 +35,7 @@ from inference.subnet.jacobian import SubnetJacobian
 from inference.subnet.memory import check_memory
 from inference.subnet.training_mode import eval_mode
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "METHODS", "PredictiveMethod", "glm_predict"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "METHODS", "PredictiveMethod", "glm_predict", "probit_softmax"]
 
 PredictiveMethod = Literal["glm_probit", "glm_mc", "map"]
 METHODS = ("glm_probit", "glm_mc", "map")
@@ -122,17 +122,20 @@ def _predict_chunk(engine: SubnetJacobian, x: Tensor, method: str, column_scale:
     if method == "glm_probit" and fast_variance is not None:
         fast = fast_variance(engine, x)
         if fast is not None:
-            return _probit(*fast)
+            return probit_softmax(*fast)
     Jt, logits = engine(x, column_scale=column_scale)  # (S, C, B): T^T J^T
     if method == "glm_probit":
-        return _probit(logit_variance(Jt), logits)
+        return probit_softmax(logit_variance(Jt), logits)
     S, C, B = Jt.shape
     # J T z for every draw: (n, B, C)
     f_samples = (weight_draws.T @ Jt.reshape(S, C * B)).reshape(-1, C, B).transpose(1, 2)
     return torch.softmax(logits.unsqueeze(0) + f_samples, dim=-1).mean(0)
 
 
-def _probit(f_var: Tensor, logits: Tensor) -> Tensor:
+def probit_softmax(f_var: Tensor, logits: Tensor) -> Tensor:
+    """The probit approximation of the GLM predictive: ``softmax(kappa f)`` with ``kappa =
+    (1 + pi/8 var)^{-1/2}`` per logit, for logit variances ``f_var`` and means ``logits``, both
+    ``(B, C)``."""
     kappa = torch.rsqrt(1.0 + math.pi / 8.0 * f_var)
     return torch.softmax(kappa * logits, dim=-1)
 

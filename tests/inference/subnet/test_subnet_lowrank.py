@@ -37,6 +37,18 @@ def _data(n: int, seed: int = 1):
     return make_loader(torch.randn(n, 20, generator=g, dtype=torch.float64), 4, seed)
 
 
+def _two_layer_case(n: int) -> tuple[nn.Module, object, torch.Tensor, torch.Tensor]:
+    """The wide MLP, ``n`` rows, a random prior precision over all its parameters and a subnet
+    of units 2-8 of the first layer (weights and biases) and two units of the second: runs of
+    several units in two layers; with n = 3 some samples have fewer active units than C - 1."""
+    model = _wide_mlp()
+    P = flat_trainable_parameters(model).numel()
+    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
+    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
+    return model, _data(n), prior, torch.tensor(sorted(first + second))
+
+
 def test_reduced_softmax_hessian_sqrt_has_c_minus_1_columns_and_the_same_product():
     p = torch.softmax(3 * torch.randn(50, 6, dtype=torch.float64), -1)
     p[0] = torch.tensor([1.0, 0, 0, 0, 0, 0], dtype=torch.float64)  # one-hot: Lambda = 0
@@ -61,15 +73,7 @@ def test_sample_factors_keep_each_samples_gram_with_at_most_min_active_j_columns
 
 @pytest.mark.parametrize("n", [3, 10, 25])
 def test_woodbury_variances_equal_the_dense_posteriors(n):
-    model = _wide_mlp()
-    loader = _data(n)
-    P = flat_trainable_parameters(model).numel()
-    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    # units 2-8 of the first layer (weights and biases) and a few of the second: runs of
-    # several units in two layers; with n = 3 some samples have fewer active units than C - 1
-    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
-    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
-    idx = torch.tensor(sorted(first + second))
+    model, loader, prior, idx = _two_layer_case(n)
     dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
     lowrank = subnet_marginal_variance(model, loader, idx, prior[idx])
     assert lowrank is not None
@@ -189,13 +193,7 @@ def test_lowrank_logit_variances_and_predictive_equal_the_dense_posteriors(trunc
     # float64 model: both routes sum the same float64 terms in another order (the dense one
     # factorises the S x S precision, this one the m x m truncated kernel); the truncation's
     # bound, 1e-12 |z|^2 (test below), is far smaller: 1e-10 relative, as the marginals'
-    model = _wide_mlp()
-    loader = _data(10)
-    P = flat_trainable_parameters(model).numel()
-    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
-    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
-    idx = torch.tensor(sorted(first + second))
+    model, loader, prior, idx = _two_layer_case(10)
     factors = subnet_lowrank_posterior(model, loader, idx, prior[idx], truncation=truncation)
     assert factors is not None
     torch.testing.assert_close(factors["variance"],
@@ -265,13 +263,7 @@ def test_projected_route_and_its_fallback_give_the_dense_variances(monkeypatch, 
     monkeypatch.setattr(lowrank, "_projected_variance", spy)
     if not projected:
         monkeypatch.setattr(lowrank, "PROJECTION_TOLERANCE", -1.0)
-    model = _wide_mlp()
-    loader = _data(10)
-    P = flat_trainable_parameters(model).numel()
-    prior = 0.5 + torch.rand(P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    first = [u * 20 + i for u in range(2, 9) for i in range(20)] + [240 + u for u in (2, 5)]
-    second = [252 + u * 12 + i for u in (1, 4) for i in range(12)]
-    idx = torch.tensor(sorted(first + second))
+    model, loader, prior, idx = _two_layer_case(10)
     dense = fit_subnet_laplace(model, loader, idx, prior).marginal_variance_subnet()
     out = subnet_marginal_variance(model, loader, idx, prior[idx])
     assert used == [projected]
