@@ -44,8 +44,14 @@ report gives killed / N and a 95% Wilson interval for the module's score. The sa
 in the work directory (``sample.json``), so ``--retest``, ``--resume`` and ``--report`` apply
 to it; a run without ``--sample`` forgets it.
 
-Not part of ``make test``: a module takes tens of minutes (the scores, commands and wall times
-are in docs/development.md, section "Mutation testing").
+Every finished run (a full run, a sample, a retest; ``--resume`` too, marked so) appends one
+JSON line to ``bench/results/mutation.jsonl`` (`run_record`: the counts, the score and its
+interval, the tests, the wall time, commit, date and machine), the source of
+docs/development.md's table (``bench/published_tables.py``); ``--no-record`` skips it (a trial
+run). Commit the code a run measures before starting it, so that its commit is that code's.
+
+Not part of ``make test``: a module takes tens of minutes (the stored runs are in
+docs/development.md, section "Mutation testing").
 """
 
 from __future__ import annotations
@@ -56,17 +62,20 @@ import difflib
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import subprocess
 import sys
 import time
 import tomllib
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".mutation"
 EQUIVALENTS = ROOT / "tools" / "mutation_equivalents.toml"
+RECORDS = ROOT / "bench" / "results" / "mutation.jsonl"
 PACKAGES = ("bayesfl", "inference", "calibration")
 LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml", "examples")  # examples: the
 # Flower app whose run-config keys test_flower.py checks
@@ -341,6 +350,8 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None,
         "equivalent": len(equivalent),
         "not_checked": unknown,
         "total": total,
+        "detected": detected,
+        "scored": denominator,
         "score": score,
         "sample": None if sample is None else {
             "size": total, "seed": sample["seed"], "population": sample["population"],
@@ -354,6 +365,67 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None,
     }
     (workdir / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def git(*args: str) -> str:
+    """The output of ``git ARGS`` in the repository, or ``""`` where git fails."""
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def provenance(threads: str) -> dict[str, str]:
+    """``commit`` (short hash of HEAD), ``date`` (UTC), ``machine`` (platform, torch's CPU
+    kernel level and the threads mutmut ran with, as in the other bench/results records) and
+    ``worktree`` (``clean``, or how many tracked files differ from HEAD: in a shared checkout
+    the code run may not be quite the commit's)."""
+    import torch
+
+    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+               if line.strip()]
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "date": datetime.now(UTC).date().isoformat(),
+            "machine": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}, "
+                       f"{threads} thread" + ("" if threads == "1" else "s"),
+            "worktree": f"{len(changed)} tracked files modified" if changed else "clean"}
+
+
+def run_record(summary: dict, kind: str, resumed: bool, where: dict[str, str]) -> dict:
+    """One run's line of ``bench/results/mutation.jsonl``, from `report`'s summary.
+
+    ``kind``: ``full`` (every mutant), ``sample`` or ``retest`` (the last run's survivors
+    rerun; the counts are then the whole run's or sample's verdicts after the rerun). ``killed``
+    counts mutmut's kills, ``detected`` adds the timeouts and crashes (the score counts them as
+    killed), ``scored`` is the denominator (total less equivalents, skipped and unchecked).
+    ``ci95`` is the 95% Wilson interval of a sample's score (of a retest of a sample too, though
+    that figure is an upper estimate); a full run's score is the module's own, with none.
+    ``wall_s`` is this invocation's (a ``resumed`` run's: the resumed part only)."""
+    sample = summary["sample"]
+    return {
+        "module": summary["module"], "kind": kind, "resumed": resumed,
+        "sample_size": sample["size"] if sample else None,
+        "seed": sample["seed"] if sample else None,
+        "population": sample["population"] if sample else None,
+        "tests": summary["tests"],
+        "killed": summary["killed"], "timeout": summary["timeout"],
+        "crashed": summary["crashed"], "detected": summary["detected"],
+        "survived": summary["survived"], "no_tests": summary["no_tests"],
+        "equivalent": summary["equivalent"], "not_checked": summary["not_checked"],
+        "total": summary["total"], "scored": summary["scored"], "score": summary["score"],
+        "ci95": list(wilson_interval(summary["detected"], summary["scored"])) if sample else None,
+        "survivors": [s["mutant"] for s in summary["survivors"]],
+        "wall_s": summary["wall_s"],
+        **where,
+    }
+
+
+def append_record(path: Path, record: dict) -> None:
+    """``record`` as one JSON line at the end of ``path`` (created with its folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 def natural(name: str):
@@ -373,6 +445,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sample", type=int, metavar="N",
                         help="test N mutants drawn at random (less listed equivalents)")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--no-record", action="store_true",
+                        help=f"do not append the run to {RECORDS.relative_to(ROOT)}")
     args = parser.parse_args(argv)
 
     module = Path(args.module).resolve().relative_to(ROOT).as_posix()
@@ -424,7 +498,14 @@ def main(argv=None) -> int:
             start = time.monotonic()
             run_mutmut(workdir, names)
             wall_s = time.monotonic() - start
-    report(workdir, module, tests, wall_s, sample)
+    summary = report(workdir, module, tests, wall_s, sample)
+    if wall_s is not None and not args.no_record:  # a run happened (not --report)
+        kind = "retest" if args.retest else "sample" if sample else "full"
+        # run_mutmut's default, unless the caller set it
+        where = provenance(os.environ.get("OMP_NUM_THREADS", "1"))
+        append_record(RECORDS, run_record(summary, kind, args.resume, where))
+        print(f"\nrecorded in {RECORDS.relative_to(ROOT)} (commit {where['commit']}, "
+              f"worktree {where['worktree']})")
     return 0
 
 
