@@ -1,7 +1,7 @@
 """The published tables of issues 40 and 41, generated from the stored runs in ``bench/results/``.
 
 Each table lies in ``docs/results.md``, ``docs/seeds.md``, ``docs/inference.md``,
-``docs/calibration.md`` or ``README.md`` (``PAGES``) between
+``docs/calibration.md``, ``docs/development.md`` or ``README.md`` (``PAGES``) between
 ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``python bench/published_tables.py`` prints
 every table, ``--write`` replaces the blocks in those pages, and
 ``tests/bench/test_published_tables.py`` fails when a page and the caches disagree.
@@ -47,6 +47,9 @@ Tables:
   of each (``<name>.jsonl``, `bench.run_cache.append_result`), its ratios to the peer
   measured in the same run, each stated target's verdict, and a source line with the machine,
   date, commit, seeds, torch version, threads and load average (issue 41).
+* ``mutation`` (``mutation.jsonl``, written by ``tools/mutation.py`` at the end of every run):
+  docs/development.md's mutation scores, the newest run of each module, kind (full run,
+  sample, retest), sample size and seed.
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ README = ROOT / "README.md"
 SEEDS = ROOT / "docs" / "seeds.md"
 INFERENCE = ROOT / "docs" / "inference.md"
 CALIBRATION = ROOT / "docs" / "calibration.md"
+DEVELOPMENT = ROOT / "docs" / "development.md"
 #: Every page whose table blocks are generated here.
-PAGES = (PAGE, README, SEEDS, INFERENCE, CALIBRATION)
+PAGES = (PAGE, README, SEEDS, INFERENCE, CALIBRATION, DEVELOPMENT)
 BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -1932,6 +1936,66 @@ def flower_table(records: list[dict] | None = None) -> str:
 PULL_SLEEP_S = 3.0
 
 
+# --- Mutation scores (tools/mutation.py) ----------------------------------------------------
+
+#: The order of a module's rows: the full run, then samples, then retests.
+MUTATION_KINDS = ("full", "sample", "retest")
+
+
+def _mutation_run(r: dict) -> str:
+    """What was run: the whole module, or which sample (of how many mutants), and whether the
+    run was a retest of the last run's survivors or a resumed one."""
+    text = "every mutant" if r["sample_size"] is None else (
+        f"sample of {r['sample_size']} of {r['population']}, seed {r['seed']}")
+    if r["kind"] == "retest":
+        text = f"retest of the survivors ({text})"
+    return text + (" (resumed: wall time of the resumed part)" if r.get("resumed") else "")
+
+
+def _mutation_counts(r: dict) -> tuple[str, str]:
+    """The killed cell (timeouts and crashes count as killed, said so) and the survived cell:
+    the survivors less the listed equivalents (which have a column of their own), mutants
+    that no selected test calls included and said so."""
+    killed = str(r["detected"])
+    extra = [f"{r[k]} {name}" for k, name in (("timeout", "timeouts"), ("crashed", "crashed"))
+             if r[k]]
+    if extra:
+        killed += f" (incl. {', '.join(extra)})"
+    survived = str(r["survived"] + r["no_tests"] - r["equivalent"])
+    if r["no_tests"]:
+        survived += f" (incl. {r['no_tests']} no tests)"
+    return killed, survived
+
+
+def mutation_table(records: list[dict] | None = None) -> str:
+    """docs/development.md's mutation scores: the newest run of each (module, kind, sample size,
+    seed) in ``bench/results/mutation.jsonl``, by module, full runs first. The score is killed
+    / (total - equivalent), with the 95% Wilson interval for a sample (a full run's score is
+    the module's own); a retest's counts are the whole run's after its survivors were rerun."""
+    records = read_jsonl(RESULTS / "mutation.jsonl") if records is None else records
+    newest: dict[tuple, dict] = {}
+    for r in records:  # a later line of the same key replaces an earlier one
+        newest[(r["module"], r["kind"], r["sample_size"], r["seed"])] = r
+    if not newest:
+        return _none_yet("mutation.jsonl")
+    rows = sorted(newest.values(), key=lambda r: (r["module"], MUTATION_KINDS.index(r["kind"]),
+                                                  r["sample_size"] or 0, r["seed"] or 0))
+    lines = ["| module | run | covering tests | killed | survived | equivalent (excluded) | "
+             "score (95% interval) | wall time | commit, date |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        killed, survived = _mutation_counts(r)
+        score = f"{r['detected']} / {r['scored']} = {100 * r['score']:.1f}%"
+        if r["ci95"] is not None:
+            score += f" ({100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f})"
+        worktree = "" if r["worktree"] == "clean" else f" ({r['worktree']})"
+        tests = " ".join(f"`{t}`" for t in r["tests"])
+        lines.append(f"| `{r['module']}` | {_mutation_run(r)} | {tests} | {killed} | {survived} | "
+                     f"{r['equivalent']} | {score} | {r['wall_s'] / 60:.1f} min | "
+                     f"{r['commit']}{worktree}, {r['date']} |")
+    return "\n".join(lines) + "\n\n" + source_line("mutation.jsonl", rows)
+
+
 TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "s1_verdict": s1_verdict_table,
           "s1_cost": s1_cost_table, "head_speed": head_speed_table,
@@ -1952,7 +2016,8 @@ TABLES = {"s1_shift": s1_shift_table, "s1_shift_readme": s1_shift_readme_table,
           "seeds_fedlog": seeds_fedlog_table, "seeds_verdicts": seeds_verdicts_table,
           "conjugate": conjugate_table, "subnet_laplace": subnet_laplace_table,
           "fedsi": fedsi_table, "calibration": calibration_table,
-          "simulate_scale": simulate_scale_table, "flower": flower_table}
+          "simulate_scale": simulate_scale_table, "flower": flower_table,
+          "mutation": mutation_table}
 
 
 def render(page: str) -> str:

@@ -571,3 +571,34 @@ def test_the_conformal_methods_table_reads_bytes_and_judges_each_thresholds_cove
             "predictive × α)** (does not hold at seed 1 LAC headline α = 0.1).") in table
     assert "and less with `one-shot` than with `sketch`: **holds**." in table
     assert "(2 runs): CPU Test" in table
+
+
+def mutation_record(module, kind, detected, scored, sample=None, seed=None, **extra):
+    return {"module": module, "kind": kind, "resumed": False, "sample_size": sample,
+            "seed": seed, "population": 300 if sample else None, "tests": ["tests/t.py"],
+            "killed": detected, "timeout": 0, "crashed": 0, "detected": detected,
+            "survived": scored - detected + 1, "no_tests": 0, "equivalent": 1,  # 1 survivor
+            # of them is a listed equivalent
+            "total": scored + 1, "scored": scored, "score": detected / scored,
+            "ci95": [0.7027, 0.9275] if sample else None, "wall_s": 90.0, "worktree": "clean",
+            **PROVENANCE, **extra}
+
+
+def test_the_mutation_table_shows_the_newest_run_of_each_module_kind_and_sample():
+    from bench.published_tables import mutation_table
+
+    records = [mutation_record("b.py", "sample", 20, 39, sample=40, seed=0),
+               mutation_record("b.py", "sample", 33, 39, sample=40, seed=0, commit="def5678"),
+               mutation_record("b.py", "retest", 39, 39, sample=40, seed=0),
+               mutation_record("a.py", "full", 36, 40, timeout=2)]
+    lines = mutation_table(records).splitlines()
+    rows = [line for line in lines if line.startswith("| `")]
+    assert [row.split(" | ")[0] for row in rows] == ["| `a.py`", "| `b.py`", "| `b.py`"]
+    full, sample, retest = rows
+    assert "| every mutant |" in full and "| 36 (incl. 2 timeouts) | 4 | 1 |" in full
+    assert "| 36 / 40 = 90.0% |" in full and "| 1.5 min |" in full  # no interval: the module
+    assert "| sample of 40 of 300, seed 0 |" in sample
+    assert "| 33 / 39 = 84.6% (70.3-92.8) |" in sample and "def5678" in sample  # the newer
+    assert retest.startswith("| `b.py` | retest of the survivors (sample of 40")
+    assert lines[-1].startswith("Source: `bench/results/mutation.jsonl` (3 runs)")
+    assert "No runs" in mutation_table([])
