@@ -378,9 +378,9 @@ def git(*args: str) -> str:
 
 def provenance(threads: str) -> dict[str, str]:
     """``commit`` (short hash of HEAD), ``date`` (UTC), ``machine`` (platform, torch's CPU
-    kernel level and the threads mutmut ran with, as in the other bench/results records) and
+    kernel level and the threads mutmut runs with, as in the other bench/results records) and
     ``worktree`` (``clean``, or how many tracked files differ from HEAD: in a shared checkout
-    the code run may not be quite the commit's)."""
+    the code run may not be quite the commit's). Taken as a run starts."""
     import torch
 
     changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
@@ -389,7 +389,8 @@ def provenance(threads: str) -> dict[str, str]:
             "date": datetime.now(UTC).date().isoformat(),
             "machine": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}, "
                        f"{threads} thread" + ("" if threads == "1" else "s"),
-            "worktree": f"{len(changed)} tracked files modified" if changed else "clean"}
+            "worktree": (f"{len(changed)} tracked file{'s' if len(changed) > 1 else ''} "
+                         "modified" if changed else "clean")}
 
 
 def run_record(summary: dict, kind: str, resumed: bool, where: dict[str, str]) -> dict:
@@ -469,7 +470,7 @@ def main(argv=None) -> int:
         sample_path.unlink(missing_ok=True)
     sample = json.loads(sample_path.read_text()) if sample_path.exists() else None
 
-    wall_s = None
+    wall_s, where = None, None
     if not args.report:
         names: list[str] = []  # none: every mutant (without --resume: every unchecked one)
         if args.retest or (args.resume and sample):
@@ -495,14 +496,15 @@ def main(argv=None) -> int:
             sample = {"seed": args.seed, "population": len(population), "names": names}
             sample_path.write_text(json.dumps(sample, indent=1) + "\n")
         if names or fresh or (args.resume and not sample):  # else: nothing left to run
+            # taken before the run: the commit and worktree whose code mutmut copies (another
+            # engineer may commit or edit the shared checkout while it runs)
+            where = provenance(os.environ.get("OMP_NUM_THREADS", "1"))  # run_mutmut's default
             start = time.monotonic()
             run_mutmut(workdir, names)
             wall_s = time.monotonic() - start
     summary = report(workdir, module, tests, wall_s, sample)
-    if wall_s is not None and not args.no_record:  # a run happened (not --report)
+    if where is not None and not args.no_record:  # a run happened (not --report)
         kind = "retest" if args.retest else "sample" if sample else "full"
-        # run_mutmut's default, unless the caller set it
-        where = provenance(os.environ.get("OMP_NUM_THREADS", "1"))
         append_record(RECORDS, run_record(summary, kind, args.resume, where))
         print(f"\nrecorded in {RECORDS.relative_to(ROOT)} (commit {where['commit']}, "
               f"worktree {where['worktree']})")

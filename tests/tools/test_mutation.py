@@ -105,9 +105,10 @@ def test_wilson_interval_against_independent_computations(k, n):
     assert (lo, hi) == pytest.approx((ci.low, ci.high), abs=2e-4)  # scipy: z = 1.95996...
 
 
-def fake_run(module, codes):
+def fake_run(module, codes, calls):
     """A stand-in for mutmut: writes the verdicts a run would leave in the work directory."""
     def run(workdir, names):
+        calls.append("run")
         meta = workdir / "mutants" / f"{module}.meta"
         meta.parent.mkdir(parents=True, exist_ok=True)
         meta.write_text(json.dumps({"exit_code_by_key": codes}))
@@ -124,10 +125,13 @@ def test_a_run_appends_one_record_unless_told_not_to(tmp_path, monkeypatch, reco
     records = tmp_path / "mutation.jsonl"
     monkeypatch.setattr(mutation, "append_record", lambda path, r: records.write_text(
         json.dumps(r) + "\n"))
-    monkeypatch.setattr(mutation, "run_mutmut", fake_run(module, codes))
-    monkeypatch.setattr(mutation, "provenance", lambda threads: {**WHERE, "threads": threads})
+    calls = []
+    monkeypatch.setattr(mutation, "run_mutmut", fake_run(module, codes, calls))
+    monkeypatch.setattr(mutation, "provenance",
+                        lambda threads: calls.append("provenance") or WHERE | {"threads": threads})
 
     assert mutation.main([module] + ([] if record else ["--no-record"])) == 0
+    assert calls == ["provenance", "run"]  # the commit and worktree the run copied
     if not record:
         assert not records.exists()
         return
