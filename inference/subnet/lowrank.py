@@ -72,14 +72,19 @@ posterior, issue 41). The same truncated kernel defines a Gaussian, ``Sigma_t = 
 W K_t^{-1} W^T D^{-1}``, whose marginals are the variances above; a logit o of a new input with
 Jacobian row ``J_o[s] = G[o, u_s] A_x[s]`` has the linearised variance ``J_o Sigma_t J_o^T =
 J_o D^{-1} J_o^T - |z|^2 + |Y^T z|^2``, ``z = W^T D^{-1} J_o^T``, ``z[(b, j)] = sum_u F_b[u, j]
-G[o, u] N_u[b, x]`` with ``N_u[b, x] = sum_{s in u} A[b, s] A_x[s] / D_s`` (the training x new
-inputs Gram of the prior covariance, per unit). Kept: A, F, Y and 1/D (n S + n U J + n J m
-numbers, ~30 MB on S1 against the S x S GGN's 123 MB); per input ``n S`` for N, ``C U n J``
-for z and ``C n J m`` for ``Y^T z``, against the dense route's ``S^3 / 3`` Cholesky, ``S^3 / 3``
-triangular inverse and ``S^2`` per input. Bound, as for the marginals: ``K = K_t + Delta``
-gives ``0 <= J_o (Sigma - Sigma_t) J_o^T = z^T (K_t^{-1} - K^{-1}) z <= trace(Delta) |K_t^{-1}
-z|^2 <= truncation |z|^2`` (``K_t >= I``). On S1's personal posteriors (float64, the
-posteriors of a 3-round run) the logit variances equal the dense route's to 8e-16 relative.
+a[b, u]`` with ``a[b, u] = G[o, u] N_u[b, x]`` and ``N_u[b, x] = sum_{s in u} A[b, s] A_x[s] /
+D_s`` (the training x new inputs Gram of the prior covariance, per unit). Neither z (n J
+numbers a logit) nor Y (n J x m) is formed: ``|z|^2 = sum_b a_b^T (F_b F_b^T) a_b``, and with
+``Y = C chol^{-T}``, ``Y^T z = chol^{-1} C^T z`` where ``(C^T z)[i] = sum_b T[b, i] w[b,
+u_i]``, ``w[b, v] = sum_u (F^_b[v] . F_b[u]) a[b, u]`` (C's unit structure). Kept: A, F, T (and
+its columns' units), chol(I + C^T C) and 1/D (n S + n U J + n m + m^2 numbers, ~20 MB on S1
+against the S x S GGN's 123 MB); per logit ``U^2 n`` for |z|^2 and w, ``n m`` for ``C^T z``
+and ``m^2 / 2`` for the triangular solve, against ``n J m`` for ``Y^T z`` (3x more on S1, J =
+9) and the dense route's ``S^3 / 3`` Cholesky, ``S^3 / 3`` triangular inverse and ``S^2`` per
+input. Bound, as for the marginals: ``K = K_t + Delta`` gives ``0 <= J_o (Sigma - Sigma_t)
+J_o^T = z^T (K_t^{-1} - K^{-1}) z <= trace(Delta) |K_t^{-1} z|^2 <= truncation |z|^2`` (``K_t
+>= I``). On S1's personal posteriors (float64, the posteriors of a 3-round run) the logit
+variances equal the dense route's to 8e-16 relative.
 
 Same algebra as the dense route in float64 (A and G, like the dense route's, come in the model's
 dtype). The subtraction loses relative accuracy where the data shrink an entry's variance far
@@ -167,17 +172,16 @@ def subnet_lowrank_posterior(
     truncation: float = TRUNCATION,
 ) -> dict[str, Tensor] | None:
     """The subnet posterior in the truncated Woodbury form of `subnet_marginal_variance`
-    (module docstring, "The predictive"), as tensors: ``subnet`` (S,) int64, ``dinv`` (S,) the
-    prior variances, ``A`` (n, S) and ``F`` (n, U, J) the training set's Jacobian factors,
-    ``Y`` (n J, m) the kernel's factor (``K_t^{-1} = I - Y Y^T``), ``variance`` (S,) the
-    marginal variances by the Y route (`subnet_marginal_variance`'s, which may take the
-    projected route, to ~1e-13 relative); None where
-    that route does not apply (then the caller fits the dense posterior). Arguments as
-    `subnet_marginal_variance`'s. `lowrank_logit_variance` predicts with it."""
-    factors = _woodbury(model, loader, subnet_indices, prior_precision, truncation, keep=True)
-    if factors is None:
-        return None
-    return {key: factors[key] for key in ("subnet", "dinv", "A", "F", "Y", "variance")}
+    (module docstring, "The predictive"), as tensors (`LOWRANK_KEYS`): ``subnet`` (S,) int64,
+    ``dinv`` (S,) the prior variances, ``A`` (n, S) and ``F`` (n, U, J) the training set's
+    Jacobian factors, ``T`` (n, m) the unit Grams' factors side by side with ``unit`` (m,)
+    int64 the unit of each column (each unit's columns consecutive, in unit order), and
+    ``chol`` (m, m) the lower Cholesky factor of the kernel ``I + C^T C`` (``K_t^{-1} = I - Y
+    Y^T``, ``Y = C chol^{-T}``); None where that route does not apply (then the caller fits the
+    dense posterior). Arguments as `subnet_marginal_variance`'s, whose variances are this
+    Gaussian's marginals. `lowrank_logit_variance` predicts with it (and returns None where its
+    subtraction would lose the digits `MAX_SHRINKAGE` guards)."""
+    return _woodbury(model, loader, subnet_indices, prior_precision, truncation, keep=True)
 
 
 def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
@@ -209,7 +213,7 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     checks.finish()
     A = torch.cat(A_parts).to(torch.float64)  # (n, S)
     Q = torch.cat(G_parts, dim=1).to(torch.float64).permute(1, 2, 0).contiguous()  # (n, U, J)
-    n, U, J = Q.shape
+    n, U, _ = Q.shape
     F, valid = _sample_factors(Q)
     r = int(valid.sum())
     if r >= S or U * n * n > S * S:
@@ -226,23 +230,32 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     # Cholesky per unit); T holds the T_u side by side, unit[i] the unit of column i
     T, unit = _unit_factors(M, truncation)
     del M
-    m = T.shape[1]
     # F^_b[u] = F_b[u] / |F_b[u]| (0 where the unit is inactive); g[b, u, v] = F^_b[u].F^_b[v]
     unit_F = torch.where(root[..., None] > 0, F / root.clamp_min(1e-300)[..., None], 0.0)
     g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U)
     ends = torch.bincount(unit, minlength=U).cumsum(0).tolist()
-    if not keep:
-        variance = _projected_variance(A, root, dinv, T, unit, ends, g, plan, truncation)
-        if variance is not None:
-            ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
-            return {"variance": variance} if bool(ok.all()) else None
-    # C[(b, j), i] = F^_b[unit_i, j] T[b, i] (n J, m): E_t = C C^T. Its Gram (m, m) by unit
-    # blocks, C_u^T C_v = T_u^T diag(g[:, u, v]) T_v (n m^2, not n J m^2); the units' columns
-    # are consecutive, and only the lower triangle is formed (v <= u: the Cholesky reads no
-    # other; the upper stays zero)
+    if keep:  # the predictive's factors (it checks its own subtraction, a logit at a time)
+        return {"subnet": idx, "dinv": dinv, "A": A, "F": F, "T": T, "unit": unit,
+                "chol": _kernel_cholesky(T, unit, ends, g)}
+    # the marginals by the unit bases where their bound allows (the upload's route), else
+    # through the kernel's factor Y
+    variance = _projected_variance(A, root, dinv, T, unit, ends, g, plan, truncation)
+    if variance is None:
+        chol = _kernel_cholesky(T, unit, ends, g)
+        variance = _kernel_variance(A, F, unit_F, T, unit, chol, plan, dinv)
+    ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
+    return {"variance": variance} if bool(ok.all()) else None
+
+
+def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Tensor:
+    """Lower ``chol(I + C^T C)`` (m, m), ``C[(b, j), i] = F^_b[unit_i, j] T[b, i]``: E_t = C C^T.
+
+    ``I + C^T C`` by unit blocks, ``C_u^T C_v = T_u^T diag(g[:, u, v]) T_v`` (n m^2, not n J
+    m^2); the units' columns are consecutive, and only the lower triangle is formed (v <= u: the
+    Cholesky reads no other; the upper stays zero)."""
+    m = T.shape[1]
     gram = T.new_zeros(m, m)
-    for u in range(U):
-        end = ends[u]
+    for u, end in enumerate(ends):
         start = ends[u - 1] if u else 0
         if end > start:
             gram[start:end, :end] = T[:, start:end].T @ (T[:, :end] * g[:, u, unit[:end]])
@@ -251,24 +264,26 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
         raise NumericalError("the truncated Woodbury kernel I + C^T C is not positive definite "
                              "(non-finite curvature?)")
+    return chol
+
+
+def _kernel_variance(A: Tensor, F: Tensor, unit_F: Tensor, T: Tensor, unit: Tensor,
+                     chol: Tensor, plan, dinv: Tensor) -> Tensor:
+    """The marginal variances through ``K_t^{-1} = I - Y Y^T``, ``Y = C chol^{-T}`` (n J, m)
+    (module docstring; the route where `_projected_variance`'s bound declines)."""
+    n, _, J = F.shape
+    m = T.shape[1]
     C = (unit_F[:, unit, :].transpose(1, 2) * T[:, None, :]).reshape(n * J, m)
-    del T, gram
-    # K_t^{-1} = I - Y Y^T, Y = C chol^{-T} (n J, m), row (b, j)
-    Y = torch.linalg.solve_triangular(chol.mT, C, upper=True, left=False)
+    Y = torch.linalg.solve_triangular(chol.mT, C, upper=True, left=False)  # row (b, j)
     del C
     # V[b, u] = sum_j F_b[u, j] Y[(b, j)]: Omega_u = diag_b(|F_b[u]|^2) - V_u V_u^T
     V = torch.bmm(F, Y.view(n, J, m))  # (n, U, m)
-    q = torch.empty(S, dtype=torch.float64, device=device)
+    f = F.square().sum(2)  # (n, U)
+    q = torch.empty_like(dinv)
     for start, end, u in plan.runs:
         block = A[:, start:end]
         q[start:end] = f[:, u] @ block.square() - torch.mm(block.T, V[:, u]).square().sum(1)
-    variance = dinv - q * dinv.square()
-    ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
-    if not bool(ok.all()):
-        return None
-    if not keep:
-        return {"variance": variance}
-    return {"subnet": idx, "dinv": dinv, "A": A, "F": F, "Y": Y, "variance": variance}
+    return dinv - q * dinv.square()
 
 
 
@@ -400,14 +415,14 @@ def _unit_factors(M: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
     return torch.cat(parts, dim=1), torch.cat(units)
 
 
-LOWRANK_KEYS = ("subnet", "dinv", "A", "F", "Y")
+LOWRANK_KEYS = ("subnet", "dinv", "A", "F", "T", "unit", "chol")
 """The tensors `lowrank_logit_variance` reads from `subnet_lowrank_posterior`'s dict."""
 
 
 @torch.no_grad()
 def lowrank_logit_variance(
     model: nn.Module, mean: Tensor, factors: dict[str, Tensor], x: Tensor, *,
-    rows: int = 16, engine: SubnetJacobian | None = None,
+    rows: int = 64, engine: SubnetJacobian | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """Linearised logit variances ``var[b, o] = J_bo Sigma_t J_bo^T`` (B, C) float64 and the
     logits (B, C) at ``mean``, of the truncated Woodbury posterior
@@ -419,13 +434,14 @@ def lowrank_logit_variance(
     Args:
         model: the network the factors were computed on (eval mode is the caller's).
         mean: (P,) its trainable parameters, the point of linearisation.
-        factors: ``subnet, dinv, A, F, Y`` (`LOWRANK_KEYS`).
+        factors: ``subnet, dinv, A, F, T, unit, chol`` (`LOWRANK_KEYS`).
         x: (B, ...) inputs on the model's device.
-        rows: inputs per chunk of the (rows, U, n J) intermediate.
+        rows: inputs per chunk of the (rows, C, n, U) intermediates and of the triangular
+            solve's right-hand sides (rows C of them).
         engine: the Jacobian engine of ``(model, factors["subnet"], mean)`` if the caller
             holds one.
     """
-    idx, dinv, A, F, Y = (factors[k] for k in LOWRANK_KEYS)
+    idx, dinv, A, F, T, unit, chol = (factors[k] for k in LOWRANK_KEYS)
     engine = SubnetJacobian(model, idx, mean) if engine is None else engine
     out = engine.unit_factors(x)
     if out is None:
@@ -434,26 +450,51 @@ def lowrank_logit_variance(
     Ax = Ax.to(torch.float64)
     Gx = Gx.to(torch.float64).permute(1, 0, 2)  # (B, C, U)
     B, C, U = Gx.shape
-    n, _, J = F.shape
-    if F.shape[1] != U or A.shape != (n, idx.numel()):
+    n = F.shape[0]
+    m = T.shape[1]
+    if (F.shape[1] != U or A.shape != (n, idx.numel()) or T.shape[0] != n
+            or chol.shape != (m, m) or unit.shape != (m,)
+            or not bool((unit[1:] >= unit[:-1]).all())):
         raise InvalidInputError("the low-rank factors do not belong to this model's subnet")
-    # per unit u: prior[b', u] = sum_{s in u} Ax[b', s]^2 / D_s; N[b', b, u] = sum_{s in u}
+    # per unit u: prior[b', u] = sum_{s in u} Ax[b', s]^2 / D_s; N[u, b', b] = sum_{s in u}
     # Ax[b', s] A[b, s] / D_s (the test x training Gram of the prior covariance)
     prior = Ax.new_zeros(B, U)
-    N = Ax.new_zeros(B, n, U)
+    N = Ax.new_zeros(U, B, n)
     for start, end, u in plan.runs:
         scaled = Ax[:, start:end] * dinv[start:end]
         prior[:, u] += (scaled * Ax[:, start:end]).sum(1)
-        N[:, :, u] += scaled @ A[:, start:end].T
+        N[u] += scaled @ A[:, start:end].T
     variance = torch.einsum("bou,bu->bo", Gx.square(), prior)  # J D^{-1} J^T
-    quadratic = torch.empty_like(variance)
+    # z[(b, j)] = sum_u Gx[b', o, u] N[u, b', b] F_b[u, j]. Its square, |z|^2 = Gx^T P Gx with
+    # P[b', u, v] = sum_b N[u, b', b] (F_b F_b^T)[u, v] N[v, b', b] (one U x U a test input)
+    FF = torch.bmm(F, F.transpose(1, 2))  # (n, U, U)
+    P = Ax.new_empty(B, U, U)
+    for u in range(U):
+        for v in range(u + 1):
+            P[:, u, v] = P[:, v, u] = ((N[u] * FF[:, u, v]) * N[v]).sum(1)
+    squared = torch.einsum("bou,buv,bov->bo", Gx, P, Gx)
+    # C^T z: column i of unit v is sum_b T[b, i] sum_u (F^_b[v] . F_b[u]) Gx[o, u] N[u, b', b]
+    # = sum_u Gx[o, u] M_vu[b', i], M_vu = N[u] diag(FH[:, v, u]) T_v (B x m_v, a GEMM)
+    norms = F.square().sum(2, keepdim=True).sqrt()
+    unit_F = torch.where(norms > 0, F / norms.clamp_min(1e-300), 0.0)
+    FH = torch.bmm(unit_F, F.transpose(1, 2))  # (n, U, U): FH[b, v, u] = F^_b[v] . F_b[u]
+    # T's columns by unit: unit v's are [bounds[v], bounds[v + 1]) (`_unit_factors`' order,
+    # checked above)
+    bounds = [0, *torch.bincount(unit, minlength=U).cumsum(0).tolist()]
+    projected = Ax.new_empty(B, C, m)
+    for v in range(U):
+        low, high = bounds[v], bounds[v + 1]
+        if high > low:
+            weighted = FH[:, v, :].T[:, :, None] * T[None, :, low:high]  # (U, n, m_v)
+            M = torch.bmm(N, weighted)  # (U, B, m_v)
+            projected[:, :, low:high] = torch.bmm(Gx, M.transpose(0, 1))
+    # z^T K_t^{-1} z = |z|^2 - |Y^T z|^2, Y^T z = chol^{-1} C^T z (rows C right-hand sides a
+    # solve)
+    quadratic = squared.clone()
     for i in range(0, B, rows):
-        # z[b', o, (b, j)] = sum_u Gx[b', o, u] N[b', b, u] F[b, u, j]: W^T D^{-1} J^T
-        NF = (N[i : i + rows, :, :, None] * F).permute(0, 2, 1, 3).reshape(-1, U, n * J)
-        z = torch.bmm(Gx[i : i + rows], NF).reshape(-1, n * J)  # (rows C, n J)
-        # z^T K_t^{-1} z = |z|^2 - |Y^T z|^2
-        q = z.square().sum(1) - (z @ Y).square().sum(1)
-        quadratic[i : i + rows] = q.view(-1, C)
+        solved = torch.linalg.solve_triangular(chol, projected[i : i + rows].reshape(-1, m).T,
+                                               upper=False)
+        quadratic[i : i + rows] -= solved.square().sum(0).view(-1, C)
     f_var = variance - quadratic
     # the subtraction keeps ~13 digits while the data shrink a logit's variance at most
     # MAX_SHRINKAGE-fold below its prior's (as for the marginal variances)

@@ -1017,7 +1017,7 @@ class FedSI(Strategy):
             logits = batched_apply(self.model_at(config, state, mean), x)
             probs = torch.softmax(logits.to(torch.float64), dim=-1).cpu()
             return {PREDICTIVE: probs, MAP_PLUGIN: probs}
-        if f"{LOWRANK_PREFIX}Y" in state:  # glm_probit, no head (`lowrank_terms`)
+        if f"{LOWRANK_PREFIX}chol" in state:  # glm_probit, no head (`lowrank_terms`)
             model = self.client_model(config, state)
             model.head.requires_grad_(False)
             factors = {k: state[f"{LOWRANK_PREFIX}{k}"] for k in LOWRANK_KEYS}

@@ -196,9 +196,6 @@ def test_lowrank_logit_variances_and_predictive_equal_the_dense_posteriors(trunc
     model, loader, prior, idx = _two_layer_case(10)
     factors = subnet_lowrank_posterior(model, loader, idx, prior[idx], truncation=truncation)
     assert factors is not None
-    torch.testing.assert_close(factors["variance"],
-                               subnet_marginal_variance(model, loader, idx, prior[idx]),
-                               rtol=1e-10, atol=0)
     dense = fit_subnet_laplace(model, loader, idx, prior).bind(model)
     x = torch.randn(37, 20, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     mean = flat_trainable_parameters(model)
@@ -243,6 +240,28 @@ def test_lowrank_logit_variance_declines_what_it_cannot_factor():
     x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
     prior = torch.ones(5, dtype=torch.float64)
     assert subnet_lowrank_posterior(cnn, make_loader(x, 4), torch.arange(5), prior) is None
+
+
+def test_lowrank_logit_variance_declines_where_the_data_shrink_a_logit_past_max_shrinkage():
+    # the marginals' cancellation case (above): one training input along feature 0 and a prior
+    # variance of 1e6, so that input's logits have their prior variance cut > 1e3-fold and the
+    # subtraction would keep too few digits: None (the caller's dense route). At prior
+    # precision 1 the same input's logit variances are kept and equal the dense posterior's.
+    model = _wide_mlp()
+    P = flat_trainable_parameters(model).numel()
+    x = torch.zeros(1, 20, dtype=torch.float64)
+    x[0, 0] = 3.0
+    unit = int(torch.nonzero(model[0](x)[0] > 0)[0])
+    idx = torch.arange(unit * 20, unit * 20 + 20)
+    mean = flat_trainable_parameters(model)
+    weak = torch.full((20,), 1e-6, dtype=torch.float64)
+    factors = subnet_lowrank_posterior(model, make_loader(x, 4), idx, weak)
+    assert factors is not None and lowrank_logit_variance(model, mean, factors, x) is None
+    factors = subnet_lowrank_posterior(model, make_loader(x, 4), idx, weak * 1e6)
+    f_var, _ = lowrank_logit_variance(model, mean, factors, x)
+    dense = fit_subnet_laplace(model, make_loader(x, 4), idx,
+                               torch.ones(P, dtype=torch.float64)).bind(model)
+    torch.testing.assert_close(f_var, _dense_logit_variance(dense, x), rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("projected", [True, False])
