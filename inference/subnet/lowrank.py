@@ -255,16 +255,32 @@ def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Ten
     Cholesky reads no other; the upper stays zero)."""
     m = T.shape[1]
     gram = T.new_zeros(m, m)
+    weights = _unit_weights(g, ends)
     for u, end in enumerate(ends):
         start = ends[u - 1] if u else 0
         if end > start:
-            gram[start:end, :end] = T[:, start:end].T @ (T[:, :end] * g[:, u, unit[:end]])
+            gram[start:end, :end] = T[:, start:end].T @ (T[:, :end] * weights(u))
     gram.diagonal().add_(1.0)
     chol, info = torch.linalg.cholesky_ex(gram)
     if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
         raise NumericalError("the truncated Woodbury kernel I + C^T C is not positive definite "
                              "(non-finite curvature?)")
     return chol
+
+
+def _unit_weights(g: Tensor, ends: list[int]):
+    """``u -> g[:, u, unit[:ends[u]]]`` (n, ends[u]): unit u's row of ``g`` (n, U, U) spread
+    over the columns of the units up to u (each unit's columns consecutive, ``ends`` their
+    ends). The same numbers as that gather, by `torch.repeat_interleave` over a (U, U, n) copy
+    of ``g`` (~7x cheaper than 25 advanced-indexing gathers at S1's U = 25; issue 41)."""
+    by_unit = g.permute(1, 2, 0).contiguous()  # (U, U, n)
+    counts = torch.tensor([end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)],
+                          device=g.device)
+
+    def weights(u: int) -> Tensor:
+        return torch.repeat_interleave(by_unit[u, : u + 1], counts[: u + 1], dim=0,
+                                       output_size=ends[u]).T
+    return weights
 
 
 def _kernel_variance(A: Tensor, F: Tensor, unit_F: Tensor, T: Tensor, unit: Tensor,
@@ -311,10 +327,11 @@ def _projected_variance(A: Tensor, root: Tensor, dinv: Tensor, T: Tensor, unit: 
             R.append(T.new_zeros(0, 0))
     # N = C'^T C' (C' = C with Q for T): N_uv = Q_u^T diag(g[:, u, v]) Q_v, lower then mirrored
     N = T.new_zeros(m, m)
+    weights = _unit_weights(g, ends)
     for u in range(U):
         a, e = starts[u], ends[u]
         if e > a:
-            N[a:e, :e] = Q[:, a:e].T @ (Q[:, :e] * g[:, u, unit[:e]])
+            N[a:e, :e] = Q[:, a:e].T @ (Q[:, :e] * weights(u))
     N += N.tril(-1).T
     # B = R^T N, G = I + B R = I + C^T C (R block diagonal)
     B = torch.empty_like(N)
