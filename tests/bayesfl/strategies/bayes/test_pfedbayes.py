@@ -388,3 +388,111 @@ def test_fit_draws_only_from_the_generator_it_is_given(build):
     (state_a, up_a), (state_b, up_b) = runs
     assert all(torch.equal(up_a.tensors[k], up_b.tensors[k]) for k in up_a.tensors)
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+# ---- behaviour the second mutation sample found untested --------------------------------------
+@pytest.mark.parametrize("option, value, message", [
+    ("beta", 0.0, "pfedbayes beta must be in (0, 1], got 0.0"),
+    ("beta", 1.5, "pfedbayes beta must be in (0, 1], got 1.5"),
+    ("epsilon_std", 2.0, "pfedbayes epsilon_std must be in (0, 1], got 2.0"),
+])
+def test_beta_and_epsilon_std_outside_zero_to_one_are_refused_saying_so(option, value, message):
+    import re
+
+    from bayesfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        make_strategy("pfedbayes", context(), **{option: value})
+
+
+def test_the_class_itself_refuses_a_zero_epsilon_std_not_only_make_strategy():
+    # PFedBayes is exported: built directly, without the registry's check of the declared
+    # bounds, a zero epsilon_std would give a posterior without spread
+    import re
+
+    from bayesfl.errors import ConfigError
+    from bayesfl.strategies import PFedBayes
+
+    message = "pfedbayes epsilon_std must be a finite number >= 1e-12, got 0.0"
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        PFedBayes(context(), epsilon_std=0.0)
+
+
+def test_an_upload_with_a_vanishing_std_is_refused_naming_the_parameter_and_its_std():
+    # softplus(-20) = 2.06e-9, below the floor 1e-6; every other rho is the broadcast's (-3)
+    import math
+
+    strategy = make_strategy("pfedbayes", context())
+    state = strategy.init()
+    plan = strategy.configure(state, 1)
+    tensors = dict(strategy.broadcast_tensors(state, 1))
+    name = RHO + strategy.names("mlp:8")[1]
+    tensors[name] = torch.full_like(tensors[name], -20.0)
+    upload = wire(strategy.up_message(1, 0, {**tensors, "num_samples": torch.tensor([5])}))
+    (verdict,) = strategy.validate_uploads(plan, [upload], [0])
+    std = f"{math.log1p(math.exp(-20.0)):.3g}"
+    assert verdict.endswith(f"{name}: posterior std softplus(rho) = {std} is below 1e-06 "
+                            "(zero variance)"), verdict
+
+
+def test_a_float64_broadcast_is_taken_in_the_networks_float32():
+    # a broadcast whose every tensor is a float32 value held in float64 trains exactly as the
+    # float32 broadcast does, and the upload is float32 as the server's schema wants
+    strategy = make_strategy("pfedbayes", context(), personal_steps=1)
+    c = make_clients(strategy)[1]
+    state = strategy.init()
+    down = wire(strategy.configure(state, 1).broadcast)
+    down64 = wire(strategy.down_message(1, {k: v.double() for k, v in down.tensors.items()}))
+    runs = [strategy.fit(c.config, c.state, c.data, d, torch.Generator().manual_seed(4))
+            for d in (down, down64)]
+    (state_32, up_32), (state_64, up_64) = runs
+    for key, tensor in up_32.tensors.items():
+        assert up_64.tensors[key].dtype == tensor.dtype and torch.equal(up_64.tensors[key],
+                                                                        tensor), key
+    assert all(torch.equal(state_64[k], state_32[k]) for k in state_32)
+
+
+def test_both_posteriors_step_with_the_runs_adam_betas():
+    # betas (0, 0) make Adam sign descent: every step moves an entry by exactly its learning
+    # rate where |g| >> eps. Two epochs of one full batch, one personal step each: every
+    # personal mean moves by 0 or 2 x lr, every mean and rho of the localized global by 0 or
+    # 2 x global_lr (Adam's default betas move the second step by other amounts). The
+    # personal rho is left out: its first gradients (a draw scaled by epsilon_std, a KL flat
+    # where q = z_k) are too small against eps for a whole step
+    training = LocalTraining(epochs=2, lr=1e-2, batch_size=64, betas=(0.0, 0.0))
+    strategy = make_strategy("pfedbayes", context(training=training), lr=0.02,
+                             global_lr=0.003, personal_steps=1)
+    c = make_clients(strategy)[1]
+    down = wire(strategy.configure(strategy.init(), 1).broadcast)
+    new_state, upload = strategy.fit(c.config, c.state, c.data, down, torch.Generator())
+    names = strategy.names(c.config.body)
+
+    def moves(after, before, keys):
+        return torch.cat([(after[k].double() - before[k].double()).abs().flatten()
+                          for k in keys])
+
+    personal = [MODEL_PREFIX + k for k in names]
+    shared = [MU + k for k in names] + [RHO + k for k in names]
+    for moved, lr in ((moves(new_state, c.state, personal), 0.02),
+                      (moves(upload.tensors, down.tensors, shared), 0.003)):
+        # float32 parameters of O(1) to O(3): rounding ~1e-6, far below 1 % of a step
+        steps = moved / lr
+        assert bool(((steps - steps.round()).abs() < 0.01).all()), steps
+        assert set(steps.round().tolist()) <= {0.0, 2.0}
+
+
+def test_a_localized_global_loss_that_overflows_stops_training_naming_the_epoch_and_batch():
+    # a personal lr of 1e30 throws the personal posterior to ~1e30 in one step: the global
+    # step's KL is then not finite, and training stops before it, saying where (epoch 1 of 2,
+    # mini-batch 1) and with the localized global's lr; the global never moved
+    from bayesfl.errors import LocalTrainingWarning
+
+    training = LocalTraining(epochs=2, lr=1e-2, batch_size=64)
+    strategy = make_strategy("pfedbayes", context(training=training), lr=1e30,
+                             global_lr=1e-3, personal_steps=1)
+    c = make_clients(strategy)[1]
+    down = wire(strategy.configure(strategy.init(), 1).broadcast)
+    with pytest.warns(LocalTrainingWarning, match=r"at epoch 1 of 2, mini-batch 1, and "
+                      r"training stopped there; lower the learning rate \(lr 0\.001\)"):
+        _, upload = strategy.fit(c.config, c.state, c.data, down, torch.Generator())
+    assert all(torch.equal(upload.tensors[k], down.tensors[k]) for k in down.tensors)

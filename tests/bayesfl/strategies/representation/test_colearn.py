@@ -15,6 +15,8 @@ from bayesfl.simulate import simulate
 from bayesfl.strategies import StrategyContext, make_strategy
 from bayesfl.strategies.networks import batched_apply
 from bayesfl.strategies.representation.colearn import (
+    KEPT,
+    KEPT_AVAILABLE,
     contrastive_terms,
     observation_sets,
     peer_prototypes,
@@ -566,6 +568,7 @@ def test_drawn_observations_are_the_pools_values_in_its_dtype():
 
 @pytest.mark.parametrize("option, value, message", [
     ("m_up", 0, "colearn m_up must be an integer >= 1, got 0"),
+    ("tau_disc", 0.0, "colearn tau_disc must be a finite number >= 1e-06, got 0.0"),
     ("eps", 0.5, "colearn eps must lie in (0, 0.5), got 0.5"),
     ("neg_reduction", "max", "colearn neg_reduction must be one of sum, mean; got 'max'"),
     ("kd_target", "clients", "colearn kd_target must be one of server, peers; got 'clients'"),
@@ -591,3 +594,39 @@ def test_the_server_state_keeps_its_entries_dtypes_and_shapes_across_a_round(bui
         assert new[key].shape[1:] == tensor.shape[1:], key
         if not key.startswith("pool"):
             assert new[key].shape == tensor.shape, key
+
+
+# ---- behaviour the second mutation sample found untested --------------------------------------
+def test_a_relayed_row_of_the_clients_own_is_replaced_by_the_row_it_used_last_round(build):
+    # the relayed set's class-0 row is client 0's own: client 0 contrasts with (and keeps for
+    # next round) that row of the set it kept, and with the peer's rows of the other classes
+    strategy, clients, _ = build("colearn")
+    C, d = NUM_CLASSES, FEATURE_DIM
+    c = clients[0]
+    kept = torch.arange(C * d, dtype=torch.float32).reshape(1, C, d) + 100.0
+    state = {**c.state, KEPT: kept, KEPT_AVAILABLE: torch.ones(1, C)}
+    relayed = torch.arange(C * d, dtype=torch.float32).reshape(1, C, d) + 1.0
+    down = wire(strategy.down_message(1, {
+        "prototypes": torch.rand(C, d), "present": torch.ones(C), "observations": relayed,
+        "observations_present": torch.ones(1, C),
+        "observation_sources": torch.tensor([[0] + [1] * (C - 1)])}))
+    new_state, _ = strategy.fit(c.config, state, c.data, down, torch.Generator())
+    assert torch.equal(new_state[KEPT][0, 0], kept[0, 0])
+    assert torch.equal(new_state[KEPT][0, 1:], relayed[0, 1:])
+    assert new_state[KEPT_AVAILABLE].tolist() == [[1.0] * C]
+
+
+def test_bootstrap_random_draws_its_prototypes_and_pool_from_the_run_seed():
+    # the same run seed gives the same random start whatever the global random state; another
+    # seed gives another
+    import dataclasses
+
+    starts = {}
+    for seed, global_seed in ((0, 1), (0, 2), (1, 1)):
+        torch.manual_seed(global_seed)
+        ctx = dataclasses.replace(strategy_context(), seed=seed)
+        starts[seed, global_seed] = make_strategy("colearn", ctx, bootstrap="random").init()
+    same, other = starts[0, 1], starts[1, 1]
+    for key in ("prototypes", "pool"):
+        assert torch.equal(starts[0, 2][key], same[key]), key
+        assert not torch.equal(other[key], same[key]), key
