@@ -525,6 +525,13 @@ class ClientStrategy(StrategyConfig):
         strategy evaluates rounds before personalisation otherwise. Must not change ``state``."""
         return state
 
+    def round_state_group(self, configs: Sequence[ClientConfig], states: Sequence[ClientState],
+                          datas: Sequence[ClientData], broadcast: Message) -> list[ClientState]:
+        """`round_state` of clients that share one body spec (default: one after another;
+        strategies may compute them together)."""
+        return [self.round_state(c, s, d, broadcast)
+                for c, s, d in zip(configs, states, datas, strict=True)]
+
     @torch.no_grad()
     def evaluate_group(
         self,
@@ -539,8 +546,7 @@ class ClientStrategy(StrategyConfig):
         """`evaluate` of clients that share one body spec (predictions batched), each
         with its `round_state`."""
         with torch.enable_grad():  # a round view may train (a head fine-tuned for the round)
-            states = [self.round_state(c, s, d, broadcast)
-                      for c, s, d in zip(configs, states, datas, strict=True)]
+            states = self.round_state_group(configs, states, datas, broadcast)
         rows = self.predict_rows(configs, states, broadcast, [d.test_x for d in datas])
         labels = torch.cat([d.test_y for d in datas]).cpu()
         sizes = [d.num_test for d in datas]

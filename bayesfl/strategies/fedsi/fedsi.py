@@ -205,7 +205,7 @@ from bayesfl.strategies.base import (
     model_state,
     seeded_rng,
 )
-from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, tune_head
+from bayesfl.strategies.head_tuning import HEAD_STOPS, HeadTuning, tune_head, tune_heads
 from bayesfl.strategies.networks import ClassifierNet, batched_apply, cross_entropy_per_sample
 from bayesfl.strategies.options import option_integer, option_number
 from bayesfl.strategies.probabilistic_head import (
@@ -970,11 +970,18 @@ class FedSI(Strategy):
         """The client's network with its body at ``mean`` and its head fine-tuned from
         phi^0 on the body's features of its training data (`
         head_tuning`: by held-out NLL unless ``finetune_stop="fixed"``)."""
+        model, features = self.head_problem(config, state, data, mean)
+        tune_head(model.head, features, data.train_y, self.head_tuning, generator)
+        return model
+
+    def head_problem(self, config: ClientConfig, state: ClientState, data: ClientData,
+                     mean: Tensor) -> tuple[nn.Module, Tensor]:
+        """The client's network with its body at ``mean``, and that body's features of the
+        client's training rows (n, d): what `fine_tuned` tunes the head on."""
         model = self.model_at(config, state, mean)
         with torch.no_grad():
             features = batched_apply(model.body, data.train_x, self.curvature_batch)
-        tune_head(model.head, features, data.train_y, self.head_tuning, generator)
-        return model
+        return model, features
 
     def round_state(self, config: ClientConfig, state: ClientState, data: ClientData,
                     broadcast: Message) -> ClientState:
@@ -982,13 +989,26 @@ class FedSI(Strategy):
         the global mean (`fine_tuned`; the plug-in, no posterior yet), not its frozen
         phi^0, which is at chance: the round's figures show what the body has learnt
         (`round_view`)."""
-        if PERSONALIZED in state:
-            return state
-        mean, _ = self.received(config, broadcast)
-        generator = torch.Generator().manual_seed(derived_seed(
-            self.context.seed, 31, config.client_id, broadcast.header.round))
-        model = self.fine_tuned(config, state, data, mean, generator)
-        return {**model_state(model), ROUND_VIEW: torch.ones(1, dtype=torch.bool)}
+        return self.round_state_group([config], [state], [data], broadcast)[0]
+
+    def round_state_group(self, configs: Sequence[ClientConfig], states: Sequence[ClientState],
+                          datas: Sequence[ClientData], broadcast: Message) -> list[ClientState]:
+        """`round_state` of a group of clients, their heads tuned together
+        (`bayesfl.strategies.head_tuning.tune_heads`: each client's own split, shuffles and
+        epoch choice, as `fine_tuned` draws them)."""
+        out = list(states)
+        pending = [k for k, state in enumerate(states) if PERSONALIZED not in state]
+        problems, generators = [], []
+        for k in pending:
+            mean, _ = self.received(configs[k], broadcast)
+            problems.append(self.head_problem(configs[k], states[k], datas[k], mean))
+            generators.append(torch.Generator().manual_seed(derived_seed(
+                self.context.seed, 31, configs[k].client_id, broadcast.header.round)))
+        tune_heads([model.head for model, _ in problems], [f for _, f in problems],
+                   [datas[k].train_y for k in pending], self.head_tuning, generators)
+        for k, (model, _) in zip(pending, problems, strict=True):
+            out[k] = {**model_state(model), ROUND_VIEW: torch.ones(1, dtype=torch.bool)}
+        return out
 
     def personal_posterior(self, config: ClientConfig, state: ClientState) -> Posterior:
         """The posterior a personalized state holds, bound to the client's network."""

@@ -1,7 +1,9 @@
 """Head fine-tuning stopped by held-out NLL (bayesfl.strategies.head_tuning): the epoch count is
 the held-out NLL's argmin, the final head is trained on every row for that many epochs, and
 "fixed" is the plain schedule. A linear head on CPU features takes the written-out gradient
-(tune_linear_head): the same schedule as the autograd path up to float rounding."""
+(tune_linear_head): the same schedule as the autograd path up to float rounding. A group of
+clients' heads (tune_heads) is tuned together where they have the same shapes: each client's
+own draws, epoch count and head, as tune_head gives them."""
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from bayesfl.strategies.head_tuning import (
     linear_head_tunable,
     mean_nll,
     tune_head,
+    tune_heads,
 )
 from bayesfl.strategies.networks import cross_entropy_per_sample
 from bayesfl.training import LocalTraining, LocalTrainingWarning, train_plain
@@ -166,3 +169,80 @@ def test_heads_the_fast_path_does_not_take_use_the_module_path():
     assert not linear_head_tunable(nn.Linear(5, 3, bias=False), x, y)
     assert not linear_head_tunable(nn.Sequential(nn.Linear(5, 3)), x, y)
     assert not linear_head_tunable(nn.Linear(5, 3), x.double(), y)
+
+
+# tune_heads against tune_head client by client: the same Adam steps on the same rows, the
+# mini-batch products of the group as one batched product. Stacking rounds only those products
+# differently if at all (on the CPUs measured: the same bits), so the epoch counts are equal
+# and the heads within CLOSE; a client drawing another's shuffles, a wrong Adam state or a
+# head written back to the wrong client moves them by > 1e-2.
+
+
+def _clients(count=4, n=80, d=12, classes=5, seed=0):
+    heads, xs, ys = [], [], []
+    for k in range(count):
+        head, x, y = problem(n, d, classes, noise=0.3 if k % 2 else 0.0, seed=seed + k)
+        heads.append(head)
+        xs.append(torch.relu(x))
+        ys.append(y)
+    return heads, xs, ys
+
+
+def _tuned_one_by_one(heads, xs, ys, tuning, seeds):
+    copies = [nn.Linear(h.in_features, h.out_features) for h in heads]
+    for copy, head in zip(copies, heads, strict=True):
+        copy.load_state_dict(head.state_dict())
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    used = [tune_head(c, x, y, tuning, g)
+            for c, x, y, g in zip(copies, xs, ys, generators, strict=True)]
+    return copies, used, generators
+
+
+@pytest.mark.parametrize("max_epochs", [1, 25])
+def test_tune_heads_gives_each_client_what_tune_head_gives_it(max_epochs):
+    heads, xs, ys = _clients()
+    tuning = HeadTuning(max_epochs, 0.05, 16)
+    seeds = [11, 3, 7, 5]
+    expected, expected_used, alone = _tuned_one_by_one(heads, xs, ys, tuning, seeds)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    used = tune_heads(heads, xs, ys, tuning, generators)
+    assert used == expected_used
+    if max_epochs > 1:
+        assert len(set(used)) > 1  # the final trainings have different lengths
+    for head, other in zip(heads, expected, strict=True):
+        torch.testing.assert_close(head.weight, other.weight, **CLOSE)
+        torch.testing.assert_close(head.bias, other.bias, **CLOSE)
+    # each client's generator left where tune_head leaves it (the same draws, no more)
+    for generator, other in zip(generators, alone, strict=True):
+        assert torch.equal(torch.randperm(50, generator=generator),
+                           torch.randperm(50, generator=other))
+
+
+def test_tune_heads_tunes_clients_of_other_shapes_one_by_one():
+    heads, xs, ys = _clients()
+    xs[2], ys[2] = xs[2][:50], ys[2][:50]  # another row count
+    tuning = HeadTuning(10, 0.05, 16)
+    expected, expected_used, _ = _tuned_one_by_one(heads, xs, ys, tuning, [1, 2, 3, 4])
+    used = tune_heads(heads, xs, ys, tuning, [torch.Generator().manual_seed(s)
+                                              for s in (1, 2, 3, 4)])
+    assert used == expected_used
+    for head, other in zip(heads, expected, strict=True):
+        assert torch.equal(head.weight, other.weight)
+
+
+def test_tune_heads_starts_again_one_by_one_when_a_client_diverges():
+    # an infinite feature in client 1: its loss stops its training (the warning, once), the
+    # other clients train on; every head as tune_head leaves it
+    heads, xs, ys = _clients()
+    xs[1][7, 3] = float("inf")
+    tuning = HeadTuning(6, 0.05, 16)
+    with pytest.warns(LocalTrainingWarning, match="training stopped"):
+        expected, expected_used, _ = _tuned_one_by_one(heads, xs, ys, tuning, [1, 2, 3, 4])
+    with pytest.warns(LocalTrainingWarning, match="training stopped") as caught:
+        used = tune_heads(heads, xs, ys, tuning, [torch.Generator().manual_seed(s)
+                                                  for s in (1, 2, 3, 4)])
+    assert len([w for w in caught if issubclass(w.category, LocalTrainingWarning)]) == 1
+    assert used == expected_used
+    for head, other in zip(heads, expected, strict=True):
+        assert torch.equal(head.weight, other.weight)
+        assert bool(torch.isfinite(head.weight).all())

@@ -622,15 +622,18 @@ def test_a_client_may_not_declare_more_samples_than_in_its_first_accepted_upload
                         "accepted upload", None]
 
 
-def test_rounds_are_evaluated_with_a_head_fine_tuned_on_the_global_body(build):
+@pytest.mark.parametrize(("stop", "sizes"), [("fixed", None), ("heldout_nll", (16, 16, 16))])
+def test_rounds_are_evaluated_with_a_head_fine_tuned_on_the_global_body(build, stop, sizes):
     # phi^0 is frozen until personalisation: the round's figures come from the head each
-    # client would fine-tune now on the global mean (plug-in under both keys), not phi^0
+    # client would fine-tune now on the global mean (plug-in under both keys), not phi^0.
+    # Clients of one size have their heads tuned together (tune_heads): each the head
+    # fine_tuned gives it alone, with its own generator
     from strategy_helpers import evaluation_broadcast
 
     from bayesfl.strategies.base import derived_seed
 
-    strategy, clients, state = build("fedsi", subnet_size=3, finetune_epochs=5,
-                                     finetune_stop="fixed")
+    strategy, clients, state = build("fedsi", **({} if sizes is None else {"sizes": sizes}),
+                                     subnet_size=3, finetune_epochs=5, finetune_stop=stop)
     state, _ = run_round(strategy, clients, state, 1)
     broadcast = evaluation_broadcast(strategy, state, 1)
     mean = broadcast.tensors["mean"].float()
