@@ -692,8 +692,13 @@ class CoLearn(PersonalStrategy):
                 prototypes, present = peer_prototypes(
                     t["observations"], t["observations_present"], t["observation_sources"],
                     config.client_id)
-        return {"prototypes": prototypes.to(device), "present": present.to(device),
-                "observations": obs.to(device), "available": available.to(device)}
+        # in the network's dtype whatever the broadcast's (a float64 relay from another server
+        # is taken as pFedBayes takes its broadcast, not refused by the first matrix product)
+        dtype = next(self.template(config.body).parameters()).dtype
+        targets = {"prototypes": prototypes, "present": present, "observations": obs,
+                   "available": available}
+        return {key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
+                for key, value in targets.items()}
 
     def _terms(self, targets: dict[str, Tensor], model: nn.Module, x: Tensor, y: Tensor,
                generator: torch.Generator) -> tuple[dict[str, Tensor], Tensor]:

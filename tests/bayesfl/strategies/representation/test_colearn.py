@@ -630,3 +630,23 @@ def test_bootstrap_random_draws_its_prototypes_and_pool_from_the_run_seed():
     for key in ("prototypes", "pool"):
         assert torch.equal(starts[0, 2][key], same[key]), key
         assert not torch.equal(other[key], same[key]), key
+
+
+@pytest.mark.parametrize("relay", ["sets", "pool"])
+def test_a_float64_relay_is_taken_in_the_networks_float32(build, relay):
+    # another server may relay float32 values held in float64: the client trains exactly as on
+    # the float32 broadcast (it used to stop at its first matrix product with a dtype error)
+    strategy, clients, state = build("colearn", relay=relay)
+    state, _ = run_round(strategy, clients, state, 1)
+    down = wire(strategy.configure(state, 2).broadcast)
+    down64 = wire(strategy.down_message(2, {k: v.double() if v.is_floating_point() else v
+                                            for k, v in down.tensors.items()}))
+    c = clients[1]
+    runs = [strategy.fit(c.config, c.state, c.data, d, torch.Generator().manual_seed(4))
+            for d in (down, down64)]
+    (state_32, up_32), (state_64, up_64) = runs
+    assert any(v.dtype == torch.float64 for v in down64.tensors.values())
+    for key, tensor in up_32.tensors.items():
+        assert up_64.tensors[key].dtype == tensor.dtype, key
+        assert torch.equal(up_64.tensors[key], tensor), key
+    assert [k for k in state_32 if not torch.equal(state_64[k], state_32[k])] == []
