@@ -35,7 +35,7 @@ from inference.subnet.parameters import (
     trainable_slots,
 )
 
-__all__ = ["rank_by_variance", "select_subnet"]
+__all__ = ["first_in_lexsort_order", "rank_by_variance", "select_subnet"]
 
 
 def rank_by_variance(
@@ -85,8 +85,35 @@ def rank_by_variance(
                 "zero-curvature parameters that cannot change predictions",
                 stacklevel=3,
             )
-    order = np.lexsort(keys)[:size]
-    return torch.from_numpy(np.sort(order)).to(torch.int64)
+    return torch.from_numpy(first_in_lexsort_order(keys, size)).to(torch.int64)
+
+
+def first_in_lexsort_order(keys: list[np.ndarray], size: int) -> np.ndarray:
+    """``np.sort(np.lexsort(keys)[:size])``: the positions of the ``size`` smallest entries in
+    the order ``np.lexsort`` gives (``keys`` 1-D of one length, the last the primary key),
+    sorted ascending, without sorting everything.
+
+    Key by key from the primary: the entries below the ``size``-th smallest value are in, those
+    above it out, and only the ties at that value go on to the next key (a partition, ``O(P)``
+    a key, against the lexsort's ``O(P log P)`` for every key: at FedSI's 78,500 body entries,
+    4 keys, ~7 -> ~1 ms, and FedSI selects every client round; issue 41). Keys holding NaN take
+    the lexsort itself."""
+    count = len(keys[0])
+    if not 1 <= size <= count or any(np.isnan(k).any() for k in keys if k.dtype.kind == "f"):
+        return np.sort(np.lexsort(keys)[:size])
+    chosen, candidates, left = [], np.arange(count), size
+    for key in reversed(keys):
+        values = key[candidates]
+        if left >= len(candidates):
+            break
+        threshold = np.partition(values, left - 1)[left - 1]
+        below = candidates[values < threshold]
+        chosen.append(below)
+        left -= len(below)
+        candidates = candidates[values == threshold]
+    # every key tied (or the candidates fit): lexsort is stable, so the lowest positions
+    chosen.append(candidates[:left])
+    return np.sort(np.concatenate(chosen))
 
 
 def select_subnet(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from laplace import Laplace
@@ -136,3 +137,30 @@ def test_rank_by_variance_rejects_a_size_outside_one_to_p(size):
         rank_by_variance(diag, diag, size)
     with pytest.raises(InvalidInputError, match=r"\(P,\)"):
         rank_by_variance(diag, torch.ones(4, dtype=torch.float64), 2)
+
+
+def test_the_partition_ranking_picks_what_a_full_lexsort_picks():
+    # first_in_lexsort_order against np.lexsort itself (the former code): keys with many ties
+    # (small integers, both signs, +0.0 against -0.0) so that every level of the partition is
+    # reached, and one NaN key (its fallback); 2,000 random cases, every size
+    from inference.subnet.selection import first_in_lexsort_order
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        count = int(rng.integers(1, 50))
+        keys = [np.arange(count)]
+        for _ in range(int(rng.integers(1, 4))):
+            kind = rng.integers(4)
+            if kind == 0:
+                keys.append(rng.integers(0, 3, count) * rng.choice([-1.0, 1.0]))
+            elif kind == 1:
+                keys.append(rng.normal(size=count))
+            elif kind == 2:
+                keys.append(np.where(rng.random(count) < 0.5, 0.0, -0.0))
+            else:
+                keys.append(rng.integers(0, 2, count).astype(np.int8))
+        if rng.random() < 0.05:
+            keys[-1] = np.where(rng.random(count) < 0.2, np.nan, 1.0)
+        size = int(rng.integers(1, count + 1))
+        np.testing.assert_array_equal(first_in_lexsort_order(keys, size),
+                                      np.sort(np.lexsort(keys)[:size]))
