@@ -80,6 +80,31 @@ on 9 of 20 calls); forming the unit Grams one at a time, or the products ``A_u^T
 units at a time (no gain); a looser truncation (1e-6: m falls by 1-2%, the unit Grams' ranks
 are exact).
 
+Issue 41's third pass (cd6b7ba, 662bafd, 28a61a5, 09ef4bd; every round's accuracy and NLL and the
+final predictions bit for bit the second pass's): the personal predictive's logit variances
+without z or Y (``|z|^2`` as ``Gx^T P Gx`` with a U x U matrix a test input, ``Y^T z`` as
+``chol^{-1} C^T z`` from B x m_v GEMMs; 250 test rows 0.16-0.20 -> 0.08-0.10 CPU-s, and the
+personal posterior no longer computes marginal variances it never used: 10 calls 2.34 -> 1.04
+CPU-s in a 3-round run); each round's fine-tuned heads tuned as one stacked problem
+(`bayesfl.strategies.head_tuning.tune_heads`: 10 clients' heads 0.54-0.60 -> 0.14 CPU-s
+replayed, ~0.2 a round in the run); the subnet ranked by partition (9.4 -> 1.1 ms a call); the
+upload's unit weights by ``repeat_interleave`` (102-104 -> 97-98 ms a round-30 call). Seeds
+0-2, 30 rounds, FedSI, FedPop and FedBABU in one invocation a seed at 09ef4bd: FedSI 53.0 /
+52.4 / 51.3 CPU-s against FedBABU's 7.8 / 7.9 / 8.0, 6.8x / 6.6x / 6.4x (8.4x / 8.4x / 7.2x at
+4f1290a). Where the run goes now (seed 0, each part timed inside one 30-round run beside
+another process, so shares): the upload's variances 55% (98 ms x 300; of a round-30 call
+~65 ms in the projected route: its kernel's QR, N, B and G ~23, Cholesky ~9, chol^-1 B ~11,
+the per-entry loop ~21; the rest the Jacobian factors, the unit Grams and their pivoted
+Cholesky), local MAP 16% (29 ms x 300: 25 Adam steps of the 78,600-entry body with the prior's
+proximal step), the per-round view 12% (~0.2 s a round), selection 4%, the end ~10%. The 5x
+(~39-40 CPU-s) needs the upload near 50 ms a call. Its arithmetic allows it: a round-30 call
+(m ~950 columns over U = 25 units of the 3,925 entries) is ~1.4e9 multiply-adds (unit Grams
+2.5e8, the m x m Cholesky and chol^-1 B 7.2e8, N, B and G 1.8e8, the per-entry products 2.1e8),
+~36 ms at the ~78 GFLOP/s a 1,010^2 float64 product reaches on this core; the other ~60 ms are
+the 25 units' small operations one at a time (pivoted Cholesky, QR, the N, B and G blocks, the
+per-run loop). Batching those across units is the route left; it changes the float32 stds'
+last bits, so FedSI's figures would have to be re-checked within seed noise.
+
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
 (70 ms) and 110 preconditioned SGLD steps (190 ms before issue 41: each step read the
