@@ -64,9 +64,9 @@ def provenance(device: str = "cpu") -> dict[str, str]:
 
 def worktree_state() -> str:
     """``"clean"`` when the checkout's tracked files are those of ``HEAD``, else how many
-    differ (``"3 tracked files modified"``: the run measured code that is not ``commit``'s,
-    e.g. another engineer's uncommitted change in a shared checkout); ``"unknown"`` without
-    git."""
+    differ (``"3 tracked files modified"``, ``"1 tracked file modified"``: the run measured
+    code that is not ``commit``'s, e.g. another engineer's uncommitted change in a shared
+    checkout); ``"unknown"`` without git."""
     try:
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                 capture_output=True, text=True, check=True,
@@ -74,7 +74,9 @@ def worktree_state() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     changed = [line for line in status.splitlines() if line.strip()]
-    return f"{len(changed)} tracked files modified" if changed else "clean"
+    if not changed:
+        return "clean"
+    return f"{len(changed)} tracked file{'s' if len(changed) > 1 else ''} modified"
 
 
 def append_result(path: Path | str | None, result: dict, *, seeds: Sequence[int],

@@ -69,7 +69,6 @@ import subprocess
 import sys
 import time
 import tomllib
-from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,30 +366,24 @@ def report(workdir: Path, module: str, tests: list[str], wall_s: float | None,
     return summary
 
 
-def git(*args: str) -> str:
-    """The output of ``git ARGS`` in the repository, or ``""`` where git fails."""
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def provenance(threads: str) -> dict[str, str]:
-    """``commit`` (short hash of HEAD), ``date`` (UTC), ``machine`` (platform, torch's CPU
-    kernel level and the threads mutmut runs with, as in the other bench/results records) and
-    ``worktree`` (``clean``, or how many tracked files differ from HEAD: in a shared checkout
-    the code run may not be quite the commit's). Taken as a run starts."""
+    """``commit`` (short hash of HEAD) and ``date`` (UTC) as every bench/results record
+    has them (`bench.run_cache.provenance`), ``machine`` (platform, torch's CPU kernel level
+    and the threads mutmut runs with) and ``worktree`` (`bench.run_cache.worktree_state`:
+    ``clean``, or how many tracked files differ from HEAD: in a shared checkout the code run
+    may not be quite the commit's). Taken as a run starts."""
     import torch
 
-    changed = [line for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
-               if line.strip()]
-    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
-            "date": datetime.now(UTC).date().isoformat(),
+    if str(ROOT) not in sys.path:  # `python tools/mutation.py` puts tools/ first, not the root
+        sys.path.insert(0, str(ROOT))
+    from bench.run_cache import provenance as bench_provenance
+    from bench.run_cache import worktree_state
+
+    where = bench_provenance()
+    return {"commit": where["commit"], "date": where["date"],
             "machine": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}, "
                        f"{threads} thread" + ("" if threads == "1" else "s"),
-            "worktree": (f"{len(changed)} tracked file{'s' if len(changed) > 1 else ''} "
-                         "modified" if changed else "clean")}
+            "worktree": worktree_state()}
 
 
 def run_record(summary: dict, kind: str, resumed: bool, where: dict[str, str]) -> dict:

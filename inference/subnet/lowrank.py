@@ -219,8 +219,7 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     if r >= S or U * n * n > S * S:
         return None
     dinv = prior.reciprocal()
-    f = F.square().sum(2)  # (n, U): |F_b[u]|^2
-    root = f.sqrt()
+    root, unit_F = _unit_rows(F)
     # M~_u = diag(root_u) A_u D_u^{-1} A_u^T diag(root_u) (n x n per unit)
     M = A.new_zeros(U, n, n)
     for start, end, u in plan.runs:
@@ -230,9 +229,7 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     # Cholesky per unit); T holds the T_u side by side, unit[i] the unit of column i
     T, unit = _unit_factors(M, truncation)
     del M
-    # F^_b[u] = F_b[u] / |F_b[u]| (0 where the unit is inactive); g[b, u, v] = F^_b[u].F^_b[v]
-    unit_F = torch.where(root[..., None] > 0, F / root.clamp_min(1e-300)[..., None], 0.0)
-    g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U)
+    g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U): g[b, u, v] = F^_b[u].F^_b[v]
     ends = torch.bincount(unit, minlength=U).cumsum(0).tolist()
     if keep:  # the predictive's factors (it checks its own subtraction, a logit at a time)
         return {"subnet": idx, "dinv": dinv, "A": A, "F": F, "T": T, "unit": unit,
@@ -245,6 +242,13 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
         variance = _kernel_variance(A, F, unit_F, T, unit, chol, plan, dinv)
     ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
     return {"variance": variance} if bool(ok.all()) else None
+
+
+def _unit_rows(F: Tensor) -> tuple[Tensor, Tensor]:
+    """``(|F_b[u]| (n, U), F^ (n, U, J))``: each sample's unit rows and their norms, ``F^_b[u] =
+    F_b[u] / |F_b[u]|`` (0 where the unit is inactive)."""
+    root = F.square().sum(2).sqrt()
+    return root, torch.where(root[..., None] > 0, F / root.clamp_min(1e-300)[..., None], 0.0)
 
 
 def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Tensor:
@@ -492,9 +496,7 @@ def lowrank_logit_variance(
     squared = torch.einsum("bou,buv,bov->bo", Gx, P, Gx)
     # C^T z: column i of unit v is sum_b T[b, i] sum_u (F^_b[v] . F_b[u]) Gx[o, u] N[u, b', b]
     # = sum_u Gx[o, u] M_vu[b', i], M_vu = N[u] diag(FH[:, v, u]) T_v (B x m_v, a GEMM)
-    norms = F.square().sum(2, keepdim=True).sqrt()
-    unit_F = torch.where(norms > 0, F / norms.clamp_min(1e-300), 0.0)
-    FH = torch.bmm(unit_F, F.transpose(1, 2))  # (n, U, U): FH[b, v, u] = F^_b[v] . F_b[u]
+    FH = torch.bmm(_unit_rows(F)[1], F.transpose(1, 2))  # (n, U, U): FH[b, v, u] = F^_b[v] . F_b[u]
     # T's columns by unit: unit v's are [bounds[v], bounds[v + 1]) (`_unit_factors`' order,
     # checked above)
     bounds = [0, *torch.bincount(unit, minlength=U).cumsum(0).tolist()]

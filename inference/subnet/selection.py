@@ -103,9 +103,9 @@ def first_in_lexsort_order(keys: list[np.ndarray], size: int) -> np.ndarray:
         return np.sort(np.lexsort(keys)[:size])
     chosen, candidates, left = [], np.arange(count), size
     for key in reversed(keys):
-        values = key[candidates]
         if left >= len(candidates):
             break
+        values = key[candidates]
         threshold = np.partition(values, left - 1)[left - 1]
         below = candidates[values < threshold]
         chosen.append(below)
