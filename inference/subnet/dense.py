@@ -32,6 +32,7 @@ TILE = 256
 
 @lru_cache(maxsize=1)
 def _blas_controller():
+    import scipy.linalg  # noqa: F401  (loads SciPy's OpenBLAS before the scan, so the limit reaches it)
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()

@@ -105,6 +105,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -211,7 +212,8 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
             A_parts.append(A)
             G_parts.append(G)
     checks.finish()
-    A = torch.cat(A_parts).to(torch.float64)  # (n, S)
+    # (n, S), the transposed view of a contiguous (S, n): each entry's n values in one row
+    A = torch.cat([part.T for part in A_parts], dim=1).to(torch.float64).T
     Q = torch.cat(G_parts, dim=1).to(torch.float64).permute(1, 2, 0).contiguous()  # (n, U, J)
     n, U, _ = Q.shape
     F, valid = _sample_factors(Q)
@@ -220,15 +222,11 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
         return None
     dinv = prior.reciprocal()
     root, unit_F = _unit_rows(F)
-    # M~_u = diag(root_u) A_u D_u^{-1} A_u^T diag(root_u) (n x n per unit)
-    M = A.new_zeros(U, n, n)
-    for start, end, u in plan.runs:
-        block = A[:, start:end] * root[:, u, None]
-        M[u].addmm_(block * dinv[start:end], block.T)
-    # M~_u ~ T_u T_u^T (n, m_u), residuals PSD of traces summing to <= truncation (pivoted
-    # Cholesky per unit); T holds the T_u side by side, unit[i] the unit of column i
-    T, unit = _unit_factors(M, truncation)
-    del M
+    # x_s = diag(root_u) A[:, s] / sqrt(D_s), the rows of X (S, n); M~_u = X_u^T X_u ~ T_u
+    # T_u^T (n, m_u), residuals PSD of traces summing to <= truncation (pivoted Cholesky per
+    # unit); T holds the T_u side by side, unit[i] the unit of column i
+    X = _entry_rows(A, root, dinv, plan)
+    T, unit = _unit_factors(X, plan.runs, U, truncation)
     g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U): g[b, u, v] = F^_b[u].F^_b[v]
     ends = torch.bincount(unit, minlength=U).cumsum(0).tolist()
     if keep:  # the predictive's factors (it checks its own subtraction, a logit at a time)
@@ -236,7 +234,7 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
                 "chol": _kernel_cholesky(T, unit, ends, g)}
     # the marginals by the unit bases where their bound allows (the upload's route), else
     # through the kernel's factor Y
-    variance = _projected_variance(A, root, dinv, T, unit, ends, g, plan, truncation)
+    variance = _projected_variance(X, dinv, T, unit, ends, g, plan, truncation)
     if variance is None:
         chol = _kernel_cholesky(T, unit, ends, g)
         variance = _kernel_variance(A, F, unit_F, T, unit, chol, plan, dinv)
@@ -258,12 +256,13 @@ def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Ten
     m^2); the units' columns are consecutive, and only the lower triangle is formed (v <= u: the
     Cholesky reads no other; the upper stays zero)."""
     m = T.shape[1]
+    Tt = T.T.contiguous()  # (m, n): each column's rows contiguous, as the weights'
     gram = T.new_zeros(m, m)
     weights = _unit_weights(g, ends)
     for u, end in enumerate(ends):
         start = ends[u - 1] if u else 0
         if end > start:
-            gram[start:end, :end] = T[:, start:end].T @ (T[:, :end] * weights(u))
+            gram[start:end, :end] = Tt[start:end] @ (Tt[:end] * weights(u, u + 1)).T
     gram.diagonal().add_(1.0)
     chol, info = torch.linalg.cholesky_ex(gram)
     if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
@@ -273,17 +272,18 @@ def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Ten
 
 
 def _unit_weights(g: Tensor, ends: list[int]):
-    """``u -> g[:, u, unit[:ends[u]]]`` (n, ends[u]): unit u's row of ``g`` (n, U, U) spread
-    over the columns of the units up to u (each unit's columns consecutive, ``ends`` their
-    ends). The same numbers as that gather, by `torch.repeat_interleave` over a (U, U, n) copy
-    of ``g`` (~7x cheaper than 25 advanced-indexing gathers at S1's U = 25; issue 41)."""
+    """``(u, k) -> g[:, u, unit[:ends[k - 1]]].T`` (ends[k - 1], n), contiguous: unit u's row
+    of ``g`` (n, U, U) spread over the columns of the first k units (each unit's columns
+    consecutive, ``ends`` their ends), one row a column, to scale the rows of a transposed
+    factor. The same numbers as that gather, by `torch.repeat_interleave` over a (U, U, n)
+    copy of ``g`` (~7x cheaper than 25 advanced-indexing gathers at S1's U = 25; issue 41)."""
     by_unit = g.permute(1, 2, 0).contiguous()  # (U, U, n)
     counts = torch.tensor([end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)],
                           device=g.device)
 
-    def weights(u: int) -> Tensor:
-        return torch.repeat_interleave(by_unit[u, : u + 1], counts[: u + 1], dim=0,
-                                       output_size=ends[u]).T
+    def weights(u: int, k: int) -> Tensor:
+        return torch.repeat_interleave(by_unit[u, :k], counts[:k], dim=0,
+                                       output_size=ends[k - 1])
     return weights
 
 
@@ -312,32 +312,38 @@ PROJECTION_TOLERANCE = 1e-9
 below float32's rounding of the uploaded std's square); above it the Y route runs."""
 
 
-def _projected_variance(A: Tensor, root: Tensor, dinv: Tensor, T: Tensor, unit: Tensor,
-                        ends: list[int], g: Tensor, plan, truncation: float) -> Tensor | None:
+def _projected_variance(X: Tensor, dinv: Tensor, T: Tensor, unit: Tensor, ends: list[int],
+                        g: Tensor, plan, truncation: float) -> Tensor | None:
     """The marginal variances by the unit bases (module docstring, "The projected route"), or
-    None where their a-posteriori bound exceeds `PROJECTION_TOLERANCE` of a variance."""
-    m = T.shape[1]
+    None where their a-posteriori bound exceeds `PROJECTION_TOLERANCE` of a variance. ``X``
+    (S, n): the entries' vectors ``x_s`` (`_entry_rows`)."""
+    n, m = T.shape
     U = len(ends)
     starts = [0, *ends[:-1]]
-    # Q_u R_u = T_u: orthonormal bases of the unit Grams' ranges (rows zero where T_u's are)
-    Q = torch.empty_like(T)
+    # Q_u R_u = T_u: orthonormal bases of the unit Grams' ranges (rows zero where T_u's are);
+    # Qt holds the Q_u^T stacked (m, n), rows contiguous like X's
+    Qt = T.new_empty(m, n)
     R = []
     for u in range(U):
         a, e = starts[u], ends[u]
         if e > a:
-            Q[:, a:e], R_u = torch.linalg.qr(T[:, a:e])
+            Q_u, R_u = torch.linalg.qr(T[:, a:e])
+            Qt[a:e] = Q_u.T
             R.append(R_u)
         else:
             R.append(T.new_zeros(0, 0))
-    # N = C'^T C' (C' = C with Q for T): N_uv = Q_u^T diag(g[:, u, v]) Q_v, lower then mirrored
-    N = T.new_zeros(m, m)
+    # N = C'^T C' (C' = C with Q for T): N_uv = Q_u^T diag(g[:, u, v]) Q_v for v < u, mirrored
+    # above; N_uu = Q_u^T Q_u = I (g[b, u, u] = |F^_b[u]|^2 is 1 on the rows where Q_u is not
+    # zero)
+    N = torch.eye(m, dtype=T.dtype, device=T.device)
     weights = _unit_weights(g, ends)
-    for u in range(U):
+    for u in range(1, U):
         a, e = starts[u], ends[u]
-        if e > a:
-            N[a:e, :e] = Q[:, a:e].T @ (Q[:, :e] * weights(u))
-    N += N.tril(-1).T
-    # B = R^T N, G = I + B R = I + C^T C (R block diagonal)
+        if e > a and a > 0:
+            N[a:e, :a] = Qt[a:e] @ (Qt[:a] * weights(u, u)).T
+            N[:a, a:e] = N[a:e, :a].T
+    # B = R^T N, G = I + B R = I + C^T C (R block diagonal; G symmetric, so its rows of unit u
+    # are (B[:, u] R_u)^T: row blocks, each written contiguously)
     B = torch.empty_like(N)
     G = torch.empty_like(N)
     for u in range(U):
@@ -347,24 +353,26 @@ def _projected_variance(A: Tensor, root: Tensor, dinv: Tensor, T: Tensor, unit: 
     for u in range(U):
         a, e = starts[u], ends[u]
         if e > a:
-            G[:, a:e] = B[:, a:e] @ R[u]
+            G[a:e] = R[u].T @ B[:, a:e].T
     G.diagonal().add_(1.0)
     chol, info = torch.linalg.cholesky_ex(G)
     if info != 0:
         return None
     Z = torch.linalg.solve_triangular(chol, B, upper=False)  # chol^{-1} B (m, m)
+    # |Z_u c_s|^2 = c_s^T (Z_u^T Z_u) c_s: one m_u x m_u Gram a unit (m m_u^2), then m_u^2 an
+    # entry, instead of m m_u an entry (3x fewer multiply-adds on S1, and no (run, m) product)
+    ZZ = [Z[:, a:e].T @ Z[:, a:e] if e > a else None for a, e in zip(starts, ends, strict=True)]
     S = dinv.numel()
     q = torch.empty(S, dtype=torch.float64, device=dinv.device)
-    bound = torch.empty_like(q)
-    scale = dinv.sqrt()
+    residual = torch.empty_like(q)
     for start, end, u in plan.runs:
         a, e = starts[u], ends[u]
-        x = A[:, start:end] * root[:, u, None] * scale[start:end]  # b_s's n-vectors
-        c = Q[:, a:e].T @ x  # (m_u, run)
-        residual = (x - Q[:, a:e] @ c).square().sum(0)  # |eps_s|^2
-        size = x.square().sum(0)  # |b_s|^2
-        q[start:end] = c.square().sum(0) - (Z[:, a:e] @ c).square().sum(0)
-        bound[start:end] = truncation * size + 2.0 * (size * residual).sqrt() + residual
+        x = X[start:end]  # (run, n)
+        c = x @ Qt[a:e].T  # (run, m_u): c_s = Q_u^T x_s
+        residual[start:end] = torch.addmm(x, c, Qt[a:e], alpha=-1.0).square().sum(1)  # |eps_s|^2
+        q[start:end] = c.square().sum(1) - ((c @ ZZ[u]) * c).sum(1) if e > a else 0.0
+    size = X.square().sum(1)  # |b_s|^2
+    bound = truncation * size + 2.0 * (size * residual).sqrt() + residual
     variance = dinv * (1.0 - q)
     if not bool((bound * dinv <= PROJECTION_TOLERANCE * variance).all()):
         return None
@@ -399,41 +407,76 @@ def _sample_factors(Q: Tensor) -> tuple[Tensor, Tensor]:
     return F, valid
 
 
-def _unit_factors(M: Tensor, truncation: float) -> tuple[Tensor, Tensor]:
-    """``(T (n, m), unit (m,))``: for each symmetric PSD ``M[u]`` (U, n, n) float64, ``T_u =
-    T[:, unit == u]`` with ``M[u] = T_u T_u^T + R_u``, ``R_u`` PSD and ``sum_u trace(R_u) <=
-    truncation``: pivoted Cholesky stopped once every residual diagonal entry is ``<=
-    truncation / (U n)``.
+def _entry_rows(A: Tensor, root: Tensor, dinv: Tensor, plan) -> Tensor:
+    """``X`` (S, n) float64, ``X[s] = diag(root[:, u_s]) A[:, s] / sqrt(D_s)``: entry s's vector
+    in unit coordinates (``|X[s]| = |b_s|``; module docstring), one contiguous row an entry (the
+    unit Grams' ``dsyrk`` and the entries' products read their rows so)."""
+    X = torch.mul(A.T, dinv.sqrt()[:, None], out=A.new_empty(A.shape[1], A.shape[0]))
+    for start, end, u in plan.runs:  # in place on contiguous rows
+        X[start:end] *= root[:, u]
+    return X
 
-    On the CPU LAPACK ``dpstrf`` (``M`` is destroyed); elsewhere each ``M[u]``'s
-    eigendecomposition, its smallest eigenvalues dropped while their sum is ``<= truncation /
-    U`` (the same bound).
+
+def _unit_factors(X: Tensor, runs: list[tuple[int, int, int]], U: int, truncation: float, *,
+                  lapack: bool | None = None) -> tuple[Tensor, Tensor]:
+    """``(T (n, m), unit (m,))``: for each unit's Gram ``M~_u = X_u^T X_u`` (n x n; ``X_u``
+    the rows of ``X`` (S, n) in ``runs``' spans ``(start, end, u)`` of unit u), ``T_u =
+    T[:, unit == u]`` with ``M~_u = T_u T_u^T + R_u``, ``R_u`` PSD and ``sum_u trace(R_u) <=
+    truncation``: pivoted Cholesky stopped once every residual diagonal entry is ``<=
+    truncation / (U n)``. A unit without rows gets no column.
+
+    ``lapack`` (default: float64 on the CPU): the Gram's lower triangle by BLAS ``dsyrk`` (half
+    a GEMM's work) and LAPACK ``dpstrf`` in place; otherwise each Gram's eigendecomposition,
+    its smallest eigenvalues dropped while their sum is ``<= truncation / U`` (the same bound).
     """
-    U, n, _ = M.shape
-    tol = truncation / (U * n)
+    n = X.shape[1]
+    if lapack is None:
+        lapack = X.device.type == "cpu" and X.dtype == torch.float64
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(U)]
+    for start, end, u in runs:
+        spans[u].append((start, end))
     parts, units = [], []
-    lapack_route = M.device.type == "cpu" and M.dtype == torch.float64 and M.is_contiguous()
-    if lapack_route:
-        from scipy.linalg import lapack
     with lapack_threads():
         for u in range(U):
-            if lapack_route:  # M[u] symmetric: its rows' transpose is the column-major M[u]
-                factor, piv, rank, info = lapack.dpstrf(M[u].mT.numpy(), tol=tol, lower=1,
-                                                        overwrite_a=1)
-                if info < 0:
-                    raise NumericalError(f"dpstrf rejected argument {-info}")
-                L = torch.from_numpy(factor[:, :rank])  # pivoted rows; above: M's entries
-                L[:rank] = L[:rank].tril()
-                part = M.new_zeros(n, rank)
-                part[torch.from_numpy(piv.astype("int64") - 1)] = L
+            rows = [X[start:end] for start, end in spans[u]]
+            if not rows:
+                part = X.new_zeros(n, 0)
+            elif lapack:
+                part = _pivoted_factor(rows, truncation / (U * n))
             else:
-                values, vectors = torch.linalg.eigh(M[u])
-                values = values.clamp_min(0.0)
-                drop = int((values.cumsum(0) <= truncation / U).sum())  # the smallest
-                part = vectors[:, drop:] * values[drop:].sqrt()
+                part = _eigen_factor(rows, truncation / U)
             parts.append(part)
-            units.append(torch.full((part.shape[1],), u, dtype=torch.int64, device=M.device))
+            units.append(torch.full((part.shape[1],), u, dtype=torch.int64, device=X.device))
     return torch.cat(parts, dim=1), torch.cat(units)
+
+
+def _pivoted_factor(rows: list[Tensor], tol: float) -> Tensor:
+    """``T`` (n, rank) with ``sum_r rows_r^T rows_r = T T^T + R``, every diagonal entry of the
+    PSD R ``<= tol``: the Gram's lower triangle (``dsyrk``, accumulated over the row blocks)
+    and its pivoted Cholesky (``dpstrf``), in one column-major n x n buffer."""
+    from scipy.linalg import blas, lapack
+
+    gram = None
+    for block in rows:  # (k, n) contiguous rows: their transpose is column-major, not copied
+        a = block.numpy().T
+        gram = (blas.dsyrk(1.0, a, lower=1) if gram is None
+                else blas.dsyrk(1.0, a, beta=1.0, c=gram, lower=1, overwrite_c=1))
+    factor, piv, rank, info = lapack.dpstrf(gram, tol=tol, lower=1, overwrite_a=1)
+    if info < 0:
+        raise NumericalError(f"dpstrf rejected argument {-info}")
+    part = np.empty((factor.shape[0], rank))
+    part[piv - 1] = np.tril(factor[:, :rank])  # rows in pivot order; above: the Gram's entries
+    return torch.from_numpy(part)
+
+
+def _eigen_factor(rows: list[Tensor], budget: float) -> Tensor:
+    """``T`` (n, k) with ``sum_r rows_r^T rows_r = T T^T + R``, ``trace(R) <= budget``: the
+    Gram's eigenvectors, its smallest eigenvalues dropped while their sum is ``<= budget``."""
+    gram = sum(block.T @ block for block in rows)
+    values, vectors = torch.linalg.eigh(gram)
+    values = values.clamp_min(0.0)
+    drop = int((values.cumsum(0) <= budget).sum())  # the smallest
+    return vectors[:, drop:] * values[drop:].sqrt()
 
 
 LOWRANK_KEYS = ("subnet", "dinv", "A", "F", "T", "unit", "chol")

@@ -120,26 +120,24 @@ def _collinear_case(n: int = 25):
 
 
 def test_unit_factors_keep_a_full_rank_unit_whole_and_drop_a_low_rank_units_null_space():
-    # unit 0: G G^T + I/2 (every eigenvalue >= 1/2 > truncation / (U n)): nothing may be
-    # dropped, T_0 T_0^T = M_0 to rounding (entries ~40: 1e-12 absolute is ~50 eps of them);
-    # unit 1: rank 5 in 30, k = 5 columns kept, the rest is rounding; unit 2: zero, no column
+    # the Grams M_u = X_u^T X_u of the rows of X in each unit's runs: unit 0 (two runs, so its
+    # Gram is accumulated): G G^T + I/2 (every eigenvalue >= 1/2 > truncation / (U n)),
+    # nothing may be dropped, T_0 T_0^T = M_0 to rounding (entries ~40: 1e-12 absolute is ~50
+    # eps of them); unit 1: rank 5 in 30, k = 5 columns kept, the rest is rounding; unit 2: no
+    # rows, no column
     g = torch.Generator().manual_seed(0)
     G = torch.randn(30, 30, generator=g, dtype=torch.float64)
     H = torch.randn(30, 5, generator=g, dtype=torch.float64)
-    M = torch.stack([G @ G.T + 0.5 * torch.eye(30, dtype=torch.float64), H @ H.T,
-                     torch.zeros(30, 30, dtype=torch.float64)])
-    T, unit = _unit_factors(M.clone(), 1e-12)
-    assert unit.tolist() == [0] * 30 + [1] * 5
-    for u in (0, 1):
-        T_u = T[:, unit == u]
-        torch.testing.assert_close(T_u @ T_u.T, M[u], rtol=0, atol=1e-12)
-    # the route off LAPACK (taken for a non-contiguous M: each unit's eigendecomposition) keeps
-    # the same ranks and products
-    T, unit = _unit_factors(M.transpose(1, 2), 1e-12)
-    assert unit.tolist() == [0] * 30 + [1] * 5
-    for u in (0, 1):
-        T_u = T[:, unit == u]
-        torch.testing.assert_close(T_u @ T_u.T, M[u], rtol=0, atol=1e-12)
+    half = 0.5**0.5 * torch.eye(30, dtype=torch.float64)
+    X = torch.cat([G.T[:20], H.T, G.T[20:], half])  # unit 0, unit 1, unit 0
+    runs = [(0, 20, 0), (20, 25, 1), (25, 65, 0)]
+    M = [G @ G.T + 0.5 * torch.eye(30, dtype=torch.float64), H @ H.T]
+    for lapack in (None, False):  # LAPACK (dsyrk, dpstrf) and the eigendecomposition off it
+        T, unit = _unit_factors(X, runs, 3, 1e-12, lapack=lapack)
+        assert unit.tolist() == [0] * 30 + [1] * 5
+        for u in (0, 1):
+            T_u = T[:, unit == u]
+            torch.testing.assert_close(T_u @ T_u.T, M[u], rtol=0, atol=1e-12)
 
 
 def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(monkeypatch):
@@ -158,8 +156,8 @@ def test_truncated_woodbury_drops_most_of_a_collinear_kernel_within_the_bound(mo
     ranks = []
     original = lowrank._unit_factors
 
-    def spy(M, truncation):
-        T, unit = original(M, truncation)
+    def spy(X, runs, U, truncation):
+        T, unit = original(X, runs, U, truncation)
         ranks.append(T.shape[1])
         return T, unit
 
