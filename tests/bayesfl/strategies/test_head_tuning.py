@@ -172,10 +172,11 @@ def test_heads_the_fast_path_does_not_take_use_the_module_path():
 
 
 # tune_heads against tune_head client by client: the same Adam steps on the same rows, the
-# mini-batch products of the group as one batched product. Stacking rounds only those products
-# differently if at all (on the CPUs measured: the same bits), so the epoch counts are equal
-# and the heads within CLOSE; a client drawing another's shuffles, a wrong Adam state or a
-# head written back to the wrong client moves them by > 1e-2.
+# mini-batch products of the group as one batched product of the transposed logits, their
+# softmax along the class axis of (K, C, B). Stacking rounds only those products and that
+# softmax differently (float32: ~1e-7 a step), so the epoch counts are equal and the heads
+# within CLOSE; a client drawing another's shuffles, a wrong Adam state or a head written back
+# to the wrong client moves them by > 1e-2.
 
 
 def _clients(count=4, n=80, d=12, classes=5, seed=0):
