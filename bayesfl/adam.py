@@ -27,7 +27,7 @@ with this one up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -142,6 +142,16 @@ class Adam:
 _SLICE = 1 << 16
 
 
+def client_slices(stacked: Tensor) -> Iterator[slice]:
+    """Slices of whole clients (rows of the leading axis of ``stacked`` (K, ...)) of about
+    256 KiB of float32 each (one client where a client is larger): elementwise passes over a
+    slice and their temporaries stay in a core's L2 cache, where passes over the whole stack
+    would stream it from memory and allocate stack-sized temporaries."""
+    rows = max(1, _SLICE // max(1, stacked[0].numel()))
+    for start in range(0, stacked.shape[0], rows):
+        yield slice(start, start + rows)
+
+
 class StackedAdam:
     """Adam over many clients' parameters stacked on a leading client axis ``(K, ...)``, all
     of them stepping at every step (one step count, shared): ``m[name]``, ``v[name]`` (the
@@ -207,9 +217,7 @@ class StackedAdam:
         step = float(self.steps)
         for n, p in params.items():
             g = grads[n]
-            rows = max(1, _SLICE // max(1, p[0].numel()))
-            for start in range(0, p.shape[0], rows):
-                cut = slice(start, start + rows)
+            for cut in client_slices(p):
                 param, grad = p[cut], g[cut]
                 if grad.stride() != param.stride():
                     # laid out otherwise (a vmapped linear layer's weight gradient is each
@@ -224,4 +232,4 @@ class StackedAdam:
                 adam_update_(param, grad, m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
 
 
-__all__ = ["Adam", "StackedAdam", "adam_update_"]
+__all__ = ["Adam", "StackedAdam", "adam_update_", "client_slices"]

@@ -19,6 +19,8 @@ Adam and a per-sample objective:
 
 Both consume each client's ``torch.Generator`` identically (one ``randperm`` per epoch), so a
 client's mini-batch order does not depend on which path trained it.
+Both apply a `GaussianProx` (the batched path one per client) after every Adam step of
+the client, with that client's own second moments and step count.
 
 An *objective* maps a module's output and the labels of a mini-batch to per-sample losses of
 shape ``(B,)``; it may close over tensors that are constant during local training (a frozen
@@ -47,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from bayesfl.adam import Adam, StackedAdam
+from bayesfl.adam import Adam, StackedAdam, client_slices
 from bayesfl.errors import ConfigError, LocalTrainingWarning
 from bayesfl.stacked_rows import row_views, stack_rows
 
@@ -96,10 +98,28 @@ class GaussianProx:
                 if name not in self.precision:
                     continue
                 state = optimizer.state[p]
-                bias_correction2 = 1 - beta2 ** float(state["step"])
-                denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(config.eps)
-                shrink = (config.lr * self.precision[name]) / denom  # eta * precision
-                p.add_(shrink * self.mean[name]).div_(1 + shrink)
+                _proximal_step_(p, state["exp_avg_sq"], 1 - beta2 ** float(state["step"]),
+                                config.lr * self.precision[name], self.mean[name], config.eps)
+
+
+def _proximal_step_(param: Tensor, exp_avg_sq: Tensor, bias_correction2: float | Tensor,
+                    lr_precision: Tensor, mean: Tensor, eps: float,
+                    active: Tensor | None = None) -> None:
+    """`GaussianProx`'s exact step of ``param`` in place, after an Adam step (learning rate
+    ``lr``, epsilon ``eps``) that left the second moment ``exp_avg_sq`` (``param``'s shape)
+    and ``bias_correction2 = 1 - beta2^t``; ``lr_precision`` is ``lr * precision``.
+
+    One parameter of one client (a float), or of K clients stacked on a leading axis (a
+    ``(K, 1, ...)`` tensor of each client's own correction, its own step count ``t``): every
+    operation is elementwise, so each client's rows get the arithmetic of its own step.
+    ``active`` (``(K, 1, ...)`` bool): the clients that stepped; the others are left exactly
+    as they are (their shrink is 0, even where a client that never stepped divides 0 by 0).
+    """
+    denom = (exp_avg_sq / bias_correction2).sqrt_().add_(eps)
+    shrink = lr_precision / denom  # eta * precision
+    if active is not None:
+        shrink.masked_fill_(~active, 0.0)
+    param.add_(shrink * mean).div_(1 + shrink)
 
 
 @dataclass(frozen=True)
@@ -376,13 +396,14 @@ def train_batched(
     *,
     generators: Sequence[torch.Generator],
     trainable: ParameterFilter | None = None,
+    prox: Sequence[GaussianProx] | None = None,
 ) -> None:
     """Train K models of one architecture in place, each on its own ``(xs[k], ys[k])``.
 
-    Equivalent to calling `train_plain` on every model with its own generator (up to
-    float rounding), but computes all K gradients per step with one vmapped call (see
-    `train_stacked`, which this calls with the models' own tensors and whose results it
-    copies into them).
+    Equivalent to calling `train_plain` on every model with its own generator (and its own
+    ``prox[k]``) up to float rounding, but computes all K gradients per step with one vmapped
+    call (see `train_stacked`, which this calls with the models' own tensors and whose
+    results it copies into them).
     """
     if not models:
         return
@@ -391,7 +412,7 @@ def train_batched(
     own = [named_tensors(m, "parameters") for m in models]
     trained = [dict(p) for p in own]
     train_stacked(models[0], trained, [named_tensors(m, "buffers") for m in models], xs, ys,
-                  objective, config, generators=generators, trainable=trainable)
+                  objective, config, generators=generators, trainable=trainable, prox=prox)
     with torch.no_grad():
         for before, after in zip(own, trained, strict=True):
             for name, value in after.items():
@@ -411,6 +432,7 @@ def train_stacked(
     generators: Sequence[torch.Generator],
     trainable: ParameterFilter | None = None,
     penalty: Penalty | None = None,
+    prox: Sequence[GaussianProx] | None = None,
 ) -> None:
     """Train K clients of one architecture, given as tensors: ``parameters[k]`` and
     ``buffers[k]`` name every parameter and buffer of ``template`` (whose own tensors are not
@@ -429,12 +451,19 @@ def train_stacked(
     updates, so such clients are trained one by one with `train_plain` (same generator
     use, same result as each client alone) and each ``buffers[k]`` entry is *replaced* by the
     client's updated buffer (the dicts are changed, never the tensors they held).
+
+    ``prox``: one `GaussianProx` per client (the same parameter names for all), applied as
+    `train_plain` applies it: after each Adam step, to each client that took the step, with
+    that client's own second moments and step count (its rows of the stacked Adam state).
     """
     if not parameters:
         return
+    if prox is not None and len(prox) != len(parameters):
+        raise ConfigError(f"train_stacked needs one prox term per client, got {len(prox)} "
+                          f"for {len(parameters)} clients")
     if has_running_stats(template):
         _train_each(template, parameters, buffers, xs, ys, objective, config,
-                    generators=generators, trainable=trainable, penalty=penalty)
+                    generators=generators, trainable=trainable, penalty=penalty, prox=prox)
         return
     trainable = trainable or _all_parameters
     template.train()
@@ -450,6 +479,7 @@ def train_stacked(
         train_p = {n: stacked[n].requires_grad_() for n in train_names}
         frozen_p = {n: stacked[n] for n in frozen_names}
         stacked_buffers = _stack_named(list(buffers))
+        prox_terms = None if prox is None else _stack_prox(prox, train_names, config.lr)
     device = train_p[train_names[0]].device
     X = pad_stack(list(xs))
     Y = pad_stack(list(ys))
@@ -510,11 +540,18 @@ def train_stacked(
             with torch.no_grad():
                 if isinstance(state, StackedAdam):  # the moments are dropped after `last`
                     state.step(train_p, g, lr=config.lr, b1=b1, b2=b2, eps=config.eps,
-                               last=s == steps - 1 and (config.reset_optimizer_each_epoch
-                                                        or epoch == config.epochs - 1))
+                               last=prox is None and s == steps - 1 and (
+                                   config.reset_optimizer_each_epoch
+                                   or epoch == config.epochs - 1))  # prox reads the moments
+                    if prox_terms:  # every client stepped, all at the shared count
+                        _apply_prox(train_p, state.v, 1 - b2 ** float(state.steps),
+                                    prox_terms, config)
                 else:
-                    state.step(train_p, g, (mb.sum(dim=1) > 0) & ~stopped, lr=config.lr,
-                               b1=b1, b2=b2, eps=config.eps)
+                    active = (mb.sum(dim=1) > 0) & ~stopped
+                    state.step(train_p, g, active, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
+                    if prox_terms:  # each client at its own count; idle ones untouched
+                        _apply_prox(train_p, state.v, 1 - b2 ** state.t, prox_terms, config,
+                                    active)
     state = g = None  # the moments and the last gradients: as large as the parameters
     for n in train_names:  # each client's row of the stack (a view: no copy per client)
         for p, value in zip(per_model, row_views(train_p[n]), strict=True):
@@ -539,16 +576,59 @@ def _train_each(
     generators: Sequence[torch.Generator],
     trainable: ParameterFilter | None,
     penalty: Penalty | None,
+    prox: Sequence[GaussianProx] | None,
 ) -> None:
     """`train_stacked` of a template with running statistics: `train_plain` on a
     copy per client; the parameter and buffer entries replaced by the trained ones."""
     model = copy.deepcopy(template)
-    for p, b, x, y, g in zip(parameters, buffers, xs, ys, generators, strict=True):
+    proxes = [None] * len(parameters) if prox is None else prox
+    for p, b, x, y, g, term in zip(parameters, buffers, xs, ys, generators, proxes,
+                                   strict=True):
         model.load_state_dict({**p, **b}, strict=True)
         train_plain(model, x, y, objective, config, generator=g, trainable=trainable,
-                    penalty=penalty)
+                    penalty=penalty, prox=term)
         p.update({name: value.detach().clone() for name, value in model.named_parameters()})
         b.update({name: value.detach().clone() for name, value in model.named_buffers()})
+
+
+def _stack_prox(prox: Sequence[GaussianProx], train_names: Sequence[str], lr: float
+                ) -> dict[str, tuple[Tensor, Tensor]]:
+    """``{name: (lr * precision (K, ...), mean (K, ...))}``: the clients' prox terms stacked,
+    for the trainable parameters they name (`train_plain` skips the others too); the
+    product ``lr * precision`` once, not at every step (the same numbers).
+
+    Raises:
+        ConfigError: clients whose terms name different trainable parameters.
+    """
+    names = [n for n in train_names if n in prox[0].precision]
+    if any({n for n in train_names if n in p.precision} != set(names) for p in prox):
+        raise ConfigError("train_stacked needs prox terms over the same parameters for "
+                          "every client")
+    precision = _stack_named([{n: p.precision[n] for n in names} for p in prox])
+    mean = _stack_named([{n: p.mean[n] for n in names} for p in prox])
+    return {n: (lr * precision[n], mean[n]) for n in names}
+
+
+def _apply_prox(params: dict[str, Tensor], v: dict[str, Tensor],
+                bias_correction2: float | Tensor, terms: dict[str, tuple[Tensor, Tensor]],
+                config: LocalTraining, active: Tensor | None = None) -> None:
+    """`GaussianProx`'s step of every client row of the stacked ``params`` (K, ...) named
+    in ``terms`` (`_stack_prox`), after the Adam step that left the stacked second moments
+    ``v``. ``bias_correction2``: ``1 - beta2^t`` at the step count all clients share, or (K,)
+    float64 at each client's own; ``active`` (K,) bool: the clients that stepped (None: all).
+    Cache-sized slices of whole clients (`bayesfl.adam.client_slices`): over whole stacks
+    the step's five temporaries cost 4x its arithmetic (S1 FedSI, 10 clients).
+    """
+    for n, (lr_precision, mean) in terms.items():
+        p = params[n]
+        shape = (-1,) + (1,) * (p.dim() - 1)
+        correction = (bias_correction2 if isinstance(bias_correction2, float)
+                      else bias_correction2.to(p.dtype).view(shape))
+        for cut in client_slices(p):
+            _proximal_step_(p[cut], v[n][cut],
+                            correction if isinstance(correction, float) else correction[cut],
+                            lr_precision[cut], mean[cut], config.eps,
+                            None if active is None else active.view(shape)[cut])
 
 
 def _reset(state: _AdamState | StackedAdam) -> None:

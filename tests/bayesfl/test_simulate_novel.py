@@ -25,9 +25,10 @@ class CountingFedSI(FedSI):
     fitted: ClassVar[list[int]] = []
     personalized: ClassVar[list[int]] = []
 
-    def fit(self, config, state, data, broadcast, generator):
-        CountingFedSI.fitted.append(config.client_id)
-        return super().fit(config, state, data, broadcast, generator)
+    def fit_group(self, configs, states, datas, broadcast, generators):
+        # the simulator fits same-body clients as a group (FedSI's fit_group never calls fit)
+        CountingFedSI.fitted.extend(c.client_id for c in configs)
+        return super().fit_group(configs, states, datas, broadcast, generators)
 
     def personalize(self, config, state, data, broadcast, generator):
         CountingFedSI.personalized.append(config.client_id)

@@ -315,6 +315,78 @@ def test_batched_training_of_one_mini_batch_per_epoch_equals_the_plain_loop(rese
             torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def _proxes(models, seed=7):
+    """A GaussianProx per client over the first layer only (the last is trained without one):
+    means 0.3 away from the client's weights and precisions 1-100 per sample, so each step's
+    shrink factor ``lr * precision / (sqrt(v_hat) + eps)`` is O(0.1-1), neither negligible nor
+    so large that every path lands on the mean whatever it does."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for model in models:
+        named = {n: p.detach() for n, p in model.named_parameters() if n.startswith("0.")}
+        out.append(GaussianProx(
+            {n: p + 0.3 * torch.randn(p.shape, generator=g) for n, p in named.items()},
+            {n: 10.0 ** (2 * torch.rand(p.shape, generator=g)) for n, p in named.items()}))
+    return out
+
+
+def _train_both_ways(sizes, config, proxes_of):
+    """Client models trained one by one with `train_plain` and together with `train_batched`
+    (the same initial weights, generators and prox terms); returns (plain, batched, the
+    batched path's generators)."""
+    xs, ys = _client_data(sizes)
+    plain = [_mlp(k) for k in range(len(sizes))]
+    batched = copy.deepcopy(plain)
+    proxes = proxes_of(plain)
+    for k, model in enumerate(plain):
+        train_plain(model, xs[k], ys[k], _ce, config, prox=proxes[k],
+                    generator=torch.Generator().manual_seed(100 + k))
+    gens = [torch.Generator().manual_seed(100 + k) for k in range(len(sizes))]
+    train_batched(batched, xs, ys, _ce, config, generators=gens, prox=proxes)
+    return plain, batched, gens
+
+
+@pytest.mark.parametrize("reset", [True, False])
+@pytest.mark.parametrize(
+    "sizes",
+    [[10, 9, 6],  # two steps each: StackedAdam, one shared step count
+     [7, 23, 1, 12]],  # 2, 5, 1, 3 steps: masked Adam, a step count per client, idle clients
+)
+def test_stacked_training_with_a_prox_equals_the_plain_loop_with_it(reset, sizes):
+    config = LocalTraining(epochs=3, lr=1e-2, batch_size=5, reset_optimizer_each_epoch=reset)
+    plain, batched, gens = _train_both_ways(sizes, config, _proxes)
+    for k, (a, b) in enumerate(zip(plain, batched, strict=True)):
+        for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+            # the Adam steps agree to float32 rounding (vmapped gradients, the masked Adam's
+            # rearranged formula); the prox's formula is the same elementwise arithmetic and a
+            # contraction towards the mean, so it adds no more than rounding: 1e-5 on O(1)
+            # weights over at most 15 steps, as the paths without a prox
+            torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-5, msg=f"{k} {name}")
+        # and each generator drew what train_plain's did (one randperm an epoch)
+        want = torch.Generator().manual_seed(100 + k)
+        for _ in range(config.epochs):
+            torch.randperm(sizes[k], generator=want)
+        assert torch.equal(gens[k].get_state(), want.get_state())
+
+
+def test_a_client_without_a_mini_batch_left_is_not_shrunk_by_the_others_steps():
+    # client 0 has one row, so one step an epoch, while client 1 takes four: one epoch gives
+    # client 0 one Adam step and one prox, and nothing at the three steps it sits out. Its
+    # prox is stiff and its mean 1 away, so every extra shrink would pull it well towards the
+    # mean (one more shrink moves a weight by up to 0.25, far above the tolerance)
+    config = LocalTraining(epochs=1, lr=1e-2, batch_size=5)
+
+    def far_stiff(models):
+        return [GaussianProx({n: p.detach() + 1.0 for n, p in m.named_parameters()},
+                             {n: torch.full_like(p, 30.0) for n, p in m.named_parameters()})
+                for m in models]
+
+    plain, batched, _ = _train_both_ways([1, 20], config, far_stiff)
+    for (name, pa), (_, pb) in zip(plain[0].named_parameters(), batched[0].named_parameters(),
+                                   strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cross_entropy_per_sample_is_torch_cross_entropy_bit_for_bit(dtype):
     # the same log-softmax, then a gather and a negation where nll_loss picks and negates:

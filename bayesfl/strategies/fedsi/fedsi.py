@@ -98,7 +98,14 @@ subnet of 400: fine-tuned accuracy 0.863 after round 1, 0.709 after 25). ``"prox
 Adam's step on the CE and then solves the prior's term exactly
 (`bayesfl.training.GaussianProx`): same objective, same MAP (2.26095 after the round's
 25 steps), stable for any prior; the same run then rises every round (0.857 -> 0.899 after
-25). ``"adam"`` keeps the paper's literal recipe.
+25). ``"adam"`` keeps the paper's literal recipe. A group of clients (`FedSI.fit_group`, the
+simulator's batched fit) trains its proximal MAPs together, one vmapped gradient of all of them
+a step (`bayesfl.training.train_batched` with each client's prior as its prox): the same
+shuffles and the same MAPs as client by client up to float rounding. On S1 (10 clients, 25
+steps) that is 0.23 CPU-s a round against 0.27 one by one: the arithmetic (the matrix
+products, Adam's and the prior's passes over 78,500 weights a client) is most of the cost,
+not the per-step dispatch, and the vmapped weight gradient's product, computed in the
+transposed layout, is 3x the plain one's.
 
 **The prior's variance** (``prior_var``, alpha). The paper sets alpha = 1e-4 (a prior std of
 0.01, precision 1e4 per weight against n = 250 samples): even with the exact local MAP the body
@@ -201,6 +208,7 @@ from bayesfl.strategies.base import (
     ServerState,
     Strategy,
     StrategyContext,
+    check_one_body,
     derived_seed,
     model_state,
     seeded_rng,
@@ -223,7 +231,7 @@ from bayesfl.strategies.robust import (
     screening_reasons,
 )
 from bayesfl.strategies.uploads import NUM_SAMPLES_SPEC, num_samples_tensor
-from bayesfl.training import GaussianProx, train_plain
+from bayesfl.training import GaussianProx, LocalTraining, train_batched, train_plain
 from inference.log_grid import argmin_on_log_grid, geometric_grid
 from inference.subnet import (
     SubnetLaplacePosterior,
@@ -266,6 +274,11 @@ variance and of the uploaded std is ~1e-7; 1e-3 only has to separate rounding fr
 
 
 Posterior = SubnetLaplacePosterior | DiagonalLaplacePosterior
+
+
+def _body(name: str) -> bool:
+    """The local MAP's trainable parameters: the body (the head stays frozen at phi^0)."""
+    return name.startswith("body.")
 
 
 def prior_penalty(theta: Tensor, mean: Tensor, variance: Tensor) -> Tensor:
@@ -790,17 +803,47 @@ class FedSI(Strategy):
         exactly after each (`bayesfl.training.GaussianProx`); ``"adam"`` puts the prior
         into Adam's gradient (`map_objective`), which does not converge when the prior
         std is at or below the learning rate (module docstring, "The local MAP")."""
-        lr = self.context.training.lr if self.local_lr is None else self.local_lr
-        training = replace(self.context.training, lr=lr, reset_optimizer_each_epoch=False)
-        body = lambda name: name.startswith("body.")  # noqa: E731
-        if not (self.prior_in_map and self.map_solver == "proximal"):
+        if not self.proximal_map:
             train_plain(model, data.train_x, data.train_y,
-                        self.map_objective(model, mean, variance, data.num_train), training,
-                        generator=generator, trainable=body)
+                        self.map_objective(model, mean, variance, data.num_train),
+                        self.map_training(), generator=generator, trainable=_body)
             return
-        train_plain(model, data.train_x, data.train_y, cross_entropy_per_sample, training,
-                    generator=generator, trainable=body,
+        train_plain(model, data.train_x, data.train_y, cross_entropy_per_sample,
+                    self.map_training(), generator=generator, trainable=_body,
                     prox=self.prior_prox(model, mean, variance, data.num_train))
+
+    def local_maps(self, models: Sequence[nn.Module], datas: Sequence[ClientData],
+                   received: Sequence[tuple[Tensor, Tensor]],
+                   generators: Sequence[torch.Generator]) -> None:
+        """`local_map` of the clients of a group (one body spec), each on its own data with
+        its own broadcast ``(mean, variance)`` and generator. The proximal MAP trains them
+        together (`bayesfl.training.train_batched`: one vmapped gradient of all clients
+        a step, each client's own prior applied after it; the same shuffles from each
+        generator, the same parameters up to float rounding); the gradient route one by one."""
+        if not self.proximal_map:
+            for model, data, (mean, variance), generator in zip(models, datas, received,
+                                                                generators, strict=True):
+                self.local_map(model, data, mean, variance, generator)
+            return
+        proxes = [self.prior_prox(model, mean, variance, data.num_train)
+                  for model, data, (mean, variance) in zip(models, datas, received,
+                                                           strict=True)]
+        train_batched(models, [d.train_x for d in datas], [d.train_y for d in datas],
+                      cross_entropy_per_sample, self.map_training(), generators=generators,
+                      trainable=_body, prox=proxes)
+
+    @property
+    def proximal_map(self) -> bool:
+        """Whether the local MAP applies the prior as a proximal step (``map_solver=
+        "proximal"`` with ``prior_in_map``), rather than through Adam's gradient or not at
+        all."""
+        return self.prior_in_map and self.map_solver == "proximal"
+
+    def map_training(self) -> LocalTraining:
+        """The local MAP's Adam: the run's training at ``local_lr``, one optimiser state for
+        the whole round."""
+        lr = self.context.training.lr if self.local_lr is None else self.local_lr
+        return replace(self.context.training, lr=lr, reset_optimizer_each_epoch=False)
 
     @staticmethod
     def prior_prox(model: nn.Module, mean: Tensor, variance: Tensor, n: int) -> GaussianProx:
@@ -864,6 +907,32 @@ class FedSI(Strategy):
         mean, variance = self.received(config, broadcast)
         model = self.model_at(config, state, mean)
         self.local_map(model, data, mean, variance, generator)
+        return self.fit_at_map(config, model, data, broadcast, mean, variance)
+
+    def fit_group(
+        self,
+        configs: Sequence[ClientConfig],
+        states: Sequence[ClientState],
+        datas: Sequence[ClientData],
+        broadcast: Message,
+        generators: Sequence[torch.Generator],
+    ) -> list[tuple[ClientState, Message]]:
+        """`fit` of same-body clients, their local MAPs trained together (`local_maps`),
+        then each client's subnet, Laplace and upload as in `fit`."""
+        check_one_body(configs)
+        received = [self.received(c, broadcast) for c in configs]
+        models = [self.model_at(c, s, mean)
+                  for c, s, (mean, _) in zip(configs, states, received, strict=True)]
+        self.local_maps(models, datas, received, generators)
+        return [self.fit_at_map(c, model, d, broadcast, mean, variance)
+                for c, model, d, (mean, variance) in zip(configs, models, datas, received,
+                                                         strict=True)]
+
+    def fit_at_map(self, config: ClientConfig, model: nn.Module, data: ClientData,
+                   broadcast: Message, mean: Tensor, variance: Tensor
+                   ) -> tuple[ClientState, Message]:
+        """`fit` after the local MAP: ``model`` at the MAP, ``(mean, variance)`` the
+        broadcast prior; subnet selection, Laplace and the upload."""
         batches = self.curvature_batches(data)
         diag, log_evidence = None, None
         if self.evidence:

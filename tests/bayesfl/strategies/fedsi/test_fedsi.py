@@ -1,17 +1,20 @@
 """FedSI and FedSI-Fac (spec fedsi.md): uploads, the server rules, the prior term, upload
 screening, and short runs through the simulator and the CLI."""
 
+import copy
 import json
 
 import pytest
 import torch
-from strategy_helpers import generators, run_round, wire
+from strategy_helpers import fit_all, generators, run_round, wire
 
 from bayesfl.cli import main
 from bayesfl.messages import Message
 from bayesfl.simulate import simulate
 from bayesfl.strategies import MAP_PLUGIN, PREDICTIVE, make_strategy
+from bayesfl.strategies.fedsi import fedsi as fedsi_module
 from bayesfl.strategies.fedsi.fedsi import aggregate_gaussians, body_vector, prior_penalty
+from bayesfl.training import train_batched
 from inference.subnet import DiagonalLaplacePosterior, SubnetLaplacePosterior, select_subnet
 
 # digits, 5 clients, small local work: the CI runs of FedSI and FedSI-Fac
@@ -355,6 +358,37 @@ def test_the_proximal_map_solver_applies_the_prior_exactly_after_each_adam_step(
     assert torch.allclose(moved, expected, rtol=0, atol=5e-7)
     # the stiff prior (1e-4: b = 1e4 / n) holds the move far below Adam's lr; the weak one not
     assert (float(moved.abs().max()) < lr / 2) == (prior_var == 1e-4)
+
+
+@pytest.mark.parametrize("sizes", [
+    (12, 20, 7),  # 3, 4 and 2 mini-batches an epoch: the masked Adam, idle clients
+    (10, 9, 6),  # 2 each: one Adam over the stack
+])
+def test_a_group_fit_trains_the_local_maps_together_and_uploads_what_each_fit_does(
+        build, monkeypatch, sizes):
+    strategy, clients, state = build("fedsi", sizes=sizes, subnet_fraction=0.1)
+    down = wire(strategy.configure(state, 1).broadcast)
+    twins = copy.deepcopy(clients)
+    alone, together = generators(clients, 1), generators(twins, 1)
+    one = fit_all(strategy, clients, down, alone)
+    calls = []
+    monkeypatch.setattr(fedsi_module, "train_batched",
+                        lambda *a, **k: calls.append(1) or train_batched(*a, **k))
+    monkeypatch.setattr(fedsi_module, "train_plain", None)  # the group never trains alone
+    group = fit_all(strategy, twins, down, together, batched=True)
+    assert calls == [1]  # every client's local MAP in one stacked training
+    for (state1, up1), (state2, up2), g1, g2 in zip(one, group, alone, together, strict=True):
+        # the MAPs agree to float32 rounding (vmapped gradients; masked Adam), and so the
+        # curvature and the subnet chosen from it
+        assert torch.equal(up1.tensors["subnet"], up2.tensors["subnet"])
+        for key in up1.tensors:
+            torch.testing.assert_close(up1.tensors[key], up2.tensors[key], rtol=1e-4, atol=1e-5,
+                                       msg=key)
+        assert state1.keys() == state2.keys()
+        for key in state1:
+            torch.testing.assert_close(state1[key], state2[key], rtol=1e-5, atol=1e-5, msg=key)
+        # the same shuffles drawn: each generator ends where the client's own fit left it
+        assert torch.equal(g1.get_state(), g2.get_state())
 
 
 
