@@ -27,7 +27,7 @@ from inference.curvature import ggn_diagonal_from_sqrt, ggn_from_sqrt, softmax_h
 from inference.errors import InvalidInputError
 from inference.subnet.batches import BatchChecks, check_logits, iterate_batches
 from inference.subnet.dense import mirror_upper_
-from inference.subnet.jacobian import SubnetJacobian
+from inference.subnet.jacobian import SubnetJacobian, UnitRuns
 from inference.subnet.memory import check_memory, tensor_bytes
 from inference.subnet.parameters import (
     check_prior_mean,
@@ -40,7 +40,7 @@ from inference.subnet.posterior import SubnetLaplacePosterior
 from inference.subnet.selection import select_subnet
 from inference.subnet.training_mode import eval_mode
 
-__all__ = ["fit_subnet_laplace", "subnet_ggn", "subnet_laplace_state"]
+__all__ = ["fit_subnet_laplace", "subnet_ggn", "subnet_laplace_state", "unit_factor_ggn"]
 
 CurvatureBackend = Literal["subnet_jacobian", "laplace_torch"]
 HessianStructure = Literal["full", "diag"]
@@ -277,17 +277,26 @@ def factored_ggn(engine: SubnetJacobian, X: Tensor, y: Tensor,
         return None
     A, G, logits = factors
     checks.update(logits, y)
-    runs, present, unit = plan.runs, plan.present, plan.compact
-    G = G.index_select(2, present)  # (K, B, U)
+    G = G.index_select(2, plan.present)  # (K, B, U)
     gamma = torch.einsum("kbu,kbv->buv", G, G)  # (B, U, U)
+    return unit_factor_ggn(A, gamma, plan)
+
+
+def unit_factor_ggn(A: Tensor, gamma: Tensor, plan: UnitRuns) -> Tensor:
+    """``H[s, t] = sum_b A[b, s] A[b, t] gamma[b, u_s, u_t]`` (S, S), exactly symmetric, in
+    ``A``'s dtype: the GGN of the Linear-layer factorisation (`factored_ggn`), from ``A``
+    (B, S), ``gamma`` (B, U, U) the per-sample Gram of the unit gradients (``Lambda``'s
+    square root pushed through to the units) and ``plan`` the subnet's unit runs. Each run
+    of positions of one unit u is one product ``A[:, run]^T (A * gamma[:, u, unit])`` over
+    the positions from the run on (the upper triangle), mirrored at the end."""
     S = A.shape[1]
     upper = A.new_empty(S, S)  # the lower triangle is written by the mirror
-    for start, end, u in runs:
+    for start, end, u in plan.runs:
         # index_select and an in-place product: the same numbers as ``A[:, start:] *
         # gamma[:, u, unit[start:]]`` (bit for bit), without advanced indexing's slower
         # gather and a second temporary (issue 41: bench/subnet_laplace.py's fit 0.127 ->
         # 0.070 s, 800 entries, 500 rows)
-        weighted = gamma[:, u].index_select(1, unit[start:]).mul_(A[:, start:])
+        weighted = gamma[:, u].index_select(1, plan.compact[start:]).mul_(A[:, start:])
         torch.mm(A[:, start:end].T, weighted, out=upper[start:end, start:])
     return mirror_upper_(upper)
 

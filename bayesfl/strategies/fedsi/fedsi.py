@@ -244,11 +244,12 @@ from inference.subnet.diagonal_posterior import DiagonalLaplacePosterior, fit_di
 from inference.subnet.fit import subnet_laplace_state
 from inference.subnet.lowrank import (
     LOWRANK_KEYS,
+    lowrank_ggn,
     lowrank_predict_proba,
     subnet_lowrank_posterior,
     subnet_marginal_variance,
 )
-from inference.subnet.parameters import resolve_subnet_size
+from inference.subnet.parameters import check_subnet_indices, resolve_subnet_size
 
 POSTERIORS = ("subnet_full", "subnet_diag", "diag_all")
 AGGREGATIONS = ("mean_std", "mean_var", "mean_nonzero", "moment_match", "product")
@@ -995,8 +996,11 @@ class FedSI(Strategy):
         model = self.fine_tuned(config, state, data, mean, generator)
         batches = self.curvature_batches(data)
         subnet = self.choose_subnet(model, batches, variance, self.eval_selection)
+        lowrank = self.lowrank_terms(model, batches, variance, subnet)
         if subnet is None:
             terms = self.laplace(model, batches, variance, subnet).state_dict()
+        elif lowrank:  # the GGN is rebuilt from the factors on demand (personal_posterior)
+            terms = self.subnet_prior_terms(model, subnet, variance, data.num_train)
         else:  # the posterior's tensors; predict() factorises them once (personal_posterior)
             model.head.requires_grad_(False)
             structure = "diag" if self.posterior_kind == "subnet_diag" else "full"
@@ -1007,13 +1011,28 @@ class FedSI(Strategy):
         # GGN: 123 MB at |S| = 3,925); kept as they are, not copied
         kept = {f"{POSTERIOR_PREFIX}{k}": v.detach()
                 for k, v in terms.items() if k != "mean"}
-        kept.update(self.lowrank_terms(model, batches, variance, subnet))
+        kept.update(lowrank)
         personalized = {**model_state(model), **kept,
                         PERSONALIZED: torch.ones(1, dtype=torch.bool)}
         if self.head is None:
             return personalized
         return with_head_posterior(self.head, personalized, model, data, self.num_classes,
                                    config.client_id)
+
+    @staticmethod
+    def subnet_prior_terms(model: nn.Module, subnet: Tensor, variance: Tensor,
+                           n_data: int) -> dict[str, Tensor]:
+        """`subnet_laplace_state`'s tensors but its GGN (and mean): the subnet, its prior
+        precision ``1 / variance`` and zero prior mean (float64, the body's device), the
+        sample count. Kept beside the low-rank factors (`lowrank_terms`), from which
+        `personal_posterior` rebuilds the GGN when the dense posterior is asked for (issue 41:
+        the 3,925 x 3,925 GGN was ~0.15 CPU-s and 123 MB a client, for a posterior that the
+        GLM-probit predictive never factorises)."""
+        indices = check_subnet_indices(subnet.to("cpu", torch.int64), body_vector(model).numel())
+        prior = variance.to(torch.float64).reciprocal()[indices.to(variance.device)]
+        return {"subnet_indices": indices, "prior_precision": prior,
+                "prior_mean": torch.zeros_like(prior),
+                "n_data": torch.tensor(int(n_data), dtype=torch.int64)}
 
     def lowrank_terms(self, model: nn.Module, batches: list, variance: Tensor,
                       subnet: Tensor | None) -> dict[str, Tensor]:
@@ -1088,6 +1107,10 @@ class FedSI(Strategy):
         entries["mean"] = body_vector(model)
         if "ggn_diagonal" in entries:
             return DiagonalLaplacePosterior.from_state_dict(entries, model=model)
+        if "ggn" not in entries:  # kept as the low-rank factors (personalize): H = W W^T
+            factors = {k[len(LOWRANK_PREFIX):]: v for k, v in state.items()
+                       if k.startswith(LOWRANK_PREFIX)}
+            entries["ggn"] = lowrank_ggn(model, entries["mean"], factors)
         # the GGN is this client's own `subnet_laplace_state` output, exactly symmetric
         return SubnetLaplacePosterior.from_state_dict(entries, model=model,
                                                       assume_symmetric=True)

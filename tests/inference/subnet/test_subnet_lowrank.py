@@ -13,11 +13,14 @@ import torch
 from subnet_cases import make_cnn, make_loader
 from torch import nn
 
+from inference.errors import InvalidInputError
 from inference.subnet import fit_subnet_laplace, flat_trainable_parameters
 from inference.subnet.diagonal import softmax_hessian_sqrt
+from inference.subnet.fit import subnet_ggn
 from inference.subnet.lowrank import (
     _sample_factors,
     _unit_factors,
+    lowrank_ggn,
     lowrank_logit_variance,
     lowrank_predict_proba,
     softmax_hessian_sqrt_reduced,
@@ -79,6 +82,24 @@ def test_woodbury_variances_equal_the_dense_posteriors(n):
     assert lowrank is not None
     torch.testing.assert_close(lowrank, dense, rtol=1e-10, atol=0)
     assert float((dense * prior[idx]).min()) < 0.999  # the data shrink the variances
+
+
+@pytest.mark.parametrize("n", [3, 25])
+def test_the_ggn_rebuilt_from_the_lowrank_factors_is_the_subnet_ggn(n):
+    # H = W W^T from the factors' A and F (before any truncation) against subnet_ggn's own
+    # product of the full softmax Hessian's square root: float64 networks, the same terms
+    # summed in another order (~1e-15 relative); a unit's rows mixed up, or F F^T taken as F^T
+    # F, moves entries by O(1) of the largest
+    model, loader, prior, idx = _two_layer_case(n)
+    factors = subnet_lowrank_posterior(model, loader, idx, prior[idx])
+    assert factors is not None
+    rebuilt = lowrank_ggn(model, flat_trainable_parameters(model), factors)
+    expected, _ = subnet_ggn(model, loader, idx)
+    assert torch.equal(rebuilt, rebuilt.T)
+    torch.testing.assert_close(rebuilt, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+    # factors of another subnet are refused
+    with pytest.raises(InvalidInputError, match="do not belong"):
+        lowrank_ggn(model, flat_trainable_parameters(model), {**factors, "subnet": idx[:-3]})
 
 
 def test_routes_that_do_not_apply_or_do_not_pay_return_none():

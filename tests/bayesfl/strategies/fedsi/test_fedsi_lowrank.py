@@ -34,30 +34,45 @@ def test_woodbury_upload_equals_the_dense_posteriors(build, monkeypatch):
         torch.testing.assert_close(a.tensors["std"], b.tensors["std"], rtol=1e-6, atol=0)
 
 
-def test_personal_predictive_by_woodbury_equals_the_dense_posteriors(build):
-    # personalize keeps the posterior's truncated Woodbury factors as well (lowrank.*) and
-    # predict's GLM probit uses them instead of factorising the dense |S| x |S| precision.
-    # float32 network: the dense route's logit variances are float32 sums (the factored
-    # predictive's), the Woodbury route's float64 cast to float32, so the probabilities
-    # agree to float32 rounding of kappa f (1e-6 absolute); the plug-in is the same softmax of
-    # the same logits, bit for bit.
+def test_personal_predictive_by_woodbury_equals_the_dense_posteriors(build, monkeypatch):
+    # personalize keeps the posterior's truncated Woodbury factors (lowrank.*) and not its
+    # S x S GGN; predict's GLM probit uses the factors instead of factorising the dense
+    # |S| x |S| precision, and the dense posterior (personal_posterior: posterior(), or a
+    # state without the kernel's factor) rebuilds the GGN from them (H = W W^T).
+    # Against a state personalized the dense way (subnet_laplace_state's GGN; float32
+    # network: its logit variances are float32 sums, the Woodbury route's float64 cast to
+    # float32), the probabilities agree to float32 rounding of kappa f (1e-6 absolute); the
+    # plug-in is the same softmax of the same logits, bit for bit.
     strategy, clients, state = build("fedsi", subnet_fraction=0.5)  # r < S for some
     for r in (1, 2):
         state, _ = run_round(strategy, clients, state, r)
     down = wire(strategy.configure_evaluation(state, 2))
+    personal = [strategy.personalize(c.config, c.state, c.data, down,
+                                     torch.Generator().manual_seed(0)) for c in clients]
+    monkeypatch.setattr(FedSI, "lowrank_terms", lambda *args: {})
+    dense_personal = [strategy.personalize(c.config, c.state, c.data, down,
+                                           torch.Generator().manual_seed(0)) for c in clients]
     used = 0
-    for c in clients:
-        personal = strategy.personalize(c.config, c.state, c.data, down,
-                                        torch.Generator().manual_seed(0))
-        fast = strategy.predict(c.config, personal, down, c.data.test_x)
-        used += "lowrank.chol" in personal
-        dense_state = {k: v for k, v in personal.items() if not k.startswith("lowrank.")}
-        dense = strategy.predict(c.config, dense_state, down, c.data.test_x)
+    for c, kept, dense_state in zip(clients, personal, dense_personal, strict=True):
+        x = c.data.test_x
+        fast = strategy.predict(c.config, kept, down, x)
+        dense = strategy.predict(c.config, dense_state, down, x)
         assert torch.equal(fast["map_plugin"], dense["map_plugin"])
         torch.testing.assert_close(fast["predictive"], dense["predictive"], rtol=0, atol=1e-6)
-        # a state without the kernel's factor (one personalized before the factor replaced Y)
-        # predicts by the dense posterior: the same numbers as without any lowrank key
-        older = {k: v for k, v in personal.items() if k != "lowrank.chol"}
-        assert torch.equal(strategy.predict(c.config, older, down, c.data.test_x)["predictive"],
-                           dense["predictive"])
+        if "lowrank.chol" not in kept:
+            continue
+        used += 1
+        assert "posterior.ggn" not in kept and "posterior.ggn" in dense_state
+        # the dense posterior rebuilt from the factors: a state without the kernel's factor
+        # (one personalized before the factor replaced Y) predicts by it
+        older = {k: v for k, v in kept.items() if k != "lowrank.chol"}
+        rebuilt = strategy.predict(c.config, older, down, x)
+        assert torch.equal(rebuilt["map_plugin"], dense["map_plugin"])
+        torch.testing.assert_close(rebuilt["predictive"], dense["predictive"], rtol=0,
+                                   atol=1e-6)
+        # and its GGN is the dense one's (float32 sums against float64: 1e-5 of the largest)
+        ggn = strategy.personal_posterior(c.config, kept).ggn
+        expected = dense_state["posterior.ggn"]
+        torch.testing.assert_close(ggn, expected, rtol=0,
+                                   atol=1e-5 * float(expected.abs().max()))
     assert used >= 2
