@@ -223,8 +223,8 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
             A_parts.append(A)
             G_parts.append(G)
     checks.finish()
-    # (n, S), the transposed view of a contiguous (S, n): each entry's n values in one row
-    A = torch.cat([part.T for part in A_parts], dim=1).to(torch.float64).T
+    # A^T (S, n) in the model's dtype, each entry's n values in one row
+    At = A_parts[0].T if len(A_parts) == 1 else torch.cat([a.T for a in A_parts], dim=1)
     Q = torch.cat(G_parts, dim=1).to(torch.float64).permute(1, 2, 0).contiguous()  # (n, U, J)
     n, U, _ = Q.shape
     F, valid = _sample_factors(Q)
@@ -236,19 +236,20 @@ def _woodbury(model: nn.Module, loader: Iterable, subnet_indices: Tensor,
     # x_s = diag(root_u) A[:, s] / sqrt(D_s), the rows of X (S, n); M~_u = X_u^T X_u ~ T_u
     # T_u^T (n, m_u), residuals PSD of traces summing to <= truncation (pivoted Cholesky per
     # unit); T holds the T_u side by side, unit[i] the unit of column i
-    X = _entry_rows(A, root, dinv, plan)
+    X = _entry_rows(At, root, dinv, plan)
     T, unit = _unit_factors(X, plan.runs, U, truncation)
     g = torch.bmm(unit_F, unit_F.transpose(1, 2))  # (n, U, U): g[b, u, v] = F^_b[u].F^_b[v]
     ends = torch.bincount(unit, minlength=U).cumsum(0).tolist()
     if keep:  # the predictive's factors (it checks its own subtraction, a logit at a time)
-        return {"subnet": idx, "dinv": dinv, "A": A, "F": F, "T": T, "unit": unit,
-                "chol": _kernel_cholesky(T, unit, ends, g)}
+        return {"subnet": idx, "dinv": dinv, "A": At.to(torch.float64).T, "F": F, "T": T,
+                "unit": unit, "chol": _kernel_cholesky(T, unit, ends, g)}
     # the marginals by the unit bases where their bound allows (the upload's route), else
     # through the kernel's factor Y
     variance = _projected_variance(X, dinv, T, unit, ends, g, plan, truncation)
     if variance is None:
         chol = _kernel_cholesky(T, unit, ends, g)
-        variance = _kernel_variance(A, F, unit_F, T, unit, chol, plan, dinv)
+        variance = _kernel_variance(At.to(torch.float64).T, F, unit_F, T, unit, chol, plan,
+                                    dinv)
     ok = torch.isfinite(variance) & (variance * MAX_SHRINKAGE > dinv)
     return {"variance": variance} if bool(ok.all()) else None
 
@@ -347,11 +348,15 @@ def _projected_variance(X: Tensor, dinv: Tensor, T: Tensor, unit: Tensor, ends: 
     # above; N_uu = Q_u^T Q_u = I (g[b, u, u] = |F^_b[u]|^2 is 1 on the rows where Q_u is not
     # zero)
     N = torch.eye(m, dtype=T.dtype, device=T.device)
-    weights = _unit_weights(g, ends)
+    # g[:, u, v] spread over the columns of unit v: one gather into a buffer a unit, scaled in
+    # place (no temporaries of up to m x n a unit)
+    by_unit = g.permute(1, 2, 0).contiguous()  # (U, U, n)
+    scaled = torch.empty_like(Qt)
     for u in range(1, U):
         a, e = starts[u], ends[u]
         if e > a and a > 0:
-            N[a:e, :a] = Qt[a:e] @ (Qt[:a] * weights(u, u)).T
+            torch.index_select(by_unit[u], 0, unit[:a], out=scaled[:a]).mul_(Qt[:a])
+            torch.mm(Qt[a:e], scaled[:a].T, out=N[a:e, :a])
             N[:a, a:e] = N[a:e, :a].T
     # B = R^T N, G = I + B R = I + C^T C (R block diagonal; G symmetric, so its rows of unit u
     # are (B[:, u] R_u)^T: row blocks, each written contiguously)
@@ -376,13 +381,14 @@ def _projected_variance(X: Tensor, dinv: Tensor, T: Tensor, unit: Tensor, ends: 
     S = dinv.numel()
     q = torch.empty(S, dtype=torch.float64, device=dinv.device)
     residual = torch.empty_like(q)
+    size = torch.empty_like(q)
     for start, end, u in plan.runs:
         a, e = starts[u], ends[u]
         x = X[start:end]  # (run, n)
         c = x @ Qt[a:e].T  # (run, m_u): c_s = Q_u^T x_s
         residual[start:end] = torch.addmm(x, c, Qt[a:e], alpha=-1.0).square().sum(1)  # |eps_s|^2
+        size[start:end] = x.square().sum(1)  # |b_s|^2, while x is in cache
         q[start:end] = c.square().sum(1) - ((c @ ZZ[u]) * c).sum(1) if e > a else 0.0
-    size = X.square().sum(1)  # |b_s|^2
     bound = truncation * size + 2.0 * (size * residual).sqrt() + residual
     variance = dinv * (1.0 - q)
     if not bool((bound * dinv <= PROJECTION_TOLERANCE * variance).all()):
@@ -418,11 +424,12 @@ def _sample_factors(Q: Tensor) -> tuple[Tensor, Tensor]:
     return F, valid
 
 
-def _entry_rows(A: Tensor, root: Tensor, dinv: Tensor, plan) -> Tensor:
-    """``X`` (S, n) float64, ``X[s] = diag(root[:, u_s]) A[:, s] / sqrt(D_s)``: entry s's vector
-    in unit coordinates (``|X[s]| = |b_s|``; module docstring), one contiguous row an entry (the
-    unit Grams' ``dsyrk`` and the entries' products read their rows so)."""
-    X = torch.mul(A.T, dinv.sqrt()[:, None], out=A.new_empty(A.shape[1], A.shape[0]))
+def _entry_rows(At: Tensor, root: Tensor, dinv: Tensor, plan) -> Tensor:
+    """``X`` (S, n) float64, ``X[s] = diag(root[:, u_s]) A[:, s] / sqrt(D_s)`` from ``At = A^T``
+    (S, n, any float dtype): entry s's vector in unit coordinates (``|X[s]| = |b_s|``; module
+    docstring), one contiguous row an entry (the unit Grams' ``dsyrk`` and the entries'
+    products read their rows so). One pass converts, scales and lays out."""
+    X = torch.mul(At, dinv.sqrt()[:, None], out=dinv.new_empty(At.shape))  # rows contiguous
     for start, end, u in plan.runs:  # in place on contiguous rows
         X[start:end] *= root[:, u]
     return X
