@@ -18,6 +18,7 @@ from inference.subnet import fit_subnet_laplace, flat_trainable_parameters
 from inference.subnet.diagonal import softmax_hessian_sqrt
 from inference.subnet.fit import subnet_ggn
 from inference.subnet.lowrank import (
+    _projected_variance,
     _sample_factors,
     _unit_factors,
     lowrank_ggn,
@@ -306,6 +307,29 @@ def test_projected_route_and_its_fallback_give_the_dense_variances(monkeypatch, 
     out = subnet_marginal_variance(model, loader, idx, prior[idx])
     assert used == [projected]
     torch.testing.assert_close(out, dense, rtol=1e-10, atol=0)
+
+
+def test_projected_route_refuses_a_basis_that_misses_part_of_an_entrys_vector():
+    # one unit, J = 1 and g = 1 (every sample active): the route's variances are those of the
+    # precision I + X X^T (D = I, x_s the rows of X), 1 - x_s^T (I + X^T X)^{-1} x_s. With the
+    # unit Gram's whole factor (rank 3) they are that to rounding (1e-12); with its last pivot
+    # column dropped the entries' vectors leave the basis (|eps_s| ~ |x_s|), and the
+    # a-posteriori bound (tau |b|^2 + 2 |b| |eps| + |eps|^2 with tau = 0) must refuse the
+    # route: None. A bound that ignored eps_s would return wrong variances instead.
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(4, 3, generator=g, dtype=torch.float64) @ torch.randn(
+        3, 6, generator=g, dtype=torch.float64) * 0.3  # 4 entries in a 3-dim subspace of R^6
+    plan = SimpleNamespace(runs=[(0, 4, 0)])
+    T, unit = _unit_factors(X, plan.runs, 1, 0.0)
+    assert T.shape == (6, 3)
+    ones = torch.ones(6, 1, 1, dtype=torch.float64)
+    dinv = torch.ones(4, dtype=torch.float64)
+    exact = torch.linalg.inv(torch.eye(4, dtype=torch.float64) + X @ X.T).diagonal()
+    full = _projected_variance(X, dinv, T, unit, [3], ones, plan, 0.0)
+    torch.testing.assert_close(full, exact, rtol=1e-12, atol=0)
+    assert _projected_variance(X, dinv, T[:, :2], unit[:2], [2], ones, plan, 0.0) is None
 
 
 def test_projected_route_holds_its_bound_on_a_collinear_kernel():
