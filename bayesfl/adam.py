@@ -27,7 +27,7 @@ with this one up to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -48,8 +48,11 @@ def adam_update_(
     eps: float,
     weight_decay: float = 0.0,
     max_exp_avg_sq: Tensor | None = None,
-) -> None:
-    """One Adam step of ``param`` in place, ``step`` being the count after this step (>= 1).
+) -> Tensor:
+    """One Adam step of ``param`` in place, ``step`` being the count after this step (>= 1);
+    returns the denominator it divided by, ``sqrt(v_hat) + eps`` (a fresh tensor of
+    ``param``'s shape: Adam's per-entry step size is ``lr / denominator``, which the exact
+    proximal step of `bayesfl.training.GaussianProx` reads).
 
     The operations of ``torch.optim.adam._single_tensor_adam`` (torch 2.x, not capturable,
     not differentiable), in its order and with its Python-float coefficients, so that the
@@ -68,8 +71,16 @@ def adam_update_(
         torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
         denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = adam_denominator(exp_avg_sq, bias_correction2, eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+    return denom
+
+
+def adam_denominator(exp_avg_sq: Tensor, bias_correction2: float, eps: float) -> Tensor:
+    """``sqrt(exp_avg_sq / bias_correction2) + eps`` as `adam_update_` computes it
+    (``exp_avg_sq.sqrt() / sqrt(bias_correction2)``, then ``+ eps``): the same bits wherever it
+    is recomputed from the same second moment."""
+    return (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
 
 
 class Adam:
@@ -201,13 +212,17 @@ class StackedAdam:
 
     @torch.no_grad()
     def step(self, params: dict[str, Tensor], grads: dict[str, Tensor], *, lr: float,
-             b1: float, b2: float, eps: float, last: bool = False) -> None:
+             b1: float, b2: float, eps: float, last: bool = False,
+             after: Callable[[str, slice, Tensor, Tensor], None] | None = None) -> None:
         """One Adam step of every client: ``params`` and the moments updated in place, in
         slices of whole clients of about 256 KiB (cache-sized passes, small temporaries).
 
         ``last``: no step follows on this state before `reset` (its moments will not
         be read). A fresh state then keeps no moments: each slice's update runs on zeroed
-        moments of that slice's size, the same arithmetic as on zeroed buffers."""
+        moments of that slice's size, the same arithmetic as on zeroed buffers.
+        ``after(name, cut, param, denominator)``: called on each slice right after its update
+        (while it is in cache), with ``param = params[name][cut]`` and the update's
+        `adam_update_` denominator (a proximal step after Adam's)."""
         if self._spent:
             raise ConfigError("this StackedAdam took its last step; reset() it first")
         fresh = last and self.steps == 0 and not self.m
@@ -229,7 +244,9 @@ class StackedAdam:
                     v = torch.zeros_like(m)
                 else:
                     m, v = m_all[n][cut], v_all[n][cut]
-                adam_update_(param, grad, m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
+                denom = adam_update_(param, grad, m, v, step, lr=lr, beta1=b1, beta2=b2, eps=eps)
+                if after is not None:
+                    after(n, cut, param, denom)
 
 
-__all__ = ["Adam", "StackedAdam", "adam_update_", "client_slices"]
+__all__ = ["Adam", "StackedAdam", "adam_denominator", "adam_update_", "client_slices"]

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
-from bayesfl.adam import Adam, StackedAdam, client_slices
+from bayesfl.adam import Adam, StackedAdam, adam_denominator, client_slices
 from bayesfl.errors import ConfigError, LocalTrainingWarning
 from bayesfl.stacked_rows import row_views, stack_rows
 
@@ -73,7 +73,8 @@ class GaussianProx:
     ``precision`` is per sample (a prior's precision divided by the client's n, as in a
     batch-mean objective). After Adam's step, each parameter ``theta`` becomes the minimiser
     of ``0.5 * (theta - z)^2 / eta + 0.5 * precision * (theta - mean)^2`` where ``z`` is the
-    Adam iterate and ``eta = lr / (sqrt(v_hat) + eps)`` the step size Adam gave that entry:
+    Adam iterate and ``eta = lr / (sqrt(v_hat) + eps)`` the step size Adam gave that entry
+    (its denominator as `bayesfl.adam.adam_update_` computed it, bit for bit):
 
         theta = (z + eta * precision * mean) / (1 + eta * precision)
 
@@ -98,28 +99,28 @@ class GaussianProx:
                 if name not in self.precision:
                     continue
                 state = optimizer.state[p]
-                _proximal_step_(p, state["exp_avg_sq"], 1 - beta2 ** float(state["step"]),
-                                config.lr * self.precision[name], self.mean[name], config.eps)
+                denom = adam_denominator(state["exp_avg_sq"],
+                                         1 - beta2 ** float(state["step"]), config.eps)
+                _proximal_step_(p, denom, config.lr * self.precision[name], self.mean[name])
 
 
-def _proximal_step_(param: Tensor, exp_avg_sq: Tensor, bias_correction2: float | Tensor,
-                    lr_precision: Tensor, mean: Tensor, eps: float,
-                    active: Tensor | None = None) -> None:
+def _proximal_step_(param: Tensor, denom: Tensor, lr_precision: Tensor,
+                    mean: Tensor, active: Tensor | None = None) -> None:
     """`GaussianProx`'s exact step of ``param`` in place, after an Adam step (learning rate
-    ``lr``, epsilon ``eps``) that left the second moment ``exp_avg_sq`` (``param``'s shape)
-    and ``bias_correction2 = 1 - beta2^t``; ``lr_precision`` is ``lr * precision``.
+    ``lr``) whose denominator was ``denom = sqrt(v_hat) + eps`` (`bayesfl.adam.adam_update_`'s,
+    ``param``'s shape: Adam's step size ``eta = lr / denom``); ``lr_precision`` is ``lr *
+    precision``. Four elementwise passes: ``theta = (z + s mean) / (1 + s)``, ``s = eta
+    precision``.
 
-    One parameter of one client (a float), or of K clients stacked on a leading axis (a
-    ``(K, 1, ...)`` tensor of each client's own correction, its own step count ``t``): every
-    operation is elementwise, so each client's rows get the arithmetic of its own step.
-    ``active`` (``(K, 1, ...)`` bool): the clients that stepped; the others are left exactly
-    as they are (their shrink is 0, even where a client that never stepped divides 0 by 0).
+    One parameter of one client, or of K clients stacked on a leading axis: every operation is
+    elementwise, so each client's rows get the arithmetic of its own step. ``active`` (``(K,
+    1, ...)`` bool): the clients that stepped; the others are left exactly as they are (their
+    shrink is 0, even where a client that never stepped divides 0 by 0).
     """
-    denom = (exp_avg_sq / bias_correction2).sqrt_().add_(eps)
     shrink = lr_precision / denom  # eta * precision
     if active is not None:
         shrink.masked_fill_(~active, 0.0)
-    param.add_(shrink * mean).div_(1 + shrink)
+    param.addcmul_(shrink, mean).div_(shrink.add_(1.0))
 
 
 @dataclass(frozen=True)
@@ -539,13 +540,12 @@ def train_stacked(
                      for n, v in g.items()}
             with torch.no_grad():
                 if isinstance(state, StackedAdam):  # the moments are dropped after `last`
+                    # every client stepped, at the shared count: each slice's prox right
+                    # after its Adam update, with the update's own denominator (in cache)
                     state.step(train_p, g, lr=config.lr, b1=b1, b2=b2, eps=config.eps,
-                               last=prox is None and s == steps - 1 and (
-                                   config.reset_optimizer_each_epoch
-                                   or epoch == config.epochs - 1))  # prox reads the moments
-                    if prox_terms:  # every client stepped, all at the shared count
-                        _apply_prox(train_p, state.v, 1 - b2 ** float(state.steps),
-                                    prox_terms, config)
+                               last=s == steps - 1 and (config.reset_optimizer_each_epoch
+                                                        or epoch == config.epochs - 1),
+                               after=None if not prox_terms else _prox_after(prox_terms))
                 else:
                     active = (mb.sum(dim=1) > 0) & ~stopped
                     state.step(train_p, g, active, lr=config.lr, b1=b1, b2=b2, eps=config.eps)
@@ -609,26 +609,35 @@ def _stack_prox(prox: Sequence[GaussianProx], train_names: Sequence[str], lr: fl
     return {n: (lr * precision[n], mean[n]) for n in names}
 
 
+def _prox_after(terms: dict[str, tuple[Tensor, Tensor]]
+                ) -> Callable[[str, slice, Tensor, Tensor], None]:
+    """`StackedAdam.step`'s ``after``: `GaussianProx`'s step of the slice ``cut`` of the
+    stacked parameter ``name`` (if ``terms``, `_stack_prox`'s, name it) with the Adam
+    update's denominator."""
+    def after(name: str, cut: slice, param: Tensor, denom: Tensor) -> None:
+        if name in terms:
+            lr_precision, mean = terms[name]
+            _proximal_step_(param, denom, lr_precision[cut], mean[cut])
+    return after
+
+
 def _apply_prox(params: dict[str, Tensor], v: dict[str, Tensor],
-                bias_correction2: float | Tensor, terms: dict[str, tuple[Tensor, Tensor]],
-                config: LocalTraining, active: Tensor | None = None) -> None:
+                bias_correction2: Tensor, terms: dict[str, tuple[Tensor, Tensor]],
+                config: LocalTraining, active: Tensor) -> None:
     """`GaussianProx`'s step of every client row of the stacked ``params`` (K, ...) named
-    in ``terms`` (`_stack_prox`), after the Adam step that left the stacked second moments
-    ``v``. ``bias_correction2``: ``1 - beta2^t`` at the step count all clients share, or (K,)
-    float64 at each client's own; ``active`` (K,) bool: the clients that stepped (None: all).
-    Cache-sized slices of whole clients (`bayesfl.adam.client_slices`): over whole stacks
-    the step's five temporaries cost 4x its arithmetic (S1 FedSI, 10 clients).
+    in ``terms`` (`_stack_prox`), after the masked Adam step (`_AdamState`) that left the
+    stacked second moments ``v``: ``bias_correction2`` (K,) float64, ``1 - beta2^t`` at each
+    client's own count; ``active`` (K,) bool, the clients that stepped. Each client's
+    denominator as `bayesfl.adam.adam_denominator` computes it (its own correction); cache-sized
+    slices of whole clients (`bayesfl.adam.client_slices`).
     """
     for n, (lr_precision, mean) in terms.items():
         p = params[n]
         shape = (-1,) + (1,) * (p.dim() - 1)
-        correction = (bias_correction2 if isinstance(bias_correction2, float)
-                      else bias_correction2.to(p.dtype).view(shape))
+        root = bias_correction2.sqrt().to(p.dtype).view(shape)
         for cut in client_slices(p):
-            _proximal_step_(p[cut], v[n][cut],
-                            correction if isinstance(correction, float) else correction[cut],
-                            lr_precision[cut], mean[cut], config.eps,
-                            None if active is None else active.view(shape)[cut])
+            denom = (v[n][cut].sqrt() / root[cut]).add_(config.eps)
+            _proximal_step_(p[cut], denom, lr_precision[cut], mean[cut], active.view(shape)[cut])
 
 
 def _reset(state: _AdamState | StackedAdam) -> None:

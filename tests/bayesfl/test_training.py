@@ -269,6 +269,33 @@ def test_gaussian_prox_converges_to_the_closed_form_map_for_any_stiffness():
         assert torch.allclose(model.weight.view(-1), exact, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_gaussian_prox_step_is_the_closed_form_with_adams_own_step_size(steps):
+    # after Adam's t-th step to z, theta = (z + eta p mean) / (1 + eta p) with Adam's step size
+    # eta = lr / (sqrt(v / (1 - beta2^t)) + eps), computed here in float64 from Adam's state
+    # (float32 parameters: 1e-6 relative). A step size without the bias correction (1000x
+    # at t = 1) or the prior's term misplaced moves theta by > 1e-3
+    from bayesfl.adam import Adam
+
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(40, generator=g).requires_grad_()
+    mean, precision = torch.randn(40, generator=g), torch.rand(40, generator=g) * 50
+    prox = GaussianProx({"w": mean}, {"w": precision})
+    config = LocalTraining(lr=1e-2)
+    optimizer = Adam([theta], lr=config.lr, betas=config.betas, eps=config.eps)
+    for _ in range(steps):
+        theta.grad = torch.randn(40, generator=g)
+        optimizer.step()
+        z = theta.detach().double().clone()
+        v = optimizer.state[theta]["exp_avg_sq"].double()
+        t = float(optimizer.state[theta]["step"])
+        eta = config.lr / ((v / (1 - config.betas[1] ** t)).sqrt() + config.eps)
+        shrink = eta * precision.double()
+        expected = (z + shrink * mean.double()) / (1 + shrink)
+        prox.apply(optimizer, [("w", theta)], config)
+        torch.testing.assert_close(theta.detach().double(), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_stiff_gaussian_in_adams_gradient_misses_the_map_that_prox_reaches():
     model, x, y, m, p, exact = _ridge(1e4)
     penalty = lambda params: 0.5 * (p * (params["weight"].view(-1) - m).square()).sum()  # noqa: E731

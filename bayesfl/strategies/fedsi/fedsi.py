@@ -102,10 +102,12 @@ Adam's step on the CE and then solves the prior's term exactly
 simulator's batched fit) trains its proximal MAPs together, one vmapped gradient of all of them
 a step (`bayesfl.training.train_batched` with each client's prior as its prox): the same
 shuffles and the same MAPs as client by client up to float rounding. On S1 (10 clients, 25
-steps) that is 0.23 CPU-s a round against 0.27 one by one: the arithmetic (the matrix
+steps) that is ~0.20 CPU-s a round against 0.27 one by one: the arithmetic (the matrix
 products, Adam's and the prior's passes over 78,500 weights a client) is most of the cost,
-not the per-step dispatch, and the vmapped weight gradient's product, computed in the
-transposed layout, is 3x the plain one's.
+not the per-step dispatch; the prior's step runs on each cache-sized slice right after its
+Adam update and reads that update's denominator (four passes, not eight: 0.23 -> 0.20), and
+the vmapped weight gradient's product, computed in the transposed layout, is 3x the plain
+one's.
 
 **The prior's variance** (``prior_var``, alpha). The paper sets alpha = 1e-4 (a prior std of
 0.01, precision 1e4 per weight against n = 250 samples): even with the exact local MAP the body
