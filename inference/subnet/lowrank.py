@@ -274,7 +274,7 @@ def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Ten
     for u, end in enumerate(ends):
         start = ends[u - 1] if u else 0
         if end > start:
-            gram[start:end, :end] = Tt[start:end] @ (Tt[:end] * weights(u, u + 1)).T
+            gram[start:end, :end] = Tt[start:end] @ (Tt[:end] * weights(u)).T
     gram.diagonal().add_(1.0)
     chol, info = torch.linalg.cholesky_ex(gram)
     if info != 0:  # I + C^T C >= I: only non-finite curvature gets here
@@ -284,18 +284,18 @@ def _kernel_cholesky(T: Tensor, unit: Tensor, ends: list[int], g: Tensor) -> Ten
 
 
 def _unit_weights(g: Tensor, ends: list[int]):
-    """``(u, k) -> g[:, u, unit[:ends[k - 1]]].T`` (ends[k - 1], n), contiguous: unit u's row
-    of ``g`` (n, U, U) spread over the columns of the first k units (each unit's columns
-    consecutive, ``ends`` their ends), one row a column, to scale the rows of a transposed
-    factor. The same numbers as that gather, by `torch.repeat_interleave` over a (U, U, n)
-    copy of ``g`` (~7x cheaper than 25 advanced-indexing gathers at S1's U = 25; issue 41)."""
+    """``u -> g[:, u, unit[:ends[u]]].T`` (ends[u], n), contiguous: unit u's row of ``g`` (n,
+    U, U) spread over the columns of the units up to u (each unit's columns consecutive,
+    ``ends`` their ends), one row a column, to scale the rows of a transposed factor. The same
+    numbers as that gather, by `torch.repeat_interleave` over a (U, U, n) copy of ``g`` (~7x
+    cheaper than 25 advanced-indexing gathers at S1's U = 25; issue 41)."""
     by_unit = g.permute(1, 2, 0).contiguous()  # (U, U, n)
     counts = torch.tensor([end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)],
                           device=g.device)
 
-    def weights(u: int, k: int) -> Tensor:
-        return torch.repeat_interleave(by_unit[u, :k], counts[:k], dim=0,
-                                       output_size=ends[k - 1])
+    def weights(u: int) -> Tensor:
+        return torch.repeat_interleave(by_unit[u, : u + 1], counts[: u + 1], dim=0,
+                                       output_size=ends[u])
     return weights
 
 

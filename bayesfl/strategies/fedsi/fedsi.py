@@ -1042,8 +1042,10 @@ class FedSI(Strategy):
         (`inference.subnet.lowrank.subnet_lowrank_posterior`, keys under
         `LOWRANK_PREFIX`), which `predict` uses for the GLM-probit predictive instead of
         factorising the dense |S| x |S| precision (each logit variance within ``1e-12 |z|^2``
-        of the dense one, `inference.subnet.lowrank`); empty where that route does not
-        apply (another posterior, head or predictive; a subnet outside Linear layers)."""
+        of the dense one, `inference.subnet.lowrank`), and from which `personal_posterior`
+        rebuilds the dense posterior's GGN when it is asked for (the state keeps these ~20 MB
+        instead of the 123 MB GGN on S1); empty where that route does not apply (another
+        posterior, head or predictive; a subnet outside Linear layers)."""
         if (subnet is None or self.posterior_kind != "subnet_full" or self.head is not None
                 or self.predictive != "glm_probit"):
             return {}
