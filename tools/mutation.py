@@ -83,6 +83,9 @@ LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml", "examples")  # ex
 # arguments (files, node ids, or options such as -m "not slow" as two items).
 _SPLITS = ["tests/bayesfl/strategies/averaging/test_layer_splits.py"]
 COVERING_TESTS: dict[str, list[str]] = {
+    "inference/subnet/lowrank.py":
+        ["tests/inference/subnet/test_subnet_lowrank.py",
+         "tests/bayesfl/strategies/fedsi/test_fedsi_lowrank.py"],
     "bayesfl/strategies/averaging/fedpart_schedule.py":
         ["tests/bayesfl/strategies/averaging/test_fedpart.py"],
     "bayesfl/strategies/averaging/fedavg.py":
