@@ -59,8 +59,12 @@ I``), ``B = R^T N`` and ``G = I + B R = I + C^T C`` (the same kernel), so ``b'^T
 entry. Bound: ``K_t^{-1} <= I`` and ``|b'| <= |b|`` give ``|b^T K_t^{-1} b - b'^T K_t^{-1} b'|
 <= 2 |b_s| |eps_s| + |eps_s|^2``, and with the truncation's ``tau |b_s|^2`` each variance is
 within ``(tau |b_s|^2 + 2 |b_s| |eps_s| + |eps_s|^2) / D_s`` of the exact one. The bound is
-computed for every entry (``eps_s`` explicitly) and the route is taken only where it is <=
-`PROJECTION_TOLERANCE` (1e-9) of the variance, else the Y route above runs. (A priori
+computed for every entry and the route is taken only where it is <= `PROJECTION_TOLERANCE`
+(1e-9) of the variance, else the Y route above runs. ``|eps_s|^2 = |x_s|^2 - |c_s|^2`` (Q_u
+orthonormal) is first bounded from the two norms the route computes anyway, plus ``gamma
+(|x_s|^2 + |c_s|^2)`` for their rounding and Q_u's departure from orthonormality (``gamma = (2
+n + m_u + 4) eps``; on S1 that bound is ~1e-10 of each variance); only where it does not suffice
+is ``eps_s`` formed explicitly (one more product a run). (A priori
 ``sum_s |eps_s|^2 <= trace(R_u)``: the Nystrom factor's range holds ``X_u``'s projection on
 the pivot rows' span; in practice the unit Grams have an exact rank and ``eps_s`` is rounding.)
 On S1 (seed 0, the 20 upload calls of rounds 1 and 30 replayed): the variances equal the Y
@@ -361,42 +365,67 @@ def _projected_variance(X: Tensor, dinv: Tensor, T: Tensor, unit: Tensor, ends: 
     # B = R^T N, G = I + B R = I + C^T C (R block diagonal; G symmetric, so its rows of unit u
     # are (B[:, u] R_u)^T: row blocks, each written contiguously)
     B = torch.empty_like(N)
-    G = torch.empty_like(N)
     for u in range(U):
         a, e = starts[u], ends[u]
         if e > a:
             B[a:e] = R[u].T @ N[a:e]
+    G = N  # N is spent: G and then its factor take its buffer, Z takes B's (fewer m x m
+    # allocations a call: each a fresh 6.5 MB at S1's m, page-faulted in)
     for u in range(U):
         a, e = starts[u], ends[u]
         if e > a:
             G[a:e] = R[u].T @ B[:, a:e].T
     G.diagonal().add_(1.0)
-    chol, info = torch.linalg.cholesky_ex(G)
+    chol, info = torch.linalg.cholesky_ex(G, out=(G, torch.empty((), dtype=torch.int32)))
     if info != 0:
         return None
-    Z = torch.linalg.solve_triangular(chol, B, upper=False)  # chol^{-1} B (m, m)
+    Z = torch.linalg.solve_triangular(chol, B, upper=False, out=B)  # chol^{-1} B (m, m)
     # |Z_u c_s|^2 = c_s^T (Z_u^T Z_u) c_s: one m_u x m_u Gram a unit (m m_u^2), then m_u^2 an
     # entry, instead of m m_u an entry (3x fewer multiply-adds on S1, and no (run, m) product)
     ZZ = [Z[:, a:e].T @ Z[:, a:e] if e > a else None for a, e in zip(starts, ends, strict=True)]
     S = dinv.numel()
     q = torch.empty(S, dtype=torch.float64, device=dinv.device)
-    residual = torch.empty_like(q)  # |eps_s|
-    size = torch.empty_like(q)  # |b_s|
+    size = torch.empty_like(q)  # |b_s|^2 = |x_s|^2
+    projected = torch.empty_like(q)  # |c_s|^2
     for start, end, u in plan.runs:
         a, e = starts[u], ends[u]
         x = X[start:end]  # (run, n)
-        c = x @ Qt[a:e].T  # (run, m_u): c_s = Q_u^T x_s
-        # |eps_s| and |b_s| (the bound's only: vector_norm's one pass, ~3x square().sum())
-        residual[start:end] = torch.linalg.vector_norm(torch.addmm(x, c, Qt[a:e], alpha=-1.0),
-                                                       dim=1)
-        size[start:end] = torch.linalg.vector_norm(x, dim=1)  # while x is in cache
-        q[start:end] = c.square().sum(1) - ((c @ ZZ[u]) * c).sum(1) if e > a else 0.0
-    # tau |b_s|^2 + 2 |b_s| |eps_s| + |eps_s|^2 (module docstring)
-    bound = truncation * size.square() + (2.0 * size + residual) * residual
+        size[start:end] = torch.linalg.vector_norm(x, dim=1).square_()  # while x is in cache
+        if e > a:
+            c = x @ Qt[a:e].T  # (run, m_u): c_s = Q_u^T x_s
+            projected[start:end] = c.square().sum(1)
+            q[start:end] = projected[start:end] - ((c @ ZZ[u]) * c).sum(1)
+        else:
+            projected[start:end] = q[start:end] = 0.0
+    # |eps_s|^2 = |x_s|^2 - |c_s|^2 + c_s^T (Q_u^T Q_u - I) c_s: at most their computed
+    # difference plus gamma (|x_s|^2 + |c_s|^2), gamma covering both sums' rounding (n and
+    # m_u terms) and Q_u's departure from orthonormality (~n eps for Householder QR)
+    gamma = (2 * n + max(e - a for a, e in zip(starts, ends, strict=True)) + 4) * \
+        torch.finfo(torch.float64).eps
+    residual = ((size - projected).clamp_min_(0.0) + gamma * (size + projected)).sqrt_()
     variance = dinv * (1.0 - q)
-    if not bool((bound * dinv <= PROJECTION_TOLERANCE * variance).all()):
-        return None
+    refuse = _bound(size, residual, truncation) * dinv > PROJECTION_TOLERANCE * variance
+    if bool(refuse.any()):
+        # where that cheap upper bound does not suffice, |eps_s| itself (one more product a
+        # run); on S1 the cheap bound holds everywhere (~1e-10 of the variances)
+        for start, end, u in plan.runs:
+            if not bool(refuse[start:end].any()):
+                continue
+            a, e = starts[u], ends[u]
+            x = X[start:end]
+            eps = x - (x @ Qt[a:e].T) @ Qt[a:e] if e > a else x
+            residual[start:end] = torch.linalg.vector_norm(eps, dim=1)
+        bound = _bound(size, residual, truncation)
+        if not bool((bound * dinv <= PROJECTION_TOLERANCE * variance).all()):
+            return None
     return variance
+
+
+def _bound(size: Tensor, residual: Tensor, truncation: float) -> Tensor:
+    """``tau |b_s|^2 + 2 |b_s| |eps_s| + |eps_s|^2`` (module docstring, "The projected
+    route") from ``size = |b_s|^2`` and ``residual = |eps_s|`` (or an upper bound of it)."""
+    norm = size.sqrt()
+    return truncation * size + (2.0 * norm + residual) * residual
 
 
 def _reduced_sqrt(logits: Tensor) -> Tensor:
