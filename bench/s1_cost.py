@@ -105,36 +105,39 @@ the 25 units' small operations one at a time (pivoted Cholesky, QR, the N, B and
 per-run loop). Batching those across units is the route left; it changes the float32 stds'
 last bits, so FedSI's figures would have to be re-checked within seed noise.
 
-Issue 41's fourth pass (284cdef, 6462f81, 0a73b76, bc58c1a, eee062a, 8347519): seeds 0-2 at
-eee062a, FedSI 40.4 / 39.5 / 41.2 CPU-s against FedBABU's 8.1 / 8.1 / 7.9, 5.0x (4.996x) / 4.9x
-/ 5.2x; at 8347519 (the rows), 40.3 / 41.1 / 39.1 against 7.9 / 8.2 / 7.9, 5.1x / 5.0x / 4.9x:
-the ratio sits at 5x, on either side of it from run to run (FedPop's, code unchanged, moved
-7.3-7.5x -> 7.4-7.9x between the two). What changed, each part timed inside a 30-round run of
-seed 0 (one thread, process time): the upload's variances 76.6 -> 67.1 CPU-ms a call in the run
-(the unit Grams by ``dsyrk`` from one contiguous row an entry, the kernel's identity diagonal
-blocks left unformed, one m_u x m_u Gram of ``chol^-1 B`` a unit instead of an (m, run) product
-an entry run, and no large temporaries allocated a unit: the call's minor page faults 3,000 ->
-207, its system time 5.3 -> 0.5 ms; the replayed calls, whose allocator is warm, had not shown
-the faults), the Jacobian factors gathered along contiguous rows of A^T (12 -> 6 ms); the
-per-round view's stacked heads with their logits transposed (torch's CPU softmax over the last
-axis of (rows, 10) is ~100 us, over a non-last axis ~7 us: 0.15 -> 0.10 CPU-s a round view); the
-local MAPs of the group trained together, each client's prior applied as its exact proximal step
-(0.27 -> 0.23 CPU-s a round), since 8347519 on each cache-sized slice right after its Adam
-update, reading that update's denominator (four passes instead of eight: 6.76 -> 6.12 CPU-s in
-the run); the personal state without the 3,925 x 3,925 GGN (rebuilt from the low-rank factors on
-demand: personalisation 3.0 -> 1.4 CPU-s). Where the run goes now (seed 0 at eee062a, 39.6 CPU-s
-in that run): the upload's variances 20.4 (68 ms x 300: of a replayed round-30 call the Jacobian
-factors ~5 ms, the unit Grams and their pivoted Cholesky ~9, QR ~3.5, N ~9, B and G ~6, the m x
-m Cholesky ~9 and chol^-1 B ~9, the per-entry loop ~8), the local MAPs 6.8 (a stacked step of
-the 10 clients ~9 ms: its batched products ~3.4, Adam's and the prior's elementwise passes over
-the 785,000 stacked weights ~5.5), the per-round view 4.4, the per-round predictions and the
-final predictive 2.4, the selection 2.2, the personalisation 1.4. Measured and not taken: the
-m-space kernel (N, B, G, its Cholesky and chol^-1 B) in float32, 44.7 -> 24.4 ms a replayed call
-with the variances within 9e-12 of float64's and no float32 std changed in 39,250, but no bound
-of its rounding we could prove stays under the projected route's 1e-9 tolerance (a worst-case
-bound is ~7e-9 on S1), and the design keeps heavy solves in float64; glibc's malloc kept from
-returning memory (``GLIBC_TUNABLES`` mmap and trim thresholds: a Laplace head fit 468 -> 438 ms,
-31,000 -> 0 page faults), a process setting, not the library's.
+Issue 41's fourth pass (284cdef, 6462f81, 0a73b76, bc58c1a, eee062a, 8347519, 53793ba): seeds
+0-2 at 53793ba (the rows), FedSI 38.7 / 37.7 / 37.9 CPU-s against FedBABU's 7.8 / 7.9 / 8.2,
+4.9x (4.96x) / 4.8x / 4.6x; the runs on the way, eee062a 5.0x (4.996x) / 4.9x / 5.2x and 8347519
+5.1x / 5.0x / 4.9x (FedPop's, its code unchanged, 7.2x-7.9x across the three: the machine moves
+these ratios by several percent). 53793ba bounds the projected route's residual from the norms
+it computes anyway (|x|^2 - |c|^2 plus its rounding), forming eps_s only where that bound does
+not suffice, and gives G, its factor and chol^-1 B the buffers of N and B: the upload 20.7 ->
+19.1 CPU-s in a run, its page faults 125,000 -> 33,000. What changed, each part timed inside a
+30-round run of seed 0 (one thread, process time): the upload's variances 76.6 -> 67.1 CPU-ms a
+call in the run (the unit Grams by ``dsyrk`` from one contiguous row an entry, the kernel's
+identity diagonal blocks left unformed, one m_u x m_u Gram of ``chol^-1 B`` a unit instead of an
+(m, run) product an entry run, and no large temporaries allocated a unit: the call's minor page
+faults 3,000 -> 207, its system time 5.3 -> 0.5 ms; the replayed calls, whose allocator is warm,
+had not shown the faults), the Jacobian factors gathered along contiguous rows of A^T (12 -> 6
+ms); the per-round view's stacked heads with their logits transposed (torch's CPU softmax over
+the last axis of (rows, 10) is ~100 us, over a non-last axis ~7 us: 0.15 -> 0.10 CPU-s a round
+view); the local MAPs of the group trained together, each client's prior applied as its exact
+proximal step (0.27 -> 0.23 CPU-s a round), since 8347519 on each cache-sized slice right after
+its Adam update, reading that update's denominator (four passes instead of eight: 6.76 -> 6.12
+CPU-s in the run); the personal state without the 3,925 x 3,925 GGN (rebuilt from the low-rank
+factors on demand: personalisation 3.0 -> 1.4 CPU-s). Where the run goes now (seed 0 at eee062a,
+39.6 CPU-s in that run): the upload's variances 20.4 (68 ms x 300: of a replayed round-30 call
+the Jacobian factors ~5 ms, the unit Grams and their pivoted Cholesky ~9, QR ~3.5, N ~9, B and G
+~6, the m x m Cholesky ~9 and chol^-1 B ~9, the per-entry loop ~8), the local MAPs 6.8 (a
+stacked step of the 10 clients ~9 ms: its batched products ~3.4, Adam's and the prior's
+elementwise passes over the 785,000 stacked weights ~5.5), the per-round view 4.4, the per-round
+predictions and the final predictive 2.4, the selection 2.2, the personalisation 1.4. Measured
+and not taken: the m-space kernel (N, B, G, its Cholesky and chol^-1 B) in float32, 44.7 -> 24.4
+ms a replayed call with the variances within 9e-12 of float64's and no float32 std changed in
+39,250, but no bound of its rounding we could prove stays under the projected route's 1e-9
+tolerance (a worst-case bound is ~7e-9 on S1), and the design keeps heavy solves in float64;
+glibc's malloc kept from returning memory (``GLIBC_TUNABLES`` mmap and trim thresholds: a
+Laplace head fit 468 -> 438 ms, 31,000 -> 0 page faults), a process setting, not the library's.
 
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
