@@ -1002,7 +1002,7 @@ class FedSI(Strategy):
         if subnet is None:
             terms = self.laplace(model, batches, variance, subnet).state_dict()
         elif lowrank:  # the GGN is rebuilt from the factors on demand (personal_posterior)
-            terms = self.subnet_prior_terms(model, subnet, variance, data.num_train)
+            terms = self.subnet_prior_terms(subnet, variance, data.num_train)
         else:  # the posterior's tensors; predict() factorises them once (personal_posterior)
             model.head.requires_grad_(False)
             structure = "diag" if self.posterior_kind == "subnet_diag" else "full"
@@ -1022,15 +1022,15 @@ class FedSI(Strategy):
                                    config.client_id)
 
     @staticmethod
-    def subnet_prior_terms(model: nn.Module, subnet: Tensor, variance: Tensor,
-                           n_data: int) -> dict[str, Tensor]:
+    def subnet_prior_terms(subnet: Tensor, variance: Tensor, n_data: int) -> dict[str, Tensor]:
         """`subnet_laplace_state`'s tensors but its GGN (and mean): the subnet, its prior
-        precision ``1 / variance`` and zero prior mean (float64, the body's device), the
+        precision ``1 / variance`` and zero prior mean (float64, on variance's device), the
         sample count. Kept beside the low-rank factors (`lowrank_terms`), from which
         `personal_posterior` rebuilds the GGN when the dense posterior is asked for (issue 41:
         the 3,925 x 3,925 GGN was ~0.15 CPU-s and 123 MB a client, for a posterior that the
         GLM-probit predictive never factorises)."""
-        indices = check_subnet_indices(subnet.to("cpu", torch.int64), body_vector(model).numel())
+        # |R| is the broadcast's length (`received` checked it against the body): no body copy
+        indices = check_subnet_indices(subnet.to("cpu", torch.int64), variance.numel())
         prior = variance.to(torch.float64).reciprocal()[indices.to(variance.device)]
         return {"subnet_indices": indices, "prior_precision": prior,
                 "prior_mean": torch.zeros_like(prior),
