@@ -50,7 +50,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from inference.curvature import expected_head_curvature
+from inference.curvature import expected_head_curvature, expected_softmax_hessian
 from inference.errors import InvalidInputError, NumericalError
 from inference.gaussian import cholesky_with_jitter
 from inference.head_objective import logit_covariance
@@ -468,8 +468,7 @@ def _mean_newton_direction(probs: Tensor, inputs: Tensor, prior_precision: float
     every direction at its own curvature.
     """
     num_classes, width = probs.shape[-1], inputs.shape[1]
-    block = (torch.diag_embed(probs.mean(0))
-             - torch.einsum("snc,snk->nck", probs, probs) / probs.shape[0])  # (N, C, C)
+    block = expected_softmax_hessian(probs)  # (N, C, C)
 
     def hessian_times(vector: Tensor) -> Tensor:
         logits = inputs @ vector.reshape(num_classes, width).T  # (N, C)

@@ -156,3 +156,22 @@ def test_a_head_too_large_for_the_gather_index_takes_the_block_row_path(monkeypa
     # as the product-path test: a few ulps of ~100
     torch.testing.assert_close(curvature, brute_force(probs, inputs), atol=1e-10, rtol=0)
     assert torch.equal(curvature, curvature.T)
+
+
+def test_the_expected_softmax_hessian_is_the_draws_mean_whatever_their_layout():
+    # the variational fit holds its draws as a (S, N, C) view of (S, C, N) memory: the result
+    # must be the definition there too, and the same bits as the contraction on the view
+    # itself (it runs on a contiguous copy only for speed; the fits' figures must not move)
+    gen = torch.Generator().manual_seed(3)
+    memory = torch.softmax(3 * torch.randn(16, 4, 9, generator=gen, dtype=F64), dim=1)
+    view = memory.transpose(1, 2)  # (S, N, C), not contiguous
+    assert not view.is_contiguous()
+    expected = torch.stack([
+        sum(torch.diag(p) - torch.outer(p, p) for p in view[:, n]) / view.shape[0]
+        for n in range(view.shape[1])])
+    # sums of 16 terms of size <= 1: a few ulps, far below 1e-12
+    torch.testing.assert_close(curvature_module.expected_softmax_hessian(view), expected,
+                               rtol=0, atol=1e-12)
+    on_the_view = (torch.diag_embed(view.mean(0))
+                   - torch.einsum("snc,snk->nck", view, view) / view.shape[0])
+    assert torch.equal(curvature_module.expected_softmax_hessian(view), on_the_view)
