@@ -213,7 +213,8 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
     does not drop, ``ρ`` halved otherwise, as in the joint iteration), and after each the mean
     re-optimised by Newton steps under that precision (`_Problem.best_mean`). Stops on
     the same rules: the mean's Newton step gains ≤ ``tol`` and the precision's next step is ≤
-    ``rtol``; or the draws' floor.
+    ``rtol``; or the draws' floor; or (`remaining_gain`) once what the precision steps left
+    could still gain, extrapolated from the last two accepted steps' gains, is ≤ ``tol``.
 
     Returns ``(μ, Λ − λI)`` of the Gaussian found: the mean is optimal for that precision, and
     its data part is ``E_q[H]`` to ``rtol`` at convergence. (Returning the next target
@@ -224,7 +225,10 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
     fixed = problem.fix_precision(precision, factor)
     state = problem.best_mean(problem.at_mean(mean, fixed), fixed, MEAN_TOL_SHARE * tol)
     rho, evaluations = damping, 0
+    gains: list[float] = []  # the ELBO gains of the accepted steps since the last rejection
     while True:
+        if state.decrement / 2 <= tol and remaining_gain(gains) <= tol:
+            return state.mean, _data_part(fixed.precision, lam)
         target = expected_head_curvature(state.probs, problem.inputs)
         target.diagonal().add_(lam)  # λI + E_q[H]
         change = _max_abs(target - fixed.precision) / _max_abs(fixed.precision)
@@ -242,8 +246,10 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
             candidate = problem.best_mean(problem.at_mean(state.mean, candidate_fixed),
                                           candidate_fixed, MEAN_TOL_SHARE * tol)
             if candidate.elbo >= state.elbo:
+                gains.append(candidate.elbo - state.elbo)
                 fixed, state, rho = candidate_fixed, candidate, min(damping, 2 * rho)
                 break
+            gains.clear()  # a shorter step follows: the geometric model starts again
             # No ascent left that the draws resolve (the fixed draws' ELBO and their E_q[H]
             # are two estimators whose optima differ by the Monte-Carlo error): a step as
             # short as the floor's, or a rejected one whose ELBO moved by at most ``tol``
@@ -258,6 +264,27 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
             if rho < FLOOR_RHO:
                 raise _not_converged(elbo_max_iter, state.decrement, change)
             rho /= 2
+
+
+def remaining_gain(gains: list[float]) -> float:
+    """What further precision steps could still add to the ELBO (nats), extrapolated from the
+    gains of the last two accepted steps, ``g₋₂`` and ``g₋₁``: ``g₋₁ r / (1 − r)`` with ``r =
+    g₋₁ / g₋₂``, the tail of a geometric series; ``inf`` without two gains or where they do not
+    shrink.
+
+    Why. The damped fixed-point steps converge linearly (each leaves about ``1 − ρ`` of the
+    precision's distance to its target, and the ELBO's gap shrinks by about the square of that),
+    so the gains form a geometric series once the steps are regular. On S1's ten client heads
+    the second step gained 0.08-0.2 of the first (1.9 then 0.16 nats, 1.1 then 0.14): what
+    was left was a few hundredths of a nat, under the fit's ``tol`` (0.125 nats at 250 rows),
+    and the one or two precision evaluations that followed (a factorisation, an inverse and the
+    logit covariances each) either gained that little or were rejected by the draws' floor.
+    Only steps of one run of acceptances count: a rejection halves ``ρ`` and restarts the
+    series (the caller clears ``gains``)."""
+    if len(gains) < 2 or not 0 < gains[-1] < gains[-2]:
+        return math.inf
+    ratio = gains[-1] / gains[-2]
+    return gains[-1] * ratio / (1 - ratio)
 
 
 def _data_part(precision: Tensor, prior_precision: float) -> Tensor:
