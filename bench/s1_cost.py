@@ -139,6 +139,13 @@ tolerance (a worst-case bound is ~7e-9 on S1), and the design keeps heavy solves
 glibc's malloc kept from returning memory (``GLIBC_TUNABLES`` mmap and trim thresholds: a
 Laplace head fit 468 -> 438 ms, 31,000 -> 0 page faults), a process setting, not the library's.
 
+FedPer + ``head=laplace`` (S1): the run is FedPer's plus one Laplace head fit a client at
+personalisation (``inference.fit_head("laplace")``: the evidence search, then the KL-optimal
+refinement). Issue 41's fifth pass (5763dcc, 15a9d1d; rows at 15a9d1d, seeds 0-2): 10.8 / 11.2
+/ 10.8 CPU-s against FedPer's 6.1 / 6.4 / 6.1, 1.8x at every seed (1.9x / 1.7x / 2.0x at
+4d81574): the ten heads, replayed, 5.27 -> 4.58 CPU-s, ~0.37 a head (the evidence search ~0.19,
+the refinement ~0.18; the breakdown in docs/results.md).
+
 FedPop (S1, a client round): Newton's mode of the head (``inference.laplace_head.find_mode``,
 the Laplace head's fit: 40-360 ms from a warm or cold start), the Laplace covariance factor
 (70 ms) and 110 preconditioned SGLD steps (190 ms before issue 41: each step read the
