@@ -83,6 +83,10 @@ LINKED = (*PACKAGES, "tests", "conftest.py", "pyproject.toml", "examples")  # ex
 # arguments (files, node ids, or options such as -m "not slow" as two items).
 _SPLITS = ["tests/bayesfl/strategies/averaging/test_layer_splits.py"]
 COVERING_TESTS: dict[str, list[str]] = {
+    # the fit's option errors are specified with fit_head's, in the scales file
+    "inference/variational_gaussian.py":
+        ["tests/inference/test_variational_gaussian.py",
+         "tests/inference/test_laplace_head_scales.py"],
     "inference/subnet/lowrank.py":
         ["tests/inference/subnet/test_subnet_lowrank.py",
          "tests/bayesfl/strategies/fedsi/test_fedsi_lowrank.py"],

@@ -142,15 +142,18 @@ def test_the_default_head_fits_digits_of_every_scale_and_size(scale, size, struc
     assert_fits_and_predicts(scale, size, structure)  # the defaults: λ by evidence, variational
 
 
+@pytest.mark.parametrize("structure", ["diag", "full"])
 @pytest.mark.parametrize("options", [dict(elbo_max_iter=1), dict(max_iter=1)])
-def test_a_solver_that_runs_out_names_an_option_of_the_call_that_reaches_it(options):
+def test_a_solver_that_runs_out_names_an_option_of_the_call_that_reaches_it(options, structure):
     from inference.errors import NumericalError
     from inference.factory import fitting_function, option_names
 
     x, y = digits_inputs("pixels16")
     with pytest.raises(NumericalError, match="raise ") as raised:
-        fit_head("laplace", x[:100], y[:100], 10, structure="diag", prior_precision=1.0,
+        fit_head("laplace", x[:100], y[:100], 10, structure=structure, prior_precision=1.0,
                  **options)
+    if "elbo_max_iter" in options:  # the budget it ran out of, as given
+        assert "in 1 ELBO evaluations" in str(raised.value)
     named = str(raised.value).split("raise ", 1)[1].split()[0].strip(",")
     assert named == next(iter(options))  # the option that ran out, by its own name
     assert named in option_names(fitting_function("laplace"))
