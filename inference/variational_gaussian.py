@@ -111,7 +111,9 @@ def variational_gaussian(
             most ``tol`` and the precision has converged (``rtol``); or when no step of
             ``ρ`` down to `FLOOR_RHO` raises the ELBO while that gain is below 1 nat (the
             Monte-Carlo floor of the fixed draws: the expectations carry an error of order
-            ``1 / sqrt(num_draws)`` per point). Default (``None``): `default_tolerances`.
+            ``1 / sqrt(num_draws)`` per point); a full fit also stops, with that gain at most
+            ``tol``, once its precision steps' extrapolated remaining gain is at most ``tol``
+            (`remaining_gain`). Default (``None``): `default_tolerances`.
         rtol: the precision has converged when the next one differs from the current by at
             most ``rtol`` (largest entry change over largest entry). Default: as ``tol``.
         seed: seed of the fixed draws.
@@ -217,7 +219,9 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
     could still gain, extrapolated from the last two accepted steps' gains, is ≤ ``tol``.
 
     Returns ``(μ, Λ − λI)`` of the Gaussian found: the mean is optimal for that precision, and
-    its data part is ``E_q[H]`` to ``rtol`` at convergence. (Returning the next target
+    its data part is ``E_q[H]`` to ``rtol`` where the precision's test ends the fit (the other
+    two rules end it with the remaining ELBO gain, not the precision's distance to its
+    target, below what the draws resolve). (Returning the next target
     ``E_q[H]`` instead paired the mean with a precision it is not optimal for; where the draws'
     floor ends a wide fit early — digits standardized, 400-1,200 points — the mean's gain
     under fresh draws was then 2-3x the Monte-Carlo share the tests allow.)"""
