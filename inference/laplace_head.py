@@ -65,7 +65,12 @@ from inference.variational_gaussian import (
 #: maximiser at λ ≈ 1-10 (S1: 5.5-9.3), and starting at 3 rather than at 1 (the middle of the
 #: default bounds) saved 5-9 of 22-28 Newton iterations (the cold mode at 1 takes 9; issue 41).
 SEARCH_START = 3.0
-#: Above this many parameters the default solver is L-BFGS (Newton needs a d×d solve per step).
+#: Above this many parameters a Gaussian likelihood's default solver is L-BFGS (its Newton
+#: factorises a d×d matrix per step). A softmax head's Newton is matrix-free (`newton_cg`) and
+#: its default at every size: above this size L-BFGS's default took 6x longer to the same mode
+#: (4,010 parameters, 1,500 rows of ReLU features) and, on the 5,130-parameter head of 3,000
+#: MNIST rows of bench/laplace_head_speed.py at λ = 1, stopped at a gradient of 1.1e-5 after
+#: 500 iterations, short of its 1e-10 test (issue 41).
 NEWTON_MAX_PARAMETERS = 3000
 
 
@@ -133,9 +138,9 @@ def find_mode(
     """Mode of the log posterior as a flat float64 ``(C (m + 1),)`` vector.
 
     ``inputs`` are bias-augmented features ``(N, m + 1)`` (float64), ``targets`` int64 labels
-    ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton up to
-    `NEWTON_MAX_PARAMETERS` parameters, L-BFGS above; a softmax head's Newton solves its
-    steps matrix-free (`newton_cg`, no factorisation), and
+    ``(N,)`` (or float64 reals, gaussian). ``solver`` defaults to Newton (a Gaussian
+    likelihood's up to `NEWTON_MAX_PARAMETERS` parameters, L-BFGS above); a softmax head's
+    Newton solves its steps matrix-free (`newton_cg`, no factorisation), and
     factorises only if that has not converged in ``max_iter`` steps. ``max_iter`` bounds Newton's
     iterations (L-BFGS gets at least 500 function evaluations); ``tol`` is Newton's stopping
     threshold on half the squared Newton decrement, in nats. ``start`` (a flat ``(d,)`` vector,
@@ -149,8 +154,10 @@ def find_mode(
     if max_iter < 1:
         raise InvalidInputError(f"max_iter must be at least 1; got {max_iter}.")
     d = num_outputs * inputs.shape[1]
-    solver = MapSolver.parse(solver or ("newton" if d <= NEWTON_MAX_PARAMETERS else "lbfgs"),
-                             "solver")
+    matrix_free = likelihood is Likelihood.SOFTMAX
+    solver = MapSolver.parse(
+        solver or ("newton" if matrix_free or d <= NEWTON_MAX_PARAMETERS else "lbfgs"),
+        "solver")
     if start is None and isinstance(prior_mean, Tensor):
         start = prior_mean.to(device=inputs.device, dtype=torch.float64).reshape(-1).clone()
     elif start is None:
@@ -242,7 +249,8 @@ def fit_laplace_head(
         structure: ``"full"``, ``"diag"`` or ``"lowrank"`` (top-``rank`` eigenpairs + diagonal);
             the evidence maximised is that of this structure's own precision.
         rank: ``r ≥ 1`` of the low-rank structure (capped at ``d = C (m + 1)``).
-        solver: ``"newton"`` or ``"lbfgs"`` for the mode (default by size).
+        solver: ``"newton"`` or ``"lbfgs"`` for the mode (default: Newton; a Gaussian
+            likelihood's L-BFGS above `NEWTON_MAX_PARAMETERS`, see `find_mode`).
         likelihood: ``"softmax"`` (classification) or ``"gaussian"`` (regression).
         noise_std: observation noise ``σ > 0`` of the Gaussian likelihood.
         max_iter: Newton iterations at most of every mode (see `find_mode`).

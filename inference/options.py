@@ -108,8 +108,10 @@ class Likelihood(Option):
 class MapSolver(Option):
     """Optimiser for the Laplace head's mode.
 
-    ``newton``: damped Newton with the exact Hessian (float64; best up to a few thousand
-    parameters). ``lbfgs``: L-BFGS with strong-Wolfe line search (needs only gradients).
+    ``newton``: damped Newton with the exact Hessian (float64; a softmax head solves its steps
+    matrix-free by conjugate gradients, at any size; a Gaussian likelihood factorises, best up
+    to a few thousand parameters). ``lbfgs``: L-BFGS with strong-Wolfe line search (needs only
+    gradients).
     """
 
     NEWTON = "newton"

@@ -145,3 +145,28 @@ def test_the_fit_chooses_the_same_prior_and_posterior_with_and_without_newton_cg
     # the predictive moves with λ (9e-5 relative, measured) and the mode (1e-6): below 1e-4
     torch.testing.assert_close(fast.predict_proba(test_features),
                                slow.predict_proba(test_features), atol=1e-4, rtol=0)
+
+
+def test_a_softmax_head_of_any_size_defaults_to_matrix_free_newton(monkeypatch):
+    """Above `NEWTON_MAX_PARAMETERS` a softmax head's default solver is still Newton-CG (it
+    factorises nothing, so its cost does not grow with d³): L-BFGS is not called, and the mode
+    it returns is stationary. A Gaussian likelihood above that size keeps L-BFGS (its Newton
+    factorises a d x d matrix per step)."""
+    called = []
+    monkeypatch.setattr(laplace_head, "NEWTON_MAX_PARAMETERS", 20)  # a small head counts as big
+    original = laplace_head._lbfgs
+    monkeypatch.setattr(laplace_head, "_lbfgs", lambda *args: called.append(1) or original(*args))
+    features, labels = relu_data()
+    inputs = augment_with_bias(features)  # 4 classes x 9 = 36 > 20 parameters
+    mode = find_mode(inputs, labels, 4, 1.0)
+    assert not called
+    theta = mode.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(negative_log_posterior(
+        theta, inputs, labels, 4, 1.0, 0.0, Likelihood.SOFTMAX, 1.0), theta)
+    # the decrement test (1e-12 nats) leaves a gradient of ~sqrt(2e-12 · curvature) at most
+    assert float(grad.abs().max()) < 1e-5
+    targets = features[:, 0].clone()
+    find_mode(inputs, targets, 1, 1.0, likelihood="gaussian")  # 9 parameters: Newton
+    assert not called
+    find_mode(torch.cat([inputs] * 3, 1), targets, 1, 1.0, likelihood="gaussian")  # 27 > 20
+    assert called
