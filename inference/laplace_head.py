@@ -31,7 +31,13 @@ import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError, NumericalError
-from inference.gaussian import FullPrecision, GaussianPosterior, GaussianTerm, cholesky_with_jitter
+from inference.gaussian import (
+    FullPrecision,
+    GaussianPosterior,
+    GaussianTerm,
+    cholesky_with_jitter,
+    solve_with_factor,
+)
 from inference.head_objective import (
     likelihood_hessian,
     likelihood_hessian_diagonal,
@@ -89,7 +95,7 @@ def _newton(objective, hessian_fn, start: Tensor, prior_precision: float, max_it
         (grad,) = torch.autograd.grad(value, theta_req)
         precision = hessian_fn(theta) + prior_precision * torch.eye(
             theta.shape[0], dtype=theta.dtype, device=theta.device)
-        step = torch.cholesky_solve(-grad[:, None], cholesky_with_jitter(precision))[:, 0]
+        step = solve_with_factor(cholesky_with_jitter(precision), -grad[:, None])[:, 0]
         decrement = float(-(grad @ step))  # Newton decrement², ≥ 0
         if decrement / 2 <= tol:  # in the quadratic regime: one last full step
             return theta + step

@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 
 from inference.errors import NumericalError
+from inference.gaussian import solve_with_factor
 from inference.head_objective import (
     laplace_precision,
     logit_covariance,
@@ -178,7 +179,7 @@ class EvidenceSearch:
         (grad,) = torch.autograd.grad(value, theta_req)
         precision, chol = laplace_precision(theta, self.inputs, self.num_classes,
                                             prior_precision, self.likelihood, self.noise_std)
-        step = torch.cholesky_solve(-grad[:, None], chol)[:, 0]
+        step = solve_with_factor(chol, -grad[:, None])[:, 0]
         return step, chol, float(-(grad @ step)) / 2, precision
 
     def _damped(self, theta: Tensor, step: Tensor, decrement: float,

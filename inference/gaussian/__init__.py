@@ -31,7 +31,7 @@ per-class covariance blocks.
 """
 
 from inference.gaussian.aggregation import average, combine
-from inference.gaussian.cholesky import JITTER_SCHEDULE, cholesky_with_jitter
+from inference.gaussian.cholesky import JITTER_SCHEDULE, cholesky_with_jitter, solve_with_factor
 from inference.gaussian.diagonal import DiagonalPrecision
 from inference.gaussian.full import FullPrecision
 from inference.gaussian.low_rank import LowRankPrecision
@@ -52,4 +52,5 @@ __all__ = [
     "combine",
     "gaussian_prior",
     "precision_class",
+    "solve_with_factor",
 ]

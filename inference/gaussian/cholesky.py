@@ -51,4 +51,16 @@ def cholesky_with_jitter(matrix: Tensor, what: str = "precision",
     )
 
 
-__all__ = ["JITTER_SCHEDULE", "cholesky_with_jitter"]
+def solve_with_factor(factor: Tensor, rhs: Tensor) -> Tensor:
+    """``(L Lᵀ)⁻¹ rhs`` for a lower Cholesky factor ``L`` ``(d, d)`` and ``rhs`` ``(d, k)``: two
+    triangular solves on the factor as it is.
+
+    Why not ``torch.cholesky_solve``: it first copies the factor into column-major order (a
+    ``d²`` pass and, at ``d = 1,010``, an 8 MB allocation whose pages fault in anew each
+    call), which made one right-hand side 1.23 ms where the two solves take 0.38 (the same
+    bits on this machine; issue 41)."""
+    lower = torch.linalg.solve_triangular(factor, rhs, upper=False)
+    return torch.linalg.solve_triangular(factor.mT, lower, upper=True)
+
+
+__all__ = ["JITTER_SCHEDULE", "cholesky_with_jitter", "solve_with_factor"]

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from inference.gaussian.cholesky import cholesky_with_jitter
+from inference.gaussian.cholesky import cholesky_with_jitter, solve_with_factor
 from inference.gaussian.precision import Precision, columns
 from inference.options import CovarianceStructure
 
@@ -73,7 +73,7 @@ class FullPrecision(Precision):
 
     def solve(self, rhs: Tensor) -> Tensor:
         b, column = columns(rhs)
-        x = torch.cholesky_solve(b, self._chol)
+        x = solve_with_factor(self._chol, b)
         return x[:, 0] if column else x
 
     def logdet(self) -> Tensor:
