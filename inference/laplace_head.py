@@ -227,9 +227,9 @@ def fit_laplace_head(
 
     * ``"marglik"`` maximises the Laplace log evidence (`log_marginal_likelihood`) over
       ``log λ`` in ``prior_precision_bounds``: with a full covariance, the secant method on
-      the evidence's exact slope from ``λ = 3`` (``EvidenceSearch.search_secant`` in
-      `inference.laplace_marglik`: 3-5 refits with a slope and a last mode, to ~1e-3 relative
-      in ``λ``); with a
+      a residual with the root of the evidence's exact slope, from ``λ = 3``
+      (``EvidenceSearch.search_secant`` in `inference.laplace_marglik`: 3-4 refits with a
+      slope, to ~1e-2 relative in ``λ``, ``LAMBDA_RTOL``); with a
       diagonal or low-rank one, a grid of one point a decade, then bounded Brent to 1e-6 in
       ``log λ`` (`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that
@@ -436,7 +436,8 @@ class _LaplaceFit:
             # without a curvature and a factorisation more (issue 41)
             self.last_laplace = None
             return self.variational(self._searched[1], searched.precision, searched.chol,
-                                    prior_precision, self.num_draws, self.seed)
+                                    prior_precision, self.num_draws, self.seed,
+                                    searched.covariance, searched.logit_covariance)
         laplace = self.posterior(prior_precision)
         self.last_laplace = laplace
         if self.approximation is GaussianApproximation.LAPLACE:
@@ -452,16 +453,20 @@ class _LaplaceFit:
                                 prior_precision, self.num_draws, self.seed)
 
     def variational(self, mode: Tensor, start: Tensor, factor: Tensor | None,
-                    prior_precision: float, num_draws: int, seed: int) -> GaussianPosterior:
+                    prior_precision: float, num_draws: int, seed: int,
+                    covariance: Tensor | None = None,
+                    logit_covariance: Tensor | None = None) -> GaussianPosterior:
         """The KL-optimal Gaussian at ``prior_precision``, started from the Laplace one:
         ``mode``, its precision ``start`` (``(d, d)``, or ``(d,)`` for a diagonal structure)
-        and, for a full one, its lower Cholesky factor ``factor`` (or None)."""
+        and, for a full one, its lower Cholesky factor ``factor``, its inverse ``covariance``
+        and the training points' logit covariances under it (each None where not at hand)."""
         diagonal = self.structure is CovarianceStructure.DIAG
         mean, curvature = variational_gaussian(
             mode, start, self.inputs, self.targets,
             self.num_classes, prior_precision, self.prior_mean, diagonal=diagonal,
             num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed,
-            start_factor=factor)
+            start_factor=factor, start_covariance=covariance,
+            start_logit_covariance=logit_covariance)
         return gaussian_head_posterior(mean, curvature, self.inputs.shape, self.num_classes,
                                        prior_precision, self.prior_mean, self.structure,
                                        self.rank)

@@ -21,12 +21,14 @@ constant ``H`` and no third term. (Dropping it gives MacKay's fixed point ``λ =
 which is near but not at the maximiser; keeping it makes the search land on the same ``λ`` as a
 fine search of ``E``, which the tests check.)
 
-The default search (`EvidenceSearch.search_secant`, issue 41): the secant method on the
-exact slope in ``t = log λ``, which is close to linear in ``t``; refits at a loose mode while the
-steps are long; bracketed, Brent's inverse quadratic step; it stops when its next proposal's
-error is estimated below `LAMBDA_RTOL` (relative). At the S1 size it took 4-6 refits and
-16-20 Newton iterations in all before that quadratic step saved one refit, against 10-12
-refits and 33-44 iterations of the search below, which remains its fallback. A softmax
+The default search (`EvidenceSearch.search_secant`, issue 41): the secant method on a
+residual whose root is the slope's (a softmax head's: MacKay's update of ``t = log λ`` minus
+``t``, close to linear in ``t``; a Gaussian likelihood's: the exact slope); bracketed, Brent's
+inverse quadratic step; a softmax head's search returns the last refitted point once the step
+to its next proposal is below `LAMBDA_RTOL` (relative), a Gaussian likelihood's refits at
+the proposal once that proposal's error is estimated below `EXACT_LAMBDA_RTOL`. At the S1 size
+it takes 3-4 refits (4-6 on the slope's secant with a last refit at the proposal), against
+10-12 refits and 33-44 Newton iterations of the search below, which remains its fallback. A softmax
 head's refits find the mode by matrix-free Newton-CG (`newton_cg`: curvature-vector
 products, a Kronecker preconditioner), and one exact Newton step then confirms it with the
 factorisation the evidence needs: one factorisation and one curvature per refit (6 and 6 at the
@@ -48,6 +50,7 @@ remains the search of the diagonal and low-rank structures, and the fallback her
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -82,25 +85,26 @@ MAX_STEP = 2.0
 #: Half the squared Newton decrement below which Newton takes full steps (nats; the quadratic
 #: regime).
 NEAR_MODE = 1e-4
-#: `EvidenceSearch.search_secant` ends when its estimate of its next proposal's error is below
-#: this (relative in λ) and returns that proposal's λ: the estimate is the step (the secant
-#: converges superlinearly) or, once three slopes bracket the root, the gap between the
-#: secant's root and the inverse quadratic interpolant's, which it returns; that gap
-#: overestimates the interpolant's error about tenfold, so the λ returned lies within ~1e-3
-#: (relative) of the maximiser (the 250-3,000-row bench heads: 2e-4-1.1e-3), one refit fewer
-#: than stopping on the secant's step alone (issue 41; that stop was within 1e-4). Were it a
-#: full 1e-2 off, it would lose ½ |d²E/d(log λ)²| · 1e-4 ≈ 5e-4 nats of evidence on S1-sized
-#: heads (d²E/d(log λ)² ~ 10), and move the held-out NLL of the default head by < 0.05% (S1 bench
-#: head: ±5% in λ moves it ±0.2%).
+#: A softmax head's `EvidenceSearch.search_secant` returns its last refitted point once the
+#: step to its next proposal, which estimates that point's error (the secant converges
+#: superlinearly), is below this (relative in λ); failing that, once the next proposal's own
+#: error is estimated below it (the step, or bracketed the gap between the secant's root and
+#: the inverse quadratic interpolant's), it refits there and returns that. The λ returned is
+#: within ~1e-2 of the maximiser (S1's ten heads: 0-0.6% from the former search's ~1e-3;
+#: the 250-3,000-row bench heads 0.04-0.5%), without the last refit and with the point's
+#: inverse and logit covariances handed on to the KL-optimal Gaussian (issue 41: S1's ten heads
+#: 4.15 -> 3.72 CPU-s). A full 1e-2 off loses ½ |d²E/d(log λ)²| · 1e-4 ≈ 5e-4 nats of evidence
+#: on S1-sized heads (d²E/d(log λ)² ~ 10; the evidence's own width in log λ is ~0.3) and moves
+#: the held-out NLL of the default head by < 0.05% (bench heads: ≤ 2e-4 relative, measured).
 LAMBDA_RTOL = 1e-2
 #: The same for a Gaussian likelihood, whose evidence is exact and refits cheap (no curvature
 #: changes with the mode): the maximiser of the closed-form evidence to ~1e-6 in log λ.
 EXACT_LAMBDA_RTOL = 1e-3
 #: Mode refits at most of `EvidenceSearch.search_secant`.
 MAX_REFITS = 12
-#: Half the squared Newton decrement (nats) of the refits of
+#: Half the squared Newton decrement (nats) of a Gaussian likelihood's refits in
 #: `EvidenceSearch.search_secant` while its steps are long (it tightens with the step, to
-#: `MODE_TOL` at the point it returns).
+#: `MODE_TOL` at the point it returns; a softmax head's refits all reach `MODE_TOL`).
 LOOSE_MODE_TOL = 1e-3
 #: The first step of `EvidenceSearch.search_secant` (uphill), e-folds of λ.
 FIRST_STEP = 1.0
@@ -124,6 +128,7 @@ class _Point:
     evidence: float       # E(λ), nats
     slope: float          # dE/dt, t = log λ
     mackay: float         # log of MacKay's fixed-point update of λ from this point
+    logit_covariance: Tensor | None = None  # (N, C, C) under Σ (softmax, with a slope)
 
 
 @dataclass
@@ -136,6 +141,11 @@ class LastPrecision:
     prior_precision: float
     precision: Tensor
     chol: Tensor
+    # where the search ended on a point with a slope: its Σ = (λI + H)⁻¹ and every training
+    # point's logit covariance under it, (N, C, C): the KL-optimal Gaussian's first precision
+    # then costs no inverse and no logit covariances either
+    covariance: Tensor | None = None
+    logit_covariance: Tensor | None = None
 
 
 class EvidenceSearch:
@@ -210,19 +220,22 @@ class EvidenceSearch:
             return _Point(log_precision, mode, chol, evidence, math.nan, math.nan)
         covariance = torch.cholesky_inverse(chol)
         direction = -(covariance @ centred)  # W' = dW/dλ
-        third = self._third_order(mode, covariance, direction)
+        third, logit_cov = self._third_order(mode, covariance, direction)
         trace = float(covariance.diagonal().sum())
         slope_lam = 0.5 * (d / lam - sq_norm - trace - third)
         # the λ at which the slope would vanish with γ = d − λ tr Σ − λ T held: MacKay's update
         effective = d - lam * trace - lam * third
         mackay = (math.log(max(effective, 1e-12 * d) / sq_norm) if sq_norm > 0
                   else log_precision + MAX_STEP)
-        return _Point(log_precision, mode, covariance, evidence, lam * slope_lam, mackay)
+        return _Point(log_precision, mode, covariance, evidence, lam * slope_lam, mackay,
+                      logit_cov)
 
-    def _third_order(self, mode: Tensor, covariance: Tensor, direction: Tensor) -> float:
-        """``tr(Σ DH[v])`` for ``v = direction`` (0 for a Gaussian likelihood)."""
+    def _third_order(self, mode: Tensor, covariance: Tensor, direction: Tensor
+                     ) -> tuple[float, Tensor | None]:
+        """``tr(Σ DH[v])`` for ``v = direction`` (0 for a Gaussian likelihood), and the logit
+        covariances ``(N, C, C)`` under ``Σ`` it took (None for a Gaussian likelihood)."""
         if self.likelihood is Likelihood.GAUSSIAN:
-            return 0.0
+            return 0.0, None
         c, width = self.num_classes, self.inputs.shape[1]
         x = self.inputs
         probs = torch.softmax(x @ mode.reshape(c, width).T, dim=-1)  # (N, C)
@@ -231,7 +244,7 @@ class EvidenceSearch:
         logit_cov = logit_covariance(covariance, x, c)  # S_n[c, k] = x_nᵀ Σ_ck x_n, (N, C, C)
         diagonal = (dp * logit_cov.diagonal(dim1=1, dim2=2)).sum()
         cross = (dp * torch.einsum("nck,nk->nc", logit_cov, probs)).sum()
-        return float(diagonal - 2.0 * cross)
+        return float(diagonal - 2.0 * cross), logit_cov
 
     # -- the search ---------------------------------------------------------------------------
 
@@ -342,23 +355,28 @@ class EvidenceSearch:
                       rtol: float | None = None, max_refits: int = MAX_REFITS,
                       ) -> tuple[HyperparameterChoice, Tensor]:
         """The maximiser of ``E`` over ``log λ`` in ``bounds``, and the mode there, by the
-        secant method on the exact slope of the refitted evidence.
+        secant method on a residual whose root is that of the exact slope of the refitted
+        evidence.
 
-        The slope ``dE/d(log λ)`` (third-order term included, `_point`) is close to linear
-        in ``log λ`` on a softmax head (S1-sized features: 5.6, 3.7, 0.6, −6.4 at ``log λ`` =
-        0, 1, 2, 3), so the secant through the last two refitted points lands within a few
-        percent of the root: 4-6 refits, against 10-12 for `search`, whose steps are
-        held to twice MacKay's (which converges linearly). The first step is
+        The slope ``dE/d(log λ) = ½ (γ − λ ‖W − μ₀‖²)`` (third-order term included in ``γ``,
+        `_point`) bends on a softmax head; ``r = log(γ / ‖W − μ₀‖²) − log λ``, MacKay's
+        update minus ``log λ``, has the slope's sign and is close to linear in ``log λ``
+        (S1's heads), so the secant of ``r`` through the last two refitted points lands within
+        ~1% of the root: 3-4 refits, against 10-12 for `search`, whose steps are
+        held to twice MacKay's (which converges linearly). A Gaussian likelihood's residual
+        is the slope itself. The first step is
         `FIRST_STEP` e-folds uphill; a secant step that leaves the bracket of the root
         is replaced by bisection, or by the unvisited bound it points past. Each refit is
         Newton warm-started from the first-order prediction ``W − Σ (W − μ₀) Δλ``. Once
-        three slopes bracket the root, the step goes to the root of their inverse quadratic
-        interpolant (Brent's step) where it lies inside the bracket. The search ends when the
-        next proposal's error is estimated below ``rtol`` (relative; see `LAMBDA_RTOL`): it
-        returns that proposal's ``λ`` and the mode there (one more refit, no slope). While the
-        steps are long the refits stop at a looser mode (`LOOSE_MODE_TOL`, tightening
-        as the steps shrink): the slope there only has to point the next step; the mode
-        returned is to `MODE_TOL`.
+        three points bracket the root, the step goes to the root of their residuals' inverse
+        quadratic interpolant (Brent's step) where it lies inside the bracket. A softmax
+        head's search ends at the last refitted point once the step to the next proposal is
+        below ``rtol`` (relative; see `LAMBDA_RTOL`); otherwise, once the next proposal's
+        error is estimated below ``rtol``, it returns that proposal's ``λ`` and the mode there
+        (one more refit, no slope). A softmax head's refits all reach `MODE_TOL`; a Gaussian
+        likelihood's stop at a looser mode while the steps are long (`LOOSE_MODE_TOL`,
+        tightening as the steps shrink): the slope there only has to point the next step; the
+        mode returned is to `MODE_TOL`.
 
         (Why not one eigendecomposition and the evidence at fixed curvature, ``O(d)`` per
         ``λ``: on S1-sized heads the third-order term, how the curvature moves with the mode,
@@ -380,16 +398,23 @@ class EvidenceSearch:
         left_seen = right_seen = False
         theta = start.clone()
         history: list[tuple[float, float]] = []
-        slopes: list[tuple[float, float]] = []  # (log λ, slope) of every refit with a slope
+        # (log λ, r) of every refit with a slope: a softmax head's r is MacKay's update of
+        # log λ minus log λ (see below); a Gaussian likelihood's the slope itself, whose
+        # secant lands on its exact evidence's maximiser to ~1e-6 in log λ
+        softmax = self.likelihood is Likelihood.SOFTMAX
+        residuals: list[tuple[float, float]] = []
         previous: _Point | None = None
-        loose = LOOSE_MODE_TOL
+        # a softmax head's refits go to MODE_TOL (Newton-CG does anyway, and a loose mode's
+        # slope can have the wrong sign near the maximiser, which shuts the bracket on the
+        # wrong side); a Gaussian likelihood's stop at a looser one while the steps are long
+        loose = MODE_TOL if softmax else LOOSE_MODE_TOL
         for _ in range(max_refits):
             lam = math.exp(t)
             mode, _, chol = self._mode(theta, lam, loose,
                                        None if previous is None else previous.covariance)
             point = self._point(t, mode, chol)
             history.append((lam, point.evidence))
-            slopes.append((t, point.slope))
+            residuals.append((t, point.mackay - t if softmax else point.slope))
             at_bound = self._at_bound(point, lo, hi)
             if at_bound is not None:
                 return self._choice(point, bounds, at_bound, history), mode
@@ -399,8 +424,14 @@ class EvidenceSearch:
                 right, right_seen = t, True
             step = math.copysign(FIRST_STEP, point.slope)
             if previous is not None:
-                curvature = (point.slope - previous.slope) / (t - previous.log_precision)
-                step = (-point.slope / curvature if curvature < 0
+                # the secant of the residual r = log(γ / ‖W − μ₀‖²) − log λ, whose root is the
+                # slope's (slope = ½ (γ − λ ‖W − μ₀‖²): the same sign). On S1's heads r is
+                # linear in log λ to a few percent where the slope bends (dr/dt −0.54 to −0.48
+                # over λ = 3-15, the slope's derivative −0.7 to −1.7): from λ = 3 and 8.2 the
+                # secant of r lands within 0.3-1.2% of the maximiser, the slope's within 4-8%
+                (t0, r0), (t1, r1) = residuals[-2:]
+                curvature = (r1 - r0) / (t1 - t0)
+                step = (-r1 / curvature if curvature < 0
                         else math.copysign(MAX_STEP, point.slope))
             proposal = t + min(max(step, -MAX_STEP), MAX_STEP)
             secant = proposal if left < proposal < right else None
@@ -411,16 +442,23 @@ class EvidenceSearch:
                     proposal = left
                 else:
                     proposal = 0.5 * (left + right)
-            # how far the proposal may be from the root: the step (the secant converges
-            # superlinearly, so its next proposal is nearer the root than the step is long) ...
+            if softmax and abs(proposal - t) <= tol:
+                # this point is within tol of the root (the secant converges superlinearly:
+                # the step to its next proposal estimates this point's error), and its mode
+                # is to MODE_TOL: it is the answer, with no refit more (issue 41)
+                self.last_precision = dataclasses.replace(
+                    self.last_precision, covariance=point.covariance,
+                    logit_covariance=point.logit_covariance)
+                return self._choice(point, bounds, None, history), mode
+            # how far the proposal may be from the root: the step ...
             error = abs(proposal - t)
-            if left_seen and right_seen and len(slopes) >= 3:
-                # ... or, bracketed, the root of the slope's interpolant through the last three
-                # points (Brent's inverse quadratic step) inside the bracket, whose distance from
-                # the secant's root estimates the secant's error: the interpolant's own is
-                # smaller (bench features: 1e-4-1e-3 in log λ where the two differ by
-                # 1e-3-1e-2); without a secant root in the bracket, the interpolant's own step
-                quadratic = _inverse_quadratic_root(slopes[-3:])
+            if left_seen and right_seen and len(residuals) >= 3:
+                # ... or, bracketed, the root of the residual's interpolant through the last
+                # three points (Brent's inverse quadratic step) inside the bracket, whose
+                # distance from the secant's root estimates the secant's error: the
+                # interpolant's own is smaller; without a secant root in the bracket, the
+                # interpolant's own step
+                quadratic = _inverse_quadratic_root(residuals[-3:])
                 if quadratic is not None and left < quadratic < right:
                     error = (min(error, abs(quadratic - secant)) if secant is not None
                              else abs(quadratic - t))
@@ -437,7 +475,8 @@ class EvidenceSearch:
                 return self._choice(point, bounds, None, history), mode
             # the mode's accuracy follows the step: a slope error of ~sqrt(tol) nats matters
             # only once the step is as small
-            loose = min(LOOSE_MODE_TOL, max(MODE_TOL, 1e-4 * (proposal - t) ** 4))
+            if not softmax:
+                loose = min(LOOSE_MODE_TOL, max(MODE_TOL, 1e-4 * (proposal - t) ** 4))
             previous, t = point, proposal
         raise NumericalError(
             f"the secant evidence search did not converge in {max_refits} refits.")

@@ -82,6 +82,8 @@ def variational_gaussian(
     rtol: float | None = None,
     seed: int = 0,
     start_factor: Tensor | None = None,
+    start_covariance: Tensor | None = None,
+    start_logit_covariance: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Mean and expected likelihood curvature of the KL-optimal Gaussian (module docstring).
 
@@ -121,6 +123,12 @@ def variational_gaussian(
             caller has it (the Laplace posterior caches it for its evidence): the first ELBO
             evaluation then factorises nothing. ``laplace_precision`` must then be exactly
             symmetric, as the factor was computed from it.
+        start_covariance: with ``start_factor``, its ``cholesky_inverse`` ``Σ (d, d)`` where
+            the caller has it (the evidence search's last slope), and
+        start_logit_covariance: every training point's logit covariance under that ``Σ``,
+            ``(N, C, C)`` (`inference.head_objective.logit_covariance`): the first ELBO
+            evaluation then takes no inverse and no logit covariances either. Each must be what
+            this function would compute from ``start_factor`` (the result is then the same).
 
     Returns:
         ``(mean (d,), expected_curvature)``: the likelihood precision of the variational
@@ -143,8 +151,9 @@ def variational_gaussian(
     if not diagonal:
         start = laplace_precision.clone() if start_factor is not None else 0.5 * (
             laplace_precision + laplace_precision.T)
-        return _full_gaussian(problem, mode.clone(), start, start_factor, damping,
-                              elbo_max_iter, tol, rtol)
+        first = problem.fix_precision(start, start_factor, start_covariance,
+                                      start_logit_covariance)
+        return _full_gaussian(problem, mode.clone(), first, damping, elbo_max_iter, tol, rtol)
     # a diagonal (mean-field) precision: the joint damped steps of the module docstring
     state = problem.evaluate(mode.clone(), laplace_precision.clone())
     rho = damping
@@ -207,9 +216,8 @@ class _Mean:
         self.decrement = math.inf
 
 
-def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
-                   factor: Tensor | None, damping: float, elbo_max_iter: int, tol: float,
-                   rtol: float) -> tuple[Tensor, Tensor]:
+def _full_gaussian(problem: _Problem, mean: Tensor, fixed: _Precision, damping: float,
+                   elbo_max_iter: int, tol: float, rtol: float) -> tuple[Tensor, Tensor]:
     """`variational_gaussian` for a full precision, by blocks: the precision steps
     ``Λ ← (1 − ρ) Λ + ρ (λI + E_q[H])`` (accepted if the ELBO at the new precision's best mean
     does not drop, ``ρ`` halved otherwise, as in the joint iteration), and after each the mean
@@ -226,7 +234,6 @@ def _full_gaussian(problem: _Problem, mean: Tensor, precision: Tensor,
     floor ends a wide fit early — digits standardized, 400-1,200 points — the mean's gain
     under fresh draws was then 2-3x the Monte-Carlo share the tests allow.)"""
     lam = problem.prior_precision
-    fixed = problem.fix_precision(precision, factor)
     state = problem.best_mean(problem.at_mean(mean, fixed), fixed, MEAN_TOL_SHARE * tol)
     rho, evaluations = damping, 0
     gains: list[float] = []  # the ELBO gains of the accepted steps since the last rejection
@@ -365,18 +372,23 @@ class _Problem:
         self.prior_precision, self.prior_mean, self.diagonal = (prior_precision, prior_mean,
                                                                 diagonal)
 
-    def fix_precision(self, precision: Tensor, chol: Tensor | None) -> _Precision:
+    def fix_precision(self, precision: Tensor, chol: Tensor | None,
+                      covariance: Tensor | None = None,
+                      logit_covariance: Tensor | None = None) -> _Precision:
         """Factor ``Λ`` (unless ``chol`` is given), and fix what it determines: each point's
         logit covariance ``V_n`` and the draws' noise ``chol(V_n) z``, and the KL's terms in
-        ``Λ``."""
+        ``Λ``. ``covariance`` and ``logit_covariance``, with ``chol``: its inverse and the
+        ``V_n``, where the caller has them."""
         if chol is None:
             chol = cholesky_with_jitter(precision)
-        covariance = torch.cholesky_inverse(chol)
+        if covariance is None:
+            covariance, logit_covariance = torch.cholesky_inverse(chol), None
         d, lam = precision.shape[0], self.prior_precision
         log_det = float(2 * torch.log(chol.diagonal()).sum())
         # KL(N(μ, Λ⁻¹) ‖ N(μ₀, I/λ)) = ½ (λ tr Λ⁻¹ − d − d log λ + log|Λ|) + ½ λ |μ − μ₀|²
         kl_part = 0.5 * (lam * float(covariance.trace()) - d - d * math.log(lam) + log_det)
-        factor = _logit_covariance_factor(covariance, self.inputs, self.num_classes)
+        factor = _logit_covariance_factor(covariance, self.inputs, self.num_classes,
+                                          logit_covariance)
         noise = torch.einsum("nck,snk->scn", factor, self.draws)
         return _Precision(precision, chol, covariance, noise, kl_part)
 
@@ -455,11 +467,13 @@ class _Problem:
                       newton)
 
 
-def _logit_covariance_factor(covariance: Tensor, inputs: Tensor, num_classes: int) -> Tensor:
+def _logit_covariance_factor(covariance: Tensor, inputs: Tensor, num_classes: int,
+                             logit_cov: Tensor | None = None) -> Tensor:
     """Lower Cholesky factors ``(N, C, C)`` of every point's logit covariance under a full
-    head covariance (a relative 1e-12 jitter: a point's covariance is singular where its
-    features vanish)."""
-    logit_cov = logit_covariance(covariance, inputs, num_classes)
+    head covariance (``logit_cov``, where the caller has it; a relative 1e-12 jitter: a
+    point's covariance is singular where its features vanish)."""
+    if logit_cov is None:
+        logit_cov = logit_covariance(covariance, inputs, num_classes)
     jitter = 1e-12 * logit_cov.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(1e-300)
     eye = torch.eye(num_classes, dtype=torch.float64, device=inputs.device)
     return torch.linalg.cholesky(logit_cov + jitter[:, None, None] * eye)
