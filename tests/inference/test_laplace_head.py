@@ -297,3 +297,29 @@ def test_a_given_prior_precision_is_used_as_is_and_bad_choices_are_refused():
         fit_laplace_head(x, y, 3, prior_precision=-1.0)
     with pytest.raises(InvalidInputError, match="0 < lower < upper"):
         fit_laplace_head(x, y, 3, prior_precision_bounds=(1.0, 0.1))
+
+
+def test_the_kl_optimal_gaussian_takes_the_searchs_inverse_as_it_would_compute_it(
+        monkeypatch):
+    """Issue 41: the evidence search ends on a refitted point whose Σ and logit covariances it
+    hands to the KL-optimal Gaussian; the fit is then bit for bit the one that computes them
+    afresh from the same factor (a stale or mismatched hand-off changes the draws' noise and
+    every later step). (This seed's search ends on a point with a slope, its last step 3e-3 in
+    log λ, a third of the tolerance.)"""
+    from inference import laplace_head
+
+    x, y = three_class_data(seed=2)
+    handed = fit_laplace_head(x, y, 3)
+    plain = laplace_head._LaplaceFit.variational
+    calls = []
+
+    def afresh(self, mode, start, factor, prior_precision, num_draws, seed, covariance=None,
+               logit_covariance=None):
+        calls.append(covariance is not None and logit_covariance is not None)
+        return plain(self, mode, start, factor, prior_precision, num_draws, seed)
+
+    monkeypatch.setattr(laplace_head._LaplaceFit, "variational", afresh)
+    recomputed = fit_laplace_head(x, y, 3)
+    assert calls == [True]  # the search did hand them on
+    assert torch.equal(handed.flat_mean, recomputed.flat_mean)
+    assert torch.equal(handed.natural.precision_matrix(), recomputed.natural.precision_matrix())

@@ -195,3 +195,54 @@ def test_a_softmax_refit_factorises_once_and_ends_at_the_factorising_newton_mode
     objective = search._objective
     chorded = search._chord(warm, 2.2, 1e-12, covariance)
     assert float(objective(chorded, 2.2)) < float(objective(warm, 2.2))
+
+
+def recorded_search(seed: int):
+    """The search on `separable_data` (seed), and every refit's (λ, evidence, with a slope)."""
+    x, y = separable_data(seed=seed)
+    search = EvidenceSearch(augment_with_bias(x), y, 3, 0.0, Likelihood.SOFTMAX, 1.0, 100)
+    refits = []
+    plain_point = search._point
+
+    def recorded(log_precision, mode, chol, slope=True):
+        point = plain_point(log_precision, mode, chol, slope)
+        refits.append((math.exp(log_precision), point.evidence, slope))
+        return point
+
+    search._point = recorded
+    choice, mode = search.search_secant((1e-4, 1e4), torch.zeros(15, dtype=F64), 3.0)
+    return search, choice, mode, refits
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_softmax_search_ends_on_a_refitted_point_with_its_own_evidence_and_mode(seed):
+    """Issue 41: once the step to its next proposal is below LAMBDA_RTOL the search returns the
+    point it refitted last (no refit at the proposal): the λ returned is that point's, the
+    evidence reported is that point's, the mode is that refit's, stationary to MODE_TOL, and
+    the point's Σ is kept for the KL-optimal Gaussian. (These seeds' last steps are 3e-4-2.5e-3
+    in log λ, 4-30x inside the tolerance: the path holds whatever the rounding.)"""
+    search, choice, mode, refits = recorded_search(seed)
+    last_value, last_evidence, with_slope = refits[-1]
+    assert with_slope  # ended on a point with a slope, not on a refit at the proposal
+    assert choice.value == last_value and choice.criterion == last_evidence
+    assert choice.evaluations == len(refits)
+    kept = search.last_precision
+    assert kept.prior_precision == choice.value
+    assert torch.equal(kept.covariance, torch.cholesky_inverse(kept.chol))
+    assert kept.logit_covariance.shape == (90, 3, 3)
+    # the mode at that λ: the gradient of the negative log posterior vanishes (MODE_TOL = 1e-12
+    # nats of half squared Newton decrement: a gradient of ~1e-6 at unit curvature)
+    theta = mode.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(search._objective(theta, choice.value), theta)
+    assert float(grad.abs().max()) < 1e-5
+
+
+def test_a_softmax_search_whose_last_step_is_long_refits_at_its_proposal():
+    """The other end (seed 0: a last step of 0.038 in log λ, 4x the tolerance, but a bracketed
+    proposal whose estimated error is within it): one refit more at the proposal, without a
+    slope; no Σ is kept (the KL-optimal Gaussian computes its own)."""
+    search, choice, _, refits = recorded_search(0)
+    last_value, _, with_slope = refits[-1]
+    assert not with_slope and choice.value == last_value
+    assert refits[-2][2]  # after a point with a slope
+    assert search.last_precision.covariance is None
