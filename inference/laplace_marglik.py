@@ -91,11 +91,12 @@ NEAR_MODE = 1e-4
 #: error is estimated below it (the step, or bracketed the gap between the secant's root and
 #: the inverse quadratic interpolant's), it refits there and returns that. The λ returned is
 #: within ~1e-2 of the maximiser (S1's ten heads: 0-0.6% from the former search's ~1e-3;
-#: the 250-3,000-row bench heads 0.04-0.5%), without the last refit and with the point's
+#: the 250-3,000-row bench heads 0.04-0.05%), without the last refit and with the point's
 #: inverse and logit covariances handed on to the KL-optimal Gaussian (issue 41: S1's ten heads
-#: 4.15 -> 3.72 CPU-s). A full 1e-2 off loses ½ |d²E/d(log λ)²| · 1e-4 ≈ 5e-4 nats of evidence
-#: on S1-sized heads (d²E/d(log λ)² ~ 10; the evidence's own width in log λ is ~0.3) and moves
-#: the held-out NLL of the default head by < 0.05% (bench heads: ≤ 2e-4 relative, measured).
+#: 4.15 -> 3.72 CPU-s). A full 1e-2 off loses ½ |d²E/d(log λ)²| · 1e-4 ≤ 5e-4 nats of evidence
+#: on S1-sized heads (|d²E/d(log λ)²| ≈ 2-10, so the evidence's own width in log λ,
+#: 1/sqrt|d²E/d(log λ)²|, is 0.3-0.7) and moves the held-out NLL of the default head by < 0.05%
+#: (bench heads: ≤ 2e-5 relative, measured).
 LAMBDA_RTOL = 1e-2
 #: The same for a Gaussian likelihood, whose evidence is exact and refits cheap (no curvature
 #: changes with the mode): the maximiser of the closed-form evidence to ~1e-6 in log λ.
