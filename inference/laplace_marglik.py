@@ -93,10 +93,10 @@ NEAR_MODE = 1e-4
 #: within ~1e-2 of the maximiser (S1's ten heads: 0-0.6% from the former search's ~1e-3;
 #: the 250-3,000-row bench heads 0.04-0.05%), without the last refit and with the point's
 #: inverse and logit covariances handed on to the KL-optimal Gaussian (issue 41: S1's ten heads
-#: 4.15 -> 3.72 CPU-s). A full 1e-2 off loses ½ |d²E/d(log λ)²| · 1e-4 ≤ 5e-4 nats of evidence
-#: on S1-sized heads (|d²E/d(log λ)²| ≈ 2-10, so the evidence's own width in log λ,
-#: 1/sqrt|d²E/d(log λ)²|, is 0.3-0.7) and moves the held-out NLL of the default head by < 0.05%
-#: (bench heads: ≤ 2e-5 relative, measured).
+#: 4.15 -> 3.72 CPU-s). A full 1e-2 off loses ½ |d²E/d(log λ)²| · 1e-4 ≤ 1e-3 nats of evidence
+#: (|d²E/d(log λ)²| ≈ 2 at S1's heads' maximisers, up to ~20 at the bench heads': the
+#: evidence's own width in log λ, 1/sqrt|d²E/d(log λ)²|, is 0.2-0.7) and moves the held-out
+#: NLL of the default head by < 0.05% (bench heads: ≤ 2e-5 relative, measured).
 LAMBDA_RTOL = 1e-2
 #: The same for a Gaussian likelihood, whose evidence is exact and refits cheap (no curvature
 #: changes with the mode): the maximiser of the closed-form evidence to ~1e-6 in log λ.
@@ -428,7 +428,7 @@ class EvidenceSearch:
                 # the secant of the residual r = log(γ / ‖W − μ₀‖²) − log λ, whose root is the
                 # slope's (slope = ½ (γ − λ ‖W − μ₀‖²): the same sign). On S1's heads r is
                 # linear in log λ to a few percent where the slope bends (dr/dt −0.54 to −0.48
-                # over λ = 3-15, the slope's derivative −0.7 to −1.7): from λ = 3 and 8.2 the
+                # over λ = 3-15, the slope's derivative −1.2 to −3.2): from λ = 3 and 8.2 the
                 # secant of r lands within 0.3-1.2% of the maximiser, the slope's within 4-8%
                 (t0, r0), (t1, r1) = residuals[-2:]
                 curvature = (r1 - r0) / (t1 - t0)
