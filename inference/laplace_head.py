@@ -461,15 +461,15 @@ class _LaplaceFit:
         and, for a full one, its lower Cholesky factor ``factor``, its inverse ``covariance``
         and the training points' logit covariances under it (each None where not at hand)."""
         diagonal = self.structure is CovarianceStructure.DIAG
-        mean, curvature = variational_gaussian(
+        mean, curvature, factored = variational_gaussian(
             mode, start, self.inputs, self.targets,
             self.num_classes, prior_precision, self.prior_mean, diagonal=diagonal,
             num_draws=num_draws, elbo_max_iter=self.elbo_max_iter, seed=seed,
             start_factor=factor, start_covariance=covariance,
-            start_logit_covariance=logit_covariance)
+            start_logit_covariance=logit_covariance, return_factor=True)
         return gaussian_head_posterior(mean, curvature, self.inputs.shape, self.num_classes,
                                        prior_precision, self.prior_mean, self.structure,
-                                       self.rank)
+                                       self.rank, factored)
 
     def log_evidence(self, prior_precision: float) -> float:
         """Laplace log evidence at ``prior_precision`` (nats)."""
@@ -546,12 +546,15 @@ def laplace_posterior(
 def gaussian_head_posterior(
     mean: Tensor, curvature: Tensor, input_shape: tuple[int, int], num_classes: int,
     prior_precision: float, prior_mean: float | Tensor, structure: CovarianceStructure,
-    rank: int,
+    rank: int, factored: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> GaussianPosterior:
     """``N(mean, (λI + K)⁻¹)`` over a ``(C, m + 1)`` head with the likelihood term
     ``(K, K mean + λ(mean − μ₀))`` in ``structure``: ``K`` is a ``(d, d)`` curvature (the
     Hessian at the mode, or its expectation) kept dense or cut to its top-``rank`` eigenpairs
-    plus the diagonal remainder, or its ``(d,)`` diagonal for ``"diag"``."""
+    plus the diagonal remainder, or its ``(d,)`` diagonal for ``"diag"``. ``factored``: ``(Λ,
+    chol(Λ), Λ⁻¹)`` the fit computed for its precision (`variational_gaussian`'s
+    ``return_factor``); a full posterior whose total precision equals ``Λ`` bit for bit takes
+    them (`FullPrecision.adopt_factor`: its first prediction then factorises nothing)."""
     shape = (num_classes, input_shape[1])
     d = mean.shape[0]
     prior = GaussianTerm.isotropic(d, prior_precision, prior_mean, device=mean.device)
@@ -570,7 +573,13 @@ def gaussian_head_posterior(
         low_rank = GaussianTerm(structure, torch.zeros_like(mean), diag=remainder, factor=factor)
         lik = GaussianTerm(structure, low_rank.matvec(mean) + prior_shift, diag=remainder,
                            factor=factor)
-    return GaussianPosterior(prior, lik, shape, n_data=input_shape[0])
+    posterior = GaussianPosterior(prior, lik, shape, n_data=input_shape[0])
+    if factored is not None and structure is CovarianceStructure.FULL:
+        precision, chol, covariance = factored
+        total = posterior.natural.precision
+        if isinstance(total, FullPrecision) and torch.equal(total.dense, precision):
+            total.adopt_factor(chol, covariance)
+    return posterior
 
 
 def log_marginal_likelihood(

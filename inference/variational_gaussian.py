@@ -84,7 +84,8 @@ def variational_gaussian(
     start_factor: Tensor | None = None,
     start_covariance: Tensor | None = None,
     start_logit_covariance: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    return_factor: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """Mean and expected likelihood curvature of the KL-optimal Gaussian (module docstring).
 
     Each step is accepted only if the ELBO (estimated with the same fixed draws) does not drop;
@@ -129,6 +130,11 @@ def variational_gaussian(
             ``(N, C, C)`` (`inference.head_objective.logit_covariance`): the first ELBO
             evaluation then takes no inverse and no logit covariances either. Each must be what
             this function would compute from ``start_factor`` (the result is then the same).
+        return_factor: also return ``(Λ, chol(Λ), Λ⁻¹)`` of the Gaussian found (full fits;
+            None for a diagonal one), ``Λ`` formed as ``λI + expected_curvature`` is in
+            `inference.gaussian.GaussianPosterior`'s total precision, bit for bit: a posterior
+            built from the result can take them instead of factorising again
+            (`inference.laplace_head.gaussian_head_posterior`).
 
     Returns:
         ``(mean (d,), expected_curvature)``: the likelihood precision of the variational
@@ -153,18 +159,25 @@ def variational_gaussian(
             laplace_precision + laplace_precision.T)
         first = problem.fix_precision(start, start_factor, start_covariance,
                                       start_logit_covariance)
-        return _full_gaussian(problem, mode.clone(), first, damping, elbo_max_iter, tol, rtol)
+        mean, data, fixed = _full_gaussian(problem, mode.clone(), first, damping,
+                                           elbo_max_iter, tol, rtol)
+        if return_factor:
+            return mean, data, (fixed.precision, fixed.chol, fixed.covariance)
+        return mean, data
     # a diagonal (mean-field) precision: the joint damped steps of the module docstring
     state = problem.evaluate(mode.clone(), laplace_precision.clone())
     rho = damping
     for _ in range(elbo_max_iter):
         if state.decrement / 2 <= tol and state.change <= rtol:
-            return state.mean, state.curvature
+            return (state.mean, state.curvature, None) if return_factor else (
+                state.mean, state.curvature)
         candidate = problem.evaluate(*state.step(rho))
         if candidate.elbo >= state.elbo:
             state, rho = candidate, min(damping, 2 * rho)
         elif state.decrement / 2 <= 1.0 and rho <= FLOOR_RHO:
-            return state.mean, state.curvature  # no ascent left that the draws can resolve
+            # no ascent left that the draws can resolve
+            return (state.mean, state.curvature, None) if return_factor else (
+                state.mean, state.curvature)
         elif rho > 1 / 1024:
             rho /= 2
         else:
@@ -217,7 +230,8 @@ class _Mean:
 
 
 def _full_gaussian(problem: _Problem, mean: Tensor, fixed: _Precision, damping: float,
-                   elbo_max_iter: int, tol: float, rtol: float) -> tuple[Tensor, Tensor]:
+                   elbo_max_iter: int, tol: float, rtol: float
+                   ) -> tuple[Tensor, Tensor, _Precision]:
     """`variational_gaussian` for a full precision, by blocks: the precision steps
     ``Λ ← (1 − ρ) Λ + ρ (λI + E_q[H])`` (accepted if the ELBO at the new precision's best mean
     does not drop, ``ρ`` halved otherwise, as in the joint iteration), and after each the mean
@@ -226,8 +240,9 @@ def _full_gaussian(problem: _Problem, mean: Tensor, fixed: _Precision, damping: 
     ``rtol``; or the draws' floor; or (`remaining_gain`) once what the precision steps left
     could still gain, extrapolated from the last two accepted steps' gains, is ≤ ``tol``.
 
-    Returns ``(μ, Λ − λI)`` of the Gaussian found: the mean is optimal for that precision, and
-    its data part is ``E_q[H]`` to ``rtol`` where the precision's test ends the fit (the other
+    Returns ``(μ, K, fixed)`` of the Gaussian found, ``Λ = λI + K``: the mean is optimal for
+    that precision, and its data part ``K`` is ``E_q[H]`` to ``rtol`` where the precision's
+    test ends the fit (the other
     two rules end it with the remaining ELBO gain, not the precision's distance to its
     target, below what the draws resolve). (Returning the next target
     ``E_q[H]`` instead paired the mean with a precision it is not optimal for; where the draws'
@@ -237,28 +252,33 @@ def _full_gaussian(problem: _Problem, mean: Tensor, fixed: _Precision, damping: 
     state = problem.best_mean(problem.at_mean(mean, fixed), fixed, MEAN_TOL_SHARE * tol)
     rho, evaluations = damping, 0
     gains: list[float] = []  # the ELBO gains of the accepted steps since the last rejection
+    # the data part K of the current precision: the steps mix data parts, and each precision
+    # is λI + K formed as the returned posterior forms its total (`_with_prior`), so that its
+    # factor is that posterior's too, bit for bit
+    data = _data_part(fixed.precision, lam)
     while True:
         if state.decrement / 2 <= tol and remaining_gain(gains) <= tol:
-            return state.mean, _data_part(fixed.precision, lam)
-        target = expected_head_curvature(state.probs, problem.inputs)
-        target.diagonal().add_(lam)  # λI + E_q[H]
-        change = _max_abs(target - fixed.precision) / _max_abs(fixed.precision)
+            return state.mean, data, fixed
+        target = expected_head_curvature(state.probs, problem.inputs)  # E_q[H]
+        change = _max_abs(target - data) / _max_abs(fixed.precision)
         if state.decrement / 2 <= tol and change <= rtol:
-            return state.mean, _data_part(fixed.precision, lam)
+            return state.mean, data, fixed
         while True:  # one precision step, ρ halved until the ELBO does not drop
             if evaluations >= elbo_max_iter:
                 raise _not_converged(elbo_max_iter, state.decrement, change)
             evaluations += 1
             # exactly symmetric: a mix of the symmetrised start and curvatures assembled from
             # mirrored blocks (the same arithmetic on both triangles)
-            step = torch.lerp(fixed.precision, target, rho)
+            step_data = torch.lerp(data, target, rho)
+            step = _with_prior(step_data, lam)
             candidate_fixed = problem.fix_precision(
                 step, cholesky_with_jitter(step, symmetric=True))
             candidate = problem.best_mean(problem.at_mean(state.mean, candidate_fixed),
                                           candidate_fixed, MEAN_TOL_SHARE * tol)
             if candidate.elbo >= state.elbo:
                 gains.append(candidate.elbo - state.elbo)
-                fixed, state, rho = candidate_fixed, candidate, min(damping, 2 * rho)
+                fixed, data, state = candidate_fixed, step_data, candidate
+                rho = min(damping, 2 * rho)
                 break
             gains.clear()  # a shorter step follows: the geometric model starts again
             # No ascent left that the draws resolve (the fixed draws' ELBO and their E_q[H]
@@ -271,7 +291,7 @@ def _full_gaussian(problem: _Problem, mean: Tensor, fixed: _Precision, damping: 
             # by 0.4-0.7; tests/inference/test_laplace_head_scales.py).
             if state.decrement / 2 <= 1.0 and (rho <= FLOOR_RHO
                                                or state.elbo - candidate.elbo <= tol):
-                return state.mean, _data_part(fixed.precision, lam)
+                return state.mean, data, fixed
             if rho < FLOOR_RHO:
                 raise _not_converged(elbo_max_iter, state.decrement, change)
             rho /= 2
@@ -303,6 +323,16 @@ def _data_part(precision: Tensor, prior_precision: float) -> Tensor:
     data = precision.clone()
     data.diagonal().sub_(prior_precision)
     return data
+
+
+def _with_prior(data: Tensor, prior_precision: float) -> Tensor:
+    """``λI + K`` (a new tensor) as `inference.gaussian.GaussianPosterior` forms the total
+    precision of its prior ``λI`` and a dense likelihood term ``K``: ``λ + K_ii`` on the
+    diagonal, ``K`` elsewhere, the same floating-point sums (whereas ``(Λ − λ) + λ`` may differ
+    from ``Λ_ii`` in its last bit)."""
+    precision = data.clone()
+    precision.diagonal().add_(prior_precision)
+    return precision
 
 
 #: The step at which a rejected step ends the fit when the predicted gain is below 1 nat (the

@@ -66,6 +66,17 @@ class FullPrecision(Precision):
     def _chol(self) -> Tensor:
         return cholesky_with_jitter(self.dense)
 
+    def adopt_factor(self, chol: Tensor, covariance: Tensor | None = None) -> None:
+        """Take ``chol`` as this precision's factor, and ``covariance`` as its inverse, where
+        the caller computed them from this very matrix (`cholesky_with_jitter`, then
+        ``torch.cholesky_inverse``): what `cholesky` and the logit covariances would compute,
+        bit for bit, without computing them again (a fitted head's posterior, issue 41). The
+        caller answers for that; `inference.laplace_head.gaussian_head_posterior` checks the
+        matrix is equal before it hands them over."""
+        self.__dict__["_chol"] = chol  # where the cached property keeps its value
+        if covariance is not None:
+            self._memo["covariance"] = covariance
+
     def cholesky(self) -> Tensor:
         """The lower Cholesky factor of the precision, ``(d, d)`` float64 (cached: the one
         `solve` and `logdet` use)."""

@@ -323,3 +323,52 @@ def test_the_kl_optimal_gaussian_takes_the_searchs_inverse_as_it_would_compute_i
     assert calls == [True]  # the search did hand them on
     assert torch.equal(handed.flat_mean, recomputed.flat_mean)
     assert torch.equal(handed.natural.precision_matrix(), recomputed.natural.precision_matrix())
+
+
+def test_a_fitted_heads_first_prediction_factorises_nothing_and_is_bit_for_bit_its_own(
+        monkeypatch):
+    """Issue 41: the default head's posterior takes the factor and inverse its fit computed for
+    the same total precision; its predictions and mean are those of the same posterior rebuilt
+    from its terms (which factorises for itself), bit for bit, without a factorisation."""
+    from inference.gaussian import GaussianPosterior
+    from inference.gaussian import full as full_precision
+    from tests.inference.test_newton_cg import relu_data
+
+    # ReLU features of nearly separable classes: the KL-optimal Gaussian takes precision steps
+    # (a fit that ends at its Laplace start hands over that start's factor)
+    x, y = relu_data(rows=80, seed=0)
+    fitted = fit_laplace_head(x, y, 4)
+    rebuilt = GaussianPosterior(fitted.prior, fitted.likelihood, fitted.shape, fitted.n_data)
+    calls = []
+    plain = full_precision.cholesky_with_jitter
+    monkeypatch.setattr(full_precision, "cholesky_with_jitter",
+                        lambda *args, **kwargs: calls.append(1) or plain(*args, **kwargs))
+    test_x, _ = relu_data(rows=30, seed=7)
+    probs = fitted.predict_proba(test_x)
+    assert calls == []  # the fit's factor
+    assert torch.equal(probs, rebuilt.predict_proba(test_x))
+    assert calls == [1]  # the rebuilt posterior factorised its own, to the same bits
+    assert torch.equal(fitted.flat_mean, rebuilt.flat_mean)
+
+
+def test_a_factor_of_another_matrix_is_not_taken():
+    """`gaussian_head_posterior` hands a fit's factor to the posterior only for a total
+    precision equal to the factored one: one diagonal entry a bit off and it factorises its
+    own."""
+    from inference.gaussian import cholesky_with_jitter
+    from inference.laplace_head import gaussian_head_posterior
+    from inference.options import CovarianceStructure
+
+    d = 6
+    root = torch.randn(d, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    curvature = root @ root.T
+    mean = torch.zeros(d, dtype=torch.float64)
+    total = curvature.clone()
+    total.diagonal().add_(0.5)
+    for matrix, taken in ((total, True), (total + 1e-12 * torch.eye(d, dtype=torch.float64),
+                                          False)):
+        chol = cholesky_with_jitter(matrix)
+        posterior = gaussian_head_posterior(
+            mean, curvature, (10, 3), 2, 0.5, 0.0, CovarianceStructure.FULL, 20,
+            (matrix, chol, torch.cholesky_inverse(chol)))
+        assert ("_chol" in posterior.natural.precision.__dict__) is taken

@@ -261,3 +261,26 @@ def test_the_extrapolated_stop_saves_precision_steps_and_loses_nothing_on_fresh_
     tol, _ = vg.default_tolerances(len(y), vg.DEFAULT_NUM_DRAWS)
     assert evaluations[0] < evaluations[1]
     assert float((early - longer).mean()) >= -tol
+
+
+def test_a_full_fit_returns_the_factor_and_inverse_of_its_own_precision():
+    """``return_factor`` (issue 41): ``(Λ, chol(Λ), Λ⁻¹)`` of the Gaussian returned, with ``Λ``
+    exactly the total precision a posterior forms from the prior ``λI`` and the returned
+    curvature (``λ + K_ii`` on the diagonal), so that the posterior may take the factor as its
+    own; a diagonal fit returns none."""
+    from inference.gaussian import cholesky_with_jitter
+    from inference.variational_gaussian import variational_gaussian
+
+    x, y = two_class_data()
+    inputs, mode, precision, _ = _laplace_start(x, y, 2, 0.7)
+    mean, curvature, (total, chol, covariance) = variational_gaussian(
+        mode, precision, inputs, y, 2, 0.7, 0.0, num_draws=32, return_factor=True)
+    prior = torch.diag_embed(torch.full((total.shape[0],), 0.7, dtype=torch.float64))
+    assert torch.equal(total, prior + curvature)  # as GaussianPosterior sums its terms
+    assert torch.equal(chol, cholesky_with_jitter(total))
+    assert torch.equal(covariance, torch.cholesky_inverse(chol))
+    plain = variational_gaussian(mode, precision, inputs, y, 2, 0.7, 0.0, num_draws=32)
+    assert torch.equal(plain[0], mean) and torch.equal(plain[1], curvature)
+    _, _, none = variational_gaussian(mode, precision.diagonal(), inputs, y, 2, 0.7, 0.0,
+                                      num_draws=32, diagonal=True, return_factor=True)
+    assert none is None
