@@ -140,6 +140,8 @@ def variational_gaussian(
         ``(mean (d,), expected_curvature)``: the likelihood precision of the variational
         posterior, float64 ``(d, d)`` (or ``(d,)`` diagonal): ``E_q[H]`` at the fit (diagonal),
         or the data part ``Λ − λI`` of the Gaussian found, ``E_q[H]`` to ``rtol`` (full).
+        With ``return_factor``, a third element: ``(Λ, chol(Λ), Λ⁻¹)``, each ``(d, d)``
+        float64 (full), or None (diagonal).
 
     Raises:
         InvalidInputError: bad options.
