@@ -228,8 +228,8 @@ def fit_laplace_head(
     * ``"marglik"`` maximises the Laplace log evidence (`log_marginal_likelihood`) over
       ``log λ`` in ``prior_precision_bounds``: with a full covariance, the secant method on
       a residual with the root of the evidence's exact slope, from ``λ = 3``
-      (``EvidenceSearch.search_secant`` in `inference.laplace_marglik`: 3-4 refits with a
-      slope, to ~1e-2 relative in ``λ``, ``LAMBDA_RTOL``); with a
+      (``EvidenceSearch.search_secant`` in `inference.laplace_marglik`: 3-4 refits on S1's
+      heads, to ~1e-2 relative in ``λ``, ``LAMBDA_RTOL``); with a
       diagonal or low-rank one, a grid of one point a decade, then bounded Brent to 1e-6 in
       ``log λ`` (`inference.hyperparameters`). The mode is **refitted** at every
       ``λ`` (each evaluation is the Laplace evidence of the model with that prior, at that

@@ -27,7 +27,7 @@ residual whose root is the slope's (a softmax head's: MacKay's update of ``t = l
 inverse quadratic step; a softmax head's search returns the last refitted point once the step
 to its next proposal is below `LAMBDA_RTOL` (relative), a Gaussian likelihood's refits at
 the proposal once that proposal's error is estimated below `EXACT_LAMBDA_RTOL`. At the S1 size
-it takes 3-4 refits (4-6 on the slope's secant with a last refit at the proposal), against
+it takes 3-4 refits (4-5 on the slope's secant with a last refit at the proposal), against
 10-12 refits and 33-44 Newton iterations of the search below, which remains its fallback. A softmax
 head's refits find the mode by matrix-free Newton-CG (`newton_cg`: curvature-vector
 products, a Kronecker preconditioner), and one exact Newton step then confirms it with the
