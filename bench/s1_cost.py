@@ -220,19 +220,19 @@ def timed_run(method: str, args: argparse.Namespace) -> tuple[float, float, obje
     return cpu_seconds() - start, time.perf_counter() - wall, result
 
 
-def interleaved(methods: list[str], repeats: int, run
-                ) -> dict[str, tuple[list[float], list[float], object]]:
-    """``run(method)`` for every method, ``repeats`` times in turn (A, B, A, B, ...): per
-    method its CPU and wall seconds in run order and its last result (the runs are
-    deterministic: each gives the same figures)."""
-    out: dict[str, tuple[list[float], list[float], object]] = {
-        method: ([], [], None) for method in methods}
-    for _ in range(repeats):
+def interleaved(methods: list[str], repeats: int, run):
+    """``run(method)`` for every method, ``repeats`` times in turn (A, B, A, B, ...); yields
+    ``(method, (CPU seconds, wall seconds, last result))`` as each method's last run ends, its
+    seconds in run order (the runs are deterministic: each gives the same figures)."""
+    seconds: dict[str, list[float]] = {method: [] for method in methods}
+    walls: dict[str, list[float]] = {method: [] for method in methods}
+    for repeat in range(repeats):
         for method in methods:
-            seconds, wall, result = run(method)
-            cpu_all, wall_all, _ = out[method]
-            out[method] = ([*cpu_all, seconds], [*wall_all, wall], result)
-    return out
+            cpu, wall, result = run(method)
+            seconds[method].append(cpu)
+            walls[method].append(wall)
+            if repeat == repeats - 1:
+                yield method, (seconds[method], walls[method], result)
 
 
 def main() -> None:
@@ -260,8 +260,9 @@ def main() -> None:
             print(f"{method}: cached ({records[key]['cpu_s']:.1f} CPU-s)", flush=True)
         else:
             todo.append(method)
+    # each method's record is written as soon as its last run ends
     for method, (seconds, walls, result) in interleaved(
-            todo, args.repeats, lambda method: timed_run(method, args)).items():
+            todo, args.repeats, lambda method: timed_run(method, args)):
         strategy, options, _ = METHODS[method]
         record = {"method": method, "strategy": strategy, "options": options,
                   "seed": args.seed, "rounds": args.rounds,

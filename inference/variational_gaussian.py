@@ -127,7 +127,7 @@ def variational_gaussian(
         start_covariance: with ``start_factor``, its ``cholesky_inverse`` ``Σ (d, d)`` where
             the caller has it (the evidence search's last slope), and
         start_logit_covariance: every training point's logit covariance under that ``Σ``,
-            ``(N, C, C)`` (`inference.head_objective.logit_covariance`): the first ELBO
+            ``(N, C, C)`` (`inference.curvature.logit_covariance`): the first ELBO
             evaluation then takes no inverse and no logit covariances either. Each must be what
             this function would compute from ``start_factor`` (the result is then the same).
         return_factor: also return ``(Λ, chol(Λ), Λ⁻¹)`` of the Gaussian found (full fits;

@@ -15,11 +15,11 @@ def test_repeats_take_the_methods_in_turn_and_keep_each_ones_seconds_in_order():
         tick = next(clock)
         return float(tick), 10.0 * tick, f"{method}-{tick}"
 
-    out = interleaved(["fedper", "fedper-laplace"], 3, run)
+    out = dict(interleaved(["fedper", "fedper-laplace"], 3, run))
     assert calls == ["fedper", "fedper-laplace"] * 3  # A, B, A, B, A, B: drift on both sides
     assert out["fedper"] == ([1.0, 3.0, 5.0], [10.0, 30.0, 50.0], "fedper-5")
     assert out["fedper-laplace"] == ([2.0, 4.0, 6.0], [20.0, 40.0, 60.0], "fedper-laplace-6")
 
 
 def test_no_methods_left_to_run_runs_nothing():
-    assert interleaved([], 3, lambda method: (_ for _ in ()).throw(AssertionError)) == {}
+    assert dict(interleaved([], 3, lambda method: (_ for _ in ()).throw(AssertionError))) == {}
