@@ -226,7 +226,21 @@ def with_head_posterior(
                       f"fitted ({reason}); it predicts with its plug-in", HeadFitWarning,
                       stacklevel=2)
         return {**state, FALLBACK: torch.tensor(list(reason.encode()), dtype=torch.uint8)}
-    return {**state, **{HEAD_PREFIX + k: v.detach().clone() for k, v in tensors.items()}}
+    return {**state, **{HEAD_PREFIX + k: _owned(v) for k, v in tensors.items()}}
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    """``tensor`` itself where the state can own it, else a detached copy.
+
+    The posterior the fit returned is dropped after `with_head_posterior`, so its tensors can
+    become the state's without a copy (a 1,010-parameter head's precision: 8 MB); and a Gaussian
+    head's factor is remembered for these very tensor objects, so the posterior rebuilt from
+    the state to predict does not factorise again (`inference.gaussian.factor_memo`, issue 41).
+    A view of a larger buffer is copied (the state would keep the whole buffer alive), and a
+    tensor that requires grad is detached."""
+    if tensor.requires_grad or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        return tensor.detach().clone()
+    return tensor
 
 
 def head_posterior(head: ProbabilisticHead, state: ClientState) -> Posterior | None:

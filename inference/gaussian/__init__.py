@@ -19,7 +19,8 @@ Modules, one concept each: `cholesky` (the one jitter policy),
 `precision` (the structure interface) with
 `diagonal`, `full` and
 `low_rank`, `term` (a factor),
-`posterior` (the posterior and its predictive),
+`posterior` (the posterior and its predictive), `factor_memo` (a fitted posterior's
+factorisation, kept for the state tensors it is rebuilt from),
 `aggregation` (product and average).
 
 Numerics: every solve, factorisation and sample runs in float64; results come back in the

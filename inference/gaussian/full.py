@@ -77,6 +77,12 @@ class FullPrecision(Precision):
         if covariance is not None:
             self._memo["covariance"] = covariance
 
+    def computed_factor(self) -> tuple[Tensor, Tensor | None] | None:
+        """``(chol, covariance)`` where the factor is computed or adopted already (the
+        covariance None where it is not), else None: nothing is computed."""
+        chol = self.__dict__.get("_chol")
+        return None if chol is None else (chol, self._memo.get("covariance"))
+
     def cholesky(self) -> Tensor:
         """The lower Cholesky factor of the precision, ``(d, d)`` float64 (cached: the one
         `solve` and `logdet` use)."""

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from inference.errors import InvalidInputError
+from inference.gaussian import factor_memo
+from inference.gaussian.full import FullPrecision
 from inference.gaussian.precision import precision_class_for_tensors
 from inference.gaussian.term import GaussianTerm
 from inference.inputs import as_features
@@ -255,9 +257,19 @@ class GaussianPosterior:
 
     def state_dict(self) -> dict[str, Tensor]:
         """Tensors only: ``prior.*``, ``likelihood.*`` (which keys exist says the structure),
-        ``shape`` (int64 ``(len(shape),)``) and ``n_data`` (int64 scalar)."""
+        ``shape`` (int64 ``(len(shape),)``) and ``n_data`` (int64 scalar): the terms' own
+        tensors, not copies.
+
+        A dense total precision factorised already (a fitted head's) leaves its factor and
+        inverse in `inference.gaussian.factor_memo` for these tensor objects: `from_state_dict`
+        of this very dict, unmodified, takes them instead of factorising again (issue 41)."""
         state = {f"prior.{k}": v for k, v in self.prior.tensors().items()}
         state.update({f"likelihood.{k}": v for k, v in self.likelihood.tensors().items()})
+        natural = self._cache.get("natural")
+        if natural is not None and isinstance(natural.precision, FullPrecision):
+            factor = natural.precision.computed_factor()
+            if factor is not None:
+                factor_memo.remember(_term_tensors(state), *factor)
         state["shape"] = torch.tensor(self.shape, dtype=torch.int64)
         state["n_data"] = torch.tensor(self.n_data, dtype=torch.int64)
         return state
@@ -276,11 +288,21 @@ class GaussianPosterior:
             structure = precision_class_for_tensors(set(parts) - {"shift"})
             terms[prefix] = GaussianTerm(structure, **parts)
         shape = tuple(int(s) for s in state["shape"].tolist())
-        return cls(terms["prior"], terms["likelihood"], shape, int(state["n_data"]))
+        posterior = cls(terms["prior"], terms["likelihood"], shape, int(state["n_data"]))
+        factor = factor_memo.recall(_term_tensors(state))
+        if factor is not None and isinstance(posterior.natural.precision, FullPrecision):
+            # the factor of the total these very tensors define (factor_memo): the same bits
+            posterior.natural.precision.adopt_factor(*factor)
+        return posterior
 
     def __repr__(self) -> str:
         return (f"GaussianPosterior(shape={self.shape}, structure={self.structure}, "
                 f"n_data={self.n_data}, dtype={self.dtype}, device={self.device})")
+
+
+def _term_tensors(state: Mapping[str, Tensor]) -> list[Tensor]:
+    """The prior's and the likelihood's tensors in ``state``, in a fixed order (by name)."""
+    return [state[k] for k in sorted(state) if k.startswith(("prior.", "likelihood."))]
 
 
 __all__ = ["GaussianPosterior"]

@@ -239,6 +239,28 @@ def test_the_personalised_state_round_trips_through_safetensors(build, kind):
             strategy.predict(c.config, state, broadcast, c.data.test_x)[key], rtol=0, atol=0)
 
 
+def test_a_personalised_laplace_head_predicts_with_its_fits_factor(build, monkeypatch):
+    """Issue 41: the state keeps the fitted posterior's own tensors, so the posterior rebuilt
+    from it to predict takes the fit's factor and inverse (`inference.gaussian.factor_memo`):
+    no factorisation, and bit for bit the prediction of the same state read back from bytes
+    (which factorises)."""
+    from inference.gaussian import full as full_precision
+
+    strategy, clients, broadcast = trained(build, "fedper", head="laplace")
+    c = clients[0]
+    state = personalised(strategy, [c], broadcast)[0]
+    calls = []
+    plain = full_precision.cholesky_with_jitter
+    monkeypatch.setattr(full_precision, "cholesky_with_jitter",
+                        lambda *args, **kwargs: calls.append(1) or plain(*args, **kwargs))
+    got = strategy.predict(c.config, state, broadcast, c.data.test_x)[PREDICTIVE]
+    assert calls == []
+    back = load_tensors(save_tensors({k: v.contiguous() for k, v in state.items()}))
+    expected = strategy.predict(c.config, back, broadcast, c.data.test_x)[PREDICTIVE]
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_a_fallback_state_round_trips_with_its_reason(build):
     strategy, clients, broadcast = trained(build, "fedper", head="laplace",
                                            head_options={"prior_precision": 1.0,
