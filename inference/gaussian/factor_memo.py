@@ -50,6 +50,12 @@ def _key(tensors: Sequence[Tensor]) -> tuple[int, ...]:
     return tuple(id(t) for t in tensors)
 
 
+def _versioned(tensors: Sequence[Tensor]) -> bool:
+    """Whether every tensor has a version counter (inference-mode tensors have none: a change
+    in place could not be seen, so they are never remembered)."""
+    return not any(t.is_inference() for t in tensors)
+
+
 def _forget(key: tuple[int, ...]) -> None:
     _ENTRIES.pop(key, None)
 
@@ -58,7 +64,7 @@ def remember(tensors: Sequence[Tensor], chol: Tensor, covariance: Tensor | None)
     """Keep ``chol`` (and ``covariance``, its inverse, or None) of the total precision the
     state ``tensors`` define, for `recall` on the same tensor objects."""
     nbytes = chol.nbytes + (0 if covariance is None else covariance.nbytes)
-    if nbytes > BUDGET_BYTES:
+    if nbytes > BUDGET_BYTES or not _versioned(tensors):
         return
     key = _key(tensors)
     references = tuple(weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors)
@@ -74,7 +80,7 @@ def recall(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor | None] | None:
     else None."""
     key = _key(tensors)
     entry = _ENTRIES.get(key)
-    if entry is None:
+    if entry is None or not _versioned(tensors):
         return None
     same = all(reference() is t and t._version == version for reference, t, version
                in zip(entry.references, tensors, entry.versions, strict=True))

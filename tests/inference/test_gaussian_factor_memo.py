@@ -103,3 +103,17 @@ def test_a_factor_larger_than_the_budget_is_not_kept(fitted, monkeypatch):
     monkeypatch.setattr(factor_memo, "BUDGET_BYTES", 100)
     fitted.state_dict()
     assert factor_memo.held_bytes() == 0
+
+
+def test_inference_mode_tensors_are_not_remembered(fitted, test_x, factorisations):
+    """They have no version counter, so a change in place could not be seen: their posterior
+    factorises as usual, and its state dict is taken without error."""
+    with torch.inference_mode():
+        state = {k: v.clone() for k, v in fitted.state_dict().items()}
+        posterior = GaussianPosterior.from_state_dict(state)
+        probs = posterior.predict_proba(test_x)
+        before = factor_memo.held_bytes()
+        rebuilt = GaussianPosterior.from_state_dict(posterior.state_dict())
+        assert factor_memo.held_bytes() == before
+        assert torch.equal(rebuilt.predict_proba(test_x), probs)
+    assert factorisations == [1, 1]
