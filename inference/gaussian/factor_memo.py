@@ -16,12 +16,15 @@ Tensors read back from a file or a message are new objects and are never matched
 trusted that was not computed in this process.
 
 Bounds. At most `BUDGET_BYTES` are held (the least recently used entries go first), and an
-entry goes as soon as one of its tensors is freed: the memo never keeps a client's state alive.
-Not thread-safe: a run predicts its clients one after another.
+entry goes once one of its tensors is freed: the memo never keeps a client's state alive. A
+lock guards the entries; a freed tensor's weak-reference callback, which may run in any thread
+(a checkpoint writer's) or inside a garbage collection that interrupts the memo's own code,
+only notes the entry, and the next call removes it.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,6 +47,10 @@ class _Entry:
 
 
 _ENTRIES: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+_LOCK = threading.Lock()
+#: Keys of entries one of whose tensors was freed (appended by the callbacks; `_purge` removes
+#: those entries under the lock).
+_FREED: list[tuple[int, ...]] = []
 
 
 def _key(tensors: Sequence[Tensor]) -> tuple[int, ...]:
@@ -57,7 +64,17 @@ def _versioned(tensors: Sequence[Tensor]) -> bool:
 
 
 def _forget(key: tuple[int, ...]) -> None:
-    _ENTRIES.pop(key, None)
+    _FREED.append(key)  # atomic; no lock taken in a callback
+
+
+def _purge() -> None:
+    """Remove the entries a freed tensor left (the caller holds the lock). A key is checked
+    before its entry goes: an id may be a new tensor's by now, with an entry of its own."""
+    while _FREED:
+        key = _FREED.pop()
+        entry = _ENTRIES.get(key)
+        if entry is not None and any(reference() is None for reference in entry.references):
+            del _ENTRIES[key]
 
 
 def remember(tensors: Sequence[Tensor], chol: Tensor, covariance: Tensor | None) -> None:
@@ -68,32 +85,40 @@ def remember(tensors: Sequence[Tensor], chol: Tensor, covariance: Tensor | None)
         return
     key = _key(tensors)
     references = tuple(weakref.ref(t, lambda _, key=key: _forget(key)) for t in tensors)
-    _ENTRIES.pop(key, None)
-    _ENTRIES[key] = _Entry(references, tuple(t._version for t in tensors), chol, covariance,
-                           nbytes)
-    while sum(entry.nbytes for entry in _ENTRIES.values()) > BUDGET_BYTES:
-        _ENTRIES.popitem(last=False)
+    entry = _Entry(references, tuple(t._version for t in tensors), chol, covariance, nbytes)
+    with _LOCK:
+        _purge()
+        _ENTRIES.pop(key, None)
+        _ENTRIES[key] = entry
+        while sum(e.nbytes for e in _ENTRIES.values()) > BUDGET_BYTES:
+            _ENTRIES.popitem(last=False)
 
 
 def recall(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor | None] | None:
     """``(chol, covariance)`` remembered for exactly these tensor objects, unmodified since;
     else None."""
+    if not _versioned(tensors):
+        return None
     key = _key(tensors)
-    entry = _ENTRIES.get(key)
-    if entry is None or not _versioned(tensors):
-        return None
-    same = all(reference() is t and t._version == version for reference, t, version
-               in zip(entry.references, tensors, entry.versions, strict=True))
-    if not same:
-        _ENTRIES.pop(key)
-        return None
-    _ENTRIES.move_to_end(key)
-    return entry.chol, entry.covariance
+    with _LOCK:
+        _purge()
+        entry = _ENTRIES.get(key)
+        if entry is None:
+            return None
+        same = all(reference() is t and t._version == version for reference, t, version
+                   in zip(entry.references, tensors, entry.versions, strict=True))
+        if not same:  # modified in place, or an id reused: stale
+            del _ENTRIES[key]
+            return None
+        _ENTRIES.move_to_end(key)
+        return entry.chol, entry.covariance
 
 
 def held_bytes() -> int:
     """Bytes the memo holds now."""
-    return sum(entry.nbytes for entry in _ENTRIES.values())
+    with _LOCK:
+        _purge()
+        return sum(entry.nbytes for entry in _ENTRIES.values())
 
 
 __all__ = ["BUDGET_BYTES", "held_bytes", "recall", "remember"]

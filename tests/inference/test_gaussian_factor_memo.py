@@ -117,3 +117,19 @@ def test_inference_mode_tensors_are_not_remembered(fitted, test_x, factorisation
         assert factor_memo.held_bytes() == before
         assert torch.equal(rebuilt.predict_proba(test_x), probs)
     assert factorisations == [1, 1]
+
+
+def test_a_freed_tensors_callback_only_notes_its_entry_and_the_next_call_removes_it(
+        monkeypatch):
+    """The weak-reference callback may run in another thread or inside a garbage collection
+    that interrupts the memo's own loop over its entries, so it never changes them itself."""
+    monkeypatch.setattr(factor_memo, "_ENTRIES", type(factor_memo._ENTRIES)())
+    monkeypatch.setattr(factor_memo, "_FREED", [])
+    x, y = relu_data(rows=80, seed=0)
+    fitted = fit_laplace_head(x, y, 4)
+    state = fitted.state_dict()
+    del fitted, state
+    gc.collect()
+    assert len(factor_memo._ENTRIES) == 1 and factor_memo._FREED  # noted, not removed
+    assert factor_memo.held_bytes() == 0  # the next call removes it
+    assert not factor_memo._ENTRIES and not factor_memo._FREED
