@@ -97,14 +97,14 @@ def remember(tensors: Sequence[Tensor], chol: Tensor, covariance: Tensor | None)
 def recall(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor | None] | None:
     """``(chol, covariance)`` remembered for exactly these tensor objects, unmodified since;
     else None."""
-    if not _versioned(tensors):
-        return None
     key = _key(tensors)
     with _LOCK:
         _purge()
         entry = _ENTRIES.get(key)
         if entry is None:
             return None
+        # (an inference-mode tensor is never remembered, so it fails the identity test before
+        # its missing version counter is read)
         same = all(reference() is t and t._version == version for reference, t, version
                    in zip(entry.references, tensors, entry.versions, strict=True))
         if not same:  # modified in place, or an id reused: stale
